@@ -1,0 +1,22 @@
+"""tracekit: why was that token late?
+
+Record what every engine step did (`Recorder`), save one raw log per run (`RawLog`),
+partition every inter-token gap exclusively by cause (`partition`), and report per run
+and across runs (`analyze`, the `tracekit` CLI).
+"""
+
+from .errors import LogError, ReconcileError, TracekitError
+from .hooks import Recorder
+from .rawlog import RawLog, load
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LogError",
+    "RawLog",
+    "Recorder",
+    "ReconcileError",
+    "TracekitError",
+    "load",
+    "__version__",
+]

@@ -1,0 +1,24 @@
+"""The errors tracekit raises on bad input: each names the file, the field and what is wrong."""
+
+from __future__ import annotations
+
+
+class TracekitError(Exception):
+    """Base class: an error the CLI reports as one line and exit code 2."""
+
+
+class LogError(TracekitError):
+    """A raw log that cannot be read or is not valid.
+
+    `str(err)` is the one line the CLI prints: ``FILE: FIELD: what is wrong (how to fix)``.
+    """
+
+    def __init__(self, path: str, field: str, problem: str) -> None:
+        self.path = path
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{path}: {field}: {problem}")
+
+
+class ReconcileError(TracekitError):
+    """A partition whose parts do not sum to the gap: a bug in tracekit, never in the log."""

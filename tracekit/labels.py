@@ -1,0 +1,106 @@
+"""Labels, causes, their precedence and their colours: written down once, used everywhere.
+
+A *segment label* is what an engine calls a window of a step (`tok`, `swap`, `prefill`,
+`decode`, `schedule`, ...). The *cause map* turns segment labels into the labels a gap is
+partitioned into. Unknown segment labels keep their own name as their cause.
+
+The labels of a partition are the causes plus `forward` (the decode forward pass on a
+captured shape) and `residual` (time no instrument covered). `decode` is never a part by
+itself: it is split into `graph` (excess over a captured step) and `forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+#: Segment label -> partition label, for the labels every engine shares.
+DEFAULT_CAUSE_MAP: dict[str, str] = {
+    "tok": "tok",
+    "swap": "preempt",
+    "recompute": "preempt",
+    "prefill": "prefill",
+    "decode": "decode",
+}
+
+#: The labels every analysis reports, in display order, even when a run has none of them.
+STANDARD_LABELS: tuple[str, ...] = (
+    "preempt",
+    "gc",
+    "tok",
+    "prefill",
+    "graph",
+    "forward",
+    "residual",
+)
+
+#: Labels that are not causes: the forward pass itself and uncovered time.
+NON_CAUSES: frozenset[str] = frozenset({"forward", "residual"})
+
+#: Where windows of different labels overlap in time (threads, async device work, nested
+#: segments), the label that comes first here owns the overlap. This is the one place the
+#: order is written. Rationale: an eviction of the gap's own request (`preempt` from
+#: eviction windows, applied before this order) and a GC pause stop the whole interpreter;
+#: KV swaps, tokenizer calls and prefill are the stalls the partition exists to find;
+#: labels an engine adds (`schedule`, `sample`, ...) come next, in alphabetical order so
+#: the result never depends on the order they were first seen; `decode` is last because it
+#: is the work every gap is expected to contain.
+PRECEDENCE_HEAD: tuple[str, ...] = ("gc", "preempt", "tok", "prefill")
+PRECEDENCE_TAIL: tuple[str, ...] = ("decode",)
+
+#: One colour per label, the same in every chart and trace (Okabe-Ito based, colour-blind safe).
+COLOURS: dict[str, str] = {
+    "preempt": "#D55E00",
+    "gc": "#CC79A7",
+    "tok": "#E69F00",
+    "prefill": "#0072B2",
+    "graph": "#009E73",
+    "forward": "#999999",
+    "residual": "#DDDDDD",
+    "decode": "#999999",
+    "clean": "#BBBBBB",
+}
+_EXTRA_COLOURS = ("#56B4E9", "#F0E442", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
+
+#: One character per primary cause for terminal histograms (`.` is clean).
+GLYPHS: dict[str, str] = {
+    "preempt": "S",
+    "gc": "G",
+    "tok": "T",
+    "prefill": "P",
+    "graph": "C",
+    "clean": "\u00b7",
+}
+
+
+def cause_of(label: str, cause_map: Mapping[str, str]) -> str:
+    """The partition label a segment label maps to; unknown labels are their own cause."""
+    return cause_map.get(label, label)
+
+
+def precedence(causes: Iterable[str]) -> list[str]:
+    """Every cause in `causes` (plus `gc`), ordered from the one that owns an overlap first."""
+    present = set(causes) | {"gc"}
+    head = [c for c in PRECEDENCE_HEAD if c in present]
+    tail = [c for c in PRECEDENCE_TAIL if c in present]
+    middle = sorted(present - set(head) - set(tail))
+    return head + middle + tail
+
+
+def colour(label: str) -> str:
+    """A stable colour for any label; unknown labels get one from a fixed palette by hash."""
+    if label in COLOURS:
+        return COLOURS[label]
+    h = 0
+    for ch in label:  # a hash that does not change between interpreter runs
+        h = (h * 131 + ord(ch)) % 1_000_003
+    return _EXTRA_COLOURS[h % len(_EXTRA_COLOURS)]
+
+
+def glyph(label: str) -> str:
+    return GLYPHS.get(label, label[:1].upper() or "?")
+
+
+def partition_labels(causes: Iterable[str]) -> list[str]:
+    """The labels a partition reports: the standard ones first, then any extra cause."""
+    extra = sorted(set(causes) - set(STANDARD_LABELS) - {"decode"})
+    return list(STANDARD_LABELS) + extra
