@@ -1,0 +1,44 @@
+"""Fixtures shared by every test. The autouse guard fails a test that leaves a hook behind."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import sys
+
+import pytest
+
+from tracekit.hooks import active_recorders
+
+
+def _is_tracekit(cb) -> bool:
+    owner = getattr(cb, "__self__", cb)
+    return type(owner).__module__.startswith("tracekit") or getattr(
+        cb, "__module__", ""
+    ).startswith("tracekit")
+
+
+@pytest.fixture(autouse=True)
+def no_hooks_left_behind():
+    """Fail any test that leaves a gc callback, a running recorder, a SIGTERM handler or an
+    NVTX module import behind (tracekit installs and removes these in matching pairs)."""
+    callbacks = list(gc.callbacks)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    nvtx_loaded = "nvtx" in sys.modules
+    yield
+    leaked = []
+    ours = [cb for cb in gc.callbacks if cb not in callbacks and _is_tracekit(cb)]
+    if ours:  # other libraries (hypothesis) may add their own; tracekit's must be gone
+        leaked.append(f"tracekit gc callbacks left: {ours!r}")
+        for cb in ours:
+            gc.callbacks.remove(cb)
+    if active_recorders():
+        leaked.append(f"recorders still running: {active_recorders()!r}")
+        for r in active_recorders():
+            r.stop()
+    if signal.getsignal(signal.SIGTERM) != sigterm:
+        leaked.append("SIGTERM handler not restored")
+        signal.signal(signal.SIGTERM, sigterm)
+    if not nvtx_loaded and "nvtx" in sys.modules and not getattr(sys.modules["nvtx"], "_fake", 0):
+        leaked.append("nvtx imported by a test that did not ask for NVTX")
+    assert not leaked, "; ".join(leaked)

@@ -1,0 +1,111 @@
+"""Small hand-built raw logs for tests, in milliseconds for readability."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tracekit.rawlog import (
+    Counters,
+    Emissions,
+    Evictions,
+    GcPauses,
+    RawLog,
+    Requests,
+    Segments,
+    Steps,
+)
+
+LABELS = ("tok", "swap", "prefill", "decode")
+
+
+@dataclass
+class LogBuilder:
+    """Add steps, segments, pauses, emissions and evictions with times in ms."""
+
+    labels: list[str] = field(default_factory=lambda: list(LABELS))
+    steps: list[tuple] = field(default_factory=list)
+    segs: list[tuple] = field(default_factory=list)
+    gcs: list[tuple] = field(default_factory=list)
+    ems: list[tuple] = field(default_factory=list)
+    evs: list[tuple] = field(default_factory=list)
+    num_requests: int = 1
+
+    def step(self, t0, t1, *, n_decode=1, n_prefill=0, graph=1, preempted=0, swapped=0) -> int:
+        self.steps.append((t0, t1, n_decode, n_prefill, graph, preempted, swapped))
+        return len(self.steps) - 1
+
+    def seg(self, step, label, t0, t1, thread=0):
+        if label not in self.labels:
+            self.labels.append(label)
+        self.segs.append((step, self.labels.index(label), t0, t1, thread))
+
+    def gc(self, t0, t1, gen=0):
+        self.gcs.append((t0, t1, gen))
+
+    def emit(self, req, t, step, n=1):
+        self.num_requests = max(self.num_requests, req + 1)
+        self.ems.append((req, t, step, n))
+
+    def evict(self, req, t_evict, t_readmit=float("nan"), mode=0):
+        self.num_requests = max(self.num_requests, req + 1)
+        self.evs.append((req, t_evict, t_readmit, mode))
+
+    def build(self, *, wall_ms=None, config=None, arrivals_ms=None) -> RawLog:
+        s = 1e-3
+
+        def arr(rows, width):
+            return np.array(rows, dtype=np.float64).reshape(-1, width)
+
+        st, sg, gc_, em, ev = (
+            arr(self.steps, 7),
+            arr(self.segs, 5),
+            arr(self.gcs, 3),
+            arr(self.ems, 4),
+            arr(self.evs, 4),
+        )
+        n = self.num_requests
+        arrival = np.zeros(n) if arrivals_ms is None else np.asarray(arrivals_ms) * s
+        first = np.full(n, np.nan)
+        for r, t, _, _ in sorted(self.ems, key=lambda e: e[1], reverse=True):
+            first[r] = t * s
+        times = [x for row in st for x in row[:2]] + list(em[:, 1]) + [0.0]
+        return RawLog(
+            steps=Steps(
+                t_start_s=st[:, 0] * s,
+                t_end_s=st[:, 1] * s,
+                num_decode=st[:, 2].astype(np.int64),
+                num_prefill_tokens=st[:, 3].astype(np.int64),
+                graph_size=st[:, 4].astype(np.int64),
+                num_preempted=st[:, 5].astype(np.int64),
+                num_swapped_in=st[:, 6].astype(np.int64),
+            ),
+            segments=Segments(
+                step=sg[:, 0].astype(np.int64),
+                label=sg[:, 1].astype(np.int64),
+                t_start_s=sg[:, 2] * s,
+                t_end_s=sg[:, 3] * s,
+                thread=sg[:, 4].astype(np.int64),
+                is_device=np.zeros(len(sg), np.int8),
+            ),
+            gc_pauses=GcPauses(gc_[:, 0] * s, gc_[:, 1] * s, gc_[:, 2].astype(np.int64)),
+            emissions=Emissions(
+                em[:, 0].astype(np.int64), em[:, 1] * s, em[:, 2].astype(np.int64),
+                em[:, 3].astype(np.int64),
+            ),
+            evictions=Evictions(
+                ev[:, 0].astype(np.int64), ev[:, 1] * s, ev[:, 2] * s, ev[:, 3].astype(np.int64)
+            ),
+            requests=Requests(
+                arrival_s=arrival,
+                prompt_tokens=np.full(n, 10),
+                max_new_tokens=np.full(n, 100),
+                first_token_s=first,
+            ),
+            counters=Counters.empty(),
+            labels=tuple(self.labels),
+            request_ids=tuple(f"r{i}" for i in range(n)),
+            config=config or {},
+            wall_s=(wall_ms if wall_ms is not None else max(times)) * s,
+        )

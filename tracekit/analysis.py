@@ -1,0 +1,195 @@
+"""Per-run analysis: every figure of design.md's "What a run's analysis reports".
+
+Pure: a `RawLog` and its `Partition` in, a `RunAnalysis` out. Nothing here prints or plots.
+Gaps are pooled over all requests of the run; percentiles are numpy's default (linear).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .partition import CLEAN, Partition, partition
+from .rawlog import GRAPH_EAGER, RawLog
+
+#: ITL histogram bin edges, ms: bins are [lo, hi).
+HIST_EDGES_MS: tuple[float, ...] = (0, 5, 10, 15, 20, 30, 50, 80, 120, 200, 400, 800, math.inf)
+PERCENTILES = (("itl_p50", 50.0), ("itl_p90", 90.0), ("itl_p99", 99.0), ("itl_p999", 99.9))
+
+
+@dataclass(frozen=True)
+class HistBin:
+    lo_ms: float
+    hi_ms: float  # inf for the last bin
+    count: int
+    by_primary: dict[str, int]  # every cause and "clean"
+
+
+@dataclass(frozen=True)
+class RunAnalysis:
+    """One run's figures. Times in ms unless the name says otherwise; shares are fractions."""
+
+    path: str
+    rung: str | None
+    seed: Any
+    config: dict[str, Any]
+    labels: tuple[str, ...]
+    requests: int  # requests recorded in the log
+    tokens: int  # emitted tokens (emission rows weighted by their token count)
+    gaps: int  # consecutive-emission pairs of one request
+    wall_s: float
+    tok_per_s: float  # tokens / wall_s
+    itl_p50: float
+    itl_p90: float
+    itl_p99: float
+    itl_p999: float
+    itl_max: float
+    ttft_p50: float  # first token - arrival, over requests with a first token
+    ttft_p99: float
+    tail_share: dict[str, float]  # per label: label time in tail gaps / tail gap time
+    all_share: dict[str, float]  # the same over all gaps
+    tail_count: dict[str, int]  # tail gaps by primary cause, "clean" included
+    all_count: dict[str, int]  # all gaps by primary cause
+    fwd_share_clean_median: float  # median forward/gap over clean gaps
+    fwd_share_tail_median: float  # median forward/gap over tail gaps
+    evicted_context_ms: dict[str, float]  # engine activity while requests were evicted
+    reconcile_max_err_ms: float  # max over gaps of |gap - sum(parts)|
+    skipped_steps_without_eviction: int
+    preemptions: int  # sum of the steps' preemption counts
+    eager_steps: int
+    max_decode_B: int
+    steps: int
+    gc_counts: dict[str, int]  # collections per generation ("0", "1", "2")
+    gen2_startup_ms: list[float]  # gen-2 pauses ending before the first step starts (0.1 ms)
+    gen2_serving_ms: list[float]  # gen-2 pauses ending after it
+    hist: list[HistBin]
+    graph_baseline: dict[str, float]  # slope_ms_per_row, intercept_ms, num_fit_steps
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: non-finite numbers become None."""
+        return _finite(asdict(self))
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, np.generic):
+        return _finite(x.item())
+    return x
+
+
+def _pct(a: np.ndarray, q: float) -> float:
+    return float(np.percentile(a, q)) if len(a) else math.nan
+
+
+def _median(a: np.ndarray) -> float:
+    return float(np.median(a)) if len(a) else math.nan
+
+
+def _share(parts: np.ndarray, gap_ms: np.ndarray, labels: tuple[str, ...]) -> dict[str, float]:
+    total = float(gap_ms.sum())
+    if total <= 0:
+        return {lb: 0.0 for lb in labels}
+    s = parts.sum(axis=0) / total
+    return {lb: float(v) for lb, v in zip(labels, s, strict=True)}
+
+
+def _counts(primary: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
+    c = np.bincount(np.where(primary == CLEAN, len(causes), primary), minlength=len(causes) + 1)
+    return {name: int(v) for name, v in zip((*causes, "clean"), c, strict=True)}
+
+
+def analyze(log: RawLog, part: Partition | None = None) -> RunAnalysis:
+    """Every per-run figure of design.md for one log (partitioning it if not given)."""
+    p = part if part is not None else partition(log)
+    gap = p.gap_ms
+    labels = p.labels
+    fwd = p.column("forward")
+
+    pct = {name: _pct(gap, q) for name, q in PERCENTILES}
+    p99 = pct["itl_p99"]
+    tail = gap >= p99 if len(gap) else np.zeros(0, bool)
+    clean = p.primary == CLEAN
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fwd_share = np.where(gap > 0, fwd / gap, np.nan)
+
+    rq = log.requests
+    has_first = np.isfinite(rq.first_token_s) & np.isfinite(rq.arrival_s)
+    ttft = (rq.first_token_s[has_first] - rq.arrival_s[has_first]) * 1e3
+
+    # a gap that skips engine steps needs an eviction of its request to explain it
+    skipped = (p.step1 - p.step0 > 1) & (p.num_evictions == 0)
+
+    st = log.steps
+    gcp = log.gc_pauses
+    gens = np.bincount(gcp.generation, minlength=3) if len(gcp) else np.zeros(3, int)
+    first_step = float(st.t_start_s.min()) if len(st) else math.inf
+    g2 = gcp.generation == 2
+    g2_ms = (gcp.t_end_s[g2] - gcp.t_start_s[g2]) * 1e3
+    g2_end = gcp.t_end_s[g2]
+
+    hist = []
+    edges = np.array(HIST_EDGES_MS)
+    which = np.searchsorted(edges, gap, side="right") - 1
+    for b in range(len(edges) - 1):
+        sel = which == b
+        hist.append(
+            HistBin(
+                lo_ms=float(edges[b]),
+                hi_ms=float(edges[b + 1]),
+                count=int(sel.sum()),
+                by_primary=_counts(p.primary[sel], p.causes),
+            )
+        )
+
+    tokens = int(log.emissions.num_tokens.sum())
+    warnings = list(log.warnings) + list(p.warnings)
+    return RunAnalysis(
+        path=log.path,
+        rung=log.rung,
+        seed=log.seed,
+        config=dict(log.config),
+        labels=labels,
+        requests=len(rq),
+        tokens=tokens,
+        gaps=len(gap),
+        wall_s=float(log.wall_s),
+        tok_per_s=tokens / log.wall_s if log.wall_s > 0 else math.nan,
+        **pct,
+        itl_max=float(gap.max()) if len(gap) else math.nan,
+        ttft_p50=_pct(ttft, 50.0),
+        ttft_p99=_pct(ttft, 99.0),
+        tail_share=_share(p.parts_ms[tail], gap[tail], labels),
+        all_share=_share(p.parts_ms, gap, labels),
+        tail_count=_counts(p.primary[tail], p.causes),
+        all_count=_counts(p.primary, p.causes),
+        fwd_share_clean_median=_median(fwd_share[clean & (gap > 0)]),
+        fwd_share_tail_median=_median(fwd_share[tail & (gap > 0)]),
+        evicted_context_ms={
+            lb: float(v) for lb, v in zip(labels, p.context_ms.sum(axis=0), strict=True)
+        },
+        reconcile_max_err_ms=p.reconcile_max_err_ms,
+        skipped_steps_without_eviction=int(skipped.sum()),
+        preemptions=int(st.num_preempted.sum()),
+        eager_steps=int((st.graph_size == GRAPH_EAGER).sum()),
+        max_decode_B=int(st.num_decode.max()) if len(st) else 0,
+        steps=len(st),
+        gc_counts={str(g): int(c) for g, c in enumerate(gens)},
+        gen2_startup_ms=[round(float(x), 1) for x in g2_ms[g2_end <= first_step]],
+        gen2_serving_ms=[round(float(x), 1) for x in g2_ms[g2_end > first_step]],
+        hist=hist,
+        graph_baseline={
+            "slope_ms_per_row": p.baseline.slope_ms_per_row,
+            "intercept_ms": p.baseline.intercept_ms,
+            "num_fit_steps": p.baseline.num_fit_steps,
+        },
+        warnings=warnings,
+    )

@@ -1,0 +1,244 @@
+"""The `tracekit` command line. A thin edge: load, call the pure stages, render, print.
+
+Every error about the user's input is one line on stderr and exit code 2, never a
+traceback (set TRACEKIT_DEBUG=1 to see one anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import click
+
+from .errors import TracekitError
+
+EXIT_BAD_INPUT = 2
+
+
+class _Group(click.Group):
+    """Turns tracekit's errors (and any crash on a user's file) into one line, exit 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except TracekitError as e:
+            _fail(str(e))
+        except KeyboardInterrupt:
+            click.echo("tracekit: interrupted", err=True)
+            sys.exit(130)
+        except BrokenPipeError:
+            sys.exit(0)
+        except Exception as e:  # an unexpected crash is a bug; still no traceback by default
+            if os.environ.get("TRACEKIT_DEBUG"):
+                raise
+            _fail(f"internal error: {type(e).__name__}: {e} (TRACEKIT_DEBUG=1 shows the traceback)")
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"tracekit: error: {msg}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tracekit")
+def main() -> None:
+    """Why was that token late? Partition every inter-token gap of a recorded run by cause.
+
+    \b
+    Typical use:
+      tracekit analyze raw/*.npz                 per-run percentiles and tail share by cause
+      tracekit gaps raw/run.npz --min-ms 100     drill into single gaps
+      tracekit check raw/*.npz                   validate logs without analysing them
+    """
+
+
+# -- shared helpers ------------------------------------------------------------------------
+
+
+def _warn(path: str, warnings: Sequence[str]) -> None:
+    for w in warnings:
+        click.echo(f"tracekit: warning: {path}: {w}", err=True)
+
+
+def _analyze_one(path: str) -> Any:
+    from .analysis import analyze
+    from .rawlog import load
+
+    return analyze(load(path))
+
+
+def _map_with_progress(fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str):
+    """Apply `fn` to each path (in `jobs` processes), in order, with a progress bar on stderr."""
+    show = len(paths) > 1 and sys.stderr.isatty()
+    out: list[Any] = []
+    with click.progressbar(
+        length=len(paths), label=what, file=sys.stderr if show else open(os.devnull, "w")
+    ) as bar:
+        if jobs <= 1 or len(paths) <= 1:
+            for p in paths:
+                out.append(fn(p))
+                bar.update(1)
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                for r in pool.map(fn, paths):
+                    out.append(r)
+                    bar.update(1)
+    return out
+
+
+def _expand(paths: Sequence[str]) -> list[str]:
+    if not paths:
+        _fail("no run given (pass one or more raw logs, e.g. raw/*.npz)")
+    return list(paths)
+
+
+def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str) -> None:
+    if not output:
+        _fail(f"--format parquet needs -o/--output FILE ({what} are binary)")
+    import pandas as pd
+
+    pd.json_normalize(records, sep=".").to_parquet(output, index=False)
+    click.echo(f"wrote {output}", err=True)
+
+
+# -- analyze -------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("runs", nargs=-1, type=click.Path())
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "jsonl", "parquet"]), default="table",
+    show_default=True, help="table: readable; jsonl: one JSON object per run; parquet: -o FILE.",
+)  # fmt: skip
+@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Analyse runs in this many processes.")  # fmt: skip
+def analyze(runs: tuple[str, ...], fmt: str, output: str | None, jobs: int) -> None:
+    """Per-run breakdown of every inter-token gap by cause.
+
+    For each RUN (a raw .npz log): requests, tokens, gaps, tokens/s; ITL p50/p90/p99/p99.9/max
+    and TTFT p50/p99 (ms); the share of tail time (gaps >= the run's p99) and of all gap time
+    by label (preempt, gc, tok, prefill, graph, forward, residual, and any label the engine
+    added); tail gaps by primary cause; the reconciliation error (max |gap - sum of parts|);
+    GC counts and generation-2 pauses; the ITL histogram by primary cause.
+    """
+    from .render import text
+
+    paths = _expand(runs)
+    results = _map_with_progress(_analyze_one, paths, jobs, "analysing")
+    for a in results:
+        _warn(a.path, a.warnings)
+    if fmt == "parquet":
+        _write_parquet([a.to_dict() for a in results], output, "tables")
+        return
+    if fmt == "jsonl":
+        body = "".join(json.dumps(a.to_dict(), sort_keys=False) + "\n" for a in results)
+    else:
+        body = text.analyze_report(results) + "\n"
+    _emit(body, output)
+
+
+def _emit(body: str, output: str | None) -> None:
+    if output:
+        with open(output, "w", encoding="utf-8") as fh:
+            fh.write(body)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(body, nl=False)
+
+
+# -- gaps ----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("run", type=click.Path())
+@click.option(
+    "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default="jsonl",
+    show_default=True,
+)  # fmt: skip
+@click.option("--min-ms", type=float, default=None, help="Only gaps at least this long (ms).")
+@click.option("--request", "request_id", default=None, help="Only this request's gaps (its id).")
+@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+def gaps(run: str, fmt: str, min_ms: float | None, request_id: str | None, output: str | None):
+    """One record per gap of RUN: request, t0, t1 (seconds, as in the log), gap_ms,
+    parts and context (ms by label; parts sum to gap_ms) and the primary cause."""
+    from .gaps import gap_records
+    from .rawlog import load
+
+    log = load(run)
+    _warn(log.path, log.warnings)
+    records = gap_records(log, min_ms=min_ms, request_id=request_id)
+    if fmt == "parquet":
+        _write_parquet(records, output, "parquet files")
+        return
+    if fmt == "jsonl":
+        body = "".join(json.dumps(r) + "\n" for r in records)
+    else:
+        import io
+
+        import pandas as pd
+
+        buf = io.StringIO()
+        pd.json_normalize(records, sep=".").to_csv(buf, index=False)
+        body = buf.getvalue()
+    _emit(body, output)
+
+
+# -- check and recover ---------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("runs", nargs=-1, type=click.Path())
+def check(runs: tuple[str, ...]) -> None:
+    """Validate raw logs without analysing them: one line per file, exit 2 if any is bad."""
+    from .rawlog import load
+
+    bad = 0
+    for path in _expand(runs):
+        try:
+            log = load(path)
+        except TracekitError as e:
+            click.echo(f"BAD   {e}")
+            bad += 1
+            continue
+        note = f" ({len(log.warnings)} warning(s))" if log.warnings else ""
+        click.echo(f"ok    {path}: {len(log.steps)} steps, {len(log.emissions)} emissions{note}")
+        _warn(path, log.warnings)
+    if bad:
+        sys.exit(EXIT_BAD_INPUT)
+
+
+@main.command()
+@click.argument("parts_dir", type=click.Path())
+@click.option("-o", "--output", type=click.Path(), help="Default: the run's own .npz name.")
+@click.option("--keep-parts/--remove-parts", default=True, show_default=True)
+def recover(parts_dir: str, output: str | None, keep_parts: bool) -> None:
+    """Turn an interrupted run's parts folder (RUN.npz.parts/) into the one RUN.npz a clean
+    stop writes. Everything flushed before the interruption is kept."""
+    from .rawlog import load
+    from .stream import recover as do_recover
+
+    if not os.path.isdir(parts_dir):
+        _fail(f"{parts_dir}: not a parts folder (expected RUN.npz.parts/ left by a recorder)")
+    out = do_recover(parts_dir, output, remove_parts=not keep_parts)
+    log = load(out)
+    click.echo(f"recovered {out}: {len(log.steps)} steps, {len(log.emissions)} emissions")
+
+
+def _register_optional() -> None:
+    """Subcommands from the bundled demo engine (its own package)."""
+    try:
+        from demo_engine.cli import demo
+    except ImportError:
+        return
+    main.add_command(demo)
+
+
+_register_optional()

@@ -1,0 +1,534 @@
+"""The exclusive partition of every inter-token gap by cause (design.md, "The partition").
+
+A *gap* is ``[t0, t1]`` between two consecutive emissions of one request. Every
+millisecond of it goes to exactly one label:
+
+1. while the request is evicted (eviction to readmission; a missing readmission runs to
+   ``t1``), all of it is ``preempt``; what the engine ran meanwhile is *context*, never added;
+2. in the live windows, GC pauses (their union) own whatever they overlap: ``gc``;
+3. each segment's GC-free overlap goes to its cause (``swap`` -> ``preempt``); where
+   segments overlap each other, `tracekit.labels.precedence` decides, in one place;
+4. ``decode`` time is split into ``graph`` (excess over a captured step) and ``forward``:
+   a least-squares line of GC-free decode ms against the padded batch size, over the steps
+   that ran on a captured size, predicts an eager step's decode time at its decode row
+   count; the step's excess fraction ``max(0, net - pred) / net`` of its GC-free decode
+   time ``net`` is charged to ``graph``, proportionally to the part inside the window;
+5. whatever no segment or pause covers is ``residual``.
+
+Multi-token emissions (speculative decoding): a gap is between consecutive *emission
+rows* of a request, i.e. consecutive steps that emitted for it; the tokens one step
+emits together arrive at one time and add no gap of their own (as an engine's streaming
+client sees them). `Emissions.num_tokens` still counts every token for throughput.
+
+`partition` is the vectorised implementation: it builds one timeline of elementary
+intervals between every segment and pause boundary, assigns each an owner by precedence,
+and answers "how much of label L lies in [a, b]" for all gaps at once from compensated
+cumulative sums (so a gap's parts carry float rounding of the gap's size, not of the run's
+length). `partition_reference` computes the same thing with plain loops, gap by gap; the
+tests check that they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ReconcileError
+from .labels import NON_CAUSES, cause_of, partition_labels, precedence
+from .rawlog import GRAPH_EAGER, RawLog
+
+#: A gap whose parts miss its length by more than this is a bug (float rounding is ~1e-12).
+RECONCILE_TOL_MS = 1e-6
+#: Primary cause thresholds (design.md): the largest cause, if >= 1 ms and >= 25% of the gap.
+PRIMARY_MIN_MS = 1.0
+PRIMARY_MIN_SHARE = 0.25
+CLEAN = -1
+
+
+@dataclass(frozen=True)
+class GraphBaseline:
+    """The captured-step decode line: ``decode_ms = slope_ms_per_row * rows + intercept_ms``.
+
+    `eager_excess_frac[i]` is step i's fraction of GC-free decode time charged to `graph`
+    (0 for steps that ran on a captured size or have no decode)."""
+
+    slope_ms_per_row: float
+    intercept_ms: float
+    num_fit_steps: int
+    eager_excess_frac: np.ndarray
+    decode_net_ms: np.ndarray  # per step: GC-free decode ms (sum over its decode segments)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Every gap of a run, partitioned. Rows are gaps, sorted by request then time."""
+
+    labels: tuple[str, ...]  # columns of parts_ms / context_ms
+    request: np.ndarray  # request index (into RawLog.requests)
+    t0_s: np.ndarray  # the earlier emission, engine clock seconds
+    t1_s: np.ndarray  # the later emission
+    step0: np.ndarray  # step index of each emission
+    step1: np.ndarray
+    gap_ms: np.ndarray  # (t1_s - t0_s) * 1e3
+    parts_ms: np.ndarray  # (gaps, labels): exclusive, sums to gap_ms
+    context_ms: np.ndarray  # (gaps, labels): engine activity while the request was evicted
+    num_evictions: np.ndarray  # evictions of the request overlapping each gap
+    primary: np.ndarray  # index into `causes`, or CLEAN (-1)
+    causes: tuple[str, ...]  # the labels that can be a primary cause
+    baseline: GraphBaseline
+    warnings: tuple[str, ...] = field(default=())
+
+    def __len__(self) -> int:
+        return len(self.gap_ms)
+
+    @property
+    def reconcile_err_ms(self) -> np.ndarray:
+        return np.abs(self.gap_ms - self.parts_ms.sum(axis=1))
+
+    @property
+    def reconcile_max_err_ms(self) -> float:
+        return float(self.reconcile_err_ms.max()) if len(self) else 0.0
+
+    def column(self, label: str) -> np.ndarray:
+        return self.parts_ms[:, self.labels.index(label)]
+
+    def primary_names(self) -> np.ndarray:
+        names = np.array(list(self.causes) + ["clean"], dtype=object)
+        return names[self.primary]  # CLEAN (-1) indexes "clean"
+
+
+# -- shared pieces (used by both implementations) ----------------------------------------
+
+
+def gaps_of(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Consecutive emission pairs of each request: (request, t0, t1, step0, step1)."""
+    em = log.emissions
+    order = np.lexsort((em.step, em.t_s, em.request))
+    r, t, s = em.request[order], em.t_s[order], em.step[order]
+    same = r[1:] == r[:-1]
+    return r[1:][same], t[:-1][same], t[1:][same], s[:-1][same], s[1:][same]
+
+
+def segment_causes(log: RawLog) -> np.ndarray:
+    """Cause name of each segment, as an object array."""
+    names = np.array([cause_of(lb, log.cause_map) for lb in log.labels] or [""], dtype=object)
+    return names[log.segments.label] if len(log.segments) else np.zeros(0, dtype=object)
+
+
+def evicted_windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each request's evictions as (request, start, end), overlapping ones merged.
+    A missing readmission is +inf (it runs to the end of whatever gap it lies in)."""
+    ev = log.evictions
+    if len(ev) == 0:
+        z = np.zeros(0)
+        return z.astype(np.int64), z, z
+    end = np.where(np.isnan(ev.t_readmit_s), np.inf, ev.t_readmit_s)
+    order = np.lexsort((ev.t_evict_s, ev.request))
+    r, a, b = ev.request[order], ev.t_evict_s[order], end[order]
+    overlap = (r[1:] == r[:-1]) & (a[1:] <= b[:-1])
+    if not overlap.any():
+        return r, a, b
+    rows: list[list[float]] = []
+    for ri, ai, bi in zip(r.tolist(), a.tolist(), b.tolist(), strict=True):  # rare: odd logs only
+        if rows and rows[-1][0] == ri and ai <= rows[-1][2]:
+            rows[-1][2] = max(rows[-1][2], bi)
+        else:
+            rows.append([ri, ai, bi])
+    m = np.array(rows, dtype=np.float64)
+    return m[:, 0].astype(np.int64), m[:, 1], m[:, 2]
+
+
+def fit_baseline(log: RawLog, decode_net_ms: np.ndarray) -> GraphBaseline:
+    """The captured-step line and every eager step's excess fraction (design.md rule 4)."""
+    st = log.steps
+    has_decode = decode_net_ms > 0
+    captured = (st.graph_size > 0) & has_decode
+    x = st.graph_size[captured].astype(np.float64)
+    y = decode_net_ms[captured]
+    if len(np.unique(x)) >= 2:
+        slope, icpt = np.polyfit(x, y, 1)
+    elif len(x) >= 1:  # one captured size: a flat line at its mean
+        slope, icpt = 0.0, float(np.mean(y))
+    else:
+        slope, icpt = float("nan"), float("nan")
+    frac = np.zeros(len(st))
+    eager = (st.graph_size == GRAPH_EAGER) & has_decode
+    if np.isfinite(slope) and eager.any():
+        net = decode_net_ms[eager]
+        pred = slope * st.num_decode[eager] + icpt
+        frac[eager] = np.maximum(0.0, net - pred) / net
+    return GraphBaseline(
+        slope_ms_per_row=float(slope),
+        intercept_ms=float(icpt),
+        num_fit_steps=int(captured.sum()),
+        eager_excess_frac=frac,
+        decode_net_ms=decode_net_ms,
+    )
+
+
+def primary_of(parts_ms: np.ndarray, gap_ms: np.ndarray, labels: tuple[str, ...]):
+    """Primary cause per gap: index into the returned causes, or CLEAN."""
+    cause_cols = [i for i, lb in enumerate(labels) if lb not in NON_CAUSES]
+    causes = tuple(labels[i] for i in cause_cols)
+    if len(gap_ms) == 0:
+        return np.zeros(0, dtype=np.int64), causes
+    c = parts_ms[:, cause_cols]
+    best = np.argmax(c, axis=1)
+    val = c[np.arange(len(c)), best]
+    ok = (val >= PRIMARY_MIN_MS) & (val >= PRIMARY_MIN_SHARE * gap_ms)
+    return np.where(ok, best, CLEAN).astype(np.int64), causes
+
+
+def check_reconciled(p: Partition, path: str = "") -> Partition:
+    """Raise `ReconcileError` if any gap's parts do not sum to it (prints both numbers)."""
+    if len(p) == 0:
+        return p
+    err = p.reconcile_err_ms
+    i = int(np.argmax(err))
+    neg = p.parts_ms.min()
+    if err[i] > RECONCILE_TOL_MS or neg < -RECONCILE_TOL_MS:
+        raise ReconcileError(
+            f"{path}: gap {i} (request {int(p.request[i])}, t0={p.t0_s[i]!r}) is "
+            f"{p.gap_ms[i]!r} ms but its parts sum to {p.parts_ms[i].sum()!r} ms "
+            f"(parts {dict(zip(p.labels, p.parts_ms[i].round(6).tolist(), strict=True))}; "
+            f"most negative part {neg!r} ms)"
+        )
+    return p
+
+
+# -- the vectorised partitioner ----------------------------------------------------------
+
+
+def _cumsum2(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Compensated prefix sums: ``hi + lo`` is the exact prefix sum to ~1e-32 relative.
+
+    `np.cumsum` accumulates sequentially, so each prefix is ``fl(prev + v)``; TwoSum recovers
+    each addition's rounding error, and those errors (tiny) are summed separately."""
+    hi = np.empty(len(v) + 1)
+    hi[0] = 0.0
+    np.cumsum(v, out=hi[1:])
+    a, s = hi[:-1], hi[1:]
+    bb = s - a
+    err = (a - (s - bb)) + (v - bb)
+    lo = np.empty_like(hi)
+    lo[0] = 0.0
+    np.cumsum(err, out=lo[1:])
+    return hi, lo
+
+
+class _Timeline:
+    """Elementary intervals between all boundaries, each owned by one class."""
+
+    def __init__(self, bounds: np.ndarray, owner: np.ndarray, graph_rate: np.ndarray) -> None:
+        self.bounds = bounds  # m sorted unique times
+        # owner/rate indexed by k + 1 for the interval [bounds[k], bounds[k+1]); 0 and m are
+        # the open ends before the first and after the last boundary
+        self.owner = owner
+        self.graph_rate = graph_rate
+        self.width = np.diff(bounds)
+
+    def integrals(self, cls: int | None, times: np.ndarray, k: np.ndarray | None = None):
+        """Cumulative time owned by class `cls` (None: graph-rate weighted decode) at `times`.
+
+        Returned as (hi, lo) pairs so differences keep full relative precision."""
+        if k is None:
+            k = np.searchsorted(self.bounds, times, side="right")  # interval index + 1
+        if cls is None:
+            rate_in = self.graph_rate[1:-1]
+            rate_at = self.graph_rate[k]
+        else:
+            rate_in = (self.owner[1:-1] == cls).astype(np.float64)
+            rate_at = (self.owner[k] == cls).astype(np.float64)
+        hi, lo = _cumsum2(self.width * rate_in)  # prefix sums at each boundary
+        # C(t) = C(bounds[j]) + (t - bounds[j]) * rate, j = k - 1; before the first boundary
+        # (k = 0) it is measured back from bounds[0], so differences still hold
+        j = np.maximum(k - 1, 0)
+        hv = np.where(k > 0, hi[j], 0.0)
+        lv = lo[j] * (k > 0) + (times - self.bounds[j]) * rate_at
+        return hv, lv
+
+
+def _coverage(bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray, m: int) -> np.ndarray:
+    """For each elementary interval (m - 1 of them), how many windows cover it."""
+    d = np.bincount(np.searchsorted(bounds, starts), minlength=m + 1)[: m + 1].astype(np.int64)
+    d -= np.bincount(np.searchsorted(bounds, ends), minlength=m + 1)[: m + 1]
+    return np.cumsum(d)[: m - 1]
+
+
+def _build_timeline(log: RawLog, classes: list[str], seg_cls: np.ndarray, frac: np.ndarray):
+    sg, gcp = log.segments, log.gc_pauses
+    gc_cls = classes.index("gc")
+    starts = np.concatenate([sg.t_start_s, gcp.t_start_s])
+    ends = np.concatenate([sg.t_end_s, gcp.t_end_s])
+    cls = np.concatenate([seg_cls, np.full(len(gcp), gc_cls)])
+    bounds = np.unique(np.concatenate([starts, ends, [0.0]]))  # never empty
+    m = len(bounds)
+    residual = len(classes)
+    owner = np.full(m + 1, residual, dtype=np.int64)
+    rate = np.zeros(m + 1)
+    inner = owner[1:m]
+    if m >= 2:
+        for c in reversed(range(len(classes))):  # lowest precedence first, higher overwrite
+            sel = cls == c
+            if sel.any():
+                inner[_coverage(bounds, starts[sel], ends[sel], m) > 0] = c
+        if "decode" in classes:
+            dec = seg_cls == classes.index("decode")
+            if dec.any():
+                f = frac[np.maximum(sg.step[dec], 0)] * (sg.step[dec] >= 0)
+                n = _coverage(bounds, sg.t_start_s[dec], sg.t_end_s[dec], m)
+                ws = np.bincount(np.searchsorted(bounds, sg.t_start_s[dec]), f, m + 1)[: m + 1]
+                ws -= np.bincount(np.searchsorted(bounds, sg.t_end_s[dec]), f, m + 1)[: m + 1]
+                fsum = np.cumsum(ws)[: m - 1]
+                is_dec = inner == classes.index("decode")
+                r = np.where(is_dec & (n > 0), np.clip(fsum / np.maximum(n, 1), 0.0, 1.0), 0.0)
+                rate[1:m] = r
+    return _Timeline(bounds, owner, rate)
+
+
+def _decode_net_ms(log: RawLog, seg_causes: np.ndarray) -> np.ndarray:
+    """Per step, GC-free decode ms: each decode segment minus its overlap with the GC union."""
+    sg, gcp = log.segments, log.gc_pauses
+    net = np.zeros(len(log.steps))
+    dec = (seg_causes == "decode") & (sg.step >= 0)
+    if not dec.any():
+        return net
+    a, b = sg.t_start_s[dec], sg.t_end_s[dec]
+    if len(gcp):
+        bounds = np.unique(np.concatenate([gcp.t_start_s, gcp.t_end_s, a, b]))
+        m = len(bounds)
+        cov = _coverage(bounds, gcp.t_start_s, gcp.t_end_s, m) > 0
+        tl = _Timeline(bounds, np.concatenate([[0], cov.astype(np.int64), [0]]), np.zeros(m + 1))
+        h1, l1 = tl.integrals(1, b)
+        h0, l0 = tl.integrals(1, a)
+        gc_in = (h1 - h0) + (l1 - l0)
+    else:
+        gc_in = 0.0
+    seg_ms = ((b - a) - gc_in) * 1e3
+    np.add.at(net, sg.step[dec], seg_ms)
+    return net
+
+
+def _evictions_per_gap(
+    g_req: np.ndarray, g_t0: np.ndarray, g_t1: np.ndarray, e_req, e_a, e_b
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs (gap index, window start, window end) of every eviction overlapping a gap,
+    clipped to it. Gaps are sorted by (request, t0) and do not overlap within a request."""
+    n_g, n_e = len(g_req), len(e_req)
+    if n_g == 0 or n_e == 0:
+        z = np.zeros(0)
+        return z.astype(np.int64), z, z
+
+    def count_before(g_t: np.ndarray, e_t: np.ndarray, gap_first: bool) -> np.ndarray:
+        # number of gaps whose (request, time) sorts before each eviction's (request, time)
+        r = np.concatenate([g_req, e_req])
+        t = np.concatenate([g_t, e_t])
+        tag = np.concatenate([np.zeros(n_g, np.int8), np.ones(n_e, np.int8)])
+        if not gap_first:
+            tag = 1 - tag
+        order = np.lexsort((tag, t, r))
+        is_gap = order < n_g
+        before = np.cumsum(is_gap) - is_gap
+        out = np.empty(n_e, dtype=np.int64)
+        out[order[~is_gap] - n_g] = before[~is_gap]
+        return out
+
+    # first gap with t1 > a (a gap ending exactly at the eviction does not overlap it)
+    first = count_before(g_t1, e_a, gap_first=True)
+    # last gap with t0 < b: gaps with t0 < b sort before b when the eviction tags first
+    last = count_before(g_t0, e_b, gap_first=False) - 1
+    n = np.maximum(last - first + 1, 0)
+    gi = np.repeat(first, n) + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
+    ei = np.repeat(np.arange(n_e), n)
+    keep = g_req[gi] == e_req[ei]
+    gi, ei = gi[keep], ei[keep]
+    w0 = np.maximum(e_a[ei], g_t0[gi])
+    w1 = np.minimum(e_b[ei], g_t1[gi])
+    keep = w1 > w0
+    return gi[keep], w0[keep], w1[keep]
+
+
+def partition(log: RawLog, *, check: bool = True) -> Partition:
+    """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum."""
+    causes = segment_causes(log)
+    classes = precedence(set(causes.tolist()))
+    cls_index = {c: i for i, c in enumerate(classes)}
+    seg_cls = np.array([cls_index[c] for c in causes.tolist()], dtype=np.int64)
+    labels = tuple(partition_labels(classes))
+    col = {lb: i for i, lb in enumerate(labels)}
+
+    net = _decode_net_ms(log, causes)
+    base = fit_baseline(log, net)
+    tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+
+    g_req, g_t0, g_t1, g_s0, g_s1 = gaps_of(log)
+    n = len(g_req)
+    e_req, e_a, e_b = evicted_windows(log)
+    e_gap, w0, w1 = _evictions_per_gap(g_req, g_t0, g_t1, e_req, e_a, e_b)
+
+    parts = np.zeros((n, len(labels)))
+    context = np.zeros((n, len(labels)))
+    k_t0 = np.searchsorted(tl.bounds, g_t0, side="right")
+    k_t1 = np.searchsorted(tl.bounds, g_t1, side="right")
+    k_w0 = np.searchsorted(tl.bounds, w0, side="right")
+    k_w1 = np.searchsorted(tl.bounds, w1, side="right")
+
+    def amount(c: int | None, ta, ka, tb, kb) -> np.ndarray:
+        h1, l1 = tl.integrals(c, tb, kb)
+        h0, l0 = tl.integrals(c, ta, ka)
+        return ((h1 - h0) + (l1 - l0)) * 1e3
+
+    targets = [(c, "residual" if c == len(classes) else classes[c]) for c in range(len(classes) + 1)]
+    for c, name in targets:
+        in_gap = amount(c, g_t0, k_t0, g_t1, k_t1)
+        in_ev = amount(c, w0, k_w0, w1, k_w1)
+        if name == "decode":
+            g_gap = amount(None, g_t0, k_t0, g_t1, k_t1)
+            g_ev = amount(None, w0, k_w0, w1, k_w1)
+            for lb, gv, ev in (("graph", g_gap, g_ev), ("forward", in_gap - g_gap, in_ev - g_ev)):
+                parts[:, col[lb]] += gv
+                np.subtract.at(parts[:, col[lb]], e_gap, ev)
+                np.add.at(context[:, col[lb]], e_gap, ev)
+            continue
+        parts[:, col[name]] += in_gap
+        np.subtract.at(parts[:, col[name]], e_gap, in_ev)
+        if name != "residual":  # idle time while evicted is not engine activity
+            np.add.at(context[:, col[name]], e_gap, in_ev)
+    np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
+
+    gap_ms = (g_t1 - g_t0) * 1e3
+    primary, prim_causes = primary_of(parts, gap_ms, labels)
+    p = Partition(
+        labels=labels,
+        request=g_req,
+        t0_s=g_t0,
+        t1_s=g_t1,
+        step0=g_s0,
+        step1=g_s1,
+        gap_ms=gap_ms,
+        parts_ms=parts,
+        context_ms=context,
+        num_evictions=np.bincount(e_gap, minlength=n)[:n],
+        primary=primary,
+        causes=prim_causes,
+        baseline=base,
+        warnings=_baseline_warnings(log, base),
+    )
+    return check_reconciled(p, log.path) if check else p
+
+
+def _baseline_warnings(log: RawLog, base: GraphBaseline) -> tuple[str, ...]:
+    eager = (log.steps.graph_size == GRAPH_EAGER).any()
+    if eager and base.num_fit_steps == 0:
+        return ("eager steps but no captured steps to fit a baseline: graph excess not measured",)
+    return ()
+
+
+# -- the reference partitioner (slow, obvious; for tests) --------------------------------
+
+
+def partition_reference(log: RawLog) -> Partition:
+    """The same partition with plain Python loops, one gap and one slice at a time."""
+    causes = segment_causes(log).tolist()
+    classes = precedence(set(causes))
+    rank = {c: i for i, c in enumerate(classes)}
+    labels = tuple(partition_labels(classes))
+    sg, gcp, st = log.segments, log.gc_pauses, log.steps
+    segs = [
+        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]))
+        for i in range(len(sg))
+    ]
+    pauses = [(float(a), float(b)) for a, b in zip(gcp.t_start_s, gcp.t_end_s, strict=True)]
+
+    def gc_overlap(a: float, b: float) -> float:
+        # length of [a, b] inside the union of pauses: walk the merged pauses
+        total, merged = 0.0, []
+        for pa, pb in sorted(pauses):
+            if merged and pa <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], pb)
+            else:
+                merged.append([pa, pb])
+        for pa, pb in merged:
+            total += max(0.0, min(b, pb) - max(a, pa))
+        return total
+
+    net = np.zeros(len(st))
+    for a, b, c, s in segs:
+        if c == "decode" and s >= 0:
+            net[s] += ((b - a) - gc_overlap(a, b)) * 1e3
+    base = fit_baseline(log, net)
+
+    def owner_at(t: float) -> tuple[str, float]:
+        """Who owns the instant just after t, and the graph rate there."""
+        if any(pa <= t < pb for pa, pb in pauses):
+            return "gc", 0.0
+        live = [(rank[c], c, s) for a, b, c, s in segs if a <= t < b]
+        if not live:
+            return "residual", 0.0
+        best = min(live)[1]
+        if best != "decode":
+            return best, 0.0
+        fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
+        return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
+
+    points = sorted({p for a, b, _, _ in segs for p in (a, b)} | {p for ab in pauses for p in ab})
+
+    def tally(a: float, b: float) -> dict[str, float]:
+        out = dict.fromkeys(labels, 0.0)
+        cuts = [a] + [p for p in points if a < p < b] + [b]
+        for x, y in zip(cuts[:-1], cuts[1:], strict=True):
+            who, rate = owner_at(x)
+            ms = (y - x) * 1e3
+            if who == "decode":
+                out["graph"] += ms * rate
+                out["forward"] += ms * (1 - rate)
+            else:
+                out[who] += ms
+        return out
+
+    g_req, g_t0, g_t1, g_s0, g_s1 = gaps_of(log)
+    e_req, e_a, e_b = evicted_windows(log)
+    parts = np.zeros((len(g_req), len(labels)))
+    context = np.zeros_like(parts)
+    n_ev = np.zeros(len(g_req), dtype=np.int64)
+    for i in range(len(g_req)):
+        t0, t1, r = float(g_t0[i]), float(g_t1[i]), int(g_req[i])
+        windows = [
+            (max(a, t0), min(b, t1))
+            for rr, a, b in zip(e_req, e_a, e_b, strict=True)
+            if rr == r and min(b, t1) > max(a, t0)
+        ]
+        n_ev[i] = len(windows)
+        live, cur = [], t0
+        for a, b in sorted(windows):
+            if a > cur:
+                live.append((cur, a))
+            cur = max(cur, b)
+        if cur < t1:
+            live.append((cur, t1))
+        for a, b in live:
+            for lb, v in tally(a, b).items():
+                parts[i, labels.index(lb)] += v
+        for a, b in windows:
+            parts[i, labels.index("preempt")] += (b - a) * 1e3
+            for lb, v in tally(a, b).items():
+                if lb != "residual":
+                    context[i, labels.index(lb)] += v
+    gap_ms = (g_t1 - g_t0) * 1e3
+    primary, prim_causes = primary_of(parts, gap_ms, labels)
+    return Partition(
+        labels=labels,
+        request=g_req,
+        t0_s=g_t0,
+        t1_s=g_t1,
+        step0=g_s0,
+        step1=g_s1,
+        gap_ms=gap_ms,
+        parts_ms=parts,
+        context_ms=context,
+        num_evictions=n_ev,
+        primary=primary,
+        causes=prim_causes,
+        baseline=base,
+    )

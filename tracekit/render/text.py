@@ -1,0 +1,132 @@
+"""Terminal tables: consume analysis results, return strings (the CLI prints them)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..analysis import RunAnalysis
+from ..labels import STANDARD_LABELS, glyph
+
+
+def _fmt(x: float, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{nd}f}"
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | None = None) -> str:
+    """A plain aligned table; `align` is one char per column, 'l' or 'r' (default: l then r)."""
+    cols = len(header)
+    align = align or ("l" + "r" * (cols - 1))
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(cols)]
+
+    def line(r: Sequence[str]) -> str:
+        cells = [
+            str(c).ljust(w) if a == "l" else str(c).rjust(w)
+            for c, w, a in zip(r, widths, align, strict=True)
+        ]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def run_name(a: RunAnalysis) -> str:
+    import os
+
+    return os.path.basename(a.path)
+
+
+def summary(runs: Sequence[RunAnalysis]) -> str:
+    header = ["run", "rung", "seed", "gaps", "tok/s", "p50", "p90", "p99", "p99.9", "max",
+              "ttft p50", "preempt", "err ms"]  # fmt: skip
+    rows = [
+        [
+            run_name(a),
+            a.rung or "-",
+            str(a.seed if a.seed is not None else "-"),
+            str(a.gaps),
+            _fmt(a.tok_per_s, 0),
+            _fmt(a.itl_p50),
+            _fmt(a.itl_p90),
+            _fmt(a.itl_p99),
+            _fmt(a.itl_p999),
+            _fmt(a.itl_max),
+            _fmt(a.ttft_p50, 0),
+            str(a.preemptions),
+            f"{a.reconcile_max_err_ms:.1e}",
+        ]
+        for a in runs
+    ]
+    return "ITL and TTFT in ms\n" + table(rows, header, "lll" + "r" * 10)
+
+
+def shares(runs: Sequence[RunAnalysis], which: str = "tail_share") -> str:
+    labels = list(STANDARD_LABELS)
+    for a in runs:
+        labels += [lb for lb in a.labels if lb not in labels]
+    header = ["run", "p99", *labels]
+    rows = [
+        [run_name(a), _fmt(a.itl_p99)]
+        + [f"{100 * getattr(a, which).get(lb, 0.0):.1f}%" for lb in labels]
+        for a in runs
+    ]
+    title = {
+        "tail_share": "Where tail time went (gaps >= the run's p99; each row sums to 100%)",
+        "all_share": "Where all gap time went (each row sums to 100%)",
+    }[which]
+    return title + "\n" + table(rows, header)
+
+
+def histogram(a: RunAnalysis, width: int = 36) -> str:
+    """design.md's bins, each bin's gaps split by primary cause as a bar of glyphs."""
+    causes = [c for c in a.hist[0].by_primary if c != "clean"] if a.hist else []
+    lines = [f"ITL histogram by primary cause, {run_name(a)} (p99 = {_fmt(a.itl_p99)} ms)"]
+    lines.append(f"{'ITL ms':>9}  {'gaps':>7}  share of the bin's gaps by primary cause")
+    for b in a.hist:
+        hi = "inf" if not math.isfinite(b.hi_ms) else f"{b.hi_ms:g}"
+        label = f"{b.lo_ms:g}-{hi}"
+        bar = ""
+        if b.count:
+            order = ["clean", *causes]
+            cells = [(c, b.by_primary.get(c, 0) * width / b.count) for c in order]
+            # largest-remainder rounding so the bar is always `width` wide
+            base = [(c, int(x), x - int(x)) for c, x in cells]
+            short = width - sum(n for _, n, _ in base)
+            extra = {c for c, _, _ in sorted(base, key=lambda t: -t[2])[:short]}
+            bar = "".join(glyph(c) * (n + (c in extra)) for c, n, _ in base)
+        lines.append(f"{label:>9}  {b.count:>7}  {bar}")
+    legend = ", ".join(f"{glyph(c)} {c}" for c in ["clean", *causes])
+    lines.append(f"  ({legend})")
+    return "\n".join(lines)
+
+
+def tail_counts(a: RunAnalysis) -> str:
+    items = sorted(a.tail_count.items(), key=lambda kv: -kv[1])
+    return "Tail gaps by primary cause (count): " + ", ".join(f"{k} {v}" for k, v in items)
+
+
+def run_details(a: RunAnalysis) -> str:
+    g2s = ", ".join(f"{x:g}" for x in a.gen2_serving_ms) or "none"
+    return "\n".join(
+        [
+            tail_counts(a),
+            f"forward share of a gap (median): clean {_pct(a.fwd_share_clean_median)}, "
+            f"tail {_pct(a.fwd_share_tail_median)}",
+            f"steps {a.steps}, eager {a.eager_steps}, max decode batch {a.max_decode_B}, "
+            f"preemptions {a.preemptions}, skipped steps without eviction "
+            f"{a.skipped_steps_without_eviction}",
+            f"GC collections by generation {a.gc_counts}; gen-2 pauses while serving (ms): {g2s}",
+        ]
+    )
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
+
+
+def analyze_report(runs: Sequence[RunAnalysis]) -> str:
+    parts = [summary(runs), "", shares(runs, "tail_share")]
+    if len(runs) == 1:
+        parts += ["", histogram(runs[0]), "", run_details(runs[0])]
+    return "\n".join(parts)
