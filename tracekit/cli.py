@@ -242,3 +242,41 @@ def _register_optional() -> None:
 
 
 _register_optional()
+
+
+# -- compare, report, trace (issue 4: reports) ---------------------------------------------
+
+
+@main.command()
+@click.argument("runs", nargs=-1, type=click.Path())
+@click.option(
+    "--by", default="rung", show_default=True,
+    help="Group runs by this config key: rung, seed, or dotted (engine.block_size).",
+)  # fmt: skip
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "markdown", "jsonl"]), default="table",
+    show_default=True, help="table: terminal; markdown: a PR or doc; jsonl: one object per group.",
+)  # fmt: skip
+@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Analyse runs in this many processes.")  # fmt: skip
+def compare(runs: tuple[str, ...], by: str, fmt: str, output: str | None, jobs: int) -> None:
+    """Compare groups of runs: per group (in the order groups first appear), the median and
+    [min-max] across its runs of ITL p50, p99, p99.9 and max, TTFT p50 and tokens/s, and the
+    median tail-time share by label. Runs are the unit of evidence: gaps are never pooled
+    across runs."""
+    from .compare import compare as do_compare
+    from .render import text
+
+    paths = _expand(runs)
+    results = _map_with_progress(_analyze_one, paths, jobs, "analysing")
+    for a in results:
+        _warn(a.path, a.warnings)
+    cmp = do_compare(results, by=by)
+    if fmt == "jsonl":
+        body = "".join(json.dumps(r) + "\n" for r in cmp.to_records())
+    elif fmt == "markdown":
+        body = text.comparison_markdown(cmp) + "\n"
+    else:
+        body = text.comparison(cmp) + "\n"
+    _emit(body, output)

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 from ..analysis import RunAnalysis
+from ..compare import FIGURES, Comparison, Spread
 from ..labels import STANDARD_LABELS, glyph
 
 
@@ -130,3 +131,108 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
     if len(runs) == 1:
         parts += ["", histogram(runs[0]), "", run_details(runs[0])]
     return "\n".join(parts)
+
+
+# -- cross-run comparison (tracekit compare) ---------------------------------------------
+
+#: Column headers of the comparison table, by `tracekit.compare.FIGURES` name.
+_FIGURE_HEADERS = {
+    "itl_p50": "p50",
+    "itl_p99": "p99",
+    "itl_p999": "p99.9",
+    "itl_max": "max",
+    "ttft_p50": "ttft p50",
+    "tok_per_s": "tok/s",
+}
+
+
+def _num(x: float, nd: int) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.{nd}f}"
+
+
+def spread_cell(s: Spread, nd: int = 1) -> str:
+    """`13.7 [10.5-16.0]`: median [min-max] across runs, as in the published fix ladder."""
+    if s.num_runs == 0:
+        return "-"
+    return f"{_num(s.median, nd)} [{_num(s.lo, nd)}-{_num(s.hi, nd)}]"
+
+
+def _column_decimals(spreads: Sequence[Spread]) -> int:
+    """One decimal, unless the column's medians reach 100 (then whole numbers), so a
+    column reads `47.0 [30.9-62.8]` or `950 [149-7395]` throughout."""
+    meds = [s.median for s in spreads if s.num_runs and math.isfinite(s.median)]
+    return 0 if meds and max(abs(m) for m in meds) >= 100 else 1
+
+
+def _comparison_cells(
+    cmp: Comparison,
+) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
+    names = [name for name, _ in FIGURES]
+    nds = {n: _column_decimals([g.figures[n] for g in cmp.groups]) for n in names}
+    head = [cmp.by, "runs", *(_FIGURE_HEADERS.get(n, n) for n in names)]
+    rows = [
+        [g.key, str(g.num_runs), *(spread_cell(g.figures[n], nds[n]) for n in names)]
+        for g in cmp.groups
+    ]
+    share_head = [cmp.by, *cmp.labels]
+    share_rows = [
+        [g.key, *(f"{100 * g.tail_share.get(lb, 0.0):.1f}%" for lb in cmp.labels)]
+        for g in cmp.groups
+    ]
+    return head, rows, share_head, share_rows
+
+
+def _comparison_titles(cmp: Comparison) -> tuple[str, str]:
+    n_runs = sum(g.num_runs for g in cmp.groups)
+    name = "FIX LADDER" if cmp.by == "rung" else f"BY {cmp.by.upper()}"
+    per = cmp.by.upper()
+    return (
+        f"{name}  ({n_runs} runs in {len(cmp.groups)} groups; median [min-max] across runs; "
+        "ITL and TTFT in ms)",
+        f"MEDIAN TAIL-TIME SHARE PER {per}  (gaps >= each run's p99; median across runs, "
+        "so a row need not sum to 100%)",
+    )
+
+
+def comparison(cmp: Comparison) -> str:
+    """The fix-ladder table and the median tail-share table, for a terminal."""
+    head, rows, share_head, share_rows = _comparison_cells(cmp)
+    t1, t2 = _comparison_titles(cmp)
+    return "\n".join(
+        [
+            t1,
+            table(rows, head, "l" + "r" * (len(head) - 1)),
+            "",
+            t2,
+            table(share_rows, share_head, "l" + "r" * (len(share_head) - 1)),
+        ]
+    )
+
+
+def _md_cell(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str) -> str:
+    def line(r: Sequence[str]) -> str:
+        return "| " + " | ".join(_md_cell(str(c)) for c in r) + " |"
+
+    rule = "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"
+    return "\n".join([line(header), rule, *map(line, rows)])
+
+
+def comparison_markdown(cmp: Comparison) -> str:
+    """The same two tables as GitHub-flavoured markdown."""
+    head, rows, share_head, share_rows = _comparison_cells(cmp)
+    t1, t2 = _comparison_titles(cmp)
+    return "\n".join(
+        [
+            f"**{_md_cell(t1)}**",
+            "",
+            markdown_table(rows, head, "l" + "r" * (len(head) - 1)),
+            "",
+            f"**{_md_cell(t2)}**",
+            "",
+            markdown_table(share_rows, share_head, "l" + "r" * (len(share_head) - 1)),
+        ]
+    )

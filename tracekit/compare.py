@@ -1,0 +1,158 @@
+"""Cross-run comparison: group runs (by rung, seed or any config key) and summarise each
+group as the median and [min-max] across its runs.
+
+Runs are the unit of evidence, never pooled gaps: one GC pause stalls every request of a
+batch at once, so a run's ~100k gaps are far from independent. Every figure here is first
+computed per run (`tracekit.analysis.analyze`), then summarised across the runs of a group.
+
+Pure: `RunAnalysis` objects in, a `Comparison` out. Rendering lives in `tracekit.render`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .analysis import RunAnalysis
+from .labels import STANDARD_LABELS
+
+#: The per-run figures a comparison summarises: (RunAnalysis attribute, unit).
+FIGURES: tuple[tuple[str, str], ...] = (
+    ("itl_p50", "ms"),
+    ("itl_p99", "ms"),
+    ("itl_p999", "ms"),
+    ("itl_max", "ms"),
+    ("ttft_p50", "ms"),
+    ("tok_per_s", "tok/s"),
+)
+
+#: What a run without the grouping key is grouped under.
+MISSING = "(none)"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure across the runs of a group: median and [min, max], over its finite values.
+
+    `num_runs` counts the runs that had a finite value (a run without gaps has no p99)."""
+
+    median: float
+    lo: float
+    hi: float
+    num_runs: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+        if not len(a):
+            return cls(math.nan, math.nan, math.nan, 0)
+        return cls(float(np.median(a)), float(a.min()), float(a.max()), int(len(a)))
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        def f(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "median": f(self.median),
+            "min": f(self.lo),
+            "max": f(self.hi),
+            "runs": self.num_runs,
+        }
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One group of runs (one rung, one seed, one value of a config key)."""
+
+    key: str  # the group's value of the grouping key, as text
+    paths: tuple[str, ...]  # the runs, in input order
+    figures: Mapping[str, Spread]  # FIGURES name -> spread across runs
+    tail_share: Mapping[str, float]  # per label: median across runs of the run's tail share
+    tail_count: Mapping[str, float]  # per primary cause ("clean" too): median across runs
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.paths)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Runs grouped by `by`, groups in the order they first appear in the input."""
+
+    by: str
+    labels: tuple[str, ...]  # tail-share columns: the standard labels, then any extra
+    groups: tuple[GroupSummary, ...]
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per group (for `--format jsonl`)."""
+        out = []
+        for g in self.groups:
+            rec: dict[str, Any] = {"by": self.by, "group": g.key, "runs": g.num_runs}
+            for name, _unit in FIGURES:
+                rec[name] = g.figures[name].to_dict()
+            rec["tail_share_median"] = {lb: g.tail_share.get(lb, 0.0) for lb in self.labels}
+            rec["tail_count_median"] = dict(g.tail_count)
+            rec["paths"] = list(g.paths)
+            out.append(rec)
+        return out
+
+
+def config_value(config: Mapping[str, Any], key: str) -> Any:
+    """`config[key]`, where a dotted key walks nested objects (`engine.block_size`).
+    A key that exists verbatim (dots and all) wins. Missing: None."""
+    if key in config:
+        return config[key]
+    cur: Any = config
+    for part in key.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def group_key(run: RunAnalysis, by: str) -> str:
+    """The text a run is grouped under: the config value (strings as they are, anything else
+    as compact JSON), or MISSING."""
+    v = config_value(run.config, by)
+    if v is None and by == "rung":
+        v = run.rung
+    if v is None:
+        return MISSING
+    if isinstance(v, str):
+        return v
+    return json.dumps(v, sort_keys=True, separators=(",", ":"))
+
+
+def compare(runs: Sequence[RunAnalysis], by: str = "rung") -> Comparison:
+    """Group `runs` by `by` and summarise each group across its runs."""
+    groups: dict[str, list[RunAnalysis]] = {}
+    for r in runs:
+        groups.setdefault(group_key(r, by), []).append(r)
+    labels = list(STANDARD_LABELS)
+    for r in runs:
+        labels += [lb for lb in r.labels if lb not in labels]
+    out = []
+    for key, members in groups.items():
+        figures = {name: Spread.of([getattr(r, name) for r in members]) for name, _ in FIGURES}
+        share = {
+            lb: float(np.median([r.tail_share.get(lb, 0.0) for r in members])) for lb in labels
+        }
+        count_keys: list[str] = []
+        for r in members:
+            count_keys += [k for k in r.tail_count if k not in count_keys]
+        count = {k: float(np.median([r.tail_count.get(k, 0) for r in members])) for k in count_keys}
+        out.append(
+            GroupSummary(
+                key=key,
+                paths=tuple(r.path for r in members),
+                figures=figures,
+                tail_share=share,
+                tail_count=count,
+            )
+        )
+    return Comparison(by=by, labels=tuple(labels), groups=tuple(out))
