@@ -1,0 +1,419 @@
+"""The engine: `step()` coordinates Scheduler, BlockManager and ModelRunner, and tags.
+
+One step, in the reference post's order, each part inside its segment:
+
+    intake      arrivals whose time has passed on the engine clock: tokenised on the
+                loop (`tok`), or handed to the worker process and its results collected
+    schedule    decide readmissions, KV reservations (may evict), prefill chunks, decodes
+    swap        KV copies for readmissions (`readmit` at the end of the copy) and for
+                evictions (`evict` at the moment the victim stops running)
+    prefill     one chunk per request (`recompute` for a re-prefill after a recompute
+                preemption, which tracekit maps to preempt)
+    decode      prepare the rows, one forward pass (batched on a captured size or eager
+                per sequence), greedy sampling with top-k logprobs
+    emit        one emission time for every token of the step, right after the decode
+                forward pass returns (after the prefill when the step has no decode row)
+    bookkeeping step info, counters, per-token history, retiring finished requests
+
+The engine clock is the recorder's clock (`rec.now()`), which still ticks when the
+recorder is disabled, so a run with `Recorder(enabled=False)` runs the same engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .block_manager import BlockManager
+from .config import EngineConfig, WorkloadConfig
+from .history import CompactHistory, History, ObjectHistory, build_startup_heap
+from .model import DecodeRow, ModelRunner, NumpyModelRunner, Samples
+from .scheduler import KvOp, Request, Scheduler, SchedulerOutput
+from .tokenizer import OffLoopTokenizer
+from .workload import TraceRequest, make_text, mean_output_tokens
+
+NS_PER_S = 1_000_000_000
+
+
+@dataclass(slots=True)
+class Progress:
+    """A snapshot for progress lines: where the run is and what the engine holds."""
+
+    elapsed_s: float
+    duration_s: float
+    num_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted_now: int
+    num_preemptions: int
+    num_arrived: int
+
+
+@dataclass(slots=True)
+class RunStats:
+    """What one `serve` did, counted by the engine itself (tracekit recomputes from the log)."""
+
+    wall_s: float = 0.0
+    num_steps: int = 0
+    num_tokens: int = 0
+    num_arrived: int = 0
+    num_finished: int = 0
+    num_preemptions: int = 0
+    num_eager_steps: int = 0
+    num_max_decode_batch: int = 0
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.num_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rec: Any,
+        tokenizer: Any,
+        *,
+        runner: ModelRunner | None = None,
+    ) -> None:
+        self.config = config
+        self.rec = rec
+        self.tokenizer = tokenizer
+        self.runner: ModelRunner = runner or NumpyModelRunner(config, tokenizer.get_vocab_size())
+        self.bm = BlockManager(config.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.bm)
+        self.history: History = (
+            CompactHistory(config.num_topk_logprobs)
+            if config.is_compact_history
+            else ObjectHistory()
+        )
+        self.off_loop: OffLoopTokenizer | None = None
+        self.startup_heap: list[Any] = []
+        self.stats = RunStats()
+        self._is_frozen = False
+        # the trace being served and where we are in it
+        self._trace: list[TraceRequest] = []
+        self._arrival_ticks: list[int] = []
+        self._next_arrival = 0
+        # segment handles, looked up once (a disabled recorder hands back a shared no-op)
+        self._seg_tok = rec.segment("tok")
+        self._seg_swap = rec.segment("swap")
+        self._seg_prefill = rec.segment("prefill")
+        self._seg_recompute = rec.segment("recompute")
+        self._seg_decode = rec.segment("decode")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def startup(self) -> None:
+        """Build the long-lived heap, start the tokenizer worker, freeze the heap (by rung).
+        Run it inside the recorder so startup collections are recorded before step 0."""
+        cfg = self.config
+        self.startup_heap = build_startup_heap(cfg.num_startup_objects)
+        if cfg.is_tokenize_off_loop:
+            self.off_loop = OffLoopTokenizer(self.tokenizer, cfg.max_prompt_tokens)
+            self.off_loop.warm_up()
+        if cfg.is_gc_freeze:
+            gc.collect()
+            gc.freeze()
+            self._is_frozen = True
+
+    def close(self) -> None:
+        """Stop the worker and undo the freeze, so the interpreter is as it was."""
+        if self.off_loop is not None:
+            self.off_loop.close()
+            self.off_loop = None
+        if self._is_frozen:
+            gc.unfreeze()
+            self._is_frozen = False
+        self.startup_heap = []
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- intake ----------------------------------------------------------------------------------
+    def _intake(self) -> None:
+        """Requests whose arrival time has passed: tokenise (on the loop or off it)."""
+        now = self.rec.now()
+        ticks = self._arrival_ticks
+        while self._next_arrival < len(ticks) and ticks[self._next_arrival] <= now:
+            tr = self._trace[self._next_arrival]
+            self._next_arrival += 1
+            self.stats.num_arrived += 1
+            if self.off_loop is not None:
+                self.off_loop.submit(tr.index, tr.text)
+            else:
+                with self._seg_tok:
+                    ids = self.tokenizer.encode(tr.text).ids[: self.config.max_prompt_tokens]
+                self._add_request(tr.index, ids)
+        if self.off_loop is not None and self.off_loop.num_pending:
+            for index, ids in self.off_loop.poll():
+                if index >= 0:
+                    self._add_request(index, ids)
+
+    def _add_request(self, index: int, ids: list[int]) -> None:
+        tr = self._trace[index]
+        max_new = min(tr.max_new_tokens, self.config.max_new_tokens)
+        req = Request(
+            rid=index,
+            arrival_tick=self._arrival_ticks[index],
+            token_ids=list(ids) or [0],
+            max_new_tokens=max_new,
+        )
+        self.rec.request(
+            index,
+            prompt_tokens=req.num_prompt_tokens,
+            max_new_tokens=max_new,
+            arrival_tick=req.arrival_tick,
+        )
+        self.scheduler.add(req)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> int:
+        """One engine iteration. Returns the number of tokens emitted."""
+        rec, runner, bm = self.rec, self.runner, self.bm
+        with rec.step():
+            self._intake()
+            out = self.scheduler.schedule()
+            for op in out.kv_ops:
+                self._do_kv_op(op)
+            rids: list[int] = []
+            samples: list[Samples] = []
+            for r, n in out.prefill_chunks:
+                start = r.num_computed_tokens
+                is_last = start + n == len(r.token_ids)
+                with self._seg_recompute if r.is_recomputing else self._seg_prefill:
+                    s = runner.prefill(
+                        r.token_ids[start : start + n],
+                        start,
+                        bm.slots(r, start + n),
+                        is_last=is_last,
+                    )
+                if s is not None:
+                    rids.append(r.rid)
+                    samples.append(s)
+            num_decode = len(out.decode_reqs)
+            graph_size = runner.graph_size_for(num_decode)
+            if num_decode:
+                with self._seg_decode:
+                    rows = [
+                        DecodeRow(
+                            r.token_ids[-1],
+                            r.num_computed_tokens,
+                            bm.slots(r, r.num_computed_tokens + 1),
+                        )
+                        for r in out.decode_reqs
+                    ]
+                    s = runner.decode(rows, graph_size)
+                rids[:0] = [r.rid for r in out.decode_reqs]
+                samples.insert(0, s)
+            if rids:
+                rec.emit(rids)  # the engine-emission boundary: all tokens of the step
+            rec.step_info(
+                num_decode=num_decode,
+                num_prefill_tokens=out.num_prefill_tokens,
+                graph_size=graph_size,
+                num_preempted=out.num_preempted,
+                num_swapped_in=out.num_readmitted,
+            )
+            rec.counter("batch_size", num_decode)
+            rec.counter("kv_free_blocks", bm.num_free_blocks)
+            self._bookkeep(out, rids, samples, graph_size, num_decode)
+        return len(rids)
+
+    def _do_kv_op(self, op: KvOp) -> None:
+        r, rec = op.req, self.rec
+        if op.kind == "swap_out":
+            rec.evict(r.rid, mode="swap")  # it stops running now
+            with self._seg_swap:
+                r.host_kv = self.runner.swap_out(op.slots)  # type: ignore[arg-type]
+        elif op.kind == "drop":
+            rec.evict(r.rid, mode="recompute")
+        elif op.kind == "swap_in":
+            with self._seg_swap:
+                self.runner.swap_in(r.host_kv, op.slots)  # type: ignore[arg-type]
+            r.host_kv = None
+            rec.readmit(r.rid)  # running again once its KV is back
+        elif op.kind == "readmit":
+            rec.readmit(r.rid)
+        else:
+            raise ValueError(f"unknown KV op {op.kind!r}")
+
+    def _bookkeep(
+        self,
+        out: SchedulerOutput,
+        rids: list[int],
+        samples: list[Samples],
+        graph_size: int,
+        num_decode: int,
+    ) -> None:
+        st = self.stats
+        st.num_steps += 1
+        st.num_tokens += len(rids)
+        st.num_preemptions += out.num_preempted
+        st.num_eager_steps += graph_size == 0
+        st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
+        if not rids:
+            self.scheduler.update(out, {})
+            return
+        if len(samples) == 1:
+            s = samples[0]
+        else:
+            s = Samples(
+                *(np.concatenate([getattr(x, f) for x in samples]) for f in Samples.__slots__)
+            )
+        self.history.record(
+            rids, st.num_steps, s.token_ids, s.logprobs, s.topk_ids, s.topk_logprobs
+        )
+        finished = self.scheduler.update(out, dict(zip(rids, s.token_ids.tolist(), strict=True)))
+        for r in finished:
+            self.history.close(r.rid)
+        st.num_finished += len(finished)
+
+    # -- serving -------------------------------------------------------------------------------
+    def serve(
+        self,
+        trace: list[TraceRequest],
+        duration_s: float,
+        *,
+        progress: Callable[[Progress], None] | None = None,
+        progress_interval_s: float = 1.0,
+        is_drain: bool = False,
+    ) -> RunStats:
+        """Serve `trace` for `duration_s` seconds of engine clock: admit each request when
+        its arrival time passes, step while there is work, nap briefly when there is none.
+        `is_drain`: stop early once every request has arrived and finished (benchmarks
+        and tests serve a fixed amount of work this way)."""
+        rec, sched = self.rec, self.scheduler
+        t0 = rec.now()
+        self._trace = trace
+        self._arrival_ticks = [t0 + int(tr.arrival_s * NS_PER_S) for tr in trace]
+        self._next_arrival = 0
+        end = t0 + int(duration_s * NS_PER_S)
+        next_report = t0 + int(progress_interval_s * NS_PER_S)
+        idle_ns = int(self.config.idle_sleep_s * NS_PER_S)
+        ticks = self._arrival_ticks
+        while True:
+            now = rec.now()
+            if now >= end:
+                break
+            is_due = self._next_arrival < len(ticks) and ticks[self._next_arrival] <= now
+            if is_due or sched.has_work:
+                self.step()
+            elif (
+                is_drain
+                and self._next_arrival == len(ticks)
+                and not (self.off_loop is not None and self.off_loop.num_pending)
+            ):
+                break
+            elif self.off_loop is not None and self.off_loop.num_pending:
+                self._intake()  # collect finished tokenisations outside any step
+                if not sched.has_work:
+                    time.sleep(self.config.idle_sleep_s)
+            else:
+                wait_ns = idle_ns
+                if self._next_arrival < len(ticks):
+                    wait_ns = min(wait_ns, max(0, ticks[self._next_arrival] - now))
+                time.sleep(wait_ns / NS_PER_S)
+            if progress is not None and now >= next_report:
+                next_report += int(progress_interval_s * NS_PER_S)
+                progress(self.progress((now - t0) / NS_PER_S, duration_s))
+        self.stats.wall_s = (rec.now() - t0) / NS_PER_S
+        return self.stats
+
+    def progress(self, elapsed_s: float, duration_s: float) -> Progress:
+        s = self.scheduler
+        return Progress(
+            elapsed_s=elapsed_s,
+            duration_s=duration_s,
+            num_tokens=self.stats.num_tokens,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + (self.off_loop.num_pending if self.off_loop else 0),
+            num_preempted_now=len(s.preempted),
+            num_preemptions=s.num_preemptions,
+            num_arrived=self.stats.num_arrived,
+        )
+
+
+# -- capacity ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class Capacity:
+    """This machine's measured throughput and the arrival rate it can sustain."""
+
+    decode_batch: int
+    decode_step_ms: float  # median decode step at `decode_batch` rows on a captured size
+    prefill_chunk_ms: float  # median 256-token prefill chunk
+    decode_tok_s: float
+    prefill_tok_s: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    req_s: float  # 1 / (seconds of decode + prefill work one average request needs)
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+def measure_capacity(
+    config: EngineConfig,
+    tokenizer: Any,
+    workload: WorkloadConfig,
+    *,
+    budget_s: float = 1.5,
+) -> Capacity:
+    """A short measurement of decode and prefill throughput on this machine (~budget_s s).
+
+    The request rate this machine sustains is estimated as one over the work an average
+    request needs: its output tokens at the measured decode rate (a full captured batch)
+    plus its prompt tokens at the measured prefill rate."""
+    rng = np.random.default_rng(0)
+    # mean prompt tokens: tokenise sample prompts; documents are truncated to the max
+    sample = [
+        make_text(rng, int(workload.prompt_chars_mean), workload.lexicon_seed, is_doc=False)
+        for _ in range(20)
+    ]
+    tok_per_char = sum(len(tokenizer.encode(t).ids) for t in sample) / sum(map(len, sample))
+    mean_prompt = (1 - workload.doc_frac) * tok_per_char * workload.prompt_chars_mean + (
+        workload.doc_frac * config.max_prompt_tokens
+    )
+    mean_out = mean_output_tokens(workload)
+    runner = NumpyModelRunner(config, tokenizer.get_vocab_size())
+    runner.kv[:] = rng.standard_normal(runner.kv.shape, dtype=np.float32) * 0.1
+    batch = max(s for s in config.captured_graph_sizes if s <= config.max_num_seqs)
+    ctx = int(mean_prompt + mean_out / 2)  # a decoding request is halfway through, on average
+    blocks = -(-(ctx + 1) // config.block_size)
+    offsets = np.arange(config.block_size)
+    rows = []
+    for i in range(batch):
+        bt = (np.arange(blocks) + i * blocks) % config.num_kv_blocks
+        rows.append(
+            DecodeRow(1, ctx, (bt[:, None] * config.block_size + offsets).ravel()[: ctx + 1])
+        )
+    decode_ms: list[float] = []
+    prefill_ms: list[float] = []
+    chunk = list(range(1, 257))
+    slots = np.arange(256)
+    t_end = time.perf_counter() + budget_s
+    while time.perf_counter() < t_end or len(decode_ms) < 5:
+        t = time.perf_counter()
+        runner.decode(rows, batch)
+        decode_ms.append((time.perf_counter() - t) * 1e3)
+        if len(prefill_ms) < len(decode_ms) // 4 + 1:
+            t = time.perf_counter()
+            runner.prefill(chunk, 0, slots, is_last=True)
+            prefill_ms.append((time.perf_counter() - t) * 1e3)
+    step_ms = float(np.median(decode_ms[1:]))
+    chunk_ms = float(np.median(prefill_ms))
+    decode_tok_s = batch / (step_ms / 1e3)
+    prefill_tok_s = 256 / (chunk_ms / 1e3)
+    req_s = 1.0 / (mean_out / decode_tok_s + mean_prompt / prefill_tok_s)
+    return Capacity(
+        batch, step_ms, chunk_ms, decode_tok_s, prefill_tok_s, mean_prompt, mean_out, req_s
+    )

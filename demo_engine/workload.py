@@ -1,0 +1,122 @@
+"""The arrival trace: who arrives when, with what prompt text, wanting how many tokens.
+
+Non-homogeneous Poisson arrivals (by thinning) with a sinusoidal swell; prompts of about
+1,000 characters, and a small share of pasted documents of 150k-400k characters that are
+truncated to the model length only after tokenising (so their tokenizer cost is real).
+Everything is deterministic in the seed: the same seed and rate give the same trace.
+
+The text is drawn from a synthetic lexicon (pseudo-words with Zipf frequencies) that the
+tokenizer is also trained on; documents mix in identifiers and numbers, the way pasted
+logs and code do, which is what makes them slow to tokenise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .config import WorkloadConfig
+
+_SYLLABLES = (
+    "ka ri to me na lo su vi de ra po li mu ne ta sa ko ru zi fe ga hi jo be "
+    "wa yu ce do pe qu xa bi lu mo ni te va so ge ho fi za ju ke ly ot an er "
+    "in us el ar om ix str pra tho gle ment tion able ing est ful ness"
+).split()
+_PUNCT = (",", ".", ",", ".", "?", ";", ":", "!")
+NUM_LEXICON_WORDS = 20_000
+
+
+@lru_cache(maxsize=4)
+def lexicon(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(words, cumulative Zipf weights): deterministic pseudo-words, frequent ones short."""
+    rng = np.random.default_rng(seed)
+    words: list[str] = []
+    seen: set[str] = set()
+    syl = np.array(_SYLLABLES)
+    while len(words) < NUM_LEXICON_WORDS:
+        n = 1 + min(int(rng.geometric(0.45)), 5) + (len(words) > 2000)
+        w = "".join(syl[rng.integers(0, len(syl), n)])
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    weights = 1.0 / (np.arange(len(words)) + 2.7)
+    cum = np.cumsum(weights)
+    return np.array(words, dtype=object), cum / cum[-1]
+
+
+def make_text(rng: np.random.Generator, num_chars: int, lexicon_seed: int, *, is_doc: bool) -> str:
+    """About `num_chars` characters of prose (and, in documents, identifiers and numbers)."""
+    words, cum = lexicon(lexicon_seed)
+    n_words = max(1, int(num_chars / 6.3))
+    picked = words[np.searchsorted(cum, rng.random(n_words))]
+    if is_doc:  # one token in five is an identifier or a number: slow, uncacheable BPE work
+        k = n_words // 5
+        where = rng.integers(0, n_words, k)
+        vals = rng.integers(0, 2**40, k)
+        idents = np.array([f"{v:x}" if v & 1 else str(v % 100_000) for v in vals.tolist()])
+        picked[where] = idents
+    punct = rng.random(n_words) < 0.08
+    if punct.any():
+        marks = np.array(_PUNCT, dtype=object)[rng.integers(0, len(_PUNCT), int(punct.sum()))]
+        picked[punct] = picked[punct] + marks
+    text = " ".join(picked.tolist())
+    return text[:num_chars] if len(text) > num_chars else text
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRequest:
+    """One arrival. `arrival_s` is seconds from the start of serving (the engine clock)."""
+
+    index: int
+    arrival_s: float
+    text: str
+    max_new_tokens: int
+    is_doc: bool
+
+
+def rate_at(t_s: float, cfg: WorkloadConfig) -> float:
+    """The instantaneous arrival rate (req/s) at `t_s` seconds into the run."""
+    return cfg.rate_req_s * (
+        1.0 + cfg.swell_frac * math.sin(2 * math.pi * t_s / cfg.swell_period_s)
+    )
+
+
+def make_trace(seed: int, duration_s: float, cfg: WorkloadConfig) -> list[TraceRequest]:
+    """Arrivals in [0, duration_s), deterministic in (seed, cfg)."""
+    rng = np.random.default_rng([seed, 0x7EACE])
+    rate_max = cfg.rate_req_s * (1.0 + cfg.swell_frac)
+    out: list[TraceRequest] = []
+    t = 0.0
+    while True:
+        t += rng.exponential(1.0 / rate_max)  # candidate from the bounding process
+        if t >= duration_s:
+            break
+        if rng.random() * rate_max > rate_at(t, cfg):  # thinning
+            continue
+        is_doc = bool(rng.random() < cfg.doc_frac)
+        if is_doc:
+            n_chars = int(rng.integers(cfg.doc_chars_min, cfg.doc_chars_max + 1))
+        else:  # gamma(4) around the mean: ~1k characters, rarely below 200
+            n_chars = max(40, int(rng.gamma(4.0, cfg.prompt_chars_mean / 4.0)))
+        n_out = cfg.output_tokens_min + int(rng.exponential(cfg.output_tokens_exp_mean))
+        n_out = min(n_out, cfg.output_tokens_max)
+        text = make_text(rng, n_chars, cfg.lexicon_seed, is_doc=is_doc)
+        out.append(TraceRequest(len(out), t, text, n_out, is_doc))
+    return out
+
+
+def mean_output_tokens(cfg: WorkloadConfig) -> float:
+    """E[min(min + Exp(mean), max)]: the expected output length of one request."""
+    span = cfg.output_tokens_max - cfg.output_tokens_min
+    return cfg.output_tokens_min + cfg.output_tokens_exp_mean * (
+        1.0 - math.exp(-span / cfg.output_tokens_exp_mean)
+    )
+
+
+def training_corpus(cfg: WorkloadConfig, num_lines: int = 2000) -> list[str]:
+    """The tokenizer's training text: the same lexicon, prose and document-like lines."""
+    rng = np.random.default_rng([cfg.lexicon_seed, 1])
+    return [make_text(rng, 1000, cfg.lexicon_seed, is_doc=(i % 10 == 0)) for i in range(num_lines)]
