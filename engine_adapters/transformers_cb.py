@@ -256,6 +256,8 @@ class TransformersCBAdapter:
                 if has_batch and not self._step_open:
                     # a request arrived between the loop's work check and the queue drain
                     self._open_step(step_cm)
+                if not self._step_open:
+                    return has_batch  # an idle iteration polling for work: not recorded
                 for a, b in complement(t0, t1, self._inner):
                     rec.add_segment("schedule", a, b)
                 if has_batch:
