@@ -1,0 +1,366 @@
+"""The Chrome trace for Perfetto: format, nesting, partitions in args, filters, the live
+writer, determinism, and a validator that catches what Perfetto would misdraw."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, defaultdict
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tests.logbuilder import LogBuilder
+from tests.synthlog import synthetic_log
+from tracekit.cli import main
+from tracekit.hooks import Recorder
+from tracekit.partition import partition
+from tracekit.render.perfetto import (
+    PID_ENGINE,
+    PID_REQUESTS,
+    TID_LOOP,
+    LiveChromeTrace,
+    TraceError,
+    chrome_trace_events,
+    parse_window,
+    read_trace,
+    validate_trace,
+)
+
+
+@pytest.fixture(scope="module")
+def run():
+    log = synthetic_log(duration_s=4.0, seed=3)
+    return log, partition(log)
+
+
+@pytest.fixture(scope="module")
+def events(run):
+    log, part = run
+    return chrome_trace_events(log, part)
+
+
+def slices(events, pid=None, name=None):
+    return [
+        e
+        for e in events
+        if e["ph"] == "X"
+        and (pid is None or e["pid"] == pid)
+        and (name is None or e["name"] == name)
+    ]
+
+
+def test_generated_trace_is_valid(run, events):
+    log, _ = run
+    assert validate_trace(events, max_ts_us=log.wall_s * 1e6 + 1) == []
+    phases = Counter(e["ph"] for e in events)
+    assert set(phases) == {"M", "X", "C"}
+    json.dumps(events, allow_nan=False)  # plain JSON, no NaN
+
+
+def test_every_gap_is_a_slice_named_by_its_primary_cause(run, events):
+    log, part = run
+    gaps = [e for e in slices(events, PID_REQUESTS) if e["name"] not in ("ttft", "evicted")]
+    assert len(gaps) == len(part)
+    assert Counter(e["name"] for e in gaps) == Counter(part.primary_names().tolist())
+    # ordered like the partition (request, then time); parts sum to the slice (ms vs µs)
+    by_start = sorted(gaps, key=lambda e: (e["tid"], e["ts"]))
+    for e, g_ms in zip(by_start, part.gap_ms.tolist(), strict=True):
+        assert e["args"]["gap_ms"] == pytest.approx(g_ms)
+        assert sum(e["args"]["parts"].values()) * 1000 == pytest.approx(e["dur"], abs=0.01)
+        assert e["dur"] == pytest.approx(g_ms * 1000, abs=0.002)
+
+
+def test_steps_hold_their_segments(run, events):
+    log, _ = run
+    loop = [e for e in slices(events, PID_ENGINE) if e["tid"] == TID_LOOP]
+    steps = {e["args"]["step"]: e for e in loop if e["name"] == "step"}
+    assert len(steps) == len(log.steps)
+    segs = [e for e in loop if e["name"] != "step"]
+    assert len(segs) == len(log.segments)  # none overlaps another without nesting here
+    for s in segs:
+        st = steps[s["args"]["step"]]
+        assert st["ts"] <= s["ts"] and s["ts"] + s["dur"] <= st["ts"] + st["dur"] + 1e-6
+    assert {s["name"] for s in segs} <= set(log.labels)
+    swap = [s for s in segs if s["name"] == "swap"]
+    assert swap and all(s["args"]["cause"] == "preempt" for s in swap)
+
+
+def test_tracks_are_named_and_gc_and_counters_are_there(run, events):
+    log, _ = run
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["name"].endswith("_name")
+    }
+    assert names[(PID_ENGINE, None)] == "engine"
+    assert names[(PID_ENGINE, TID_LOOP)] == "engine loop"
+    assert sum(
+        1 for (pid, _), n in names.items() if pid == PID_REQUESTS and n.startswith("req ")
+    ) == len(log.requests)
+    gcs = slices(events, PID_ENGINE, "gc")
+    assert len(gcs) == len(log.gc_pauses)
+    assert sorted(e["args"]["generation"] for e in gcs) == sorted(log.gc_pauses.generation.tolist())
+    counters = Counter(e["name"] for e in events if e["ph"] == "C")
+    assert counters == {"batch_size": len(log.steps), "kv_free_blocks": len(log.steps)}
+
+
+def test_evictions_nest_inside_the_gaps_they_stall(run, events):
+    """An eviction lies inside the gap it stalls (it is that gap's preempt time); the
+    validator checks nesting, here the amounts: evicted time inside gaps <= preempt parts
+    (preempt also holds swap segments)."""
+    _, part = run
+    evicted = slices(events, PID_REQUESTS, "evicted")
+    assert evicted, "the synthetic run has evictions"
+    gaps = defaultdict(list)
+    for e in slices(events, PID_REQUESTS):
+        if e["name"] not in ("evicted", "ttft"):
+            gaps[e["tid"]].append(e)
+    inside = 0.0
+    for ev in evicted:
+        host = [
+            g
+            for g in gaps[ev["tid"]]
+            if g["ts"] <= ev["ts"] and ev["ts"] + ev["dur"] <= g["ts"] + g["dur"] + 1e-6
+        ]
+        if host:
+            inside += ev["dur"]
+            assert host[0]["args"]["parts"]["preempt"] * 1000 >= ev["dur"] - 0.01
+    assert inside > 0
+    assert inside <= part.column("preempt").sum() * 1000 + 0.01
+
+
+def test_requests_and_window_cut_the_trace(run):
+    log, part = run
+    ids = log.request_ids[:2]
+    ev = chrome_trace_events(log, part, requests=ids)
+    assert validate_trace(ev) == []
+    req_names = {
+        e["args"]["name"] for e in ev if e["name"] == "thread_name" and e["pid"] == PID_REQUESTS
+    }
+    assert req_names == {f"req {i}" for i in ids}
+    assert len(slices(ev, PID_ENGINE, "step")) == len(log.steps)  # the engine stays whole
+    w = (1.0, 1.5)
+    ev = chrome_trace_events(log, part, window_s=w)
+    assert validate_trace(ev) == []
+    for e in ev:
+        if e["ph"] == "X":
+            assert e["ts"] <= w[1] * 1e6 + 0.01 and e["ts"] + e["dur"] >= w[0] * 1e6 - 0.01
+        elif e["ph"] == "C":
+            assert w[0] * 1e6 - 0.01 <= e["ts"] <= w[1] * 1e6 + 0.01
+    assert 0 < len(slices(ev, PID_ENGINE, "step")) < len(log.steps)
+    with pytest.raises(TraceError, match="no request with id 'nope'"):
+        chrome_trace_events(log, part, requests=["nope"])
+    assert parse_window("1:2.5") == (1.0, 2.5)
+    assert parse_window(":3") == (-math.inf, 3.0)
+    for bad in ("3", "a:b", "5:1"):
+        with pytest.raises(TraceError):
+            parse_window(bad)
+
+
+def test_overlapping_segments_go_to_overlap_tracks():
+    """Segments on one thread that overlap without nesting (async work) must not break
+    the nesting of the loop track: they move to an overlap track."""
+    b = LogBuilder()
+    s = b.step(0, 20)
+    b.seg(s, "decode", 1, 12)
+    b.seg(s, "tok", 8, 16)  # starts inside decode, ends after it
+    b.seg(-1, "tok", 18, 25)  # crosses the step's end
+    b.emit(0, 12, s)
+    s2 = b.step(20, 40)
+    b.seg(s2, "decode", 21, 35)
+    b.emit(0, 35, s2)
+    log = b.build()
+    ev = chrome_trace_events(log, partition(log))
+    assert validate_trace(ev) == []
+    tids = {e["tid"] for e in slices(ev, PID_ENGINE)}
+    assert len(tids) >= 2
+    assert len(slices(ev, PID_ENGINE)) == 2 + 4
+
+
+def test_cli_trace_is_deterministic_and_gzips(tmp_path):
+    raw = tmp_path / "run.npz"
+    synthetic_log(duration_s=2.0, seed=5).save(raw)
+    runner = CliRunner()
+    outs = {}
+    for name in ("a.json", "b.json", "a.json.gz", "b.json.gz"):
+        res = runner.invoke(main, ["trace", str(raw), "-o", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+        outs[name] = (tmp_path / name).read_bytes()
+    assert outs["a.json"] == outs["b.json"]
+    assert outs["a.json.gz"] == outs["b.json.gz"]
+    assert outs["a.json.gz"][:2] == b"\x1f\x8b"
+    doc = json.loads(outs["a.json"])
+    assert doc["displayTimeUnit"] == "ms"
+    assert read_trace(str(tmp_path / "a.json.gz")) == doc["traceEvents"]
+    assert validate_trace(doc["traceEvents"]) == []
+    res = runner.invoke(main, ["trace", str(raw), "-o", str(tmp_path / "c.json"),
+                               "--requests", "req-0,req-1", "--window", "0.5:1.0"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["trace", str(raw), "-o", str(tmp_path / "d.json"),
+                               "--requests", "nope"])  # fmt: skip
+    assert res.exit_code == 2 and "no request with id 'nope'" in res.output
+    res = runner.invoke(main, ["trace", str(raw), "-o", str(tmp_path / "d.json"),
+                               "--window", "x"])  # fmt: skip
+    assert res.exit_code == 2 and "--window" in res.output
+
+
+# -- the validator catches what it claims to -------------------------------------------
+
+
+def _named(pid=1, tid=1):
+    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": "t"}}
+
+
+def test_validator_rejects_broken_traces():
+    def x(ts, dur, tid=1, **kw):
+        return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": "s", **kw}
+
+    ok = [_named(), x(0, 10), x(1, 2), x(3, 7), x(10, 5)]
+    assert validate_trace(ok) == []
+    cases = {
+        "overlaps": [_named(), x(0, 10), x(5, 10)],
+        "parts sum": [_named(), x(0, 10, args={"parts": {"a": 0.004, "b": 0.004}})],
+        "negative part": [_named(), x(0, 10, args={"parts": {"a": 0.011, "b": -0.001}})],
+        "no thread_name": [x(0, 10, tid=7)],
+        "dur must be": [_named(), x(0, -1)],
+        "ts must be": [_named(), x("0", 1)],
+        "unsupported phase": [_named(), {"ph": "B", "pid": 1, "tid": 1, "ts": 0, "name": "s"}],
+        "name must be": [_named(), {**x(0, 1), "name": ""}],
+        "counter args": [{"ph": "C", "pid": 1, "ts": 0, "name": "c", "args": {"v": "1"}}],
+        "unknown metadata": [{"ph": "M", "pid": 1, "name": "bogus", "args": {}}],
+    }
+    for what, evs in cases.items():
+        errs = validate_trace(evs)
+        assert errs and any(what in e for e in errs), (what, errs)
+    # seconds passed as µs, or ns: caught against the run's length
+    assert any("wrong unit" in e for e in validate_trace([_named(), x(5e12, 1)], max_ts_us=6e7))
+
+
+# -- the live trace ------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1_000_000
+
+    def __call__(self) -> int:
+        return self.t
+
+    def advance_ms(self, ms: float) -> None:
+        self.t += int(ms * 1e6)
+
+
+def _serve(rec: Recorder, clock: FakeClock, steps: int, live_check=None) -> None:
+    for i in range(4):
+        rec.request(f"r{i}", prompt_tokens=8)
+    for s in range(steps):
+        with rec.step():
+            with rec.segment("decode"):
+                clock.advance_ms(5)
+            if s == 5:
+                rec.evict("r1")
+            if s == 9:
+                rec.readmit("r1")
+            ids = [f"r{i}" for i in range(4) if not (i == 1 and 5 <= s < 9)]
+            rec.emit(ids)
+            rec.counter("batch_size", len(ids))
+            clock.advance_ms(1)
+        if live_check is not None and s == steps // 2:
+            live_check()
+
+
+def test_live_trace_while_recording(tmp_path):
+    clock = FakeClock()
+    rec = Recorder(tmp_path / "run.npz", clock=clock, gc=False, flush_interval_s=0.02)
+    path = tmp_path / "live.json"
+    live = LiveChromeTrace(path, rec)
+    seen = {}
+
+    def mid_run():
+        # a run killed now leaves an array without its closing bracket: still readable
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            text = path.read_text()
+            if '"name":"gap"' in text:
+                break
+            time.sleep(0.01)
+        assert not text.rstrip().endswith("]")
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text)
+        seen["mid"] = read_trace(str(path))
+
+    with rec:
+        _serve(rec, clock, 30, mid_run)
+    assert any(e["name"] == "gap" for e in seen["mid"])
+    text = path.read_text()
+    events = json.loads(text)  # closed on stop: strict JSON
+    assert isinstance(events, list)
+    assert validate_trace(events) == []
+    names = Counter(e["name"] for e in events if e["ph"] == "X")
+    assert names["step"] == 30 and names["decode"] == 30
+    assert names["gap"] == 4 * 29 - 4  # r1 misses 4 steps while evicted: 4 fewer gaps
+    assert names["evicted"] == 1
+    assert Counter(e["name"] for e in events if e["ph"] == "C")["batch_size"] == 30
+    # the live trace agrees with the log it was recorded with
+    log = rec.log()
+    gaps = sorted(e["args"]["gap_ms"] for e in events if e["name"] == "gap")
+    assert gaps == pytest.approx(sorted(partition(log).gap_ms.tolist()))
+    live.close()  # idempotent
+
+
+def test_live_trace_is_gc_quiet(tmp_path):
+    """The live writer formats strings, so it adds no GC-tracked object per event."""
+    clock = FakeClock()
+    rec = Recorder(None, clock=clock, gc=False, flush_interval_s=1e9)
+    live = LiveChromeTrace(tmp_path / "live.json", rec)
+    with rec:
+        _serve(rec, clock, 50)
+    rows = {
+        k: np.zeros(0, dtype=np.int64)
+        for k in ("steps", "segments", "gc_pauses", "emissions", "events", "requests")
+    }
+    rows["emissions"] = np.array([[0, 10, 1, 1], [0, 20, 2, 1]] * 500, dtype=np.int64).ravel()
+    chunk = {**rows, "counters": np.zeros(0), "labels": np.array(["decode"]),
+             "counter_names": np.array([], dtype=str), "request_ids": np.array(["a"]),
+             "request_ids_start": np.array(0)}  # fmt: skip
+    import gc
+
+    before = gc.get_count()[0]
+    gc.disable()
+    try:
+        start = gc.get_count()[0]
+        out = live._chunk_events(chunk)
+        grew = gc.get_count()[0] - start
+    finally:
+        gc.enable()
+    assert len(out) >= 999 and grew < 50, (before, grew)
+
+
+def test_live_trace_escapes_names(tmp_path):
+    """Request ids and labels with JSON-special characters are escaped in the live file."""
+    clock = FakeClock()
+    rec = Recorder(None, clock=clock, gc=False, flush_interval_s=1e9)
+    path = tmp_path / "live.json"
+    LiveChromeTrace(path, rec)
+    with rec:
+        rec.request('a"b\\c</script>')
+        for _ in range(3):
+            with rec.step():
+                with rec.segment('lab"el'):
+                    clock.advance_ms(2)
+                rec.emit(['a"b\\c</script>'])
+    events = json.loads(path.read_text())
+    assert validate_trace(events) == []
+    assert any(e["name"] == 'lab"el' for e in events)
+    assert any(e.get("args", {}).get("name") == 'req a"b\\c</script>' for e in events)
+
+
+def test_trace_of_a_log_without_requests_or_counters():
+    b = LogBuilder()
+    b.step(0, 10, n_decode=0, graph=-1)
+    log = replace(b.build(), request_ids=())
+    log = replace(log, emissions=log.emissions.take(np.zeros(0, dtype=int)))
+    ev = chrome_trace_events(log, partition(log))
+    assert validate_trace(ev) == []

@@ -1,0 +1,763 @@
+"""Chrome trace-event JSON for Perfetto (ui.perfetto.dev) and chrome://tracing.
+
+One run becomes these tracks (Chrome's JSON trace format, times in microseconds):
+
+- process ``engine`` (pid 1):
+  - ``engine loop``: every step as a complete slice (``ph: X``, name ``step``) with the
+    loop thread's segments (``prefill``, ``decode``, ``tok``, ...) nested inside; windows
+    that overlap without nesting go to ``engine loop (overlap N)`` tracks, so every track
+    stays well nested;
+  - ``thread N`` / ``device N``: segments recorded on other threads or as device time;
+  - ``gc``: every collection, args ``generation``;
+  - counters (``ph: C``) for every sampled engine counter (``batch_size``,
+    ``kv_free_blocks``, ...); Perfetto names the track ``NAME value``;
+- process ``requests`` (pid 2): one thread track per request, named ``req ID``:
+  - ``ttft``: arrival to first token;
+  - every gap as a slice named by its *primary cause* (``clean``, ``preempt``, ``gc``, ...),
+    with ``args.parts`` (ms by label; they sum to the slice's duration), ``args.gap_ms``
+    and the two emissions' steps;
+  - ``evicted``: the time the request was evicted, nested inside the slice it falls in
+    (it is the gap's ``preempt`` part), or on its own where no slice covers it.
+
+Slice names are the partition's labels, so one cause has one colour throughout Perfetto
+(it colours slices by name; ``cname`` is ignored).
+
+`chrome_trace_events` builds the events (plain dicts), `write_trace` serialises them once
+(gzip when the name ends in ``.gz``, byte-identical for the same input), `validate_trace`
+checks what Perfetto needs, and `LiveChromeTrace` writes a trace while a run records.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import queue
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import TracekitError
+from ..labels import cause_of
+from ..partition import Partition, evicted_windows
+from ..rawlog import RawLog
+
+PID_ENGINE = 1
+PID_REQUESTS = 2
+TID_LOOP = 1
+TID_GC = 2
+TID_THREADS = 100  # + recording thread number (host segments off the loop thread)
+TID_DEVICE = 200  # + recording thread number (device-time segments)
+TID_OVERLAP = 1000  # + lane: windows that overlap others without nesting
+#: Tolerance of the validator, in microseconds: times are rounded to whole nanoseconds
+#: and parts to 1e-6 ms, so a well-formed trace is off by a few ns at most.
+TOL_US = 0.01
+PARTS_DECIMALS = 6  # ms: whole nanoseconds
+
+
+class TraceError(TracekitError):
+    """A bad --requests / --window selection."""
+
+
+def _ns(t_s: np.ndarray) -> np.ndarray:
+    """Seconds (engine clock) to integer nanoseconds: every boundary is rounded once, so
+    nesting survives rounding (rounding is monotone)."""
+    return np.round(np.asarray(t_s, dtype=np.float64) * 1e9).astype(np.int64)
+
+
+def _us(ns: int) -> float:
+    """Integer ns to µs; Perfetto reads ``ts * 1000`` back to the same nanosecond."""
+    return ns / 1000
+
+
+def _overlaps(a_s: np.ndarray, b_s: np.ndarray, window_s: tuple[float, float] | None):
+    if window_s is None:
+        return np.ones(len(a_s), dtype=bool)
+    lo, hi = window_s
+    return (b_s >= lo) & (a_s <= hi)
+
+
+def _meta(pid: int, tid: int | None, name: str, value: Any) -> dict[str, Any]:
+    ev: dict[str, Any] = {"ph": "M", "pid": pid, "name": name, "args": {}}
+    if tid is not None:
+        ev["tid"] = tid
+    ev["args"] = {"sort_index": value} if name.endswith("sort_index") else {"name": value}
+    return ev
+
+
+def _lanes(starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """Assign each interval (in the given order, sorted by start then longest first) to
+    the first lane where it nests in or follows what is open there."""
+    stacks: list[list[int]] = []  # per lane: ends of the open slices
+    out = []
+    for a, b in zip(starts, ends, strict=True):
+        for lane, st in enumerate(stacks):
+            while st and st[-1] <= a:
+                st.pop()
+            if not st or b <= st[-1]:
+                st.append(b)
+                out.append(lane)
+                break
+        else:
+            stacks.append([b])
+            out.append(len(stacks) - 1)
+    return out
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    """``T0:T1`` in seconds from engine start; either side may be empty (``:5``, ``10:``)."""
+    if ":" not in text:
+        raise TraceError(f"--window {text!r}: expected T0:T1 in seconds (e.g. 10:12.5)")
+    a, b = text.split(":", 1)
+    try:
+        lo = float(a) if a.strip() else -math.inf
+        hi = float(b) if b.strip() else math.inf
+    except ValueError:
+        raise TraceError(f"--window {text!r}: T0 and T1 must be numbers of seconds") from None
+    if not lo < hi:
+        raise TraceError(f"--window {text!r}: T0 must be before T1")
+    return lo, hi
+
+
+def chrome_trace_events(
+    log: RawLog,
+    part: Partition,
+    *,
+    requests: Iterable[str] | None = None,
+    window_s: tuple[float, float] | None = None,
+) -> list[dict[str, Any]]:
+    """Every event of the trace of one run, in a deterministic order (see module doc).
+
+    requests: only these request ids get a track (the engine tracks are always there).
+    window_s: only slices and samples overlapping ``[t0, t1]`` (seconds, engine clock).
+    """
+    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    if requests is not None:
+        wanted = list(dict.fromkeys(requests))
+        index = {rid: i for i, rid in enumerate(ids)}
+        missing = [r for r in wanted if r not in index]
+        if missing:
+            raise TraceError(
+                f"{log.path}: no request with id {missing[0]!r} in this run "
+                f"({len(ids)} requests, e.g. {', '.join(map(repr, ids[:3]))})"
+            )
+        keep_req = np.zeros(len(ids), dtype=bool)
+        keep_req[[index[r] for r in wanted]] = True
+    else:
+        keep_req = np.ones(len(ids), dtype=bool)
+
+    events: list[dict[str, Any]] = [
+        _meta(PID_ENGINE, None, "process_name", "engine"),
+        _meta(PID_ENGINE, None, "process_sort_index", 0),
+        _meta(PID_REQUESTS, None, "process_name", "requests"),
+        _meta(PID_REQUESTS, None, "process_sort_index", 1),
+        _meta(PID_ENGINE, TID_LOOP, "thread_name", "engine loop"),
+        _meta(PID_ENGINE, TID_LOOP, "thread_sort_index", 0),
+        _meta(PID_ENGINE, TID_GC, "thread_name", "gc"),
+        _meta(PID_ENGINE, TID_GC, "thread_sort_index", 1),
+    ]
+    events += _engine_events(log, window_s)
+    events += _counter_events(log, window_s)
+    events += _request_events(log, part, ids, keep_req, window_s)
+    return events
+
+
+def _engine_events(log: RawLog, window_s) -> list[dict[str, Any]]:
+    st, sg, gcp = log.steps, log.segments, log.gc_pauses
+    out: list[dict[str, Any]] = []
+    # one list of intervals per recording track: (start ns, end ns, kind, row)
+    tracks: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    keep_st = _overlaps(st.t_start_s, st.t_end_s, window_s)
+    s0, s1 = _ns(st.t_start_s), _ns(st.t_end_s)
+    loop = tracks.setdefault((0, 0), [])
+    for i in np.flatnonzero(keep_st).tolist():
+        loop.append((int(s0[i]), int(s1[i]), 0, i))
+    keep_sg = _overlaps(sg.t_start_s, sg.t_end_s, window_s)
+    g0, g1 = _ns(sg.t_start_s), _ns(sg.t_end_s)
+    thread, dev = sg.thread.tolist(), sg.is_device.tolist()
+    for i in np.flatnonzero(keep_sg).tolist():
+        tracks.setdefault((int(dev[i]), int(thread[i])), []).append((int(g0[i]), int(g1[i]), 1, i))
+    labels = log.labels
+    causes = [cause_of(lb, log.cause_map) for lb in labels]
+    step_rows = np.column_stack(
+        [st.num_decode, st.num_prefill_tokens, st.graph_size, st.num_preempted, st.num_swapped_in]
+    ).tolist()
+    seg_label, seg_step = sg.label.tolist(), sg.step.tolist()
+    overlap_lanes = 0
+    for (is_dev, th), items in sorted(tracks.items()):
+        items.sort(key=lambda x: (x[0], -x[1], x[2], x[3]))
+        lanes = _lanes([x[0] for x in items], [x[1] for x in items])
+        if (is_dev, th) == (0, 0):
+            base_tid, name = TID_LOOP, "engine loop"
+        elif is_dev:
+            base_tid, name = TID_DEVICE + th, f"device {th}"
+        else:
+            base_tid, name = TID_THREADS + th, f"thread {th}"
+        if base_tid != TID_LOOP:
+            out.append(_meta(PID_ENGINE, base_tid, "thread_name", name))
+            out.append(_meta(PID_ENGINE, base_tid, "thread_sort_index", base_tid))
+        lane_tid = {0: base_tid}
+        for (a, b, kind, i), lane in zip(items, lanes, strict=True):
+            tid = lane_tid.get(lane)
+            if tid is None:
+                overlap_lanes += 1
+                tid = TID_OVERLAP + overlap_lanes
+                lane_tid[lane] = tid
+                out.append(_meta(PID_ENGINE, tid, "thread_name", f"{name} (overlap {lane})"))
+                out.append(_meta(PID_ENGINE, tid, "thread_sort_index", tid))
+            if kind == 0:
+                nd, npf, gs, npre, nsw = step_rows[i]
+                args = {
+                    "step": i,
+                    "num_decode": nd,
+                    "num_prefill_tokens": npf,
+                    "graph_size": gs,
+                    "num_preempted": npre,
+                    "num_swapped_in": nsw,
+                }
+                ev_name = "step"
+            else:
+                li = seg_label[i]
+                ev_name = labels[li] if 0 <= li < len(labels) else f"label {li}"
+                args = {"step": seg_step[i]}
+                if 0 <= li < len(labels) and causes[li] != ev_name:
+                    args["cause"] = causes[li]
+            out.append(
+                {
+                    "ph": "X",
+                    "pid": PID_ENGINE,
+                    "tid": tid,
+                    "ts": _us(a),
+                    "dur": _us(b - a),
+                    "name": ev_name,
+                    "args": args,
+                }
+            )
+    keep_gc = _overlaps(gcp.t_start_s, gcp.t_end_s, window_s)
+    c0, c1 = _ns(gcp.t_start_s), _ns(gcp.t_end_s)
+    gen = gcp.generation.tolist()
+    gc_items = sorted((int(c0[i]), int(c1[i]), i) for i in np.flatnonzero(keep_gc).tolist())
+    gc_items.sort(key=lambda x: (x[0], -x[1], x[2]))
+    gc_lanes = _lanes([x[0] for x in gc_items], [x[1] for x in gc_items])
+    for (a, b, i), lane in zip(gc_items, gc_lanes, strict=True):
+        tid = TID_GC if lane == 0 else TID_OVERLAP + 500 + lane
+        if lane and not any(e.get("tid") == tid and e["ph"] == "M" for e in out):
+            out.append(_meta(PID_ENGINE, tid, "thread_name", f"gc (overlap {lane})"))
+        out.append(
+            {
+                "ph": "X",
+                "pid": PID_ENGINE,
+                "tid": tid,
+                "ts": _us(a),
+                "dur": _us(b - a),
+                "name": "gc",
+                "args": {"generation": gen[i]},
+            }
+        )
+    return out
+
+
+def _counter_events(log: RawLog, window_s) -> list[dict[str, Any]]:
+    ct = log.counters
+    if not len(ct):
+        return []
+    names = log.counter_names
+    keep = _overlaps(ct.t_s, ct.t_s, window_s)
+    ts = _ns(ct.t_s)
+    order = np.lexsort((np.arange(len(ct)), ts, ct.name))
+    out = []
+    name_l, val_l = ct.name.tolist(), ct.value.tolist()
+    for i in order[keep[order]].tolist():
+        n = name_l[i]
+        v = val_l[i]
+        if not math.isfinite(v):
+            continue
+        out.append(
+            {
+                "ph": "C",
+                "pid": PID_ENGINE,
+                "ts": _us(int(ts[i])),
+                "name": names[n] if 0 <= n < len(names) else f"counter {n}",
+                "args": {"value": int(v) if v == int(v) else v},
+            }
+        )
+    return out
+
+
+def _request_events(log: RawLog, part: Partition, ids, keep_req, window_s) -> list[dict]:
+    out: list[dict[str, Any]] = []
+    rq = log.requests
+    n_req = len(ids)
+    t_end_s = max(
+        float(log.wall_s) if math.isfinite(log.wall_s) else 0.0,
+        float(part.t1_s.max()) if len(part) else 0.0,
+    )
+    for r in np.flatnonzero(keep_req).tolist():
+        tid = 1 + r
+        out.append(_meta(PID_REQUESTS, tid, "thread_name", f"req {ids[r]}"))
+        out.append(_meta(PID_REQUESTS, tid, "thread_sort_index", r))
+
+    # the top-level spans of each request: ttft, then its gaps (contiguous)
+    arr, first = rq.arrival_s, rq.first_token_s
+    has_ttft = (
+        np.isfinite(arr) & np.isfinite(first) & (first >= arr) if n_req else np.zeros(0, bool)
+    )
+    g_req = part.request
+    bounds = np.searchsorted(g_req, np.arange(n_req + 1))  # gaps sorted by request
+    gap0, gap1 = _ns(part.t0_s), _ns(part.t1_s)
+    keep_gap = keep_req[g_req] & _overlaps(part.t0_s, part.t1_s, window_s) if len(part) else None
+    prim = part.primary_names().tolist() if len(part) else []
+    labels = part.labels
+    parts_r = np.round(part.parts_ms, PARTS_DECIMALS).tolist()
+    gap_ms = part.gap_ms.tolist()
+    st0, st1 = part.step0.tolist(), part.step1.tolist()
+    a_ns, f_ns = _ns(np.nan_to_num(arr)), _ns(np.nan_to_num(first))
+
+    # eviction windows, cut at the spans they fall in
+    children: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (request, span) -> pieces
+    loose: list[tuple[int, int, int]] = []  # (request, a, b) outside every span
+    e_req, e_a, e_b = evicted_windows(log)
+    e_b = np.where(np.isfinite(e_b), e_b, max(t_end_s, float(e_a.max()) if len(e_a) else 0.0))
+    ea_ns, eb_ns = _ns(e_a), _ns(e_b)
+    for k in range(len(e_req)):
+        r = int(e_req[k])
+        if not keep_req[r]:
+            continue
+        a, b = int(ea_ns[k]), int(eb_ns[k])
+        spans = []  # (span id, start, end): -1 is ttft, else the gap row
+        if has_ttft[r]:
+            spans.append((-1, int(a_ns[r]), int(f_ns[r])))
+        lo, hi = int(bounds[r]), int(bounds[r + 1])
+        if hi > lo:
+            j0 = lo + max(int(np.searchsorted(gap1[lo:hi], a, side="right")), 0)
+            j1 = lo + int(np.searchsorted(gap0[lo:hi], b, side="left"))
+            spans += [(j, int(gap0[j]), int(gap1[j])) for j in range(j0, min(j1, hi))]
+        cov0 = min((s[1] for s in spans), default=None)
+        cov1 = max((s[2] for s in spans), default=None)
+        if cov0 is None:
+            loose.append((r, a, b))
+            continue
+        # request coverage: the ttft span and the gaps are contiguous
+        first_cov = int(a_ns[r]) if has_ttft[r] else (int(gap0[lo]) if hi > lo else cov0)
+        last_cov = int(gap1[hi - 1]) if hi > lo else (int(f_ns[r]) if has_ttft[r] else cov1)
+        if a < first_cov:
+            loose.append((r, a, min(b, first_cov)))
+        if b > last_cov:
+            loose.append((r, max(a, last_cov), b))
+        for sid, s0, s1 in spans:
+            x0, x1 = max(a, s0), min(b, s1)
+            if x1 > x0:
+                children.setdefault((r, sid), []).append((x0, x1))
+
+    win = window_s
+    for r in np.flatnonzero(keep_req).tolist():
+        tid = 1 + r
+        evs: list[tuple[int, int, int, dict[str, Any]]] = []  # (ts, -dur, order, event)
+        if has_ttft[r]:
+            a, b = int(a_ns[r]), int(f_ns[r])
+            if win is None or (first[r] >= win[0] and arr[r] <= win[1]):
+                evs.append(
+                    (
+                        a,
+                        a - b,
+                        0,
+                        {
+                            "ph": "X",
+                            "pid": PID_REQUESTS,
+                            "tid": tid,
+                            "ts": _us(a),
+                            "dur": _us(b - a),
+                            "name": "ttft",
+                            "args": {"ttft_ms": (b - a) / 1e6},
+                        },
+                    )
+                )
+            for x0, x1 in children.get((r, -1), ()):
+                evs.append((x0, x0 - x1, 1, _evicted(tid, x0, x1)))
+        for j in range(int(bounds[r]), int(bounds[r + 1])):
+            if keep_gap is not None and not keep_gap[j]:
+                continue
+            a, b = int(gap0[j]), int(gap1[j])
+            pr = parts_r[j]
+            args = {
+                "gap_ms": gap_ms[j],
+                "parts": {lb: v for lb, v in zip(labels, pr, strict=True) if v},
+                "step0": st0[j],
+                "step1": st1[j],
+            }
+            evs.append(
+                (
+                    a,
+                    a - b,
+                    0,
+                    {
+                        "ph": "X",
+                        "pid": PID_REQUESTS,
+                        "tid": tid,
+                        "ts": _us(a),
+                        "dur": _us(b - a),
+                        "name": prim[j],
+                        "args": args,
+                    },
+                )
+            )
+            for x0, x1 in children.get((r, j), ()):
+                evs.append((x0, x0 - x1, 1, _evicted(tid, x0, x1)))
+        evs.sort(key=lambda e: (e[0], e[1], e[2]))
+        out += [e[3] for e in evs]
+    for r, a, b in sorted(loose):
+        if b > a and (win is None or (b / 1e9 >= win[0] and a / 1e9 <= win[1])):
+            out.append(_evicted(1 + r, a, b))
+    return out
+
+
+def _evicted(tid: int, a: int, b: int) -> dict[str, Any]:
+    return {
+        "ph": "X",
+        "pid": PID_REQUESTS,
+        "tid": tid,
+        "ts": _us(a),
+        "dur": _us(b - a),
+        "name": "evicted",
+        "args": {"evicted_ms": (b - a) / 1e6},
+    }
+
+
+# -- writing ---------------------------------------------------------------------------
+
+
+def trace_json(events: list[dict[str, Any]], *, meta: Mapping[str, Any] | None = None) -> str:
+    """The trace file's text: Chrome's JSON Object Format, serialised once."""
+    doc = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if meta:
+        doc["otherData"] = dict(meta)
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+
+
+def write_trace(events: list[dict[str, Any]], path: str, *, meta=None) -> int:
+    """Write the trace to `path` (gzip if it ends in ``.gz``; no timestamp or file name in
+    the gzip header, so the same input gives the same bytes). Returns bytes written."""
+    data = trace_json(events, meta=meta).encode()
+    if path.endswith(".gz"):
+        buf = io.BytesIO()
+        with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
+            gz.write(data)
+        data = buf.getvalue()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+    return len(data)
+
+
+def read_trace(path: str) -> list[dict[str, Any]]:
+    """The events of a trace file (Object or Array format, gzipped or not; a live trace
+    cut off by a killed run is read up to its last complete event)."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    text = raw.decode()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        body = text.rstrip().rstrip(",")
+        cut = body.rfind("}")
+        doc = json.loads(body[: cut + 1] + "]") if body.startswith("[") else json.loads(body)
+    return doc["traceEvents"] if isinstance(doc, dict) else doc
+
+
+# -- validation ------------------------------------------------------------------------
+
+_META_NAMES = {"process_name", "thread_name", "process_sort_index", "thread_sort_index"}
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate_trace(
+    events: Sequence[Mapping[str, Any]], *, max_ts_us: float | None = None, limit: int = 20
+) -> list[str]:
+    """Problems that would make Perfetto drop or misdraw events; empty if none.
+
+    Checks: known phases (X, M, C, i); numeric ``pid``/``tid``; a non-empty string name;
+    ``ts`` (and ``dur``) finite numbers of microseconds, ``dur >= 0``, and within
+    ``[0, max_ts_us]`` when given (catches seconds or nanoseconds passed as µs); metadata
+    names and args; counter args all finite numbers; on every (pid, tid) track the
+    complete slices well nested (a slice lies inside the enclosing one or after it);
+    every slice's track named by a ``thread_name``; and ``args.parts`` (ms) non-negative
+    and summing to the slice's duration."""
+    errs: list[str] = []
+
+    def err(i: int, msg: str) -> None:
+        if len(errs) < limit:
+            errs.append(f"event {i}: {msg}")
+
+    named_threads: set[tuple[Any, Any]] = set()
+    tracks: dict[tuple[Any, Any], list[tuple[float, float, int]]] = {}
+    for i, ev in enumerate(events):
+        if not isinstance(ev, Mapping):
+            err(i, "not an object")
+            continue
+        ph = ev.get("ph")
+        name = ev.get("name")
+        if not isinstance(name, str) or not name:
+            err(i, f"name must be a non-empty string, got {name!r}")
+        if not isinstance(ev.get("pid"), int):
+            err(i, f"pid must be an integer, got {ev.get('pid')!r}")
+        if ph == "M":
+            if name not in _META_NAMES:
+                err(i, f"unknown metadata event {name!r}")
+            args = ev.get("args", {})
+            if str(name).endswith("_name"):
+                if not isinstance(args.get("name"), str):
+                    err(i, f"{name} needs args.name (a string)")
+                if name == "thread_name":
+                    named_threads.add((ev.get("pid"), ev.get("tid")))
+            elif not isinstance(args.get("sort_index"), int):
+                err(i, f"{name} needs args.sort_index (an integer)")
+            continue
+        ts = ev.get("ts")
+        if not _is_num(ts):
+            err(i, f"ts must be a finite number of µs, got {ts!r}")
+            continue
+        if ts < -TOL_US or (max_ts_us is not None and ts > max_ts_us + TOL_US):
+            err(i, f"ts {ts} µs outside [0, {max_ts_us}] (wrong unit?)")
+        if ph == "C":
+            args = ev.get("args")
+            if not isinstance(args, Mapping) or not args or not all(map(_is_num, args.values())):
+                err(i, f"counter args must be finite numbers, got {args!r}")
+            continue
+        if ph in ("i", "I"):
+            continue
+        if ph != "X":
+            err(i, f"unsupported phase {ph!r}")
+            continue
+        if not isinstance(ev.get("tid"), int):
+            err(i, f"tid must be an integer, got {ev.get('tid')!r}")
+        dur = ev.get("dur")
+        if not _is_num(dur) or dur < 0:
+            err(i, f"dur must be a finite number >= 0 µs, got {dur!r}")
+            continue
+        parts = (ev.get("args") or {}).get("parts")
+        if parts is not None:
+            vals = list(parts.values()) if isinstance(parts, Mapping) else [None]
+            if not all(_is_num(v) for v in vals):
+                err(i, f"args.parts must be numbers of ms, got {parts!r}")
+            else:
+                if min(vals, default=0.0) < -1e-6:
+                    err(i, f"args.parts has a negative part: {parts!r}")
+                total_us = sum(vals) * 1000
+                if abs(total_us - dur) > TOL_US + 1e-9 * dur:
+                    err(i, f"args.parts sum to {total_us} µs but the slice lasts {dur} µs")
+        tracks.setdefault((ev.get("pid"), ev.get("tid")), []).append((ts, ts + dur, i))
+    for key, items in tracks.items():
+        if key not in named_threads:
+            err(items[0][2], f"track pid={key[0]} tid={key[1]} has no thread_name")
+        items.sort(key=lambda x: (x[0], -(x[1] - x[0])))
+        stack: list[tuple[float, float, int]] = []
+        for a, b, i in items:
+            while stack and stack[-1][1] <= a + TOL_US:
+                stack.pop()
+            if stack and b > stack[-1][1] + TOL_US:
+                j = stack[-1][2]
+                err(
+                    i,
+                    f"slice [{a}, {b}] µs on pid={key[0]} tid={key[1]} overlaps event "
+                    f"{j} [{stack[-1][0]}, {stack[-1][1]}] without nesting",
+                )
+                continue
+            stack.append((a, b, i))
+    return errs
+
+
+# -- live trace while a run records ----------------------------------------------------
+
+
+class LiveChromeTrace:
+    """Write a Chrome trace (JSON Array Format) while a `Recorder` runs.
+
+        rec = tracekit.Recorder("raw/run.npz", config=...)
+        live = LiveChromeTrace("raw/run.trace.json", rec)   # before rec.start()
+        with rec:
+            ...                                             # serve
+        # the array is closed when the recorder stops
+
+    Every flushed chunk of the recorder (`Recorder.add_flush_listener`) is turned into
+    events on a background thread and appended to the file, so the engine loop never
+    formats JSON or waits on disk. Events are formatted as strings, never as per-event
+    Python containers, so the live trace does not feed the garbage collector it measures.
+    A killed run leaves a file without its closing ``]``, which Perfetto and
+    chrome://tracing open anyway (`read_trace` reads it too).
+
+    Tracks: the engine loop (steps and, on nested tracks per thread, segments), gc,
+    counters, and per request its gaps (named ``gap``: the partition needs the whole run,
+    so the cause of each gap is in the post-run trace, ``tracekit trace``) and its
+    evictions on a second track ``req ID evictions``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], recorder: Any) -> None:
+        self.path = os.fspath(path)
+        self._rec = recorder
+        self._fh = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._fh.write("[\n")
+        self._n = 0
+        self._q: queue.Queue[dict[str, np.ndarray] | None] = queue.Queue()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._labels: list[str] = []
+        self._req_names: list[str] = []
+        self._counter_names: list[str] = []
+        self._named_tids: set[tuple[int, int]] = set()
+        self._last_emit: dict[int, tuple[int, int]] = {}  # request -> (tick, step)
+        self._open_evict: dict[int, int] = {}
+        self._thread = threading.Thread(target=self._run, name="tracekit-live-trace", daemon=True)
+        self._thread.start()
+        self._write_raw(
+            [
+                _dump(_meta(PID_ENGINE, None, "process_name", "engine")),
+                _dump(_meta(PID_REQUESTS, None, "process_name", "requests")),
+                _dump(_meta(PID_ENGINE, TID_LOOP, "thread_name", "engine loop")),
+                _dump(_meta(PID_ENGINE, TID_GC, "thread_name", "gc")),
+            ]
+        )
+        recorder.add_flush_listener(self._on_chunk)
+
+    # called on the recorder's thread: hand over and return
+    def _on_chunk(self, chunk: dict[str, np.ndarray]) -> None:
+        if self._closed:
+            return
+        self._q.put(chunk)
+        if "stop_tick" in chunk:  # the recorder's last flush: finish the file now
+            self.close()
+
+    def close(self) -> None:
+        """Write what is queued, close the JSON array and the file (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._q.put(None)
+        self._thread.join()
+        self._fh.write("\n]\n")
+        self._fh.close()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._q.get()
+            if chunk is None:
+                return
+            try:
+                self._write_raw(self._chunk_events(chunk))
+                self._fh.flush()
+            except BaseException as e:  # keep the engine running; report at close
+                self._error = e
+
+    def _write_raw(self, texts: list[str]) -> None:
+        fh = self._fh
+        for t in texts:
+            fh.write(t if self._n == 0 else ",\n" + t)
+            self._n += 1
+
+    def _clock(self) -> tuple[int, float]:
+        rec = self._rec
+        return int(rec._t0_tick), float(rec._seconds_per_tick)
+
+    def _thread_meta(self, pid: int, tid: int, name: str) -> list[str]:
+        if (pid, tid) in self._named_tids:
+            return []
+        self._named_tids.add((pid, tid))
+        return [_dump(_meta(pid, tid, "thread_name", name))]
+
+    def _chunk_events(self, chunk: dict[str, np.ndarray]) -> list[str]:
+        from ..stream import EVICT, TABLE_COLS
+
+        t0, scale = self._clock()
+        us_per_tick = scale * 1e6
+
+        def us(tick: int) -> float:
+            return round((tick - t0) * us_per_tick, 3)
+
+        def rows(name: str) -> list[list[Any]]:
+            a = chunk.get(name)
+            if a is None or not a.size:
+                return []
+            return a.reshape(-1, len(TABLE_COLS[name])).tolist()
+
+        self._labels = [str(x) for x in chunk.get("labels", self._labels)]
+        self._counter_names = [str(x) for x in chunk.get("counter_names", self._counter_names)]
+        start = int(chunk.get("request_ids_start", len(self._req_names)))
+        new = [str(x) for x in chunk.get("request_ids", [])]
+        self._req_names[start : start + len(new)] = new
+        out: list[str] = []
+        # engine loop: steps, then segments (per thread and device flag, nested tracks)
+        for s0, s1, nd, npf, gs, npre, nsw in rows("steps"):
+            out.append(
+                f'{{"ph":"X","pid":{PID_ENGINE},"tid":{TID_LOOP},"ts":{us(s0)},'
+                f'"dur":{round(us(s1) - us(s0), 3)},"name":"step","args":{{"num_decode":{nd},'
+                f'"num_prefill_tokens":{npf},"graph_size":{gs},"num_preempted":{npre},'
+                f'"num_swapped_in":{nsw}}}}}'
+            )
+        for step, lab, a, b, th, dev in rows("segments"):
+            # the loop thread's segments nest inside its steps (context managers nest)
+            tid = TID_LOOP if (th, dev) == (0, 0) else (TID_DEVICE if dev else TID_THREADS) + th
+            if tid != TID_LOOP:
+                out += self._thread_meta(PID_ENGINE, tid, f"{'device' if dev else 'thread'} {th}")
+            name = self._labels[lab] if 0 <= lab < len(self._labels) else f"label {lab}"
+            out.append(
+                f'{{"ph":"X","pid":{PID_ENGINE},"tid":{tid},"ts":{us(a)},'
+                f'"dur":{round(us(b) - us(a), 3)},"name":{json.dumps(name)},'
+                f'"args":{{"step":{step}}}}}'
+            )
+        for a, b, g in rows("gc_pauses"):
+            out.append(
+                f'{{"ph":"X","pid":{PID_ENGINE},"tid":{TID_GC},"ts":{us(a)},'
+                f'"dur":{round(us(b) - us(a), 3)},"name":"gc","args":{{"generation":{g}}}}}'
+            )
+        for n, t, v in rows("counters"):
+            n = int(n)
+            name = self._counter_names[n] if 0 <= n < len(self._counter_names) else f"counter {n}"
+            if math.isfinite(v):
+                out.append(
+                    f'{{"ph":"C","pid":{PID_ENGINE},"ts":{us(int(t))},"name":{json.dumps(name)},'
+                    f'"args":{{"value":{v!r}}}}}'
+                )
+        for r, t, step, ntok in rows("emissions"):
+            prev = self._last_emit.get(r)
+            self._last_emit[r] = (t, step)
+            if prev is None:
+                out += self._thread_meta(PID_REQUESTS, 1 + r, f"req {self._req_name(r)}")
+                continue
+            out.append(
+                f'{{"ph":"X","pid":{PID_REQUESTS},"tid":{1 + r},"ts":{us(prev[0])},'
+                f'"dur":{round(us(t) - us(prev[0]), 3)},"name":"gap","args":{{"gap_ms":'
+                f'{round((t - prev[0]) * scale * 1e3, 6)},"step0":{prev[1]},"step1":{step},'
+                f'"num_tokens":{ntok}}}}}'
+            )
+        for r, kind, t, _mode in rows("events"):
+            tid = 100_000 + r
+            if kind == EVICT:
+                self._open_evict[r] = t
+                continue
+            a = self._open_evict.pop(r, None)
+            if a is None:
+                continue
+            out += self._thread_meta(PID_REQUESTS, tid, f"req {self._req_name(r)} evictions")
+            out.append(
+                f'{{"ph":"X","pid":{PID_REQUESTS},"tid":{tid},"ts":{us(a)},'
+                f'"dur":{round(us(t) - us(a), 3)},"name":"evicted","args":{{}}}}'
+            )
+        return out
+
+    def _req_name(self, r: int) -> str:
+        return self._req_names[r] if 0 <= r < len(self._req_names) else str(r)
+
+
+def _dump(ev: Mapping[str, Any]) -> str:
+    return json.dumps(ev, separators=(",", ":"))
