@@ -53,3 +53,51 @@ def gap_records(
             }
         )
     return out
+
+
+def worst_gaps(
+    log: RawLog, part: Partition | None = None, n: int = 10, *, max_steps: int = 12
+) -> list[dict[str, Any]]:
+    """The `n` longest gaps of the run, longest first, as `gap_records` plus the engine
+    steps each one spans (every step overlapping ``[t0, t1]``; of more than `max_steps`,
+    the first and last halves, since a long gap starts and ends where its cause is;
+    `num_steps` counts all): index, start (s), duration (ms), the step's attributes and
+    its segment time by label (ms)."""
+    p = part if part is not None else partition(log)
+    if n <= 0 or len(p) == 0:
+        return []
+    order = np.lexsort((np.arange(len(p)), -p.gap_ms))[:n]  # longest first, stable
+    records = gap_records(log, p, index=order)
+    st, sg = log.steps, log.segments
+    seg_ms: dict[int, dict[str, float]] = {}
+    if len(sg):
+        names = list(log.labels)
+        dur = (sg.t_end_s - sg.t_start_s) * 1e3
+        for s, lb, d in zip(sg.step.tolist(), sg.label.tolist(), dur.tolist(), strict=True):
+            if s >= 0:
+                row = seg_ms.setdefault(s, {})
+                name = names[lb] if 0 <= lb < len(names) else str(lb)
+                row[name] = row.get(name, 0.0) + d
+    t_start, t_end = st.t_start_s, st.t_end_s
+    for rec in records:
+        # steps overlapping the gap: started before it ended, ended after it started
+        hit = np.flatnonzero((t_start < rec["t1"]) & (t_end > rec["t0"]))
+        rec["num_steps"] = int(len(hit))
+        if len(hit) > max_steps:
+            half = max(max_steps // 2, 1)
+            hit = np.concatenate([hit[:half], hit[-half:]])
+        rec["steps"] = [
+            {
+                "step": i,
+                "t_start": float(t_start[i]),
+                "dur_ms": float((t_end[i] - t_start[i]) * 1e3),
+                "num_decode": int(st.num_decode[i]),
+                "num_prefill_tokens": int(st.num_prefill_tokens[i]),
+                "graph_size": int(st.graph_size[i]),
+                "num_preempted": int(st.num_preempted[i]),
+                "num_swapped_in": int(st.num_swapped_in[i]),
+                "segments_ms": seg_ms.get(i, {}),
+            }
+            for i in hit.tolist()
+        ]
+    return records

@@ -1,0 +1,116 @@
+"""The HTML report: renders in a real headless Chromium with no console error and no
+request beyond the file itself, every chart drawn; byte-identical twice; everything that
+comes from a log escaped."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+
+from tests.browser import chromium_path, open_page
+from tests.synthlog import synthetic_log
+from tracekit.analysis import analyze
+from tracekit.cli import main
+from tracekit.compare import compare
+from tracekit.gaps import worst_gaps
+from tracekit.partition import partition
+from tracekit.render.html import ReportRun, render_report, script_json
+
+EVIL = "<script>alert(1)</script>"
+EVIL_ID = '"><img src=x onerror=alert(2)>'
+
+
+def evil_log(seed: int, rung: str):
+    """A run whose label, config value and request id are all HTML."""
+    log = synthetic_log(duration_s=2.0, seed=seed, rung=rung, extra_label=EVIL)
+    ids = list(log.request_ids)
+    ids[0] = EVIL_ID
+    return replace(log, request_ids=tuple(ids), config={**log.config, "note": EVIL})
+
+
+@pytest.fixture(scope="module")
+def raw_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("raw")
+    paths = []
+    for rung in ("baseline", f"+fix {EVIL}"):
+        for seed in (1, 2):
+            p = d / f"{'fix' if 'fix' in rung else 'base'}-{seed}.npz"
+            evil_log(seed, rung).save(p)
+            paths.append(str(p))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def report_path(raw_runs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("html") / "report.html"
+    res = CliRunner().invoke(main, ["report", *raw_runs, "-o", str(out), "--worst", "5"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def stub_page(runs_paths) -> str:
+    """The page with a stub instead of plotly.js, so it is all ours to inspect."""
+    from tracekit.rawlog import load
+
+    runs = []
+    for p in runs_paths:
+        log = load(p)
+        part = partition(log)
+        runs.append(ReportRun(analyze(log, part), worst_gaps(log, part, 5)))
+    return render_report(runs, compare([r.analysis for r in runs]), plotly_js="/*plotly*/")
+
+
+def test_same_input_gives_byte_identical_html(raw_runs, report_path, tmp_path):
+    again = tmp_path / "again.html"
+    res = CliRunner().invoke(main, ["report", *raw_runs, "-o", str(again), "--worst", "5"])
+    assert res.exit_code == 0, res.output
+    assert again.read_bytes() == report_path.read_bytes()
+
+
+def test_everything_from_a_log_is_escaped(raw_runs):
+    page = stub_page(raw_runs)
+    # only our own four script elements: nothing from a log opens or closes one
+    assert page.count("<script") == 4 and page.count("</script") == 4
+    assert EVIL not in page and "<img" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # in tables, as text
+    assert "onerror=alert(2)&gt;" in page  # the request id, in the worst-gaps table
+    figures = page.split('id="tk-figures">')[1].split("</script>")[0]
+    assert "<" not in figures and ">" not in figures and "&" not in figures
+    assert "\\u0026lt;script\\u0026gt;" in figures  # chart text: HTML-, then JSON-escaped
+    low = page.lower()
+    assert "http://" not in low and "https://" not in low and "mathjax" not in low
+    assert "<link" not in low and " src=" not in low.replace("src=x", "")
+
+
+def test_script_json_cannot_close_a_script():
+    s = script_json({"a": "</script><!--", "b": float("nan"), "c": "\u2028&"})
+    assert "<" not in s and ">" not in s and "&" not in s and "\u2028" not in s
+    assert '"b":null' in s
+
+
+@pytest.mark.skipif(
+    chromium_path() is None,
+    reason="chromium is not installed (apt-get install -y chromium); the report is not opened",
+)
+def test_report_renders_in_headless_chromium(report_path):
+    charts = (
+        "JSON.stringify(Array.from(document.querySelectorAll('.chart'))"
+        ".map(d => [d.id, d.querySelectorAll('.main-svg').length,"
+        " d.querySelectorAll('.point, .bars path, .trace').length]))"
+    )
+    page = open_page(
+        report_path.as_uri(),
+        ready="document.body && document.body.getAttribute('data-charts')",
+        expression=charts,
+        timeout_s=25,
+    )
+    assert page.console_errors == [] and page.exceptions == []
+    assert page.requests == [report_path.as_uri()], "the report must load nothing else"
+    import json
+
+    drawn = json.loads(page.value)
+    assert [d[0] for d in drawn] == ["tk-hist", "tk-tail", "tk-ladder", "tk-fwd", "tk-ttft"]
+    for div, svgs, marks in drawn:
+        assert svgs >= 1 and marks >= 1, (div, svgs, marks)

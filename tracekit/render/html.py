@@ -1,0 +1,670 @@
+"""The HTML report: one self-contained file that opens offline.
+
+plotly.js is inlined once (`plotly.offline.get_plotlyjs()`); nothing else is loaded: no
+CDN, no web font, no MathJax. The same input gives byte-identical HTML (fixed element
+ids, no timestamps, figures serialised with sorted keys).
+
+Safety: every string that comes from a log (labels, config values, request ids, paths)
+is HTML-escaped where it lands in the page and in chart text (plotly draws pseudo-HTML
+in labels), and the figures' JSON inside ``<script>`` has ``<``, ``>`` and ``&`` written
+as ``\\u003c``, ``\\u003e``, ``\\u0026``, so nothing in a log can close the script.
+
+Sections: summary per run and per group; the ITL histogram by primary cause; tail-time
+share by cause with tail-gap counts beside it; the ladder (p99 and p99.9, median with
+[min-max] whiskers per group); forward-pass share of clean vs tail gaps; TTFT; the worst
+gaps of each run with their partition and the steps they spanned.
+
+Pure rendering: it consumes `RunAnalysis`, `Comparison` and `tracekit.gaps.worst_gaps`
+records and returns a string.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import __version__
+from ..analysis import RunAnalysis
+from ..compare import FIGURES, Comparison
+from ..labels import colour
+from . import text
+
+#: Colours that are not labels: the two sides of the forward-share and TTFT charts.
+_INK = "#333333"
+_LIGHT = "#BBBBBB"
+_CONFIG = {"displaylogo": False, "responsive": True}
+
+
+@dataclass(frozen=True)
+class ReportRun:
+    """What the report shows of one run."""
+
+    analysis: RunAnalysis
+    worst_gaps: list[dict[str, Any]] = field(default_factory=list)  # gaps.worst_gaps
+
+
+def esc(x: Any) -> str:
+    """HTML-escape anything for the page (quotes too: values also go into attributes)."""
+    return html.escape(str(x), quote=True)
+
+
+def script_json(obj: Any) -> str:
+    """JSON safe inside ``<script>``: sorted keys, no NaN, and ``< > &`` (and the JS line
+    separators) escaped so no string can end the script or open a comment."""
+    s = json.dumps(_finite(obj), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return (
+        s.replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
+    )
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _f(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.{nd}f}"
+
+
+def run_labels(runs: Sequence[RunAnalysis]) -> list[str]:
+    """A short, unique name per run: the file name, or the whole path where names repeat."""
+    base = [os.path.basename(a.path) or a.path for a in runs]
+    names = []
+    for i, (a, b) in enumerate(zip(runs, base, strict=True)):
+        name = a.path if base.count(b) > 1 else b
+        names.append(name if names.count(name) == 0 else f"{name} #{i + 1}")
+    return names
+
+
+def _bin_names(a: RunAnalysis) -> list[str]:
+    return [
+        f"{b.lo_ms:g}-{b.hi_ms:g}" if math.isfinite(b.hi_ms) else f"{b.lo_ms:g}+" for b in a.hist
+    ]
+
+
+def _causes(runs: Sequence[RunAnalysis]) -> list[str]:
+    """Primary causes in display order: `clean` first, then as the runs list them."""
+    out = ["clean"]
+    for a in runs:
+        for b in a.hist:
+            out += [c for c in b.by_primary if c not in out]
+        out += [c for c in a.tail_count if c not in out]
+    return out
+
+
+# -- figures (plain plotly JSON) --------------------------------------------------------
+
+
+def _layout(title: str, **kw: Any) -> dict[str, Any]:
+    lay: dict[str, Any] = {
+        "title": {"text": esc(title), "x": 0.01, "xanchor": "left", "font": {"size": 15}},
+        "font": {
+            "family": "system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif",
+            "size": 12,
+        },  # fmt: skip
+        "paper_bgcolor": "#ffffff",
+        "plot_bgcolor": "#ffffff",
+        "margin": {"l": 60, "r": 20, "t": 60, "b": 60},
+        "legend": {"orientation": "h", "y": -0.18},
+        "hovermode": "closest",
+    }
+    lay.update(kw)
+    return lay
+
+
+def _axis(title: str, **kw: Any) -> dict[str, Any]:
+    ax = {"title": {"text": esc(title)}, "gridcolor": "#eeeeee", "zerolinecolor": "#cccccc"}
+    ax.update(kw)
+    return ax
+
+
+def histogram_figure(runs: Sequence[RunAnalysis], names: Sequence[str]) -> dict[str, Any]:
+    """Stacked bars of gap counts per ITL bin, one colour per primary cause; a menu picks
+    the run (runs are never pooled) and the y scale."""
+    causes = _causes(runs)
+    data: list[dict[str, Any]] = []
+    owner: list[int] = []
+    for k, a in enumerate(runs):
+        x = _bin_names(a)
+        for c in causes:
+            y = [b.by_primary.get(c, 0) for b in a.hist]
+            if not any(y) and c != "clean":
+                continue
+            data.append(
+                {
+                    "type": "bar",
+                    "name": esc(c),
+                    "legendgroup": esc(c),
+                    "x": x,
+                    "y": y,
+                    "marker": {"color": colour(c)},
+                    "visible": k == 0,
+                    "hovertemplate": f"%{{x}} ms: %{{y}} gaps, primary {esc(c)}<extra></extra>",
+                }
+            )
+            owner.append(k)
+    menus = [
+        {
+            "type": "buttons",
+            "direction": "right",
+            "x": 1.0,
+            "xanchor": "right",
+            "y": 1.12,
+            "yanchor": "bottom",
+            "showactive": True,
+            "buttons": [
+                {"label": "log y", "method": "relayout", "args": [{"yaxis.type": "log"}]},
+                {"label": "linear y", "method": "relayout", "args": [{"yaxis.type": "linear"}]},
+            ],
+        }
+    ]
+    if len(runs) > 1:
+        menus.append(
+            {
+                "type": "dropdown",
+                "x": 0.78,
+                "xanchor": "right",
+                "y": 1.12,
+                "yanchor": "bottom",
+                "showactive": True,
+                "buttons": [
+                    {
+                        "label": esc(n),
+                        "method": "restyle",
+                        "args": [{"visible": [o == k for o in owner]}],
+                    }
+                    for k, n in enumerate(names)
+                ],
+            }
+        )
+    title = "ITL histogram by primary cause" + (f" ({names[0]})" if len(runs) == 1 else "")
+    return {
+        "data": data,
+        "layout": _layout(
+            title,
+            barmode="stack",
+            height=430,
+            margin={"l": 60, "r": 20, "t": 90, "b": 60},
+            xaxis=_axis("inter-token gap (ms), bins [lo, hi)", type="category"),
+            yaxis=_axis("gaps", type="log"),
+            updatemenus=menus,
+        ),
+    }
+
+
+def tail_share_figure(
+    rows: Sequence[tuple[str, Mapping[str, float], Mapping[str, float]]],
+    labels: Sequence[str],
+    causes: Sequence[str],
+    per: str,
+) -> dict[str, Any]:
+    """Left: share of tail time by label (%). Right: tail gaps by primary cause (count).
+    `rows` are (name, tail share by label, tail count by cause), top to bottom."""
+    y = [esc(r[0]) for r in rows]
+    data: list[dict[str, Any]] = []
+    for lb in labels:
+        xs = [100 * r[1].get(lb, 0.0) for r in rows]
+        if not any(xs):
+            continue
+        data.append(
+            {
+                "type": "bar",
+                "orientation": "h",
+                "name": esc(lb),
+                "legendgroup": esc(lb),
+                "x": xs,
+                "y": y,
+                "marker": {"color": colour(lb)},
+                "xaxis": "x",
+                "yaxis": "y",
+                "hovertemplate": f"%{{y}}: {esc(lb)} %{{x:.1f}}% of tail time<extra></extra>",
+            }
+        )
+    shown = {d["legendgroup"] for d in data}
+    for c in causes:
+        xs = [r[2].get(c, 0) for r in rows]
+        if not any(xs):
+            continue
+        data.append(
+            {
+                "type": "bar",
+                "orientation": "h",
+                "name": esc(c),
+                "legendgroup": esc(c),
+                "showlegend": esc(c) not in shown,
+                "x": xs,
+                "y": y,
+                "marker": {"color": colour(c)},
+                "xaxis": "x2",
+                "yaxis": "y2",
+                "hovertemplate": f"%{{y}}: %{{x}} tail gaps, primary {esc(c)}<extra></extra>",
+            }
+        )
+    h = max(300, 170 + 28 * len(rows))
+    return {
+        "data": data,
+        "layout": _layout(
+            f"Where the tail went, per {per}: time (share of tail-gap time by label) and "
+            "count (tail gaps by primary cause)",
+            barmode="stack",
+            height=h,
+            margin={"l": 160, "r": 20, "t": 60, "b": 110},
+            legend={"orientation": "h", "y": -0.1, "yanchor": "top", "yref": "container"},
+            xaxis=_axis("share of tail time (%)", domain=[0.0, 0.48], range=[0, 100]),
+            yaxis=_axis("", autorange="reversed", type="category"),
+            xaxis2=_axis("tail gaps (count)", domain=[0.55, 1.0], anchor="y2"),
+            yaxis2=_axis(
+                "", autorange="reversed", type="category", anchor="x2", showticklabels=False
+            ),
+        ),
+    }
+
+
+def ladder_figure(cmp: Comparison) -> dict[str, Any]:
+    """p99 and p99.9 per group: median with [min-max] whiskers across runs, log y."""
+    x = [esc(g.key) for g in cmp.groups]
+    data = []
+    for name, label, col in (("itl_p99", "p99", _LIGHT), ("itl_p999", "p99.9", _INK)):
+        med = [g.figures[name].median for g in cmp.groups]
+        lo = [g.figures[name].lo for g in cmp.groups]
+        hi = [g.figures[name].hi for g in cmp.groups]
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": f"ITL {label}",
+                "x": x,
+                "y": med,
+                "marker": {"color": col, "size": 9},
+                "line": {"color": col},
+                "error_y": {
+                    "type": "data",
+                    "symmetric": False,
+                    "array": [h - m for h, m in zip(hi, med, strict=True)],
+                    "arrayminus": [m - v for m, v in zip(med, lo, strict=True)],
+                    "color": col,
+                    "thickness": 1.5,
+                    "width": 6,
+                },
+                "customdata": [[a, b] for a, b in zip(lo, hi, strict=True)],
+                "hovertemplate": (
+                    f"%{{x}}: {label} %{{y:.1f}} ms [%{{customdata[0]:.1f}}-"
+                    "%{customdata[1]:.1f}]<extra></extra>"
+                ),
+            }
+        )
+    return {
+        "data": data,
+        "layout": _layout(
+            f"The ladder: ITL p99 and p99.9 per {cmp.by}, median with [min-max] across runs",
+            height=420,
+            xaxis=_axis(cmp.by, type="category"),
+            yaxis=_axis("ITL (ms)", type="log"),
+        ),
+    }
+
+
+def forward_share_figure(runs: Sequence[RunAnalysis], names: Sequence[str]) -> dict[str, Any]:
+    """Median forward-pass share of a gap, clean gaps vs tail gaps, per run."""
+    x = [esc(n) for n in names]
+    data = [
+        {
+            "type": "bar",
+            "name": name,
+            "x": x,
+            "y": [100 * getattr(a, attr) for a in runs],
+            "marker": {"color": col},
+            "hovertemplate": f"%{{x}}: {name} %{{y:.0f}}% forward<extra></extra>",
+        }
+        for attr, name, col in (
+            ("fwd_share_clean_median", "clean gaps", _LIGHT),
+            ("fwd_share_tail_median", "tail gaps", _INK),
+        )
+    ]
+    return {
+        "data": data,
+        "layout": _layout(
+            "Forward pass share of a gap (median): clean gaps vs tail gaps",
+            barmode="group",
+            height=380,
+            xaxis=_axis("run", type="category"),
+            yaxis=_axis("forward / gap (%)", range=[0, 100]),
+        ),
+    }
+
+
+def ttft_figure(runs: Sequence[RunAnalysis], names: Sequence[str]) -> dict[str, Any]:
+    """TTFT p50 and p99 per run (ms)."""
+    x = [esc(n) for n in names]
+    data = [
+        {
+            "type": "bar",
+            "name": name,
+            "x": x,
+            "y": [getattr(a, attr) for a in runs],
+            "marker": {"color": col},
+            "hovertemplate": f"%{{x}}: {name} %{{y:.0f}} ms<extra></extra>",
+        }
+        for attr, name, col in (("ttft_p50", "TTFT p50", _LIGHT), ("ttft_p99", "TTFT p99", _INK))
+    ]
+    return {
+        "data": data,
+        "layout": _layout(
+            "Time to first token per run (arrival to first token)",
+            barmode="group",
+            height=380,
+            xaxis=_axis("run", type="category"),
+            yaxis=_axis("TTFT (ms)"),
+        ),
+    }
+
+
+# -- tables -----------------------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "") -> str:
+    """Cells are already HTML (escape before); the first column is left-aligned."""
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    c = f' class="{cls}"' if cls else ""
+    return f"<table{c}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def run_table(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
+    header = ["run", "rung", "seed", "requests", "gaps", "tok/s", "p50", "p90", "p99",
+              "p99.9", "max", "TTFT p50", "TTFT p99", "preemptions", "eager steps",
+              "gc gen 0/1/2", "reconcile err (ms)"]  # fmt: skip
+    rows = []
+    for a, n in zip(runs, names, strict=True):
+        gc = "/".join(str(a.gc_counts.get(g, 0)) for g in ("0", "1", "2"))
+        rows.append(
+            [
+                esc(n),
+                esc(a.rung if a.rung is not None else "-"),
+                esc(a.seed if a.seed is not None else "-"),
+                str(a.requests),
+                str(a.gaps),
+                _f(a.tok_per_s, 0),
+                _f(a.itl_p50),
+                _f(a.itl_p90),
+                _f(a.itl_p99),
+                _f(a.itl_p999),
+                _f(a.itl_max),
+                _f(a.ttft_p50, 0),
+                _f(a.ttft_p99, 0),
+                str(a.preemptions),
+                str(a.eager_steps),
+                gc,
+                f"{a.reconcile_max_err_ms:.1e}",
+            ]
+        )
+    return _table([esc(h) for h in header], rows)
+
+
+def run_share_table(runs: Sequence[RunAnalysis], names: Sequence[str], labels) -> str:
+    header = ["run", "p99 (ms)", *labels]
+    rows = [
+        [esc(n), _f(a.itl_p99)] + [f"{100 * a.tail_share.get(lb, 0.0):.1f}%" for lb in labels]
+        for a, n in zip(runs, names, strict=True)
+    ]
+    return _table([_swatch(h) if h in labels else esc(h) for h in header], rows)
+
+
+def group_tables(cmp: Comparison) -> str:
+    names = [n for n, _ in FIGURES]
+    nds = {n: text.column_decimals([g.figures[n] for g in cmp.groups]) for n in names}
+    header = [cmp.by, "runs", *(text.FIGURE_HEADERS.get(n, n) for n in names)]
+    rows = [
+        [esc(g.key), str(g.num_runs), *(text.spread_cell(g.figures[n], nds[n]) for n in names)]
+        for g in cmp.groups
+    ]
+    shares = [
+        [esc(g.key)] + [f"{100 * g.tail_share.get(lb, 0.0):.1f}%" for lb in cmp.labels]
+        for g in cmp.groups
+    ]
+    return (
+        _table([esc(h) for h in header], rows)
+        + f"<p class=note>Median tail-time share per {esc(cmp.by)} (median across runs, "
+        "so a row need not sum to 100%):</p>"
+        + _table([esc(cmp.by)] + [_swatch(lb) for lb in cmp.labels], shares)
+    )
+
+
+def _swatch(label: str) -> str:
+    return f'<span class=sw style="background:{colour(label)}"></span>{esc(label)}'
+
+
+def _parts_bar(parts: Mapping[str, float], total_ms: float) -> str:
+    cells = []
+    for lb, v in parts.items():
+        if v <= 0 or total_ms <= 0:
+            continue
+        w = 100 * v / total_ms
+        cells.append(
+            f'<span style="width:{w:.2f}%;background:{colour(lb)}" '
+            f'title="{esc(lb)} {v:.1f} ms"></span>'
+        )
+    return f"<div class=bar>{''.join(cells)}</div>"
+
+
+def _parts_text(parts: Mapping[str, float], total_ms: float) -> str:
+    items = sorted(((v, lb) for lb, v in parts.items() if v > 0), key=lambda t: -t[0])
+    return ", ".join(
+        f"{_swatch(lb)} {v:.1f} ({100 * v / total_ms:.0f}%)" if total_ms > 0 else esc(lb)
+        for v, lb in items
+    )
+
+
+def worst_gaps_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool) -> str:
+    if not records:
+        return f"<details><summary>{esc(name)}: no gaps</summary></details>"
+    rows = []
+    for k, g in enumerate(records, 1):
+        steps = g.get("steps", [])
+        step_rows = [
+            [
+                str(s["step"]),
+                f"{s['t_start']:.4f}",
+                _f(s["dur_ms"], 2),
+                str(s["num_decode"]),
+                str(s["num_prefill_tokens"]),
+                {-1: "no decode", 0: "eager"}.get(s["graph_size"], str(s["graph_size"])),
+                str(s["num_preempted"]),
+                str(s["num_swapped_in"]),
+                ", ".join(f"{esc(lb)} {v:.2f}" for lb, v in s["segments_ms"].items()),
+            ]
+            for s in steps
+        ]
+        more = g.get("num_steps", len(steps)) - len(steps)
+        note = f"<p class=note>{more} steps in between not listed.</p>" if more > 0 else ""
+        step_table = _table(
+            ["step", "start (s)", "ms", "decode rows", "prefill tok", "graph", "preempted",
+             "swapped in", "segments (ms)"],
+            step_rows, "steps",
+        )  # fmt: skip
+        ctx = g.get("context") or {}
+        ctx_html = (
+            f"<p class=note>While evicted, the engine ran: {_parts_text(ctx, sum(ctx.values()))}"
+            "</p>"
+            if ctx
+            else ""
+        )
+        rows.append(
+            [
+                str(k),
+                esc(g["request"]),
+                f"{g['t0']:.4f}",
+                _f(g["gap_ms"]),
+                _swatch(g["primary"]),
+                _parts_bar(g["parts"], g["gap_ms"]) + _parts_text(g["parts"], g["gap_ms"]),
+                f"<details><summary>{g.get('num_steps', len(steps))} steps "
+                f"({g['step0']}-{g['step1']})</summary>{step_table}{note}{ctx_html}</details>",
+            ]
+        )
+    table = _table(
+        ["#", "request", "t0 (s)", "gap (ms)", "primary", "partition (ms by label)", "steps"],
+        rows,
+        "worst",
+    )
+    op = " open" if open_ else ""
+    return f"<details{op}><summary>{esc(name)}</summary>{table}</details>"
+
+
+# -- the page ---------------------------------------------------------------------------
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px;
+color:#222;max-width:1400px}
+h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
+p.note,.note{color:#666;font-size:12px;margin:4px 0}
+table{border-collapse:collapse;font-size:12px;margin:6px 0 12px}
+th,td{padding:3px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top}
+th:first-child,td:first-child{text-align:left}
+table.worst td:nth-child(n+5),table.steps td:last-child{text-align:left}
+thead th{background:#f6f6f6}
+.sw{display:inline-block;width:10px;height:10px;margin-right:4px;border-radius:2px}
+.bar{display:flex;width:260px;height:12px;background:#f2f2f2;margin-bottom:3px}
+.bar span{display:block;height:12px}
+.chart{width:100%;min-height:260px}
+ul{font-size:12px}
+summary{cursor:pointer;font-weight:600;margin:6px 0}
+code{background:#f4f4f4;padding:0 3px}
+"""
+
+_LOADER = """
+(function(){
+  var figs = JSON.parse(document.getElementById("tk-figures").textContent);
+  var config = JSON.parse(document.getElementById("tk-config").textContent);
+  var ids = Object.keys(figs), done = [];
+  for (var i = 0; i < ids.length; i++) {
+    var f = figs[ids[i]];
+    done.push(Plotly.newPlot(ids[i], f.data, f.layout, config));
+  }
+  Promise.all(done).then(function(){
+    document.body.setAttribute("data-charts", String(ids.length));
+  });
+})();
+"""
+
+
+def render_report(
+    runs: Sequence[ReportRun],
+    comparison: Comparison,
+    *,
+    title: str = "tracekit report",
+    plotly_js: str | None = None,
+) -> str:
+    """The whole page as one string. `plotly_js` overrides the inlined bundle (tests)."""
+    if plotly_js is None:
+        from plotly.offline import get_plotlyjs
+
+        plotly_js = get_plotlyjs()
+    analyses = [r.analysis for r in runs]
+    names = run_labels(analyses)
+    labels = list(comparison.labels)
+    causes = _causes(analyses)
+    grouped = any(g.num_runs > 1 for g in comparison.groups)
+
+    figs: dict[str, dict[str, Any]] = {}
+    sections: list[str] = []
+
+    def chart(div_id: str, fig: dict[str, Any], note: str = "") -> str:
+        figs[div_id] = fig
+        h = int(fig["layout"].get("height", 400))
+        n = f"<p class=note>{note}</p>" if note else ""
+        return f'<div id="{div_id}" class="chart" style="height:{h}px"></div>{n}'
+
+    n_runs = len(analyses)
+    sections.append(
+        f"<h1>{esc(title)}</h1><p class=note>{n_runs} run{'s' if n_runs != 1 else ''}, "
+        f"{len(comparison.groups)} group{'s' if len(comparison.groups) != 1 else ''} by "
+        f"<code>{esc(comparison.by)}</code>. ITL and TTFT in ms. The tail of a run is its gaps at "
+        "or above its own p99; runs are the unit of evidence (figures are per run, or the "
+        f"median and [min-max] across runs). tracekit {esc(__version__)}.</p>"
+    )
+    sections.append("<h2>Runs</h2>" + run_table(analyses, names))
+    sections.append(
+        "<p class=note>Share of tail time by label, per run (each row sums to 100%):</p>"
+        + run_share_table(analyses, names, labels)
+    )
+    sections.append(f"<h2>Groups by {esc(comparison.by)}</h2>" + group_tables(comparison))
+    warn = [(n, w) for a, n in zip(analyses, names, strict=True) for w in a.warnings]
+    if warn:
+        sections.append(
+            "<h2>Warnings</h2><ul>"
+            + "".join(f"<li>{esc(n)}: {esc(w)}</li>" for n, w in warn)
+            + "</ul>"
+        )
+    sections.append(
+        "<h2>ITL histogram by primary cause</h2>"
+        + chart(
+            "tk-hist",
+            histogram_figure(analyses, names),
+            "A gap's primary cause is its largest cause if that is at least 1 ms and 25% of "
+            "the gap; otherwise it is clean. Pick the run in the menu; runs are not pooled.",
+        )
+    )
+    if grouped:
+        rows = [(g.key, g.tail_share, g.tail_count) for g in comparison.groups]
+        per, note = comparison.by, "Medians across the runs of each group."
+    else:
+        rows = [(n, a.tail_share, a.tail_count) for a, n in zip(analyses, names, strict=True)]
+        per, note = "run", ""
+    sections.append(
+        "<h2>Where the tail went</h2>"
+        + chart(
+            "tk-tail",
+            tail_share_figure(rows, labels, causes, per),
+            "Time and count disagree: a cause can cross p99 often and hold little tail time, "
+            "or rarely and hold most of it. " + note,
+        )
+    )
+    sections.append(
+        f"<h2>The ladder</h2>{chart('tk-ladder', ladder_figure(comparison))}"
+        f"<h2>Forward pass in clean and tail gaps</h2>"
+        f"{chart('tk-fwd', forward_share_figure(analyses, names))}"
+        f"<h2>TTFT</h2>{chart('tk-ttft', ttft_figure(analyses, names))}"
+    )
+    worst = "".join(
+        worst_gaps_html(n, r.worst_gaps, open_=(k == 0))
+        for k, (r, n) in enumerate(zip(runs, names, strict=True))
+    )
+    sections.append(
+        "<h2>Worst gaps</h2><p class=note>The longest gaps of each run, their exclusive "
+        "partition (parts sum to the gap) and the engine steps they spanned.</p>" + worst
+    )
+
+    legend = " ".join(_swatch(c) for c in dict.fromkeys([*labels, *causes]))
+    return "".join(
+        [
+            "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>",
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>\n",
+            sections[0],
+            f"\n<p class=note>Colours: {legend}</p>\n",
+            "\n".join(sections[1:]),
+            '\n<script type="application/json" id="tk-figures">',
+            script_json(figs),
+            '</script>\n<script type="application/json" id="tk-config">',
+            script_json(_CONFIG),
+            "</script>\n<script>",
+            plotly_js,
+            "</script>\n<script>",
+            _LOADER,
+            "</script>\n</body></html>\n",
+        ]
+    )
