@@ -280,3 +280,95 @@ def compare(runs: tuple[str, ...], by: str, fmt: str, output: str | None, jobs: 
     else:
         body = text.comparison(cmp) + "\n"
     _emit(body, output)
+
+
+@main.command()
+@click.argument("run", type=click.Path())
+@click.option("-o", "--output", type=click.Path(), required=True,
+              help="trace.json, or trace.json.gz to gzip it.")  # fmt: skip
+@click.option("--requests", "request_ids", default=None,
+              help="Only these requests' tracks: comma-separated ids.")  # fmt: skip
+@click.option(
+    "--window", default=None, metavar="T0:T1",
+    help="Only events overlapping [T0, T1], seconds from engine start ('10:' ok).",
+)  # fmt: skip
+def trace(run: str, output: str, request_ids: str | None, window: str | None) -> None:
+    """Write RUN as a Chrome trace for Perfetto (ui.perfetto.dev -> Open trace file): the
+    engine loop (steps with their segments nested), gc, counters (batch size, free KV
+    blocks), and one track per request with every gap named by its primary cause and its
+    partition in args.parts. Use --requests / --window to cut large runs."""
+    import time
+
+    from .partition import partition
+    from .rawlog import load
+    from .render import perfetto
+
+    t_start = time.perf_counter()
+    win = perfetto.parse_window(window) if window else None
+    ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
+    log = load(run)
+    _warn(log.path, log.warnings)
+    events = perfetto.chrome_trace_events(log, partition(log), requests=ids, window_s=win)
+    size = perfetto.write_trace(events, output, meta={"source": os.path.basename(run)})
+    click.echo(
+        f"wrote {output}: {len(events)} events, {size / 1e6:.1f} MB in "
+        f"{time.perf_counter() - t_start:.1f} s (open it at ui.perfetto.dev)",
+        err=True,
+    )
+
+
+def _report_one(path: str, n_worst: int) -> Any:
+    from .analysis import analyze
+    from .gaps import worst_gaps
+    from .partition import partition
+    from .rawlog import load
+    from .render.html import ReportRun
+
+    log = load(path)
+    part = partition(log)
+    return ReportRun(analysis=analyze(log, part), worst_gaps=worst_gaps(log, part, n_worst))
+
+
+@main.command()
+@click.argument("runs", nargs=-1, type=click.Path())
+@click.option("-o", "--output", type=click.Path(), default="report.html", show_default=True)
+@click.option("--by", default="rung", show_default=True, help="Group runs by this config key.")
+@click.option("--worst", "n_worst", type=click.IntRange(min=0), default=10, show_default=True,
+              help="List this many of the longest gaps of each run.")  # fmt: skip
+@click.option("--title", default="tracekit report", show_default=True)
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Analyse runs in this many processes.")  # fmt: skip
+def report(runs: tuple[str, ...], output: str, by: str, n_worst: int, title: str, jobs: int):
+    """Write one self-contained HTML report of RUNS (opens offline, no network): summary
+    per run and per group, the ITL histogram by primary cause, tail-time share and
+    tail-gap counts by cause, the ladder (p99 and p99.9 per group), forward share of clean
+    vs tail gaps, TTFT, and the worst gaps with their partition and steps."""
+    import functools
+
+    from .compare import compare as do_compare
+    from .render.html import render_report
+
+    paths = _expand(runs)
+    show = sys.stderr.isatty()
+    results: list[Any] = []
+    one = functools.partial(_report_one, n_worst=n_worst)
+    with click.progressbar(
+        length=len(paths) + 1, label="analysing", file=sys.stderr if show else open(os.devnull, "w")
+    ) as bar:
+        if jobs <= 1 or len(paths) <= 1:
+            for p in paths:
+                results.append(one(p))
+                bar.update(1)
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                for r in pool.map(one, paths):
+                    results.append(r)
+                    bar.update(1)
+        for r in results:
+            _warn(r.analysis.path, r.analysis.warnings)
+        cmp = do_compare([r.analysis for r in results], by=by)
+        page = render_report(results, cmp, title=title)
+        bar.update(1)
+    with open(output, "w", encoding="utf-8") as fh:
+        fh.write(page)
+    click.echo(f"wrote {output} ({len(page) / 1e6:.1f} MB, {len(results)} runs)", err=True)

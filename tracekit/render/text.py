@@ -136,7 +136,7 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
 # -- cross-run comparison (tracekit compare) ---------------------------------------------
 
 #: Column headers of the comparison table, by `tracekit.compare.FIGURES` name.
-_FIGURE_HEADERS = {
+FIGURE_HEADERS = {
     "itl_p50": "p50",
     "itl_p99": "p99",
     "itl_p999": "p99.9",
@@ -157,7 +157,7 @@ def spread_cell(s: Spread, nd: int = 1) -> str:
     return f"{_num(s.median, nd)} [{_num(s.lo, nd)}-{_num(s.hi, nd)}]"
 
 
-def _column_decimals(spreads: Sequence[Spread]) -> int:
+def column_decimals(spreads: Sequence[Spread]) -> int:
     """One decimal, unless the column's medians reach 100 (then whole numbers), so a
     column reads `47.0 [30.9-62.8]` or `950 [149-7395]` throughout."""
     meds = [s.median for s in spreads if s.num_runs and math.isfinite(s.median)]
@@ -168,8 +168,8 @@ def _comparison_cells(
     cmp: Comparison,
 ) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
     names = [name for name, _ in FIGURES]
-    nds = {n: _column_decimals([g.figures[n] for g in cmp.groups]) for n in names}
-    head = [cmp.by, "runs", *(_FIGURE_HEADERS.get(n, n) for n in names)]
+    nds = {n: column_decimals([g.figures[n] for g in cmp.groups]) for n in names}
+    head = [cmp.by, "runs", *(FIGURE_HEADERS.get(n, n) for n in names)]
     rows = [
         [g.key, str(g.num_runs), *(spread_cell(g.figures[n], nds[n]) for n in names)]
         for g in cmp.groups
