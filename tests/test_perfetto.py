@@ -230,6 +230,7 @@ def test_validator_rejects_broken_traces():
         "name must be": [_named(), {**x(0, 1), "name": ""}],
         "counter args": [{"ph": "C", "pid": 1, "ts": 0, "name": "c", "args": {"v": "1"}}],
         "unknown metadata": [{"ph": "M", "pid": 1, "name": "bogus", "args": {}}],
+        "used by pid": [_named(), _named(pid=2), x(0, 1), {**x(0, 1), "pid": 2}],
     }
     for what, evs in cases.items():
         errs = validate_trace(evs)

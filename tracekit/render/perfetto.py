@@ -53,6 +53,10 @@ TID_GC = 2
 TID_THREADS = 100  # + recording thread number (host segments off the loop thread)
 TID_DEVICE = 200  # + recording thread number (device-time segments)
 TID_OVERLAP = 1000  # + lane: windows that overlap others without nesting
+TID_GC_OVERLAP = 1500  # + lane: gc pauses that overlap each other
+#: + request index. Thread ids are kept distinct across the two processes: Perfetto keys
+#: JSON threads by tid, so a request must never share one with an engine track.
+TID_REQUESTS = 10_000
 #: Tolerance of the validator, in microseconds: times are rounded to whole nanoseconds
 #: and parts to 1e-6 ms, so a well-formed trace is off by a few ns at most.
 TOL_US = 0.01
@@ -244,7 +248,7 @@ def _engine_events(log: RawLog, window_s) -> list[dict[str, Any]]:
     gc_items.sort(key=lambda x: (x[0], -x[1], x[2]))
     gc_lanes = _lanes([x[0] for x in gc_items], [x[1] for x in gc_items])
     for (a, b, i), lane in zip(gc_items, gc_lanes, strict=True):
-        tid = TID_GC if lane == 0 else TID_OVERLAP + 500 + lane
+        tid = TID_GC if lane == 0 else TID_GC_OVERLAP + lane
         if lane and not any(e.get("tid") == tid and e["ph"] == "M" for e in out):
             out.append(_meta(PID_ENGINE, tid, "thread_name", f"gc (overlap {lane})"))
         out.append(
@@ -297,7 +301,7 @@ def _request_events(log: RawLog, part: Partition, ids, keep_req, window_s) -> li
         float(part.t1_s.max()) if len(part) else 0.0,
     )
     for r in np.flatnonzero(keep_req).tolist():
-        tid = 1 + r
+        tid = TID_REQUESTS + r
         out.append(_meta(PID_REQUESTS, tid, "thread_name", f"req {ids[r]}"))
         out.append(_meta(PID_REQUESTS, tid, "thread_sort_index", r))
 
@@ -355,7 +359,7 @@ def _request_events(log: RawLog, part: Partition, ids, keep_req, window_s) -> li
 
     win = window_s
     for r in np.flatnonzero(keep_req).tolist():
-        tid = 1 + r
+        tid = TID_REQUESTS + r
         evs: list[tuple[int, int, int, dict[str, Any]]] = []  # (ts, -dur, order, event)
         if has_ttft[r]:
             a, b = int(a_ns[r]), int(f_ns[r])
@@ -411,7 +415,7 @@ def _request_events(log: RawLog, part: Partition, ids, keep_req, window_s) -> li
         out += [e[3] for e in evs]
     for r, a, b in sorted(loose):
         if b > a and (win is None or (b / 1e9 >= win[0] and a / 1e9 <= win[1])):
-            out.append(_evicted(1 + r, a, b))
+            out.append(_evicted(TID_REQUESTS + r, a, b))
     return out
 
 
@@ -490,8 +494,8 @@ def validate_trace(
     ``[0, max_ts_us]`` when given (catches seconds or nanoseconds passed as µs); metadata
     names and args; counter args all finite numbers; on every (pid, tid) track the
     complete slices well nested (a slice lies inside the enclosing one or after it);
-    every slice's track named by a ``thread_name``; and ``args.parts`` (ms) non-negative
-    and summing to the slice's duration."""
+    every slice's track named by a ``thread_name``; no tid shared by two processes; and
+    ``args.parts`` (ms) non-negative and summing to the slice's duration."""
     errs: list[str] = []
 
     def err(i: int, msg: str) -> None:
@@ -556,6 +560,13 @@ def validate_trace(
                 if abs(total_us - dur) > TOL_US + 1e-9 * dur:
                     err(i, f"args.parts sum to {total_us} µs but the slice lasts {dur} µs")
         tracks.setdefault((ev.get("pid"), ev.get("tid")), []).append((ts, ts + dur, i))
+    owner: dict[Any, Any] = {}
+    for pid, tid in sorted(set(tracks) | named_threads, key=repr):
+        if tid is not None and owner.setdefault(tid, pid) != pid:
+            errs.append(
+                f"tid {tid} is used by pid {owner[tid]} and pid {pid} (Perfetto keys "
+                "JSON threads by tid: give each track its own)"
+            )
     for key, items in tracks.items():
         if key not in named_threads:
             err(items[0][2], f"track pid={key[0]} tid={key[1]} has no thread_name")
@@ -732,16 +743,18 @@ class LiveChromeTrace:
             prev = self._last_emit.get(r)
             self._last_emit[r] = (t, step)
             if prev is None:
-                out += self._thread_meta(PID_REQUESTS, 1 + r, f"req {self._req_name(r)}")
+                out += self._thread_meta(
+                    PID_REQUESTS, TID_REQUESTS + 2 * r, f"req {self._req_name(r)}"
+                )
                 continue
             out.append(
-                f'{{"ph":"X","pid":{PID_REQUESTS},"tid":{1 + r},"ts":{us(prev[0])},'
+                f'{{"ph":"X","pid":{PID_REQUESTS},"tid":{TID_REQUESTS + 2 * r},"ts":{us(prev[0])},'
                 f'"dur":{round(us(t) - us(prev[0]), 3)},"name":"gap","args":{{"gap_ms":'
                 f'{round((t - prev[0]) * scale * 1e3, 6)},"step0":{prev[1]},"step1":{step},'
                 f'"num_tokens":{ntok}}}}}'
             )
         for r, kind, t, _mode in rows("events"):
-            tid = 100_000 + r
+            tid = TID_REQUESTS + 2 * r + 1  # beside the request's own track
             if kind == EVICT:
                 self._open_evict[r] = t
                 continue
