@@ -36,10 +36,10 @@ class LogBuilder:
         self.steps.append((t0, t1, n_decode, n_prefill, graph, preempted, swapped))
         return len(self.steps) - 1
 
-    def seg(self, step, label, t0, t1, thread=0):
+    def seg(self, step, label, t0, t1, thread=0, device=False):
         if label not in self.labels:
             self.labels.append(label)
-        self.segs.append((step, self.labels.index(label), t0, t1, thread))
+        self.segs.append((step, self.labels.index(label), t0, t1, thread, int(device)))
 
     def gc(self, t0, t1, gen=0):
         self.gcs.append((t0, t1, gen))
@@ -60,7 +60,7 @@ class LogBuilder:
 
         st, sg, gc_, em, ev = (
             arr(self.steps, 7),
-            arr(self.segs, 5),
+            arr(self.segs, 6),
             arr(self.gcs, 3),
             arr(self.ems, 4),
             arr(self.evs, 4),
@@ -87,7 +87,7 @@ class LogBuilder:
                 t_start_s=sg[:, 2] * s,
                 t_end_s=sg[:, 3] * s,
                 thread=sg[:, 4].astype(np.int64),
-                is_device=np.zeros(len(sg), np.int8),
+                is_device=sg[:, 5].astype(np.int8),
             ),
             gc_pauses=GcPauses(gc_[:, 0] * s, gc_[:, 1] * s, gc_[:, 2].astype(np.int64)),
             emissions=Emissions(

@@ -172,3 +172,36 @@ def test_missing_readmission_runs_to_the_gap_end(impl):
     p = impl(b.build())
     assert parts_of(p) == {"forward": 10.0, "preempt": 40.0}
     assert context_of(p) == {"prefill": 40.0}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_device_work_is_the_critical_path_under_async_scheduling(impl):
+    # Gap [0, 13]. Host: schedule 0..2, decode launch 2..3, then (async) prepares the next
+    # step: schedule 5..9 and a GC pause 6..8, both while the device computes. Device:
+    # decode 3..13, emission at 13. Critical path: schedule 2 (device idle), host launch 1
+    # (forward, device idle), device decode 10 (forward). Hidden host work is charged nothing.
+    b = LogBuilder()
+    b.emit(0, 0, -1)
+    s = b.step(0, 13, graph=1)
+    b.seg(s, "schedule", 0, 2)
+    b.seg(s, "decode", 2, 3)
+    b.seg(s, "decode", 3, 13, device=True)
+    b.seg(-1, "schedule", 5, 9)
+    b.gc(6, 8)
+    b.emit(0, 13, s)
+    p = impl(b.build())
+    assert parts_of(p) == {"schedule": 2.0, "forward": 11.0}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_host_timer_understating_device_time_is_corrected(impl):
+    # Host decode window 0..1 (the launch) but the device ran 1..9 and the host waited for it
+    # (residual on the host side); the device window owns 1..9: forward 1 + 8 = 9, residual 1.
+    b = LogBuilder()
+    b.emit(0, 0, -1)
+    s = b.step(0, 10, graph=1)
+    b.seg(s, "decode", 0, 1)
+    b.seg(s, "decode", 1, 9, device=True)
+    b.emit(0, 10, s)
+    p = impl(b.build())
+    assert parts_of(p) == {"forward": 9.0, "residual": 1.0}

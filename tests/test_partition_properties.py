@@ -33,6 +33,10 @@ def random_logs(draw):
             if e < a:
                 break
             b.seg(s, label, a, e)
+            if label in ("decode", "prefill") and draw(st.booleans()):
+                # its device execution, lagging the host launch (async) by a random delay
+                lag = draw(st.floats(0, 20))
+                b.seg(s, label, a + lag, e + lag + draw(st.floats(0, 5)), device=True)
             cur = e
         emitters = draw(st.lists(st.integers(0, n_req - 1), unique=True, max_size=n_req))
         for r in emitters:

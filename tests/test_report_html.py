@@ -114,3 +114,14 @@ def test_report_renders_in_headless_chromium(report_path):
     assert [d[0] for d in drawn] == ["tk-hist", "tk-tail", "tk-ladder", "tk-fwd", "tk-ttft"]
     for div, svgs, marks in drawn:
         assert svgs >= 1 and marks >= 1, (div, svgs, marks)
+
+
+def test_a_run_without_gaps_still_renders():
+    from tests.logbuilder import LogBuilder
+
+    b = LogBuilder()
+    b.step(0, 10, n_decode=0, graph=-1)
+    log = b.build(config={"rung": "empty"})
+    a = analyze(log)
+    page = render_report([ReportRun(a, worst_gaps(log, None, 5))], compare([a]), plotly_js="")
+    assert "no gaps" in page and 'id="tk-hist"' in page

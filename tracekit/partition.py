@@ -13,7 +13,13 @@ millisecond of it goes to exactly one label:
    that ran on a captured size, predicts an eager step's decode time at its decode row
    count; the step's excess fraction ``max(0, net - pred) / net`` of its GC-free decode
    time ``net`` is charged to ``graph``, proportionally to the part inside the window;
-5. whatever no segment or pause covers is ``residual``.
+5. whatever no segment or pause covers is ``residual``;
+6. device work (segments recorded with ``is_device=1``: execution windows from CUDA events,
+   mapped onto the host clock) is the critical path wherever the device was busy: a device
+   window owns its time ahead of every host window and GC pause, so host work that ran
+   while the device computed (launches, the CPU preparing step N+1 under async scheduling)
+   is off the critical path and charged nothing. Where the device sat idle, the host order
+   applies. Device windows among themselves follow the same cause precedence.
 
 Multi-token emissions (speculative decoding): a gap is between consecutive *emission
 rows* of a request, i.e. consecutive steps that emitted for it; the tokens one step
@@ -256,9 +262,21 @@ def _coverage(bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray, m: int) 
     return np.cumsum(d)[: m - 1]
 
 
-def _build_timeline(log: RawLog, classes: list[str], seg_cls: np.ndarray, frac: np.ndarray):
+def _classes(causes: np.ndarray, is_device: np.ndarray) -> list[tuple[str, bool]]:
+    """Timeline classes, highest precedence first: device causes, then host causes (+ gc)."""
+    dev_causes = set(causes[is_device].tolist())
+    dev = [c for c in precedence(dev_causes) if c in dev_causes]
+    host = precedence(set(causes[~is_device].tolist()))
+    return [(c, True) for c in dev] + [(c, False) for c in host]
+
+
+def _decode_classes(classes: list[tuple[str, bool]]) -> list[int]:
+    return [i for i, (c, _) in enumerate(classes) if c == "decode"]
+
+
+def _build_timeline(log: RawLog, classes: list, seg_cls: np.ndarray, frac: np.ndarray):
     sg, gcp = log.segments, log.gc_pauses
-    gc_cls = classes.index("gc")
+    gc_cls = classes.index(("gc", False))
     starts = np.concatenate([sg.t_start_s, gcp.t_start_s])
     ends = np.concatenate([sg.t_end_s, gcp.t_end_s])
     cls = np.concatenate([seg_cls, np.full(len(gcp), gc_cls)])
@@ -273,27 +291,39 @@ def _build_timeline(log: RawLog, classes: list[str], seg_cls: np.ndarray, frac: 
             sel = cls == c
             if sel.any():
                 inner[_coverage(bounds, starts[sel], ends[sel], m) > 0] = c
-        if "decode" in classes:
-            dec = seg_cls == classes.index("decode")
-            if dec.any():
-                f = frac[np.maximum(sg.step[dec], 0)] * (sg.step[dec] >= 0)
-                n = _coverage(bounds, sg.t_start_s[dec], sg.t_end_s[dec], m)
-                ws = np.bincount(np.searchsorted(bounds, sg.t_start_s[dec]), f, m + 1)[: m + 1]
-                ws -= np.bincount(np.searchsorted(bounds, sg.t_end_s[dec]), f, m + 1)[: m + 1]
-                fsum = np.cumsum(ws)[: m - 1]
-                is_dec = inner == classes.index("decode")
-                r = np.where(is_dec & (n > 0), np.clip(fsum / np.maximum(n, 1), 0.0, 1.0), 0.0)
-                rate[1:m] = r
+        # graph rate where decode owns: the mean excess fraction of the decode windows of
+        # the owning kind (device or host) that cover the interval
+        for ci in _decode_classes(classes):
+            dec = seg_cls == ci
+            if not dec.any():
+                continue
+            f = frac[np.maximum(sg.step[dec], 0)] * (sg.step[dec] >= 0)
+            n = _coverage(bounds, sg.t_start_s[dec], sg.t_end_s[dec], m)
+            ws = np.bincount(np.searchsorted(bounds, sg.t_start_s[dec]), f, m + 1)[: m + 1]
+            ws -= np.bincount(np.searchsorted(bounds, sg.t_end_s[dec]), f, m + 1)[: m + 1]
+            fsum = np.cumsum(ws)[: m - 1]
+            own = (inner == ci) & (n > 0)
+            rate[1:m][own] = np.clip(fsum[own] / n[own], 0.0, 1.0)
     return _Timeline(bounds, owner, rate)
 
 
 def _decode_net_ms(log: RawLog, seg_causes: np.ndarray) -> np.ndarray:
-    """Per step, GC-free decode ms: each decode segment minus its overlap with the GC union."""
+    """Per step, GC-free decode ms: each decode segment minus its overlap with the GC union.
+    A step with device decode windows is measured by them alone (device time; a host GC
+    pause does not stretch it)."""
     sg, gcp = log.segments, log.gc_pauses
     net = np.zeros(len(log.steps))
     dec = (seg_causes == "decode") & (sg.step >= 0)
     if not dec.any():
         return net
+    dev = dec & (sg.is_device == 1)
+    if dev.any():
+        np.add.at(net, sg.step[dev], (sg.t_end_s[dev] - sg.t_start_s[dev]) * 1e3)
+        has_dev = np.zeros(len(log.steps), dtype=bool)
+        has_dev[sg.step[dev]] = True
+        dec &= ~has_dev[np.maximum(sg.step, 0)]
+        if not dec.any():
+            return net
     a, b = sg.t_start_s[dec], sg.t_end_s[dec]
     if len(gcp):
         bounds = np.unique(np.concatenate([gcp.t_start_s, gcp.t_end_s, a, b]))
@@ -352,10 +382,14 @@ def _evictions_per_gap(
 def partition(log: RawLog, *, check: bool = True) -> Partition:
     """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum."""
     causes = segment_causes(log)
-    classes = precedence(set(causes.tolist()))
+    is_dev = log.segments.is_device == 1
+    classes = _classes(causes, is_dev)
     cls_index = {c: i for i, c in enumerate(classes)}
-    seg_cls = np.array([cls_index[c] for c in causes.tolist()], dtype=np.int64)
-    labels = tuple(partition_labels(classes))
+    seg_cls = np.array(
+        [cls_index[(c, bool(d))] for c, d in zip(causes.tolist(), is_dev.tolist(), strict=True)],
+        dtype=np.int64,
+    )
+    labels = tuple(partition_labels(c for c, _ in classes))
     col = {lb: i for i, lb in enumerate(labels)}
 
     net = _decode_net_ms(log, causes)
@@ -379,22 +413,26 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
         h0, l0 = tl.integrals(c, ta, ka)
         return ((h1 - h0) + (l1 - l0)) * 1e3
 
-    targets = [(c, "residual" if c == len(classes) else classes[c]) for c in range(len(classes) + 1)]
-    for c, name in targets:
+    dec_gap, dec_ev = np.zeros(n), np.zeros(len(e_gap))
+    for c in range(len(classes) + 1):
+        name = "residual" if c == len(classes) else classes[c][0]
         in_gap = amount(c, g_t0, k_t0, g_t1, k_t1)
         in_ev = amount(c, w0, k_w0, w1, k_w1)
-        if name == "decode":
-            g_gap = amount(None, g_t0, k_t0, g_t1, k_t1)
-            g_ev = amount(None, w0, k_w0, w1, k_w1)
-            for lb, gv, ev in (("graph", g_gap, g_ev), ("forward", in_gap - g_gap, in_ev - g_ev)):
-                parts[:, col[lb]] += gv
-                np.subtract.at(parts[:, col[lb]], e_gap, ev)
-                np.add.at(context[:, col[lb]], e_gap, ev)
+        if name == "decode":  # host and device decode together, split below
+            dec_gap += in_gap
+            dec_ev += in_ev
             continue
         parts[:, col[name]] += in_gap
         np.subtract.at(parts[:, col[name]], e_gap, in_ev)
         if name != "residual":  # idle time while evicted is not engine activity
             np.add.at(context[:, col[name]], e_gap, in_ev)
+    if _decode_classes(classes):
+        g_gap = amount(None, g_t0, k_t0, g_t1, k_t1)
+        g_ev = amount(None, w0, k_w0, w1, k_w1)
+        for lb, gv, ev in (("graph", g_gap, g_ev), ("forward", dec_gap - g_gap, dec_ev - g_ev)):
+            parts[:, col[lb]] += gv
+            np.subtract.at(parts[:, col[lb]], e_gap, ev)
+            np.add.at(context[:, col[lb]], e_gap, ev)
     np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
 
     gap_ms = (g_t1 - g_t0) * 1e3
@@ -430,13 +468,15 @@ def _baseline_warnings(log: RawLog, base: GraphBaseline) -> tuple[str, ...]:
 
 def partition_reference(log: RawLog) -> Partition:
     """The same partition with plain Python loops, one gap and one slice at a time."""
-    causes = segment_causes(log).tolist()
-    classes = precedence(set(causes))
-    rank = {c: i for i, c in enumerate(classes)}
-    labels = tuple(partition_labels(classes))
+    causes_arr = segment_causes(log)
+    causes = causes_arr.tolist()
     sg, gcp, st = log.segments, log.gc_pauses, log.steps
+    is_dev = (sg.is_device == 1).tolist()
+    classes = _classes(causes_arr, sg.is_device == 1)
+    rank = {c: i for i, c in enumerate(classes)}
+    labels = tuple(partition_labels(c for c, _ in classes))
     segs = [
-        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]))
+        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]), is_dev[i])
         for i in range(len(sg))
     ]
     pauses = [(float(a), float(b)) for a, b in zip(gcp.t_start_s, gcp.t_end_s, strict=True)]
@@ -454,25 +494,36 @@ def partition_reference(log: RawLog) -> Partition:
         return total
 
     net = np.zeros(len(st))
-    for a, b, c, s in segs:
-        if c == "decode" and s >= 0:
+    steps_on_device = {s for a, b, c, s, d in segs if c == "decode" and d and s >= 0}
+    for a, b, c, s, d in segs:
+        if c != "decode" or s < 0:
+            continue
+        if s in steps_on_device:
+            if d:
+                net[s] += (b - a) * 1e3
+        else:
             net[s] += ((b - a) - gc_overlap(a, b)) * 1e3
     base = fit_baseline(log, net)
 
     def owner_at(t: float) -> tuple[str, float]:
         """Who owns the instant just after t, and the graph rate there."""
-        if any(pa <= t < pb for pa, pb in pauses):
+        covering = [(rank[(c, d)], c, s, d) for a, b, c, s, d in segs if a <= t < b]
+        device = [x for x in covering if classes[x[0]][1]]
+        if device:  # the device was busy: it is the critical path
+            live = device
+        elif any(pa <= t < pb for pa, pb in pauses):
             return "gc", 0.0
-        live = [(rank[c], c, s) for a, b, c, s in segs if a <= t < b]
+        else:
+            live = covering
         if not live:
             return "residual", 0.0
         best = min(live)[1]
         if best != "decode":
             return best, 0.0
-        fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
+        fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s, d in live if c == "decode"]
         return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
 
-    points = sorted({p for a, b, _, _ in segs for p in (a, b)} | {p for ab in pauses for p in ab})
+    points = sorted({p for a, b, *_ in segs for p in (a, b)} | {p for ab in pauses for p in ab})
 
     def tally(a: float, b: float) -> dict[str, float]:
         out = dict.fromkeys(labels, 0.0)
