@@ -90,7 +90,10 @@ class Partition:
 
     @property
     def reconcile_err_ms(self) -> np.ndarray:
-        return np.abs(self.gap_ms - self.parts_ms.sum(axis=1))
+        total = np.zeros(len(self.gap_ms))
+        for j in range(self.parts_ms.shape[1]):  # column by column: contiguous in F order
+            total += self.parts_ms[:, j]
+        return np.abs(self.gap_ms - total)
 
     @property
     def reconcile_max_err_ms(self) -> float:
@@ -107,13 +110,41 @@ class Partition:
 # -- shared pieces (used by both implementations) ----------------------------------------
 
 
+def _emission_order(log: RawLog) -> np.ndarray:
+    """Emission rows sorted by request, then time (then row order). Recorders append in
+    time order, so the common case is one stable radix sort of the request column."""
+    em = log.emissions
+    t = em.t_s
+    by_t = None if np.all(t[1:] >= t[:-1]) else np.argsort(t, kind="stable")
+    req = em.request if by_t is None else em.request[by_t]
+    if len(req) and 0 <= req.min() and req.max() < 65536:
+        o = np.argsort(req.astype(np.uint16), kind="stable")  # radix sort
+    else:
+        o = np.argsort(req, kind="stable")
+    return o if by_t is None else by_t[o]
+
+
 def gaps_of(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Consecutive emission pairs of each request: (request, t0, t1, step0, step1)."""
     em = log.emissions
-    order = np.lexsort((em.step, em.t_s, em.request))
+    order = _emission_order(log)
     r, t, s = em.request[order], em.t_s[order], em.step[order]
     same = r[1:] == r[:-1]
     return r[1:][same], t[:-1][same], t[1:][same], s[:-1][same], s[1:][same]
+
+
+def _time_ranks(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique sorted times, rank of each time among them)."""
+    by_t = None if np.all(t[1:] >= t[:-1]) else np.argsort(t, kind="stable")
+    ts = t if by_t is None else t[by_t]
+    new = np.ones(len(ts), dtype=bool)
+    new[1:] = ts[1:] > ts[:-1]
+    rank = np.cumsum(new) - 1
+    if by_t is not None:
+        out = np.empty_like(rank)
+        out[by_t] = rank
+        rank = out
+    return ts[new], rank
 
 
 def segment_causes(log: RawLog) -> np.ndarray:
@@ -233,6 +264,7 @@ class _Timeline:
         self.owner = owner
         self.graph_rate = graph_rate
         self.width = np.diff(bounds)
+        self._cum: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
 
     def integrals(self, cls: int | None, times: np.ndarray, k: np.ndarray | None = None):
         """Cumulative time owned by class `cls` (None: graph-rate weighted decode) at `times`.
@@ -240,18 +272,16 @@ class _Timeline:
         Returned as (hi, lo) pairs so differences keep full relative precision."""
         if k is None:
             k = np.searchsorted(self.bounds, times, side="right")  # interval index + 1
-        if cls is None:
-            rate_in = self.graph_rate[1:-1]
-            rate_at = self.graph_rate[k]
-        else:
-            rate_in = (self.owner[1:-1] == cls).astype(np.float64)
-            rate_at = (self.owner[k] == cls).astype(np.float64)
-        hi, lo = _cumsum2(self.width * rate_in)  # prefix sums at each boundary
+        rate = self.graph_rate if cls is None else (self.owner == cls).astype(np.float64)
+        cached = self._cum.get(cls)
+        if cached is None:
+            cached = self._cum[cls] = _cumsum2(self.width * rate[1:-1])  # sums at boundaries
+        hi, lo = cached
         # C(t) = C(bounds[j]) + (t - bounds[j]) * rate, j = k - 1; before the first boundary
         # (k = 0) it is measured back from bounds[0], so differences still hold
         j = np.maximum(k - 1, 0)
         hv = np.where(k > 0, hi[j], 0.0)
-        lv = lo[j] * (k > 0) + (times - self.bounds[j]) * rate_at
+        lv = lo[j] * (k > 0) + (times - self.bounds[j]) * rate[k]
         return hv, lv
 
 
@@ -340,6 +370,23 @@ def _decode_net_ms(log: RawLog, seg_causes: np.ndarray) -> np.ndarray:
     return net
 
 
+def _bisect_within(
+    values: np.ndarray, lo: np.ndarray, hi: np.ndarray, x: np.ndarray, side: str
+) -> np.ndarray:
+    """Vectorised bisect of each x[i] in the sorted slice values[lo[i]:hi[i]] (global index)."""
+    lo, hi = lo.copy(), hi.copy()
+    while True:
+        active = lo < hi
+        if not active.any():
+            return lo
+        mid = (lo + hi) // 2
+        v = values[np.minimum(mid, len(values) - 1)]
+        go_right = (v <= x) if side == "right" else (v < x)
+        go_right &= active
+        lo = np.where(go_right, mid + 1, lo)
+        hi = np.where(active & ~go_right, mid, hi)
+
+
 def _evictions_per_gap(
     g_req: np.ndarray, g_t0: np.ndarray, g_t1: np.ndarray, e_req, e_a, e_b
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -350,24 +397,13 @@ def _evictions_per_gap(
         z = np.zeros(0)
         return z.astype(np.int64), z, z
 
-    def count_before(g_t: np.ndarray, e_t: np.ndarray, gap_first: bool) -> np.ndarray:
-        # number of gaps whose (request, time) sorts before each eviction's (request, time)
-        r = np.concatenate([g_req, e_req])
-        t = np.concatenate([g_t, e_t])
-        tag = np.concatenate([np.zeros(n_g, np.int8), np.ones(n_e, np.int8)])
-        if not gap_first:
-            tag = 1 - tag
-        order = np.lexsort((tag, t, r))
-        is_gap = order < n_g
-        before = np.cumsum(is_gap) - is_gap
-        out = np.empty(n_e, dtype=np.int64)
-        out[order[~is_gap] - n_g] = before[~is_gap]
-        return out
-
+    # each request's gaps are a contiguous run [lo, hi) of the (request, time)-sorted gaps
+    lo = np.searchsorted(g_req, e_req, side="left")
+    hi = np.searchsorted(g_req, e_req, side="right")
     # first gap with t1 > a (a gap ending exactly at the eviction does not overlap it)
-    first = count_before(g_t1, e_a, gap_first=True)
-    # last gap with t0 < b: gaps with t0 < b sort before b when the eviction tags first
-    last = count_before(g_t0, e_b, gap_first=False) - 1
+    first = _bisect_within(g_t1, lo, hi, e_a, side="right")
+    # last gap with t0 < b
+    last = _bisect_within(g_t0, lo, hi, e_b, side="left") - 1
     n = np.maximum(last - first + 1, 0)
     gi = np.repeat(first, n) + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
     ei = np.repeat(np.arange(n_e), n)
@@ -396,47 +432,74 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     base = fit_baseline(log, net)
     tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
 
-    g_req, g_t0, g_t1, g_s0, g_s1 = gaps_of(log)
+    # gaps, and each end's rank among the distinct emission times
+    em = log.emissions
+    order = _emission_order(log)
+    r = em.request[order]
+    same = r[1:] == r[:-1]
+    uniq_t, rank = _time_ranks(em.t_s)
+    rank = rank[order]
+    a_idx, b_idx = rank[:-1][same], rank[1:][same]
+    g_req = r[1:][same]
+    g_t0, g_t1 = uniq_t[a_idx], uniq_t[b_idx]
+    g_s0, g_s1 = em.step[order][:-1][same], em.step[order][1:][same]
     n = len(g_req)
+
+    # Class integrals as columns: every class, residual, then the graph-rate integral; the
+    # matrix `to_labels` maps them linearly onto the partition's labels (decode -> forward,
+    # graph-rate -> +graph -forward), so all arithmetic below is on small matrices.
+    n_cls = len(classes)
+    to_labels = np.zeros((n_cls + 2, len(labels)))
+    for c, (name, _) in enumerate(classes):
+        to_labels[c, col["forward" if name == "decode" else name]] = 1.0
+    to_labels[n_cls, col["residual"]] = 1.0
+    to_labels[n_cls + 1, col["graph"]] += 1.0
+    to_labels[n_cls + 1, col["forward"]] -= 1.0
+
+    def cumulative(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        k = np.searchsorted(tl.bounds, times, side="right")
+        hl = [tl.integrals(c, times, k) for c in [*range(n_cls + 1), None]]
+        return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
+
+    def between(h0, l0, h1, l1) -> np.ndarray:
+        return (((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3
+
+    hi_u, lo_u = cumulative(uniq_t)
+    # between consecutive distinct emission times (most gaps are exactly one such interval)
+    per_interval = between(hi_u[:-1], lo_u[:-1], hi_u[1:], lo_u[1:])
+    one = b_idx == a_idx + 1
+    # column-major: per-gap sums over labels (the reconcile check) add contiguous columns
+    parts = np.empty((n, len(labels)), order="F")
+    pick = np.minimum(a_idx, max(len(per_interval) - 1, 0))
+    for j in range(len(labels)):
+        np.take(per_interval[:, j], pick, out=parts[:, j])
+    many = np.flatnonzero(~one)
+    if len(many):
+        a, b = a_idx[many], b_idx[many]
+        parts[many] = between(hi_u[a], lo_u[a], hi_u[b], lo_u[b])
+
+    # evicted windows: preempt, and what ran meanwhile moves from the parts to the context
     e_req, e_a, e_b = evicted_windows(log)
     e_gap, w0, w1 = _evictions_per_gap(g_req, g_t0, g_t1, e_req, e_a, e_b)
-
-    parts = np.zeros((n, len(labels)))
-    context = np.zeros((n, len(labels)))
-    k_t0 = np.searchsorted(tl.bounds, g_t0, side="right")
-    k_t1 = np.searchsorted(tl.bounds, g_t1, side="right")
-    k_w0 = np.searchsorted(tl.bounds, w0, side="right")
-    k_w1 = np.searchsorted(tl.bounds, w1, side="right")
-
-    def amount(c: int | None, ta, ka, tb, kb) -> np.ndarray:
-        h1, l1 = tl.integrals(c, tb, kb)
-        h0, l0 = tl.integrals(c, ta, ka)
-        return ((h1 - h0) + (l1 - l0)) * 1e3
-
-    dec_gap, dec_ev = np.zeros(n), np.zeros(len(e_gap))
-    for c in range(len(classes) + 1):
-        name = "residual" if c == len(classes) else classes[c][0]
-        in_gap = amount(c, g_t0, k_t0, g_t1, k_t1)
-        in_ev = amount(c, w0, k_w0, w1, k_w1)
-        if name == "decode":  # host and device decode together, split below
-            dec_gap += in_gap
-            dec_ev += in_ev
-            continue
-        parts[:, col[name]] += in_gap
-        np.subtract.at(parts[:, col[name]], e_gap, in_ev)
-        if name != "residual":  # idle time while evicted is not engine activity
-            np.add.at(context[:, col[name]], e_gap, in_ev)
-    if _decode_classes(classes):
-        g_gap = amount(None, g_t0, k_t0, g_t1, k_t1)
-        g_ev = amount(None, w0, k_w0, w1, k_w1)
-        for lb, gv, ev in (("graph", g_gap, g_ev), ("forward", dec_gap - g_gap, dec_ev - g_ev)):
-            parts[:, col[lb]] += gv
-            np.subtract.at(parts[:, col[lb]], e_gap, ev)
-            np.add.at(context[:, col[lb]], e_gap, ev)
-    np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
+    context = np.zeros((n, len(labels)), order="F")
+    if len(e_gap):
+        h0, l0 = cumulative(w0)
+        h1, l1 = cumulative(w1)
+        ran = between(h0, l0, h1, l1)
+        np.subtract.at(parts, e_gap, ran)
+        ran[:, col["residual"]] = 0.0  # idle time while evicted is not engine activity
+        np.add.at(context, e_gap, ran)
+        np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
 
     gap_ms = (g_t1 - g_t0) * 1e3
-    primary, prim_causes = primary_of(parts, gap_ms, labels)
+    # the primary cause of a one-interval gap with no eviction is its interval's
+    prim_u, prim_causes = primary_of(per_interval, (uniq_t[1:] - uniq_t[:-1]) * 1e3, labels)
+    primary = np.take(prim_u, np.minimum(a_idx, max(len(prim_u) - 1, 0))) if n else prim_u[:0]
+    redo_mask = ~one
+    redo_mask[e_gap] = True
+    redo = np.flatnonzero(redo_mask)
+    if len(redo):
+        primary[redo] = primary_of(parts[redo], gap_ms[redo], labels)[0]
     p = Partition(
         labels=labels,
         request=g_req,

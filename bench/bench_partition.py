@@ -1,0 +1,67 @@
+"""Partition throughput: vectorised vs reference, and `tracekit analyze --jobs` scaling.
+
+    python bench/bench_partition.py            # >= 1 M gaps; prints ratios, asserts nothing
+
+Ratios are against baselines measured in the same process, so they hold on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from synthetic import synthetic_log  # noqa: E402
+
+from tracekit.partition import partition, partition_reference  # noqa: E402
+
+
+def best_of(fn, n: int = 3) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    big = synthetic_log(num_steps=34_000, batch=32)
+    p = partition(big)
+    n_gaps = len(p)
+    t_fast = best_of(lambda: partition(big))
+    print(f"vectorised: {n_gaps:,} gaps in {t_fast:.3f} s = {n_gaps / t_fast / 1e6:.2f} M gaps/s "
+          f"(one core; reconcile max err {p.reconcile_max_err_ms:.1e} ms)")  # fmt: skip
+
+    small = synthetic_log(num_steps=120, batch=32, seed=1)
+    n_small = len(partition(small))
+    t_ref = best_of(lambda: partition_reference(small), 1)
+    t_fast_small = best_of(lambda: partition(small))
+    ref_rate = n_small / t_ref
+    print(f"reference:  {n_small:,} gaps in {t_ref:.3f} s = {ref_rate:,.0f} gaps/s")
+    print(f"speed-up: {n_gaps / t_fast / ref_rate:,.0f}x (vectorised on {n_gaps:,} gaps vs "
+          f"reference on {n_small:,}); same small log: {t_ref / t_fast_small:,.0f}x")  # fmt: skip
+
+    with tempfile.TemporaryDirectory() as d:
+        paths = []
+        for i in range(8):
+            paths.append(synthetic_log(num_steps=6_000, batch=32, seed=10 + i).save(
+                os.path.join(d, f"run{i}.npz")))  # fmt: skip
+        walls = {}
+        for jobs in (1, 2):
+            cmd = [sys.executable, "-m", "tracekit", "analyze", "--format", "jsonl",
+                   "--jobs", str(jobs), *paths]  # fmt: skip
+            t = time.perf_counter()
+            subprocess.run(cmd, check=True, capture_output=True)
+            walls[jobs] = time.perf_counter() - t
+        print(f"tracekit analyze, 8 runs x {len(partition(synthetic_log(6_000, 32, 10))):,} gaps: "
+              f"--jobs 1 {walls[1]:.2f} s, --jobs 2 {walls[2]:.2f} s "
+              f"({walls[1] / walls[2]:.2f}x on {os.cpu_count()} cores)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
