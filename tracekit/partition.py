@@ -467,10 +467,12 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     hi_u, lo_u = cumulative(uniq_t)
     # between consecutive distinct emission times (most gaps are exactly one such interval)
     per_interval = between(hi_u[:-1], lo_u[:-1], hi_u[1:], lo_u[1:])
+    # a zero row after the last interval, for zero-length gaps at the last emission time
+    per_interval = np.vstack([per_interval, np.zeros((1, len(labels)))])
     one = b_idx == a_idx + 1
     # column-major: per-gap sums over labels (the reconcile check) add contiguous columns
     parts = np.empty((n, len(labels)), order="F")
-    pick = np.minimum(a_idx, max(len(per_interval) - 1, 0))
+    pick = a_idx
     for j in range(len(labels)):
         np.take(per_interval[:, j], pick, out=parts[:, j])
     many = np.flatnonzero(~one)
@@ -493,8 +495,9 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
 
     gap_ms = (g_t1 - g_t0) * 1e3
     # the primary cause of a one-interval gap with no eviction is its interval's
-    prim_u, prim_causes = primary_of(per_interval, (uniq_t[1:] - uniq_t[:-1]) * 1e3, labels)
-    primary = np.take(prim_u, np.minimum(a_idx, max(len(prim_u) - 1, 0))) if n else prim_u[:0]
+    widths_ms = np.append((uniq_t[1:] - uniq_t[:-1]) * 1e3, 0.0)
+    prim_u, prim_causes = primary_of(per_interval, widths_ms, labels)
+    primary = np.take(prim_u, a_idx) if n else prim_u[:0]
     redo_mask = ~one
     redo_mask[e_gap] = True
     redo = np.flatnonzero(redo_mask)
