@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from logbuilder import LogBuilder
 
-from tests.logbuilder import LogBuilder
 from tracekit.analysis import analyze
 from tracekit.cli import main
 from tracekit.compare import MISSING, Spread, compare, config_value, group_key

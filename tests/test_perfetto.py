@@ -12,9 +12,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from logbuilder import LogBuilder
+from synthlog import synthetic_log
 
-from tests.logbuilder import LogBuilder
-from tests.synthlog import synthetic_log
 from tracekit.cli import main
 from tracekit.hooks import Recorder
 from tracekit.partition import partition
@@ -25,6 +25,7 @@ from tracekit.render.perfetto import (
     LiveChromeTrace,
     TraceError,
     chrome_trace_events,
+    engine_start_us,
     parse_window,
     read_trace,
     validate_trace,
@@ -365,3 +366,58 @@ def test_trace_of_a_log_without_requests_or_counters():
     log = replace(log, emissions=log.emissions.take(np.zeros(0, dtype=int)))
     ev = chrome_trace_events(log, partition(log))
     assert validate_trace(ev) == []
+
+
+def test_evictions_before_between_and_after_tokens():
+    """Evicted while waiting for its first token (inside the ttft slice), inside a gap,
+    and never readmitted (inside the gaps it stalls, then on its own to the run's end)."""
+    b = LogBuilder()
+    for i in range(6):
+        s = b.step(10 * i, 10 * i + 9)
+        b.seg(s, "decode", 10 * i, 10 * i + 8)
+        if i not in (2, 3):
+            b.emit(0, 10 * i + 8, s)  # tokens at 8, 18, 48, 58 ms
+    b.evict(0, 1.0, 4.0)  # before the first token
+    b.evict(0, 19.0, 35.0)  # inside the gap 18 -> 48
+    b.evict(0, 50.0)  # never readmitted: runs to the end
+    log = b.build(wall_ms=60.0)
+    ev = chrome_trace_events(log, partition(log))
+    assert validate_trace(ev, max_ts_us=60_000) == []
+    req = [(e["ts"], e["dur"], e["name"]) for e in slices(ev, PID_REQUESTS)]
+    assert req == [
+        (0.0, 8000.0, "ttft"),
+        (1000.0, 3000.0, "evicted"),
+        (8000.0, 10000.0, "clean"),
+        (18000.0, 30000.0, "preempt"),
+        (19000.0, 16000.0, "evicted"),
+        (48000.0, 10000.0, "preempt"),
+        (50000.0, 8000.0, "evicted"),
+        (58000.0, 2000.0, "evicted"),
+    ]
+
+
+def test_a_request_that_arrived_before_engine_start_shifts_the_trace():
+    """Perfetto wants ts >= 0: a run with an arrival at -5 ms is shifted by whole µs, and
+    the shift is recorded (engine_start_us), so engine-clock times can be read back."""
+    b = LogBuilder()
+    for i in range(3):
+        s = b.step(10 * i, 10 * i + 9)
+        b.seg(s, "decode", 10 * i, 10 * i + 8)
+        b.emit(0, 10 * i + 8, s)
+    log = b.build(arrivals_ms=[-5.0])
+    ev = chrome_trace_events(log, partition(log))
+    assert validate_trace(ev) == []
+    assert engine_start_us(ev) == 5000.0
+    ttft = slices(ev, PID_REQUESTS, "ttft")[0]
+    assert (ttft["ts"], ttft["dur"]) == (0.0, 13000.0)
+    first_step = min(e["ts"] for e in slices(ev, PID_ENGINE, "step"))
+    assert first_step - engine_start_us(ev) == 0.0
+    assert engine_start_us(chrome_trace_events(*_plain())) == 0.0
+
+
+def _plain():
+    b = LogBuilder()
+    s = b.step(0, 9)
+    b.emit(0, 8, s)
+    log = b.build()
+    return log, partition(log)

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from browser import chromium_path, open_page
 from click.testing import CliRunner
+from synthlog import synthetic_log
 
-from tests.browser import chromium_path, open_page
-from tests.synthlog import synthetic_log
 from tracekit.analysis import analyze
 from tracekit.cli import main
 from tracekit.compare import compare
@@ -117,7 +117,7 @@ def test_report_renders_in_headless_chromium(report_path):
 
 
 def test_a_run_without_gaps_still_renders():
-    from tests.logbuilder import LogBuilder
+    from logbuilder import LogBuilder
 
     b = LogBuilder()
     b.step(0, 10, n_decode=0, graph=-1)

@@ -83,7 +83,7 @@ def _f(x: float | None, nd: int = 1) -> str:
 def run_labels(runs: Sequence[RunAnalysis]) -> list[str]:
     """A short, unique name per run: the file name, or the whole path where names repeat."""
     base = [os.path.basename(a.path) or a.path for a in runs]
-    names = []
+    names: list[str] = []
     for i, (a, b) in enumerate(zip(runs, base, strict=True)):
         name = a.path if base.count(b) > 1 else b
         names.append(name if names.count(name) == 0 else f"{name} #{i + 1}")

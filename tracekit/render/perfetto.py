@@ -1,6 +1,8 @@
 """Chrome trace-event JSON for Perfetto (ui.perfetto.dev) and chrome://tracing.
 
-One run becomes these tracks (Chrome's JSON trace format, times in microseconds):
+One run becomes these tracks (Chrome's JSON trace format, times in microseconds from
+engine start; shifted by whole µs when something happened before it, such as an arrival
+before the recorder started, so that no ``ts`` is negative: see `engine_start_us`):
 
 - process ``engine`` (pid 1):
   - ``engine loop``: every step as a complete slice (``ph: X``, name ``step``) with the
@@ -167,6 +169,30 @@ def chrome_trace_events(
     events += _engine_events(log, window_s)
     events += _counter_events(log, window_s)
     events += _request_events(log, part, ids, keep_req, window_s)
+    return _shift_to_zero(events)
+
+
+def engine_start_us(events: Sequence[Mapping[str, Any]]) -> float:
+    """Where engine start (t = 0 in the log) lies on the trace's time axis, in µs: 0, unless
+    something happened before it (a request that arrived before the recorder started)."""
+    for ev in events:
+        if ev.get("ph") == "M" and ev.get("name") == "process_name" and ev.get("pid") == PID_ENGINE:
+            return float(ev["args"].get("engine_start_us", 0.0))
+    return 0.0
+
+
+def _shift_to_zero(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Shift every timestamp by whole µs so none is negative (Perfetto and chrome://tracing
+    expect ts >= 0); the shift is kept in the engine's process_name args."""
+    lo = min((e["ts"] for e in events if "ts" in e), default=0.0)
+    if lo >= 0:
+        return events
+    off = float(math.ceil(-lo))
+    for e in events:
+        if "ts" in e:
+            e["ts"] = round(e["ts"] + off, 3)  # whole ns again: rounding keeps the order
+        elif e["ph"] == "M" and e["name"] == "process_name" and e["pid"] == PID_ENGINE:
+            e["args"]["engine_start_us"] = off
     return events
 
 
@@ -226,7 +252,7 @@ def _engine_events(log: RawLog, window_s) -> list[dict[str, Any]]:
                 ev_name = "step"
             else:
                 li = seg_label[i]
-                ev_name = labels[li] if 0 <= li < len(labels) else f"label {li}"
+                ev_name = (labels[li] if 0 <= li < len(labels) else "") or f"label {li}"
                 args = {"step": seg_step[i]}
                 if 0 <= li < len(labels) and causes[li] != ev_name:
                     args["cause"] = causes[li]
@@ -285,7 +311,7 @@ def _counter_events(log: RawLog, window_s) -> list[dict[str, Any]]:
                 "ph": "C",
                 "pid": PID_ENGINE,
                 "ts": _us(int(ts[i])),
-                "name": names[n] if 0 <= n < len(names) else f"counter {n}",
+                "name": (names[n] if 0 <= n < len(names) else "") or f"counter {n}",
                 "args": {"value": int(v) if v == int(v) else v},
             }
         )
@@ -340,14 +366,13 @@ def _request_events(log: RawLog, part: Partition, ids, keep_req, window_s) -> li
             j0 = lo + max(int(np.searchsorted(gap1[lo:hi], a, side="right")), 0)
             j1 = lo + int(np.searchsorted(gap0[lo:hi], b, side="left"))
             spans += [(j, int(gap0[j]), int(gap1[j])) for j in range(j0, min(j1, hi))]
-        cov0 = min((s[1] for s in spans), default=None)
-        cov1 = max((s[2] for s in spans), default=None)
-        if cov0 is None:
+        if not spans:  # before the request arrived or after its last token
             loose.append((r, a, b))
             continue
-        # request coverage: the ttft span and the gaps are contiguous
-        first_cov = int(a_ns[r]) if has_ttft[r] else (int(gap0[lo]) if hi > lo else cov0)
-        last_cov = int(gap1[hi - 1]) if hi > lo else (int(f_ns[r]) if has_ttft[r] else cov1)
+        # the request's top-level slices (ttft, then its gaps) are contiguous: they cover
+        # [first_cov, last_cov]; what of the eviction lies outside goes on its own
+        first_cov = int(a_ns[r]) if has_ttft[r] else int(gap0[lo])
+        last_cov = int(gap1[hi - 1]) if hi > lo else int(f_ns[r])
         if a < first_cov:
             loose.append((r, a, min(b, first_cov)))
         if b > last_cov:
@@ -436,7 +461,7 @@ def _evicted(tid: int, a: int, b: int) -> dict[str, Any]:
 
 def trace_json(events: list[dict[str, Any]], *, meta: Mapping[str, Any] | None = None) -> str:
     """The trace file's text: Chrome's JSON Object Format, serialised once."""
-    doc = {"traceEvents": events, "displayTimeUnit": "ms"}
+    doc: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
     if meta:
         doc["otherData"] = dict(meta)
     return json.dumps(doc, separators=(",", ":"), allow_nan=False)
@@ -526,12 +551,14 @@ def validate_trace(
             elif not isinstance(args.get("sort_index"), int):
                 err(i, f"{name} needs args.sort_index (an integer)")
             continue
-        ts = ev.get("ts")
-        if not _is_num(ts):
-            err(i, f"ts must be a finite number of µs, got {ts!r}")
+        raw_ts = ev.get("ts")
+        if not _is_num(raw_ts):
+            err(i, f"ts must be a finite number of µs, got {raw_ts!r}")
             continue
+        ts = float(raw_ts)  # type: ignore[arg-type]
         if ts < -TOL_US or (max_ts_us is not None and ts > max_ts_us + TOL_US):
-            err(i, f"ts {ts} µs outside [0, {max_ts_us}] (wrong unit?)")
+            bound = "" if max_ts_us is None else f", {max_ts_us}"
+            err(i, f"ts {ts} µs outside [0{bound}] µs (wrong unit, or not shifted to >= 0?)")
         if ph == "C":
             args = ev.get("args")
             if not isinstance(args, Mapping) or not args or not all(map(_is_num, args.values())):
@@ -544,16 +571,18 @@ def validate_trace(
             continue
         if not isinstance(ev.get("tid"), int):
             err(i, f"tid must be an integer, got {ev.get('tid')!r}")
-        dur = ev.get("dur")
-        if not _is_num(dur) or dur < 0:
-            err(i, f"dur must be a finite number >= 0 µs, got {dur!r}")
+        raw_dur = ev.get("dur")
+        if not _is_num(raw_dur) or raw_dur < 0:  # type: ignore[operator]
+            err(i, f"dur must be a finite number >= 0 µs, got {raw_dur!r}")
             continue
+        dur = float(raw_dur)  # type: ignore[arg-type]
         parts = (ev.get("args") or {}).get("parts")
         if parts is not None:
-            vals = list(parts.values()) if isinstance(parts, Mapping) else [None]
-            if not all(_is_num(v) for v in vals):
+            raw = list(parts.values()) if isinstance(parts, Mapping) else [None]
+            if not all(_is_num(v) for v in raw):
                 err(i, f"args.parts must be numbers of ms, got {parts!r}")
             else:
+                vals = [float(v) for v in raw if v is not None]
                 if min(vals, default=0.0) < -1e-6:
                     err(i, f"args.parts has a negative part: {parts!r}")
                 total_us = sum(vals) * 1000
@@ -720,7 +749,7 @@ class LiveChromeTrace:
             tid = TID_LOOP if (th, dev) == (0, 0) else (TID_DEVICE if dev else TID_THREADS) + th
             if tid != TID_LOOP:
                 out += self._thread_meta(PID_ENGINE, tid, f"{'device' if dev else 'thread'} {th}")
-            name = self._labels[lab] if 0 <= lab < len(self._labels) else f"label {lab}"
+            name = (self._labels[lab] if 0 <= lab < len(self._labels) else "") or f"label {lab}"
             out.append(
                 f'{{"ph":"X","pid":{PID_ENGINE},"tid":{tid},"ts":{us(a)},'
                 f'"dur":{round(us(b) - us(a), 3)},"name":{json.dumps(name)},'
@@ -733,7 +762,9 @@ class LiveChromeTrace:
             )
         for n, t, v in rows("counters"):
             n = int(n)
-            name = self._counter_names[n] if 0 <= n < len(self._counter_names) else f"counter {n}"
+            name = (self._counter_names[n] if 0 <= n < len(self._counter_names) else "") or (
+                f"counter {n}"
+            )
             if math.isfinite(v):
                 out.append(
                     f'{{"ph":"C","pid":{PID_ENGINE},"ts":{us(int(t))},"name":{json.dumps(name)},'
