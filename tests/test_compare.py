@@ -59,6 +59,17 @@ def test_groups_in_order_of_first_appearance(base):
     assert [g.num_runs for g in by_seed.groups] == [3, 2]
 
 
+def test_order_by_a_config_key(base):
+    runs = [
+        with_figures(base, config={"rung": r, "rung_index": i}, rung=r, path=f"{r}-{k}")
+        for k, (r, i) in enumerate([("c", 2), ("a", 0), ("b", 1), ("a", 0), ("x", None)])
+    ]
+    assert [g.key for g in compare(runs).groups] == ["c", "a", "b", "x"]
+    by_index = compare(runs, order_by="rung_index")
+    assert [g.key for g in by_index.groups] == ["a", "b", "c", "x"]  # missing key last
+    assert by_index.groups[0].paths == ("a-1", "a-3")
+
+
 def test_dotted_and_missing_keys(base):
     cfg = {"rung": "x", "engine": {"block_size": 16, "graphs": [1, 2]}, "a.b": "verbatim"}
     assert config_value(cfg, "engine.block_size") == 16

@@ -257,10 +257,14 @@ _register_optional()
     "--format", "fmt", type=click.Choice(["table", "markdown", "jsonl"]), default="table",
     show_default=True, help="table: terminal; markdown: a PR or doc; jsonl: one object per group.",
 )  # fmt: skip
+@click.option("--order-by", default=None, metavar="KEY",
+              help="Sort groups by this config key (default: the order of the runs).")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
-def compare(runs: tuple[str, ...], by: str, fmt: str, output: str | None, jobs: int) -> None:
+def compare(
+    runs: tuple[str, ...], by: str, fmt: str, order_by: str | None, output: str | None, jobs: int
+) -> None:
     """Compare groups of runs: per group (in the order groups first appear), the median and
     [min-max] across its runs of ITL p50, p99, p99.9 and max, TTFT p50 and tokens/s, and the
     median tail-time share by label. Runs are the unit of evidence: gaps are never pooled
@@ -272,7 +276,7 @@ def compare(runs: tuple[str, ...], by: str, fmt: str, output: str | None, jobs: 
     results = _map_with_progress(_analyze_one, paths, jobs, "analysing")
     for a in results:
         _warn(a.path, a.warnings)
-    cmp = do_compare(results, by=by)
+    cmp = do_compare(results, by=by, order_by=order_by)
     if fmt == "jsonl":
         body = "".join(json.dumps(r) + "\n" for r in cmp.to_records())
     elif fmt == "markdown":
@@ -333,12 +337,17 @@ def _report_one(path: str, n_worst: int) -> Any:
 @click.argument("runs", nargs=-1, type=click.Path())
 @click.option("-o", "--output", type=click.Path(), default="report.html", show_default=True)
 @click.option("--by", default="rung", show_default=True, help="Group runs by this config key.")
+@click.option("--order-by", default=None, metavar="KEY",
+              help="Sort groups by this config key (default: the order of the runs).")  # fmt: skip
 @click.option("--worst", "n_worst", type=click.IntRange(min=0), default=10, show_default=True,
               help="List this many of the longest gaps of each run.")  # fmt: skip
 @click.option("--title", default="tracekit report", show_default=True)
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
-def report(runs: tuple[str, ...], output: str, by: str, n_worst: int, title: str, jobs: int):
+def report(
+    runs: tuple[str, ...], output: str, by: str, order_by: str | None, n_worst: int, title: str,
+    jobs: int,
+):  # fmt: skip
     """Write one self-contained HTML report of RUNS (opens offline, no network): summary
     per run and per group, the ITL histogram by primary cause, tail-time share and
     tail-gap counts by cause, the ladder (p99 and p99.9 per group), forward share of clean
@@ -366,7 +375,7 @@ def report(runs: tuple[str, ...], output: str, by: str, n_worst: int, title: str
                     bar.update(1)
         for r in results:
             _warn(r.analysis.path, r.analysis.warnings)
-        cmp = do_compare([r.analysis for r in results], by=by)
+        cmp = do_compare([r.analysis for r in results], by=by, order_by=order_by)
         page = render_report(results, cmp, title=title)
         bar.update(1)
     with open(output, "w", encoding="utf-8") as fh:

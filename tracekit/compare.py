@@ -128,11 +128,29 @@ def group_key(run: RunAnalysis, by: str) -> str:
     return json.dumps(v, sort_keys=True, separators=(",", ":"))
 
 
-def compare(runs: Sequence[RunAnalysis], by: str = "rung") -> Comparison:
-    """Group `runs` by `by` and summarise each group across its runs."""
+def _order_value(run: RunAnalysis, key: str) -> tuple[int, float, str]:
+    """Sort key of a group by config `key` of its first run: numbers, then text, then runs
+    without the key (each kept in input order among equals: the sort is stable)."""
+    v = config_value(run.config, key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        return (0, float(v), "")
+    if v is None:
+        return (2, 0.0, "")
+    return (1, 0.0, v if isinstance(v, str) else json.dumps(v, sort_keys=True))
+
+
+def compare(
+    runs: Sequence[RunAnalysis], by: str = "rung", *, order_by: str | None = None
+) -> Comparison:
+    """Group `runs` by `by` and summarise each group across its runs. Groups come in the
+    order they first appear in `runs`, or sorted by the config key `order_by` (say a
+    `rung_index` the engine records) when given."""
     groups: dict[str, list[RunAnalysis]] = {}
     for r in runs:
         groups.setdefault(group_key(r, by), []).append(r)
+    if order_by is not None:
+        ordered = sorted(groups.items(), key=lambda kv: _order_value(kv[1][0], order_by))
+        groups = dict(ordered)
     labels = list(STANDARD_LABELS)
     for r in runs:
         labels += [lb for lb in r.labels if lb not in labels]
