@@ -303,6 +303,8 @@ class TransformersCBAdapter:
 
         def make(fn: Callable[..., Any]) -> Callable[..., Any]:
             def inner_instrumented(*args: Any, **kwargs: Any) -> Any:
+                if not self._step_open:  # e.g. the warmup of CUDA graphs: not serving
+                    return fn(*args, **kwargs)
                 t0 = rec.now()
                 try:
                     return fn(*args, **kwargs)
@@ -384,6 +386,8 @@ class TransformersCBAdapter:
 
         def make(generation_step: Callable[..., Any]) -> Callable[..., Any]:
             def generation_step_instrumented(*args: Any, **kwargs: Any) -> Any:
+                if not self._step_open:
+                    return generation_step(*args, **kwargs)
                 self._sample_t0 = None
                 t0 = rec.now()
                 out = generation_step(*args, **kwargs)

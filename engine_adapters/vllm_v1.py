@@ -100,6 +100,7 @@ class VllmV1Adapter:
         # the open step (one thread drives an in-process engine)
         self._num_decode = 0
         self._num_prefill_tokens = 0
+        self._in_step = False
         self._fwd_t0: int | None = None
         self._graph_size: int | None = None
         #: preemptions recorded (tests compare them with vLLM's own counts)
@@ -137,7 +138,7 @@ class VllmV1Adapter:
             p.wrap(sched, "_preempt_request", self._wrap_preempt)
             p.wrap(sched, "update_from_output", self._wrap_update)
             p.wrap(executor, "execute_model", self._wrap_execute)
-            p.wrap(executor, "sample_tokens", self._wrap_timed("sample"))
+            p.wrap(executor, "sample_tokens", self._wrap_timed("sample", in_step_only=True))
             runner = _model_runner(executor)
             if runner is not None and hasattr(runner, "_model_forward"):
                 p.wrap(runner, "_model_forward", self._wrap_model_forward)
@@ -145,7 +146,7 @@ class VllmV1Adapter:
                 p.wrap(client, "add_request", self._wrap_client_add_request)
             if llm_engine is not None:
                 op = llm_engine.output_processor
-                p.wrap(op, "process_outputs", self._wrap_timed("detokenize"))
+                p.wrap(op, "process_outputs", self._wrap_timed("detokenize", in_step_only=False))
         except BaseException:
             p.restore()
             raise
@@ -178,7 +179,11 @@ class VllmV1Adapter:
                 self._num_decode = self._num_prefill_tokens = 0
                 self._fwd_t0 = self._graph_size = None
                 with step_cm:
-                    out = step()
+                    self._in_step = True
+                    try:
+                        out = step()
+                    finally:
+                        self._in_step = False
                     graph = self._graph_size
                     if graph is None and self._eager:
                         graph = 0
@@ -279,6 +284,8 @@ class VllmV1Adapter:
         rec = self.rec
 
         def execute_instrumented(*args: Any, **kwargs: Any) -> Any:
+            if not self._in_step:  # a dummy batch or a profile run: not serving
+                return execute(*args, **kwargs)
             self._fwd_t0 = None
             t0 = rec.now()
             try:
@@ -302,12 +309,14 @@ class VllmV1Adapter:
 
         return model_forward_instrumented
 
-    def _wrap_timed(self, label: str) -> Callable[..., Callable[..., Any]]:
+    def _wrap_timed(self, label: str, in_step_only: bool) -> Callable[..., Callable[..., Any]]:
         rec = self.rec
         seg = rec.segment(label)
 
         def make(fn: Callable[..., Any]) -> Callable[..., Any]:
             def timed(*args: Any, **kwargs: Any) -> Any:
+                if in_step_only and not self._in_step:
+                    return fn(*args, **kwargs)
                 with seg:
                     return fn(*args, **kwargs)
 
