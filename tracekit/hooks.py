@@ -283,6 +283,15 @@ class Recorder:
     def running(self) -> bool:
         return self._running
 
+    @property
+    def t0_tick(self) -> int:
+        """The clock reading at `start()`: engine time zero, in ticks."""
+        return self._t0_tick
+
+    @property
+    def seconds_per_tick(self) -> float:
+        return self._seconds_per_tick
+
     def add_flush_listener(self, fn: Callable[[dict[str, np.ndarray]], None]) -> None:
         """Call `fn(chunk)` with every flushed chunk of rows (e.g. a live Chrome trace)."""
         self._on_flush.append(fn)
@@ -541,6 +550,8 @@ class Recorder:
         chunk["request_ids_start"] = np.array(start, dtype=np.int64)
         chunk["config"] = np.array(_dumps(self.config))
         chunk["flush_tick"] = np.array(now, dtype=np.int64)
+        chunk["t0_tick"] = np.array(self._t0_tick, dtype=np.int64)
+        chunk["seconds_per_tick"] = np.array(self._seconds_per_tick)
         if stop_tick is not None:
             chunk["stop_tick"] = np.array(stop_tick, dtype=np.int64)
         if self._writer is not None:

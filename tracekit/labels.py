@@ -97,7 +97,9 @@ def colour(label: str) -> str:
 
 
 def glyph(label: str) -> str:
-    return GLYPHS.get(label, label[:1].upper() or "?")
+    """One character per label; engine-added labels get their lower-case initial, so they
+    never collide with the standard causes' capitals (`schedule` is `s`, `preempt` `S`)."""
+    return GLYPHS.get(label, label[:1].lower() or "?")
 
 
 def partition_labels(causes: Iterable[str]) -> list[str]:

@@ -707,7 +707,7 @@ class LiveChromeTrace:
 
     def _clock(self) -> tuple[int, float]:
         rec = self._rec
-        return int(rec._t0_tick), float(rec._seconds_per_tick)
+        return int(rec.t0_tick), float(rec.seconds_per_tick)
 
     def _thread_meta(self, pid: int, tid: int, name: str) -> list[str]:
         if (pid, tid) in self._named_tids:
