@@ -73,3 +73,12 @@ def patches_left(*objs: Any) -> list[str]:
             if is_patched(value):
                 left.append(f"{type(obj).__name__}.{name}")
     return left
+
+
+def gc_ms_between(log: RawLog, t0_s: np.ndarray, t1_s: np.ndarray) -> np.ndarray:
+    """Milliseconds of recorded GC pauses inside each window ``[t0_s, t1_s]``: a pause
+    between an emission and the engine's own stamp of it delays the stamp, not the token."""
+    g = log.gc_pauses
+    a = np.maximum(t0_s[:, None], g.t_start_s[None, :])
+    b = np.minimum(t1_s[:, None], g.t_end_s[None, :])
+    return np.clip(b - a, 0.0, None).sum(axis=1) * 1e3

@@ -18,6 +18,7 @@ import pytest
 from adapters_common import (
     analyze_jsonl,
     emission_times,
+    gc_ms_between,
     log_origin_s,
     one_torch_thread,
     patches_left,
@@ -128,18 +129,21 @@ def test_every_engine_preemption_is_an_explicit_eviction(batch_run):
 def test_emission_times_agree_with_the_engines_timestamps(batch_run):
     log, results = batch_run["log"], batch_run["results"]
     origin = log_origin_s(log)  # engine stamps are time.perf_counter(), the recorder's clock
-    lags = []
+    emitted, stamped = [], []
     for rid, r in results.items():
         em = emission_times(log, rid)
         ts = np.asarray(r.timestamps) - origin
         # a soft reset starts a fresh request state: its stamps cover the tokens after it
         assert 0 < len(ts) <= len(em)
-        lags.append(ts - em[len(em) - len(ts) :])
-    lag_ms = np.concatenate(lags) * 1e3
+        emitted.append(em[len(em) - len(ts) :])
+        stamped.append(ts)
+    em, ts = np.concatenate(emitted), np.concatenate(stamped)
+    lag_ms = (ts - em) * 1e3
     # the engine stamps each token in update_batch, after tracekit's emission in the step
-    assert lag_ms.min() >= 0.0
+    assert lag_ms.min() >= -0.01
     assert np.median(lag_ms) < 1.0
-    assert lag_ms.max() < 50.0, "one stamp far from its emission: clocks not mapped?"
+    worst = (lag_ms - gc_ms_between(log, em, ts)).max()
+    assert worst < 50.0, "a stamp far from its emission: clocks not mapped?"
 
 
 def test_every_gap_reconciles(batch_run):
