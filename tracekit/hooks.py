@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .device import DeviceTimer
 from .labels import DEFAULT_CAUSE_MAP, colour
 from .rawlog import MODES, RawLog
 from .stream import (
@@ -57,6 +58,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _NULL_CM = contextlib.nullcontext()
 NVTX_DOMAIN = "tracekit"
+NVTX_STEP = "step"
+
+
+def _nvtx_colour(label: str) -> int:
+    """The label's colour (`tracekit.labels.colour`) as the opaque ARGB integer NVTX takes."""
+    return 0xFF000000 | int(colour(label).lstrip("#"), 16)
+
 
 #: Recorders that are running, so tests (and atexit) can check none is left behind.
 _ACTIVE: set[Recorder] = set()
@@ -76,7 +84,7 @@ class _Segment:
         self._label = label
         self._is_device = is_device
         self._name = name
-        self._color = int(colour(name).lstrip("#"), 16)
+        self._color = _nvtx_colour(name)
 
     def __enter__(self) -> _Segment:
         rec = self._rec
@@ -88,11 +96,13 @@ class _Segment:
 
     def __exit__(self, *exc: object) -> None:
         rec = self._rec
-        t1 = rec._clock()
-        t0 = rec._tls_stack().pop()
-        rec._append_segment(self._label, t0, t1, int(self._is_device))
-        if rec._nvtx is not None:
-            rec._nvtx.pop_range(domain=NVTX_DOMAIN)
+        try:
+            t1 = rec._clock()
+            t0 = rec._tls_stack().pop()
+            rec._append_segment(self._label, t0, t1, int(self._is_device))
+        finally:
+            if rec._nvtx is not None:
+                rec._nvtx.pop_range(domain=NVTX_DOMAIN)
 
     def __call__(self, fn: F) -> F:
         @wraps(fn)
@@ -101,6 +111,35 @@ class _Segment:
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+class _DeviceSegment(_Segment):
+    """A segment of device work on a recorder with a device timer (`tracekit.device`): the
+    host window of the launch (is_device=0) as for any segment, plus a pair of device
+    events around it whose execution window the timer resolves later and appends as a
+    device segment (is_device=1) of the same label and step."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _DeviceSegment:
+        rec = self._rec
+        if rec._nvtx is not None:
+            rec._nvtx.push_range(message=self._name, color=self._color, domain=NVTX_DOMAIN)
+        rec._tls_stack().append(rec._clock())
+        rec._tls_stack().append(rec._device.begin())  # type: ignore[union-attr]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        rec = self._rec
+        try:
+            stack = rec._tls_stack()
+            start = stack.pop()
+            rec._device.end(start, self._label, rec._step_here(), rec._thread_id())  # type: ignore[union-attr]
+            t1 = rec._clock()
+            rec._append_segment(self._label, stack.pop(), t1, 0)
+        finally:
+            if rec._nvtx is not None:
+                rec._nvtx.pop_range(domain=NVTX_DOMAIN)
 
 
 class _Step:
@@ -112,11 +151,19 @@ class _Step:
         self._rec = rec
 
     def __enter__(self) -> _Step:
-        self._rec._begin_step()
+        rec = self._rec
+        rec._begin_step()
+        if rec._nvtx is not None:  # pushed once the step is open: every push has its pop
+            rec._nvtx.push_range(message=NVTX_STEP, color=rec._step_color, domain=NVTX_DOMAIN)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._rec._end_step()
+        rec = self._rec
+        try:
+            rec._end_step()
+        finally:
+            if rec._nvtx is not None:
+                rec._nvtx.pop_range(domain=NVTX_DOMAIN)
 
 
 class Recorder:
@@ -127,7 +174,11 @@ class Recorder:
     config: JSON-able metadata saved with the run (`rung`, `seed`, engine settings...).
     enabled: False makes every hook a no-op.
     gc: time collections with `gc.callbacks` (installed at start, removed at stop).
-    nvtx: also open an NVTX range per step and segment (needs the `nvtx` package).
+    nvtx: also open an NVTX range per step and segment (needs the `nvtx` package), in the
+        `tracekit` domain, one colour per label; imported at start, only when asked for.
+    device_timer: a `tracekit.device.DeviceTimer` (`CudaEventTimer`, or `FakeDeviceTimer`
+        in tests): `segment(label, device=True)` then also records the device execution
+        window of the launch, resolved lazily; without one it records the host window only.
     clock: a function returning integer ticks (default `time.perf_counter_ns`); pass a fake
         clock in tests. `seconds_per_tick` converts them.
     flush_interval_s: completed rows reach disk at least this often (crash safety).
@@ -149,6 +200,7 @@ class Recorder:
         flush_interval_s: float = 1.0,
         cause_map: Mapping[str, str] | None = None,
         handle_signals: bool = True,
+        device_timer: DeviceTimer | None = None,
     ) -> None:
         self.out = None if out is None else os.fspath(out)
         self.config: dict[str, Any] = dict(config or {})
@@ -157,6 +209,8 @@ class Recorder:
         self._use_gc = gc
         self._want_nvtx = nvtx
         self._nvtx: Any = None
+        self._step_color = _nvtx_colour(NVTX_STEP)
+        self._device = device_timer if enabled else None
         self._clock = clock
         self._seconds_per_tick = seconds_per_tick
         self._flush_ticks = int(flush_interval_s / seconds_per_tick)
@@ -201,8 +255,12 @@ class Recorder:
         if self._stopped:
             raise RuntimeError("a Recorder records one run; make a new one for the next run")
         if self._want_nvtx:
-            import nvtx  # the `gpu` extra; imported only when asked for
-
+            try:
+                import nvtx  # the `gpu` extra; imported only when asked for
+            except ImportError as e:
+                raise ImportError(
+                    "Recorder(nvtx=True) needs the nvtx package: pip install 'tracekit[gpu]'"
+                ) from e
             self._nvtx = nvtx
         self._t0_tick = self._clock()
         self._last_flush = self._t0_tick
@@ -218,6 +276,10 @@ class Recorder:
             "cause_map": self.cause_map,
             "source": "tracekit",
         }
+        if self._device is not None:
+            meta["device_calibration"] = self._device.attach(
+                self._clock, self._seconds_per_tick, self._t0_tick
+            )
         self._meta = meta
         if self.out is not None:
             self._writer = PartWriter(parts_dir_for(self.out), _json_safe(meta))
@@ -240,6 +302,9 @@ class Recorder:
             return self._log
         self._running = False
         _ACTIVE.discard(self)
+        device_meta: dict[str, Any] = {}
+        if self._device is not None:  # one synchronize: the run ends when the device does
+            device_meta = self._device.finish(self._append_device_window)
         stop_tick = self._clock()
         try:
             if self._on_gc in gc.callbacks:
@@ -254,7 +319,7 @@ class Recorder:
             self._stopped = True
             if self._writer is not None:
                 self._writer.close()
-        final = {"config": self.config}
+        final = {"config": self.config, **device_meta}
         if self.out is not None:
             parts = parts_dir_for(self.out)
             log = merge_parts(parts, final=final)
@@ -366,6 +431,9 @@ class Recorder:
         self._in_step = False
         with self._lock:
             self._buf["steps"].extend(row)
+        dev = self._device
+        if dev is not None and dev._pending:  # lazily: only what has finished, no sync
+            dev.poll(self._append_device_window)
         if t1 - self._last_flush >= self._flush_ticks:
             self._flush()
 
@@ -374,7 +442,9 @@ class Recorder:
         """A labelled window: `with rec.segment("prefill"):` or `@rec.segment("tok")`.
 
         Works from any thread; a window outside a step is recorded with step -1.
-        `device=True` marks device execution time (see `tracekit.device`)."""
+        `device=True`: the body launches device work; with a device timer its execution
+        window is recorded too (is_device=1, see `tracekit.device`), without one only the
+        host window is."""
         if not self.enabled:
             return _NullSegment
         key = (label, device)
@@ -383,7 +453,10 @@ class Recorder:
             with self._lock:
                 seg = self._segments.get(key)
                 if seg is None:
-                    seg = _Segment(self, self._label_id(label), label, device)
+                    if device and self._device is not None:
+                        seg = _DeviceSegment(self, self._label_id(label), label, False)
+                    else:  # nothing measures the device: the host window is what we have
+                        seg = _Segment(self, self._label_id(label), label, False)
                     self._segments[key] = seg
         return seg
 
@@ -416,10 +489,18 @@ class Recorder:
         return tid
 
     def _append_segment(self, label: int, t0: int, t1: int, is_device: int) -> None:
-        step = self._step_no if self._in_step and self._is_loop_thread() else -1
-        row = (step, label, t0, t1, self._thread_id(), is_device)
+        row = (self._step_here(), label, t0, t1, self._thread_id(), is_device)
         with self._lock:
             self._buf["segments"].extend(row)
+
+    def _step_here(self) -> int:
+        """The step a window opened on this thread now belongs to (-1: outside any step)."""
+        return self._step_no if self._in_step and self._is_loop_thread() else -1
+
+    def _append_device_window(self, step: int, label: int, t0: int, t1: int, thread: int) -> None:
+        """A device execution window resolved by the device timer, after its step ended."""
+        with self._lock:
+            self._buf["segments"].extend((step, label, t0, t1, thread, 1))
 
     def _is_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_ident
@@ -530,6 +611,9 @@ class Recorder:
 
     def _flush(self, *, stop_tick: int | None = None) -> None:
         """Hand the completed rows to the writer (a swap of buffers; no disk I/O here)."""
+        dev = self._device
+        if dev is not None and dev._pending and stop_tick is None:
+            dev.poll(self._append_device_window)
         with self._lock:
             buf = self._buf
             self._new_buffers()
@@ -560,7 +644,6 @@ class Recorder:
             self._mem_parts.append(chunk)
         for fn in self._on_flush:
             fn(chunk)
-
 
 
 class _NullSegmentType:
