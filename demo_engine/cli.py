@@ -252,7 +252,12 @@ def ladder_cmd(
     env = dict(os.environ)
     set_thread_env(1)
     env.update({k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
-    runs = [(s, r) for s in seed_list for r in rung_list]  # rungs interleaved within a seed
+    # every rung once per seed, the rung order rotated from seed to seed, so a slow patch of
+    # a shared machine does not always land on the same rungs
+    runs = []
+    for k, s in enumerate(seed_list):
+        shift = (k * len(rung_list)) // max(1, len(seed_list))
+        runs += [(s, r) for r in rung_list[shift:] + rung_list[:shift]]
     t_start = time.monotonic()
     failures = 0
     for i, (seed, rung) in enumerate(runs, 1):
