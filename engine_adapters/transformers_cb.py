@@ -64,7 +64,7 @@ def _cb_module() -> Any:
     except ImportError as e:  # pragma: no cover - exercised only without transformers
         raise ImportError(
             "engine_adapters.transformers_cb needs transformers with continuous batching "
-            "(5.19 to 5.24 checked): pip install -e '.[adapters]'"
+            "(written against 5.19): pip install -e '.[adapters]'"
         ) from e
     return continuous_api
 
