@@ -64,6 +64,9 @@ class DeviceTimer:
     kind = "abstract"
     #: calibration brackets tried at start and at stop; the tightest one is kept
     num_calibration_tries = 5
+    #: a calibration event not done after this many queries (or ms) is waited for instead
+    calibration_max_spins = 100_000
+    calibration_timeout_ms = 100.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -194,17 +197,33 @@ class DeviceTimer:
         return (tick - self._origin_tick) / self._ticks_per_ms * 1e-3
 
     def _calibrate(self) -> tuple[Any, float, float]:
-        """(event, host tick, half-width in ticks) of the tightest bracket of a few tries."""
+        """(event, host tick, half-width in ticks) of the tightest bracket of a few tries.
+
+        On an idle stream, record an event and spin on `query()`, reading the host clock
+        before each query: the event completed after the last reading whose query said
+        "not yet" and before the reading after the query that said "done". (Start and stop
+        only; a device that never answers falls back to one synchronize.)"""
         assert self._clock is not None, "attach() first"
         clock = self._clock
         self._synchronize()  # an idle stream: the event completes as soon as it is recorded
+        limit = round(self.calibration_timeout_ms * self._ticks_per_ms)
         best: tuple[Any, int, int] | None = None
         for _ in range(self.num_calibration_tries):
             ev = self._free.pop() if self._free else self._new_event()
-            h0 = clock()
+            h0 = t_record = clock()
             self._record(ev, False)
-            self._synchronize()
-            h1 = clock()
+            h1 = None
+            for _spin in range(self.calibration_max_spins):
+                q = clock()
+                if self._query(ev):
+                    h1 = clock()
+                    break
+                h0 = q  # not done when this was read
+                if q - t_record > limit:
+                    break
+            if h1 is None:
+                self._synchronize()
+                h1 = clock()
             if best is None or h1 - h0 < best[2] - best[1]:
                 if best is not None:
                     self._free.append(best[0])
@@ -330,6 +349,7 @@ class FakeDeviceTimer(DeviceTimer):
         self.tail_ns = 0  # when the stream finishes what is queued on it
         self.num_queries = 0
         self.num_synchronizes = 0
+        self.num_events_made = 0
 
     def launch(self, exec_ms: float) -> None:
         """Queue a kernel of `exec_ms` at the current host time."""
@@ -340,6 +360,7 @@ class FakeDeviceTimer(DeviceTimer):
         return self.tail_ns
 
     def _new_event(self) -> Any:
+        self.num_events_made += 1
         return _FakeEvent()
 
     def _record(self, event: Any, opens: bool) -> None:
