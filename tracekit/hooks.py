@@ -534,12 +534,19 @@ class Recorder:
                     self._req_names.append(str(request_id))
         return idx
 
-    def emit(self, request_ids: Iterable[Any], num_tokens: Iterable[int] | None = None) -> None:
-        """Tokens left the engine now, one or more per request (`num_tokens`), all sharing
-        one emission time: call it right after the forward pass returns."""
+    def emit(
+        self,
+        request_ids: Iterable[Any],
+        num_tokens: Iterable[int] | None = None,
+        *,
+        at_tick: int | None = None,
+    ) -> None:
+        """Tokens left the engine now (or at `at_tick` of this recorder's clock, for an
+        adapter that learns of them later), one or more per request (`num_tokens`), all
+        sharing one emission time: call it right after the forward pass returns."""
         if not self.enabled:
             return
-        t = self._clock()
+        t = self._clock() if at_tick is None else at_tick
         step = self._step_no if self._in_step else -1
         get = self._req_index.get
         rows = array("q")
