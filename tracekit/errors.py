@@ -17,7 +17,15 @@ class LogError(TracekitError):
         self.path = path
         self.field = field
         self.problem = problem
-        super().__init__(f"{path}: {field}: {problem}")
+        super().__init__(one_line(f"{path}: {field}: {problem}"))
+
+
+def one_line(text: str) -> str:
+    """`text` with line breaks and other control characters escaped, so that an error about
+    a hostile file (a newline in its name or in an archive member's) stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 class ReconcileError(TracekitError):

@@ -13,8 +13,10 @@ On disk it is one `.npz` per run (`save`/`load`), self-describing:
   ``request_ids`` (strings), ``counter_names``, ``wall_s``.
 
 `load` also reads the *published* layout (the `.npz` files written by the method tracekit
-industrialises; see docs/rawlog.md) unchanged. Every array is read with
-``allow_pickle=False``: a log can never execute code.
+industrialises; see docs/rawlog.md) unchanged. A log can never execute code: arrays are
+read from their `.npy` headers with pickles refused (what ``allow_pickle=False`` does, but
+checked before any data is read), and members the layout does not define are skipped
+unread. What is rejected and what is only warned about: `tracekit.validate`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LogError
+from .errors import LogError, one_line
 from .labels import DEFAULT_CAUSE_MAP
 
 SCHEMA = "tracekit.rawlog"
@@ -282,35 +284,27 @@ PUBLISHED_ARRAYS = {
 PUBLISHED_SEG_LABELS = ("tok", "swap", "prefill", "decode")
 
 
+V1_SCALARS = frozenset(
+    {"schema", "schema_version", "labels", "request_ids", "counter_names", "cause_map",
+     "config", "meta", "wall_s"}
+)  # fmt: skip
+V1_COLUMNS = frozenset(f"{t}.{c}" for t, cls in TABLES.items() for c in cls.DTYPES)
+PUBLISHED_OTHERS = frozenset({"trace", "wall", "config"})
+#: deflate expands at most ~1032:1; a member claiming more is lying about its size
+_MAX_DEFLATE_RATIO = 1100
+
+
 def load(path: str | os.PathLike[str], *, validate: bool = True) -> RawLog:
     """Read a raw log (v1 or the published layout). Raises `LogError` naming file and field."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LogError(path, "file", "does not exist")
     if os.path.isdir(path):
-        raise LogError(
-            path, "file", "is a directory (an interrupted run? `tracekit recover` merges it)"
-        )
-    try:
-        with zipfile.ZipFile(path) as zf:
-            bad = zf.testzip()
-            if bad is not None:
-                raise LogError(path, bad.removesuffix(".npy"), "corrupt member (CRC mismatch)")
-        npz = np.load(path, allow_pickle=False)
-    except LogError:
-        raise
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise LogError(path, "file", f"not a readable .npz archive ({_short(e)})") from None
-    with npz:
-        arrays: dict[str, np.ndarray] = {}
-        for key in npz.files:
-            try:
-                arrays[key] = npz[key]
-            except ValueError as e:
-                # object arrays (pickles) are refused: a log must never load code
-                raise LogError(path, key, f"unreadable array ({_short(e)})") from None
-            except Exception as e:  # zlib/zip/format errors inside one member
-                raise LogError(path, key, f"corrupt array ({_short(e)})") from None
+        hint = f"`tracekit recover {path}` merges it into one .npz"
+        if not os.path.exists(os.path.join(path, "meta.json")):
+            hint = "expected a raw log .npz"
+        raise LogError(path, "file", f"is a directory (an interrupted run's parts? {hint})")
+    arrays, ignored = _read_npz(path)
     if "schema" in arrays:
         log = _from_v1(path, arrays)
     elif "steps" in arrays or "segs" in arrays:
@@ -319,11 +313,97 @@ def load(path: str | os.PathLike[str], *, validate: bool = True) -> RawLog:
         raise LogError(
             path, "schema", "no 'schema' array and not the published layout: not a tracekit log"
         )
+    if ignored:
+        shown = ", ".join(repr(n) for n in ignored[:5]) + (", ..." if len(ignored) > 5 else "")
+        log = replace(
+            log,
+            warnings=(*log.warnings, f"ignored {len(ignored)} unknown archive member(s): {shown}"),
+        )
     if validate:
         from .validate import validate_log
 
         log = validate_log(log)
     return log
+
+
+def _read_npz(path: str) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The arrays of a raw log's archive, and the names of members it ignored.
+
+    Only the members the log's layout defines are read; anything else in the archive is
+    named and skipped, never decoded. Each array is read from its `.npy` header by hand so
+    that an object dtype (a pickle) is refused before a byte of it is read, and a header
+    that claims more data than the member holds is refused before anything is allocated."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except Exception as e:  # BadZipFile, OSError, EOFError, ValueError, struct errors...
+        raise LogError(path, "file", f"not a readable .npz archive ({_short(e)})") from None
+    with zf:
+        try:
+            infos = zf.infolist()
+        except Exception as e:
+            raise LogError(path, "file", f"not a readable .npz archive ({_short(e)})") from None
+        members: dict[str, zipfile.ZipInfo] = {}
+        ignored: list[str] = []
+        for info in infos:
+            name = info.filename
+            if not name.endswith(".npy"):
+                ignored.append(name)
+                continue
+            key = name[: -len(".npy")]
+            if key in members:
+                raise LogError(path, key, "appears twice in the archive (which one is the log?)")
+            members[key] = info
+        if "schema" in members:
+            known = V1_SCALARS | V1_COLUMNS
+            wanted = {k for k in members if k in known or k.startswith("extra.")}
+        else:
+            known = frozenset(PUBLISHED_ARRAYS) | PUBLISHED_OTHERS
+            wanted = {k for k in members if k in known}
+        ignored += [members[k].filename for k in members if k not in wanted]
+        size = os.path.getsize(path)
+        arrays = {k: _read_member(path, zf, members[k], k, size) for k in members if k in wanted}
+    return arrays, ignored
+
+
+def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str, size: int):
+    fmt = np.lib.format
+    if info.compress_size > size or (
+        info.file_size > max(info.compress_size, 1) * _MAX_DEFLATE_RATIO
+        or (info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size)
+    ):
+        raise LogError(path, key, "corrupt archive entry (its sizes do not fit the file)")
+    try:
+        with zf.open(info) as fh:
+            version = fmt.read_magic(fh)
+            if version == (1, 0):
+                shape, fortran, dtype = fmt.read_array_header_1_0(fh)
+            elif version == (2, 0):
+                shape, fortran, dtype = fmt.read_array_header_2_0(fh)
+            else:
+                raise LogError(path, key, f"unsupported .npy format version {version}")
+            if dtype.hasobject:
+                # a pickle: never unpickled, whatever it holds (allow_pickle=False in spirit)
+                raise LogError(
+                    path, key, "holds Python objects (a pickle): refused, a log never loads code"
+                )
+            count = math.prod(shape)
+            nbytes = count * dtype.itemsize
+            if count < 0 or fh.tell() + nbytes != info.file_size:
+                raise LogError(
+                    path,
+                    key,
+                    f"header says {dtype} {shape} ({nbytes} bytes) but the member holds "
+                    f"{info.file_size - fh.tell()} bytes of data",
+                )
+            data = fh.read(nbytes)
+            if len(data) != nbytes or fh.read(1):  # reading to the end checks the CRC
+                raise LogError(path, key, "corrupt array (truncated member)")
+        a = np.frombuffer(data, dtype=dtype, count=count)
+        return a.reshape(shape, order="F" if fortran else "C").copy()
+    except LogError:
+        raise
+    except Exception as e:  # zlib, CRC, header syntax, unsupported compression...
+        raise LogError(path, key, f"corrupt array ({_short(e)})") from None
 
 
 def _short(e: BaseException) -> str:
@@ -335,7 +415,7 @@ def _scalar_str(path: str, arrays: dict[str, np.ndarray], key: str) -> str:
     a = arrays.get(key)
     if a is None:
         raise LogError(path, key, "missing")
-    if a.shape != () or a.dtype.kind not in "US":
+    if a.shape != () or a.dtype.kind != "U":
         raise LogError(path, key, f"expected a string scalar, got {a.dtype} {a.shape}")
     return str(a[()])
 
@@ -345,18 +425,36 @@ def _json(path: str, arrays: dict[str, np.ndarray], key: str, default: Any = Non
         return default
     s = _scalar_str(path, arrays, key)
     try:
-        return json.loads(s)
+        return _clean_strings(json.loads(s))
     except json.JSONDecodeError as e:
         raise LogError(path, key, f"not valid JSON ({e.msg} at char {e.pos})") from None
+    except (ValueError, RecursionError) as e:  # 5000-digit integers, 100,000 nested lists
+        raise LogError(path, key, f"not usable JSON ({_short(e)})") from None
+
+
+def _clean_strings(obj: Any) -> Any:
+    """Strings from a log as valid Unicode: lone surrogates (which no terminal or file can
+    encode) become U+FFFD. Everything else is kept as it is."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+            return obj
+        except UnicodeEncodeError:
+            return obj.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(obj, dict):
+        return {_clean_strings(k): _clean_strings(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean_strings(v) for v in obj]
+    return obj
 
 
 def _str_list(path: str, arrays: dict[str, np.ndarray], key: str) -> tuple[str, ...]:
     a = arrays.get(key)
     if a is None:
         return ()
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "US"):
+    if a.ndim != 1 or (a.size and a.dtype.kind != "U"):
         raise LogError(path, key, f"expected a 1-D array of strings, got {a.dtype} {a.shape}")
-    return tuple(str(x) for x in a)
+    return tuple(_clean_strings(str(x)) for x in a)
 
 
 def _column(path: str, arrays: dict[str, np.ndarray], key: str, dtype: Any) -> np.ndarray:
@@ -367,10 +465,23 @@ def _column(path: str, arrays: dict[str, np.ndarray], key: str, dtype: Any) -> n
         raise LogError(path, key, f"expected a 1-D column, got shape {a.shape}")
     if a.dtype.kind not in "biuf":
         raise LogError(path, key, f"expected numbers, got dtype {a.dtype}")
-    if np.dtype(dtype).kind in "iu" and a.dtype.kind == "f":
-        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
-            raise LogError(path, key, "expected integers, got non-integral floats")
+    if np.dtype(dtype).kind in "iu":
+        _check_ints(path, key, a, np.dtype(dtype))
     return a.astype(dtype, copy=False)
+
+
+def _check_ints(path: str, key: str, a: np.ndarray, dtype: np.dtype, name: str = "") -> None:
+    """Refuse what would not survive the cast to `dtype` unchanged (NaN, 0.5, 1e19, 300 for
+    an int8): numpy would wrap it silently or with a RuntimeWarning, never an error."""
+    what = f"column {name}: " if name else ""
+    if a.dtype.kind == "f" and (not np.all(np.isfinite(a)) or np.any(a != np.round(a))):
+        raise LogError(path, key, f"{what}expected integers, got non-integral floats")
+    info = np.iinfo(dtype)
+    if a.size and (a.max() > info.max or a.min() < info.min):
+        # float 2**63 compares equal to int64 max + 1: compare in float, with margin
+        raise LogError(path, key, f"{what}value out of range for {dtype}")
+    if a.dtype.kind == "f" and a.size and max(abs(float(a.max())), abs(float(a.min()))) >= 2.0**63:
+        raise LogError(path, key, f"{what}value out of range for {dtype}")
 
 
 def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
@@ -388,16 +499,11 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         )
     tables: dict[str, _Table] = {}
     for tname, cls in TABLES.items():
-        cols = {}
-        for cname, dt in cls.DTYPES.items():
-            key = f"{tname}.{cname}"
-            if key not in arrays and tname == "counters":
-                cols = None
-                break
-            cols[cname] = _column(path, arrays, key, dt)
-        if cols is None:
-            tables[tname] = cls.empty()
+        keys = [f"{tname}.{c}" for c in cls.DTYPES]
+        if tname == "counters" and not any(k in arrays for k in keys):
+            tables[tname] = cls.empty()  # optional as a whole table
             continue
+        cols = {c: _column(path, arrays, f"{tname}.{c}", dt) for c, dt in cls.DTYPES.items()}
         n = {len(c) for c in cols.values()}
         if len(n) > 1:
             lens = ", ".join(f"{k}={len(c)}" for k, c in cols.items())
@@ -415,6 +521,15 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     if not all(isinstance(k, str) and isinstance(x, str) for k, x in cause_map.items()):
         raise LogError(path, "cause_map", "expected an object of label -> cause strings")
     extras = {k[len("extra.") :]: a for k, a in arrays.items() if k.startswith("extra.")}
+    warnings: list[str] = []
+    if meta.get("interrupted") is True:
+        warnings.append(
+            "recovered from the parts of an interrupted recording: "
+            "events after its last flush are lost"
+        )
+    noted = meta.get("warnings")  # what capture or recovery noted about this run
+    if isinstance(noted, list):
+        warnings += [one_line(str(w))[:300] for w in noted[:20]]
     return RawLog(
         **tables,  # type: ignore[arg-type]
         labels=_str_list(path, arrays, "labels"),
@@ -426,6 +541,7 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         meta=meta,
         extras=extras,
         path=path,
+        warnings=tuple(warnings),
     )
 
 
@@ -444,8 +560,7 @@ def _published_array(path: str, arrays: dict[str, np.ndarray], key: str) -> np.n
 
 
 def _int_col(path: str, key: str, col: np.ndarray, name: str) -> np.ndarray:
-    if not np.all(np.isfinite(col)) or np.any(col != np.round(col)):
-        raise LogError(path, key, f"column {name}: expected integers")
+    _check_ints(path, key, col, np.dtype(np.int64), name)
     return col.astype(np.int64)
 
 

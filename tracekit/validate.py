@@ -1,16 +1,53 @@
 """Checks a loaded raw log: reject what cannot be analysed, warn about what is odd but usable.
 
-Rejected (a `LogError` naming file, field and problem; the CLI exits 2):
-  non-finite times where a time is required, reversed intervals (end before start),
-  indices that point outside their table (labels, requests, steps, counters), negative
-  counts, a token count below 1, a readmission before its eviction, times beyond
-  `MAX_ABS_TIME_S` from engine start, a negative or non-finite wall time.
+Reading (`tracekit.rawlog.load`) and these checks together decide. docs/input-validation.md
+repeats both lists word for word (a test keeps them in sync).
+
+Rejected (a `LogError` naming file, field and problem; the CLI prints one line, exits 2):
+
+- a file that is not a readable zip archive (text, HTML, gzip, a bare .npy, truncated)
+- a damaged archive member (bad CRC, bad deflate stream, unknown compression, sizes that do not fit)
+- an array whose .npy header does not match its data (shape claims more or fewer bytes)
+- an object array anywhere the log's layout defines an array: a pickle is never loaded
+- an archive member that appears twice
+- a v1 log without `schema`, with another schema name, or a `schema_version` other than 1
+- neither a `schema` array nor the published layout's `steps` and `segs`
+- a missing required array or column (only the counters table and the JSON fields are optional)
+- a column that is not 1-D, not numeric (strings, complex, datetimes, records), or of unequal length
+  within its table
+- a published array that is not 2-D with its documented number of columns
+- an integer column holding NaN, fractions, or values that do not fit its type
+- `config`, `meta` or `cause_map` that is not a JSON object, nests too deeply or holds an
+  unconvertible number
+- non-finite times where a time is required (all but readmission, arrival and first token, which may
+  be NaN)
+- times beyond `MAX_ABS_TIME_S` (1e7 s) from engine start, and a wall time beyond it
+- a negative or non-finite wall time
+- reversed intervals: a step, segment or GC pause that ends before it starts
+- a readmission before its eviction
+- an index outside its table: segment label or step, emission request or step, eviction request,
+  counter name
+- a request-id list whose length is not the number of requests, and duplicate request ids in the
+  published layout
+- negative counts, a token count below 1, a GC generation other than 0, 1 or 2, an is_device flag
+  other than 0 or 1, an eviction mode other than -1, 0 or 1
+- counts, ids and thread numbers above `MAX_COUNT` (2**31 - 1)
 
 Accepted with a warning (kept on `RawLog.warnings`, printed by the CLI on stderr):
-  emissions out of time order (they are sorted per request), overlapping GC pauses (the
-  partition uses their union), overlapping evictions of one request (their union), a run
-  with no emissions or no gaps, emissions before their request's arrival, an eviction with
-  no readmission (it runs to the end of the gap it lies in, as design.md says).
+
+- archive members the layout does not define (skipped unread, named in the warning)
+- a run with no emissions, or with no request that has two (nothing to partition)
+- emissions out of time order (the partition sorts them per request)
+- emissions before their request's arrival
+- overlapping GC pauses (the partition uses their union)
+- an eviction with no readmission (it runs to the end of the gap it lies in, as design.md says)
+- overlapping evictions of one request (their union is used)
+- a run recovered from the parts of an interrupted recording (events after the last flush are lost)
+
+Accepted silently: zero-length intervals, steps and segments in any order, segments outside
+any step (step -1), negative times (before engine start), integral floats in integer
+columns, big-endian or narrower dtypes, extra `extra.*` arrays, any label or cause name,
+and strings that are not valid Unicode (lone surrogates become U+FFFD).
 """
 
 from __future__ import annotations
@@ -20,10 +57,15 @@ from dataclasses import replace
 import numpy as np
 
 from .errors import LogError
-from .rawlog import RawLog
+from .rawlog import MODE_RECOMPUTE, MODE_UNKNOWN, RawLog
 
 #: Times further than this from engine start (about 115 days) are rejected as absurd.
 MAX_ABS_TIME_S = 1.0e7
+#: Counts (tokens, batch rows, thread ids) above this are rejected as absurd: they would
+#: overflow sums and allocations downstream (a GC generation of 2**63 crashed numpy).
+MAX_COUNT = 2**31 - 1
+#: CPython's collector generations, as `gc.callbacks` reports them.
+GC_GENERATIONS = (0, 1, 2)
 
 
 def _finite_times(log: RawLog, table: str, col: str, *, allow_nan: bool = False) -> None:
@@ -33,14 +75,14 @@ def _finite_times(log: RawLog, table: str, col: str, *, allow_nan: bool = False)
         bad &= ~np.isnan(a)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise LogError(log.path, f"{table}.{col}", f"row {i}: non-finite time {a[i]!r}")
+        raise LogError(log.path, f"{table}.{col}", f"row {i}: non-finite time {float(a[i])!r}")
     fin = a[np.isfinite(a)]
     if fin.size and np.abs(fin).max() > MAX_ABS_TIME_S:
         i = int(np.flatnonzero(np.abs(np.nan_to_num(a)) > MAX_ABS_TIME_S)[0])
         raise LogError(
             log.path,
             f"{table}.{col}",
-            f"row {i}: absurd time {a[i]!r} s (times are seconds from engine start)",
+            f"row {i}: absurd time {float(a[i])!r} s (times are seconds from engine start)",
         )
 
 
@@ -51,7 +93,9 @@ def _ordered(log: RawLog, table: str, start: str, end: str) -> None:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise LogError(
-            log.path, f"{table}.{end}", f"row {i}: ends ({b[i]!r}) before it starts ({a[i]!r})"
+            log.path,
+            f"{table}.{end}",
+            f"row {i}: ends ({float(b[i])!r}) before it starts ({float(a[i])!r})",
         )
 
 
@@ -66,12 +110,15 @@ def _index(log: RawLog, table: str, col: str, n: int, *, allow_minus_one: bool =
         )
 
 
-def _non_negative(log: RawLog, table: str, col: str, lo: int = 0) -> None:
+def _in_range(log: RawLog, table: str, col: str, lo: int = 0, hi: int = MAX_COUNT) -> None:
     a = getattr(getattr(log, table), col)
-    bad = a < lo
+    bad = (a < lo) | (a > hi)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise LogError(log.path, f"{table}.{col}", f"row {i}: {int(a[i])} is below {lo}")
+        what = "is below" if a[i] < lo else "is absurd: above"
+        raise LogError(
+            log.path, f"{table}.{col}", f"row {i}: {int(a[i])} {what} {lo if a[i] < lo else hi}"
+        )
 
 
 def validate_log(log: RawLog) -> RawLog:
@@ -113,12 +160,19 @@ def validate_log(log: RawLog) -> RawLog:
             f"{len(log.request_ids)} ids for {n_req} requests (one id per requests row)",
         )
     for col in ("num_decode", "num_prefill_tokens", "num_preempted", "num_swapped_in"):
-        _non_negative(log, "steps", col)
-    _non_negative(log, "steps", "graph_size", lo=-1)
-    _non_negative(log, "emissions", "num_tokens", lo=1)
-    _non_negative(log, "gc_pauses", "generation")
+        _in_range(log, "steps", col)
+    _in_range(log, "steps", "graph_size", lo=-1)
+    _in_range(log, "emissions", "num_tokens", lo=1)
+    _in_range(log, "requests", "prompt_tokens", lo=-1)
+    _in_range(log, "requests", "max_new_tokens", lo=-1)
+    _in_range(log, "segments", "thread")
+    _in_range(log, "segments", "is_device", hi=1)
+    _in_range(log, "evictions", "mode", lo=MODE_UNKNOWN, hi=MODE_RECOMPUTE)
+    _in_range(log, "gc_pauses", "generation", lo=GC_GENERATIONS[0], hi=GC_GENERATIONS[-1])
     if not np.isfinite(log.wall_s) or log.wall_s < 0:
         raise LogError(log.path, "wall_s", f"{log.wall_s!r} is not a non-negative wall time")
+    if log.wall_s > MAX_ABS_TIME_S:
+        raise LogError(log.path, "wall_s", f"absurd wall time {log.wall_s!r} s")
 
     # -- odd but usable ------------------------------------------------------------------
     em = log.emissions
@@ -130,6 +184,8 @@ def validate_log(log: RawLog) -> RawLog:
             key = np.lexsort((em.t_s,))
             if not np.array_equal(key, np.arange(len(em))):
                 warnings.append("emissions are not in time order (sorted per request)")
+        if len(np.unique(em.request)) == len(em):
+            warnings.append("no gaps: no request has two emissions")
         arr = log.requests.arrival_s[em.request]
         early = em.t_s < arr
         if early.any():
