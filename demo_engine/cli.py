@@ -79,8 +79,16 @@ def run_one(
     preemption_mode: str = "swap",
     quiet: bool = False,
     enabled: bool = True,
+    backend: str = "numpy",
+    device: str = "cpu",
+    is_async_scheduling: bool = False,
+    nvtx: bool = False,
 ) -> tuple[str, Any]:
-    """Run one rung with one seed; returns (log path, engine RunStats)."""
+    """Run one rung with one seed; returns (log path, engine RunStats).
+
+    `backend="torch"` runs the same model in torch on `device` (cpu or cuda); on cuda the
+    recorder times device work with CUDA events. `is_async_scheduling` (torch only)
+    schedules step N+1 while the device runs step N."""
     limit_blas_threads(1)
     from tracekit import Recorder
 
@@ -89,7 +97,9 @@ def run_one(
     from .workload import make_trace
 
     rung = find_rung(rung)
-    cfg = rung_config(rung).replace(preemption_mode=preemption_mode)
+    cfg = rung_config(rung).replace(
+        preemption_mode=preemption_mode, is_async_scheduling=is_async_scheduling
+    )
     capacity: dict[str, float] | None = None
     if rate is None:
         rate, capacity = calibrate(DEFAULT_LOAD if load is None else load, quiet=quiet)
@@ -113,9 +123,14 @@ def run_one(
             "num_prompt_chars": sum(len(t.text) for t in trace),
         },
         "env": {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
+        "backend": backend,
+        "device": device,
     }
-    rec = Recorder(path if enabled else None, config=config, enabled=enabled)
-    engine = Engine(cfg, rec, tokenizer)
+    runner, timer = _make_runner(backend, device, cfg, tokenizer.get_vocab_size())
+    rec = Recorder(
+        path if enabled else None, config=config, enabled=enabled, device_timer=timer, nvtx=nvtx
+    )
+    engine = Engine(cfg, rec, tokenizer, runner=runner)
     with rec:
         try:
             engine.startup()
@@ -127,6 +142,25 @@ def run_one(
     if not quiet and sys.stderr.isatty():
         click.echo("", err=True)
     return path, stats
+
+
+def _make_runner(backend: str, device: str, cfg: EngineConfig, vocab_size: int) -> tuple[Any, Any]:
+    """(model runner, device timer): None, None for numpy (the engine's default)."""
+    if backend == "numpy":
+        if device != "cpu" or cfg.is_async_scheduling:
+            raise ValueError("--device cuda and --async-scheduling need --backend torch")
+        return None, None
+    import torch
+
+    from .torch_runner import TorchModelRunner
+
+    torch.set_num_threads(1)  # one core, as the numpy engine
+    timer = None
+    if device == "cuda":
+        from tracekit.device import CudaEventTimer
+
+        timer = CudaEventTimer()
+    return TorchModelRunner(cfg, vocab_size, device=device), timer
 
 
 def _summary(path: str, stats: Any) -> str:
@@ -169,6 +203,26 @@ _mode_opt = click.option(
 @click.option("--out", "out_dir", default="raw", show_default=True, help="Directory for the log.")
 @_mode_opt
 @click.option("--quiet", is_flag=True, help="No progress line.")
+@click.option(
+    "--backend",
+    type=click.Choice(["numpy", "torch"]),
+    default="numpy",
+    show_default=True,
+    help="The model runner (torch needs the gpu extra).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where torch runs; cuda times device work with CUDA events.",
+)
+@click.option(
+    "--async-scheduling",
+    is_flag=True,
+    help="Schedule step N+1 while the device runs step N (torch only).",
+)
+@click.option("--nvtx", is_flag=True, help="NVTX ranges per step and segment (gpu extra).")
 def run_cmd(
     rung: str,
     seed: int,
@@ -178,6 +232,10 @@ def run_cmd(
     out_dir: str,
     preemption_mode: str,
     quiet: bool,
+    backend: str,
+    device: str,
+    async_scheduling: bool,
+    nvtx: bool,
 ) -> None:
     """Run one rung of the fix ladder with one seed; writes OUT/<rung>__s<seed>.npz."""
     if rate is not None and load is not None:
@@ -186,6 +244,18 @@ def run_cmd(
         find_rung(rung)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--rung") from None
+    if backend == "numpy" and (device != "cpu" or async_scheduling):
+        raise click.UsageError("--device cuda and --async-scheduling need --backend torch")
+    if backend == "torch":
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            raise click.UsageError("--backend torch needs torch: pip install 'tracekit[gpu]'")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise click.UsageError("--device cuda: torch sees no CUDA device here")
     path, stats = run_one(
         rung,
         seed,
@@ -195,6 +265,10 @@ def run_cmd(
         load=load,
         preemption_mode=preemption_mode,
         quiet=quiet,
+        backend=backend,
+        device=device,
+        is_async_scheduling=async_scheduling,
+        nvtx=nvtx,
     )
     click.echo(_summary(path, stats))
 

@@ -45,6 +45,7 @@ class EngineConfig:
     num_startup_objects: int = 400_000  # long-lived GC-tracked objects built at startup
     num_topk_logprobs: int = 5  # top-k logprobs kept per token in the history
     idle_sleep_s: float = 0.001  # the loop's nap when it has nothing to do
+    is_async_scheduling: bool = False  # schedule step N+1 while the device runs step N
 
     def __post_init__(self) -> None:
         positive = (

@@ -85,6 +85,11 @@ class Engine:
         self.rec = rec
         self.tokenizer = tokenizer
         self.runner: ModelRunner = runner or NumpyModelRunner(config, tokenizer.get_vocab_size())
+        if config.is_async_scheduling and not hasattr(self.runner, "decode_launch"):
+            raise ValueError(
+                "async scheduling needs a runner that launches without waiting "
+                "(TorchModelRunner, --backend torch)"
+            )
         self.bm = BlockManager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.bm)
         self.history: History = (
@@ -100,12 +105,16 @@ class Engine:
         self._trace: list[TraceRequest] = []
         self._arrival_ticks: list[int] = []
         self._next_arrival = 0
-        # segment handles, looked up once (a disabled recorder hands back a shared no-op)
+        # segment handles, looked up once (a disabled recorder hands back a shared no-op);
+        # the runner's work is device work: with a device timer (torch on CUDA) the
+        # recorder also times its execution, without one these are plain host windows
         self._seg_tok = rec.segment("tok")
-        self._seg_swap = rec.segment("swap")
-        self._seg_prefill = rec.segment("prefill")
-        self._seg_recompute = rec.segment("recompute")
-        self._seg_decode = rec.segment("decode")
+        self._seg_swap = rec.segment("swap", device=True)
+        self._seg_prefill = rec.segment("prefill", device=True)
+        self._seg_recompute = rec.segment("recompute", device=True)
+        self._seg_decode = rec.segment("decode", device=True)
+        # async scheduling: the step launched last, not read yet (see `_step_async`)
+        self._inflight: _Inflight | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def startup(self) -> None:
@@ -177,6 +186,8 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> int:
         """One engine iteration. Returns the number of tokens emitted."""
+        if self.config.is_async_scheduling:
+            return self._step_async()
         rec, runner, bm = self.rec, self.runner, self.bm
         with rec.step():
             self._intake()
@@ -226,6 +237,97 @@ class Engine:
             rec.counter("kv_free_blocks", bm.num_free_blocks)
             self._bookkeep(out, rids, samples, graph_size, num_decode)
         return len(rids)
+
+    def _step_async(self) -> int:
+        """One iteration with async scheduling: schedule and launch step N, then read step
+        N-1's samples and emit them, so the host's work for N overlaps the device's for
+        N-1 (the runner must launch without waiting: `TorchModelRunner`).
+
+        The scheduler runs one step ahead of the samples: a launched request's new token is
+        a placeholder (`prev_token_ref`, a row of the samples still on the device, which
+        the runner reads there if the next step decodes it), and requests finish by count,
+        so `update` needs no token values. Placeholders are filled in when read."""
+        from .torch_runner import prev_token_ref
+
+        rec, runner, bm = self.rec, self.runner, self.bm
+        launcher: Any = runner
+        with rec.step():
+            self._intake()
+            out = self.scheduler.schedule()
+            for op in out.kv_ops:
+                self._do_kv_op(op)
+            reqs: list[Request] = []
+            pending: list[Any] = []
+            num_decode = len(out.decode_reqs)
+            graph_size = runner.graph_size_for(num_decode)
+            if num_decode:
+                rows = [
+                    DecodeRow(
+                        r.token_ids[-1],
+                        r.num_computed_tokens,
+                        bm.slots(r, r.num_computed_tokens + 1),
+                    )
+                    for r in out.decode_reqs
+                ]
+                with self._seg_decode:
+                    pending.append(launcher.decode_launch(rows, graph_size))
+                reqs.extend(out.decode_reqs)
+            for r, n in out.prefill_chunks:
+                start = r.num_computed_tokens
+                with self._seg_recompute if r.is_recomputing else self._seg_prefill:
+                    p = launcher.prefill_launch(
+                        r.token_ids[start : start + n],
+                        start,
+                        bm.slots(r, start + n),
+                        is_last=start + n == len(r.token_ids),
+                    )
+                if p is not None:
+                    reqs.append(r)
+                    pending.append(p)
+            # the scheduler moves on now; the token values follow when they are read
+            finished = self.scheduler.update(
+                out, {r.rid: prev_token_ref(i) for i, r in enumerate(reqs)}
+            )
+            prev = self._inflight
+            self._inflight = None
+            if reqs:
+                launcher.set_step_outputs(pending)
+                self._inflight = _Inflight(
+                    reqs, [len(r.token_ids) - 1 for r in reqs], pending, finished
+                )
+            num_emitted = 0
+            if prev is not None:  # the read: waits for step N-1 on the device
+                samples = [p.result() for p in prev.pending]
+                rids = [r.rid for r in prev.reqs]
+                rec.emit(rids)  # the engine-emission boundary: when the host has them
+                s = samples[0] if len(samples) == 1 else _concat(samples)
+                for r, i, tok in zip(
+                    prev.reqs, prev.token_index, s.token_ids.tolist(), strict=True
+                ):
+                    r.token_ids[i] = tok
+                self.history.record(
+                    rids, self.stats.num_steps, s.token_ids, s.logprobs, s.topk_ids, s.topk_logprobs
+                )
+                for r in prev.finished:
+                    self.history.close(r.rid)
+                num_emitted = len(rids)
+                self.stats.num_tokens += num_emitted
+                self.stats.num_finished += len(prev.finished)
+            rec.step_info(
+                num_decode=num_decode,
+                num_prefill_tokens=out.num_prefill_tokens,
+                graph_size=graph_size,
+                num_preempted=out.num_preempted,
+                num_swapped_in=out.num_readmitted,
+            )
+            rec.counter("batch_size", num_decode)
+            rec.counter("kv_free_blocks", bm.num_free_blocks)
+            st = self.stats
+            st.num_steps += 1
+            st.num_preemptions += out.num_preempted
+            st.num_eager_steps += graph_size == 0
+            st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
+        return num_emitted
 
     def _do_kv_op(self, op: KvOp) -> None:
         r, rec = op.req, self.rec
@@ -304,7 +406,7 @@ class Engine:
             if now >= end:
                 break
             is_due = self._next_arrival < len(ticks) and ticks[self._next_arrival] <= now
-            if is_due or sched.has_work:
+            if is_due or sched.has_work or self._inflight is not None:
                 self.step()
             elif (
                 is_drain
@@ -339,6 +441,20 @@ class Engine:
             num_preemptions=s.num_preemptions,
             num_arrived=self.stats.num_arrived,
         )
+
+
+@dataclass(slots=True)
+class _Inflight:
+    """A launched step whose samples the host has not read yet (async scheduling)."""
+
+    reqs: list[Request]  # in sample-row order: decode rows, then completed prefills
+    token_index: list[int]  # where each request's placeholder token sits in its token_ids
+    pending: list[Any]  # the runner's PendingSamples, in the same order
+    finished: list[Request]  # retired by count at launch; their history closes when read
+
+
+def _concat(samples: list[Samples]) -> Samples:
+    return Samples(*(np.concatenate([getattr(x, f) for x in samples]) for f in Samples.__slots__))
 
 
 # -- capacity ----------------------------------------------------------------------------------
