@@ -129,15 +129,13 @@ class DeviceTimer:
 
     def begin(self) -> Any:
         """A device segment opens: record its start event (before the launch)."""
-        free = self._free
-        ev = free.pop() if free else self._new_event()
+        ev = self._event()
         self._record(ev, True)
         return ev
 
     def end(self, start: Any, label: int, step: int, thread: int) -> None:
         """The segment closes: record its end event (after the launch) and queue the pair."""
-        free = self._free
-        ev = free.pop() if free else self._new_event()
+        ev = self._event()
         self._record(ev, False)
         with self._lock:
             self._pending.append((start, ev, label, step, thread))
@@ -193,6 +191,13 @@ class DeviceTimer:
         return out
 
     # -- internals ---------------------------------------------------------------------
+    def _event(self) -> Any:
+        """A resolved event to record again, or a new one (pop is atomic: any thread)."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            return self._new_event()
+
     def _seconds(self, tick: float) -> float:
         return (tick - self._origin_tick) / self._ticks_per_ms * 1e-3
 
@@ -209,7 +214,7 @@ class DeviceTimer:
         limit = round(self.calibration_timeout_ms * self._ticks_per_ms)
         best: tuple[Any, int, int] | None = None
         for _ in range(self.num_calibration_tries):
-            ev = self._free.pop() if self._free else self._new_event()
+            ev = self._event()
             h0 = t_record = clock()
             self._record(ev, False)
             h1 = None
