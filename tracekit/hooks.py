@@ -309,6 +309,7 @@ class Recorder:
         try:
             if self._on_gc in gc.callbacks:
                 gc.callbacks.remove(self._on_gc)
+                _IN_GC[0] = False
             if self._prev_sigterm is not None:
                 with contextlib.suppress(ValueError):  # not the main thread any more
                     signal.signal(signal.SIGTERM, self._prev_sigterm)
@@ -605,11 +606,15 @@ class Recorder:
     # -- gc --------------------------------------------------------------------------
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
+            _IN_GC[0] = True  # first, before any call: see _sigterm_to_exit
             self._gc_t0 = self._clock()
         else:
-            t1 = self._clock()
-            with self._lock:
-                self._buf["gc_pauses"].extend((self._gc_t0, t1, info.get("generation", -1)))
+            try:
+                t1 = self._clock()
+                with self._lock:
+                    self._buf["gc_pauses"].extend((self._gc_t0, t1, info.get("generation", -1)))
+            finally:
+                _IN_GC[0] = False
 
     # -- buffers ---------------------------------------------------------------------
     def _new_buffers(self) -> None:
@@ -671,9 +676,31 @@ class _NullSegmentType:
 _NullSegment = _NullSegmentType()
 
 
+#: True between a recorder's gc "start" and "stop" callbacks (a collection is running).
+_IN_GC = [False]
+
+
 def _sigterm_to_exit(signum: int, frame: Any) -> None:
-    """SIGTERM -> SystemExit, so `with rec:` blocks and atexit flush like a normal exit."""
+    """SIGTERM -> SystemExit, so `with rec:` blocks and atexit flush like a normal exit.
+
+    Not during a collection: a SIGTERM that lands in one is handled inside a gc callback,
+    where the collector swallows any exception ("Exception ignored in ...") and the run
+    would go on as if never signalled. Then the signal is sent again from a helper thread,
+    to be handled once the collection is over."""
+    f = frame
+    while f is not None and f.f_code is not _ON_GC_CODE:
+        f = f.f_back
+    if _IN_GC[0] or f is not None:
+        threading.Thread(target=_signal_again, args=(signum,), daemon=True).start()
+        return
     raise SystemExit(128 + signum)
+
+
+def _signal_again(signum: int) -> None:
+    time.sleep(0.001)  # let the callback return first
+    while _IN_GC[0]:  # and the collection end
+        time.sleep(0.001)
+    os.kill(os.getpid(), signum)
 
 
 def _dumps(obj: Any) -> str:
@@ -705,3 +732,5 @@ def _merge_memory(
 
 
 __all__ = ["Recorder", "active_recorders", "EVENT_COLS", "UNKNOWN_TICK"]
+
+_ON_GC_CODE = Recorder._on_gc.__code__

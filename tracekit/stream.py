@@ -125,8 +125,10 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
     try:
         with open(meta_path, "rb") as fh:
             meta = json.loads(fh.read())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise LogError(parts_dir, "meta.json", f"unreadable ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("t0_tick"), int):
+        raise LogError(parts_dir, "meta.json", "not a recorder's meta (no integer t0_tick)")
     chunks: dict[str, list[np.ndarray]] = {k: [] for k in TABLE_COLS}
     labels: list[str] = []
     request_ids: list[str] = []
@@ -135,26 +137,30 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
     last_tick = meta["t0_tick"]
     wall_ticks = None
     clean_stop = False
+    warnings: list[str] = []
     paths = sorted(glob.glob(os.path.join(parts_dir, "part-*.npz")))
-    for p in paths:
-        try:
-            with np.load(p, allow_pickle=False) as z:
-                for k, cols in TABLE_COLS.items():
-                    a = z[k]
-                    if a.size:
-                        chunks[k].append(a.reshape(-1, len(cols)))
-                labels = [str(x) for x in z["labels"]]
-                counter_names = [str(x) for x in z["counter_names"]]
-                start = int(z["request_ids_start"])
-                new_ids = [str(x) for x in z["request_ids"]]
-                request_ids[start : start + len(new_ids)] = new_ids
-                config = json.loads(str(z["config"]))
-                last_tick = max(last_tick, int(z["flush_tick"]))
-                if "stop_tick" in z.files:
-                    clean_stop = True
-                    wall_ticks = int(z["stop_tick"]) - meta["t0_tick"]
-        except Exception as e:  # a damaged part: keep what came before it
-            raise LogError(p, "part", f"unreadable part ({e}); remove it to recover the rest") from None
+    for i, p in enumerate(paths):
+        try:  # read the whole part before using any of it
+            part = _read_part(p)
+        except Exception as e:
+            # Damaged on disk (a kill cannot do this: parts are renamed into place whole).
+            # Later parts refer to its steps and requests by index, so the run ends here.
+            warnings.append(
+                f"{os.path.basename(p)} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
+                f"the run ends at the flush before it ({len(paths) - i} part(s) left out, "
+                "still on disk)"
+            )
+            break
+        for k, rows in part["tables"].items():
+            chunks[k].append(rows)
+        labels, counter_names = part["labels"], part["counter_names"]
+        start, new_ids = part["request_ids_start"], part["request_ids"]
+        request_ids[start : start + len(new_ids)] = new_ids
+        config = part["config"]
+        last_tick = max(last_tick, part["flush_tick"])
+        if part["stop_tick"] is not None:
+            clean_stop = True
+            wall_ticks = part["stop_tick"] - meta["t0_tick"]
     if final:
         config = dict(final.get("config", config))
     t0 = int(meta["t0_tick"])
@@ -192,7 +198,10 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
     gcs = GcPauses(t_start_s=secs(g[:, 0]), t_end_s=secs(g[:, 1]), generation=g[:, 2].copy())
     em = table("emissions")
     emissions = Emissions(
-        request=em[:, 0].copy(), t_s=secs(em[:, 1]), step=em[:, 2].copy(), num_tokens=em[:, 3].copy()
+        request=em[:, 0].copy(),
+        t_s=secs(em[:, 1]),
+        step=em[:, 2].copy(),
+        num_tokens=em[:, 3].copy(),
     )
     n_req = len(request_ids)
     rq = table("requests")
@@ -220,6 +229,8 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
         wall_ticks = last_tick - t0
     out_meta = {k: v for k, v in meta.items() if k not in ("config", "cause_map", "schema")}
     out_meta["interrupted"] = final is None and not clean_stop
+    if warnings:
+        out_meta["warnings"] = list(out_meta.get("warnings", [])) + warnings
     if final:
         out_meta.update({k: v for k, v in final.items() if k not in ("config",)})
     return RawLog(
@@ -240,7 +251,30 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
         wall_s=wall_ticks * scale,
         meta=out_meta,
         path=parts_dir,
+        warnings=tuple(warnings),
     )
+
+
+def _read_part(path: str) -> dict[str, Any]:
+    """One part's rows and vocabularies; raises on anything damaged or missing."""
+    with np.load(path, allow_pickle=False) as z:
+        tables = {}
+        for k, cols in TABLE_COLS.items():
+            a = z[k]
+            if a.size % len(cols):
+                raise ValueError(f"{k}: {a.size} values for rows of {len(cols)}")
+            if a.size:
+                tables[k] = a.reshape(-1, len(cols))
+        return {
+            "tables": tables,
+            "labels": [str(x) for x in z["labels"]],
+            "counter_names": [str(x) for x in z["counter_names"]],
+            "request_ids_start": int(z["request_ids_start"]),
+            "request_ids": [str(x) for x in z["request_ids"]],
+            "config": json.loads(str(z["config"])),
+            "flush_tick": int(z["flush_tick"]),
+            "stop_tick": int(z["stop_tick"]) if "stop_tick" in z.files else None,
+        }
 
 
 def _pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) -> Evictions:
@@ -270,14 +304,20 @@ def _pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) ->
     readmit[a[:, 2] == UNKNOWN_TICK] = np.nan
     mode_col = a[:, 3].copy()
     mode_col[mode_col < MODE_UNKNOWN] = MODE_UNKNOWN
-    return Evictions(request=a[:, 0].copy(), t_evict_s=secs(a[:, 1]), t_readmit_s=readmit, mode=mode_col)
+    return Evictions(
+        request=a[:, 0].copy(), t_evict_s=secs(a[:, 1]), t_readmit_s=readmit, mode=mode_col
+    )
 
 
 def recover(parts_dir: str, out: str | None = None, *, remove_parts: bool = False) -> str:
     """Merge an interrupted run's parts into the one `.npz` a clean stop writes."""
     parts_dir = parts_dir.rstrip("/")
     if out is None:
-        out = parts_dir[: -len(PARTS_SUFFIX)] if parts_dir.endswith(PARTS_SUFFIX) else parts_dir + ".npz"
+        out = (
+            parts_dir[: -len(PARTS_SUFFIX)]
+            if parts_dir.endswith(PARTS_SUFFIX)
+            else parts_dir + ".npz"
+        )
     log = merge_parts(parts_dir)
     log.save(out)
     if remove_parts:
