@@ -323,7 +323,7 @@ def test_live_trace_is_gc_quiet(tmp_path):
         k: np.zeros(0, dtype=np.int64)
         for k in ("steps", "segments", "gc_pauses", "emissions", "events", "requests")
     }
-    rows["emissions"] = np.array([[0, 10, 1, 1], [0, 20, 2, 1]] * 500, dtype=np.int64).ravel()
+    rows["emissions"] = np.array([[0, 10, 1, 1, 1], [0, 20, 2, 1, 2]] * 500, dtype=np.int64).ravel()
     chunk = {**rows, "counters": np.zeros(0), "labels": np.array(["decode"]),
              "counter_names": np.array([], dtype=str), "request_ids": np.array(["a"]),
              "request_ids_start": np.array(0)}  # fmt: skip

@@ -541,14 +541,20 @@ class Recorder:
         num_tokens: Iterable[int] | None = None,
         *,
         at_tick: int | None = None,
+        reads_step: int | None = None,
     ) -> None:
         """Tokens left the engine now (or at `at_tick` of this recorder's clock, for an
         adapter that learns of them later), one or more per request (`num_tokens`), all
-        sharing one emission time: call it right after the forward pass returns."""
+        sharing one emission time: call it right after the forward pass returns.
+
+        `reads_step`: under async scheduling, the step whose device results these tokens
+        are (the previous step's, read while this one runs); default: the open step. The
+        partition charges a gap only with the device work its emission read."""
         if not self.enabled:
             return
         t = self._clock() if at_tick is None else at_tick
         step = self._step_no if self._in_step else -1
+        dstep = step if reads_step is None else reads_step
         get = self._req_index.get
         rows = array("q")
         if num_tokens is None:
@@ -556,14 +562,14 @@ class Recorder:
                 idx = get(rid)
                 if idx is None:
                     idx = self._request_index(rid)
-                rows.extend((idx, t, step, 1))
+                rows.extend((idx, t, step, 1, dstep))
         else:
             for rid, n in zip(request_ids, num_tokens, strict=True):
                 idx = get(rid)
                 if idx is None:
                     idx = self._request_index(rid)
-                rows.extend((idx, t, step, n))
-        self._step_emit_rows += len(rows) // 4
+                rows.extend((idx, t, step, n, dstep))
+        self._step_emit_rows += len(rows) // 5
         with self._lock:
             self._buf["emissions"].extend(rows)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -132,7 +133,20 @@ class Emissions(_Table):
     t_s: np.ndarray
     step: np.ndarray
     num_tokens: np.ndarray  # > 1 when a step emits several tokens of one request (spec decoding)
-    DTYPES = {"request": np.int64, "t_s": np.float64, "step": np.int64, "num_tokens": np.int64}
+    # the step whose device work this emission reads: `step` in a synchronous engine, the
+    # previous step under async scheduling (results of step N are read while N+1 runs)
+    device_step: np.ndarray = None  # type: ignore[assignment]  # default: `step`
+    DTYPES = {
+        "request": np.int64,
+        "t_s": np.float64,
+        "step": np.int64,
+        "num_tokens": np.int64,
+        "device_step": np.int64,
+    }
+
+    def __post_init__(self) -> None:
+        if self.device_step is None:
+            object.__setattr__(self, "device_step", np.asarray(self.step).copy())
 
 
 @dataclass(frozen=True)
@@ -432,6 +446,9 @@ def _json(path: str, arrays: dict[str, np.ndarray], key: str, default: Any = Non
         raise LogError(path, key, f"not usable JSON ({_short(e)})") from None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _clean_strings(obj: Any) -> Any:
     """Strings from a log as valid Unicode: lone surrogates (which no terminal or file can
     encode) become U+FFFD. Everything else is kept as it is."""
@@ -440,7 +457,7 @@ def _clean_strings(obj: Any) -> Any:
             obj.encode("utf-8")
             return obj
         except UnicodeEncodeError:
-            return obj.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+            return _SURROGATE.sub("\ufffd", obj)
     if isinstance(obj, dict):
         return {_clean_strings(k): _clean_strings(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -484,6 +501,10 @@ def _check_ints(path: str, key: str, a: np.ndarray, dtype: np.dtype, name: str =
         raise LogError(path, key, f"{what}value out of range for {dtype}")
 
 
+#: Columns a v1 log may lack (each table's dataclass gives their default).
+OPTIONAL_COLUMNS = frozenset({"emissions.device_step"})
+
+
 def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     schema = _scalar_str(path, arrays, "schema")
     if schema != SCHEMA:
@@ -503,7 +524,11 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         if tname == "counters" and not any(k in arrays for k in keys):
             tables[tname] = cls.empty()  # optional as a whole table
             continue
-        cols = {c: _column(path, arrays, f"{tname}.{c}", dt) for c, dt in cls.DTYPES.items()}
+        cols = {
+            c: _column(path, arrays, f"{tname}.{c}", dt)
+            for c, dt in cls.DTYPES.items()
+            if f"{tname}.{c}" not in OPTIONAL_COLUMNS or f"{tname}.{c}" in arrays
+        }
         n = {len(c) for c in cols.values()}
         if len(n) > 1:
             lens = ", ".join(f"{k}={len(c)}" for k, c in cols.items())

@@ -44,7 +44,7 @@ from .rawlog import (
 STEP_COLS = ("t0", "t1", "num_decode", "num_prefill_tokens", "graph_size", "preempted", "swapped")
 SEG_COLS = ("step", "label", "t0", "t1", "thread", "is_device")
 GC_COLS = ("t0", "t1", "generation")
-EMIT_COLS = ("request", "t", "step", "num_tokens")
+EMIT_COLS = ("request", "t", "step", "num_tokens", "device_step")
 EVENT_COLS = ("request", "kind", "t", "mode")  # kind 0 evict, 1 readmit
 REQ_COLS = ("request", "arrival", "prompt_tokens", "max_new_tokens")
 COUNTER_COLS = ("name", "t", "value")
@@ -202,6 +202,7 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
         t_s=secs(em[:, 1]),
         step=em[:, 2].copy(),
         num_tokens=em[:, 3].copy(),
+        device_step=em[:, 4].copy(),
     )
     n_req = len(request_ids)
     rq = table("requests")

@@ -151,6 +151,7 @@ def validate_log(log: RawLog) -> RawLog:
     _index(log, "segments", "step", n_steps, allow_minus_one=True)
     _index(log, "emissions", "request", n_req)
     _index(log, "emissions", "step", n_steps, allow_minus_one=True)
+    _index(log, "emissions", "device_step", n_steps, allow_minus_one=True)
     _index(log, "evictions", "request", n_req)
     _index(log, "counters", "name", len(log.counter_names))
     if log.request_ids and len(log.request_ids) != n_req:

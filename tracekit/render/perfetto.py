@@ -770,7 +770,7 @@ class LiveChromeTrace:
                     f'{{"ph":"C","pid":{PID_ENGINE},"ts":{us(int(t))},"name":{json.dumps(name)},'
                     f'"args":{{"value":{v!r}}}}}'
                 )
-        for r, t, step, ntok in rows("emissions"):
+        for r, t, step, ntok, *_ in rows("emissions"):
             prev = self._last_emit.get(r)
             self._last_emit[r] = (t, step)
             if prev is None:
