@@ -12,6 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 _MISSING = object()
+#: Patches installed and not yet restored, over all `Patches` (tests check it returns to 0).
+_installed = [0]
+
+
+def installed_patches() -> int:
+    return _installed[0]
 
 
 class Patches:
@@ -32,6 +38,7 @@ class Patches:
         wrapper.__tracekit_patch__ = True  # type: ignore[attr-defined]
         setattr(obj, name, wrapper)
         self._undo.append((obj, name, own))
+        _installed[0] += 1
 
     def restore(self) -> None:
         """Undo every patch, newest first. Raises the first failure after trying them all."""
@@ -43,6 +50,7 @@ class Patches:
                     delattr(obj, name)
                 else:
                     setattr(obj, name, own)
+                _installed[0] -= 1  # a failed restore stays counted
             except BaseException as e:  # keep restoring the others
                 first_error = first_error or e
         if first_error is not None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import gc
 import signal
 import sys
+import threading
 
 import pytest
 
+from tracekit import hooks
 from tracekit.hooks import active_recorders
 
 
@@ -20,11 +22,15 @@ def _is_tracekit(cb) -> bool:
 
 @pytest.fixture(autouse=True)
 def no_hooks_left_behind(request):
-    """Fail any test that leaves a gc callback, a running recorder, a SIGTERM handler or an
-    NVTX module import behind (tracekit installs and removes these in matching pairs).
+    """Fail any test that leaves a gc callback, a running recorder, a SIGTERM or SIGINT
+    handler, a part-writer thread, an engine-adapter method patch or an NVTX module import
+    behind (tracekit installs and removes these in matching pairs).
     A test marked `nvtx` may import the real package; it is unloaded again afterwards."""
     callbacks = list(gc.callbacks)
     sigterm = signal.getsignal(signal.SIGTERM)
+    sigint = signal.getsignal(signal.SIGINT)
+    writers = _writer_threads()
+    patches = _installed_patches()
     nvtx_loaded = "nvtx" in sys.modules
     allows_nvtx = request.node.get_closest_marker("nvtx") is not None
     yield
@@ -41,6 +47,16 @@ def no_hooks_left_behind(request):
     if signal.getsignal(signal.SIGTERM) != sigterm:
         leaked.append("SIGTERM handler not restored")
         signal.signal(signal.SIGTERM, sigterm)
+    if signal.getsignal(signal.SIGINT) != sigint:
+        leaked.append("SIGINT handler not restored")
+        signal.signal(signal.SIGINT, sigint)
+    if hooks._IN_GC[0]:  # would defer every SIGTERM to a collection that never ends
+        leaked.append("the in-collection flag was left set")
+        hooks._IN_GC[0] = False
+    if _writer_threads() - writers:
+        leaked.append(f"part-writer threads still running: {_writer_threads() - writers}")
+    if _installed_patches() != patches:
+        leaked.append(f"{_installed_patches() - patches} engine-adapter patch(es) not restored")
     if not nvtx_loaded and "nvtx" in sys.modules and not getattr(sys.modules["nvtx"], "_fake", 0):
         if allows_nvtx:
             for name in [m for m in sys.modules if m == "nvtx" or m.startswith("nvtx.")]:
@@ -48,3 +64,12 @@ def no_hooks_left_behind(request):
         else:
             leaked.append("nvtx imported by a test that did not ask for NVTX")
     assert not leaked, "; ".join(leaked)
+
+
+def _writer_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "tracekit-writer" and t.is_alive()}
+
+
+def _installed_patches() -> int:
+    mod = sys.modules.get("engine_adapters._common")  # only if a test imported the adapters
+    return mod.installed_patches() if mod is not None else 0

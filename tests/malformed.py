@@ -574,6 +574,7 @@ def _v1_semantic_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("no steps but segments", "reject", "segments.step", **_rows(base, "steps", slice(0)))
     yield c("one emission", "ok", "no gaps", **_rows(base, "emissions", slice(0, 1)))
     yield c("no counters", "ok", **{k: None for k in _rows(base, "counters", slice(0))})
+    yield c("no emissions.device_step (older v1 logs)", "ok", emissions__device_step=None)
     # hostile strings (must come out of JSON output intact)
     yield c("hostile labels", "ok", labels=np.array(["tok", "swap", "prefill", "decode", HOSTILE]))
     yield c(

@@ -12,7 +12,8 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - an archive member that appears twice
 - a v1 log without `schema`, with another schema name, or a `schema_version` other than 1
 - neither a `schema` array nor the published layout's `steps` and `segs`
-- a missing required array or column (only the counters table and the JSON fields are optional)
+- a missing required array or column (only the counters table, `emissions.device_step` and the
+  JSON fields are optional)
 - a column that is not 1-D, not numeric (strings, complex, datetimes, records), or of unequal length
   within its table
 - a published array that is not 2-D with its documented number of columns
