@@ -9,6 +9,7 @@ one `.npz` with every step. Each test takes a second or two.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -20,7 +21,7 @@ from procs import python, run_cli
 
 import tracekit
 from tracekit.errors import LogError
-from tracekit.stream import merge_parts, recover
+from tracekit.stream import merge_parts
 
 #: A small engine loop. Step i records prefill tokens = i (so a log shows which steps it
 #: holds), a decode segment and one emission; it stops as argv[3] says.
@@ -203,6 +204,34 @@ def test_a_sigterm_during_a_gc_pause_still_stops_the_run(tmp_path):
         assert proc.returncode == 128 + signal.SIGTERM
         log = tracekit.load(out)
         assert (log.gc_pauses.generation == 2).sum() >= 3
+
+
+def test_a_sigterm_inside_a_flush_loses_no_rows(tmp_path):
+    """Regression: a SIGTERM handled between a flush's buffer swap and its hand-over to the
+    writer raised there and dropped every row of that flush interval."""
+    armed = [False]
+
+    def clock() -> int:  # the flush reads the clock right after swapping the buffers
+        t = time.perf_counter_ns()
+        if armed[0]:
+            armed[0] = False
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at once, inside the flush
+        return t
+
+    out = tmp_path / "run.npz"
+    rec = tracekit.Recorder(out, clock=clock, gc=False, flush_interval_s=3600.0)
+    with pytest.raises(SystemExit):
+        with rec:
+            for i in range(100):
+                with rec.step():
+                    rec.step_info(num_prefill_tokens=i)
+                    rec.emit(["a"])
+            armed[0] = True
+            rec._flush()
+            t_end = time.monotonic() + 5
+            while time.monotonic() < t_end:  # the deferred SIGTERM arrives here
+                time.sleep(0.001)
+    assert assert_steps_are_a_prefix(tracekit.load(out)) == 100
 
 
 def test_recover_stops_at_a_damaged_part_and_says_so(tmp_path):

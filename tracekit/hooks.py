@@ -632,34 +632,38 @@ class Recorder:
         dev = self._device
         if dev is not None and dev._pending and stop_tick is None:
             dev.poll(self._append_device_window)
-        with self._lock:
-            buf = self._buf
-            self._new_buffers()
-            now = self._clock()
-            self._last_flush = now
-            new_ids = self._req_names[self._req_flushed :]
-            start = self._req_flushed
-            self._req_flushed = len(self._req_names)
-            labels = list(self._labels)
-            counter_names = list(self._counter_index)
-        chunk: dict[str, np.ndarray] = {
-            k: np.frombuffer(b, dtype=np.float64 if k == "counters" else np.int64).copy()
-            for k, b in buf.items()
-        }
-        chunk["labels"] = np.array(labels, dtype=str)
-        chunk["counter_names"] = np.array(counter_names, dtype=str)
-        chunk["request_ids"] = np.array(new_ids, dtype=str)
-        chunk["request_ids_start"] = np.array(start, dtype=np.int64)
-        chunk["config"] = np.array(_dumps(self.config))
-        chunk["flush_tick"] = np.array(now, dtype=np.int64)
-        chunk["t0_tick"] = np.array(self._t0_tick, dtype=np.int64)
-        chunk["seconds_per_tick"] = np.array(self._seconds_per_tick)
-        if stop_tick is not None:
-            chunk["stop_tick"] = np.array(stop_tick, dtype=np.int64)
-        if self._writer is not None:
-            self._writer.submit(chunk)
-        else:
-            self._mem_parts.append(chunk)
+        _IN_FLUSH[0] += 1  # from the swap until the writer has the rows: see _sigterm_to_exit
+        try:
+            with self._lock:
+                buf = self._buf
+                self._new_buffers()
+                now = self._clock()
+                self._last_flush = now
+                new_ids = self._req_names[self._req_flushed :]
+                start = self._req_flushed
+                self._req_flushed = len(self._req_names)
+                labels = list(self._labels)
+                counter_names = list(self._counter_index)
+            chunk: dict[str, np.ndarray] = {
+                k: np.frombuffer(b, dtype=np.float64 if k == "counters" else np.int64).copy()
+                for k, b in buf.items()
+            }
+            chunk["labels"] = np.array(labels, dtype=str)
+            chunk["counter_names"] = np.array(counter_names, dtype=str)
+            chunk["request_ids"] = np.array(new_ids, dtype=str)
+            chunk["request_ids_start"] = np.array(start, dtype=np.int64)
+            chunk["config"] = np.array(_dumps(self.config))
+            chunk["flush_tick"] = np.array(now, dtype=np.int64)
+            chunk["t0_tick"] = np.array(self._t0_tick, dtype=np.int64)
+            chunk["seconds_per_tick"] = np.array(self._seconds_per_tick)
+            if stop_tick is not None:
+                chunk["stop_tick"] = np.array(stop_tick, dtype=np.int64)
+            if self._writer is not None:
+                self._writer.submit(chunk)
+            else:
+                self._mem_parts.append(chunk)
+        finally:
+            _IN_FLUSH[0] -= 1
         for fn in self._on_flush:
             fn(chunk)
 
@@ -684,6 +688,8 @@ _NullSegment = _NullSegmentType()
 
 #: True between a recorder's gc "start" and "stop" callbacks (a collection is running).
 _IN_GC = [False]
+#: Flushes between their buffer swap and the hand-over to the writer.
+_IN_FLUSH = [0]
 
 
 def _sigterm_to_exit(signum: int, frame: Any) -> None:
@@ -691,12 +697,13 @@ def _sigterm_to_exit(signum: int, frame: Any) -> None:
 
     Not during a collection: a SIGTERM that lands in one is handled inside a gc callback,
     where the collector swallows any exception ("Exception ignored in ...") and the run
-    would go on as if never signalled. Then the signal is sent again from a helper thread,
-    to be handled once the collection is over."""
+    would go on as if never signalled. Nor during a flush, between the buffer swap and the
+    hand-over to the writer, where it would drop that interval's rows. Then the signal is
+    sent again from a helper thread, to be handled once that is over."""
     f = frame
     while f is not None and f.f_code is not _ON_GC_CODE:
         f = f.f_back
-    if _IN_GC[0] or f is not None:
+    if _IN_GC[0] or _IN_FLUSH[0] or f is not None:
         threading.Thread(target=_signal_again, args=(signum,), daemon=True).start()
         return
     raise SystemExit(128 + signum)
@@ -704,7 +711,7 @@ def _sigterm_to_exit(signum: int, frame: Any) -> None:
 
 def _signal_again(signum: int) -> None:
     time.sleep(0.001)  # let the callback return first
-    while _IN_GC[0]:  # and the collection end
+    while _IN_GC[0] or _IN_FLUSH[0]:  # and the collection or flush end
         time.sleep(0.001)
     os.kill(os.getpid(), signum)
 
