@@ -293,13 +293,16 @@ class Engine:
             if reqs:
                 launcher.set_step_outputs(pending)
                 self._inflight = _Inflight(
-                    reqs, [len(r.token_ids) - 1 for r in reqs], pending, finished
-                )
+                    reqs, [len(r.token_ids) - 1 for r in reqs], pending, finished,
+                    rec.current_step,
+                )  # fmt: skip
             num_emitted = 0
             if prev is not None:  # the read: waits for step N-1 on the device
                 samples = [p.result() for p in prev.pending]
                 rids = [r.rid for r in prev.reqs]
-                rec.emit(rids)  # the engine-emission boundary: when the host has them
+                # the engine-emission boundary: when the host has them; they are the
+                # results of the step that launched them (the partition's rule 6)
+                rec.emit(rids, reads_step=prev.step)
                 s = samples[0] if len(samples) == 1 else _concat(samples)
                 for r, i, tok in zip(
                     prev.reqs, prev.token_index, s.token_ids.tolist(), strict=True
@@ -451,6 +454,7 @@ class _Inflight:
     token_index: list[int]  # where each request's placeholder token sits in its token_ids
     pending: list[Any]  # the runner's PendingSamples, in the same order
     finished: list[Request]  # retired by count at launch; their history closes when read
+    step: int = -1  # the recorder's index of the step that launched it
 
 
 def _concat(samples: list[Samples]) -> Samples:

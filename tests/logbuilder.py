@@ -44,9 +44,10 @@ class LogBuilder:
     def gc(self, t0, t1, gen=0):
         self.gcs.append((t0, t1, gen))
 
-    def emit(self, req, t, step, n=1):
+    def emit(self, req, t, step, n=1, reads=None):
+        """`reads`: the step whose device work this emission reads (default: `step`)."""
         self.num_requests = max(self.num_requests, req + 1)
-        self.ems.append((req, t, step, n))
+        self.ems.append((req, t, step, n, step if reads is None else reads))
 
     def evict(self, req, t_evict, t_readmit=float("nan"), mode=0):
         self.num_requests = max(self.num_requests, req + 1)
@@ -62,13 +63,13 @@ class LogBuilder:
             arr(self.steps, 7),
             arr(self.segs, 6),
             arr(self.gcs, 3),
-            arr(self.ems, 4),
+            arr(self.ems, 5),
             arr(self.evs, 4),
         )
         n = self.num_requests
         arrival = np.zeros(n) if arrivals_ms is None else np.asarray(arrivals_ms) * s
         first = np.full(n, np.nan)
-        for r, t, _, _ in sorted(self.ems, key=lambda e: e[1], reverse=True):
+        for r, t, *_ in sorted(self.ems, key=lambda e: e[1], reverse=True):
             first[r] = t * s
         times = [x for row in st for x in row[:2]] + list(em[:, 1]) + [0.0]
         return RawLog(
@@ -92,7 +93,7 @@ class LogBuilder:
             gc_pauses=GcPauses(gc_[:, 0] * s, gc_[:, 1] * s, gc_[:, 2].astype(np.int64)),
             emissions=Emissions(
                 em[:, 0].astype(np.int64), em[:, 1] * s, em[:, 2].astype(np.int64),
-                em[:, 3].astype(np.int64),
+                em[:, 3].astype(np.int64), em[:, 4].astype(np.int64),
             ),
             evictions=Evictions(
                 ev[:, 0].astype(np.int64), ev[:, 1] * s, ev[:, 2] * s, ev[:, 3].astype(np.int64)

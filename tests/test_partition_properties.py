@@ -39,8 +39,9 @@ def random_logs(draw):
                 b.seg(s, label, a + lag, e + lag + draw(st.floats(0, 5)), device=True)
             cur = e
         emitters = draw(st.lists(st.integers(0, n_req - 1), unique=True, max_size=n_req))
+        reads = s - 1 if (s and draw(st.booleans())) else s  # async: the previous step's work
         for r in emitters:
-            b.emit(r, cur if draw(st.booleans()) else t + dur, s)
+            b.emit(r, cur if draw(st.booleans()) else t + dur, s, reads=reads)
         t += dur + draw(st.floats(0, 3))
     # another thread's windows, overlapping anything
     for _ in range(draw(st.integers(0, 3))):

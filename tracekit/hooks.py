@@ -350,6 +350,12 @@ class Recorder:
         return self._running
 
     @property
+    def current_step(self) -> int:
+        """Index of the open step (or the last one; -1 before the first): what an async
+        engine passes back as `emit(..., reads_step=)` when it reads that step's results."""
+        return self._step_no
+
+    @property
     def t0_tick(self) -> int:
         """The clock reading at `start()`: engine time zero, in ticks."""
         return self._t0_tick

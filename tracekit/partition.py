@@ -15,11 +15,18 @@ millisecond of it goes to exactly one label:
    time ``net`` is charged to ``graph``, proportionally to the part inside the window;
 5. whatever no segment or pause covers is ``residual``;
 6. device work (segments recorded with ``is_device=1``: execution windows from CUDA events,
-   mapped onto the host clock) is the critical path wherever the device was busy: a device
-   window owns its time ahead of every host window and GC pause, so host work that ran
-   while the device computed (launches, the CPU preparing step N+1 under async scheduling)
-   is off the critical path and charged nothing. Where the device sat idle, the host order
-   applies. Device windows among themselves follow the same cause precedence.
+   mapped onto the host clock) is charged by the critical path. The emission that closes
+   the gap read the results of one step (`Emissions.device_step`: the emitting step in a
+   synchronous engine, the previous one under async scheduling); only that step's device
+   windows can own time in this gap. If the host was idle just before the last of them
+   ended (no host window other than a `wait`/`sync` and no GC pause covers that instant:
+   the host waited for the device), the gap is *device-bound* and those windows own their
+   time ahead of every host window and GC pause; the host work they hid (launches, the
+   CPU preparing the next step) is charged nothing. Otherwise the gap is *host-bound*: the
+   device finished while the host was busy, so host time is the critical path and device
+   windows own nothing. Windows of one step that overlap are made disjoint (the earlier
+   start owns the overlap). A gap that contains an eviction of its request uses the host
+   rules only (its evicted time is `preempt` either way).
 
 Multi-token emissions (speculative decoding): a gap is between consecutive *emission
 rows* of a request, i.e. consecutive steps that emitted for it; the tokens one step
@@ -194,7 +201,8 @@ def fit_baseline(log: RawLog, decode_net_ms: np.ndarray) -> GraphBaseline:
     if np.isfinite(slope) and eager.any():
         net = decode_net_ms[eager]
         pred = slope * st.num_decode[eager] + icpt
-        frac[eager] = np.maximum(0.0, net - pred) / net
+        # at most all of it: a line extrapolated below zero cannot charge more than net
+        frac[eager] = np.minimum(1.0, np.maximum(0.0, net - pred) / net)
     return GraphBaseline(
         slope_ms_per_row=float(slope),
         intercept_ms=float(icpt),
@@ -293,11 +301,13 @@ def _coverage(bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray, m: int) 
 
 
 def _classes(causes: np.ndarray, is_device: np.ndarray) -> list[tuple[str, bool]]:
-    """Timeline classes, highest precedence first: device causes, then host causes (+ gc)."""
-    dev_causes = set(causes[is_device].tolist())
-    dev = [c for c in precedence(dev_causes) if c in dev_causes]
-    host = precedence(set(causes[~is_device].tolist()))
-    return [(c, True) for c in dev] + [(c, False) for c in host]
+    """Host timeline classes, highest precedence first (host causes + gc). Device windows
+    are not on the timeline: they own time only in device-bound gaps (rule 6)."""
+    return [(c, False) for c in precedence(set(causes[~is_device].tolist()))]
+
+
+#: Host labels that mean "waiting for the device": the host is idle, not busy, in them.
+WAIT_LABELS = frozenset({"wait", "sync"})
 
 
 def _decode_classes(classes: list[tuple[str, bool]]) -> list[int]:
@@ -415,6 +425,58 @@ def _evictions_per_gap(
     return gi[keep], w0[keep], w1[keep]
 
 
+def _device_windows(log: RawLog, causes: np.ndarray):
+    """Device windows sorted by (step, start), made disjoint within each step (the earlier
+    start owns an overlap): (step, start, end, cause)."""
+    sg = log.segments
+    dev = np.flatnonzero((sg.is_device == 1) & (sg.step >= 0))
+    o = dev[np.lexsort((sg.t_start_s[dev], sg.step[dev]))]
+    step, a, b, c = sg.step[o], sg.t_start_s[o].copy(), sg.t_end_s[o].copy(), causes[o]
+    same = step[1:] == step[:-1]
+    if np.any(same & (a[1:] < b[:-1])):  # rare (several streams): walk each step's windows
+        run_end = -np.inf
+        for i in range(len(a)):
+            if i and step[i] != step[i - 1]:
+                run_end = -np.inf
+            a[i] = min(max(a[i], run_end), b[i])
+            run_end = max(run_end, b[i])
+    return step, a, b, c
+
+
+def _device_pieces(log, causes, frac, tl, classes, col, g_dstep, g_t0, g_t1, e_gap):
+    """(gap, start, end, label column or -1 for decode, graph fraction) of every device
+    window that owns time in a device-bound gap, clipped to the gap."""
+    z = np.zeros(0)
+    step, a, b, c = _device_windows(log, causes)
+    n = len(g_t0)
+    if len(step) == 0 or n == 0:
+        return z.astype(np.int64), z, z, z.astype(np.int64), z
+    n_steps = len(log.steps)
+    first = np.searchsorted(step, np.arange(n_steps), side="left")
+    count = np.searchsorted(step, np.arange(n_steps), side="right") - first
+    last_end = np.full(n_steps, -np.inf)
+    np.maximum.at(last_end, step, b)
+    ok = (g_dstep >= 0) & (g_dstep < n_steps)
+    ds = np.where(ok, g_dstep, 0)
+    cnt = np.where(ok, count[ds], 0)
+    # device-bound: the host was idle just before the last window ended (rule 6)
+    d_end = np.minimum(np.where(ok, last_end[ds], -np.inf), g_t1)
+    k = np.searchsorted(tl.bounds, d_end, side="left")  # interval holding d_end's left side
+    owner = tl.owner[np.clip(k, 0, len(tl.owner) - 1)]
+    idle_cls = [i for i, (x, _) in enumerate(classes) if x in WAIT_LABELS] + [len(classes)]
+    bound = (cnt > 0) & np.isin(owner, idle_cls) & (d_end > g_t0)
+    bound[e_gap] = False
+    cnt = np.where(bound, cnt, 0)
+    gi = np.repeat(np.arange(n), cnt)
+    wi = np.repeat(first[ds], cnt) + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+    p0 = np.maximum(a[wi], g_t0[gi])
+    p1 = np.minimum(b[wi], g_t1[gi])
+    keep = p1 > p0
+    gi, wi, p0, p1 = gi[keep], wi[keep], p0[keep], p1[keep]
+    lab = np.array([-1 if x == "decode" else col[x] for x in c[wi].tolist()], dtype=np.int64)
+    return gi, p0, p1, lab, frac[step[wi]]
+
+
 def partition(log: RawLog, *, check: bool = True) -> Partition:
     """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum."""
     causes = segment_causes(log)
@@ -422,10 +484,11 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     classes = _classes(causes, is_dev)
     cls_index = {c: i for i, c in enumerate(classes)}
     seg_cls = np.array(
-        [cls_index[(c, bool(d))] for c, d in zip(causes.tolist(), is_dev.tolist(), strict=True)],
+        [cls_index.get((c, False), -1) if not d else -1
+         for c, d in zip(causes.tolist(), is_dev.tolist(), strict=True)],
         dtype=np.int64,
-    )
-    labels = tuple(partition_labels(c for c, _ in classes))
+    )  # fmt: skip
+    labels = tuple(partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist())))
     col = {lb: i for i, lb in enumerate(labels)}
 
     net = _decode_net_ms(log, causes)
@@ -493,6 +556,23 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
         np.add.at(context, e_gap, ran)
         np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
 
+    # device-bound gaps: the read step's device windows own their time (rule 6)
+    g_dstep = log.emissions.device_step[order][1:][same]
+    d_gap, d0, d1, d_lab, d_frac = _device_pieces(
+        log, causes, base.eager_excess_frac, tl, classes, col, g_dstep, g_t0, g_t1, e_gap
+    )
+    if len(d_gap):
+        h0, l0 = cumulative(d0)
+        h1, l1 = cumulative(d1)
+        np.subtract.at(parts, d_gap, between(h0, l0, h1, l1))
+        ms = (d1 - d0) * 1e3
+        is_dec = d_lab == -1
+        lab = np.where(is_dec, col["forward"], d_lab)
+        np.add.at(parts, (d_gap, lab), np.where(is_dec, ms * (1 - d_frac), ms))
+        np.add.at(parts[:, col["graph"]], d_gap[is_dec], (ms * d_frac)[is_dec])
+        one = one.copy()
+        one[d_gap] = False  # their primary cause is recomputed below
+
     gap_ms = (g_t1 - g_t0) * 1e3
     # the primary cause of a one-interval gap with no eviction is its interval's
     widths_ms = np.append((uniq_t[1:] - uniq_t[:-1]) * 1e3, 0.0)
@@ -540,7 +620,8 @@ def partition_reference(log: RawLog) -> Partition:
     is_dev = (sg.is_device == 1).tolist()
     classes = _classes(causes_arr, sg.is_device == 1)
     rank = {c: i for i, c in enumerate(classes)}
-    labels = tuple(partition_labels(c for c, _ in classes))
+    dev_causes = set(causes_arr[sg.is_device == 1].tolist())
+    labels = tuple(partition_labels({c for c, _ in classes} | dev_causes))
     segs = [
         (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]), is_dev[i])
         for i in range(len(sg))
@@ -571,38 +652,59 @@ def partition_reference(log: RawLog) -> Partition:
             net[s] += ((b - a) - gc_overlap(a, b)) * 1e3
     base = fit_baseline(log, net)
 
-    def owner_at(t: float) -> tuple[str, float]:
-        """Who owns the instant just after t, and the graph rate there."""
-        covering = [(rank[(c, d)], c, s, d) for a, b, c, s, d in segs if a <= t < b]
-        device = [x for x in covering if classes[x[0]][1]]
-        if device:  # the device was busy: it is the critical path
-            live = device
-        elif any(pa <= t < pb for pa, pb in pauses):
+    host = [x for x in segs if not x[4]]
+    points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
+
+    def host_owner(t: float) -> tuple[str, float]:
+        """Who owns the instant just after t on the host, and the graph rate there."""
+        if any(pa <= t < pb for pa, pb in pauses):
             return "gc", 0.0
-        else:
-            live = covering
+        live = [(rank[(c, False)], c, s) for a, b, c, s, d in host if a <= t < b]
         if not live:
             return "residual", 0.0
         best = min(live)[1]
         if best != "decode":
             return best, 0.0
-        fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s, d in live if c == "decode"]
+        fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
         return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
 
-    points = sorted({p for a, b, *_ in segs for p in (a, b)} | {p for ab in pauses for p in ab})
+    def host_idle_before(x: float) -> bool:
+        before = [p for p in points if p < x]
+        if not before:
+            return True
+        who, _ = host_owner(max(before))
+        return who == "residual" or who in WAIT_LABELS
 
-    def tally(a: float, b: float) -> dict[str, float]:
+    # each step's device windows, disjoint: the earlier start owns an overlap
+    by_step: dict[int, list[list]] = {}
+    for a, b, c, s, _ in sorted((x for x in segs if x[4] and x[3] >= 0), key=lambda x: (x[3], x[0])):
+        ws = by_step.setdefault(s, [])
+        busy_until = max((w[1] for w in ws), default=-np.inf)
+        ws.append([min(max(a, busy_until), b), b, c])
+
+    def tally(a: float, b: float, pieces=()) -> dict[str, float]:
         out = dict.fromkeys(labels, 0.0)
-        cuts = [a] + [p for p in points if a < p < b] + [b]
+        cuts = sorted({a, b} | {p for pa, pb, _, _ in pieces for p in (pa, pb) if a < p < b}
+                      | {p for p in points if a < p < b})  # fmt: skip
         for x, y in zip(cuts[:-1], cuts[1:], strict=True):
-            who, rate = owner_at(x)
             ms = (y - x) * 1e3
+            dev = [(c, fr) for pa, pb, c, fr in pieces if pa <= x < pb]
+            if dev:
+                who, rate = dev[0][0], dev[0][1]
+            else:
+                who, rate = host_owner(x)
             if who == "decode":
                 out["graph"] += ms * rate
                 out["forward"] += ms * (1 - rate)
             else:
                 out[who] += ms
         return out
+
+    order = _emission_order(log)
+    em = log.emissions
+    r_sorted = em.request[order]
+    closing = np.flatnonzero(r_sorted[1:] == r_sorted[:-1]) + 1
+    g_dstep = em.device_step[order][closing]
 
     g_req, g_t0, g_t1, g_s0, g_s1 = gaps_of(log)
     e_req, e_a, e_b = evicted_windows(log)
@@ -624,8 +726,19 @@ def partition_reference(log: RawLog) -> Partition:
             cur = max(cur, b)
         if cur < t1:
             live.append((cur, t1))
+        pieces = []
+        ds = int(g_dstep[i])
+        if not windows and by_step.get(ds):
+            d_end = min(max(w[1] for w in by_step[ds]), t1)
+            if d_end > t0 and host_idle_before(d_end):  # device-bound (rule 6)
+                fr = float(base.eager_excess_frac[ds])
+                pieces = [
+                    (max(a, t0), min(b, t1), c, fr if c == "decode" else 0.0)
+                    for a, b, c in by_step[ds]
+                    if min(b, t1) > max(a, t0)
+                ]
         for a, b in live:
-            for lb, v in tally(a, b).items():
+            for lb, v in tally(a, b, pieces).items():
                 parts[i, labels.index(lb)] += v
         for a, b in windows:
             parts[i, labels.index("preempt")] += (b - a) * 1e3
