@@ -18,6 +18,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from demo_engine.config import RUNG_NAMES
+
 LABELS = ("preempt", "gc", "tok", "prefill", "graph", "forward", "residual")
 
 
@@ -33,6 +35,8 @@ def main(path: str) -> None:
         by_rung[r["rung"]].append(r)
     for rs in by_rung.values():
         rs.sort(key=lambda r: r["seed"])
+    order = {name: i for i, name in enumerate(RUNG_NAMES)}
+    by_rung = dict(sorted(by_rung.items(), key=lambda kv: order.get(kv[0], len(order))))
 
     print(
         "| rung | runs | requests | preemptions | eager steps | max decode B | gen-0 GCs "
