@@ -102,7 +102,8 @@ def run_one(
     )
     capacity: dict[str, float] | None = None
     if rate is None:
-        rate, capacity = calibrate(DEFAULT_LOAD if load is None else load, quiet=quiet)
+        load = DEFAULT_LOAD if load is None else load  # recorded as used, not as typed
+        rate, capacity = calibrate(load, quiet=quiet)
     wl = WorkloadConfig(rate_req_s=rate)
     tokenizer = train_tokenizer(cfg.vocab_size, wl)
     trace = make_trace(seed, duration_s, wl)
@@ -306,7 +307,8 @@ def ladder_cmd(
     limit_blas_threads(1)
     capacity = None
     if rate is None:
-        rate, capacity = calibrate(DEFAULT_LOAD if load is None else load)
+        load = DEFAULT_LOAD if load is None else load
+        rate, capacity = calibrate(load)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "ladder.json"), "w") as fh:
         json.dump(
