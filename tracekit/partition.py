@@ -91,16 +91,21 @@ class Partition:
     causes: tuple[str, ...]  # the labels that can be a primary cause
     baseline: GraphBaseline
     warnings: tuple[str, ...] = field(default=())
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.gap_ms)
 
     @property
     def reconcile_err_ms(self) -> np.ndarray:
-        total = np.zeros(len(self.gap_ms))
-        for j in range(self.parts_ms.shape[1]):  # column by column: contiguous in F order
-            total += self.parts_ms[:, j]
-        return np.abs(self.gap_ms - total)
+        """|gap - sum of parts| per gap (computed once, then kept)."""
+        err = self._cache.get("err")
+        if err is None:
+            total = np.zeros(len(self.gap_ms))
+            for j in range(self.parts_ms.shape[1]):  # column by column: contiguous in F order
+                total += self.parts_ms[:, j]
+            err = self._cache["err"] = np.abs(self.gap_ms - total)
+        return err
 
     @property
     def reconcile_max_err_ms(self) -> float:
@@ -483,11 +488,12 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     is_dev = log.segments.is_device == 1
     classes = _classes(causes, is_dev)
     cls_index = {c: i for i, c in enumerate(classes)}
-    seg_cls = np.array(
-        [cls_index.get((c, False), -1) if not d else -1
-         for c, d in zip(causes.tolist(), is_dev.tolist(), strict=True)],
+    # class of each segment through its label (few labels, many segments); device: -1
+    label_cls = np.array(
+        [cls_index.get((cause_of(lb, log.cause_map), False), -1) for lb in log.labels] + [-1],
         dtype=np.int64,
-    )  # fmt: skip
+    )
+    seg_cls = np.where(is_dev, -1, label_cls[log.segments.label])
     labels = tuple(partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist())))
     col = {lb: i for i, lb in enumerate(labels)}
 
@@ -499,13 +505,13 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     em = log.emissions
     order = _emission_order(log)
     r = em.request[order]
-    same = r[1:] == r[:-1]
+    pair = np.flatnonzero(r[1:] == r[:-1])
+    first, second = order[pair], order[pair + 1]  # the two emission rows of each gap
     uniq_t, rank = _time_ranks(em.t_s)
-    rank = rank[order]
-    a_idx, b_idx = rank[:-1][same], rank[1:][same]
-    g_req = r[1:][same]
+    a_idx, b_idx = rank[first], rank[second]
+    g_req = r[pair + 1]
     g_t0, g_t1 = uniq_t[a_idx], uniq_t[b_idx]
-    g_s0, g_s1 = em.step[order][:-1][same], em.step[order][1:][same]
+    g_s0, g_s1 = em.step[first], em.step[second]
     n = len(g_req)
 
     # Class integrals as columns: every class, residual, then the graph-rate integral; the
@@ -557,7 +563,7 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
         np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
 
     # device-bound gaps: the read step's device windows own their time (rule 6)
-    g_dstep = log.emissions.device_step[order][1:][same]
+    g_dstep = em.device_step[second]
     d_gap, d0, d1, d_lab, d_frac = _device_pieces(
         log, causes, base.eager_excess_frac, tl, classes, col, g_dstep, g_t0, g_t1, e_gap
     )
