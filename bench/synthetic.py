@@ -51,10 +51,11 @@ def synthetic_log(num_steps: int, batch: int = 32, seed: int = 0) -> RawLog:
     )
     # requests live `life` steps each; `batch` slots, each slot replaced when its request ends
     life = 300
-    n_req = batch * (num_steps // life + 1)
+    per_slot = (num_steps + 7 * batch) // life + 1  # requests each slot serves in turn
+    n_req = batch * per_slot
     slot = np.tile(np.arange(batch), num_steps)
     step_of = np.repeat(idx, batch)
-    req = slot * (num_steps // life + 1) + (step_of + slot * 7) // life
+    req = slot * per_slot + (step_of + slot * 7) // life
     keep = rng.random(len(req)) > 0.001  # a few evicted tokens
     em = Emissions(
         request=req[keep], t_s=emit_t[step_of][keep], step=step_of[keep],

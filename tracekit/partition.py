@@ -505,13 +505,13 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     em = log.emissions
     order = _emission_order(log)
     r = em.request[order]
-    pair = np.flatnonzero(r[1:] == r[:-1])
-    first, second = order[pair], order[pair + 1]  # the two emission rows of each gap
+    pair = np.flatnonzero(r[1:] == r[:-1])  # gap k joins sorted rows pair[k], pair[k] + 1
     uniq_t, rank = _time_ranks(em.t_s)
-    a_idx, b_idx = rank[first], rank[second]
+    rank_o, step_o = rank[order], em.step[order]  # one gather per column, then slices
+    a_idx, b_idx = rank_o[pair], rank_o[pair + 1]
     g_req = r[pair + 1]
     g_t0, g_t1 = uniq_t[a_idx], uniq_t[b_idx]
-    g_s0, g_s1 = em.step[first], em.step[second]
+    g_s0, g_s1 = step_o[pair], step_o[pair + 1]
     n = len(g_req)
 
     # Class integrals as columns: every class, residual, then the graph-rate integral; the
@@ -563,10 +563,13 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
         np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
 
     # device-bound gaps: the read step's device windows own their time (rule 6)
-    g_dstep = em.device_step[second]
-    d_gap, d0, d1, d_lab, d_frac = _device_pieces(
-        log, causes, base.eager_excess_frac, tl, classes, col, g_dstep, g_t0, g_t1, e_gap
-    )
+    if is_dev.any():
+        g_dstep = em.device_step[order][pair + 1]
+        d_gap, d0, d1, d_lab, d_frac = _device_pieces(
+            log, causes, base.eager_excess_frac, tl, classes, col, g_dstep, g_t0, g_t1, e_gap
+        )
+    else:
+        d_gap = np.zeros(0, dtype=np.int64)
     if len(d_gap):
         h0, l0 = cumulative(d0)
         h1, l1 = cumulative(d1)
