@@ -59,8 +59,10 @@ def main() -> None:
             subprocess.run(cmd, check=True, capture_output=True)
             walls[jobs] = min(walls[jobs], time.perf_counter() - t)
         n = len(partition(synthetic_log(20_000, 32, 10)))
-        print(f"tracekit analyze, 6 runs x {n:,} gaps: --jobs 1 {walls[1]:.2f} s, "
-              f"--jobs 2 {walls[2]:.2f} s ({walls[1] / walls[2]:.2f}x on {os.cpu_count()} cores)")
+        print(
+            f"tracekit analyze, 6 runs x {n:,} gaps: --jobs 1 {walls[1]:.2f} s, "
+            f"--jobs 2 {walls[2]:.2f} s ({walls[1] / walls[2]:.2f}x on {os.cpu_count()} cores)"
+        )
 
 
 if __name__ == "__main__":

@@ -90,8 +90,10 @@ def synthetic_log(num_steps: int, batch: int = 32, seed: int = 0) -> RawLog:
         emissions=em,
         evictions=ev,
         requests=Requests(
-            arrival_s=np.zeros(n_req), prompt_tokens=np.full(n_req, 100),
-            max_new_tokens=np.full(n_req, life), first_token_s=np.full(n_req, np.nan),
+            arrival_s=np.zeros(n_req),
+            prompt_tokens=np.full(n_req, 100),
+            max_new_tokens=np.full(n_req, life),
+            first_token_s=np.full(n_req, np.nan),
         ),  # fmt: skip
         counters=Counters.empty(),
         labels=("tok", "swap", "prefill", "decode"),

@@ -92,8 +92,11 @@ class LogBuilder:
             ),
             gc_pauses=GcPauses(gc_[:, 0] * s, gc_[:, 1] * s, gc_[:, 2].astype(np.int64)),
             emissions=Emissions(
-                em[:, 0].astype(np.int64), em[:, 1] * s, em[:, 2].astype(np.int64),
-                em[:, 3].astype(np.int64), em[:, 4].astype(np.int64),
+                em[:, 0].astype(np.int64),
+                em[:, 1] * s,
+                em[:, 2].astype(np.int64),
+                em[:, 3].astype(np.int64),
+                em[:, 4].astype(np.int64),
             ),
             evictions=Evictions(
                 ev[:, 0].astype(np.int64), ev[:, 1] * s, ev[:, 2] * s, ev[:, 3].astype(np.int64)

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 from click.testing import CliRunner
+from test_rawlog import sample_log
 
 from tracekit.cli import main
-from test_rawlog import sample_log
 
 KEYS = """rung seed requests tokens gaps tok_per_s itl_p50 itl_p90 itl_p99 itl_p999 itl_max
 ttft_p50 ttft_p99 tail_share all_share tail_count fwd_share_clean_median fwd_share_tail_median

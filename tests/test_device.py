@@ -309,7 +309,6 @@ def test_async_scheduling_hides_host_work_under_device_time(impl):
     assert p.reconcile_max_err_ms < 1e-6
 
 
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_async_scheduling_host_bound_gap_is_the_host_iteration(impl):
     # The host is the bottleneck (1 ms of device work per step, 1.3 ms of host work): step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+
 import numpy as np
 import pytest
 
@@ -164,5 +165,3 @@ def test_steps_do_not_nest():
         with rec.step():
             with pytest.raises(RuntimeError, match="do not nest"):
                 rec._begin_step()
-
-

@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from logbuilder import LogBuilder
 
 from tracekit.partition import partition, partition_reference
-from logbuilder import LogBuilder
 
 IMPLS = [partition, partition_reference]
 
 
+def _nonzero(labels, row):
+    return {lb: round(float(v), 9) for lb, v in zip(labels, row, strict=True) if abs(v) > 1e-12}
+
+
 def parts_of(p, i=0):
-    return {lb: round(float(v), 9) for lb, v in zip(p.labels, p.parts_ms[i]) if abs(v) > 1e-12}
+    return _nonzero(p.labels, p.parts_ms[i])
 
 
 def context_of(p, i=0):
-    return {lb: round(float(v), 9) for lb, v in zip(p.labels, p.context_ms[i]) if abs(v) > 1e-12}
+    return _nonzero(p.labels, p.context_ms[i])
 
 
 def captured_steps(b: LogBuilder, t: float, decode_ms=10.0, sizes=(4, 8)) -> float:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from logbuilder import LogBuilder
 
 from tracekit.partition import partition, partition_reference
-from logbuilder import LogBuilder
 
 EXTRA = ["schedule", "sample"]
 

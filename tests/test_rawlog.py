@@ -6,12 +6,12 @@ import json
 
 import numpy as np
 import pytest
+from logbuilder import LogBuilder
 
 import tracekit
 from tracekit.analysis import analyze
 from tracekit.errors import LogError
 from tracekit.rawlog import PUBLISHED_SEG_LABELS
-from logbuilder import LogBuilder
 
 
 def sample_log():

@@ -686,7 +686,8 @@ def partition_reference(log: RawLog) -> Partition:
 
     # each step's device windows, disjoint: the earlier start owns an overlap
     by_step: dict[int, list[list]] = {}
-    for a, b, c, s, _ in sorted((x for x in segs if x[4] and x[3] >= 0), key=lambda x: (x[3], x[0])):
+    device_segs = sorted((x for x in segs if x[4] and x[3] >= 0), key=lambda x: (x[3], x[0]))
+    for a, b, c, s, _ in device_segs:
         ws = by_step.setdefault(s, [])
         busy_until = max((w[1] for w in ws), default=-np.inf)
         ws.append([min(max(a, busy_until), b), b, c])
