@@ -745,7 +745,7 @@ def _merge_memory(
     with tempfile.TemporaryDirectory(prefix="tracekit-") as d:
         _atomic_write(os.path.join(d, "meta.json"), _dumps(meta).encode())
         for i, chunk in enumerate(parts, 1):
-            np.savez(os.path.join(d, f"part-{i:06d}.npz"), **chunk)
+            np.savez(os.path.join(d, f"part-{i:06d}.npz"), **chunk)  # type: ignore[arg-type]
         log = merge_parts(d, final=final)
     return log.with_path("<memory>")
 

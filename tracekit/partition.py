@@ -639,7 +639,8 @@ def partition_reference(log: RawLog) -> Partition:
 
     def gc_overlap(a: float, b: float) -> float:
         # length of [a, b] inside the union of pauses: walk the merged pauses
-        total, merged = 0.0, []
+        total = 0.0
+        merged: list[list[float]] = []
         for pa, pb in sorted(pauses):
             if merged and pa <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], pb)

@@ -265,7 +265,7 @@ class RawLog:
         os.makedirs(d, exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
+            np.savez(fh, **arrays)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
         os.replace(tmp, path)
         return path
 

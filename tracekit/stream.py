@@ -96,7 +96,7 @@ class PartWriter:
                 path = os.path.join(self.dir, f"part-{n:06d}.npz")
                 tmp = path + ".tmp"
                 with open(tmp, "wb") as fh:
-                    np.savez(fh, **arrays)
+                    np.savez(fh, **arrays)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, path)
