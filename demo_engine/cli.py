@@ -111,6 +111,7 @@ def run_one(
     path = os.path.join(out_dir, f"{rung_slug(rung)}__s{seed}.npz")
     config = {
         "rung": rung,
+        "rung_index": RUNG_NAMES.index(rung),  # ladder order, for compare --order-by
         "seed": seed,
         "duration": duration_s,
         "rate": rate,
