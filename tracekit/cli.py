@@ -78,9 +78,12 @@ def _map_with_progress(fn: Callable[[str], Any], paths: Sequence[str], jobs: int
     """Apply `fn` to each path (in `jobs` processes), in order, with a progress bar on stderr."""
     show = len(paths) > 1 and sys.stderr.isatty()
     out: list[Any] = []
-    with click.progressbar(
-        length=len(paths), label=what, file=sys.stderr if show else open(os.devnull, "w")
-    ) as bar:
+    with (
+        open(os.devnull, "w") as devnull,
+        click.progressbar(
+            length=len(paths), label=what, file=sys.stderr if show else devnull
+        ) as bar,
+    ):
         if jobs <= 1 or len(paths) <= 1:
             for p in paths:
                 out.append(fn(p))

@@ -41,7 +41,8 @@ Accepted with a warning (kept on `RawLog.warnings`, printed by the CLI on stderr
 - emissions out of time order (the partition sorts them per request)
 - emissions before their request's arrival
 - overlapping GC pauses (the partition uses their union)
-- an eviction with no readmission (it runs to the end of the gap it lies in, as design.md says)
+- an eviction with no readmission before the request emits again (it runs to the end of the
+  gap it lies in, as design.md says); one still open when the run ends is normal and silent
 - overlapping evictions of one request (their union is used)
 - a run recovered from the parts of an interrupted recording (events after the last flush are lost)
 
@@ -199,10 +200,16 @@ def validate_log(log: RawLog) -> RawLog:
         if np.any(gc_.t_start_s[o][1:] < ends[:-1]):
             warnings.append("overlapping GC pauses (the partition uses their union)")
     if len(ev):
-        never = np.isnan(ev.t_readmit_s)
+        # open at the run's end is normal (the run stopped); odd is a request that emits
+        # again without a readmission: its eviction runs to the end of that gap
+        last_emit = np.full(len(log.requests), -np.inf)
+        if len(em):
+            np.maximum.at(last_emit, em.request, em.t_s)
+        never = np.isnan(ev.t_readmit_s) & (ev.t_evict_s < last_emit[ev.request])
         if never.any():
             warnings.append(
-                f"{int(never.sum())} eviction(s) never readmitted (charged to the end of the gap)"
+                f"{int(never.sum())} eviction(s) never readmitted although the request emitted "
+                "again (charged to the end of the gap)"
             )
         o = np.lexsort((ev.t_evict_s, ev.request))
         r, s = ev.request[o], ev.t_evict_s[o]
