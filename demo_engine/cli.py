@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import click
+import numpy as np
 
 from ._blas import limit_blas_threads, set_thread_env
 from .config import RUNG_NAMES, EngineConfig, WorkloadConfig, find_rung, rung_config, rung_slug
@@ -134,6 +135,9 @@ def run_one(
     )
     engine = Engine(cfg, rec, tokenizer, runner=runner)
     with rec:
+        # the arrival trace, as the published logs kept it: id, arrival s, prompt chars, max new
+        rows = [[t.index, t.arrival_s, len(t.text), t.max_new_tokens] for t in trace]
+        rec.attach("trace", np.array(rows, dtype=np.float64).reshape(-1, 4))
         try:
             engine.startup()
             stats = engine.serve(

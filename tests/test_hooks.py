@@ -165,3 +165,13 @@ def test_steps_do_not_nest():
         with rec.step():
             with pytest.raises(RuntimeError, match="do not nest"):
                 rec._begin_step()
+
+
+def test_attached_arrays_are_saved_with_the_run(tmp_path):
+    trace = np.array([[0, 0.5, 1000, 300], [1, 0.9, 800, 120]], dtype=np.float64)
+    rec = Recorder(tmp_path / "run.npz", clock=FakeClock(), gc=False)
+    with rec:
+        rec.attach("trace", trace)
+        with pytest.raises(TypeError, match="numeric"):
+            rec.attach("notes", np.array(["x"]))
+    np.testing.assert_array_equal(tracekit.load(tmp_path / "run.npz").extras["trace"], trace)

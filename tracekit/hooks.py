@@ -35,6 +35,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -246,6 +247,7 @@ class Recorder:
         self._t0_tick = 0
         self._prev_sigterm: Any = None
         self._on_flush: list[Callable[[dict[str, np.ndarray]], None]] = []
+        self._extras: dict[str, np.ndarray] = {}
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> Recorder:
@@ -324,6 +326,8 @@ class Recorder:
         if self.out is not None:
             parts = parts_dir_for(self.out)
             log = merge_parts(parts, final=final)
+            if self._extras:
+                log = replace(log, extras={**log.extras, **self._extras})
             log.save(self.out)
             import shutil
 
@@ -331,7 +335,19 @@ class Recorder:
             self._log = log.with_path(self.out)
         else:
             self._log = _merge_memory(self._meta, self._mem_parts, final)
+            if self._extras:
+                self._log = replace(self._log, extras={**self._log.extras, **self._extras})
         return self._log
+
+    def attach(self, name: str, array: Any) -> None:
+        """Keep a numeric array with the run (saved as ``extra.NAME``: an arrival trace, a
+        workload description). Written at stop, so an interrupted run does not have it."""
+        if not self.enabled:
+            return
+        a = np.asarray(array)
+        if a.dtype.kind not in "biuf":
+            raise TypeError(f"attach({name!r}): numeric arrays only, got dtype {a.dtype}")
+        self._extras[name] = a
 
     def log(self) -> RawLog:
         """The recorded run (after `stop`)."""
