@@ -126,7 +126,8 @@ def test_kill_9_leaves_parts_that_recover_into_a_log_with_every_flushed_part(tmp
     assert any("interrupted recording" in w for w in log.warnings)
     assert log.config["rung"] == "crash-test"
     assert log.request_ids == ("r0", "r1", "r2", "r3")
-    assert 0 < log.wall_s < 60 and log.steps.t_end_s.max() <= log.wall_s
+    # the recovered wall time runs to the last flush, so it covers every recovered step
+    assert log.steps.t_end_s.max() <= log.wall_s
 
     r = run_cli("analyze", str(out), "--format", "jsonl")
     assert r.returncode == 0, r.stderr
