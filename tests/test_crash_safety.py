@@ -306,3 +306,35 @@ def test_the_demo_engine_killed_mid_run_recovers_and_analyses(tmp_path):
     assert a["rung"] == "baseline" and a["gaps"] > 100
     assert a["reconcile_max_err_ms"] < 1e-6
     assert "interrupted recording" in r.stderr
+
+
+IDLE_SCRIPT = r"""
+import sys, time
+import tracekit
+
+rec = tracekit.Recorder(sys.argv[1], flush_interval_s=0.05)
+with rec:
+    for i in range(100000):  # an idle engine: requests arrive, no step ever runs
+        rec.request("q%d" % i, prompt_tokens=i)
+        time.sleep(0.002)
+"""
+
+
+def test_kill_9_of_an_idle_engine_keeps_the_arrivals_it_flushed(tmp_path):
+    out = tmp_path / "idle.npz"
+    parts = tmp_path / "idle.npz.parts"
+    proc = python(IDLE_SCRIPT, str(out))
+    try:
+        wait_for(lambda: len(part_files(parts)) >= 3, what="three parts from an idle engine")
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    r = run_cli("recover", str(parts))
+    assert r.returncode == 0, r.stderr
+    log = tracekit.load(out)
+    n = len(log.requests)
+    assert n > 0 and len(log.steps) == 0
+    # every recovered arrival is whole and in order: q0..q(n-1)
+    assert log.request_ids == tuple(f"q{i}" for i in range(n))
+    assert log.requests.prompt_tokens.tolist() == list(range(n))

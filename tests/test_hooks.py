@@ -175,3 +175,19 @@ def test_attached_arrays_are_saved_with_the_run(tmp_path):
         with pytest.raises(TypeError, match="numeric"):
             rec.attach("notes", np.array(["x"]))
     np.testing.assert_array_equal(tracekit.load(tmp_path / "run.npz").extras["trace"], trace)
+
+
+def test_an_idle_engine_still_flushes_its_arrivals(tmp_path):
+    clock = FakeClock(step_ns=400_000_000)  # 0.4 s per read
+    rec = Recorder(tmp_path / "r.npz", clock=clock, gc=False, flush_interval_s=1.0)
+    with rec:
+        for i in range(10):  # arrivals only: no step ever runs
+            rec.request(f"q{i}")
+        flushed = rec._writer._n
+        with rec.step():  # a step opened on the loop: arrivals meanwhile do not flush it
+            before = rec._writer._n
+            for i in range(10, 15):
+                rec.request(f"q{i}")
+            assert rec._writer._n == before
+    assert flushed >= 3
+    assert len(tracekit.load(tmp_path / "r.npz").requests) == 15

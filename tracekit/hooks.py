@@ -430,9 +430,10 @@ class Recorder:
     def _begin_step(self) -> None:
         if self._in_step:
             raise RuntimeError("steps do not nest: the previous step is still open")
-        self._step_no += 1
-        self._loop_ident = threading.get_ident()
-        self._in_step = True
+        with self._lock:  # an idle flush on another thread must see the step open
+            self._step_no += 1
+            self._loop_ident = threading.get_ident()
+            self._in_step = True
         self._step_attrs = {}
         self._step_evictions = self._step_readmissions = self._step_emit_rows = 0
         self._step_t0 = self._clock()
@@ -544,7 +545,18 @@ class Recorder:
         idx = self._request_index(request_id)
         with self._lock:
             self._buf["requests"].extend((idx, t, prompt_tokens, max_new_tokens))
+        if arrival_tick is None:
+            self._flush_if_idle(t)
         return idx
+
+    def _flush_if_idle(self, now: int) -> None:
+        """Keep the flush interval while no step runs (an idle engine still takes
+        arrivals): flush only between steps, so a part never splits an open step."""
+        if self._in_step or now - self._last_flush < self._flush_ticks:
+            return
+        with self._lock:
+            if not self._in_step and self._running:
+                self._flush(poll_device=False)
 
     def _request_index(self, request_id: Any) -> int:
         idx = self._req_index.get(request_id)
@@ -649,10 +661,10 @@ class Recorder:
         self._buf: dict[str, array] = {k: array("q") for k in TABLE_COLS}
         self._buf["counters"] = array("d")
 
-    def _flush(self, *, stop_tick: int | None = None) -> None:
+    def _flush(self, *, stop_tick: int | None = None, poll_device: bool = True) -> None:
         """Hand the completed rows to the writer (a swap of buffers; no disk I/O here)."""
         dev = self._device
-        if dev is not None and dev._pending and stop_tick is None:
+        if poll_device and dev is not None and dev._pending and stop_tick is None:
             dev.poll(self._append_device_window)
         _IN_FLUSH[0] += 1  # from the swap until the writer has the rows: see _sigterm_to_exit
         try:
