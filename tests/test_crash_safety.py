@@ -187,22 +187,25 @@ with tracekit.Recorder(sys.argv[1], gc=True):
 """
 
 
-def test_a_sigterm_during_a_gc_pause_still_stops_the_run(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_a_gc_pause_still_stops_the_run(tmp_path, sig):
     """Regression: the collector swallows exceptions raised in its callbacks, so a SIGTERM
-    handled in tracekit's gc callback used to print "Exception ignored" and be lost."""
+    (SystemExit) or Ctrl-C (KeyboardInterrupt) handled in tracekit's gc callback used to
+    print "Exception ignored" and be lost."""
     out = tmp_path / "run.npz"
     for attempt in range(2):  # each one lands in a collection with probability ~0.8
         proc = python(GC_SCRIPT, str(out))
         try:
             assert proc.stdout.readline() == "collecting\n"
             time.sleep(0.25 + 0.05 * attempt)
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             stdout, stderr = proc.communicate(timeout=20)
         finally:
             proc.kill()
         assert "Exception ignored" not in stderr, stderr
         assert stdout == "", stdout
-        assert proc.returncode == 128 + signal.SIGTERM
+        # SystemExit(143), or an uncaught KeyboardInterrupt: Python exits by SIGINT
+        assert proc.returncode == (128 + sig if sig == signal.SIGTERM else -signal.SIGINT)
         log = tracekit.load(out)
         assert (log.gc_pauses.generation == 2).sum() >= 3
 

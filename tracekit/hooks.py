@@ -184,8 +184,9 @@ class Recorder:
         clock in tests. `seconds_per_tick` converts them.
     flush_interval_s: completed rows reach disk at least this often (crash safety).
     cause_map: segment label -> cause, on top of the defaults (`swap` -> `preempt`, ...).
-    handle_signals: turn SIGTERM into a clean stop (SIGINT already raises
-        KeyboardInterrupt), installed at start and restored at stop, main thread only.
+    handle_signals: turn SIGTERM into a clean stop, and keep it and Ctrl-C (SIGINT, still
+        a KeyboardInterrupt) from being lost in a GC pause or a flush (re-sent once those
+        end); installed at start and restored at stop, main thread only.
     """
 
     def __init__(
@@ -246,6 +247,7 @@ class Recorder:
         self._last_flush = 0
         self._t0_tick = 0
         self._prev_sigterm: Any = None
+        self._prev_sigint: Any = None
         self._on_flush: list[Callable[[dict[str, np.ndarray]], None]] = []
         self._extras: dict[str, np.ndarray] = {}
 
@@ -287,12 +289,11 @@ class Recorder:
             self._writer = PartWriter(parts_dir_for(self.out), _json_safe(meta))
         if self._use_gc:
             gc.callbacks.append(self._on_gc)
-        if (
-            self._handle_signals
-            and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
-        ):
-            self._prev_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+        if self._handle_signals and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                self._prev_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._prev_sigint = signal.signal(signal.SIGINT, _sigint_to_interrupt)
         atexit.register(self.stop)
         self._running = True
         _ACTIVE.add(self)
@@ -316,6 +317,10 @@ class Recorder:
                 with contextlib.suppress(ValueError):  # not the main thread any more
                     signal.signal(signal.SIGTERM, self._prev_sigterm)
                 self._prev_sigterm = None
+            if self._prev_sigint is not None:
+                with contextlib.suppress(ValueError):
+                    signal.signal(signal.SIGINT, self._prev_sigint)
+                self._prev_sigint = None
             atexit.unregister(self.stop)
             self._flush(stop_tick=stop_tick)
         finally:
@@ -734,13 +739,25 @@ def _sigterm_to_exit(signum: int, frame: Any) -> None:
     would go on as if never signalled. Nor during a flush, between the buffer swap and the
     hand-over to the writer, where it would drop that interval's rows. Then the signal is
     sent again from a helper thread, to be handled once that is over."""
+    if not _deferred(signum, frame):
+        raise SystemExit(128 + signum)
+
+
+def _sigint_to_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C: Python's KeyboardInterrupt, deferred the same way as SIGTERM (see there)."""
+    if not _deferred(signum, frame):
+        raise KeyboardInterrupt
+
+
+def _deferred(signum: int, frame: Any) -> bool:
+    """True (and the signal re-sent later) if it landed in a collection or a flush."""
     f = frame
     while f is not None and f.f_code is not _ON_GC_CODE:
         f = f.f_back
     if _IN_GC[0] or _IN_FLUSH[0] or f is not None:
         threading.Thread(target=_signal_again, args=(signum,), daemon=True).start()
-        return
-    raise SystemExit(128 + signum)
+        return True
+    return False
 
 
 def _signal_again(signum: int) -> None:
