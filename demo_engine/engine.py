@@ -226,15 +226,7 @@ class Engine:
                 samples.insert(0, s)
             if rids:
                 rec.emit(rids)  # the engine-emission boundary: all tokens of the step
-            rec.step_info(
-                num_decode=num_decode,
-                num_prefill_tokens=out.num_prefill_tokens,
-                graph_size=graph_size,
-                num_preempted=out.num_preempted,
-                num_swapped_in=out.num_readmitted,
-            )
-            rec.counter("batch_size", num_decode)
-            rec.counter("kv_free_blocks", bm.num_free_blocks)
+            self._tag_step(out, num_decode, graph_size)
             self._bookkeep(out, rids, samples, graph_size, num_decode)
         return len(rids)
 
@@ -316,21 +308,25 @@ class Engine:
                 num_emitted = len(rids)
                 self.stats.num_tokens += num_emitted
                 self.stats.num_finished += len(prev.finished)
-            rec.step_info(
-                num_decode=num_decode,
-                num_prefill_tokens=out.num_prefill_tokens,
-                graph_size=graph_size,
-                num_preempted=out.num_preempted,
-                num_swapped_in=out.num_readmitted,
-            )
-            rec.counter("batch_size", num_decode)
-            rec.counter("kv_free_blocks", bm.num_free_blocks)
+            self._tag_step(out, num_decode, graph_size)
             st = self.stats
             st.num_steps += 1
             st.num_preemptions += out.num_preempted
             st.num_eager_steps += graph_size == 0
             st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
         return num_emitted
+
+    def _tag_step(self, out: SchedulerOutput, num_decode: int, graph_size: int) -> None:
+        """What the step did, for the recorder: its attributes and the engine's counters."""
+        self.rec.step_info(
+            num_decode=num_decode,
+            num_prefill_tokens=out.num_prefill_tokens,
+            graph_size=graph_size,
+            num_preempted=out.num_preempted,
+            num_swapped_in=out.num_readmitted,
+        )
+        self.rec.counter("batch_size", num_decode)
+        self.rec.counter("kv_free_blocks", self.bm.num_free_blocks)
 
     def _do_kv_op(self, op: KvOp) -> None:
         r, rec = op.req, self.rec
