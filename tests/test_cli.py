@@ -76,3 +76,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 def test_help_explains():
     r = CliRunner().invoke(main, ["analyze", "--help"])
     assert r.exit_code == 0 and "tail time" in r.stdout
+
+
+def test_histogram_glyphs_are_distinct_for_engine_labels():
+    from tracekit.labels import glyphs
+
+    g = glyphs(["clean", "preempt", "prefill", "sample", "schedule", "sync", "s", "update"])
+    assert len(set(g.values())) == len(g)
+    assert g["preempt"] == "S" and g["prefill"] == "P" and g["s"] == "s" and g["sample"] == "a"

@@ -96,6 +96,21 @@ def colour(label: str) -> str:
     return _EXTRA_COLOURS[h % len(_EXTRA_COLOURS)]
 
 
+def glyphs(labels: Iterable[str]) -> dict[str, str]:
+    """One distinct character per label: the fixed ones for the standard causes, then each
+    engine label's lower-case initial, or its next unused letter, or a digit."""
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for lb in sorted(labels, key=lambda x: (x not in GLYPHS, x)):
+        options = [GLYPHS[lb]] if lb in GLYPHS else [ch.lower() for ch in lb if ch.isalnum()]
+        pick = next((c for c in options if c not in used), None)
+        if pick is None:
+            pick = next(c for c in "0123456789+*#@%&=~^" if c not in used)
+        out[lb] = pick
+        used.add(pick)
+    return out
+
+
 def glyph(label: str) -> str:
     """One character per label; engine-added labels get their lower-case initial, so they
     never collide with the standard causes' capitals (`schedule` is `s`, `preempt` `S`)."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..analysis import RunAnalysis
 from ..compare import FIGURES, Comparison, Spread
-from ..labels import STANDARD_LABELS, glyph
+from ..labels import STANDARD_LABELS, glyphs
 
 
 def _fmt(x: float, nd: int = 1) -> str:
@@ -82,6 +82,7 @@ def shares(runs: Sequence[RunAnalysis], which: str = "tail_share") -> str:
 def histogram(a: RunAnalysis, width: int = 36) -> str:
     """design.md's bins, each bin's gaps split by primary cause as a bar of glyphs."""
     causes = [c for c in a.hist[0].by_primary if c != "clean"] if a.hist else []
+    g = glyphs(["clean", *causes])
     lines = [f"ITL histogram by primary cause, {run_name(a)} (p99 = {_fmt(a.itl_p99)} ms)"]
     lines.append(f"{'ITL ms':>9}  {'gaps':>7}  share of the bin's gaps by primary cause")
     for b in a.hist:
@@ -95,9 +96,9 @@ def histogram(a: RunAnalysis, width: int = 36) -> str:
             base = [(c, int(x), x - int(x)) for c, x in cells]
             short = width - sum(n for _, n, _ in base)
             extra = {c for c, _, _ in sorted(base, key=lambda t: -t[2])[:short]}
-            bar = "".join(glyph(c) * (n + (c in extra)) for c, n, _ in base)
+            bar = "".join(g[c] * (n + (c in extra)) for c, n, _ in base)
         lines.append(f"{label:>9}  {b.count:>7}  {bar}")
-    legend = ", ".join(f"{glyph(c)} {c}" for c in ["clean", *causes])
+    legend = ", ".join(f"{g[c]} {c}" for c in ["clean", *causes])
     lines.append(f"  ({legend})")
     return "\n".join(lines)
 
