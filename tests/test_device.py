@@ -221,6 +221,15 @@ def test_drift_between_the_clocks_is_measured(drift_ppm):
     # windows are 9 ms of device time, read on the device's (drifting) clock
     w = windows(log, device=True)
     assert w[0][3] - w[0][2] == pytest.approx(9.0 * (1 + drift_ppm * 1e-6), abs=1e-6)
+    # and the run's analysis reports them
+    from tracekit.analysis import analyze
+    from tracekit.render.text import run_details
+
+    a = analyze(log)
+    assert a.device_windows == 30
+    assert a.device_clock_drift_ppm == log.meta["device_clock_drift_ppm"]
+    assert a.device_max_placement_err_ms == cal["max_placement_err_ms"]
+    assert "device clock drift" in run_details(a)
 
 
 def test_the_chain_keeps_placement_exact_over_long_runs():

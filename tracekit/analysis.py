@@ -67,6 +67,9 @@ class RunAnalysis:
     gen2_serving_ms: list[float]  # gen-2 pauses ending after it
     hist: list[HistBin]
     graph_baseline: dict[str, float]  # slope_ms_per_row, intercept_ms, num_fit_steps
+    device_windows: int = 0  # device execution windows (CUDA events) in the log
+    device_clock_drift_ppm: float = math.nan  # device vs host clock over the run, if timed
+    device_max_placement_err_ms: float = math.nan  # worst error placing a device window
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,5 +194,10 @@ def analyze(log: RawLog, part: Partition | None = None) -> RunAnalysis:
             "intercept_ms": p.baseline.intercept_ms,
             "num_fit_steps": p.baseline.num_fit_steps,
         },
+        device_windows=int((log.segments.is_device == 1).sum()),
+        device_clock_drift_ppm=float(log.meta.get("device_clock_drift_ppm", math.nan)),
+        device_max_placement_err_ms=float(
+            dict(log.meta.get("device_calibration") or {}).get("max_placement_err_ms", math.nan)
+        ),
         warnings=warnings,
     )

@@ -120,6 +120,15 @@ def run_details(a: RunAnalysis) -> str:
             f"{a.skipped_steps_without_eviction}",
             f"GC collections by generation {a.gc_counts}; gen-2 pauses while serving (ms): {g2s}",
         ]
+        + (
+            [
+                f"device windows {a.device_windows}; device clock drift "
+                f"{_fmt(a.device_clock_drift_ppm, 2)} ppm, worst placement error "
+                f"{_fmt(a.device_max_placement_err_ms, 4)} ms"
+            ]
+            if a.device_windows
+            else []
+        )
     )
 
 
