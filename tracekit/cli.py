@@ -361,26 +361,12 @@ def report(
     from .render.html import render_report
 
     paths = _expand(runs)
-    show = sys.stderr.isatty()
-    results: list[Any] = []
     one = functools.partial(_report_one, n_worst=n_worst)
-    with click.progressbar(
-        length=len(paths) + 1, label="analysing", file=sys.stderr if show else open(os.devnull, "w")
-    ) as bar:
-        if jobs <= 1 or len(paths) <= 1:
-            for p in paths:
-                results.append(one(p))
-                bar.update(1)
-        else:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                for r in pool.map(one, paths):
-                    results.append(r)
-                    bar.update(1)
-        for r in results:
-            _warn(r.analysis.path, r.analysis.warnings)
-        cmp = do_compare([r.analysis for r in results], by=by, order_by=order_by)
-        page = render_report(results, cmp, title=title)
-        bar.update(1)
+    results = _map_with_progress(one, paths, jobs, "analysing")
+    for r in results:
+        _warn(r.analysis.path, r.analysis.warnings)
+    cmp = do_compare([r.analysis for r in results], by=by, order_by=order_by)
+    page = render_report(results, cmp, title=title)
     with open(output, "w", encoding="utf-8") as fh:
         fh.write(page)
     click.echo(f"wrote {output} ({len(page) / 1e6:.1f} MB, {len(results)} runs)", err=True)
