@@ -84,3 +84,16 @@ def test_histogram_glyphs_are_distinct_for_engine_labels():
     g = glyphs(["clean", "preempt", "prefill", "sample", "schedule", "sync", "s", "update"])
     assert len(set(g.values())) == len(g)
     assert g["preempt"] == "S" and g["prefill"] == "P" and g["s"] == "s" and g["sample"] == "a"
+
+
+def test_a_bad_file_among_parallel_jobs_is_still_one_line(tmp_path):
+    good = sample_log().save(tmp_path / "ok.npz")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracekit", "analyze", good, str(tmp_path / "missing.npz"),
+         "--jobs", "2"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        proc.stderr.strip() == f"tracekit: error: {tmp_path / 'missing.npz'}: file: does not exist"
+    )

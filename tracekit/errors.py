@@ -19,6 +19,9 @@ class LogError(TracekitError):
         self.problem = problem
         super().__init__(one_line(f"{path}: {field}: {problem}"))
 
+    def __reduce__(self):  # pickled back from `--jobs` worker processes
+        return (type(self), (self.path, self.field, self.problem))
+
 
 def one_line(text: str) -> str:
     """`text` with line breaks and other control characters escaped, so that an error about
