@@ -11,7 +11,7 @@ from logbuilder import LogBuilder
 import tracekit
 from tracekit.analysis import analyze
 from tracekit.errors import LogError
-from tracekit.rawlog import PUBLISHED_SEG_LABELS
+from tracekit.published import PUBLISHED_SEG_LABELS
 
 
 def sample_log():

@@ -13,10 +13,10 @@ On disk it is one `.npz` per run (`save`/`load`), self-describing:
   ``request_ids`` (strings), ``counter_names``, ``wall_s``.
 
 `load` also reads the *published* layout (the `.npz` files written by the method tracekit
-industrialises; see docs/rawlog.md) unchanged. A log can never execute code: arrays are
-read from their `.npy` headers with pickles refused (what ``allow_pickle=False`` does, but
-checked before any data is read), and members the layout does not define are skipped
-unread. What is rejected and what is only warned about: `tracekit.validate`.
+industrialises; see docs/rawlog.md) unchanged: `tracekit.published`. A log can never
+execute code: `tracekit.archive` reads the arrays from their `.npy` headers with pickles
+refused, and members the layout does not define are skipped unread. What is rejected and
+what is only warned about: `tracekit.validate`.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import json
 import math
 import os
 import re
-import zipfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
+from .archive import read_npz, short
 from .errors import LogError, one_line
 from .labels import DEFAULT_CAUSE_MAP
 
@@ -287,29 +287,18 @@ def _jsonable(obj: Any) -> Any:
 
 # -- loading ---------------------------------------------------------------------------
 
-PUBLISHED_ARRAYS = {
-    "steps": 7,
-    "segs": 4,
-    "gcs": 3,
-    "emissions": 3,
-    "evictions": 3,
-    "requests": 5,
-}
-PUBLISHED_SEG_LABELS = ("tok", "swap", "prefill", "decode")
-
-
 V1_SCALARS = frozenset(
     {"schema", "schema_version", "labels", "request_ids", "counter_names", "cause_map",
      "config", "meta", "wall_s"}
 )  # fmt: skip
 V1_COLUMNS = frozenset(f"{t}.{c}" for t, cls in TABLES.items() for c in cls.DTYPES)
-PUBLISHED_OTHERS = frozenset({"trace", "wall", "config"})
-#: deflate expands at most ~1032:1; a member claiming more is lying about its size
-_MAX_DEFLATE_RATIO = 1100
+V1_MEMBERS = V1_SCALARS | V1_COLUMNS
 
 
 def load(path: str | os.PathLike[str], *, validate: bool = True) -> RawLog:
     """Read a raw log (v1 or the published layout). Raises `LogError` naming file and field."""
+    from .published import from_published
+
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LogError(path, "file", "does not exist")
@@ -318,11 +307,11 @@ def load(path: str | os.PathLike[str], *, validate: bool = True) -> RawLog:
         if not os.path.exists(os.path.join(path, "meta.json")):
             hint = "expected a raw log .npz"
         raise LogError(path, "file", f"is a directory (an interrupted run's parts? {hint})")
-    arrays, ignored = _read_npz(path)
+    arrays, ignored = read_npz(path, _layout_members)
     if "schema" in arrays:
         log = _from_v1(path, arrays)
     elif "steps" in arrays or "segs" in arrays:
-        log = _from_published(path, arrays)
+        log = from_published(path, arrays)
     else:
         raise LogError(
             path, "schema", "no 'schema' array and not the published layout: not a tracekit log"
@@ -340,89 +329,13 @@ def load(path: str | os.PathLike[str], *, validate: bool = True) -> RawLog:
     return log
 
 
-def _read_npz(path: str) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The arrays of a raw log's archive, and the names of members it ignored.
+def _layout_members(keys: Collection[str]) -> set[str]:
+    """The archive members a log's layout defines: v1 (with its ``extra.*``) or published."""
+    from .published import PUBLISHED_MEMBERS
 
-    Only the members the log's layout defines are read; anything else in the archive is
-    named and skipped, never decoded. Each array is read from its `.npy` header by hand so
-    that an object dtype (a pickle) is refused before a byte of it is read, and a header
-    that claims more data than the member holds is refused before anything is allocated."""
-    try:
-        zf = zipfile.ZipFile(path)
-    except Exception as e:  # BadZipFile, OSError, EOFError, ValueError, struct errors...
-        raise LogError(path, "file", f"not a readable .npz archive ({_short(e)})") from None
-    with zf:
-        try:
-            infos = zf.infolist()
-        except Exception as e:
-            raise LogError(path, "file", f"not a readable .npz archive ({_short(e)})") from None
-        members: dict[str, zipfile.ZipInfo] = {}
-        ignored: list[str] = []
-        for info in infos:
-            name = info.filename
-            if not name.endswith(".npy"):
-                ignored.append(name)
-                continue
-            key = name[: -len(".npy")]
-            if key in members:
-                raise LogError(path, key, "appears twice in the archive (which one is the log?)")
-            members[key] = info
-        if "schema" in members:
-            known = V1_SCALARS | V1_COLUMNS
-            wanted = {k for k in members if k in known or k.startswith("extra.")}
-        else:
-            known = frozenset(PUBLISHED_ARRAYS) | PUBLISHED_OTHERS
-            wanted = {k for k in members if k in known}
-        ignored += [members[k].filename for k in members if k not in wanted]
-        size = os.path.getsize(path)
-        arrays = {k: _read_member(path, zf, members[k], k, size) for k in members if k in wanted}
-    return arrays, ignored
-
-
-def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str, size: int):
-    fmt = np.lib.format
-    if info.compress_size > size or (
-        info.file_size > max(info.compress_size, 1) * _MAX_DEFLATE_RATIO
-        or (info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size)
-    ):
-        raise LogError(path, key, "corrupt archive entry (its sizes do not fit the file)")
-    try:
-        with zf.open(info) as fh:
-            version = fmt.read_magic(fh)
-            if version == (1, 0):
-                shape, fortran, dtype = fmt.read_array_header_1_0(fh)
-            elif version == (2, 0):
-                shape, fortran, dtype = fmt.read_array_header_2_0(fh)
-            else:
-                raise LogError(path, key, f"unsupported .npy format version {version}")
-            if dtype.hasobject:
-                # a pickle: never unpickled, whatever it holds (allow_pickle=False in spirit)
-                raise LogError(
-                    path, key, "holds Python objects (a pickle): refused, a log never loads code"
-                )
-            count = math.prod(shape)
-            nbytes = count * dtype.itemsize
-            if count < 0 or fh.tell() + nbytes != info.file_size:
-                raise LogError(
-                    path,
-                    key,
-                    f"header says {dtype} {shape} ({nbytes} bytes) but the member holds "
-                    f"{info.file_size - fh.tell()} bytes of data",
-                )
-            data = fh.read(nbytes)
-            if len(data) != nbytes or fh.read(1):  # reading to the end checks the CRC
-                raise LogError(path, key, "corrupt array (truncated member)")
-        a = np.frombuffer(data, dtype=dtype, count=count)
-        return a.reshape(shape, order="F" if fortran else "C").copy()
-    except LogError:
-        raise
-    except Exception as e:  # zlib, CRC, header syntax, unsupported compression...
-        raise LogError(path, key, f"corrupt array ({_short(e)})") from None
-
-
-def _short(e: BaseException) -> str:
-    s = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return s[:160]
+    if "schema" in keys:
+        return {k for k in keys if k in V1_MEMBERS or k.startswith("extra.")}
+    return {k for k in keys if k in PUBLISHED_MEMBERS}
 
 
 def _scalar_str(path: str, arrays: dict[str, np.ndarray], key: str) -> str:
@@ -443,7 +356,7 @@ def _json(path: str, arrays: dict[str, np.ndarray], key: str, default: Any = Non
     except json.JSONDecodeError as e:
         raise LogError(path, key, f"not valid JSON ({e.msg} at char {e.pos})") from None
     except (ValueError, RecursionError) as e:  # 5000-digit integers, 100,000 nested lists
-        raise LogError(path, key, f"not usable JSON ({_short(e)})") from None
+        raise LogError(path, key, f"not usable JSON ({short(e)})") from None
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -567,118 +480,4 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         extras=extras,
         path=path,
         warnings=tuple(warnings),
-    )
-
-
-def _published_array(path: str, arrays: dict[str, np.ndarray], key: str) -> np.ndarray:
-    ncol = PUBLISHED_ARRAYS[key]
-    a = arrays.get(key)
-    if a is None:
-        raise LogError(path, key, "missing (published layout needs steps, segs, gcs, ...)")
-    if a.dtype.kind not in "biuf":
-        raise LogError(path, key, f"expected numbers, got dtype {a.dtype}")
-    if a.size == 0:
-        return np.zeros((0, ncol), dtype=np.float64)
-    if a.ndim != 2 or a.shape[1] != ncol:
-        raise LogError(path, key, f"expected shape (n, {ncol}), got {a.shape}")
-    return a.astype(np.float64, copy=False)
-
-
-def _int_col(path: str, key: str, col: np.ndarray, name: str) -> np.ndarray:
-    _check_ints(path, key, col, np.dtype(np.int64), name)
-    return col.astype(np.int64)
-
-
-def _from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
-    st = _published_array(path, arrays, "steps")
-    sg = _published_array(path, arrays, "segs")
-    gc_ = _published_array(path, arrays, "gcs")
-    em = _published_array(path, arrays, "emissions")
-    ev = _published_array(path, arrays, "evictions")
-    rq = _published_array(path, arrays, "requests")
-
-    steps = Steps(
-        t_start_s=st[:, 0],
-        t_end_s=st[:, 1],
-        num_decode=_int_col(path, "steps", st[:, 2], "n_decode"),
-        num_prefill_tokens=_int_col(path, "steps", st[:, 3], "n_prefill_tok"),
-        graph_size=_int_col(path, "steps", st[:, 4], "graph"),
-        num_preempted=_int_col(path, "steps", st[:, 5], "preempted"),
-        num_swapped_in=_int_col(path, "steps", st[:, 6], "swapped_in"),
-    )
-    codes = _int_col(path, "segs", sg[:, 1], "code")
-    if codes.size and (codes.min() < 0 or codes.max() > 3):
-        raise LogError(path, "segs", "column code: expected 0 tok, 1 swap, 2 prefill, 3 decode")
-    segments = Segments(
-        step=_int_col(path, "segs", sg[:, 0], "step"),
-        label=codes,
-        t_start_s=sg[:, 2],
-        t_end_s=sg[:, 3],
-        thread=np.zeros(len(sg), dtype=np.int64),
-        is_device=np.zeros(len(sg), dtype=np.int8),
-    )
-    gcs = GcPauses(
-        t_start_s=gc_[:, 0],
-        t_end_s=gc_[:, 1],
-        generation=_int_col(path, "gcs", gc_[:, 2], "generation"),
-    )
-    req_ids_num = _int_col(path, "requests", rq[:, 0], "request id")
-    order = np.argsort(req_ids_num, kind="stable")
-    if len(np.unique(req_ids_num)) != len(req_ids_num):
-        raise LogError(path, "requests", "column request id: duplicate ids")
-
-    def to_index(key: str, ids: np.ndarray) -> np.ndarray:
-        ids = _int_col(path, key, ids, "request id")
-        pos = np.searchsorted(req_ids_num[order], ids)
-        pos = np.clip(pos, 0, max(len(order) - 1, 0))
-        if len(order) == 0 and len(ids):
-            raise LogError(path, key, "refers to requests but the requests array is empty")
-        known = req_ids_num[order][pos] == ids if len(ids) else np.ones(0, bool)
-        if not np.all(known):
-            bad = ids[~known][:3].tolist()
-            raise LogError(path, key, f"unknown request id(s) {bad} (not in requests)")
-        return order[pos]
-
-    emissions = Emissions(
-        request=to_index("emissions", em[:, 0]),
-        t_s=em[:, 1],
-        step=_int_col(path, "emissions", em[:, 2], "step index"),
-        num_tokens=np.ones(len(em), dtype=np.int64),
-    )
-    evictions = Evictions(
-        request=to_index("evictions", ev[:, 0]),
-        t_evict_s=ev[:, 1],
-        t_readmit_s=ev[:, 2],
-        mode=np.full(len(ev), MODE_SWAP, dtype=np.int64),
-    )
-    requests = Requests(
-        arrival_s=rq[:, 1],
-        prompt_tokens=_int_col(path, "requests", rq[:, 2], "prompt tokens"),
-        max_new_tokens=_int_col(path, "requests", rq[:, 3], "max new tokens"),
-        first_token_s=rq[:, 4],
-    )
-    wall = arrays.get("wall")
-    if wall is None or wall.size != 1 or wall.dtype.kind not in "iuf":
-        raise LogError(path, "wall", "missing or not a number")
-    config: dict[str, Any] = {}
-    if "config" in arrays:
-        config = _json(path, arrays, "config")
-        if not isinstance(config, dict):
-            raise LogError(path, "config", "expected a JSON object")
-    extras = {k: a for k, a in arrays.items() if k == "trace"}
-    return RawLog(
-        steps=steps,
-        segments=segments,
-        gc_pauses=gcs,
-        emissions=emissions,
-        evictions=evictions,
-        requests=requests,
-        labels=PUBLISHED_SEG_LABELS,
-        request_ids=tuple(str(x) for x in req_ids_num.tolist()),
-        cause_map=dict(DEFAULT_CAUSE_MAP),
-        config=config,
-        wall_s=float(wall.reshape(())),
-        meta={"source": "published", "clock": "perf_counter seconds from engine start"},
-        extras=extras,
-        path=path,
     )

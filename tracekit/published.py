@@ -1,0 +1,157 @@
+"""The published layout: the `.npz` files written by the method tracekit industrialises
+(design.md's table), read unchanged into a `RawLog`.
+
+Six 2-D float arrays (``steps``, ``segs``, ``gcs``, ``emissions``, ``evictions``,
+``requests``) with a fixed number of columns each, a ``wall`` time, an optional ``config``
+(JSON) and ``trace``. Request ids are numbers there; emissions and evictions refer to them
+by id, which becomes an index into the requests table here. Tables the layout does not
+have are empty.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import LogError
+from .labels import DEFAULT_CAUSE_MAP
+from .rawlog import (
+    MODE_SWAP,
+    Emissions,
+    Evictions,
+    GcPauses,
+    RawLog,
+    Requests,
+    Segments,
+    Steps,
+    _check_ints,
+    _json,
+)
+
+PUBLISHED_ARRAYS = {
+    "steps": 7,
+    "segs": 4,
+    "gcs": 3,
+    "emissions": 3,
+    "evictions": 3,
+    "requests": 5,
+}
+PUBLISHED_SEG_LABELS = ("tok", "swap", "prefill", "decode")
+PUBLISHED_OTHERS = frozenset({"trace", "wall", "config"})
+#: every member the layout defines (anything else is skipped unread)
+PUBLISHED_MEMBERS = frozenset(PUBLISHED_ARRAYS) | PUBLISHED_OTHERS
+
+
+def _published_array(path: str, arrays: dict[str, np.ndarray], key: str) -> np.ndarray:
+    ncol = PUBLISHED_ARRAYS[key]
+    a = arrays.get(key)
+    if a is None:
+        raise LogError(path, key, "missing (published layout needs steps, segs, gcs, ...)")
+    if a.dtype.kind not in "biuf":
+        raise LogError(path, key, f"expected numbers, got dtype {a.dtype}")
+    if a.size == 0:
+        return np.zeros((0, ncol), dtype=np.float64)
+    if a.ndim != 2 or a.shape[1] != ncol:
+        raise LogError(path, key, f"expected shape (n, {ncol}), got {a.shape}")
+    return a.astype(np.float64, copy=False)
+
+
+def _int_col(path: str, key: str, col: np.ndarray, name: str) -> np.ndarray:
+    _check_ints(path, key, col, np.dtype(np.int64), name)
+    return col.astype(np.int64)
+
+
+def from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
+    st = _published_array(path, arrays, "steps")
+    sg = _published_array(path, arrays, "segs")
+    gc_ = _published_array(path, arrays, "gcs")
+    em = _published_array(path, arrays, "emissions")
+    ev = _published_array(path, arrays, "evictions")
+    rq = _published_array(path, arrays, "requests")
+
+    steps = Steps(
+        t_start_s=st[:, 0],
+        t_end_s=st[:, 1],
+        num_decode=_int_col(path, "steps", st[:, 2], "n_decode"),
+        num_prefill_tokens=_int_col(path, "steps", st[:, 3], "n_prefill_tok"),
+        graph_size=_int_col(path, "steps", st[:, 4], "graph"),
+        num_preempted=_int_col(path, "steps", st[:, 5], "preempted"),
+        num_swapped_in=_int_col(path, "steps", st[:, 6], "swapped_in"),
+    )
+    codes = _int_col(path, "segs", sg[:, 1], "code")
+    if codes.size and (codes.min() < 0 or codes.max() > 3):
+        raise LogError(path, "segs", "column code: expected 0 tok, 1 swap, 2 prefill, 3 decode")
+    segments = Segments(
+        step=_int_col(path, "segs", sg[:, 0], "step"),
+        label=codes,
+        t_start_s=sg[:, 2],
+        t_end_s=sg[:, 3],
+        thread=np.zeros(len(sg), dtype=np.int64),
+        is_device=np.zeros(len(sg), dtype=np.int8),
+    )
+    gcs = GcPauses(
+        t_start_s=gc_[:, 0],
+        t_end_s=gc_[:, 1],
+        generation=_int_col(path, "gcs", gc_[:, 2], "generation"),
+    )
+    req_ids_num = _int_col(path, "requests", rq[:, 0], "request id")
+    order = np.argsort(req_ids_num, kind="stable")
+    if len(np.unique(req_ids_num)) != len(req_ids_num):
+        raise LogError(path, "requests", "column request id: duplicate ids")
+
+    def to_index(key: str, ids: np.ndarray) -> np.ndarray:
+        ids = _int_col(path, key, ids, "request id")
+        pos = np.searchsorted(req_ids_num[order], ids)
+        pos = np.clip(pos, 0, max(len(order) - 1, 0))
+        if len(order) == 0 and len(ids):
+            raise LogError(path, key, "refers to requests but the requests array is empty")
+        known = req_ids_num[order][pos] == ids if len(ids) else np.ones(0, bool)
+        if not np.all(known):
+            bad = ids[~known][:3].tolist()
+            raise LogError(path, key, f"unknown request id(s) {bad} (not in requests)")
+        return order[pos]
+
+    emissions = Emissions(
+        request=to_index("emissions", em[:, 0]),
+        t_s=em[:, 1],
+        step=_int_col(path, "emissions", em[:, 2], "step index"),
+        num_tokens=np.ones(len(em), dtype=np.int64),
+    )
+    evictions = Evictions(
+        request=to_index("evictions", ev[:, 0]),
+        t_evict_s=ev[:, 1],
+        t_readmit_s=ev[:, 2],
+        mode=np.full(len(ev), MODE_SWAP, dtype=np.int64),
+    )
+    requests = Requests(
+        arrival_s=rq[:, 1],
+        prompt_tokens=_int_col(path, "requests", rq[:, 2], "prompt tokens"),
+        max_new_tokens=_int_col(path, "requests", rq[:, 3], "max new tokens"),
+        first_token_s=rq[:, 4],
+    )
+    wall = arrays.get("wall")
+    if wall is None or wall.size != 1 or wall.dtype.kind not in "iuf":
+        raise LogError(path, "wall", "missing or not a number")
+    config: dict[str, Any] = {}
+    if "config" in arrays:
+        config = _json(path, arrays, "config")
+        if not isinstance(config, dict):
+            raise LogError(path, "config", "expected a JSON object")
+    extras = {k: a for k, a in arrays.items() if k == "trace"}
+    return RawLog(
+        steps=steps,
+        segments=segments,
+        gc_pauses=gcs,
+        emissions=emissions,
+        evictions=evictions,
+        requests=requests,
+        labels=PUBLISHED_SEG_LABELS,
+        request_ids=tuple(str(x) for x in req_ids_num.tolist()),
+        cause_map=dict(DEFAULT_CAUSE_MAP),
+        config=config,
+        wall_s=float(wall.reshape(())),
+        meta={"source": "published", "clock": "perf_counter seconds from engine start"},
+        extras=extras,
+        path=path,
+    )
