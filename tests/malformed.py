@@ -12,6 +12,7 @@ Each `Case` is a file to write and what tracekit must do with it:
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -214,6 +215,69 @@ def zip_with(arrays: dict[str, np.ndarray], extra: dict[str, bytes]) -> bytes:
         for name, data in extra.items():
             _add(zf, name, data)
     return buf.getvalue()
+
+
+def deflated_zeros_npz(
+    arrays: dict[str, np.ndarray], zeros: dict[str, tuple[np.dtype, tuple[int, ...]]]
+) -> bytes:
+    """An npz of `arrays` plus, deflated at level 9, members of all-zero arrays (name ->
+    dtype, shape) written in 1 MiB chunks: a few hundred KB on disk that inflate to
+    hundreds of MB, never held whole in memory here."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for k, a in arrays.items():
+            if k not in zeros:
+                _add(zf, k + ".npy", _npy(np.asanyarray(a)))
+        for k, (dtype, shape) in zeros.items():
+            info = zipfile.ZipInfo(k + ".npy", date_time=(2024, 6, 7, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info._compresslevel = 9  # type: ignore[attr-defined]  # ZipInfo has no public knob
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(
+                header, {"descr": np.dtype(dtype).str, "fortran_order": False, "shape": shape}
+            )
+            left = math.prod(shape) * np.dtype(dtype).itemsize
+            with zf.open(info, "w") as fh:
+                fh.write(header.getvalue())
+                chunk = bytes(1 << 20)
+                while left > 0:
+                    fh.write(chunk[: min(left, len(chunk))])
+                    left -= len(chunk)
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=1)
+def bomb_cases() -> tuple[Case, ...]:
+    """Archives whose members claim far more than the file holds (built once: ~1 s).
+
+    Each claims over 256 MiB, the default inflate limit's floor (64x the file is far less
+    here), so each is refused before any member is inflated: the message says by how much
+    and how to raise the limit."""
+    v1 = v1_arrays()
+    pub = published_arrays()
+    n = 5_000_000  # 7 step columns of 5M rows x 8 bytes = 280 MB
+    return (
+        Case(
+            "deflate bomb in an unused extra.* member",
+            "reject",
+            deflated_zeros_npz(v1, {"extra.bomb": (np.dtype(np.float64), (36_000_000,))}),
+            "--max-inflate-mb",
+        ),
+        Case(
+            "zero-filled step columns claiming 280 MB",
+            "reject",
+            deflated_zeros_npz(
+                v1, {f"steps.{c}": (np.dtype(dt), (n,)) for c, dt in Steps.DTYPES.items()}
+            ),
+            "would inflate to",
+        ),
+        Case(
+            "published steps zero-filled claiming 280 MB",
+            "reject",
+            deflated_zeros_npz(pub, {"steps": (np.dtype(np.float64), (n, 7))}),
+            "would inflate to",
+        ),
+    )
 
 
 # -- array-level mutations ---------------------------------------------------------------
@@ -747,6 +811,7 @@ def _archive_cases(v1: dict[str, np.ndarray], pub: dict[str, np.ndarray]) -> Ite
         "pickle",
     )
     yield Case("extra.* array", "ok", zip_with(v1, {"extra.x.npy": _npy(np.arange(3))}))
+    yield from bomb_cases()
     # .npy members whose header lies about their size
     for name, arr, hdr_shape in (
         ("steps.t_start_s", v1["steps.t_start_s"], (10**12,)),

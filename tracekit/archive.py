@@ -5,12 +5,19 @@ before a byte of it is read (what ``allow_pickle=False`` does, checked earlier),
 that claims more data than its member holds is refused before anything is allocated, and
 members the layout does not define are named and skipped, never decoded. Which members a
 layout defines is the caller's business (`tracekit.rawlog`, `tracekit.published`).
+
+Reading is bounded by what the file is. Only a regular file is opened (a FIFO, a device
+such as /dev/zero or /dev/urandom, or a symlink to one would hang or never end), and the
+sizes the archive declares are checked before anything is inflated: their sum may not
+exceed `inflate_limit_bytes` (by default proportional to the file's size, with a floor
+and an absolute cap; ``--max-inflate-mb`` or ``TRACEKIT_MAX_INFLATE_MB`` raises it).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import stat
 import zipfile
 from collections.abc import Callable, Collection
 
@@ -21,20 +28,83 @@ from .errors import LogError
 #: deflate expands at most ~1032:1; a member claiming more is lying about its size
 _MAX_DEFLATE_RATIO = 1100
 
+#: The default inflate limit: what the members read may hold once inflated, in all.
+#: A log written by tracekit is stored uncompressed (ratio 1); a compressed one of timing
+#: data inflates a few times. 64x the file, at least 256 MiB, at most 8 GiB (but never
+#: less than the file itself) leaves real logs far inside and refuses deflate bombs
+#: and zero-filled columns that claim gigabytes from a few megabytes.
+INFLATE_RATIO = 64
+INFLATE_FLOOR_BYTES = 256 * 2**20
+INFLATE_CAP_BYTES = 8 * 2**30
+#: environment variable that raises (or lowers) the limit, in MB (10**6 bytes)
+INFLATE_ENV = "TRACEKIT_MAX_INFLATE_MB"
+
+
+def inflate_limit_bytes(file_size: int, max_inflate_mb: float | None = None) -> int:
+    """The most bytes the read members of a `file_size`-byte archive may inflate to:
+    `max_inflate_mb` when given, else $TRACEKIT_MAX_INFLATE_MB, else the default above."""
+    if max_inflate_mb is None:
+        env = os.environ.get(INFLATE_ENV, "").strip()
+        if env:
+            try:
+                max_inflate_mb = float(env)
+            except ValueError:
+                raise LogError(
+                    f"${INFLATE_ENV}", "value", f"{env!r} is not a number of MB"
+                ) from None
+    if max_inflate_mb is not None:
+        return int(max_inflate_mb * 1e6)
+    by_size = min(max(INFLATE_RATIO * file_size, INFLATE_FLOOR_BYTES), INFLATE_CAP_BYTES)
+    return max(file_size, by_size)
+
+
+def open_regular(path: str):
+    """`path` opened for reading in binary, if it is a regular file (following symlinks);
+    a FIFO, a device or a socket is refused without reading a byte. The file is opened
+    non-blocking (a FIFO's open would otherwise wait for a writer) and checked on the
+    open descriptor, so that what is checked is what is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise LogError(path, "file", f"cannot be opened ({e.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = (
+            "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode)
+            else "a directory" if stat.S_ISDIR(mode)
+            else "not a regular file"
+        )  # fmt: skip
+        raise LogError(
+            path, "file", f"is {kind}, not a regular file: a raw log is read from a .npz file"
+        )
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
 
 def read_npz(
-    path: str, select: Callable[[Collection[str]], Collection[str]]
+    path: str,
+    select: Callable[[Collection[str]], Collection[str]],
+    *,
+    max_inflate_mb: float | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """The arrays of a raw log's archive, and the names of members it ignored.
 
     `select` gets the archive's array names (member names less ``.npy``) and returns the
     ones the log's layout defines; only those are read, anything else in the archive is
-    named and skipped, never decoded."""
+    named and skipped, never decoded. `max_inflate_mb`: see `inflate_limit_bytes`."""
+    fh = open_regular(path)
+    size = os.fstat(fh.fileno()).st_size
     try:
-        zf = zipfile.ZipFile(path)
+        zf = zipfile.ZipFile(fh)
     except Exception as e:  # BadZipFile, OSError, EOFError, ValueError, struct errors...
+        fh.close()
         raise LogError(path, "file", f"not a readable .npz archive ({short(e)})") from None
-    with zf:
+    with fh, zf:
         try:
             infos = zf.infolist()
         except Exception as e:
@@ -52,9 +122,28 @@ def read_npz(
             members[key] = info
         wanted = set(select(members))
         ignored += [members[k].filename for k in members if k not in wanted]
-        size = os.path.getsize(path)
+        _check_inflate(path, [members[k] for k in members if k in wanted], size, max_inflate_mb)
         arrays = {k: _read_member(path, zf, members[k], k, size) for k in members if k in wanted}
     return arrays, ignored
+
+
+def _check_inflate(
+    path: str, infos: list[zipfile.ZipInfo], size: int, max_inflate_mb: float | None
+) -> None:
+    """Refuse, before inflating anything, members whose declared sizes exceed the limit.
+    (Each member's declared size is also what `_read_member` holds it to.)"""
+    limit = inflate_limit_bytes(size, max_inflate_mb)
+    total = sum(i.file_size for i in infos)
+    if total > limit:
+        biggest = max(infos, key=lambda i: i.file_size)
+        raise LogError(
+            path,
+            "file",
+            f"its arrays would inflate to {total / 1e6:.1f} MB from a {size / 1e6:.1f} MB file "
+            f"(largest: {biggest.filename}, {biggest.file_size / 1e6:.1f} MB), over the "
+            f"{limit / 1e6:.0f} MB limit; if the log is genuine, raise it "
+            f"(--max-inflate-mb {math.ceil(total / 1e6)} or ${INFLATE_ENV})",
+        )
 
 
 def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str, size: int):

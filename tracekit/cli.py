@@ -6,6 +6,7 @@ traceback (set TRACEKIT_DEBUG=1 to see one anyway).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -67,11 +68,41 @@ def _warn(path: str, warnings: Sequence[str]) -> None:
         click.echo(f"tracekit: warning: {path}: {w}", err=True)
 
 
-def _analyze_one(path: str) -> Any:
+_LIMITS_KEY = "tracekit.read_limits"
+
+
+def _store_limit(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if value is not None:
+        ctx.meta.setdefault(_LIMITS_KEY, {})[param.name] = value
+
+
+def _read_limits(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that raise the bounds on reading a log (see docs/input-validation.md)."""
+    fn = click.option(
+        "--max-label-chars", type=click.IntRange(min=1), default=None, metavar="N",
+        expose_value=False, callback=_store_limit,
+        help="Keep labels, causes and request ids up to N characters whole (default 1000, "
+        "or $TRACEKIT_MAX_LABEL_CHARS); longer ones are shortened with a warning.",
+    )(fn)  # fmt: skip
+    fn = click.option(
+        "--max-inflate-mb", type=click.FloatRange(min=0, min_open=True), default=None,
+        metavar="MB", expose_value=False, callback=_store_limit,
+        help="Refuse a log whose arrays would inflate beyond MB in memory (default: 64x "
+        "the file, at least 256 MB, at most 8 GB; or $TRACEKIT_MAX_INFLATE_MB).",
+    )(fn)  # fmt: skip
+    return fn
+
+
+def _limits() -> dict[str, Any]:
+    """The --max-* options given to the running command, as `load`'s keyword arguments."""
+    return dict(click.get_current_context().meta.get(_LIMITS_KEY, {}))
+
+
+def _analyze_one(path: str, **limits: Any) -> Any:
     from .analysis import analyze
     from .rawlog import load
 
-    return analyze(load(path))
+    return analyze(load(path, **limits))
 
 
 def _map_with_progress(fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str):
@@ -123,6 +154,7 @@ def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str)
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@_read_limits
 def analyze(runs: tuple[str, ...], fmt: str, output: str | None, jobs: int) -> None:
     """Per-run breakdown of every inter-token gap by cause.
 
@@ -135,7 +167,8 @@ def analyze(runs: tuple[str, ...], fmt: str, output: str | None, jobs: int) -> N
     from .render import text
 
     paths = _expand(runs)
-    results = _map_with_progress(_analyze_one, paths, jobs, "analysing")
+    one = functools.partial(_analyze_one, **_limits())
+    results = _map_with_progress(one, paths, jobs, "analysing")
     for a in results:
         _warn(a.path, a.warnings)
     if fmt == "parquet":
@@ -169,13 +202,14 @@ def _emit(body: str, output: str | None) -> None:
 @click.option("--min-ms", type=float, default=None, help="Only gaps at least this long (ms).")
 @click.option("--request", "request_id", default=None, help="Only this request's gaps (its id).")
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@_read_limits
 def gaps(run: str, fmt: str, min_ms: float | None, request_id: str | None, output: str | None):
     """One record per gap of RUN: request, t0, t1 (seconds, as in the log), gap_ms,
     parts and context (ms by label; parts sum to gap_ms) and the primary cause."""
     from .gaps import gap_records
     from .rawlog import load
 
-    log = load(run)
+    log = load(run, **_limits())
     _warn(log.path, log.warnings)
     records = gap_records(log, min_ms=min_ms, request_id=request_id)
     if fmt == "parquet":
@@ -199,6 +233,7 @@ def gaps(run: str, fmt: str, min_ms: float | None, request_id: str | None, outpu
 
 @main.command()
 @click.argument("runs", nargs=-1, type=click.Path())
+@_read_limits
 def check(runs: tuple[str, ...]) -> None:
     """Validate raw logs without analysing them: one line per file, exit 2 if any is bad."""
     from .rawlog import load
@@ -206,7 +241,7 @@ def check(runs: tuple[str, ...]) -> None:
     bad = 0
     for path in _expand(runs):
         try:
-            log = load(path)
+            log = load(path, **_limits())
         except TracekitError as e:
             click.echo(f"BAD   {e}")
             bad += 1
@@ -222,6 +257,7 @@ def check(runs: tuple[str, ...]) -> None:
 @click.argument("parts_dir", type=click.Path())
 @click.option("-o", "--output", type=click.Path(), help="Default: the run's own .npz name.")
 @click.option("--keep-parts/--remove-parts", default=True, show_default=True)
+@_read_limits
 def recover(parts_dir: str, output: str | None, keep_parts: bool) -> None:
     """Turn an interrupted run's parts folder (RUN.npz.parts/) into the one RUN.npz a clean
     stop writes. Everything flushed before the interruption is kept."""
@@ -231,7 +267,7 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool) -> None:
     if not os.path.isdir(parts_dir):
         _fail(f"{parts_dir}: not a parts folder (expected RUN.npz.parts/ left by a recorder)")
     out = do_recover(parts_dir, output, remove_parts=not keep_parts)
-    log = load(out)
+    log = load(out, **_limits())
     click.echo(f"recovered {out}: {len(log.steps)} steps, {len(log.emissions)} emissions")
 
 
@@ -265,6 +301,7 @@ _register_optional()
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@_read_limits
 def compare(
     runs: tuple[str, ...], by: str, fmt: str, order_by: str | None, output: str | None, jobs: int
 ) -> None:
@@ -276,7 +313,8 @@ def compare(
     from .render import text
 
     paths = _expand(runs)
-    results = _map_with_progress(_analyze_one, paths, jobs, "analysing")
+    one = functools.partial(_analyze_one, **_limits())
+    results = _map_with_progress(one, paths, jobs, "analysing")
     for a in results:
         _warn(a.path, a.warnings)
     cmp = do_compare(results, by=by, order_by=order_by)
@@ -299,6 +337,7 @@ def compare(
     "--window", default=None, metavar="T0:T1",
     help="Only events overlapping [T0, T1], seconds from engine start ('10:' ok).",
 )  # fmt: skip
+@_read_limits
 def trace(run: str, output: str, request_ids: str | None, window: str | None) -> None:
     """Write RUN as a Chrome trace for Perfetto (ui.perfetto.dev -> Open trace file): the
     engine loop (steps with their segments nested), gc, counters (batch size, free KV
@@ -313,7 +352,7 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     t_start = time.perf_counter()
     win = perfetto.parse_window(window) if window else None
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
-    log = load(run)
+    log = load(run, **_limits())
     _warn(log.path, log.warnings)
     events = perfetto.chrome_trace_events(log, partition(log), requests=ids, window_s=win)
     size = perfetto.write_trace(events, output, meta={"source": os.path.basename(run)})
@@ -324,14 +363,14 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     )
 
 
-def _report_one(path: str, n_worst: int) -> Any:
+def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
     from .analysis import analyze
     from .gaps import worst_gaps
     from .partition import partition
     from .rawlog import load
     from .render.html import ReportRun
 
-    log = load(path)
+    log = load(path, **limits)
     part = partition(log)
     return ReportRun(analysis=analyze(log, part), worst_gaps=worst_gaps(log, part, n_worst))
 
@@ -347,6 +386,7 @@ def _report_one(path: str, n_worst: int) -> Any:
 @click.option("--title", default="tracekit report", show_default=True)
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@_read_limits
 def report(
     runs: tuple[str, ...], output: str, by: str, order_by: str | None, n_worst: int, title: str,
     jobs: int,
@@ -355,13 +395,11 @@ def report(
     per run and per group, the ITL histogram by primary cause, tail-time share and
     tail-gap counts by cause, the ladder (p99 and p99.9 per group), forward share of clean
     vs tail gaps, TTFT, and the worst gaps with their partition and steps."""
-    import functools
-
     from .compare import compare as do_compare
     from .render.html import render_report
 
     paths = _expand(runs)
-    one = functools.partial(_report_one, n_worst=n_worst)
+    one = functools.partial(_report_one, n_worst=n_worst, **_limits())
     results = _map_with_progress(one, paths, jobs, "analysing")
     for r in results:
         _warn(r.analysis.path, r.analysis.warnings)

@@ -5,11 +5,15 @@ repeats both lists word for word (a test keeps them in sync).
 
 Rejected (a `LogError` naming file, field and problem; the CLI prints one line, exits 2):
 
+- a path that is not a regular file (a FIFO, a device such as /dev/zero, or a symlink to
+  one), refused before it is read
 - a file that is not a readable zip archive (text, HTML, gzip, a bare .npy, truncated)
 - a damaged archive member (bad CRC, bad deflate stream, unknown compression, sizes that do not fit)
 - an array whose .npy header does not match its data (shape claims more or fewer bytes)
 - an object array anywhere the log's layout defines an array: a pickle is never loaded
 - an archive member that appears twice
+- arrays that would inflate beyond the inflate limit (a deflate bomb, zero-filled columns):
+  their declared sizes are summed before anything is inflated
 - a v1 log without `schema`, with another schema name, or a `schema_version` other than 1
 - neither a `schema` array nor the published layout's `steps` and `segs`
 - a missing required array or column (only the counters table, `emissions.device_step` and the

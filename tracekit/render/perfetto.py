@@ -32,6 +32,7 @@ checks what Perfetto needs, and `LiveChromeTrace` writes a trace while a run rec
 from __future__ import annotations
 
 import gzip
+import heapq
 import io
 import json
 import math
@@ -97,7 +98,60 @@ def _meta(pid: int, tid: int | None, name: str, value: Any) -> dict[str, Any]:
 
 def _lanes(starts: Sequence[int], ends: Sequence[int]) -> list[int]:
     """Assign each interval (in the given order, sorted by start then longest first) to
-    the first lane where it nests in or follows what is open there."""
+    the first lane where it nests in or follows what is open there.
+
+    The same answer as `_lanes_reference`, in O(n log n) however many lanes there are
+    (20,000 windows that all overlap need 20,000 lanes): a lane's open slices nest, so
+    their ends fall from the bottom of its stack to the top, and the lane takes an
+    interval [a, b] exactly when, once the slices ending by `a` are closed, its top ends
+    at or after `b` (or nothing is open). A heap closes slices in order of their end; a
+    max segment tree over the lanes' top ends (+inf for an empty lane) finds the first
+    lane whose top is >= b."""
+    stacks: list[list[int]] = []  # per lane: ends of the open slices
+    closing: list[tuple[int, int]] = []  # heap of (end, lane) of every open slice
+    size = 1
+    tree = [math.inf] * 2  # leaves size..2*size-1: lane top ends; inner nodes: max
+    inf = math.inf
+
+    def set_top(lane: int, value: float) -> None:
+        i = lane + size
+        tree[i] = value
+        i >>= 1
+        while i:
+            m = max(tree[2 * i], tree[2 * i + 1])
+            if tree[i] == m:
+                break
+            tree[i] = m
+            i >>= 1
+
+    out = []
+    for a, b in zip(starts, ends, strict=True):
+        while closing and closing[0][0] <= a:
+            _, lane = heapq.heappop(closing)
+            st = stacks[lane]
+            st.pop()  # the top: the lane's smallest end
+            set_top(lane, st[-1] if st else inf)
+        if len(stacks) == size:  # every leaf is a lane: double the tree
+            leaves = tree[size:] + [inf] * size
+            size *= 2
+            tree = [inf] * size + leaves
+            for i in range(size - 1, 0, -1):
+                tree[i] = max(tree[2 * i], tree[2 * i + 1])
+        i = 1  # descend to the first leaf >= b (one exists: an unused lane is +inf)
+        while i < size:
+            i = 2 * i if tree[2 * i] >= b else 2 * i + 1
+        lane = i - size
+        if lane == len(stacks):
+            stacks.append([])
+        stacks[lane].append(b)
+        set_top(lane, b)
+        heapq.heappush(closing, (b, lane))
+        out.append(lane)
+    return out
+
+
+def _lanes_reference(starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """The slow, obvious `_lanes`: try every lane in order (O(n * lanes)); for tests."""
     stacks: list[list[int]] = []  # per lane: ends of the open slices
     out = []
     for a, b in zip(starts, ends, strict=True):
@@ -273,9 +327,11 @@ def _engine_events(log: RawLog, window_s) -> list[dict[str, Any]]:
     gc_items = sorted((int(c0[i]), int(c1[i]), i) for i in np.flatnonzero(keep_gc).tolist())
     gc_items.sort(key=lambda x: (x[0], -x[1], x[2]))
     gc_lanes = _lanes([x[0] for x in gc_items], [x[1] for x in gc_items])
+    named_gc_lanes: set[int] = set()
     for (a, b, i), lane in zip(gc_items, gc_lanes, strict=True):
         tid = TID_GC if lane == 0 else TID_GC_OVERLAP + lane
-        if lane and not any(e.get("tid") == tid and e["ph"] == "M" for e in out):
+        if lane and lane not in named_gc_lanes:
+            named_gc_lanes.add(lane)
             out.append(_meta(PID_ENGINE, tid, "thread_name", f"gc (overlap {lane})"))
         out.append(
             {
