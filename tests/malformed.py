@@ -472,7 +472,9 @@ def _v1_scalar_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("labels empty strings", "ok", labels=np.array(["tok", "swap", "prefill", "decode", ""]))
     yield c("request_ids missing", "ok", request_ids=None)
     yield c("request_ids one short", "reject", "request_ids", request_ids=base["request_ids"][:2])
-    yield c("request_ids duplicated", "ok", request_ids=np.array(["a", "a", "b"]))
+    yield c(
+        "request_ids duplicated", "reject", "request_ids", request_ids=np.array(["a", "a", "b"])
+    )
     yield c("request_ids as ints", "reject", "request_ids", request_ids=np.arange(3))
     yield c("counter_names missing", "reject", "counters.name", counter_names=None)
     yield c("counter_names as floats", "reject", "counter_names", counter_names=np.zeros(2))

@@ -16,6 +16,7 @@ from logbuilder import LogBuilder
 from synthlog import synthetic_log
 
 from tracekit.cli import main
+from tracekit.errors import UsageError
 from tracekit.hooks import Recorder
 from tracekit.partition import partition
 from tracekit.render.perfetto import (
@@ -23,7 +24,6 @@ from tracekit.render.perfetto import (
     PID_REQUESTS,
     TID_LOOP,
     LiveChromeTrace,
-    TraceError,
     chrome_trace_events,
     engine_start_us,
     parse_window,
@@ -151,12 +151,12 @@ def test_requests_and_window_cut_the_trace(run):
         elif e["ph"] == "C":
             assert w[0] * 1e6 - 0.01 <= e["ts"] <= w[1] * 1e6 + 0.01
     assert 0 < len(slices(ev, PID_ENGINE, "step")) < len(log.steps)
-    with pytest.raises(TraceError, match="no request with id 'nope'"):
+    with pytest.raises(UsageError, match="no request with id 'nope'"):
         chrome_trace_events(log, part, requests=["nope"])
     assert parse_window("1:2.5") == (1.0, 2.5)
     assert parse_window(":3") == (-math.inf, 3.0)
     for bad in ("3", "a:b", "5:1"):
-        with pytest.raises(TraceError):
+        with pytest.raises(UsageError):
             parse_window(bad)
 
 

@@ -5,18 +5,20 @@ partition every inter-token gap exclusively by cause (`partition`), and report p
 and across runs (`analyze`, the `tracekit` CLI).
 """
 
-from .errors import LogError, ReconcileError, TracekitError
+from .errors import InternalError, LogError, ReconcileError, TracekitError, UsageError
 from .hooks import Recorder
 from .rawlog import RawLog, load
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "InternalError",
     "LogError",
     "RawLog",
     "Recorder",
     "ReconcileError",
     "TracekitError",
+    "UsageError",
     "load",
     "__version__",
 ]

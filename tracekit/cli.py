@@ -1,28 +1,31 @@
 """The `tracekit` command line. A thin edge: load, call the pure stages, render, print.
 
-Every error about the user's input is one line on stderr and exit code 2, never a
-traceback (set TRACEKIT_DEBUG=1 to see one anyway).
+Every error is one line on stderr, never a traceback (set TRACEKIT_DEBUG=1 to see one
+anyway): exit code 2 for bad input or a bad option, 3 for a bug in tracekit.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
-from .errors import TracekitError
+from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TracekitError, one_line
 
-EXIT_BAD_INPUT = 2
+#: Modules only some commands need -> the extra that installs them.
+OPTIONAL_MODULES = {"torch": "gpu", "nvtx": "gpu", "tokenizers": "demo"}
 
 
 class _Group(click.Group):
-    """Turns tracekit's errors (and any crash on a user's file) into one line, exit 2."""
+    """Turns tracekit's errors (and any crash) into one line: exit 2 for bad input, 3 for
+    a bug in tracekit (an internal error, which asks to be reported)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -30,21 +33,56 @@ class _Group(click.Group):
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except TracekitError as e:
-            _fail(str(e))
+            if e.exit_code == EXIT_INTERNAL:
+                _internal(str(e))
+            _fail(str(e), e.exit_code)
         except KeyboardInterrupt:
             click.echo("tracekit: interrupted", err=True)
             sys.exit(130)
         except BrokenPipeError:
             sys.exit(0)
+        except ModuleNotFoundError as e:
+            extra = OPTIONAL_MODULES.get((e.name or "").split(".")[0])
+            if extra is None or os.environ.get("TRACEKIT_DEBUG"):
+                _raise_or_report(e)
+            _fail(f"this command needs {e.name}: pip install 'tracekit[{extra}]'")
         except Exception as e:  # an unexpected crash is a bug; still no traceback by default
-            if os.environ.get("TRACEKIT_DEBUG"):
-                raise
-            _fail(f"internal error: {type(e).__name__}: {e} (TRACEKIT_DEBUG=1 shows the traceback)")
+            _raise_or_report(e)
 
 
-def _fail(msg: str) -> None:
-    click.echo(f"tracekit: error: {msg}", err=True)
-    sys.exit(EXIT_BAD_INPUT)
+def _raise_or_report(e: Exception) -> NoReturn:
+    if os.environ.get("TRACEKIT_DEBUG"):
+        raise e
+    _internal(f"{type(e).__name__}: {e}")
+
+
+def _internal(msg: str) -> NoReturn:
+    _fail(
+        f"internal error: {msg} (a bug in tracekit, not in your input: please report it "
+        "with the output of TRACEKIT_DEBUG=1)",
+        EXIT_INTERNAL,
+    )
+
+
+def _fail(msg: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    click.echo(f"tracekit: error: {one_line(msg)}", err=True)
+    sys.exit(code)
+
+
+class _DemoGroup(click.Group):
+    """`tracekit demo`: the bundled demo engine's commands (`demo_engine.cli`), imported
+    when used, so that `tracekit analyze` never pays for them. An import that fails is
+    reported, never hidden: a missing optional package names its extra, anything else is
+    an internal error."""
+
+    def _demo(self) -> click.Group:
+        return importlib.import_module("demo_engine.cli").demo
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return self._demo().list_commands(ctx)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return self._demo().get_command(ctx, cmd_name)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -57,7 +95,24 @@ def main() -> None:
       tracekit analyze raw/*.npz                 per-run percentiles and tail share by cause
       tracekit gaps raw/run.npz --min-ms 100     drill into single gaps
       tracekit check raw/*.npz                   validate logs without analysing them
+
+    \b
+    Exit codes:
+      0  done
+      2  bad input or a bad option: one line on stderr names the file, field and problem
+      3  internal error: a bug in tracekit, not in the input (please report it; set
+         TRACEKIT_DEBUG=1 for the traceback)
     """
+
+
+main.add_command(
+    _DemoGroup(
+        "demo",
+        help="Run the bundled demo engine: one rung (`demo run`) or the fix ladder "
+        "(`demo ladder`). `tracekit demo COMMAND --help` for each.",
+        short_help="Run the demo engine (one rung or the fix ladder).",
+    )
+)
 
 
 # -- shared helpers ------------------------------------------------------------------------
@@ -65,7 +120,7 @@ def main() -> None:
 
 def _warn(path: str, warnings: Sequence[str]) -> None:
     for w in warnings:
-        click.echo(f"tracekit: warning: {path}: {w}", err=True)
+        click.echo(f"tracekit: warning: {one_line(f'{path}: {w}')}", err=True)
 
 
 _LIMITS_KEY = "tracekit.read_limits"
@@ -139,7 +194,7 @@ def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str)
     import pandas as pd
 
     pd.json_normalize(records, sep=".").to_parquet(output, index=False)
-    click.echo(f"wrote {output}", err=True)
+    click.echo(f"wrote {one_line(output)}", err=True)
 
 
 # -- analyze -------------------------------------------------------------------------------
@@ -185,7 +240,7 @@ def _emit(body: str, output: str | None) -> None:
     if output:
         with open(output, "w", encoding="utf-8") as fh:
             fh.write(body)
-        click.echo(f"wrote {output}", err=True)
+        click.echo(f"wrote {one_line(output)}", err=True)
     else:
         click.echo(body, nl=False)
 
@@ -247,7 +302,9 @@ def check(runs: tuple[str, ...]) -> None:
             bad += 1
             continue
         note = f" ({len(log.warnings)} warning(s))" if log.warnings else ""
-        click.echo(f"ok    {path}: {len(log.steps)} steps, {len(log.emissions)} emissions{note}")
+        click.echo(
+            f"ok    {one_line(path)}: {len(log.steps)} steps, {len(log.emissions)} emissions{note}"
+        )
         _warn(path, log.warnings)
     if bad:
         sys.exit(EXIT_BAD_INPUT)
@@ -268,19 +325,7 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool) -> None:
         _fail(f"{parts_dir}: not a parts folder (expected RUN.npz.parts/ left by a recorder)")
     out = do_recover(parts_dir, output, remove_parts=not keep_parts)
     log = load(out, **_limits())
-    click.echo(f"recovered {out}: {len(log.steps)} steps, {len(log.emissions)} emissions")
-
-
-def _register_optional() -> None:
-    """Subcommands from the bundled demo engine (its own package)."""
-    try:
-        from demo_engine.cli import demo
-    except ImportError:
-        return
-    main.add_command(demo)
-
-
-_register_optional()
+    click.echo(f"recovered {one_line(out)}: {len(log.steps)} steps, {len(log.emissions)} emissions")
 
 
 # -- compare, report, trace (issue 4: reports) ---------------------------------------------
@@ -357,7 +402,7 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     events = perfetto.chrome_trace_events(log, partition(log), requests=ids, window_s=win)
     size = perfetto.write_trace(events, output, meta={"source": os.path.basename(run)})
     click.echo(
-        f"wrote {output}: {len(events)} events, {size / 1e6:.1f} MB in "
+        f"wrote {one_line(output)}: {len(events)} events, {size / 1e6:.1f} MB in "
         f"{time.perf_counter() - t_start:.1f} s (open it at ui.perfetto.dev)",
         err=True,
     )
@@ -407,4 +452,6 @@ def report(
     page = render_report(results, cmp, title=title)
     with open(output, "w", encoding="utf-8") as fh:
         fh.write(page)
-    click.echo(f"wrote {output} ({len(page) / 1e6:.1f} MB, {len(results)} runs)", err=True)
+    click.echo(
+        f"wrote {one_line(output)} ({len(page) / 1e6:.1f} MB, {len(results)} runs)", err=True
+    )

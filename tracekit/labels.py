@@ -96,25 +96,31 @@ def colour(label: str) -> str:
     return _EXTRA_COLOURS[h % len(_EXTRA_COLOURS)]
 
 
+#: Characters for labels whose own letters are taken, in order: lower-case letters and
+#: digits, ASCII symbols, capitals the standard causes do not use, then Greek and Latin
+#: letters (all one terminal cell wide). Past these (some 200 labels) a label shares `?`.
+_SPARE_GLYPHS = (
+    "abcdefghijklmnopqrstuvwxyz0123456789+*#@%&=~^"
+    + "".join(c for c in "ABDEFHIJKLMNOQRUVWXYZ" if c not in GLYPHS.values())
+    + "".join(chr(c) for c in range(0x3B1, 0x3CA))  # Greek small alpha..omega
+    + "".join(chr(c) for c in range(0x100, 0x180))  # Latin Extended-A
+)
+
+
 def glyphs(labels: Iterable[str]) -> dict[str, str]:
     """One distinct character per label: the fixed ones for the standard causes, then each
-    engine label's lower-case initial, or its next unused letter, or a digit."""
+    engine label's lower-case initial, or its next unused letter, or a spare character
+    (`_SPARE_GLYPHS`), however many labels a run has."""
     out: dict[str, str] = {}
     used: set[str] = set()
     for lb in sorted(labels, key=lambda x: (x not in GLYPHS, x)):
         options = [GLYPHS[lb]] if lb in GLYPHS else [ch.lower() for ch in lb if ch.isalnum()]
-        pick = next((c for c in options if c not in used), None)
+        pick = next((c for c in options if c not in used and len(c) == 1), None)
         if pick is None:
-            pick = next(c for c in "0123456789+*#@%&=~^" if c not in used)
+            pick = next((c for c in _SPARE_GLYPHS if c not in used), "?")
         out[lb] = pick
         used.add(pick)
     return out
-
-
-def glyph(label: str) -> str:
-    """One character per label; engine-added labels get their lower-case initial, so they
-    never collide with the standard causes' capitals (`schedule` is `s`, `preempt` `S`)."""
-    return GLYPHS.get(label, label[:1].lower() or "?")
 
 
 def partition_labels(causes: Iterable[str]) -> list[str]:

@@ -32,8 +32,7 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - a readmission before its eviction
 - an index outside its table: segment label or step, emission request or step, eviction request,
   counter name
-- a request-id list whose length is not the number of requests, and duplicate request ids in the
-  published layout
+- a request-id list whose length is not the number of requests, and duplicate request ids
 - negative counts, a token count below 1, a GC generation other than 0, 1 or 2, an is_device flag
   other than 0 or 1, an eviction mode other than -1, 0 or 1
 - counts, ids and thread numbers above `MAX_COUNT` (2**31 - 1)
@@ -166,6 +165,17 @@ def validate_log(log: RawLog) -> RawLog:
             "request_ids",
             f"{len(log.request_ids)} ids for {n_req} requests (one id per requests row)",
         )
+    if len(set(log.request_ids)) != len(log.request_ids):
+        seen: dict[str, int] = {}
+        for i, rid in enumerate(log.request_ids):
+            if rid in seen:
+                raise LogError(
+                    log.path,
+                    "request_ids",
+                    f"duplicate id {rid[:80]!r} (rows {seen[rid]} and {i}): each request "
+                    "needs its own id, or gaps and --request would mix two requests",
+                )
+            seen[rid] = i
     for col in ("num_decode", "num_prefill_tokens", "num_preempted", "num_swapped_in"):
         _in_range(log, "steps", col)
     _in_range(log, "steps", "graph_size", lo=-1)

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TracekitError
+from ..errors import UsageError
 from ..labels import cause_of
 from ..partition import Partition, evicted_windows
 from ..rawlog import RawLog
@@ -64,10 +64,6 @@ TID_REQUESTS = 10_000
 #: and parts to 1e-6 ms, so a well-formed trace is off by a few ns at most.
 TOL_US = 0.01
 PARTS_DECIMALS = 6  # ms: whole nanoseconds
-
-
-class TraceError(TracekitError):
-    """A bad --requests / --window selection."""
 
 
 def _ns(t_s: np.ndarray) -> np.ndarray:
@@ -171,15 +167,15 @@ def _lanes_reference(starts: Sequence[int], ends: Sequence[int]) -> list[int]:
 def parse_window(text: str) -> tuple[float, float]:
     """``T0:T1`` in seconds from engine start; either side may be empty (``:5``, ``10:``)."""
     if ":" not in text:
-        raise TraceError(f"--window {text!r}: expected T0:T1 in seconds (e.g. 10:12.5)")
+        raise UsageError(f"--window {text!r}: expected T0:T1 in seconds (e.g. 10:12.5)")
     a, b = text.split(":", 1)
     try:
         lo = float(a) if a.strip() else -math.inf
         hi = float(b) if b.strip() else math.inf
     except ValueError:
-        raise TraceError(f"--window {text!r}: T0 and T1 must be numbers of seconds") from None
+        raise UsageError(f"--window {text!r}: T0 and T1 must be numbers of seconds") from None
     if not lo < hi:
-        raise TraceError(f"--window {text!r}: T0 must be before T1")
+        raise UsageError(f"--window {text!r}: T0 must be before T1")
     return lo, hi
 
 
@@ -201,7 +197,7 @@ def chrome_trace_events(
         index = {rid: i for i, rid in enumerate(ids)}
         missing = [r for r in wanted if r not in index]
         if missing:
-            raise TraceError(
+            raise UsageError(
                 f"{log.path}: no request with id {missing[0]!r} in this run "
                 f"({len(ids)} requests, e.g. {', '.join(map(repr, ids[:3]))})"
             )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import html
 import math
+import re
 from collections.abc import Sequence
 
 from ..analysis import RunAnalysis
 from ..compare import FIGURES, Comparison, Spread
+from ..errors import one_line
 from ..labels import STANDARD_LABELS, glyphs
 
 
@@ -20,6 +23,10 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | Non
     """A plain aligned table; `align` is one char per column, 'l' or 'r' (default: l then r)."""
     cols = len(header)
     align = align or ("l" + "r" * (cols - 1))
+    # strings from a log (run names, config values, labels) are shown, never obeyed: a
+    # terminal escape (an OSC title, a colour, a cursor move) or a newline is escaped
+    header = [one_line(str(c)) for c in header]
+    rows = [[one_line(str(c)) for c in r] for r in rows]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(cols)]
 
     def line(r: Sequence[str]) -> str:
@@ -83,7 +90,9 @@ def histogram(a: RunAnalysis, width: int = 36) -> str:
     """design.md's bins, each bin's gaps split by primary cause as a bar of glyphs."""
     causes = [c for c in a.hist[0].by_primary if c != "clean"] if a.hist else []
     g = glyphs(["clean", *causes])
-    lines = [f"ITL histogram by primary cause, {run_name(a)} (p99 = {_fmt(a.itl_p99)} ms)"]
+    lines = [
+        f"ITL histogram by primary cause, {one_line(run_name(a))} (p99 = {_fmt(a.itl_p99)} ms)"
+    ]
     lines.append(f"{'ITL ms':>9}  {'gaps':>7}  share of the bin's gaps by primary cause")
     for b in a.hist:
         hi = "inf" if not math.isfinite(b.hi_ms) else f"{b.hi_ms:g}"
@@ -98,14 +107,16 @@ def histogram(a: RunAnalysis, width: int = 36) -> str:
             extra = {c for c, _, _ in sorted(base, key=lambda t: -t[2])[:short]}
             bar = "".join(g[c] * (n + (c in extra)) for c, n, _ in base)
         lines.append(f"{label:>9}  {b.count:>7}  {bar}")
-    legend = ", ".join(f"{g[c]} {c}" for c in ["clean", *causes])
+    legend = ", ".join(f"{g[c]} {one_line(c)}" for c in ["clean", *causes])
     lines.append(f"  ({legend})")
     return "\n".join(lines)
 
 
 def tail_counts(a: RunAnalysis) -> str:
     items = sorted(a.tail_count.items(), key=lambda kv: -kv[1])
-    return "Tail gaps by primary cause (count): " + ", ".join(f"{k} {v}" for k, v in items)
+    return "Tail gaps by primary cause (count): " + ", ".join(
+        f"{one_line(k)} {v}" for k, v in items
+    )
 
 
 def run_details(a: RunAnalysis) -> str:
@@ -192,14 +203,15 @@ def _comparison_cells(
     return head, rows, share_head, share_rows
 
 
-def _comparison_titles(cmp: Comparison) -> tuple[str, str]:
+def _comparison_titles(cmp: Comparison, by: str | None = None) -> tuple[str, str]:
+    """The two tables' titles; `by`: the grouping key as it should be printed."""
     n_runs = sum(g.num_runs for g in cmp.groups)
-    name = "FIX LADDER" if cmp.by == "rung" else f"BY {cmp.by.upper()}"
-    per = cmp.by.upper()
+    by = one_line(cmp.by).upper() if by is None else by
+    name = "FIX LADDER" if cmp.by == "rung" else f"BY {by}"
     return (
         f"{name}  ({n_runs} runs in {len(cmp.groups)} groups; median [min-max] across runs; "
         "ITL and TTFT in ms)",
-        f"MEDIAN TAIL-TIME SHARE PER {per}  (gaps >= each run's p99; median across runs, "
+        f"MEDIAN TAIL-TIME SHARE PER {by}  (gaps >= each run's p99; median across runs, "
         "so a row need not sum to 100%)",
     )
 
@@ -220,29 +232,52 @@ def comparison(cmp: Comparison) -> str:
 
 
 def _md_cell(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    """A table cell of tracekit's own text: only what would break the table is escaped."""
+    return one_line(s).replace("\\", "\\\\").replace("|", "\\|")
+
+
+#: Characters markdown (or the HTML a markdown renderer passes through) would interpret.
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+!|~])")
+
+
+def md_text(s: str) -> str:
+    """A string from a log (a config value, a label) as literal markdown text: control
+    characters escaped, HTML's ``< > &`` as entities, markdown's specials backslashed,
+    so that ``<script>``, ``[x](javascript:...)`` or ``**`` show as written."""
+    return _MD_SPECIAL.sub(r"\\\1", html.escape(one_line(s), quote=False))
 
 
 def markdown_table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str) -> str:
+    """A markdown table of cells already escaped (`_md_cell` or `md_text`)."""
+
     def line(r: Sequence[str]) -> str:
-        return "| " + " | ".join(_md_cell(str(c)) for c in r) + " |"
+        return "| " + " | ".join(r) + " |"
 
     rule = "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"
     return "\n".join([line(header), rule, *map(line, rows)])
 
 
 def comparison_markdown(cmp: Comparison) -> str:
-    """The same two tables as GitHub-flavoured markdown."""
+    """The same two tables as GitHub-flavoured markdown. Group keys, the grouping key and
+    labels come from the logs: they are escaped as literal text (`md_text`)."""
     head, rows, share_head, share_rows = _comparison_cells(cmp)
-    t1, t2 = _comparison_titles(cmp)
+    t1, t2 = _comparison_titles(cmp, md_text(cmp.by.upper()))
+
+    def cells(rs: Sequence[Sequence[str]]) -> list[list[str]]:  # a log's key, then figures
+        return [[md_text(r[0]), *map(_md_cell, r[1:])] for r in rs]
+
     return "\n".join(
         [
-            f"**{_md_cell(t1)}**",
+            f"**{t1}**",
             "",
-            markdown_table(rows, head, "l" + "r" * (len(head) - 1)),
+            markdown_table(cells(rows), cells([head])[0], "l" + "r" * (len(head) - 1)),
             "",
-            f"**{_md_cell(t2)}**",
+            f"**{t2}**",
             "",
-            markdown_table(share_rows, share_head, "l" + "r" * (len(share_head) - 1)),
+            markdown_table(
+                cells(share_rows),
+                [md_text(c) for c in share_head],
+                "l" + "r" * (len(share_head) - 1),
+            ),
         ]
     )
