@@ -67,40 +67,21 @@ class LogBuilder:
             arr(self.evs, 4),
         )
         n = self.num_requests
+
+        def ms(t: np.ndarray) -> np.ndarray:
+            return t * s
+
         arrival = np.zeros(n) if arrivals_ms is None else np.asarray(arrivals_ms) * s
         first = np.full(n, np.nan)
         for r, t, *_ in sorted(self.ems, key=lambda e: e[1], reverse=True):
             first[r] = t * s
         times = [x for row in st for x in row[:2]] + list(em[:, 1]) + [0.0]
         return RawLog(
-            steps=Steps(
-                t_start_s=st[:, 0] * s,
-                t_end_s=st[:, 1] * s,
-                num_decode=st[:, 2].astype(np.int64),
-                num_prefill_tokens=st[:, 3].astype(np.int64),
-                graph_size=st[:, 4].astype(np.int64),
-                num_preempted=st[:, 5].astype(np.int64),
-                num_swapped_in=st[:, 6].astype(np.int64),
-            ),
-            segments=Segments(
-                step=sg[:, 0].astype(np.int64),
-                label=sg[:, 1].astype(np.int64),
-                t_start_s=sg[:, 2] * s,
-                t_end_s=sg[:, 3] * s,
-                thread=sg[:, 4].astype(np.int64),
-                is_device=sg[:, 5].astype(np.int8),
-            ),
-            gc_pauses=GcPauses(gc_[:, 0] * s, gc_[:, 1] * s, gc_[:, 2].astype(np.int64)),
-            emissions=Emissions(
-                em[:, 0].astype(np.int64),
-                em[:, 1] * s,
-                em[:, 2].astype(np.int64),
-                em[:, 3].astype(np.int64),
-                em[:, 4].astype(np.int64),
-            ),
-            evictions=Evictions(
-                ev[:, 0].astype(np.int64), ev[:, 1] * s, ev[:, 2] * s, ev[:, 3].astype(np.int64)
-            ),
+            steps=Steps.from_rows(st, time=ms),
+            segments=Segments.from_rows(sg, time=ms),
+            gc_pauses=GcPauses.from_rows(gc_, time=ms),
+            emissions=Emissions.from_rows(em, time=ms),
+            evictions=Evictions.from_rows(ev, time=ms),
             requests=Requests(
                 arrival_s=arrival,
                 prompt_tokens=np.full(n, 10),

@@ -203,40 +203,18 @@ def synthetic_log(
     }
     cfg.update(config or {})
     return RawLog(
-        steps=Steps(
-            t_start_s=st[:, 0],
-            t_end_s=st[:, 1],
-            num_decode=st[:, 2].astype(np.int64),
-            num_prefill_tokens=st[:, 3].astype(np.int64),
-            graph_size=st[:, 4].astype(np.int64),
-            num_preempted=st[:, 5].astype(np.int64),
-            num_swapped_in=st[:, 6].astype(np.int64),
-        ),
-        segments=Segments(
-            step=sg[:, 0].astype(np.int64),
-            label=sg[:, 1].astype(np.int64),
-            t_start_s=sg[:, 2],
-            t_end_s=sg[:, 3],
-            thread=np.zeros(len(sg), np.int64),
-            is_device=np.zeros(len(sg), np.int8),
-        ),
-        gc_pauses=GcPauses(g[:, 0], g[:, 1], g[:, 2].astype(np.int64)),
-        emissions=Emissions(
-            em[:, 0].astype(np.int64),
-            em[:, 1],
-            em[:, 2].astype(np.int64),
-            em[:, 3].astype(np.int64),
-        ),
-        evictions=Evictions(
-            ev[:, 0].astype(np.int64), ev[:, 1], ev[:, 2], ev[:, 3].astype(np.int64)
-        ),
+        steps=Steps.from_rows(st),
+        segments=Segments.from_rows(sg, thread=0, is_device=0),
+        gc_pauses=GcPauses.from_rows(g),
+        emissions=Emissions.from_rows(em),
+        evictions=Evictions.from_rows(ev),
         requests=Requests(
             arrival_s=np.array(arrival),
             prompt_tokens=np.array(prompt, dtype=np.int64),
             max_new_tokens=np.array(max_new, dtype=np.int64),
             first_token_s=first,
         ),
-        counters=Counters(ct[:, 0].astype(np.int64), ct[:, 1], ct[:, 2]),
+        counters=Counters.from_rows(ct),
         labels=tuple(labels),
         request_ids=tuple(f"req-{i}" for i in range(n_req)),
         counter_names=("batch_size", "kv_free_blocks"),

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .formats import json_safe
 from .partition import CLEAN, Partition, partition
 from .rawlog import GRAPH_EAGER, RawLog
 
@@ -74,19 +75,7 @@ class RunAnalysis:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite numbers become None."""
-        return _finite(asdict(self))
-
-
-def _finite(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, np.generic):
-        return _finite(x.item())
-    return x
+        return json_safe(asdict(self))
 
 
 def _pct(a: np.ndarray, q: float) -> float:

@@ -774,9 +774,9 @@ def _dumps(obj: Any) -> str:
 
 
 def _json_safe(obj: Any) -> Any:
-    from .rawlog import _jsonable
+    from .formats import json_safe
 
-    return _jsonable(obj)
+    return json_safe(obj)
 
 
 def _merge_memory(

@@ -62,6 +62,14 @@ def _int_col(path: str, key: str, col: np.ndarray, name: str) -> np.ndarray:
     return col.astype(np.int64)
 
 
+def _ints(path: str, key: str, a: np.ndarray, names: dict[int, str]) -> np.ndarray:
+    """`a`, once its integer columns (index -> the layout's column name) are checked to
+    hold integers that fit int64."""
+    for j, name in names.items():
+        _check_ints(path, key, a[:, j], np.dtype(np.int64), name)
+    return a
+
+
 def from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     st = _published_array(path, arrays, "steps")
     sg = _published_array(path, arrays, "segs")
@@ -70,31 +78,16 @@ def from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     ev = _published_array(path, arrays, "evictions")
     rq = _published_array(path, arrays, "requests")
 
-    steps = Steps(
-        t_start_s=st[:, 0],
-        t_end_s=st[:, 1],
-        num_decode=_int_col(path, "steps", st[:, 2], "n_decode"),
-        num_prefill_tokens=_int_col(path, "steps", st[:, 3], "n_prefill_tok"),
-        graph_size=_int_col(path, "steps", st[:, 4], "graph"),
-        num_preempted=_int_col(path, "steps", st[:, 5], "preempted"),
-        num_swapped_in=_int_col(path, "steps", st[:, 6], "swapped_in"),
+    # steps, segs (less thread and is_device), gcs and requests (after the id) have the
+    # columns of their table, in its order
+    step_ints = {2: "n_decode", 3: "n_prefill_tok", 4: "graph", 5: "preempted", 6: "swapped_in"}
+    steps = Steps.from_rows(_ints(path, "steps", st, step_ints))
+    segments = Segments.from_rows(
+        _ints(path, "segs", sg, {0: "step", 1: "code"}), thread=0, is_device=0
     )
-    codes = _int_col(path, "segs", sg[:, 1], "code")
-    if codes.size and (codes.min() < 0 or codes.max() > 3):
+    if len(segments) and (segments.label.min() < 0 or segments.label.max() > 3):
         raise LogError(path, "segs", "column code: expected 0 tok, 1 swap, 2 prefill, 3 decode")
-    segments = Segments(
-        step=_int_col(path, "segs", sg[:, 0], "step"),
-        label=codes,
-        t_start_s=sg[:, 2],
-        t_end_s=sg[:, 3],
-        thread=np.zeros(len(sg), dtype=np.int64),
-        is_device=np.zeros(len(sg), dtype=np.int8),
-    )
-    gcs = GcPauses(
-        t_start_s=gc_[:, 0],
-        t_end_s=gc_[:, 1],
-        generation=_int_col(path, "gcs", gc_[:, 2], "generation"),
-    )
+    gcs = GcPauses.from_rows(_ints(path, "gcs", gc_, {2: "generation"}))
     req_ids_num = _int_col(path, "requests", rq[:, 0], "request id")
     order = np.argsort(req_ids_num, kind="stable")
     if len(np.unique(req_ids_num)) != len(req_ids_num):
@@ -124,11 +117,8 @@ def from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         t_readmit_s=ev[:, 2],
         mode=np.full(len(ev), MODE_SWAP, dtype=np.int64),
     )
-    requests = Requests(
-        arrival_s=rq[:, 1],
-        prompt_tokens=_int_col(path, "requests", rq[:, 2], "prompt tokens"),
-        max_new_tokens=_int_col(path, "requests", rq[:, 3], "max new tokens"),
-        first_token_s=rq[:, 4],
+    requests = Requests.from_rows(
+        _ints(path, "requests", rq, {2: "prompt tokens", 3: "max new tokens"})[:, 1:]
     )
     wall = arrays.get("wall")
     if wall is None or wall.size != 1 or wall.dtype.kind not in "iuf":

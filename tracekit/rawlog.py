@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -34,6 +33,7 @@ import numpy as np
 
 from .archive import read_npz, short
 from .errors import LogError, one_line
+from .formats import json_safe
 from .labels import DEFAULT_CAUSE_MAP
 
 SCHEMA = "tracekit.rawlog"
@@ -66,6 +66,28 @@ class _Table:
     @classmethod
     def from_columns(cls, **cols):
         return cls(**{k: np.asarray(cols[k], dtype=d) for k, d in cls.DTYPES.items()})
+
+    @classmethod
+    def from_rows(cls, rows: Any, *, time: Any = None, **fill: Any):
+        """The table from a 2-D array of rows whose columns are this table's in `DTYPES`
+        order (the order of the recorder's buffers and of the published layout).
+
+        `time`: a function applied to the time columns (named ``*_s``), e.g. ticks or
+        milliseconds to seconds. Columns past the array's width take their value from
+        `fill` (a scalar or an array), or their dataclass default."""
+        rows = np.asarray(rows)
+        if rows.ndim != 2:
+            raise ValueError(f"{cls.__name__}.from_rows: expected rows (n, k), got {rows.shape}")
+        cols: dict[str, np.ndarray] = {}
+        for j, (name, dtype) in enumerate(cls.DTYPES.items()):
+            if j < rows.shape[1]:
+                col = rows[:, j]
+                if time is not None and name.endswith("_s"):
+                    col = time(col)
+                cols[name] = np.array(col, dtype=dtype)  # a contiguous copy
+            elif name in fill:
+                cols[name] = np.broadcast_to(np.asarray(fill[name], dtype=dtype), len(rows)).copy()
+        return cls(**cols)
 
     def take(self, idx):
         return type(self)(**{k: getattr(self, k)[idx] for k in self.DTYPES})
@@ -253,8 +275,8 @@ class RawLog:
             "request_ids": np.array(self.request_ids, dtype=str).reshape(-1),
             "counter_names": np.array(self.counter_names, dtype=str).reshape(-1),
             "cause_map": np.array(json.dumps(dict(self.cause_map), sort_keys=True)),
-            "config": np.array(json.dumps(_jsonable(self.config), sort_keys=True)),
-            "meta": np.array(json.dumps(_jsonable(self.meta), sort_keys=True)),
+            "config": np.array(json.dumps(json_safe(self.config), sort_keys=True)),
+            "meta": np.array(json.dumps(json_safe(self.meta), sort_keys=True)),
             "wall_s": np.array(float(self.wall_s)),
         }
         for tname in TABLES:
@@ -269,21 +291,6 @@ class RawLog:
             np.savez(fh, **arrays)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
         os.replace(tmp, path)
         return path
-
-
-def _jsonable(obj: Any) -> Any:
-    """JSON-safe copy of config/meta values (numpy scalars, tuples, non-finite floats)."""
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return _jsonable(obj.item())
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    return str(obj)
 
 
 # -- loading ---------------------------------------------------------------------------

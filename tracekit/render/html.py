@@ -31,6 +31,7 @@ from typing import Any
 from .. import __version__
 from ..analysis import RunAnalysis
 from ..compare import FIGURES, Comparison
+from ..formats import json_safe, num
 from ..labels import colour
 from . import text
 
@@ -56,7 +57,7 @@ def esc(x: Any) -> str:
 def script_json(obj: Any) -> str:
     """JSON safe inside ``<script>``: sorted keys, no NaN, and ``< > &`` (and the JS line
     separators) escaped so no string can end the script or open a comment."""
-    s = json.dumps(_finite(obj), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    s = json.dumps(json_safe(obj), sort_keys=True, separators=(",", ":"), allow_nan=False)
     return (
         s.replace("<", "\\u003c")
         .replace(">", "\\u003e")
@@ -64,20 +65,6 @@ def script_json(obj: Any) -> str:
         .replace("\u2028", "\\u2028")
         .replace("\u2029", "\\u2029")
     )
-
-
-def _finite(x: Any) -> Any:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, Mapping):
-        return {str(k): _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
-def _f(x: float | None, nd: int = 1) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:.{nd}f}"
 
 
 def run_labels(runs: Sequence[RunAnalysis]) -> list[str]:
@@ -398,14 +385,14 @@ def run_table(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
                 esc(a.seed if a.seed is not None else "-"),
                 str(a.requests),
                 str(a.gaps),
-                _f(a.tok_per_s, 0),
-                _f(a.itl_p50),
-                _f(a.itl_p90),
-                _f(a.itl_p99),
-                _f(a.itl_p999),
-                _f(a.itl_max),
-                _f(a.ttft_p50, 0),
-                _f(a.ttft_p99, 0),
+                num(a.tok_per_s, 0),
+                num(a.itl_p50),
+                num(a.itl_p90),
+                num(a.itl_p99),
+                num(a.itl_p999),
+                num(a.itl_max),
+                num(a.ttft_p50, 0),
+                num(a.ttft_p99, 0),
                 str(a.preemptions),
                 str(a.eager_steps),
                 gc,
@@ -418,7 +405,7 @@ def run_table(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
 def run_share_table(runs: Sequence[RunAnalysis], names: Sequence[str], labels) -> str:
     header = ["run", "p99 (ms)", *labels]
     rows = [
-        [esc(n), _f(a.itl_p99)] + [f"{100 * a.tail_share.get(lb, 0.0):.1f}%" for lb in labels]
+        [esc(n), num(a.itl_p99)] + [f"{100 * a.tail_share.get(lb, 0.0):.1f}%" for lb in labels]
         for a, n in zip(runs, names, strict=True)
     ]
     return _table([_swatch(h) if h in labels else esc(h) for h in header], rows)
@@ -479,7 +466,7 @@ def worst_gaps_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool
             [
                 str(s["step"]),
                 f"{s['t_start']:.4f}",
-                _f(s["dur_ms"], 2),
+                num(s["dur_ms"], 2),
                 str(s["num_decode"]),
                 str(s["num_prefill_tokens"]),
                 {-1: "no decode", 0: "eager"}.get(s["graph_size"], str(s["graph_size"])),
@@ -508,7 +495,7 @@ def worst_gaps_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool
                 str(k),
                 esc(g["request"]),
                 f"{g['t0']:.4f}",
-                _f(g["gap_ms"]),
+                num(g["gap_ms"]),
                 _swatch(g["primary"]),
                 _parts_bar(g["parts"], g["gap_ms"]) + _parts_text(g["parts"], g["gap_ms"]),
                 f"<details><summary>{g.get('num_steps', len(steps))} steps "

@@ -10,13 +10,8 @@ from collections.abc import Sequence
 from ..analysis import RunAnalysis
 from ..compare import FIGURES, Comparison, Spread
 from ..errors import one_line
+from ..formats import num
 from ..labels import STANDARD_LABELS, glyphs
-
-
-def _fmt(x: float, nd: int = 1) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:.{nd}f}"
 
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | None = None) -> str:
@@ -54,13 +49,13 @@ def summary(runs: Sequence[RunAnalysis]) -> str:
             a.rung or "-",
             str(a.seed if a.seed is not None else "-"),
             str(a.gaps),
-            _fmt(a.tok_per_s, 0),
-            _fmt(a.itl_p50),
-            _fmt(a.itl_p90),
-            _fmt(a.itl_p99),
-            _fmt(a.itl_p999),
-            _fmt(a.itl_max),
-            _fmt(a.ttft_p50, 0),
+            num(a.tok_per_s, 0),
+            num(a.itl_p50),
+            num(a.itl_p90),
+            num(a.itl_p99),
+            num(a.itl_p999),
+            num(a.itl_max),
+            num(a.ttft_p50, 0),
             str(a.preemptions),
             f"{a.reconcile_max_err_ms:.1e}",
         ]
@@ -75,7 +70,7 @@ def shares(runs: Sequence[RunAnalysis], which: str = "tail_share") -> str:
         labels += [lb for lb in a.labels if lb not in labels]
     header = ["run", "p99", *labels]
     rows = [
-        [run_name(a), _fmt(a.itl_p99)]
+        [run_name(a), num(a.itl_p99)]
         + [f"{100 * getattr(a, which).get(lb, 0.0):.1f}%" for lb in labels]
         for a in runs
     ]
@@ -90,9 +85,7 @@ def histogram(a: RunAnalysis, width: int = 36) -> str:
     """design.md's bins, each bin's gaps split by primary cause as a bar of glyphs."""
     causes = [c for c in a.hist[0].by_primary if c != "clean"] if a.hist else []
     g = glyphs(["clean", *causes])
-    lines = [
-        f"ITL histogram by primary cause, {one_line(run_name(a))} (p99 = {_fmt(a.itl_p99)} ms)"
-    ]
+    lines = [f"ITL histogram by primary cause, {one_line(run_name(a))} (p99 = {num(a.itl_p99)} ms)"]
     lines.append(f"{'ITL ms':>9}  {'gaps':>7}  share of the bin's gaps by primary cause")
     for b in a.hist:
         hi = "inf" if not math.isfinite(b.hi_ms) else f"{b.hi_ms:g}"
@@ -134,8 +127,8 @@ def run_details(a: RunAnalysis) -> str:
         + (
             [
                 f"device windows {a.device_windows}; device clock drift "
-                f"{_fmt(a.device_clock_drift_ppm, 2)} ppm, worst placement error "
-                f"{_fmt(a.device_max_placement_err_ms, 4)} ms"
+                f"{num(a.device_clock_drift_ppm, 2)} ppm, worst placement error "
+                f"{num(a.device_max_placement_err_ms, 4)} ms"
             ]
             if a.device_windows
             else []
@@ -167,15 +160,11 @@ FIGURE_HEADERS = {
 }
 
 
-def _num(x: float, nd: int) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:.{nd}f}"
-
-
 def spread_cell(s: Spread, nd: int = 1) -> str:
     """`13.7 [10.5-16.0]`: median [min-max] across runs, as in the published fix ladder."""
     if s.num_runs == 0:
         return "-"
-    return f"{_num(s.median, nd)} [{_num(s.lo, nd)}-{_num(s.hi, nd)}]"
+    return f"{num(s.median, nd)} [{num(s.lo, nd)}-{num(s.hi, nd)}]"
 
 
 def column_decimals(spreads: Sequence[Spread]) -> int:
