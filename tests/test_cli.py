@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 from test_rawlog import sample_log
 
@@ -53,9 +54,9 @@ def test_gaps_filters_and_formats(tmp_path):
     assert rows and all(x["request"] == "r1" and x["gap_ms"] >= 14 for x in rows)
     for x in rows:
         assert abs(sum(x["parts"].values()) - x["gap_ms"]) < 1e-9
-        assert x["t1"] > x["t0"]
+        assert x["t1_s"] > x["t0_s"]
     r = CliRunner().invoke(main, ["gaps", p, "--format", "csv"])
-    assert r.stdout.splitlines()[0].startswith("request,t0,t1,gap_ms")
+    assert r.stdout.splitlines()[0].startswith("request,t0_s,t1_s,gap_ms")
     r = CliRunner().invoke(main, ["gaps", p, "--request", "nope"])
     assert r.exit_code == 2 and "no request with id 'nope'" in r.stderr
 
@@ -244,3 +245,19 @@ def test_a_missing_optional_package_says_what_to_install(monkeypatch):
         cli.main.commands.pop("needs-torch")
     assert r.exit_code == 2, r.output
     assert "pip install 'tracekit[gpu]'" in r.stderr
+
+
+def test_gap_records_carry_units_in_their_keys():
+    """Times are seconds from engine start (`_s`), durations milliseconds (`_ms`); steps
+    and counts are plain integers (`step0`, `num_*`)."""
+    from tracekit.gaps import worst_gaps
+
+    log = _many_labels_log(3)
+    (rec, *_) = worst_gaps(log, n=1)
+    assert set(rec) == {"request", "t0_s", "t1_s", "gap_ms", "parts", "context", "primary",
+                        "step0", "step1", "num_steps", "steps"}  # fmt: skip
+    # the longest gap is one of the three 10 ms gaps between label steps: [t, t + 10] ms
+    assert rec["t1_s"] - rec["t0_s"] == pytest.approx(0.010)
+    assert set(rec["steps"][0]) == {"step", "t_start_s", "dur_ms", "num_decode",
+                                    "num_prefill_tokens", "graph_size", "num_preempted",
+                                    "num_swapped_in", "segments_ms"}  # fmt: skip

@@ -259,7 +259,7 @@ def _emit(body: str, output: str | None) -> None:
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @_read_limits
 def gaps(run: str, fmt: str, min_ms: float | None, request_id: str | None, output: str | None):
-    """One record per gap of RUN: request, t0, t1 (seconds, as in the log), gap_ms,
+    """One record per gap of RUN: request, t0_s, t1_s (seconds from engine start), gap_ms,
     parts and context (ms by label; parts sum to gap_ms) and the primary cause."""
     from .gaps import gap_records
     from .rawlog import load

@@ -18,7 +18,7 @@ def gap_records(
     request_id: str | None = None,
     index: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
-    """One dict per gap: request (its id), t0, t1 (s, engine clock), gap_ms, parts and
+    """One dict per gap: request (its id), t0_s, t1_s (engine clock), gap_ms, parts and
     context (ms by label; parts sum to gap_ms), primary, and the steps it spans."""
     p = part if part is not None else partition(log)
     sel = np.ones(len(p), dtype=bool) if index is None else np.zeros(len(p), dtype=bool)
@@ -40,8 +40,8 @@ def gap_records(
         out.append(
             {
                 "request": ids[int(p.request[i])],
-                "t0": float(p.t0_s[i]),
-                "t1": float(p.t1_s[i]),
+                "t0_s": float(p.t0_s[i]),
+                "t1_s": float(p.t1_s[i]),
                 "gap_ms": float(p.gap_ms[i]),
                 "parts": {lb: float(v) for lb, v in zip(p.labels, p.parts_ms[i], strict=True)},
                 "context": {
@@ -59,9 +59,9 @@ def worst_gaps(
     log: RawLog, part: Partition | None = None, n: int = 10, *, max_steps: int = 12
 ) -> list[dict[str, Any]]:
     """The `n` longest gaps of the run, longest first, as `gap_records` plus the engine
-    steps each one spans (every step overlapping ``[t0, t1]``; of more than `max_steps`,
+    steps each one spans (every step overlapping ``[t0_s, t1_s]``; of more than `max_steps`,
     the first and last halves, since a long gap starts and ends where its cause is;
-    `num_steps` counts all): index, start (s), duration (ms), the step's attributes and
+    `num_steps` counts all): index, t_start_s, dur_ms, the step's attributes and
     its segment time by label (ms)."""
     p = part if part is not None else partition(log)
     if n <= 0 or len(p) == 0:
@@ -81,7 +81,7 @@ def worst_gaps(
     t_start, t_end = st.t_start_s, st.t_end_s
     for rec in records:
         # steps overlapping the gap: started before it ended, ended after it started
-        hit = np.flatnonzero((t_start < rec["t1"]) & (t_end > rec["t0"]))
+        hit = np.flatnonzero((t_start < rec["t1_s"]) & (t_end > rec["t0_s"]))
         rec["num_steps"] = int(len(hit))
         if len(hit) > max_steps:
             half = max(max_steps // 2, 1)
@@ -89,7 +89,7 @@ def worst_gaps(
         rec["steps"] = [
             {
                 "step": i,
-                "t_start": float(t_start[i]),
+                "t_start_s": float(t_start[i]),
                 "dur_ms": float((t_end[i] - t_start[i]) * 1e3),
                 "num_decode": int(st.num_decode[i]),
                 "num_prefill_tokens": int(st.num_prefill_tokens[i]),

@@ -46,7 +46,6 @@ MODE_UNKNOWN = -1
 MODES = {"swap": MODE_SWAP, "recompute": MODE_RECOMPUTE, "unknown": MODE_UNKNOWN}
 
 # `steps.graph_size`: -1 no decode rows in the step, 0 ran eager, n > 0 padded captured size.
-GRAPH_NO_DECODE = -1
 GRAPH_EAGER = 0
 
 

@@ -465,7 +465,7 @@ def worst_gaps_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool
         step_rows = [
             [
                 str(s["step"]),
-                f"{s['t_start']:.4f}",
+                f"{s['t_start_s']:.4f}",
                 num(s["dur_ms"], 2),
                 str(s["num_decode"]),
                 str(s["num_prefill_tokens"]),
@@ -494,7 +494,7 @@ def worst_gaps_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool
             [
                 str(k),
                 esc(g["request"]),
-                f"{g['t0']:.4f}",
+                f"{g['t0_s']:.4f}",
                 num(g["gap_ms"]),
                 _swatch(g["primary"]),
                 _parts_bar(g["parts"], g["gap_ms"]) + _parts_text(g["parts"], g["gap_ms"]),
