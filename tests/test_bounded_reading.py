@@ -233,3 +233,29 @@ def test_trace_work_grows_linearly_with_overlapping_windows(gc):
         work.append(_lines_run(perfetto.chrome_trace_events, log, partition(log)))
     # n log n doubles to a bit over 2x; n^2 to 4x
     assert work[1] / work[0] < 2.6, work
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_loading_holds_each_array_once(tmp_path):
+    """Reading a member holds its array, not its bytes and then a copy of them: loading a
+    log with a 100 MB array raises the peak memory by about 100 MB, not 200 MB."""
+    p = _log_with_extra(tmp_path, 100_000_000)
+    # VmHWM: this process's peak resident memory (ru_maxrss would start at the forking
+    # parent's, which is larger than the whole test)
+    script = (
+        "import sys, tracekit\n"
+        "def peak():\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith('VmHWM:'):\n"
+        "            return int(line.split()[1]) * 1024\n"
+        "before = peak()\n"
+        "log = tracekit.load(sys.argv[1], validate=False)\n"
+        "print(peak() - before)\n"
+    )
+    from procs import python
+
+    proc = python(script, str(p))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    grown = int(out.strip())
+    assert 90e6 < grown < 150e6, (grown, out, err)

@@ -28,6 +28,9 @@ from .errors import LogError
 #: deflate expands at most ~1032:1; a member claiming more is lying about its size
 _MAX_DEFLATE_RATIO = 1100
 
+#: Members are read in pieces of this size (a piece is copied once into the array).
+_CHUNK_BYTES = 1 << 20
+
 #: The default inflate limit: what the members read may hold once inflated, in all.
 #: A log written by tracekit is stored uncompressed (ratio 1); a compressed one of timing
 #: data inflates a few times. 64x the file, at least 256 MiB, at most 8 GiB (but never
@@ -176,11 +179,19 @@ def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str
                     f"header says {dtype} {shape} ({nbytes} bytes) but the member holds "
                     f"{info.file_size - fh.tell()} bytes of data",
                 )
-            data = fh.read(nbytes)
-            if len(data) != nbytes or fh.read(1):  # reading to the end checks the CRC
+            # read in chunks into the array's own buffer: memory is the array, once
+            data = bytearray(nbytes)
+            view = memoryview(data)
+            got = 0
+            while got < nbytes:
+                n = fh.readinto(view[got : got + _CHUNK_BYTES])  # type: ignore[attr-defined]
+                if not n:
+                    break
+                got += n
+            if got != nbytes or fh.read(1):  # reading to the end checks the CRC
                 raise LogError(path, key, "corrupt array (truncated member)")
-        a = np.frombuffer(data, dtype=dtype, count=count)
-        return a.reshape(shape, order="F" if fortran else "C").copy()
+        a = np.frombuffer(data, dtype=dtype, count=count)  # writable: it owns a bytearray
+        return a.reshape(shape, order="F" if fortran else "C")
     except LogError:
         raise
     except Exception as e:  # zlib, CRC, header syntax, unsupported compression...

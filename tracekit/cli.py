@@ -298,7 +298,7 @@ def check(runs: tuple[str, ...]) -> None:
         try:
             log = load(path, **_limits())
         except TracekitError as e:
-            click.echo(f"BAD   {e}")
+            click.echo(f"BAD   {one_line(str(e))}")
             bad += 1
             continue
         note = f" ({len(log.warnings)} warning(s))" if log.warnings else ""
