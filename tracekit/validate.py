@@ -48,6 +48,8 @@ Accepted with a warning (kept on `RawLog.warnings`, printed by the CLI on stderr
   gap it lies in, as design.md says); one still open when the run ends is normal and silent
 - overlapping evictions of one request (their union is used)
 - a run recovered from the parts of an interrupted recording (events after the last flush are lost)
+- labels, causes, counter names or request ids longer than the name limit (shortened to it,
+  with their length and a hash; see Limits in docs/input-validation.md)
 
 Accepted silently: zero-length intervals, steps and segments in any order, segments outside
 any step (step -1), negative times (before engine start), integral floats in integer
