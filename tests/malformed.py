@@ -476,6 +476,15 @@ def _v1_scalar_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
         "request_ids duplicated", "reject", "request_ids", request_ids=np.array(["a", "a", "b"])
     )
     yield c("request_ids as ints", "reject", "request_ids", request_ids=np.arange(3))
+    # names beyond the name limit (1000 characters) are shortened, with a warning
+    huge = "X" * 20_000
+    yield c("a 20,000-character label", "ok", "labels: names longer than 1000",
+            labels=np.array(["tok", "swap", "prefill", "decode", huge]))  # fmt: skip
+    yield c("a 20,000-character request id", "ok", "request_ids: names longer than 1000",
+            request_ids=np.array(["req-a", huge, "req-b"]))  # fmt: skip
+    yield c("40 more labels than segments use", "ok",
+            labels=np.array(["tok", "swap", "prefill", "decode", "schedule"]
+                            + [f"lab{i:02d}" for i in range(40)]))  # fmt: skip
     yield c("counter_names missing", "reject", "counters.name", counter_names=None)
     yield c("counter_names as floats", "reject", "counter_names", counter_names=np.zeros(2))
     # JSON fields

@@ -26,6 +26,7 @@ from procs import REPO, run_cli
 import tracekit
 from tracekit.analysis import analyze
 from tracekit.errors import LogError
+from tracekit.render import text
 from tracekit.validate import MAX_ABS_TIME_S, MAX_COUNT
 
 #: A case taking longer than this through load + analyze counts as a hang.
@@ -64,6 +65,7 @@ def outcome(path: Path) -> tuple[str, str]:
             return "reject", str(e)
         assert a.reconcile_max_err_ms < 1e-6
         json.dumps(a.to_dict(), allow_nan=False)  # what `analyze --format jsonl` writes
+        text.analyze_report([a])  # what `analyze` prints
         return "ok", "; ".join(a.warnings)
 
 
