@@ -13,9 +13,11 @@ On disk it is one `.npz` per run (`save`/`load`), self-describing:
   ``request_ids`` (strings), ``counter_names``, ``wall_s``.
 
 `load` also reads the *published* layout (the `.npz` files written by the method tracekit
-industrialises; see docs/rawlog.md) unchanged: `tracekit.published`. A log can never
+industrialises, design.md's table) unchanged: `tracekit.published`. A log can never
 execute code: `tracekit.archive` reads the arrays from their `.npy` headers with pickles
-refused, and members the layout does not define are skipped unread. What is rejected and
+refused, and members the layout does not define are skipped unread; what it reads is
+bounded by the file (see `tracekit.archive`), and names longer than `MAX_NAME_CHARS` are
+shortened at load so that no output repeats a huge string per gap. What is rejected and
 what is only warned about: `tracekit.validate`.
 """
 
