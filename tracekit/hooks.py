@@ -345,8 +345,10 @@ class Recorder:
             final["extras"] = dict(self._extras)
         if warnings:
             final["warnings"] = warnings
-        for sink in self._sinks:
-            _call(sink, "close", final)
+        attached = self._dispatcher.sinks if self._dispatcher is not None else []
+        for sink in self._sinks:  # a sink detached after a failure is not called again
+            if sink in attached:
+                _call(sink, "close", final)
         try:
             self._own.close(final)
         finally:

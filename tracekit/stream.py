@@ -254,6 +254,17 @@ def merge_chunks(
                 f"({'overlapping' if start < len(request_ids) else 'skipping'} them)",
             )
         request_ids += new_ids
+        for k in ("requests", "emissions", "events"):  # rows name requests named so far
+            rows = part["tables"].get(k)
+            bad = None if rows is None else (rows[:, 0] < 0) | (rows[:, 0] >= len(request_ids))
+            if bad is not None and bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise LogError(
+                    part["where"],
+                    f"{k}.request",
+                    f"row {i}: request {int(rows[i, 0])} is not one of the "
+                    f"{len(request_ids)} named so far",
+                )
         config = part["config"]
         last_tick = max(last_tick, part["flush_tick"])
         dropped += part["dropped_rows"]
@@ -311,15 +322,6 @@ def merge_chunks(
     )
     n_req = len(request_ids)
     rq = table("requests")
-    for name, rows in (("requests", rq), ("emissions", em), ("events", table("events"))):
-        bad = (rows[:, 0] < 0) | (rows[:, 0] >= n_req) if len(rows) else None
-        if bad is not None and bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise LogError(
-                path,
-                f"{name}.request",
-                f"row {i}: request {int(rows[i, 0])} is not one of the {n_req} named",
-            )
     arrival = np.full(n_req, np.nan)
     prompt = np.full(n_req, -1, dtype=np.int64)
     max_new = np.full(n_req, -1, dtype=np.int64)
