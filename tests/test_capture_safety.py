@@ -636,3 +636,62 @@ def test_log_errors_from_parts_are_one_line(tmp_path):
     with pytest.raises(LogError) as e:
         merge_parts(str(parts))
     assert "\n" not in str(e.value) and "request_ids_start" in str(e.value)
+
+
+def test_a_recovered_folder_is_still_refused_and_says_it_was_recovered(tmp_path):
+    out = tmp_path / "run.npz"
+    record_parts(out, 4)
+    parts = tmp_path / "run.npz.parts"
+    r = run_cli("recover", str(parts))  # keeps the parts (the default)
+    assert r.returncode == 0, r.stderr
+    before = part_names(parts)
+    with pytest.raises(CaptureError, match="already recovered into"):
+        Recorder(out, gc=False).start()
+    assert part_names(parts) == before
+
+
+# -- the malformed parts corpus ----------------------------------------------------------
+
+
+def test_every_malformed_parts_folder_recovers_or_is_refused_in_one_line(tmp_path):
+    from malformed import parts_cases
+
+    cases = parts_cases()
+    assert {c.expect for c in cases} == {"ok", "reject"} and len(cases) >= 35
+    failures = []
+    for i, c in enumerate(cases):
+        folder = c.write(tmp_path / f"{i:03d}.npz.parts")
+        out = tmp_path / f"{i:03d}.npz"
+        try:
+            recover(str(folder), str(out))
+        except TracekitError as e:
+            msg = str(e)
+            if c.expect != "reject":
+                failures.append(f"{c.name}: refused: {msg}")
+            elif c.needle not in msg or "\n" in msg or not msg.startswith(str(folder)):
+                failures.append(f"{c.name}: not one line naming {c.needle!r}: {msg!r}")
+            elif out.exists():
+                failures.append(f"{c.name}: refused, but a log was written")
+            continue
+        if c.expect == "reject":
+            failures.append(f"{c.name}: recovered, expected a refusal naming {c.needle!r}")
+            continue
+        log = tracekit.load(out)
+        if c.needle and not any(c.needle in w for w in log.warnings):
+            failures.append(f"{c.name}: no warning with {c.needle!r}: {log.warnings}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_recorded_parts_of_the_corpus_recover_whole(tmp_path):
+    """The corpus's valid folder is a real recording: 3 flushes x 4 steps, each step one
+    segment and one emission, request r{phase}-{i % 2} arriving at every step (so 2 new
+    ids per phase), one eviction per phase readmitted in the same phase."""
+    from malformed import parts_cases
+
+    good = parts_cases()[0]
+    recover(str(good.write(tmp_path / "run.npz.parts")), str(tmp_path / "run.npz"))
+    log = tracekit.load(tmp_path / "run.npz")
+    assert len(log.steps) == 12 and len(log.segments) == 12 and len(log.emissions) == 12
+    assert log.request_ids == ("r0-0", "r0-1", "r1-0", "r1-1", "r2-0", "r2-1")
+    assert len(log.evictions) == 3 and not np.isnan(log.evictions.t_readmit_s).any()
+    assert len(log.counters) == 12 and log.config == {"rung": "parts"}

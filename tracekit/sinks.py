@@ -43,6 +43,7 @@ from .stream import (
     EVICT,
     LOCK_NAME,
     READMIT,
+    RECOVERED_NAME,
     TABLE_COLS,
     lock_owner,
     merge_chunks,
@@ -148,7 +149,8 @@ class Dispatcher:
         self.sinks = list(sinks)
         self._t0 = t0_tick
         self._spt = seconds_per_tick
-        self._interval_s = interval_s
+        # the idle timer's period: the flush interval, but never a busy loop or an overflow
+        self._interval_s = min(max(interval_s, 0.01), 3600.0)
         self._idle = idle
         self._max_pending = max_pending_values
         self._cond = threading.Condition(threading.Lock())
@@ -290,6 +292,12 @@ class PartsSink:
                 f"{self.out}: {who} is already recording to this path; give each "
                 "recorder its own output path"
             )
+        recovered = _read_small(os.path.join(self.dir, RECOVERED_NAME))
+        if recovered is not None:
+            raise CaptureError(
+                f"{self.dir}: holds the parts of an earlier run, already recovered into "
+                f"{recovered!r}; remove the folder, or record to another path"
+            )
         if os.listdir(self.dir):
             raise CaptureError(
                 f"{self.dir}: holds the parts of an earlier run that did not stop cleanly; "
@@ -353,6 +361,8 @@ class PartsSink:
         try:
             log.save(self.out)
         except OSError as e:
+            with contextlib.suppress(OSError):  # no process records here any more
+                os.unlink(os.path.join(self.dir, LOCK_NAME))
             held = f" ({len(self._pending)} flush(es) not on disk)" if self._pending else ""
             raise CaptureError(
                 f"{self.out}: could not be written ({e}); the run is kept in "
@@ -361,6 +371,14 @@ class PartsSink:
             ) from e
         self._pending.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _read_small(path: str) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
 
 
 # -- memory ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ since the last flush (the recorder flushes at a bounded interval).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .errors import LogError
-from .fsio import atomic_open
+from .fsio import atomic_open, atomic_write
 from .labels import DEFAULT_CAUSE_MAP
 from .rawlog import (
     MODE_UNKNOWN,
@@ -65,6 +66,8 @@ PARTS_SUFFIX = ".parts"
 PART_NAME = re.compile(r"part-(\d{6,})\.npz")
 #: The file a recording process keeps in its parts folder: its pid, one line.
 LOCK_NAME = "lock"
+#: Written by `recover` into the folder it merged: the log it wrote, one line.
+RECOVERED_NAME = "recovered"
 
 
 def parts_dir_for(out: str) -> str:
@@ -205,7 +208,10 @@ def parse_chunk(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
         stop_tick = int(a)
     dropped = 0
     if "dropped_rows" in z:
-        dropped = int(np.asarray(z["dropped_rows"]))
+        a = np.asarray(z["dropped_rows"])
+        if a.shape != () or a.dtype.kind not in "iu" or int(a) < 0:
+            raise bad("dropped_rows", "not one count of values (an integer >= 0)")
+        dropped = int(a)
     return {
         "where": where,
         "tables": tables,
@@ -441,4 +447,7 @@ def recover(
     log.save(out)
     if remove_parts:
         shutil.rmtree(parts_dir, ignore_errors=True)
+    else:  # a later recorder on this path says the parts are recovered, not lost
+        with contextlib.suppress(OSError):
+            atomic_write(os.path.join(parts_dir, RECOVERED_NAME), f"{out}\n".encode())
     return out
