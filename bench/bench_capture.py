@@ -18,6 +18,9 @@ interleaved ABBA rounds so drift on a shared machine hits both arms alike. Witho
    tick) to the part being seen on disk is that part's latency. Printed: the worst and
    median latency, and the most rows recorded but not yet on disk at any poll (what a
    `kill -9` at that moment would lose), in rows and in seconds of recording.
+   `--slow-disk-ms N` makes every part write take N ms longer (numpy's `savez` sleeps
+   first, in both arms alike): a disk slower than the flush interval, where a writer that
+   queues one part per flush falls further behind with every flush.
 
 Benchmarks live outside the tests: nothing here asserts on wall time.
 """
@@ -185,7 +188,16 @@ def main() -> None:
     ap.add_argument("--flush-interval-s", type=float, default=0.25)
     ap.add_argument("--work-ms", type=float, default=2.0, help="GIL-free work per step")
     ap.add_argument("--latency-rounds", type=int, default=2)
+    ap.add_argument("--slow-disk-ms", type=float, default=0.0, help="added to each part write")
     args = ap.parse_args()
+    if args.slow_disk_ms:
+        real_savez = np.savez
+
+        def slow_savez(*a: Any, **kw: Any) -> None:
+            time.sleep(args.slow_disk_ms / 1e3)
+            real_savez(*a, **kw)
+
+        np.savez = slow_savez  # type: ignore[assignment]
 
     with tempfile.TemporaryDirectory(prefix="tk-bench-capture-") as tmp:
         arms: dict[str, ModuleType] = {"this": tracekit}
@@ -216,6 +228,7 @@ def main() -> None:
             f"flush latency under load: {ROWS_PER_STEP} emission rows per step, "
             f"{args.work_ms} ms of work per step, flush interval {args.flush_interval_s} s, "
             f"{args.seconds} s per run, {args.latency_rounds} round(s), ABBA"
+            + (f", {args.slow_disk_ms} ms added per part write" if args.slow_disk_ms else "")
         )
         for r in range(args.latency_rounds):
             for n in names if r % 2 == 0 else names[::-1]:
