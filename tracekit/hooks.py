@@ -162,8 +162,10 @@ class _Step:
 class Recorder:
     """Records one run. See the module docstring for the whole API in one example.
 
-    out: where the run's `.npz` goes (parts stream to ``OUT.parts/`` meanwhile); None keeps
-        the run in memory (`log()` returns it).
+    out: where the run's `.npz` goes (parts stream to ``OUT.parts/`` meanwhile,
+        `tracekit.sinks.PartsSink`; a path another recorder uses, or holding an unrecovered
+        run, is refused at start); None keeps the run in memory, never on disk (`log()`
+        returns it either way).
     config: JSON-able metadata saved with the run (`rung`, `seed`, engine settings...).
     enabled: False makes every hook a no-op.
     gc: time collections with `gc.callbacks` (installed at start, removed at stop).

@@ -26,6 +26,7 @@ from a row's recording to its write stays about one flush interval plus one writ
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -197,12 +198,15 @@ class Dispatcher:
                 closing = self._closing
                 self._cond.notify_all()
             if batch:
-                self._write(build_chunk(batch, self._t0, self._spt))
+                _guard(functools.partial(self._deliver, batch), "a flush")
             elif closing:
                 return
             else:  # nothing arrived for a whole interval: the engine may be idle
                 self.last_submit_s = time.monotonic()
                 _guard(self._idle, "idle flush")
+
+    def _deliver(self, batch: list[Flush]) -> None:
+        self._write(build_chunk(batch, self._t0, self._spt))
 
     def _write(self, chunk: dict[str, Any]) -> None:
         for sink in list(self.sinks):
