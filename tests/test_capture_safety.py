@@ -695,3 +695,15 @@ def test_the_recorded_parts_of_the_corpus_recover_whole(tmp_path):
     assert log.request_ids == ("r0-0", "r0-1", "r1-0", "r1-1", "r2-0", "r2-1")
     assert len(log.evictions) == 3 and not np.isnan(log.evictions.t_readmit_s).any()
     assert len(log.counters) == 12 and log.config == {"rung": "parts"}
+
+
+def test_trace_output_does_not_follow_a_symlink_at_the_old_temporary_name(tmp_path):
+    from tracekit.render.perfetto import read_trace, write_trace
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "run.trace.json"
+    os.symlink(victim, f"{out}.tmp-{os.getpid()}")
+    write_trace([{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "x"}}], str(out))
+    assert victim.read_text() == "precious"
+    assert read_trace(str(out))[0]["args"]["name"] == "x"

@@ -36,7 +36,6 @@ import gzip
 import io
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -475,10 +474,9 @@ def write_trace(events: list[dict[str, Any]], path: str, *, meta=None) -> int:
         with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
             gz.write(data)
         data = buf.getvalue()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    from ..fsio import atomic_write
+
+    atomic_write(path, data, fsync=False)
     return len(data)
 
 
