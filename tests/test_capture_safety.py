@@ -537,11 +537,14 @@ def test_recover_names_the_bad_meta_value(tmp_path, meta, field):
 
 
 def test_a_sink_that_raises_is_detached_and_the_run_goes_on(tmp_path, caplog):
+    threads = []
+
     class Broken:
         def open(self, meta):
             pass
 
         def write(self, chunk):
+            threads.append(threading.current_thread())
             raise ValueError("boom")
 
         def close(self, final):
@@ -554,6 +557,7 @@ def test_a_sink_that_raises_is_detached_and_the_run_goes_on(tmp_path, caplog):
             with rec.step():
                 rec.emit(["a"])
     assert len(tracekit.load(tmp_path / "run.npz").steps) == 20
+    assert threads and threading.main_thread() not in threads  # never the engine's thread
     msgs = [r.getMessage() for r in caplog.records]
     assert sum("Broken failed in write()" in m for m in msgs) == 1  # once, then detached
     assert sum("Broken failed in close()" in m for m in msgs) == 0  # detached: not closed

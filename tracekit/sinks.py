@@ -99,7 +99,9 @@ def build_chunk(flushes: list[Flush], t0_tick: int, seconds_per_tick: float) -> 
         dtype = np.float64 if k == "counters" else np.int64
         arrays = [np.frombuffer(f.buffers[k], dtype=dtype) for f in flushes]
         # frombuffer shares the swapped-out array.array, which nothing appends to any more
-        chunk[k] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        a = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        a.flags.writeable = False  # one chunk goes to every sink: none may change it
+        chunk[k] = a
     new_ids = [i for f in flushes for i in f.new_request_ids]
     chunk["labels"] = np.array(last.labels, dtype=str)
     chunk["counter_names"] = np.array(last.counter_names, dtype=str)
