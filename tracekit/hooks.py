@@ -28,7 +28,6 @@ hand back the original function, context managers are a shared no-op, and `emit`
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import os
@@ -305,7 +304,7 @@ class Recorder:
             gc.callbacks.append(self._on_gc)
         if self._handle_signals:
             self._signals = signals.acquire()
-        atexit.register(self.stop)
+        signals.stop_at_exit(self.stop)
         self._running = True
         _ACTIVE.add(self)
         return self
@@ -335,7 +334,7 @@ class Recorder:
             if self._signals:
                 signals.release()
                 self._signals = False
-            atexit.unregister(self.stop)
+            signals.cancel_at_exit(self.stop)
         try:
             self._flush(stop_tick=stop_tick)
         finally:
@@ -746,7 +745,7 @@ class Recorder:
         self._signals = False
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
-        atexit.unregister(self.stop)
+        signals.cancel_at_exit(self.stop)
 
 
 class _NullSegmentType:

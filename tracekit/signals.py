@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -91,6 +92,15 @@ def release() -> None:
             except ValueError:  # not the main thread any more: cannot touch handlers
                 continue
         _previous.clear()
+
+
+def stop_at_exit(stop: Callable[[], Any]) -> None:
+    """Call `stop` at interpreter exit (a run never stopped is still written)."""
+    atexit.register(stop)
+
+
+def cancel_at_exit(stop: Callable[[], Any]) -> None:
+    atexit.unregister(stop)
 
 
 def _deferred(signum: int, frame: Any) -> bool:
