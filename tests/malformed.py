@@ -943,3 +943,213 @@ def cases() -> list[Case]:
     dupes = {n for n in names if names.count(n) > 1}
     assert not dupes, f"duplicate case names: {sorted(dupes)[:5]}"
     return out
+
+
+# -- parts folders (what `tracekit recover` reads) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class PartsCase:
+    """A parts folder to write and what `recover` must do with it: ``reject`` (one-line
+    `TracekitError` naming `needle`, nothing written) or ``ok`` (a log is written; `needle`,
+    if set, is in one of its warnings)."""
+
+    name: str
+    expect: str
+    meta: bytes
+    files: tuple[tuple[str, bytes], ...]  # (name in the folder, contents); "" = a folder
+    needle: str = ""
+
+    def write(self, folder: Path) -> Path:
+        folder.mkdir()
+        (folder / "meta.json").write_bytes(self.meta)
+        for name, data in self.files:
+            if data == b"":
+                (folder / name).mkdir()
+            else:
+                (folder / name).write_bytes(data)
+        return folder
+
+
+def recorded_chunks() -> tuple[dict, list[dict[str, np.ndarray]]]:
+    """A small recorded run as its meta and three flushed chunks (a counting clock, flushes
+    where the run asks for them, each delivered before the next: deterministic)."""
+    import itertools
+    import time
+
+    from tracekit.hooks import Recorder
+
+    class Keep:
+        def __init__(self) -> None:
+            self.meta: dict = {}
+            self.chunks: list[dict[str, np.ndarray]] = []
+
+        def open(self, meta):
+            self.meta = dict(meta)
+
+        def write(self, chunk):
+            self.chunks.append(dict(chunk))
+
+        def close(self, final):
+            pass
+
+    keep = Keep()
+    clock = itertools.count(0, 1000).__next__
+    rec = Recorder(None, clock=clock, gc=False, handle_signals=False, flush_interval_s=1e6,
+                   config={"rung": "parts"}, sinks=[keep])  # fmt: skip
+    with rec:
+        for phase in range(3):
+            for i in range(4):
+                rid = f"r{phase}-{i % 2}"
+                rec.request(rid, prompt_tokens=10, max_new_tokens=5)
+                with rec.step():
+                    with rec.segment("decode"):
+                        pass
+                    if i == 1:
+                        rec.evict(rid)
+                    if i == 2:
+                        rec.readmit(f"r{phase}-1")
+                    rec.emit([rid])
+                    rec.counter("batch", 1.0)
+            if phase < 2:
+                rec._flush()
+                t_end = time.monotonic() + 30  # one chunk per phase: let it reach the sink
+                while len(keep.chunks) < phase + 1 and time.monotonic() < t_end:
+                    time.sleep(0.001)
+    meta = {k: v for k, v in keep.meta.items() if k != "started_unix_s"}
+    return meta, keep.chunks
+
+
+def parts_cases() -> list[PartsCase]:
+    """Parts folders: one valid, then one problem each."""
+    meta, chunks = recorded_chunks()
+    good_meta = json.dumps(meta).encode()
+
+    def part(c: dict[str, np.ndarray]) -> bytes:
+        buf = io.BytesIO()
+        np.savez(buf, **c)
+        return buf.getvalue()
+
+    def files(cs: list[dict[str, np.ndarray]]) -> tuple[tuple[str, bytes], ...]:
+        return tuple((f"part-{i:06d}.npz", part(c)) for i, c in enumerate(cs, 1))
+
+    def with_part(i: int, **changes) -> tuple[tuple[str, bytes], ...]:
+        cs = [dict(c) for c in chunks]
+        for k, v in changes.items():
+            if v is None:
+                del cs[i][k]
+            else:
+                cs[i][k] = v
+        return files(cs)
+
+    def meta_with(**changes) -> bytes:
+        m = dict(meta)
+        for k, v in changes.items():
+            if v is None:
+                m.pop(k, None)
+            else:
+                m[k] = v
+        return json.dumps(m).encode()
+
+    ok = files(chunks)
+    out = [
+        PartsCase("parts as recorded", "ok", good_meta, ok),
+        PartsCase("parts: none yet", "ok", good_meta, ()),
+        PartsCase(
+            "parts: glob characters and strays around them",
+            "ok",
+            good_meta,
+            (
+                *ok,
+                ("part-1.npz", b"junk"),
+                ("part-000001.npz.tmp", b"junk"),
+                ("part-[0-9]*.npz", b"junk"),
+            ),
+        ),  # fmt: skip
+        PartsCase(
+            "parts: a truncated part",
+            "ok",
+            good_meta,
+            (*ok[:1], (ok[1][0], ok[1][1][:300]), *ok[2:]),
+            "unreadable",
+        ),  # fmt: skip
+        PartsCase(
+            "parts: a folder named like a part",
+            "ok",
+            good_meta,
+            (*ok[:2], ("part-000003.npz", b"")),
+            "unreadable",
+        ),  # fmt: skip
+        PartsCase(
+            "parts: a part without labels", "ok", good_meta, with_part(2, labels=None), "unreadable"
+        ),  # fmt: skip
+        PartsCase("meta: not JSON", "reject", b"{not json", ok, "meta.json"),
+        PartsCase("meta: a list", "reject", b"[1, 2]", ok, "meta.json"),
+        PartsCase("meta: no t0_tick", "reject", meta_with(t0_tick=None), ok, "t0_tick"),
+        PartsCase("meta: t0_tick true", "reject", meta_with(t0_tick=True), ok, "t0_tick"),
+        PartsCase("meta: t0_tick 2**70", "reject", meta_with(t0_tick=2**70), ok, "t0_tick"),
+        PartsCase("meta: t0_tick a float", "reject", meta_with(t0_tick=1.5), ok, "t0_tick"),
+        PartsCase(
+            "meta: seconds_per_tick text",
+            "reject",
+            meta_with(seconds_per_tick="ns"),
+            ok,
+            "seconds_per_tick",
+        ),  # fmt: skip
+        PartsCase(
+            "meta: seconds_per_tick 0",
+            "reject",
+            meta_with(seconds_per_tick=0),
+            ok,
+            "seconds_per_tick",
+        ),  # fmt: skip
+        PartsCase(
+            "meta: seconds_per_tick NaN",
+            "reject",
+            json.dumps({**meta, "seconds_per_tick": float("nan")}).encode(),
+            ok,
+            "seconds_per_tick",
+        ),  # fmt: skip
+        PartsCase("meta: config a list", "reject", meta_with(config=[1]), ok, "config"),
+        PartsCase(
+            "meta: cause_map numbers", "reject", meta_with(cause_map={"swap": 1}), ok, "cause_map"
+        ),  # fmt: skip
+        PartsCase("meta: warnings text", "reject", meta_with(warnings="x"), ok, "warnings"),
+    ]
+    n_ids_1 = int(chunks[0]["request_ids"].size)
+    for name, change, needle in [
+        ("request_ids_start negative", {"request_ids_start": np.array(-1)}, "request_ids_start"),
+        ("request_ids_start overlapping", {"request_ids_start": np.array(n_ids_1 - 1)},
+         "request_ids_start"),
+        ("request_ids_start skipping", {"request_ids_start": np.array(n_ids_1 + 1)},
+         "request_ids_start"),
+        ("request_ids_start two numbers", {"request_ids_start": np.array([0, 1])},
+         "request_ids_start"),
+        ("request_ids_start text", {"request_ids_start": np.array("0")}, "request_ids_start"),
+        ("flush_tick a float", {"flush_tick": np.array(1.5)}, "flush_tick"),
+        ("stop_tick two numbers", {"stop_tick": np.array([1, 2])}, "stop_tick"),
+        ("dropped_rows text", {"dropped_rows": np.array("x")}, "dropped_rows"),
+        ("dropped_rows negative", {"dropped_rows": np.array(-4)}, "dropped_rows"),
+        ("config not JSON", {"config": np.array("{")}, "config"),
+        ("config a list", {"config": np.array("[1]")}, "config"),
+        ("steps not whole rows", {"steps": np.arange(8)}, "steps"),
+        ("steps floats", {"steps": np.zeros(7)}, "steps"),
+        ("counters integers", {"counters": np.zeros(3, dtype=np.int64)}, "counters"),
+        ("emissions of an unknown request", {"emissions": np.array([99, 1, -1, 1, -1])},
+         "emissions.request"),
+        ("emissions of request -1", {"emissions": np.array([-1, 1, -1, 1, -1])},
+         "emissions.request"),
+        ("requests of an unknown request", {"requests": np.array([99, 1, 1, 1])},
+         "requests.request"),
+        ("events of an unknown request", {"events": np.array([99, 0, 1, 0])}, "events.request"),
+    ]:  # fmt: skip
+        out.append(
+            PartsCase(
+                f"part 2: {name}",
+                "reject",
+                good_meta,
+                with_part(1, **change),
+                f"part-000002.npz: {needle}",
+            )  # fmt: skip
+        )
+    return out

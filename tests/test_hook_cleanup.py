@@ -20,6 +20,7 @@ from procs import python
 
 import tracekit
 from tracekit.hooks import Recorder, active_recorders
+from tracekit.sinks import CaptureError
 
 #: Starts a recorder with every hook (gc, SIGTERM, NVTX through a fake module, parts on
 #: disk) and never calls stop(). An atexit function registered *before* the recorder runs
@@ -128,18 +129,24 @@ def counting_nvtx(monkeypatch):
 
 
 def test_a_stop_that_fails_still_removes_every_hook(tmp_path, counting_nvtx):
-    """Parts cannot be written any more (a full or unmounted disk): stop() raises, but the
-    gc callback, the SIGTERM handler, the writer thread and NVTX ranges are all gone."""
+    """Neither parts nor the log can be written any more (an unmounted disk): stop()
+    raises, but the gc callback, the SIGTERM handler, the writer thread and NVTX ranges are
+    all gone, and the run is still in memory."""
     sigterm = signal.getsignal(signal.SIGTERM)
     rec = Recorder(tmp_path / "run.npz", nvtx=True, flush_interval_s=0.0)
-    with pytest.raises(OSError):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(CaptureError, match="could not be written"):
         with rec:
             with rec.step():
                 with rec.segment("decode"):
                     pass
-            rec._writer.dir = str(tmp_path / "unmounted")  # every later write fails
+            # every later write fails: a folder cannot be made inside a regular file
+            rec._own.dir = str(blocker / "run.npz.parts")
+            rec._own.out = str(blocker / "run.npz")
             with rec.step():
                 rec.emit(["a"])
+    assert len(rec.log().steps) == 2 and len(rec.log().emissions) == 1
     assert not rec.running and not active_recorders()
     assert rec._on_gc not in gc.callbacks
     assert signal.getsignal(signal.SIGTERM) == sigterm

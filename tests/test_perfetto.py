@@ -23,13 +23,14 @@ from tracekit.render.perfetto import (
     PID_ENGINE,
     PID_REQUESTS,
     TID_LOOP,
-    LiveChromeTrace,
+    TraceError,
     chrome_trace_events,
     engine_start_us,
     parse_window,
     read_trace,
     validate_trace,
 )
+from tracekit.sinks import ChromeTraceSink
 
 
 @pytest.fixture(scope="module")
@@ -275,9 +276,10 @@ def _serve(rec: Recorder, clock: FakeClock, steps: int, live_check=None) -> None
 
 def test_live_trace_while_recording(tmp_path):
     clock = FakeClock()
-    rec = Recorder(tmp_path / "run.npz", clock=clock, gc=False, flush_interval_s=0.02)
     path = tmp_path / "live.json"
-    live = LiveChromeTrace(path, rec)
+    live = ChromeTraceSink(path)
+    rec = Recorder(tmp_path / "run.npz", clock=clock, gc=False, flush_interval_s=0.02,
+                   sinks=[live])  # fmt: skip
     seen = {}
 
     def mid_run():
@@ -309,43 +311,49 @@ def test_live_trace_while_recording(tmp_path):
     log = rec.log()
     gaps = sorted(e["args"]["gap_ms"] for e in events if e["name"] == "gap")
     assert gaps == pytest.approx(sorted(partition(log).gap_ms.tolist()))
-    live.close()  # idempotent
+    # the slices sit where the log has them (µs from engine start)
+    steps = sorted((e["ts"], e["dur"]) for e in events if e["name"] == "step")
+    dur_us = (log.steps.t_end_s - log.steps.t_start_s) * 1e6
+    want = sorted(zip(log.steps.t_start_s * 1e6, dur_us, strict=True))
+    assert np.allclose(steps, want, atol=2e-3)
+    live.close({})  # idempotent
 
 
 def test_live_trace_is_gc_quiet(tmp_path):
-    """The live writer formats strings, so it adds no GC-tracked object per event."""
-    clock = FakeClock()
-    rec = Recorder(None, clock=clock, gc=False, flush_interval_s=1e9)
-    live = LiveChromeTrace(tmp_path / "live.json", rec)
-    with rec:
-        _serve(rec, clock, 50)
+    """The live sink formats whole columns with numpy, so it allocates no GC-tracked
+    object per row: formatting 20,000 emissions (10,000 gaps) with the collector enabled
+    runs no collection of generation 0, where one per 2,000 container allocations (the
+    default threshold) would run 10 or more if each gap row made even one container."""
+    import gc
+
+    live = ChromeTraceSink(tmp_path / "live.json")
+    live.open({"t0_tick": 0, "seconds_per_tick": 1e-9})
     rows = {
         k: np.zeros(0, dtype=np.int64)
         for k in ("steps", "segments", "gc_pauses", "emissions", "events", "requests")
     }
-    rows["emissions"] = np.array([[0, 10, 1, 1, 1], [0, 20, 2, 1, 2]] * 500, dtype=np.int64).ravel()
+    rows["emissions"] = np.array([[0, 10, 1, 1, 1], [0, 20, 2, 1, 2]] * 10_000,
+                                 dtype=np.int64).ravel()  # fmt: skip
     chunk = {**rows, "counters": np.zeros(0), "labels": np.array(["decode"]),
              "counter_names": np.array([], dtype=str), "request_ids": np.array(["a"]),
              "request_ids_start": np.array(0)}  # fmt: skip
-    import gc
-
-    before = gc.get_count()[0]
-    gc.disable()
-    try:
-        start = gc.get_count()[0]
-        out = live._chunk_events(chunk)
-        grew = gc.get_count()[0] - start
-    finally:
-        gc.enable()
-    assert len(out) >= 999 and grew < 50, (before, grew)
+    live.write(chunk)  # warm up (imports, first-use caches)
+    assert gc.isenabled() and gc.get_threshold()[0] <= 2000
+    gc.collect()
+    before = gc.get_stats()[0]["collections"]
+    live.write(chunk)
+    ran = gc.get_stats()[0]["collections"] - before
+    live.close({})
+    assert ran <= 1, ran
+    events = json.loads((tmp_path / "live.json").read_text())
+    assert sum(e["name"] == "gap" for e in events) == 2 * 20_000 - 1  # all but the first
 
 
 def test_live_trace_escapes_names(tmp_path):
     """Request ids and labels with JSON-special characters are escaped in the live file."""
     clock = FakeClock()
-    rec = Recorder(None, clock=clock, gc=False, flush_interval_s=1e9)
     path = tmp_path / "live.json"
-    LiveChromeTrace(path, rec)
+    rec = Recorder(None, clock=clock, gc=False, flush_interval_s=1e9, sinks=[ChromeTraceSink(path)])
     with rec:
         rec.request('a"b\\c</script>')
         for _ in range(3):

@@ -314,16 +314,18 @@ def check(runs: tuple[str, ...]) -> None:
 @click.argument("parts_dir", type=click.Path())
 @click.option("-o", "--output", type=click.Path(), help="Default: the run's own .npz name.")
 @click.option("--keep-parts/--remove-parts", default=True, show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
 @_read_limits
-def recover(parts_dir: str, output: str | None, keep_parts: bool) -> None:
+def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -> None:
     """Turn an interrupted run's parts folder (RUN.npz.parts/) into the one RUN.npz a clean
-    stop writes. Everything flushed before the interruption is kept."""
+    stop writes. Everything flushed before the interruption is kept. An existing RUN.npz
+    (or -o file) is never replaced without --force; the parts are validated first."""
     from .rawlog import load
     from .stream import recover as do_recover
 
     if not os.path.isdir(parts_dir):
         _fail(f"{parts_dir}: not a parts folder (expected RUN.npz.parts/ left by a recorder)")
-    out = do_recover(parts_dir, output, remove_parts=not keep_parts)
+    out = do_recover(parts_dir, output, remove_parts=not keep_parts, force=force)
     log = load(out, **_limits())
     click.echo(f"recovered {one_line(out)}: {len(log.steps)} steps, {len(log.emissions)} emissions")
 

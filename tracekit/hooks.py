@@ -14,10 +14,12 @@
 
 Hot path: each event is one row of integer clock ticks and interned ids appended to a flat
 `array.array` (no Python object kept per event or per token). Label and request names are
-interned once and resolved when the run is saved. Completed rows go to numbered parts on
-disk at a bounded interval, from a background writer thread (see `tracekit.stream`), so a
-killed run keeps what was flushed; `stop()` (also on exceptions, SIGTERM and interpreter
-exit) merges them into one `.npz`.
+interned once and resolved when the run is saved. The recorder is the producer only: at a
+bounded interval it swaps its buffers and hands the completed rows to its sinks
+(`tracekit.sinks`) on a dispatcher thread: numbered parts on disk for `out=PATH` (so a
+killed run keeps what was flushed), memory for `out=None`, and any `sinks=[...]` given (a
+live Chrome trace, live metrics). `stop()` (also on exceptions, SIGTERM and interpreter
+exit, see `tracekit.signals`) closes them: the parts become one `.npz`.
 
 A disabled recorder (`enabled=False`) costs next to nothing: `step`/`segment` decorators
 hand back the original function, context managers are a shared no-op, and `emit`,
@@ -26,34 +28,24 @@ hand back the original function, context managers are a shared no-op, and `emit`
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import os
-import signal
 import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from functools import wraps
 from typing import Any, TypeVar
 
 import numpy as np
 
+from . import signals
 from .device import DeviceTimer
 from .labels import DEFAULT_CAUSE_MAP, colour
 from .rawlog import MODES, RawLog
-from .stream import (
-    EVENT_COLS,
-    EVICT,
-    READMIT,
-    TABLE_COLS,
-    UNKNOWN_TICK,
-    PartWriter,
-    merge_parts,
-    parts_dir_for,
-)
+from .sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, _call
+from .stream import EVENT_COLS, EVICT, READMIT, TABLE_COLS, UNKNOWN_TICK
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,12 +70,11 @@ def active_recorders() -> frozenset[Recorder]:
 class _Segment:
     """A reusable context manager and decorator for one label of one recorder."""
 
-    __slots__ = ("_rec", "_label", "_is_device", "_name", "_color")
+    __slots__ = ("_rec", "_label", "_name", "_color")
 
-    def __init__(self, rec: Recorder, label: int, name: str, is_device: bool) -> None:
+    def __init__(self, rec: Recorder, label: int, name: str) -> None:
         self._rec = rec
         self._label = label
-        self._is_device = is_device
         self._name = name
         self._color = _nvtx_colour(name)
 
@@ -100,7 +91,7 @@ class _Segment:
         try:
             t1 = rec._clock()
             t0 = rec._tls_stack().pop()
-            rec._append_segment(self._label, t0, t1, int(self._is_device))
+            rec._append_segment(self._label, t0, t1, 0)
         finally:
             if rec._nvtx is not None:
                 rec._nvtx.pop_range(domain=NVTX_DOMAIN)
@@ -170,8 +161,10 @@ class _Step:
 class Recorder:
     """Records one run. See the module docstring for the whole API in one example.
 
-    out: where the run's `.npz` goes (parts stream to ``OUT.parts/`` meanwhile); None keeps
-        the run in memory (`log()` returns it).
+    out: where the run's `.npz` goes (parts stream to ``OUT.parts/`` meanwhile,
+        `tracekit.sinks.PartsSink`; a path another recorder uses, or holding an unrecovered
+        run, is refused at start); None keeps the run in memory, never on disk (`log()`
+        returns it either way).
     config: JSON-able metadata saved with the run (`rung`, `seed`, engine settings...).
     enabled: False makes every hook a no-op.
     gc: time collections with `gc.callbacks` (installed at start, removed at stop).
@@ -182,11 +175,17 @@ class Recorder:
         window of the launch, resolved lazily; without one it records the host window only.
     clock: a function returning integer ticks (default `time.perf_counter_ns`); pass a fake
         clock in tests. `seconds_per_tick` converts them.
-    flush_interval_s: completed rows reach disk at least this often (crash safety).
+    flush_interval_s: completed rows reach the sinks (the disk) at least this often, while
+        the engine steps and while it is idle (crash safety); a part never splits a step.
+    sinks: more `tracekit.sinks.Sink`s to receive every flushed chunk (a live Chrome trace,
+        live metrics); one that raises is logged and detached, the run goes on.
     cause_map: segment label -> cause, on top of the defaults (`swap` -> `preempt`, ...).
     handle_signals: turn SIGTERM into a clean stop, and keep it and Ctrl-C (SIGINT, still
         a KeyboardInterrupt) from being lost in a GC pause or a flush (re-sent once those
-        end); installed at start and restored at stop, main thread only.
+        end); installed at start and restored at stop, main thread only (`tracekit.signals`).
+
+    A recorder belongs to the process that started it: in a forked child it is switched off
+    (the child neither records into the parent's run nor stops it).
     """
 
     def __init__(
@@ -203,6 +202,7 @@ class Recorder:
         cause_map: Mapping[str, str] | None = None,
         handle_signals: bool = True,
         device_timer: DeviceTimer | None = None,
+        sinks: Iterable[Sink] = (),
     ) -> None:
         self.out = None if out is None else os.fspath(out)
         self.config: dict[str, Any] = dict(config or {})
@@ -216,6 +216,7 @@ class Recorder:
         self._clock = clock
         self._seconds_per_tick = seconds_per_tick
         self._flush_ticks = int(flush_interval_s / seconds_per_tick)
+        self._flush_interval_s = flush_interval_s
         self._handle_signals = handle_signals
         self._lock = threading.RLock()
         self._tls = threading.local()
@@ -242,13 +243,16 @@ class Recorder:
         self._step_readmissions = 0
         self._step_emit_rows = 0
         self._gc_t0 = 0
-        self._writer: PartWriter | None = None
-        self._mem_parts: list[dict[str, np.ndarray]] = []
+        self._stacks: list[list[int]] = []  # every thread's segment stack
+        # where the rows go: the run's own sink (parts on disk, or memory), then the others
+        self._own: PartsSink | MemorySink = MemorySink()  # chosen at start, from `out`
+        self._sinks: list[Sink] = list(sinks)
+        self._dispatcher: Dispatcher | None = None
         self._last_flush = 0
+        self._num_flushes = 0  # handed to the dispatcher
         self._t0_tick = 0
-        self._prev_sigterm: Any = None
-        self._prev_sigint: Any = None
-        self._on_flush: list[Callable[[dict[str, np.ndarray]], None]] = []
+        self._pid = -1  # the process that started the run
+        self._signals = False
         self._extras: dict[str, np.ndarray] = {}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -268,6 +272,7 @@ class Recorder:
             self._nvtx = nvtx
         self._t0_tick = self._clock()
         self._last_flush = self._t0_tick
+        self._pid = os.getpid()
         self._thread_id()  # the starting thread is thread 0
         meta = {
             "schema": "tracekit.parts",
@@ -285,64 +290,84 @@ class Recorder:
                 self._clock, self._seconds_per_tick, self._t0_tick
             )
         self._meta = meta
-        if self.out is not None:
-            self._writer = PartWriter(parts_dir_for(self.out), _json_safe(meta))
+        self._own = MemorySink() if self.out is None else PartsSink(self.out)
+        self._own.open(meta)  # the run's own output: refusing a path in use raises here
+        self._sinks = [s for s in self._sinks if _call(s, "open", meta)]
+        self._dispatcher = Dispatcher(
+            [self._own, *self._sinks],
+            t0_tick=self._t0_tick,
+            seconds_per_tick=self._seconds_per_tick,
+            interval_s=self._flush_interval_s,
+            idle=self._idle_flush,
+        )
         if self._use_gc:
             gc.callbacks.append(self._on_gc)
-        if self._handle_signals and threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-                self._prev_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                self._prev_sigint = signal.signal(signal.SIGINT, _sigint_to_interrupt)
-        atexit.register(self.stop)
+        if self._handle_signals:
+            self._signals = signals.acquire()
+        signals.stop_at_exit(self.stop)
         self._running = True
         _ACTIVE.add(self)
         return self
 
+    def add_sink(self, sink: Sink) -> None:
+        """Send every flushed chunk to `sink` too (before `start()`)."""
+        if self._running or self._stopped:
+            raise RuntimeError("add sinks before start(): a sink sees the whole run")
+        self._sinks.append(sink)
+
     def stop(self) -> RawLog | None:
-        """Stop the run: remove every hook, flush, and write the one `.npz` (if `out`)."""
+        """Stop the run: remove every hook, flush, close the sinks (write the `.npz`)."""
         if not self._running:
             return self._log
         self._running = False
         _ACTIVE.discard(self)
         device_meta: dict[str, Any] = {}
-        if self._device is not None:  # one synchronize: the run ends when the device does
-            device_meta = self._device.finish(self._append_device_window)
-        stop_tick = self._clock()
+        warnings = self._unclosed()
         try:
+            if self._device is not None:  # one synchronize: the run ends when the device does
+                device_meta = self._device.finish(self._append_device_window)
+            stop_tick = self._clock()
+        finally:
             if self._on_gc in gc.callbacks:
                 gc.callbacks.remove(self._on_gc)
-                _IN_GC[0] = False
-            if self._prev_sigterm is not None:
-                with contextlib.suppress(ValueError):  # not the main thread any more
-                    signal.signal(signal.SIGTERM, self._prev_sigterm)
-                self._prev_sigterm = None
-            if self._prev_sigint is not None:
-                with contextlib.suppress(ValueError):
-                    signal.signal(signal.SIGINT, self._prev_sigint)
-                self._prev_sigint = None
-            atexit.unregister(self.stop)
+                signals.IN_GC[0] = False
+            if self._signals:
+                signals.release()
+                self._signals = False
+            signals.cancel_at_exit(self.stop)
+        try:
             self._flush(stop_tick=stop_tick)
         finally:
             self._stopped = True
-            if self._writer is not None:
-                self._writer.close()
-        final = {"config": self.config, **device_meta}
-        if self.out is not None:
-            parts = parts_dir_for(self.out)
-            log = merge_parts(parts, final=final)
-            if self._extras:
-                log = replace(log, extras={**log.extras, **self._extras})
-            log.save(self.out)
-            import shutil
-
-            shutil.rmtree(parts, ignore_errors=True)
-            self._log = log.with_path(self.out)
-        else:
-            self._log = _merge_memory(self._meta, self._mem_parts, final)
-            if self._extras:
-                self._log = replace(self._log, extras={**self._log.extras, **self._extras})
+            if self._dispatcher is not None:
+                self._dispatcher.close()
+        final: dict[str, Any] = {"config": self.config, **device_meta}
+        if self._extras:
+            final["extras"] = dict(self._extras)
+        if warnings:
+            final["warnings"] = warnings
+        attached = self._dispatcher.sinks if self._dispatcher is not None else []
+        for sink in self._sinks:  # a sink detached after a failure is not called again
+            if sink in attached:
+                _call(sink, "close", final)
+        try:
+            self._own.close(final)
+        finally:
+            self._log = self._own.log
         return self._log
+
+    def _unclosed(self) -> list[str]:
+        """Warnings for what was still open at stop() (not in the log)."""
+        out = []
+        if self._in_step:
+            out.append(f"step {self._step_no} was still open at stop(): it is not in the log")
+        threads = sum(1 for st in self._stacks if st)
+        if threads:
+            out.append(
+                f"a segment was still open at stop() on {threads} thread(s) (entered, never "
+                "exited): not in the log"
+            )
+        return out
 
     def attach(self, name: str, array: Any) -> None:
         """Keep a numeric array with the run (saved as ``extra.NAME``: an arrival trace, a
@@ -384,10 +409,6 @@ class Recorder:
     @property
     def seconds_per_tick(self) -> float:
         return self._seconds_per_tick
-
-    def add_flush_listener(self, fn: Callable[[dict[str, np.ndarray]], None]) -> None:
-        """Call `fn(chunk)` with every flushed chunk of rows (e.g. a live Chrome trace)."""
-        self._on_flush.append(fn)
 
     # -- steps -----------------------------------------------------------------------
     def step(self, fn: F | None = None) -> Any:
@@ -457,8 +478,8 @@ class Recorder:
             a.get("num_preempted", self._step_evictions),
             a.get("num_swapped_in", self._step_readmissions),
         )
-        self._in_step = False
-        with self._lock:
+        with self._lock:  # with the row: an idle flush never sees the step half-ended
+            self._in_step = False
             self._buf["steps"].extend(row)
         dev = self._device
         if dev is not None and dev._pending:  # lazily: only what has finished, no sync
@@ -483,9 +504,9 @@ class Recorder:
                 seg = self._segments.get(key)
                 if seg is None:
                     if device and self._device is not None:
-                        seg = _DeviceSegment(self, self._label_id(label), label, False)
+                        seg = _DeviceSegment(self, self._label_id(label), label)
                     else:  # nothing measures the device: the host window is what we have
-                        seg = _Segment(self, self._label_id(label), label, False)
+                        seg = _Segment(self, self._label_id(label), label)
                     self._segments[key] = seg
         return seg
 
@@ -506,8 +527,11 @@ class Recorder:
         try:
             return self._tls.stack
         except AttributeError:
-            self._tls.stack = []
-            return self._tls.stack
+            stack: list[int] = []
+            with self._lock:
+                self._stacks.append(stack)
+            self._tls.stack = stack
+            return stack
 
     def _thread_id(self) -> int:
         ident = threading.get_ident()
@@ -561,6 +585,16 @@ class Recorder:
             return
         with self._lock:
             if not self._in_step and self._running:
+                self._flush(poll_device=False)
+
+    def _idle_flush(self) -> None:
+        """From the dispatcher, when no flush came for a whole interval: flush what was
+        recorded since (arrivals, emissions outside steps, rows from just before the engine
+        went idle), unless a step is open (a part never splits a step)."""
+        with self._lock:
+            if self._in_step or not self._running or self._pid != os.getpid():
+                return
+            if any(len(b) for b in self._buf.values()) or self._req_flushed < len(self._req_names):
                 self._flush(poll_device=False)
 
     def _request_index(self, request_id: Any) -> int:
@@ -651,7 +685,7 @@ class Recorder:
     # -- gc --------------------------------------------------------------------------
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            _IN_GC[0] = True  # first, before any call: see _sigterm_to_exit
+            signals.IN_GC[0] = True  # first, before any call: see tracekit.signals
             self._gc_t0 = self._clock()
         else:
             try:
@@ -659,7 +693,7 @@ class Recorder:
                 with self._lock:
                     self._buf["gc_pauses"].extend((self._gc_t0, t1, info.get("generation", -1)))
             finally:
-                _IN_GC[0] = False
+                signals.IN_GC[0] = False
 
     # -- buffers ---------------------------------------------------------------------
     def _new_buffers(self) -> None:
@@ -667,44 +701,51 @@ class Recorder:
         self._buf["counters"] = array("d")
 
     def _flush(self, *, stop_tick: int | None = None, poll_device: bool = True) -> None:
-        """Hand the completed rows to the writer (a swap of buffers; no disk I/O here)."""
+        """Hand the completed rows to the sinks' dispatcher (a swap of buffers; no disk
+        I/O and no chunk building here)."""
         dev = self._device
         if poll_device and dev is not None and dev._pending and stop_tick is None:
             dev.poll(self._append_device_window)
-        _IN_FLUSH[0] += 1  # from the swap until the writer has the rows: see _sigterm_to_exit
+        signals.IN_FLUSH[0] += 1  # from the swap until the hand-over: see tracekit.signals
         try:
-            with self._lock:
+            with self._lock:  # hand-overs in swap order: chunks name request ids in order
                 buf = self._buf
                 self._new_buffers()
                 now = self._clock()
                 self._last_flush = now
-                new_ids = self._req_names[self._req_flushed :]
+                if self._pid != os.getpid():  # a forked child: the run is the parent's
+                    return
                 start = self._req_flushed
                 self._req_flushed = len(self._req_names)
-                labels = list(self._labels)
-                counter_names = list(self._counter_index)
-            chunk: dict[str, np.ndarray] = {
-                k: np.frombuffer(b, dtype=np.float64 if k == "counters" else np.int64).copy()
-                for k, b in buf.items()
-            }
-            chunk["labels"] = np.array(labels, dtype=str)
-            chunk["counter_names"] = np.array(counter_names, dtype=str)
-            chunk["request_ids"] = np.array(new_ids, dtype=str)
-            chunk["request_ids_start"] = np.array(start, dtype=np.int64)
-            chunk["config"] = np.array(_dumps(self.config))
-            chunk["flush_tick"] = np.array(now, dtype=np.int64)
-            chunk["t0_tick"] = np.array(self._t0_tick, dtype=np.int64)
-            chunk["seconds_per_tick"] = np.array(self._seconds_per_tick)
-            if stop_tick is not None:
-                chunk["stop_tick"] = np.array(stop_tick, dtype=np.int64)
-            if self._writer is not None:
-                self._writer.submit(chunk)
-            else:
-                self._mem_parts.append(chunk)
+                flush = Flush(
+                    buf,
+                    list(self._labels),
+                    list(self._counter_index),
+                    self._req_names[start:],
+                    start,
+                    dict(self.config),
+                    now,
+                    stop_tick,
+                )
+                if self._dispatcher is not None:
+                    self._dispatcher.submit(flush)
+                    self._num_flushes += 1
         finally:
-            _IN_FLUSH[0] -= 1
-        for fn in self._on_flush:
-            fn(chunk)
+            signals.IN_FLUSH[0] -= 1
+
+    # -- fork ------------------------------------------------------------------------
+    def _in_child(self) -> None:
+        """After fork(), in the child: this run is the parent's. Switch the recorder off
+        (no hook records, stop() and atexit do nothing); the child may start its own."""
+        self._lock = threading.RLock()  # the parent's may be held by a thread not here
+        self.enabled = False
+        self._running = False
+        self._stopped = True
+        self._dispatcher = None
+        self._signals = False
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        signals.cancel_at_exit(self.stop)
 
 
 class _NullSegmentType:
@@ -725,76 +766,31 @@ class _NullSegmentType:
 _NullSegment = _NullSegmentType()
 
 
-#: True between a recorder's gc "start" and "stop" callbacks (a collection is running).
-_IN_GC = [False]
-#: Flushes between their buffer swap and the hand-over to the writer.
-_IN_FLUSH = [0]
+#: The collection and flush flags (`tracekit.signals`), under their old names.
+_IN_GC = signals.IN_GC
+_IN_FLUSH = signals.IN_FLUSH
 
 
-def _sigterm_to_exit(signum: int, frame: Any) -> None:
-    """SIGTERM -> SystemExit, so `with rec:` blocks and atexit flush like a normal exit.
-
-    Not during a collection: a SIGTERM that lands in one is handled inside a gc callback,
-    where the collector swallows any exception ("Exception ignored in ...") and the run
-    would go on as if never signalled. Nor during a flush, between the buffer swap and the
-    hand-over to the writer, where it would drop that interval's rows. Then the signal is
-    sent again from a helper thread, to be handled once that is over."""
-    if not _deferred(signum, frame):
-        raise SystemExit(128 + signum)
+def _before_fork() -> None:
+    for rec in list(_ACTIVE):  # no lock held by another thread across fork()
+        rec._lock.acquire()
 
 
-def _sigint_to_interrupt(signum: int, frame: Any) -> None:
-    """Ctrl-C: Python's KeyboardInterrupt, deferred the same way as SIGTERM (see there)."""
-    if not _deferred(signum, frame):
-        raise KeyboardInterrupt
+def _after_fork_parent() -> None:
+    for rec in list(_ACTIVE):
+        with contextlib.suppress(RuntimeError):
+            rec._lock.release()
 
 
-def _deferred(signum: int, frame: Any) -> bool:
-    """True (and the signal re-sent later) if it landed in a collection or a flush."""
-    f = frame
-    while f is not None and f.f_code is not _ON_GC_CODE:
-        f = f.f_back
-    if _IN_GC[0] or _IN_FLUSH[0] or f is not None:
-        threading.Thread(target=_signal_again, args=(signum,), daemon=True).start()
-        return True
-    return False
+def _after_fork_child() -> None:
+    for rec in list(_ACTIVE):
+        rec._in_child()
+    _ACTIVE.clear()
 
 
-def _signal_again(signum: int) -> None:
-    time.sleep(0.001)  # let the callback return first
-    while _IN_GC[0] or _IN_FLUSH[0]:  # and the collection or flush end
-        time.sleep(0.001)
-    os.kill(os.getpid(), signum)
-
-
-def _dumps(obj: Any) -> str:
-    import json
-
-    return json.dumps(_json_safe(obj), sort_keys=True)
-
-
-def _json_safe(obj: Any) -> Any:
-    from .formats import json_safe
-
-    return json_safe(obj)
-
-
-def _merge_memory(
-    meta: dict[str, Any], parts: list[dict[str, np.ndarray]], final: dict[str, Any]
-) -> RawLog:
-    """The in-memory twin of `stream.merge_parts` (same code path, through a temp dir)."""
-    import tempfile
-
-    from .stream import _atomic_write
-
-    with tempfile.TemporaryDirectory(prefix="tracekit-") as d:
-        _atomic_write(os.path.join(d, "meta.json"), _dumps(meta).encode())
-        for i, chunk in enumerate(parts, 1):
-            np.savez(os.path.join(d, f"part-{i:06d}.npz"), **chunk)  # type: ignore[arg-type]
-        log = merge_parts(d, final=final)
-    return log.with_path("<memory>")
+signals.on_fork(_before_fork, _after_fork_parent, _after_fork_child)
 
 
 __all__ = ["Recorder", "active_recorders", "EVENT_COLS", "UNKNOWN_TICK"]
 
-_ON_GC_CODE = Recorder._on_gc.__code__
+signals.defer_in(Recorder._on_gc.__code__)

@@ -267,7 +267,7 @@ class RawLog:
 
     # -- io ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> str:
-        """Write the v1 `.npz` atomically (a temporary file renamed into place)."""
+        """Write the v1 `.npz` atomically (`tracekit.fsio.atomic_open`)."""
         path = os.fspath(path)
         arrays: dict[str, np.ndarray] = {
             "schema": np.array(SCHEMA),
@@ -287,10 +287,10 @@ class RawLog:
             arrays[f"extra.{k}"] = np.asarray(v)
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as fh:
+        from .fsio import atomic_open
+
+        with atomic_open(path) as fh:
             np.savez(fh, **arrays)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
-        os.replace(tmp, path)
         return path
 
 

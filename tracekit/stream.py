@@ -15,18 +15,18 @@ since the last flush (the recorder flushes at a bounded interval).
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import json
 import os
-import queue
+import re
 import shutil
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .errors import LogError
+from .fsio import atomic_open, atomic_write
 from .labels import DEFAULT_CAUSE_MAP
 from .rawlog import (
     MODE_UNKNOWN,
@@ -61,87 +61,103 @@ EVICT, READMIT = 0, 1
 UNKNOWN_TICK = np.iinfo(np.int64).min  # an arrival that was not recorded
 
 PARTS_SUFFIX = ".parts"
+#: A part's file name: its flush number, six digits or more. Parts are listed by matching
+#: names (never by a glob pattern built from the folder's path, which may hold ``[``).
+PART_NAME = re.compile(r"part-(\d{6,})\.npz")
+#: The file a recording process keeps in its parts folder: its pid, one line.
+LOCK_NAME = "lock"
+#: Written by `recover` into the folder it merged: the log it wrote, one line.
+RECOVERED_NAME = "recovered"
 
 
 def parts_dir_for(out: str) -> str:
     return out + PARTS_SUFFIX
 
 
-class PartWriter:
-    """Writes parts on a background thread, so a flush never blocks the engine loop on disk."""
-
-    def __init__(self, parts_dir: str, meta: dict[str, Any]) -> None:
-        self.dir = parts_dir
-        if os.path.isdir(parts_dir):
-            shutil.rmtree(parts_dir)
-        os.makedirs(parts_dir)
-        _atomic_write(os.path.join(parts_dir, "meta.json"), json.dumps(meta).encode())
-        self._q: queue.Queue[tuple[int, dict[str, np.ndarray]] | None] = queue.Queue()
-        self._n = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tracekit-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, arrays: dict[str, np.ndarray]) -> None:
-        self._n += 1
-        self._q.put((self._n, arrays))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            n, arrays = item
-            try:
-                path = os.path.join(self.dir, f"part-{n:06d}.npz")
-                tmp = path + ".tmp"
-                with open(tmp, "wb") as fh:
-                    np.savez(fh, **arrays)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            except BaseException as e:  # keep going: later parts may still be written
-                self._error = e
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+def part_paths(parts_dir: str) -> list[str]:
+    """The folder's part files in flush order."""
+    found = [(int(m.group(1)), n) for n in os.listdir(parts_dir) if (m := PART_NAME.fullmatch(n))]
+    return [os.path.join(parts_dir, n) for _, n in sorted(found)]
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def write_part(parts_dir: str, number: int, chunk: Mapping[str, np.ndarray]) -> str:
+    """Write one chunk as ``part-NNNNNN.npz``, whole or not at all (`fsio.atomic_open`)."""
+    path = os.path.join(parts_dir, f"part-{number:06d}.npz")
+    with atomic_open(path) as fh:
+        np.savez(fh, **chunk)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
+    return path
 
 
-def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLog:
-    """Read a parts folder into one `RawLog`. `final` overrides meta known only at stop."""
+def lock_owner(parts_dir: str) -> int | None:
+    """The pid of the process recording into `parts_dir`, if it is still running."""
+    try:
+        with open(os.path.join(parts_dir, LOCK_NAME), "rb") as fh:
+            pid = int(fh.read(32).strip() or b"0")
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        return pid
+    return pid
+
+
+def read_meta(parts_dir: str) -> dict[str, Any]:
+    """The folder's ``meta.json``, checked: each bad value is a one-line `LogError`."""
     meta_path = os.path.join(parts_dir, "meta.json")
     try:
         with open(meta_path, "rb") as fh:
-            meta = json.loads(fh.read())
+            meta = json.loads(fh.read(1 << 24))
     except (OSError, ValueError, RecursionError) as e:
         raise LogError(parts_dir, "meta.json", f"unreadable ({e})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("t0_tick"), int):
+    if not isinstance(meta, dict) or not _is_int(meta.get("t0_tick")):
         raise LogError(parts_dir, "meta.json", "not a recorder's meta (no integer t0_tick)")
-    chunks: dict[str, list[np.ndarray]] = {k: [] for k in TABLE_COLS}
-    labels: list[str] = []
-    request_ids: list[str] = []
-    counter_names: list[str] = []
-    config = dict(meta.get("config", {}))
-    last_tick = meta["t0_tick"]
-    wall_ticks = None
-    clean_stop = False
+    check_meta(meta, parts_dir)
+    return meta
+
+
+def check_meta(meta: Mapping[str, Any], where: str) -> None:
+    """Raise a `LogError` naming the field for a meta value the merge cannot use."""
+
+    def bad(field: str, problem: str) -> LogError:
+        return LogError(where, f"meta.json: {field}", problem)
+
+    spt = meta.get("seconds_per_tick", 1e-9)
+    if isinstance(spt, bool) or not isinstance(spt, (int, float)) or not 0 < spt < 1e3:
+        raise bad("seconds_per_tick", f"{spt!r:.60} is not a positive number of seconds")
+    if not isinstance(meta.get("config", {}), dict):
+        raise bad("config", "not a JSON object")
+    cm = meta.get("cause_map", {})
+    if not isinstance(cm, dict) or not all(isinstance(v, str) for v in cm.values()):
+        raise bad("cause_map", "not an object of label -> cause names")
+    if not isinstance(meta.get("warnings", []), list):
+        raise bad("warnings", "not a list")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and abs(x) < 2**63
+
+
+def merge_parts(parts_dir: str, *, final: Mapping[str, Any] | None = None) -> RawLog:
+    """Read a parts folder into one `RawLog`. `final` overrides meta known only at stop.
+
+    A part that cannot be read (damaged on disk) ends the run at the flush before it, with
+    a warning; a readable part whose contents contradict the run (request ids that overlap
+    or skip, bad vocabularies) is a `LogError` naming the part and the field."""
+    meta = read_meta(parts_dir)
+    paths = part_paths(parts_dir)
     warnings: list[str] = []
-    paths = sorted(glob.glob(os.path.join(parts_dir, "part-*.npz")))
+    parts: list[dict[str, Any]] = []
     for i, p in enumerate(paths):
         try:  # read the whole part before using any of it
-            part = _read_part(p)
+            with np.load(p, allow_pickle=False) as z:
+                parts.append(parse_chunk(z, p))
+        except LogError:
+            raise
         except Exception as e:
             # Damaged on disk (a kill cannot do this: parts are renamed into place whole).
             # Later parts refer to its steps and requests by index, so the run ends here.
@@ -151,18 +167,124 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
                 "still on disk)"
             )
             break
+    return merge_chunks(meta, parts, final=final, path=parts_dir, warnings=warnings)
+
+
+def parse_chunk(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
+    """One flushed chunk (a part on disk, or a chunk in memory): its rows and vocabularies.
+    Raises on anything missing or damaged; a `LogError` for values a reader can name."""
+
+    def bad(field: str, problem: str) -> LogError:
+        return LogError(where, field, problem)
+
+    tables = {}
+    for k, cols in TABLE_COLS.items():
+        a = np.asarray(z[k])
+        if a.dtype.kind not in ("f" if k == "counters" else "iu"):
+            raise bad(k, f"dtype {a.dtype} (expected {'float' if k == 'counters' else 'int'}64)")
+        if a.size % len(cols):
+            raise bad(k, f"{a.size} values do not make rows of {len(cols)}")
+        if a.size:
+            tables[k] = a.reshape(-1, len(cols))
+    scalars = {}
+    for k in ("request_ids_start", "flush_tick"):
+        a = np.asarray(z[k])
+        if a.shape != () or a.dtype.kind not in "iu":
+            raise bad(k, "not one integer")
+        scalars[k] = int(a)
+    if scalars["request_ids_start"] < 0:
+        raise bad("request_ids_start", f"{scalars['request_ids_start']} is negative")
+    try:
+        config = json.loads(str(np.asarray(z["config"])))
+    except (ValueError, RecursionError) as e:
+        raise bad("config", f"not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise bad("config", "not a JSON object")
+    stop_tick = None
+    if "stop_tick" in z:
+        a = np.asarray(z["stop_tick"])
+        if a.shape != () or a.dtype.kind not in "iu":
+            raise bad("stop_tick", "not one integer")
+        stop_tick = int(a)
+    dropped = 0
+    if "dropped_rows" in z:
+        a = np.asarray(z["dropped_rows"])
+        if a.shape != () or a.dtype.kind not in "iu" or int(a) < 0:
+            raise bad("dropped_rows", "not one count of values (an integer >= 0)")
+        dropped = int(a)
+    return {
+        "where": where,
+        "tables": tables,
+        "labels": [str(x) for x in np.asarray(z["labels"]).reshape(-1)],
+        "counter_names": [str(x) for x in np.asarray(z["counter_names"]).reshape(-1)],
+        "request_ids_start": scalars["request_ids_start"],
+        "request_ids": [str(x) for x in np.asarray(z["request_ids"]).reshape(-1)],
+        "config": config,
+        "flush_tick": scalars["flush_tick"],
+        "stop_tick": stop_tick,
+        "dropped_rows": dropped,
+    }
+
+
+def merge_chunks(
+    meta: Mapping[str, Any],
+    parts: list[dict[str, Any]],
+    *,
+    final: Mapping[str, Any] | None = None,
+    path: str = "<memory>",
+    warnings: list[str] | None = None,
+) -> RawLog:
+    """The one `RawLog` of a run's parsed chunks (`parse_chunk`), in flush order: what both
+    the parts on disk and a run kept in memory become. `final`: what is known only at
+    stop (config, device calibration, ``extras``, ``warnings``)."""
+    chunks: dict[str, list[np.ndarray]] = {k: [] for k in TABLE_COLS}
+    labels: list[str] = []
+    request_ids: list[str] = []
+    counter_names: list[str] = []
+    config = dict(meta.get("config", {}))
+    last_tick = meta["t0_tick"]
+    wall_ticks = None
+    clean_stop = False
+    warnings = list(warnings or [])
+    dropped = 0
+    for part in parts:
         for k, rows in part["tables"].items():
             chunks[k].append(rows)
         labels, counter_names = part["labels"], part["counter_names"]
         start, new_ids = part["request_ids_start"], part["request_ids"]
-        request_ids[start : start + len(new_ids)] = new_ids
+        if start != len(request_ids):  # each chunk names the ids new since the last one
+            raise LogError(
+                part["where"],
+                "request_ids_start",
+                f"{start}, but the parts before it name {len(request_ids)} request id(s) "
+                f"({'overlapping' if start < len(request_ids) else 'skipping'} them)",
+            )
+        request_ids += new_ids
+        for k in ("requests", "emissions", "events"):  # rows name requests named so far
+            rows = part["tables"].get(k)
+            bad = None if rows is None else (rows[:, 0] < 0) | (rows[:, 0] >= len(request_ids))
+            if bad is not None and bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise LogError(
+                    part["where"],
+                    f"{k}.request",
+                    f"row {i}: request {int(rows[i, 0])} is not one of the "
+                    f"{len(request_ids)} named so far",
+                )
         config = part["config"]
         last_tick = max(last_tick, part["flush_tick"])
+        dropped += part["dropped_rows"]
         if part["stop_tick"] is not None:
             clean_stop = True
             wall_ticks = part["stop_tick"] - meta["t0_tick"]
+    if dropped:
+        warnings.append(
+            f"{dropped} recorded value(s) were dropped: the disk stayed full longer than "
+            "the recorder could hold rows in memory"
+        )
     if final:
         config = dict(final.get("config", config))
+        warnings += [str(w) for w in final.get("warnings", ())]
     t0 = int(meta["t0_tick"])
     scale = float(meta.get("seconds_per_tick", 1e-9))
 
@@ -233,7 +355,9 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
     if warnings:
         out_meta["warnings"] = list(out_meta.get("warnings", [])) + warnings
     if final:
-        out_meta.update({k: v for k, v in final.items() if k not in ("config",)})
+        out_meta.update(
+            {k: v for k, v in final.items() if k not in ("config", "extras", "warnings")}
+        )
     return RawLog(
         steps=steps,
         segments=segments,
@@ -251,31 +375,10 @@ def merge_parts(parts_dir: str, *, final: dict[str, Any] | None = None) -> RawLo
         config=config,
         wall_s=wall_ticks * scale,
         meta=out_meta,
-        path=parts_dir,
+        path=path,
         warnings=tuple(warnings),
+        extras=dict((final or {}).get("extras", {})),
     )
-
-
-def _read_part(path: str) -> dict[str, Any]:
-    """One part's rows and vocabularies; raises on anything damaged or missing."""
-    with np.load(path, allow_pickle=False) as z:
-        tables = {}
-        for k, cols in TABLE_COLS.items():
-            a = z[k]
-            if a.size % len(cols):
-                raise ValueError(f"{k}: {a.size} values for rows of {len(cols)}")
-            if a.size:
-                tables[k] = a.reshape(-1, len(cols))
-        return {
-            "tables": tables,
-            "labels": [str(x) for x in z["labels"]],
-            "counter_names": [str(x) for x in z["counter_names"]],
-            "request_ids_start": int(z["request_ids_start"]),
-            "request_ids": [str(x) for x in z["request_ids"]],
-            "config": json.loads(str(z["config"])),
-            "flush_tick": int(z["flush_tick"]),
-            "stop_tick": int(z["stop_tick"]) if "stop_tick" in z.files else None,
-        }
 
 
 def _pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) -> Evictions:
@@ -310,17 +413,41 @@ def _pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) ->
     )
 
 
-def recover(parts_dir: str, out: str | None = None, *, remove_parts: bool = False) -> str:
-    """Merge an interrupted run's parts into the one `.npz` a clean stop writes."""
-    parts_dir = parts_dir.rstrip("/")
+def recover(
+    parts_dir: str, out: str | None = None, *, remove_parts: bool = False, force: bool = False
+) -> str:
+    """Merge an interrupted run's parts into the one `.npz` a clean stop writes.
+
+    Never destroys a log: an existing `out` (say the complete log of a clean stop that was
+    killed while removing its parts) is refused unless `force`; the merged log is
+    validated before anything is written; a folder a live process is still recording into
+    is refused."""
+    from .errors import TracekitError
+    from .validate import validate_log
+
+    parts_dir = parts_dir.rstrip("/") or parts_dir
     if out is None:
         out = (
             parts_dir[: -len(PARTS_SUFFIX)]
             if parts_dir.endswith(PARTS_SUFFIX)
             else parts_dir + ".npz"
         )
-    log = merge_parts(parts_dir)
+    owner = lock_owner(parts_dir)
+    if owner is not None and owner != os.getpid():
+        raise TracekitError(
+            f"{parts_dir}: still being recorded by process {owner}; recover it once that "
+            "process has ended"
+        )
+    if os.path.lexists(out) and not force:
+        raise TracekitError(
+            f"{out}: already exists (maybe the complete log of this run); write the "
+            "recovered log elsewhere with -o NEW.npz, or pass --force to replace it"
+        )
+    log = validate_log(merge_parts(parts_dir))
     log.save(out)
     if remove_parts:
         shutil.rmtree(parts_dir, ignore_errors=True)
+    else:  # a later recorder on this path says the parts are recovered, not lost
+        with contextlib.suppress(OSError):
+            atomic_write(os.path.join(parts_dir, RECOVERED_NAME), f"{out}\n".encode())
     return out

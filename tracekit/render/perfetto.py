@@ -26,7 +26,8 @@ Slice names are the partition's labels, so one cause has one colour throughout P
 
 `chrome_trace_events` builds the events (plain dicts), `write_trace` serialises them once
 (gzip when the name ends in ``.gz``, byte-identical for the same input), `validate_trace`
-checks what Perfetto needs, and `LiveChromeTrace` writes a trace while a run records.
+checks what Perfetto needs. A trace written while a run records (the same tracks) is the
+capture sink `tracekit.sinks.ChromeTraceSink`.
 """
 
 from __future__ import annotations
@@ -36,9 +37,6 @@ import heapq
 import io
 import json
 import math
-import os
-import queue
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -528,10 +526,9 @@ def write_trace(events: list[dict[str, Any]], path: str, *, meta=None) -> int:
         with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
             gz.write(data)
         data = buf.getvalue()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    from ..fsio import atomic_write
+
+    atomic_write(path, data, fsync=False)
     return len(data)
 
 
@@ -666,193 +663,6 @@ def validate_trace(
                 continue
             stack.append((a, b, i))
     return errs
-
-
-# -- live trace while a run records ----------------------------------------------------
-
-
-class LiveChromeTrace:
-    """Write a Chrome trace (JSON Array Format) while a `Recorder` runs.
-
-        rec = tracekit.Recorder("raw/run.npz", config=...)
-        live = LiveChromeTrace("raw/run.trace.json", rec)   # before rec.start()
-        with rec:
-            ...                                             # serve
-        # the array is closed when the recorder stops
-
-    Every flushed chunk of the recorder (`Recorder.add_flush_listener`) is turned into
-    events on a background thread and appended to the file, so the engine loop never
-    formats JSON or waits on disk. Events are formatted as strings, never as per-event
-    Python containers, so the live trace does not feed the garbage collector it measures.
-    A killed run leaves a file without its closing ``]``, which Perfetto and
-    chrome://tracing open anyway (`read_trace` reads it too).
-
-    Tracks: the engine loop (steps and, on nested tracks per thread, segments), gc,
-    counters, and per request its gaps (named ``gap``: the partition needs the whole run,
-    so the cause of each gap is in the post-run trace, ``tracekit trace``) and its
-    evictions on a second track ``req ID evictions``.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], recorder: Any) -> None:
-        self.path = os.fspath(path)
-        self._rec = recorder
-        self._fh = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._fh.write("[\n")
-        self._n = 0
-        self._q: queue.Queue[dict[str, np.ndarray] | None] = queue.Queue()
-        self._closed = False
-        self._error: BaseException | None = None
-        self._labels: list[str] = []
-        self._req_names: list[str] = []
-        self._counter_names: list[str] = []
-        self._named_tids: set[tuple[int, int]] = set()
-        self._last_emit: dict[int, tuple[int, int]] = {}  # request -> (tick, step)
-        self._open_evict: dict[int, int] = {}
-        self._thread = threading.Thread(target=self._run, name="tracekit-live-trace", daemon=True)
-        self._thread.start()
-        self._write_raw(
-            [
-                _dump(_meta(PID_ENGINE, None, "process_name", "engine")),
-                _dump(_meta(PID_REQUESTS, None, "process_name", "requests")),
-                _dump(_meta(PID_ENGINE, TID_LOOP, "thread_name", "engine loop")),
-                _dump(_meta(PID_ENGINE, TID_GC, "thread_name", "gc")),
-            ]
-        )
-        recorder.add_flush_listener(self._on_chunk)
-
-    # called on the recorder's thread: hand over and return
-    def _on_chunk(self, chunk: dict[str, np.ndarray]) -> None:
-        if self._closed:
-            return
-        self._q.put(chunk)
-        if "stop_tick" in chunk:  # the recorder's last flush: finish the file now
-            self.close()
-
-    def close(self) -> None:
-        """Write what is queued, close the JSON array and the file (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._q.put(None)
-        self._thread.join()
-        self._fh.write("\n]\n")
-        self._fh.close()
-        if self._error is not None:
-            raise self._error
-
-    def _run(self) -> None:
-        while True:
-            chunk = self._q.get()
-            if chunk is None:
-                return
-            try:
-                self._write_raw(self._chunk_events(chunk))
-                self._fh.flush()
-            except BaseException as e:  # keep the engine running; report at close
-                self._error = e
-
-    def _write_raw(self, texts: list[str]) -> None:
-        fh = self._fh
-        for t in texts:
-            fh.write(t if self._n == 0 else ",\n" + t)
-            self._n += 1
-
-    def _clock(self) -> tuple[int, float]:
-        rec = self._rec
-        return int(rec.t0_tick), float(rec.seconds_per_tick)
-
-    def _thread_meta(self, pid: int, tid: int, name: str) -> list[str]:
-        if (pid, tid) in self._named_tids:
-            return []
-        self._named_tids.add((pid, tid))
-        return [_dump(_meta(pid, tid, "thread_name", name))]
-
-    def _chunk_events(self, chunk: dict[str, np.ndarray]) -> list[str]:
-        from ..stream import EVICT, TABLE_COLS
-
-        t0, scale = self._clock()
-        us_per_tick = scale * 1e6
-
-        def us(tick: int) -> float:
-            return round((tick - t0) * us_per_tick, 3)
-
-        def rows(name: str) -> list[list[Any]]:
-            a = chunk.get(name)
-            if a is None or not a.size:
-                return []
-            return a.reshape(-1, len(TABLE_COLS[name])).tolist()
-
-        self._labels = [str(x) for x in chunk.get("labels", self._labels)]
-        self._counter_names = [str(x) for x in chunk.get("counter_names", self._counter_names)]
-        start = int(chunk.get("request_ids_start", len(self._req_names)))
-        new = [str(x) for x in chunk.get("request_ids", [])]
-        self._req_names[start : start + len(new)] = new
-        out: list[str] = []
-        # engine loop: steps, then segments (per thread and device flag, nested tracks)
-        for s0, s1, nd, npf, gs, npre, nsw in rows("steps"):
-            out.append(
-                f'{{"ph":"X","pid":{PID_ENGINE},"tid":{TID_LOOP},"ts":{us(s0)},'
-                f'"dur":{round(us(s1) - us(s0), 3)},"name":"step","args":{{"num_decode":{nd},'
-                f'"num_prefill_tokens":{npf},"graph_size":{gs},"num_preempted":{npre},'
-                f'"num_swapped_in":{nsw}}}}}'
-            )
-        for step, lab, a, b, th, dev in rows("segments"):
-            # the loop thread's segments nest inside its steps (context managers nest)
-            tid = TID_LOOP if (th, dev) == (0, 0) else (TID_DEVICE if dev else TID_THREADS) + th
-            if tid != TID_LOOP:
-                out += self._thread_meta(PID_ENGINE, tid, f"{'device' if dev else 'thread'} {th}")
-            name = (self._labels[lab] if 0 <= lab < len(self._labels) else "") or f"label {lab}"
-            out.append(
-                f'{{"ph":"X","pid":{PID_ENGINE},"tid":{tid},"ts":{us(a)},'
-                f'"dur":{round(us(b) - us(a), 3)},"name":{json.dumps(name)},'
-                f'"args":{{"step":{step}}}}}'
-            )
-        for a, b, g in rows("gc_pauses"):
-            out.append(
-                f'{{"ph":"X","pid":{PID_ENGINE},"tid":{TID_GC},"ts":{us(a)},'
-                f'"dur":{round(us(b) - us(a), 3)},"name":"gc","args":{{"generation":{g}}}}}'
-            )
-        for n, t, v in rows("counters"):
-            n = int(n)
-            name = (self._counter_names[n] if 0 <= n < len(self._counter_names) else "") or (
-                f"counter {n}"
-            )
-            if math.isfinite(v):
-                out.append(
-                    f'{{"ph":"C","pid":{PID_ENGINE},"ts":{us(int(t))},"name":{json.dumps(name)},'
-                    f'"args":{{"value":{v!r}}}}}'
-                )
-        for r, t, step, ntok, *_ in rows("emissions"):
-            prev = self._last_emit.get(r)
-            self._last_emit[r] = (t, step)
-            if prev is None:
-                out += self._thread_meta(
-                    PID_REQUESTS, TID_REQUESTS + 2 * r, f"req {self._req_name(r)}"
-                )
-                continue
-            out.append(
-                f'{{"ph":"X","pid":{PID_REQUESTS},"tid":{TID_REQUESTS + 2 * r},"ts":{us(prev[0])},'
-                f'"dur":{round(us(t) - us(prev[0]), 3)},"name":"gap","args":{{"gap_ms":'
-                f'{round((t - prev[0]) * scale * 1e3, 6)},"step0":{prev[1]},"step1":{step},'
-                f'"num_tokens":{ntok}}}}}'
-            )
-        for r, kind, t, _mode in rows("events"):
-            tid = TID_REQUESTS + 2 * r + 1  # beside the request's own track
-            if kind == EVICT:
-                self._open_evict[r] = t
-                continue
-            a = self._open_evict.pop(r, None)
-            if a is None:
-                continue
-            out += self._thread_meta(PID_REQUESTS, tid, f"req {self._req_name(r)} evictions")
-            out.append(
-                f'{{"ph":"X","pid":{PID_REQUESTS},"tid":{tid},"ts":{us(a)},'
-                f'"dur":{round(us(t) - us(a), 3)},"name":"evicted","args":{{}}}}'
-            )
-        return out
-
-    def _req_name(self, r: int) -> str:
-        return self._req_names[r] if 0 <= r < len(self._req_names) else str(r)
 
 
 def _dump(ev: Mapping[str, Any]) -> str:
