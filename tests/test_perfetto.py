@@ -23,7 +23,6 @@ from tracekit.render.perfetto import (
     PID_ENGINE,
     PID_REQUESTS,
     TID_LOOP,
-    TraceError,
     chrome_trace_events,
     engine_start_us,
     parse_window,
