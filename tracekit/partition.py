@@ -4,15 +4,19 @@ A *gap* is ``[t0, t1]`` between two consecutive emissions of one request. Every
 millisecond of it goes to exactly one label:
 
 1. while the request is evicted (eviction to readmission; a missing readmission runs to
-   ``t1``), all of it is ``preempt``; what the engine ran meanwhile is *context*, never added;
+   ``t1``), all of it is ``preempt``; what the engine ran meanwhile is *context*, never added
+   (context is partitioned like live time, uncovered time as ``residual``, so it sums to
+   the evicted time);
 2. in the live windows, GC pauses (their union) own whatever they overlap: ``gc``;
 3. each segment's GC-free overlap goes to its cause (``swap`` -> ``preempt``); where
    segments overlap each other, `tracekit.labels.precedence` decides, in one place;
 4. ``decode`` time is split into ``graph`` (excess over a captured step) and ``forward``:
    a least-squares line of GC-free decode ms against the padded batch size, over the steps
-   that ran on a captured size, predicts an eager step's decode time at its decode row
-   count; the step's excess fraction ``max(0, net - pred) / net`` of its GC-free decode
-   time ``net`` is charged to ``graph``, proportionally to the part inside the window;
+   that ran on a captured size (all of them, a decode wholly inside a GC pause included,
+   unless `FIT_MEASURED_CAPTURED` is asked for), predicts an eager step's decode time at
+   its decode row count; the step's excess fraction ``max(0, net - pred) / net`` of its
+   GC-free decode time ``net`` is charged to ``graph``, proportionally to the part inside
+   the window;
 5. whatever no segment or pause covers is ``residual``;
 6. device work (segments recorded with ``is_device=1``: execution windows from CUDA events,
    mapped onto the host clock) is charged by the critical path. The emission that closes
@@ -188,11 +192,33 @@ def evicted_windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return m[:, 0].astype(np.int64), m[:, 1], m[:, 2]
 
 
-def fit_baseline(log: RawLog, decode_net_ms: np.ndarray) -> GraphBaseline:
-    """The captured-step line and every eager step's excess fraction (design.md rule 4)."""
+#: The graph baseline's fit, design.md's rule: every step that ran on a captured size,
+#: including one whose whole decode lay inside a GC pause (a point at 0 ms).
+FIT_ALL_CAPTURED = "all-captured"
+#: The alternative: only captured steps with GC-free decode time left to measure. A captured
+#: step whose decode fell entirely inside a GC pause measured nothing (its 0 ms is not a
+#: decode time), yet as a point at 0 ms it pulls the line down and invents `graph` excess on
+#: every eager step. docs/partition.md explains when the two differ.
+FIT_MEASURED_CAPTURED = "measured-captured"
+BASELINE_FITS = (FIT_ALL_CAPTURED, FIT_MEASURED_CAPTURED)
+
+
+def fit_baseline(
+    log: RawLog, decode_net_ms: np.ndarray, fit: str = FIT_ALL_CAPTURED
+) -> GraphBaseline:
+    """The captured-step line and every eager step's excess fraction (design.md rule 4).
+
+    `fit`: which captured steps the line is fitted over, `FIT_ALL_CAPTURED` (design.md, the
+    default) or `FIT_MEASURED_CAPTURED`."""
+    if fit not in BASELINE_FITS:
+        raise ValueError(f"baseline fit {fit!r}: expected one of {', '.join(BASELINE_FITS)}")
     st = log.steps
     has_decode = decode_net_ms > 0
-    captured = (st.graph_size > 0) & has_decode
+    # design.md: "over the steps that ran on a captured size" (graph_size > 0), whatever
+    # their GC-free decode time
+    captured = st.graph_size > 0
+    if fit == FIT_MEASURED_CAPTURED:
+        captured &= has_decode
     x = st.graph_size[captured].astype(np.float64)
     y = decode_net_ms[captured]
     if len(np.unique(x)) >= 2:
@@ -482,8 +508,12 @@ def _device_pieces(log, causes, frac, tl, classes, col, g_dstep, g_t0, g_t1, e_g
     return gi, p0, p1, lab, frac[step[wi]]
 
 
-def partition(log: RawLog, *, check: bool = True) -> Partition:
-    """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum."""
+def partition(
+    log: RawLog, *, check: bool = True, baseline_fit: str = FIT_ALL_CAPTURED
+) -> Partition:
+    """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum.
+
+    `baseline_fit`: the graph baseline's fit (`BASELINE_FITS`; design.md's by default)."""
     causes = segment_causes(log)
     is_dev = log.segments.is_device == 1
     classes = _classes(causes, is_dev)
@@ -498,7 +528,7 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     col = {lb: i for i, lb in enumerate(labels)}
 
     net = _decode_net_ms(log, causes)
-    base = fit_baseline(log, net)
+    base = fit_baseline(log, net, baseline_fit)
     tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
 
     # gaps, and each end's rank among the distinct emission times
@@ -558,7 +588,8 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
         h1, l1 = cumulative(w1)
         ran = between(h0, l0, h1, l1)
         np.subtract.at(parts, e_gap, ran)
-        ran[:, col["residual"]] = 0.0  # idle time while evicted is not engine activity
+        # all of it is context, `residual` included (time no engine activity covered while
+        # the request was evicted), so a gap's context sums to its evicted time
         np.add.at(context, e_gap, ran)
         np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
 
@@ -621,7 +652,7 @@ def _baseline_warnings(log: RawLog, base: GraphBaseline) -> tuple[str, ...]:
 # -- the reference partitioner (slow, obvious; for tests) --------------------------------
 
 
-def partition_reference(log: RawLog) -> Partition:
+def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) -> Partition:
     """The same partition with plain Python loops, one gap and one slice at a time."""
     causes_arr = segment_causes(log)
     causes = causes_arr.tolist()
@@ -660,7 +691,7 @@ def partition_reference(log: RawLog) -> Partition:
                 net[s] += (b - a) * 1e3
         else:
             net[s] += ((b - a) - gc_overlap(a, b)) * 1e3
-    base = fit_baseline(log, net)
+    base = fit_baseline(log, net, baseline_fit)
 
     host = [x for x in segs if not x[4]]
     points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
@@ -754,8 +785,7 @@ def partition_reference(log: RawLog) -> Partition:
         for a, b in windows:
             parts[i, labels.index("preempt")] += (b - a) * 1e3
             for lb, v in tally(a, b).items():
-                if lb != "residual":
-                    context[i, labels.index(lb)] += v
+                context[i, labels.index(lb)] += v
     gap_ms = (g_t1 - g_t0) * 1e3
     primary, prim_causes = primary_of(parts, gap_ms, labels)
     return Partition(
