@@ -538,6 +538,48 @@ def test_what_a_misplaced_device_window_can_move_is_bounded(busy):
     assert worst > 0  # the shifts did move something: the check is not vacuous
 
 
+def _drifting_chain_log(with_chains: bool):
+    # Gap [45, 62]: schedule 45..46, the host waits (unsegmented), then `sample` 58.9..62 and
+    # the emission at 62. The device window is recorded at 50..60, on a chain that started
+    # at 0 and was found 2 ms late when it ended at 100 (a steady drift: 0.02 ms per ms).
+    import dataclasses
+
+    b = LogBuilder()
+    b.emit(0, 45, -1)
+    s = b.step(45, 62, graph=1)
+    b.seg(s, "schedule", 45, 46)
+    b.seg(s, "decode", 46, 46.5)
+    b.seg(s, "decode", 50, 60, device=True)
+    b.seg(s, "sample", 58.9, 62)
+    b.emit(0, 62, s)
+    log = b.build(wall_ms=100)
+    chains = [{"start_host_s": 0.0, "end_host_s": 0.1, "predicted_minus_observed_ms": 2.0}]
+    cal = {"max_placement_err_ms": 2.0, "chains": chains} if with_chains else {}
+    return dataclasses.replace(log, meta={"device_calibration": cal})
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_measured_drift_moves_device_windows_before_the_partition(impl):
+    # Corrected, the window is 0.98 * (50..60) = 49..58.8: it ends before `sample` starts,
+    # with the host idle, so the gap is device-bound: schedule 1, forward launch 0.5 +
+    # device 9.8 = 10.3, residual 46.5..49 + 58.8..58.9 = 2.6, sample 3.1. Sum 17.
+    p = impl(_drifting_chain_log(True))
+    assert_parts(
+        parts_of(p, 0),
+        {"schedule": 1.0, "forward": 10.3, "residual": 2.6, "sample": 3.1},
+        tol=1e-9,
+    )
+    # As recorded (no chains in the meta), it ends at 60, inside `sample`: host-bound, the
+    # window owns only the host-idle time inside it, 50..58.9 = 8.9: forward 0.5 + 8.9,
+    # residual 46.5..50 = 3.5, schedule 1, sample 3.1.
+    p = impl(_drifting_chain_log(False))
+    assert_parts(
+        parts_of(p, 0),
+        {"schedule": 1.0, "forward": 9.4, "residual": 3.5, "sample": 3.1},
+        tol=1e-9,
+    )
+
+
 def test_device_rule_memory_is_linear_in_windows_and_gaps():
     # 20,000 device windows of one step (0.5 ms each, 1 ms apart), read by 20,000 emissions:
     # 10,000 requests, each emitting at 0 and at 20,000 ms, so every gap spans every window.

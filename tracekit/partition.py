@@ -53,7 +53,7 @@ tests check that they agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -207,6 +207,46 @@ FIT_ALL_CAPTURED = "all-captured"
 #: every eager step. docs/partition.md explains when the two differ.
 FIT_MEASURED_CAPTURED = "measured-captured"
 BASELINE_FITS = (FIT_ALL_CAPTURED, FIT_MEASURED_CAPTURED)
+
+
+def drift_corrected(log: RawLog) -> RawLog:
+    """The log with its device windows moved by the clock drift the device timer measured.
+
+    The device timer places windows by chaining elapsed times from a calibration point;
+    each chain ends at a fresh calibration (after an idle stretch, and at stop) that shows
+    how far the chain had drifted by then (`meta["device_calibration"]["chains"]`). With
+    a steady drift the error grows linearly along the chain, so a window at time t of a
+    chain [start, end] that ended ``m`` ms off is moved back by ``m * (t - start) /
+    (end - start)``. A log without chains (or without device windows) is returned as is."""
+    chains = dict(log.meta.get("device_calibration") or {}).get("chains") or []
+    sg = log.segments
+    dev = sg.is_device == 1
+    if not chains or not dev.any():
+        return log
+    try:
+        c0 = np.array([float(c["start_host_s"]) for c in chains])
+        c1 = np.array([float(c["end_host_s"]) for c in chains])
+        m_s = np.array([float(c["predicted_minus_observed_ms"]) for c in chains]) * 1e-3
+    except (KeyError, TypeError, ValueError):
+        return log  # not written by tracekit's timer: leave the windows where they are
+    ok = np.isfinite(c0) & np.isfinite(c1) & np.isfinite(m_s) & (c1 > c0)
+    if not ok.any():
+        return log
+    c0, c1, m_s = c0[ok], c1[ok], m_s[ok]
+    o = np.argsort(c0, kind="stable")
+    c0, c1, m_s = c0[o], c1[o], m_s[o]
+
+    def moved(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(c0, t, side="right") - 1  # the chain that started last before t
+        kk = np.maximum(k, 0)
+        inside = (k >= 0) & (t <= c1[kk])
+        frac = np.clip((t - c0[kk]) / (c1[kk] - c0[kk]), 0.0, 1.0)
+        return np.where(inside, t - m_s[kk] * frac, t)
+
+    a, b = sg.t_start_s.copy(), sg.t_end_s.copy()
+    a[dev], b[dev] = moved(a[dev]), moved(b[dev])
+    b[dev] = np.maximum(b[dev], a[dev])
+    return replace(log, segments=replace(sg, t_start_s=a, t_end_s=b))
 
 
 def fit_baseline(
@@ -575,7 +615,9 @@ def partition(
 ) -> Partition:
     """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum.
 
-    `baseline_fit`: the graph baseline's fit (`BASELINE_FITS`; design.md's by default)."""
+    `baseline_fit`: the graph baseline's fit (`BASELINE_FITS`; design.md's by default).
+    Device windows are first corrected for the measured clock drift (`drift_corrected`)."""
+    log = drift_corrected(log)
     causes = segment_causes(log)
     is_dev = log.segments.is_device == 1
     classes = _classes(causes, is_dev)
@@ -708,6 +750,7 @@ def _baseline_warnings(log: RawLog, base: GraphBaseline) -> tuple[str, ...]:
 
 def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) -> Partition:
     """The same partition with plain Python loops, one gap and one slice at a time."""
+    log = drift_corrected(log)
     causes_arr = segment_causes(log)
     causes = causes_arr.tolist()
     sg, gcp, st = log.segments, log.gc_pauses, log.steps
