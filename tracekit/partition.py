@@ -520,9 +520,12 @@ def _device_windows(log: RawLog, causes: np.ndarray):
     return step[keep], a[keep], b[keep], c[keep], last_end
 
 
-def _device_charges(log, causes, frac, tl, classes, to_labels, col, g_dstep, g_t0, g_t1, e_gap):
-    """What device windows take from the host labels and own (rule 6): the gaps they touch
-    and, for each, a row of changes to add to its parts (each row sums to 0).
+def _device_charges(
+    log, causes, frac, tl, classes, to_labels, col, g_dstep, g_t0, g_t1, g_rank0, g_rank1, e_gap
+):
+    """What device windows take from the host labels and own (rule 6): rows of changes to
+    add to parts (each row sums to 0), one per distinct (t0, t1, read step end); the gaps
+    they touch; and for each of those gaps, its row.
 
     Memory is linear in windows + gaps: a gap's eligible windows are one run of the sorted
     disjoint windows (from the first ending after t0 to the last ending by the read step's
@@ -532,7 +535,8 @@ def _device_charges(log, causes, frac, tl, classes, to_labels, col, g_dstep, g_t
     n_lab = to_labels.shape[1]
     step, a, b, c, last_end = _device_windows(log, causes)
     if len(step) == 0 or n == 0:
-        return np.zeros((0, n_lab)), np.zeros(0, dtype=np.int64)
+        z = np.zeros(0, dtype=np.int64)
+        return np.zeros((0, n_lab)), z, z
     n_steps = len(log.steps)
     ok = (g_dstep >= 0) & (g_dstep < n_steps)
     read_end = np.where(ok, last_end[np.where(ok, g_dstep, 0)], -np.inf)
@@ -558,7 +562,8 @@ def _device_charges(log, causes, frac, tl, classes, to_labels, col, g_dstep, g_t
     is_dec = c == "decode"
     fr = frac[step]
     rows = np.arange(len(step))
-    lab[rows[~is_dec], [col[x] for x in c[~is_dec].tolist()]] = 1.0
+    names, inv = np.unique(c[~is_dec].astype(str), return_inverse=True)  # few causes
+    lab[rows[~is_dec], np.array([col[x] for x in names.tolist()], dtype=np.int64)[inv]] = 1.0
     lab[rows[is_dec], col["forward"]] = 1.0 - fr[is_dec]
     lab[rows[is_dec], col["graph"]] += fr[is_dec]
     idle_mask = np.zeros(n_cls + 2)
@@ -581,17 +586,45 @@ def _device_charges(log, causes, frac, tl, classes, to_labels, col, g_dstep, g_t
     d_all, h_all = charges(a, b, rows)
     pd, ph = _prefix(d_all), _prefix(h_all)
     g = np.flatnonzero(active)
-    glo, ghi, gb = lo[g], hi[g], bound[g]
-    out = np.where(gb[:, None], pd[ghi] - pd[glo], ph[ghi] - ph[glo])
+    # gaps with the same (t0, t1, read step end) get the same changes: a batch's requests
+    # share their emissions, so this computes one row per distinct gap, not per request
+    # (key: the ranks of t0 and t1 among the emission times, and the read step)
+    first, inv = _groups(g_rank0[g], g_rank1[g], g_dstep[g])
+    u = g[first]  # one representative gap per distinct key
+    ulo, uhi, ub, ut0, ut1 = lo[u], hi[u], bound[u], g_t0[u], g_t1[u]
+    out = np.where(ub[:, None], pd[uhi] - pd[ulo], ph[uhi] - ph[ulo])
     # the windows a gap cuts: take back the parts outside [t0, t1]
     for sel, x0, x1, w in (
-        (a[glo] < g_t0[g], a[glo], g_t0[g], glo),
-        (b[ghi - 1] > g_t1[g], g_t1[g], b[ghi - 1], ghi - 1),
+        (a[ulo] < ut0, a[ulo], ut0, ulo),
+        (b[uhi - 1] > ut1, ut1, b[uhi - 1], uhi - 1),
     ):
         if sel.any():
             d_cut, h_cut = charges(x0[sel], x1[sel], w[sel])
-            out[sel] -= np.where(gb[sel][:, None], d_cut, h_cut)
-    return out, g
+            out[sel] -= np.where(ub[sel][:, None], d_cut, h_cut)
+    return out, g, inv
+
+
+def _groups(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with equal non-negative integer columns: (first row of each group, group of
+    each row). One packed int64 key when it fits, else a lexicographic sort."""
+    n = len(cols[0])
+    if n == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z
+    cols = tuple(np.asarray(c, dtype=np.int64) + 1 for c in cols)  # -1 (none) becomes 0
+    spans = [int(c.max()) + 1 for c in cols]
+    if np.prod([float(x) for x in spans]) < 2.0**62:
+        key = np.zeros(n, dtype=np.int64)
+        for c, span in zip(cols, spans, strict=True):
+            key = key * span + c
+        _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+        return first, inv.reshape(-1)
+    o = np.lexsort(cols[::-1])
+    new = np.ones(n, dtype=bool)
+    new[1:] = np.any([c[o][1:] != c[o][:-1] for c in cols], axis=0)
+    inv = np.empty(n, dtype=np.int64)
+    inv[o] = np.cumsum(new) - 1
+    return o[new], inv
 
 
 def _cumulative(tl: _Timeline, n_cls: int, times: np.ndarray):
@@ -700,14 +733,23 @@ def partition(
     # device windows on the gap's critical path (rule 6)
     if is_dev.any():
         g_dstep = em.device_step[order][pair + 1]
-        d_change, d_gap = _device_charges(
+        u_change, d_gap, inv = _device_charges(
             log, causes, base.eager_excess_frac, tl, classes, to_labels, col,
-            g_dstep, g_t0, g_t1, e_gap,
+            g_dstep, g_t0, g_t1, a_idx, b_idx, e_gap,
         )  # fmt: skip
-        if len(d_gap):
-            parts[d_gap] += d_change
-            one = one.copy()
-            one[d_gap] = False  # their primary cause is recomputed below
+        moved = np.any(u_change != 0.0, axis=1)[inv]  # host-bound gaps often keep all
+        d_gap, inv = d_gap[moved], inv[moved]
+    else:
+        d_gap = inv = np.zeros(0, dtype=np.int64)
+    if len(d_gap):
+        parts[d_gap] += u_change[inv]
+        # gaps that share (t0, t1, read step) and no eviction have equal parts: one primary
+        # cause per distinct gap
+        rep = np.full(len(u_change), -1, dtype=np.int64)
+        rep[inv] = d_gap
+        has = rep >= 0
+        prim_dev = np.full(len(u_change), CLEAN, dtype=np.int64)
+        prim_dev[has] = primary_of(parts[rep[has]], (g_t1 - g_t0)[rep[has]] * 1e3, labels)[0]
 
     gap_ms = (g_t1 - g_t0) * 1e3
     # the primary cause of a one-interval gap with no eviction is its interval's
@@ -716,6 +758,9 @@ def partition(
     primary = np.take(prim_u, a_idx) if n else prim_u[:0]
     redo_mask = ~one
     redo_mask[e_gap] = True
+    if len(d_gap):
+        primary[d_gap] = prim_dev[inv]
+        redo_mask[d_gap] = False
     redo = np.flatnonzero(redo_mask)
     if len(redo):
         primary[redo] = primary_of(parts[redo], gap_ms[redo], labels)[0]
