@@ -258,7 +258,7 @@ def _idle_hours_run(**timer_settings):
         setattr(dev, k, v)
     rec = Recorder(clock=clock, gc=False, device_timer=dev)
     with rec:
-        for idle_ms in (0.0, 3_600_000.1372, 3_599_999.8913):
+        for idle_ms in (0.0, 3_600_000.0625, 3_600_000.15):
             clock.advance(idle_ms)
             for _ in range(3):
                 with rec.step():
@@ -290,8 +290,16 @@ def test_placement_bound_holds_without_reanchoring():
     # nothing when the two hours' rounding errors cancel).
     err, bound, cal = _idle_hours_run(reanchor_after_ms=math.inf, reanchor_err_ms=math.inf)
     assert cal["num_reanchors"] == 0
-    assert err > 0.01  # the rounding is real
+    assert err > 0.05  # the rounding is real
     assert err <= bound
+    # here the two hours' rounding errors largely cancel by the stop calibration: what it
+    # shows (its mismatch and both brackets) is far below the real error
+    stop_only = (
+        abs(cal["stop_predicted_minus_observed_ms"])
+        + cal["start_uncertainty_ms"]
+        + cal["stop_uncertainty_ms"]
+    )
+    assert stop_only < err / 2
     # the bound: rounding carried, two hour-long elapsed times of up to 0.125 each (0.25),
     # plus what the stop calibration cannot tell apart from drift: its mismatch (at most that
     # same rounding, 0.25) and the rounding again (0.25); brackets of a few us on top
