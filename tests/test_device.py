@@ -588,6 +588,18 @@ def test_the_measured_drift_moves_device_windows_before_the_partition(impl):
     )
 
 
+@pytest.mark.parametrize(
+    "cal",
+    [[1, 2], "chains", {"chains": "x"}, {"chains": [{"start_host_s": None}]}, {"chains": [7]}],
+)
+def test_a_calibration_meta_not_written_by_the_timer_leaves_windows_as_recorded(cal):
+    import dataclasses
+
+    log = _drifting_chain_log(False)
+    odd = dataclasses.replace(log, meta={"device_calibration": cal})
+    np.testing.assert_array_equal(partition(odd).parts_ms, partition(log).parts_ms)
+
+
 def test_device_rule_memory_is_linear_in_windows_and_gaps():
     # 20,000 device windows of one step (0.5 ms each, 1 ms apart), read by 20,000 emissions:
     # 10,000 requests, each emitting at 0 and at 20,000 ms, so every gap spans every window.

@@ -218,10 +218,11 @@ def drift_corrected(log: RawLog) -> RawLog:
     a steady drift the error grows linearly along the chain, so a window at time t of a
     chain [start, end] that ended ``m`` ms off is moved back by ``m * (t - start) /
     (end - start)``. A log without chains (or without device windows) is returned as is."""
-    chains = dict(log.meta.get("device_calibration") or {}).get("chains") or []
+    cal = log.meta.get("device_calibration")
+    chains = cal.get("chains") if isinstance(cal, dict) else None
     sg = log.segments
     dev = sg.is_device == 1
-    if not chains or not dev.any():
+    if not isinstance(chains, list) or not chains or not dev.any():
         return log
     try:
         c0 = np.array([float(c["start_host_s"]) for c in chains])
