@@ -2,6 +2,9 @@
 
     python bench/bench_partition.py            # >= 1 M gaps; prints ratios, asserts nothing
 
+It also times the device rule: the same log with a device window under every decode
+(the host waiting for it), against the log without, interleaved.
+
 Ratios are against baselines measured in the same process, so they hold on any machine.
 """
 
@@ -29,8 +32,37 @@ def best_of(fn, n: int = 5) -> float:
     return min(times)
 
 
+def with_device_windows(log):
+    """`log` with each decode segment's device execution: 0.1 ms after the launch, as long."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    sg = log.segments
+    dec = np.flatnonzero(sg.label == 3)
+    cat = {k: np.concatenate([v, v[dec]]) for k, v in sg.columns().items()}
+    n = len(sg)
+    cat["t_start_s"][n:] += 1e-4
+    cat["t_end_s"][n:] += 1e-4
+    cat["is_device"][n:] = 1
+    return replace(log, segments=type(sg)(**cat))
+
+
+def device_rule_cost(log) -> None:
+    dev = with_device_windows(log)
+    n_win = int((dev.segments.is_device == 1).sum())
+    host, device = [], []
+    for _ in range(3):  # interleaved A/B pairs
+        host.append(best_of(lambda: partition(log), 1))
+        device.append(best_of(lambda: partition(dev), 1))
+    ratios = sorted(d / h for d, h in zip(device, host, strict=True))
+    print(f"device rule: {n_win:,} device windows cost {ratios[1]:.2f}x the host-only "
+          f"partition [{ratios[0]:.2f}-{ratios[-1]:.2f}] (3 interleaved pairs)")  # fmt: skip
+
+
 def main() -> None:
     big = synthetic_log(num_steps=34_000, batch=32)
+    device_rule_cost(big)
     p = partition(big)
     n_gaps = len(p)
     t_fast = best_of(lambda: partition(big))

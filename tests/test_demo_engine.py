@@ -348,23 +348,52 @@ def _run(cfg, tokenizer, trace, tmp_path, name="run.npz", engine_cls=Engine):
 
 
 def test_short_run_logs_evictions_where_the_engine_preempted(tokenizer, tmp_path):
+    class CountingEngine(_SwapCheckingEngine):
+        """Counts the swap-outs the engine actually performed, per request: a count that
+        does not come from the scheduler's preemption counter the log's steps carry."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.swapped_out: list[int] = []
+
+        def _do_kv_op(self, op):
+            if op.kind == "swap_out":
+                self.swapped_out.append(op.req.rid)
+            super()._do_kv_op(op)
+
     cfg = SMALL.replace(num_kv_blocks=24, max_num_seqs=8)
-    eng, stats, log = _run(cfg, tokenizer, _burst(10), tmp_path, engine_cls=_SwapCheckingEngine)
-    assert stats.num_finished == 10 and stats.num_preemptions > 0
+    eng, stats, log = _run(cfg, tokenizer, _burst(10), tmp_path, engine_cls=CountingEngine)
+    assert stats.num_finished == 10 and len(eng.swapped_out) > 0
     assert eng.num_checked > 0  # swap round trips happened and were exact
     assert len(log.requests) == 10
-    assert len(log.evictions) == stats.num_preemptions == int(log.steps.num_preempted.sum())
+    # one eviction per swap-out performed, of the same requests
+    evicted = sorted(log.request_ids[i] for i in log.evictions.request.tolist())
+    assert evicted == sorted(str(rid) for rid in eng.swapped_out)
+    assert int(log.steps.num_preempted.sum()) == len(eng.swapped_out)
     assert np.isfinite(log.evictions.t_readmit_s).all()  # drained: all came back
     assert (log.evictions.mode == 0).all()  # swap
     assert int(log.steps.num_swapped_in.sum()) == len(log.evictions)
     # every request emitted exactly its max_new_tokens
     counts = np.bincount(log.emissions.request, minlength=10)
     assert counts.tolist() == [40] * 10
-    # emissions share their step's time, right after decode
     used = {log.labels[i] for i in np.unique(log.segments.label)}
     assert {"tok", "prefill", "decode", "swap"} <= used
-    steps_with_decode = np.flatnonzero(log.steps.num_decode > 0)
+    # emissions share their step's time, right after decode: every emission of a step has
+    # one time, inside the step, at or after the end of the step's decode segment, and no
+    # segment of the step starts between that end and the emission
+    em, sg, st = log.emissions, log.segments, log.steps
+    decode = log.labels.index("decode")
+    steps_with_decode = np.flatnonzero(st.num_decode > 0)
     assert len(steps_with_decode) > 0
+    for s in steps_with_decode.tolist():
+        t = np.unique(em.t_s[em.step == s])
+        assert len(t) == 1, f"step {s}: emissions at {t}"
+        assert st.t_start_s[s] <= t[0] <= st.t_end_s[s]
+        mine = sg.step == s
+        (dec,) = np.flatnonzero(mine & (sg.label == decode))
+        assert sg.t_end_s[dec] <= t[0]
+        between = mine & (sg.t_start_s >= sg.t_end_s[dec]) & (sg.t_start_s < t[0])
+        assert not between.any(), f"step {s}: a segment between decode and the emission"
     assert {"batch_size", "kv_free_blocks"} <= set(log.counter_names)
 
 

@@ -213,3 +213,45 @@ def test_the_real_nvtx_package_accepts_our_ranges():
     assert rec._nvtx is sys.modules["nvtx"] and not getattr(rec._nvtx, "_fake", 0)
     log = rec.log()
     assert len(log.steps) == 4 and int((log.segments.is_device == 1).sum()) == 3
+
+
+class _StickyError(RuntimeError):
+    pass
+
+
+def test_a_device_segment_whose_event_record_fails_pops_its_range(fake_nvtx):
+    # a sticky CUDA error makes `event.record()` raise in begin() (at enter) or end() (at
+    # exit): every push still has its pop, the enclosing step's pop closes the step's range,
+    # and no stale start stays on the thread's stack
+    clock = FakeClock()
+    timer = FakeDeviceTimer(clock, exec_ms=1.0)
+    rec = Recorder(nvtx=True, gc=False, clock=clock, device_timer=timer)
+    real_record = timer._record
+    fail = {"opens": None}
+
+    def record(event, opens):
+        if fail["opens"] is opens:
+            raise _StickyError("CUDA error: an illegal memory access was encountered")
+        real_record(event, opens)
+
+    timer._record = record
+    with rec:
+        for opens in (True, False):
+            fail["opens"] = opens
+            with pytest.raises(_StickyError):
+                with rec.step():
+                    with rec.segment("decode", device=True):
+                        fake_nvtx.mark("launch")
+            assert rec._tls_stack() == []
+        fail["opens"] = None
+        with rec.step():
+            with rec.segment("decode", device=True):
+                fake_nvtx.mark("launch")
+    assert fake_nvtx.tree() == [
+        ("step", [("decode", [])]),  # begin() failed: the body never ran
+        ("step", [("decode", [("<launch>", [])])]),  # end() failed after the body
+        ("step", [("decode", [("<launch>", [])])]),
+    ]
+    sg = rec.log().segments
+    # host windows: the one whose end() failed and the healthy one; one device window
+    assert (sg.is_device == 0).sum() == 2 and (sg.is_device == 1).sum() == 1

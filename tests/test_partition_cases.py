@@ -149,9 +149,10 @@ def test_mixed_step_prefill_tok_swap_and_decode(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_overlapping_segments_follow_precedence(impl):
-    # A tokenizer thread's `tok` window 10..30 overlaps the loop's decode 0..40: precedence
-    # (tok before decode) gives tok 20, forward 20. An engine label `schedule` 35..45
-    # overlapping decode goes to schedule (engine labels precede decode): 5 ms.
+    # Gap [0, 45]. A tokenizer thread's `tok` window 10..30 overlaps the loop's decode 0..40:
+    # precedence (tok before decode) gives tok 20. An engine label `schedule` 35..45 owns its
+    # overlap with decode, 35..40 (engine labels precede decode): 5 ms, plus 40..45 where it
+    # runs alone: schedule 10. Decode keeps 0..10 and 30..35: forward 15. 20 + 10 + 15 = 45.
     b = LogBuilder()
     b.emit(0, 0, -1)
     s = b.step(0, 45)

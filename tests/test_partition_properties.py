@@ -10,7 +10,7 @@ from logbuilder import LogBuilder
 
 from tracekit.partition import partition, partition_reference
 
-EXTRA = ["schedule", "sample"]
+EXTRA = ["schedule", "sample", "wait"]  # `wait`: host idle for the device rule
 
 
 @st.composite
@@ -88,3 +88,79 @@ def test_late_in_a_long_run_parts_keep_gap_precision(offset_s, n):
         t += 7.3
     p = partition(b.build())
     assert p.reconcile_max_err_ms <= 1e-9
+
+
+def _shift_device(log, e_ms):
+    import dataclasses
+
+    sg = log.segments
+    dev = sg.is_device == 1
+    a, b = sg.t_start_s.copy(), sg.t_end_s.copy()
+    a[dev] += e_ms * 1e-3
+    b[dev] += e_ms * 1e-3
+    return dataclasses.replace(log, segments=dataclasses.replace(sg, t_start_s=a, t_end_s=b))
+
+
+def _measure(intervals):
+    """Total length of a union of (a, b) intervals."""
+    total, end = 0.0, -np.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _eligible_and_busy(log, r, t0, t1, step1):
+    """docs/gpu.md's terms for one gap, computed the obvious way: the number of device
+    windows on its path (ended by the read step's device work, overlapping the gap) and the
+    host-busy time inside them (ms)."""
+    em, sg = log.emissions, log.segments
+    (row,) = np.flatnonzero((em.request == r) & (em.t_s == t1) & (em.step == step1))[:1]
+    ds = int(em.device_step[row])
+    dev = np.flatnonzero((sg.is_device == 1) & (sg.step >= 0))
+    mine = dev[sg.step[dev] == ds]
+    if ds < 0 or len(mine) == 0:
+        return 0, 0.0
+    read_end = sg.t_end_s[mine].max()
+    # disjoint over the run, the earlier start owning an overlap (as the partition does)
+    wins, busy_until = [], -np.inf
+    for i in sorted(dev.tolist(), key=lambda i: (sg.t_start_s[i], sg.step[i], sg.t_end_s[i])):
+        a, b = max(sg.t_start_s[i], busy_until), sg.t_end_s[i]
+        if b > a:
+            wins.append((a, b))
+        busy_until = max(busy_until, b)
+    on_path = [
+        (max(a, t0), min(b, t1)) for a, b in wins if b <= read_end and min(b, t1) > max(a, t0)
+    ]
+    host_busy = [
+        (sg.t_start_s[i], sg.t_end_s[i])
+        for i in np.flatnonzero(sg.is_device == 0).tolist()
+        if log.labels[sg.label[i]] not in ("wait", "sync")
+    ] + list(zip(log.gc_pauses.t_start_s, log.gc_pauses.t_end_s, strict=True))
+    inside = [
+        (max(a, wa), min(b, wb))
+        for wa, wb in on_path
+        for a, b in host_busy
+        if min(b, wb) > max(a, wa)
+    ]
+    return len(on_path), _measure(inside) * 1e3
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_logs(), st.floats(-2.0, 2.0))
+def test_moving_device_windows_moves_at_most_the_documented_bound(log, e_ms):
+    # docs/gpu.md: moving a gap's device windows by e changes its parts (L1) by at most 4e
+    # per window on its path plus twice the host-busy time inside them (before or after)
+    moved_log = _shift_device(log, e_ms)
+    before, after = partition(log), partition(moved_log)
+    assert len(before) == len(after)
+    for i in range(len(before)):
+        if before.num_evictions[i]:
+            continue  # host rules only: device windows play no part
+        args = (int(before.request[i]), before.t0_s[i], before.t1_s[i], int(before.step1[i]))
+        k0, b0 = _eligible_and_busy(log, *args)
+        k1, b1 = _eligible_and_busy(moved_log, *args)
+        bound = 4 * abs(e_ms) * max(k0, k1) + 2 * max(b0, b1)
+        moved = float(np.abs(after.parts_ms[i] - before.parts_ms[i]).sum())
+        assert moved <= bound + 1e-6, (i, moved, bound, k0, k1, b0, b1)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .formats import json_safe
-from .partition import CLEAN, Partition, partition
+from .partition import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from .rawlog import GRAPH_EAGER, RawLog
 
 #: ITL histogram bin edges, ms: bins are [lo, hi).
@@ -56,7 +56,8 @@ class RunAnalysis:
     all_count: dict[str, int]  # all gaps by primary cause
     fwd_share_clean_median: float  # median forward/gap over clean gaps
     fwd_share_tail_median: float  # median forward/gap over tail gaps
-    evicted_context_ms: dict[str, float]  # engine activity while requests were evicted
+    evicted_context_ms: dict[str, float]  # what ran while requests were evicted, by label
+    # (`residual`: evicted time no engine activity covered; the labels sum to evicted time)
     reconcile_max_err_ms: float  # max over gaps of |gap - sum(parts)|
     skipped_steps_without_eviction: int
     preemptions: int  # sum of the steps' preemption counts
@@ -99,9 +100,12 @@ def _counts(primary: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
     return {name: int(v) for name, v in zip((*causes, "clean"), c, strict=True)}
 
 
-def analyze(log: RawLog, part: Partition | None = None) -> RunAnalysis:
-    """Every per-run figure of design.md for one log (partitioning it if not given)."""
-    p = part if part is not None else partition(log)
+def analyze(
+    log: RawLog, part: Partition | None = None, *, baseline_fit: str = FIT_ALL_CAPTURED
+) -> RunAnalysis:
+    """Every per-run figure of design.md for one log (partitioning it if not given, with the
+    graph baseline fitted by `baseline_fit`: `tracekit.partition.BASELINE_FITS`)."""
+    p = part if part is not None else partition(log, baseline_fit=baseline_fit)
     gap = p.gap_ms
     labels = p.labels
     fwd = p.column("forward")

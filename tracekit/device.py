@@ -44,6 +44,8 @@ clock drift, so tests without a GPU drive the very same code.
 
 from __future__ import annotations
 
+import math
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -67,6 +69,16 @@ class DeviceTimer:
     #: a calibration event not done after this many queries (or ms) is waited for instead
     calibration_max_spins = 100_000
     calibration_timeout_ms = 100.0
+    #: re-anchor: when a device segment opens on an idle device (every pair resolved) and
+    #: the chain has run this long since the device last finished tracekit's work, or its
+    #: rounding bound has grown this large, a fresh calibration point starts a new chain
+    reanchor_after_ms = 1000.0
+    reanchor_err_ms = 0.001
+    #: a re-anchor never synchronises: it spins on `query()` at most this long (the device
+    #: may be busy with work tracekit did not launch), then gives up and keeps the chain
+    reanchor_max_spin_ms = 0.2
+    #: timestamp resolution of one event (quantisation; it does not accumulate along a chain)
+    event_resolution_ms = 0.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -78,8 +90,16 @@ class DeviceTimer:
         self._origin_tick = 0
         self._anchor: Any = None
         self._anchor_tick = 0.0  # float: chained positions keep sub-tick precision
-        self._calib_tick = 0.0
+        self._calib_tick = 0.0  # the current chain's calibration point
         self._calib_half_ms = 0.0
+        self._round_ms = 0.0  # rounding bound of the anchor's position along the chain
+        self._chain_round_max_ms = 0.0  # the largest such bound of a window in this chain
+        self._chain_dt_max_ms = 0.0  # the furthest a window of this chain lies from its start
+        self._max_err_ms = 0.0  # the placement bound over closed chains
+        self._drift_mismatch_ms = 0.0  # sums over closed chains: predicted - observed
+        self._drift_span_ms = 0.0  # ... and their lengths
+        self._chains: list[dict[str, float]] = []  # closed chains, for the run's meta
+        self.num_reanchors = 0
         self._start_meta: dict[str, Any] = {"timer": self.kind}
         self.num_windows = 0
         self.num_resolved_lazily = 0
@@ -120,6 +140,7 @@ class DeviceTimer:
         self._anchor, self._anchor_tick = ev, tick
         self._calib_tick = tick
         self._calib_half_ms = half / self._ticks_per_ms
+        self._round_ms = self._chain_round_max_ms = self._chain_dt_max_ms = 0.0
         self._start_meta = {
             "timer": self.kind,
             "start_host_s": self._seconds(tick),
@@ -128,7 +149,12 @@ class DeviceTimer:
         return dict(self._start_meta)
 
     def begin(self) -> Any:
-        """A device segment opens: record its start event (before the launch)."""
+        """A device segment opens: record its start event (before the launch). On an idle
+        device whose chain has grown long (an idle stretch), re-anchor first."""
+        if not self._pending and self._clock is not None:
+            idle_ms = (self._clock() - self._anchor_tick) / self._ticks_per_ms
+            if idle_ms > self.reanchor_after_ms or self._round_ms > self.reanchor_err_ms:
+                self._reanchor()
         ev = self._event()
         self._record(ev, True)
         return ev
@@ -162,18 +188,24 @@ class DeviceTimer:
                 sink(*row)
             ev, observed, half = self._calibrate()
             # where the chain of elapsed times puts the stop event, vs where the host saw it
-            predicted = self._anchor_tick + self._elapsed_ms(self._anchor, ev) * self._ticks_per_ms
-            self._free.append(ev)
-            span = observed - self._calib_tick
-            drift_ppm = (predicted - observed) / span * 1e6 if span > 0 else 0.0
-            err_ms = (predicted - observed) / self._ticks_per_ms
+            with self._lock:
+                err_ms = self._close_chain(ev, observed, half)
+                self._free.append(ev)
+            drift_ppm = (
+                self._drift_mismatch_ms / self._drift_span_ms * 1e6
+                if self._drift_span_ms > 0
+                else 0.0
+            )
             cal.update(
                 stop_host_s=self._seconds(observed),
                 stop_uncertainty_ms=half / self._ticks_per_ms,
                 stop_predicted_minus_observed_ms=err_ms,
-                # worst placement error of a window: the drift at the end of the run plus
-                # both calibration brackets
-                max_placement_err_ms=abs(err_ms) + self._calib_half_ms + half / self._ticks_per_ms,
+                # a bound on every window's placement error (docs/gpu.md, "Onto the host
+                # clock"): per chain, both calibration brackets, float32 rounding along it,
+                # and the drift it showed at its end
+                max_placement_err_ms=self._max_err_ms,
+                num_reanchors=self.num_reanchors,
+                chains=self._chains[-self.max_chains_in_meta :],
             )
             out["device_clock_drift_ppm"] = drift_ppm
         except Exception as e:  # a device error at stop must not lose the host log
@@ -191,6 +223,72 @@ class DeviceTimer:
         return out
 
     # -- internals ---------------------------------------------------------------------
+    #: closed chains listed in the run's meta (the most recent ones)
+    max_chains_in_meta = 1000
+
+    def _close_chain(self, ev: Any, observed: float, half: float) -> float:
+        """A calibration event `ev` (host tick `observed` +- `half`) ends the current chain:
+        compare it with where the chain places it and fold the chain's bound into the run's.
+        Returns predicted - observed, ms. Call with the lock held."""
+        tpm = self._ticks_per_ms
+        el = self._elapsed_ms(self._anchor, ev)
+        predicted = self._anchor_tick + el * tpm
+        mismatch_ms = (predicted - observed) / tpm
+        span_ms = (observed - self._calib_tick) / tpm
+        end_half_ms = half / tpm
+        close_round_ms = self._round_ms + _f32_half_ulp(el)
+        # A window's error: start bracket + rounding so far + drift * (its time since the
+        # calibration). With a steady drift, |drift| * span <= |mismatch| + both brackets +
+        # the closing rounding, and no window lies further than `dt_max` into the span.
+        drift_ms = abs(mismatch_ms) + self._calib_half_ms + end_half_ms + close_round_ms
+        share = min(1.0, self._chain_dt_max_ms / span_ms) if span_ms > 0 else 1.0
+        bound = (
+            self._calib_half_ms
+            + self._chain_round_max_ms
+            + drift_ms * share
+            + 2 * self.event_resolution_ms
+        )
+        self._max_err_ms = max(self._max_err_ms, bound)
+        if span_ms > 0:
+            self._drift_mismatch_ms += mismatch_ms
+            self._drift_span_ms += span_ms
+        self._chains.append(
+            {
+                "start_host_s": self._seconds(self._calib_tick),
+                "end_host_s": self._seconds(observed),
+                "predicted_minus_observed_ms": mismatch_ms,
+                "max_placement_err_ms": bound,
+            }
+        )
+        return mismatch_ms
+
+    def _reanchor(self) -> None:
+        """Start a new chain at a fresh calibration point, without synchronising: record an
+        event on the (idle) device and spin on `query()` for at most `reanchor_max_spin_ms`.
+        A device busy with other work keeps the old chain (the event is dropped)."""
+        clock = self._clock
+        assert clock is not None
+        limit = self.reanchor_max_spin_ms * self._ticks_per_ms
+        ev = self._event()
+        h0 = t_record = clock()
+        self._record(ev, False)
+        while True:
+            q = clock()
+            if self._query(ev):
+                h1 = clock()
+                break
+            h0 = q  # not done when this was read
+            if q - t_record > limit:
+                return
+        observed, half = (h0 + h1) / 2, (h1 - h0) / 2
+        with self._lock:
+            self._close_chain(ev, observed, half)
+            self._free.append(self._anchor)
+            self._anchor, self._anchor_tick = ev, observed
+            self._calib_tick, self._calib_half_ms = observed, half / self._ticks_per_ms
+            self._round_ms = self._chain_round_max_ms = self._chain_dt_max_ms = 0.0
+            self.num_reanchors += 1
+
     def _event(self) -> Any:
         """A resolved event to record again, or a new one (pop is atomic: any thread)."""
         try:
@@ -251,13 +349,28 @@ class DeviceTimer:
                 if not wait and not self._query(end):
                     break  # one stream: nothing queued after it has finished either
                 pending.popleft()
-                t0 = self._anchor_tick + self._elapsed_ms(self._anchor, start) * tpm
-                t1 = t0 + self._elapsed_ms(start, end) * tpm
+                el0 = self._elapsed_ms(self._anchor, start)
+                el1 = self._elapsed_ms(start, end)
+                t0 = self._anchor_tick + el0 * tpm
+                t1 = t0 + el1 * tpm
+                # each elapsed time is float32 ms: its rounding is carried along the chain
+                self._round_ms += _f32_half_ulp(el0) + _f32_half_ulp(el1)
+                self._chain_round_max_ms = max(self._chain_round_max_ms, self._round_ms)
+                dt_ms = max(abs(t0 - self._calib_tick), abs(t1 - self._calib_tick)) / tpm
+                self._chain_dt_max_ms = max(self._chain_dt_max_ms, dt_ms)
                 free.append(self._anchor)
                 free.append(start)
                 self._anchor, self._anchor_tick = end, t1
                 rows.append((step, label, round(t0), round(t1), thread))
         return rows
+
+
+def _f32_half_ulp(ms: float) -> float:
+    """Half the float32 spacing at `ms`: how far CUDA's float32 elapsed time can be off."""
+    if ms == 0 or not math.isfinite(ms):
+        return 0.0
+    _, e = math.frexp(abs(ms))  # |ms| = m * 2**e, 0.5 <= m < 1: float32 spacing 2**(e - 24)
+    return math.ldexp(1.0, e - 25)
 
 
 class CudaEventTimer(DeviceTimer):
@@ -267,6 +380,7 @@ class CudaEventTimer(DeviceTimer):
     imported here, when a timer is made, never by `import tracekit`."""
 
     kind = "cuda-events"
+    event_resolution_ms = 0.0005  # CUDA's documented event resolution, about 0.5 us
 
     def __init__(self, device: Any = None) -> None:
         import torch  # the `gpu` extra
@@ -332,6 +446,7 @@ class FakeDeviceTimer(DeviceTimer):
         exec_ms=0 to describe every kernel explicitly).
     resolve_delay_ms: an event reports done (`query`) this long after the stream passed it.
     drift_ppm: the device clock runs fast by this much against the host clock.
+    float32_elapsed: elapsed times come back as float32 milliseconds, as CUDA's do.
     """
 
     kind = "fake"
@@ -344,9 +459,11 @@ class FakeDeviceTimer(DeviceTimer):
         exec_ms: float = 5.0,
         resolve_delay_ms: float = 0.0,
         drift_ppm: float = 0.0,
+        float32_elapsed: bool = False,
     ) -> None:
         super().__init__()
         self.fake_clock = clock
+        self.float32_elapsed = float32_elapsed
         self.lag_ns = round(lag_ms * 1e6)
         self.exec_ns = round(exec_ms * 1e6)
         self.resolve_delay_ns = round(resolve_delay_ms * 1e6)
@@ -378,11 +495,16 @@ class FakeDeviceTimer(DeviceTimer):
         return self.fake_clock.t >= event.at_ns + self.resolve_delay_ns
 
     def _elapsed_ms(self, a: Any, b: Any) -> float:
-        return (b.at_ns - a.at_ns) * (1.0 + self.drift_ppm * 1e-6) / 1e6
+        ms = (b.at_ns - a.at_ns) * (1.0 + self.drift_ppm * 1e-6) / 1e6
+        return _to_float32(ms) if self.float32_elapsed else ms
 
     def _synchronize(self) -> None:
         self.num_synchronizes += 1
         self.fake_clock.t = max(self.fake_clock.t, self.tail_ns)
+
+
+def _to_float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 __all__ = ["CudaEventTimer", "DeviceTimer", "FakeClock", "FakeDeviceTimer", "Sink"]

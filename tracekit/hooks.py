@@ -117,8 +117,18 @@ class _DeviceSegment(_Segment):
         rec = self._rec
         if rec._nvtx is not None:
             rec._nvtx.push_range(message=self._name, color=self._color, domain=NVTX_DOMAIN)
-        rec._tls_stack().append(rec._clock())
-        rec._tls_stack().append(rec._device.begin())  # type: ignore[union-attr]
+        try:
+            t0 = rec._clock()
+            # may raise (a sticky CUDA error fails `event.record()`): then `__exit__` never
+            # runs, so the range pushed above is popped here and nothing is left on the stack
+            start = rec._device.begin()  # type: ignore[union-attr]
+        except BaseException:
+            if rec._nvtx is not None:
+                rec._nvtx.pop_range(domain=NVTX_DOMAIN)
+            raise
+        stack = rec._tls_stack()
+        stack.append(t0)
+        stack.append(start)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -126,9 +136,11 @@ class _DeviceSegment(_Segment):
         try:
             stack = rec._tls_stack()
             start = stack.pop()
-            rec._device.end(start, self._label, rec._step_here(), rec._thread_id())  # type: ignore[union-attr]
-            t1 = rec._clock()
-            rec._append_segment(self._label, stack.pop(), t1, 0)
+            t0 = stack.pop()  # both popped before anything can raise: no stale entry
+            try:
+                rec._device.end(start, self._label, rec._step_here(), rec._thread_id())  # type: ignore[union-attr]
+            finally:  # the host window happened whether or not the device could record
+                rec._append_segment(self._label, t0, rec._clock(), 0)
         finally:
             if rec._nvtx is not None:
                 rec._nvtx.pop_range(domain=NVTX_DOMAIN)

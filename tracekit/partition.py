@@ -4,29 +4,39 @@ A *gap* is ``[t0, t1]`` between two consecutive emissions of one request. Every
 millisecond of it goes to exactly one label:
 
 1. while the request is evicted (eviction to readmission; a missing readmission runs to
-   ``t1``), all of it is ``preempt``; what the engine ran meanwhile is *context*, never added;
+   ``t1``), all of it is ``preempt``; what the engine ran meanwhile is *context*, never added
+   (context is partitioned like live time, uncovered time as ``residual``, so it sums to
+   the evicted time);
 2. in the live windows, GC pauses (their union) own whatever they overlap: ``gc``;
 3. each segment's GC-free overlap goes to its cause (``swap`` -> ``preempt``); where
    segments overlap each other, `tracekit.labels.precedence` decides, in one place;
 4. ``decode`` time is split into ``graph`` (excess over a captured step) and ``forward``:
    a least-squares line of GC-free decode ms against the padded batch size, over the steps
-   that ran on a captured size, predicts an eager step's decode time at its decode row
-   count; the step's excess fraction ``max(0, net - pred) / net`` of its GC-free decode
-   time ``net`` is charged to ``graph``, proportionally to the part inside the window;
+   that ran on a captured size (all of them, a decode wholly inside a GC pause included,
+   unless `FIT_MEASURED_CAPTURED` is asked for), predicts an eager step's decode time at
+   its decode row count; the step's excess fraction ``max(0, net - pred) / net`` of its
+   GC-free decode time ``net`` is charged to ``graph``, proportionally to the part inside
+   the window;
 5. whatever no segment or pause covers is ``residual``;
 6. device work (segments recorded with ``is_device=1``: execution windows from CUDA events,
-   mapped onto the host clock) is charged by the critical path. The emission that closes
-   the gap read the results of one step (`Emissions.device_step`: the emitting step in a
-   synchronous engine, the previous one under async scheduling); only that step's device
-   windows can own time in this gap. If the host was idle just before the last of them
-   ended (no host window other than a `wait`/`sync` and no GC pause covers that instant:
-   the host waited for the device), the gap is *device-bound* and those windows own their
-   time ahead of every host window and GC pause; the host work they hid (launches, the
-   CPU preparing the next step) is charged nothing. Otherwise the gap is *host-bound*: the
-   device finished while the host was busy, so host time is the critical path and device
-   windows own nothing. Windows of one step that overlap are made disjoint (the earlier
-   start owns the overlap). A gap that contains an eviction of its request uses the host
-   rules only (its evicted time is `preempt` either way).
+   mapped onto the host clock) is charged by the critical path. Device windows are made
+   disjoint over the run (the earlier start owns an overlap). The emission that closes the
+   gap read the results of one step (`Emissions.device_step`: the emitting step in a
+   synchronous engine, the previous one under async scheduling). The device windows on the
+   gap's path are those that ended no later than that step's device work (one in-order
+   stream: that step's and every step queued before it, such as another request's
+   prefill-only step in an engine that runs prefill and decode batches apart); work queued
+   behind it is not. If the host was idle just before the read step's device work ended
+   (no host window other than a `wait`/`sync` and no GC pause covers that instant: the
+   host waited for the device), the gap is *device-bound* and those windows own their time
+   ahead of every host window and GC pause; the host work they hid (launches, the CPU
+   preparing the next step) is charged nothing. Otherwise the gap is *host-bound*: the
+   host's windows keep their time, and the device windows own only the host-idle time
+   inside them (the host waited for the device there; that time is not `residual`). The
+   two readings differ only in the host-busy time inside the windows, so moving the windows
+   by ``e`` moves at most ``4e`` per window plus twice that busy time (docs/gpu.md). A gap
+   that contains an eviction of its request uses the host rules only (its evicted time is
+   `preempt` either way).
 
 Multi-token emissions (speculative decoding): a gap is between consecutive *emission
 rows* of a request, i.e. consecutive steps that emitted for it; the tokens one step
@@ -43,7 +53,7 @@ tests check that they agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -188,11 +198,74 @@ def evicted_windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return m[:, 0].astype(np.int64), m[:, 1], m[:, 2]
 
 
-def fit_baseline(log: RawLog, decode_net_ms: np.ndarray) -> GraphBaseline:
-    """The captured-step line and every eager step's excess fraction (design.md rule 4)."""
+#: The graph baseline's fit, design.md's rule: every step that ran on a captured size,
+#: including one whose whole decode lay inside a GC pause (a point at 0 ms).
+FIT_ALL_CAPTURED = "all-captured"
+#: The alternative: only captured steps with GC-free decode time left to measure. A captured
+#: step whose decode fell entirely inside a GC pause measured nothing (its 0 ms is not a
+#: decode time), yet as a point at 0 ms it pulls the line down and invents `graph` excess on
+#: every eager step. docs/partition.md explains when the two differ.
+FIT_MEASURED_CAPTURED = "measured-captured"
+BASELINE_FITS = (FIT_ALL_CAPTURED, FIT_MEASURED_CAPTURED)
+
+
+def drift_corrected(log: RawLog) -> RawLog:
+    """The log with its device windows moved by the clock drift the device timer measured.
+
+    The device timer places windows by chaining elapsed times from a calibration point;
+    each chain ends at a fresh calibration (after an idle stretch, and at stop) that shows
+    how far the chain had drifted by then (`meta["device_calibration"]["chains"]`). With
+    a steady drift the error grows linearly along the chain, so a window at time t of a
+    chain [start, end] that ended ``m`` ms off is moved back by ``m * (t - start) /
+    (end - start)``. A log without chains (or without device windows) is returned as is."""
+    cal = log.meta.get("device_calibration")
+    chains = cal.get("chains") if isinstance(cal, dict) else None
+    sg = log.segments
+    dev = sg.is_device == 1
+    if not isinstance(chains, list) or not chains or not dev.any():
+        return log
+    try:
+        c0 = np.array([float(c["start_host_s"]) for c in chains])
+        c1 = np.array([float(c["end_host_s"]) for c in chains])
+        m_s = np.array([float(c["predicted_minus_observed_ms"]) for c in chains]) * 1e-3
+    except (KeyError, TypeError, ValueError):
+        return log  # not written by tracekit's timer: leave the windows where they are
+    ok = np.isfinite(c0) & np.isfinite(c1) & np.isfinite(m_s) & (c1 > c0)
+    if not ok.any():
+        return log
+    c0, c1, m_s = c0[ok], c1[ok], m_s[ok]
+    o = np.argsort(c0, kind="stable")
+    c0, c1, m_s = c0[o], c1[o], m_s[o]
+
+    def moved(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(c0, t, side="right") - 1  # the chain that started last before t
+        kk = np.maximum(k, 0)
+        inside = (k >= 0) & (t <= c1[kk])
+        frac = np.clip((t - c0[kk]) / (c1[kk] - c0[kk]), 0.0, 1.0)
+        return np.where(inside, t - m_s[kk] * frac, t)
+
+    a, b = sg.t_start_s.copy(), sg.t_end_s.copy()
+    a[dev], b[dev] = moved(a[dev]), moved(b[dev])
+    b[dev] = np.maximum(b[dev], a[dev])
+    return replace(log, segments=replace(sg, t_start_s=a, t_end_s=b))
+
+
+def fit_baseline(
+    log: RawLog, decode_net_ms: np.ndarray, fit: str = FIT_ALL_CAPTURED
+) -> GraphBaseline:
+    """The captured-step line and every eager step's excess fraction (design.md rule 4).
+
+    `fit`: which captured steps the line is fitted over, `FIT_ALL_CAPTURED` (design.md, the
+    default) or `FIT_MEASURED_CAPTURED`."""
+    if fit not in BASELINE_FITS:
+        raise ValueError(f"baseline fit {fit!r}: expected one of {', '.join(BASELINE_FITS)}")
     st = log.steps
     has_decode = decode_net_ms > 0
-    captured = (st.graph_size > 0) & has_decode
+    # design.md: "over the steps that ran on a captured size" (graph_size > 0), whatever
+    # their GC-free decode time
+    captured = st.graph_size > 0
+    if fit == FIT_MEASURED_CAPTURED:
+        captured &= has_decode
     x = st.graph_size[captured].astype(np.float64)
     y = decode_net_ms[captured]
     if len(np.unique(x)) >= 2:
@@ -431,59 +504,154 @@ def _evictions_per_gap(
 
 
 def _device_windows(log: RawLog, causes: np.ndarray):
-    """Device windows sorted by (step, start), made disjoint within each step (the earlier
-    start owns an overlap): (step, start, end, cause)."""
+    """Device windows made disjoint across the whole run (sorted by start, the earlier start
+    owns an overlap; a window left empty is dropped), so starts and ends both increase:
+    (step, start, end, cause), plus each step's last device end (of its windows as
+    recorded; -inf for a step without device windows)."""
     sg = log.segments
     dev = np.flatnonzero((sg.is_device == 1) & (sg.step >= 0))
-    o = dev[np.lexsort((sg.t_start_s[dev], sg.step[dev]))]
-    step, a, b, c = sg.step[o], sg.t_start_s[o].copy(), sg.t_end_s[o].copy(), causes[o]
-    same = step[1:] == step[:-1]
-    if np.any(same & (a[1:] < b[:-1])):  # rare (several streams): walk each step's windows
-        run_end = -np.inf
-        for i in range(len(a)):
-            if i and step[i] != step[i - 1]:
-                run_end = -np.inf
-            a[i] = min(max(a[i], run_end), b[i])
-            run_end = max(run_end, b[i])
-    return step, a, b, c
+    last_end = np.full(len(log.steps), -np.inf)
+    np.maximum.at(last_end, sg.step[dev], sg.t_end_s[dev])
+    o = dev[np.lexsort((sg.t_end_s[dev], sg.step[dev], sg.t_start_s[dev]))]
+    step, a, b, c = sg.step[o], sg.t_start_s[o].copy(), sg.t_end_s[o], causes[o]
+    if len(a) > 1 and np.any(a[1:] < np.maximum.accumulate(b)[:-1]):
+        run_end = np.concatenate([[-np.inf], np.maximum.accumulate(b)[:-1]])
+        a = np.minimum(np.maximum(a, run_end), b)
+    keep = b > a
+    return step[keep], a[keep], b[keep], c[keep], last_end
 
 
-def _device_pieces(log, causes, frac, tl, classes, col, g_dstep, g_t0, g_t1, e_gap):
-    """(gap, start, end, label column or -1 for decode, graph fraction) of every device
-    window that owns time in a device-bound gap, clipped to the gap."""
-    z = np.zeros(0)
-    step, a, b, c = _device_windows(log, causes)
+def _device_charges(
+    log, causes, frac, tl, classes, to_labels, col, g_dstep, g_t0, g_t1, g_rank0, g_rank1, e_gap
+):
+    """What device windows take from the host labels and own (rule 6): rows of changes to
+    add to parts (each row sums to 0), one per distinct (t0, t1, read step end); the gaps
+    they touch; and for each of those gaps, its row.
+
+    Memory is linear in windows + gaps: a gap's eligible windows are one run of the sorted
+    disjoint windows (from the first ending after t0 to the last ending by the read step's
+    end), so per-window changes are summed with prefix sums, and only the two windows a gap
+    cuts are computed on their own."""
     n = len(g_t0)
+    n_lab = to_labels.shape[1]
+    step, a, b, c, last_end = _device_windows(log, causes)
     if len(step) == 0 or n == 0:
-        return z.astype(np.int64), z, z, z.astype(np.int64), z
+        z = np.zeros(0, dtype=np.int64)
+        return np.zeros((0, n_lab)), z, z
     n_steps = len(log.steps)
-    first = np.searchsorted(step, np.arange(n_steps), side="left")
-    count = np.searchsorted(step, np.arange(n_steps), side="right") - first
-    last_end = np.full(n_steps, -np.inf)
-    np.maximum.at(last_end, step, b)
     ok = (g_dstep >= 0) & (g_dstep < n_steps)
-    ds = np.where(ok, g_dstep, 0)
-    cnt = np.where(ok, count[ds], 0)
-    # device-bound: the host was idle just before the last window ended (rule 6)
-    d_end = np.minimum(np.where(ok, last_end[ds], -np.inf), g_t1)
-    k = np.searchsorted(tl.bounds, d_end, side="left")  # interval holding d_end's left side
+    read_end = np.where(ok, last_end[np.where(ok, g_dstep, 0)], -np.inf)
+    e_end = np.minimum(read_end, g_t1)  # where the read step's device work ended (in the gap)
+    active = np.isfinite(read_end) & (e_end > g_t0)
+    active[e_gap] = False  # a gap with an eviction uses the host rules only
+    # device-bound: the host was idle just before the read step's device work ended
+    n_cls = len(classes)
+    idle_cls = [i for i, (x, _) in enumerate(classes) if x in WAIT_LABELS] + [n_cls]
+    k = np.searchsorted(tl.bounds, e_end, side="left")
     owner = tl.owner[np.clip(k, 0, len(tl.owner) - 1)]
-    idle_cls = [i for i, (x, _) in enumerate(classes) if x in WAIT_LABELS] + [len(classes)]
-    bound = (cnt > 0) & np.isin(owner, idle_cls) & (d_end > g_t0)
-    bound[e_gap] = False
-    cnt = np.where(bound, cnt, 0)
-    gi = np.repeat(np.arange(n), cnt)
-    wi = np.repeat(first[ds], cnt) + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-    p0 = np.maximum(a[wi], g_t0[gi])
-    p1 = np.minimum(b[wi], g_t1[gi])
-    keep = p1 > p0
-    gi, wi, p0, p1 = gi[keep], wi[keep], p0[keep], p1[keep]
-    lab = np.array([-1 if x == "decode" else col[x] for x in c[wi].tolist()], dtype=np.int64)
-    return gi, p0, p1, lab, frac[step[wi]]
+    bound = np.isin(owner, idle_cls)
+    # eligible windows of gap g: indices [lo, hi)
+    lo = np.searchsorted(b, g_t0, side="right")  # first window ending after t0
+    hi = np.minimum(
+        np.searchsorted(b, read_end, side="right"),  # ... up to the read step's end
+        np.searchsorted(a, g_t1, side="left"),  # ... starting before t1
+    )
+    active &= hi > lo
+
+    # the label each window's time goes to: its cause; decode splits forward/graph
+    lab = np.zeros((len(step), n_lab))
+    is_dec = c == "decode"
+    fr = frac[step]
+    rows = np.arange(len(step))
+    names, inv = np.unique(c[~is_dec].astype(str), return_inverse=True)  # few causes
+    lab[rows[~is_dec], np.array([col[x] for x in names.tolist()], dtype=np.int64)[inv]] = 1.0
+    lab[rows[is_dec], col["forward"]] = 1.0 - fr[is_dec]
+    lab[rows[is_dec], col["graph"]] += fr[is_dec]
+    idle_mask = np.zeros(n_cls + 2)
+    idle_mask[idle_cls] = 1.0
+    to_idle = to_labels * idle_mask[:, None]
+
+    def charges(x0, x1, w):
+        """Changes for window w's piece [x0, x1]: device-bound, the piece owns all of it;
+        host-bound, only its host-idle time."""
+        h0, l0 = _cumulative(tl, n_cls, x0)
+        h1, l1 = _cumulative(tl, n_cls, x1)
+        v = ((h1 - h0) + (l1 - l0)) * 1e3  # class integrals over the piece, ms
+        full = v @ to_labels
+        full_len = (x1 - x0) * 1e3
+        idle = v @ idle_mask
+        dev_bound = full_len[:, None] * lab[w] - full
+        host_bound = idle[:, None] * lab[w] - v @ to_idle
+        return dev_bound, host_bound
+
+    d_all, h_all = charges(a, b, rows)
+    pd, ph = _prefix(d_all), _prefix(h_all)
+    g = np.flatnonzero(active)
+    # gaps with the same (t0, t1, read step end) get the same changes: a batch's requests
+    # share their emissions, so this computes one row per distinct gap, not per request
+    # (key: the ranks of t0 and t1 among the emission times, and the read step)
+    first, inv = _groups(g_rank0[g], g_rank1[g], g_dstep[g])
+    u = g[first]  # one representative gap per distinct key
+    ulo, uhi, ub, ut0, ut1 = lo[u], hi[u], bound[u], g_t0[u], g_t1[u]
+    out = np.where(ub[:, None], pd[uhi] - pd[ulo], ph[uhi] - ph[ulo])
+    # the windows a gap cuts: take back the parts outside [t0, t1]
+    for sel, x0, x1, w in (
+        (a[ulo] < ut0, a[ulo], ut0, ulo),
+        (b[uhi - 1] > ut1, ut1, b[uhi - 1], uhi - 1),
+    ):
+        if sel.any():
+            d_cut, h_cut = charges(x0[sel], x1[sel], w[sel])
+            out[sel] -= np.where(ub[sel][:, None], d_cut, h_cut)
+    return out, g, inv
 
 
-def partition(log: RawLog, *, check: bool = True) -> Partition:
-    """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum."""
+def _groups(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows with equal non-negative integer columns: (first row of each group, group of
+    each row). One packed int64 key when it fits, else a lexicographic sort."""
+    n = len(cols[0])
+    if n == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z
+    cols = tuple(np.asarray(c, dtype=np.int64) + 1 for c in cols)  # -1 (none) becomes 0
+    spans = [int(c.max()) + 1 for c in cols]
+    if np.prod([float(x) for x in spans]) < 2.0**62:
+        key = np.zeros(n, dtype=np.int64)
+        for c, span in zip(cols, spans, strict=True):
+            key = key * span + c
+        _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+        return first, inv.reshape(-1)
+    o = np.lexsort(cols[::-1])
+    new = np.ones(n, dtype=bool)
+    new[1:] = np.any([c[o][1:] != c[o][:-1] for c in cols], axis=0)
+    inv = np.empty(n, dtype=np.int64)
+    inv[o] = np.cumsum(new) - 1
+    return o[new], inv
+
+
+def _cumulative(tl: _Timeline, n_cls: int, times: np.ndarray):
+    """Class integrals (every class, residual, graph rate) up to `times`, as (hi, lo)."""
+    k = np.searchsorted(tl.bounds, times, side="right")
+    hl = [tl.integrals(cl, times, k) for cl in [*range(n_cls + 1), None]]
+    return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
+
+
+def _prefix(m: np.ndarray) -> np.ndarray:
+    """Row prefix sums of `m` (a leading zero row), compensated column by column."""
+    out = np.empty((len(m) + 1, m.shape[1]))
+    for j in range(m.shape[1]):
+        hi, lo = _cumsum2(m[:, j])
+        out[:, j] = hi + lo
+    return out
+
+
+def partition(
+    log: RawLog, *, check: bool = True, baseline_fit: str = FIT_ALL_CAPTURED
+) -> Partition:
+    """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum.
+
+    `baseline_fit`: the graph baseline's fit (`BASELINE_FITS`; design.md's by default).
+    Device windows are first corrected for the measured clock drift (`drift_corrected`)."""
+    log = drift_corrected(log)
     causes = segment_causes(log)
     is_dev = log.segments.is_device == 1
     classes = _classes(causes, is_dev)
@@ -498,7 +666,7 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     col = {lb: i for i, lb in enumerate(labels)}
 
     net = _decode_net_ms(log, causes)
-    base = fit_baseline(log, net)
+    base = fit_baseline(log, net, baseline_fit)
     tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
 
     # gaps, and each end's rank among the distinct emission times
@@ -558,29 +726,31 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
         h1, l1 = cumulative(w1)
         ran = between(h0, l0, h1, l1)
         np.subtract.at(parts, e_gap, ran)
-        ran[:, col["residual"]] = 0.0  # idle time while evicted is not engine activity
+        # all of it is context, `residual` included (time no engine activity covered while
+        # the request was evicted), so a gap's context sums to its evicted time
         np.add.at(context, e_gap, ran)
         np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
 
-    # device-bound gaps: the read step's device windows own their time (rule 6)
+    # device windows on the gap's critical path (rule 6)
     if is_dev.any():
         g_dstep = em.device_step[order][pair + 1]
-        d_gap, d0, d1, d_lab, d_frac = _device_pieces(
-            log, causes, base.eager_excess_frac, tl, classes, col, g_dstep, g_t0, g_t1, e_gap
-        )
+        u_change, d_gap, inv = _device_charges(
+            log, causes, base.eager_excess_frac, tl, classes, to_labels, col,
+            g_dstep, g_t0, g_t1, a_idx, b_idx, e_gap,
+        )  # fmt: skip
+        moved = np.any(u_change != 0.0, axis=1)[inv]  # host-bound gaps often keep all
+        d_gap, inv = d_gap[moved], inv[moved]
     else:
-        d_gap = np.zeros(0, dtype=np.int64)
+        d_gap = inv = np.zeros(0, dtype=np.int64)
     if len(d_gap):
-        h0, l0 = cumulative(d0)
-        h1, l1 = cumulative(d1)
-        np.subtract.at(parts, d_gap, between(h0, l0, h1, l1))
-        ms = (d1 - d0) * 1e3
-        is_dec = d_lab == -1
-        lab = np.where(is_dec, col["forward"], d_lab)
-        np.add.at(parts, (d_gap, lab), np.where(is_dec, ms * (1 - d_frac), ms))
-        np.add.at(parts[:, col["graph"]], d_gap[is_dec], (ms * d_frac)[is_dec])
-        one = one.copy()
-        one[d_gap] = False  # their primary cause is recomputed below
+        parts[d_gap] += u_change[inv]
+        # gaps that share (t0, t1, read step) and no eviction have equal parts: one primary
+        # cause per distinct gap
+        rep = np.full(len(u_change), -1, dtype=np.int64)
+        rep[inv] = d_gap
+        has = rep >= 0
+        prim_dev = np.full(len(u_change), CLEAN, dtype=np.int64)
+        prim_dev[has] = primary_of(parts[rep[has]], (g_t1 - g_t0)[rep[has]] * 1e3, labels)[0]
 
     gap_ms = (g_t1 - g_t0) * 1e3
     # the primary cause of a one-interval gap with no eviction is its interval's
@@ -589,6 +759,9 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
     primary = np.take(prim_u, a_idx) if n else prim_u[:0]
     redo_mask = ~one
     redo_mask[e_gap] = True
+    if len(d_gap):
+        primary[d_gap] = prim_dev[inv]
+        redo_mask[d_gap] = False
     redo = np.flatnonzero(redo_mask)
     if len(redo):
         primary[redo] = primary_of(parts[redo], gap_ms[redo], labels)[0]
@@ -621,8 +794,9 @@ def _baseline_warnings(log: RawLog, base: GraphBaseline) -> tuple[str, ...]:
 # -- the reference partitioner (slow, obvious; for tests) --------------------------------
 
 
-def partition_reference(log: RawLog) -> Partition:
+def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) -> Partition:
     """The same partition with plain Python loops, one gap and one slice at a time."""
+    log = drift_corrected(log)
     causes_arr = segment_causes(log)
     causes = causes_arr.tolist()
     sg, gcp, st = log.segments, log.gc_pauses, log.steps
@@ -660,7 +834,7 @@ def partition_reference(log: RawLog) -> Partition:
                 net[s] += (b - a) * 1e3
         else:
             net[s] += ((b - a) - gc_overlap(a, b)) * 1e3
-    base = fit_baseline(log, net)
+    base = fit_baseline(log, net, baseline_fit)
 
     host = [x for x in segs if not x[4]]
     points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
@@ -685,25 +859,29 @@ def partition_reference(log: RawLog) -> Partition:
         who, _ = host_owner(max(before))
         return who == "residual" or who in WAIT_LABELS
 
-    # each step's device windows, disjoint: the earlier start owns an overlap
-    by_step: dict[int, list[list]] = {}
-    device_segs = sorted((x for x in segs if x[4] and x[3] >= 0), key=lambda x: (x[3], x[0]))
+    # device windows, disjoint over the run: the earlier start owns an overlap; each step's
+    # device work ends where its last window (as recorded) ends
+    device_segs = sorted((x for x in segs if x[4] and x[3] >= 0), key=lambda x: (x[0], x[3], x[1]))
+    dev_windows: list[tuple[float, float, str, int]] = []
+    busy_until = -np.inf
+    last_end: dict[int, float] = {}
     for a, b, c, s, _ in device_segs:
-        ws = by_step.setdefault(s, [])
-        busy_until = max((w[1] for w in ws), default=-np.inf)
-        ws.append([min(max(a, busy_until), b), b, c])
+        last_end[s] = max(last_end.get(s, -np.inf), b)
+        if b > max(a, busy_until):
+            dev_windows.append((max(a, busy_until), b, c, s))
+        busy_until = max(busy_until, b)
 
-    def tally(a: float, b: float, pieces=()) -> dict[str, float]:
+    def tally(a: float, b: float, pieces=(), idle_only=False) -> dict[str, float]:
         out = dict.fromkeys(labels, 0.0)
         cuts = sorted({a, b} | {p for pa, pb, _, _ in pieces for p in (pa, pb) if a < p < b}
                       | {p for p in points if a < p < b})  # fmt: skip
         for x, y in zip(cuts[:-1], cuts[1:], strict=True):
             ms = (y - x) * 1e3
             dev = [(c, fr) for pa, pb, c, fr in pieces if pa <= x < pb]
-            if dev:
+            who, rate = host_owner(x)
+            # device-bound: a device window owns its time; host-bound: only host-idle time
+            if dev and (not idle_only or who == "residual" or who in WAIT_LABELS):
                 who, rate = dev[0][0], dev[0][1]
-            else:
-                who, rate = host_owner(x)
             if who == "decode":
                 out["graph"] += ms * rate
                 out["forward"] += ms * (1 - rate)
@@ -738,24 +916,28 @@ def partition_reference(log: RawLog) -> Partition:
         if cur < t1:
             live.append((cur, t1))
         pieces = []
+        idle_only = False
         ds = int(g_dstep[i])
-        if not windows and by_step.get(ds):
-            d_end = min(max(w[1] for w in by_step[ds]), t1)
-            if d_end > t0 and host_idle_before(d_end):  # device-bound (rule 6)
-                fr = float(base.eager_excess_frac[ds])
-                pieces = [
-                    (max(a, t0), min(b, t1), c, fr if c == "decode" else 0.0)
-                    for a, b, c in by_step[ds]
-                    if min(b, t1) > max(a, t0)
-                ]
+        if not windows and ds in last_end and min(last_end[ds], t1) > t0:
+            # rule 6: the windows that ended by the read step's device work, in the gap
+            idle_only = not host_idle_before(min(last_end[ds], t1))  # host-bound
+            pieces = [
+                (
+                    max(a, t0),
+                    min(b, t1),
+                    c,
+                    float(base.eager_excess_frac[s]) if c == "decode" else 0.0,
+                )
+                for a, b, c, s in dev_windows
+                if b <= last_end[ds] and min(b, t1) > max(a, t0)
+            ]
         for a, b in live:
-            for lb, v in tally(a, b, pieces).items():
+            for lb, v in tally(a, b, pieces, idle_only).items():
                 parts[i, labels.index(lb)] += v
         for a, b in windows:
             parts[i, labels.index("preempt")] += (b - a) * 1e3
             for lb, v in tally(a, b).items():
-                if lb != "residual":
-                    context[i, labels.index(lb)] += v
+                context[i, labels.index(lb)] += v
     gap_ms = (g_t1 - g_t0) * 1e3
     primary, prim_causes = primary_of(parts, gap_ms, labels)
     return Partition(
