@@ -43,7 +43,7 @@ tests check that they agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -482,8 +482,14 @@ def _device_pieces(log, causes, frac, tl, classes, col, g_dstep, g_t0, g_t1, e_g
     return gi, p0, p1, lab, frac[step[wi]]
 
 
-def partition(log: RawLog, *, check: bool = True) -> Partition:
-    """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum."""
+def partition(
+    log: RawLog, *, check: bool = True, excess_frac: np.ndarray | None = None
+) -> Partition:
+    """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum.
+
+    `excess_frac`: each step's graph fraction to use instead of the fitted baseline's (a
+    caller that settles `graph`/`forward` itself, as `tracekit.live` does; the parts are
+    linear in it). Default: design.md's fit over this log's captured steps."""
     causes = segment_causes(log)
     is_dev = log.segments.is_device == 1
     classes = _classes(causes, is_dev)
@@ -499,6 +505,8 @@ def partition(log: RawLog, *, check: bool = True) -> Partition:
 
     net = _decode_net_ms(log, causes)
     base = fit_baseline(log, net)
+    if excess_frac is not None:
+        base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
     tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
 
     # gaps, and each end's rank among the distinct emission times
