@@ -1,0 +1,354 @@
+"""Live mode (`tracekit.live`): the per-cause metrics and spans a sink exports while the
+engine runs agree with the offline partition of the same run's raw log.
+
+A hand-built run on a fake clock checks the settlement rules (hold, late windows, the
+graph/forward split settled at close) against values derived from design.md by hand; a
+demo engine run checks agreement with `tracekit analyze` / `tracekit gaps` through a real
+HTTP scrape and the OpenTelemetry SDK's in-memory exporter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("prometheus_client")
+pytest.importorskip("opentelemetry.sdk")
+
+import tracekit  # noqa: E402
+from tracekit.hooks import active_recorders  # noqa: E402
+from tracekit.live import LiveMetrics, attach  # noqa: E402
+from tracekit.partition import partition  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    yield
+    assert not active_recorders(), "a Recorder was left running"
+
+
+class FakeClock:
+    """Integer milliseconds, set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _wait_idle(live: LiveMetrics) -> None:
+    """Until the sink's worker has partitioned every queued chunk (no time asserted)."""
+    for _ in range(2000):
+        if live.snapshot()["backlog"] == 0:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the live worker never caught up")
+
+
+# The hand-built run (ticks are ms; seconds_per_tick = 1e-3; flush every 1000 ms):
+# one request "a" (arrival 0, 25 tokens); step k (k = 0..24) starts at 100k, runs a decode
+# segment [100k + 2, 100k + 2 + d_k] and emits at its end e_k = 100k + 2 + d_k, where
+# d_k = 8 ms (k < 10, captured size 1), 12 ms (10 <= k < 15, eager), 4 ms (k >= 15,
+# captured size 1). A tokenizer call on another thread covers [150, 950]; it is recorded
+# (add_segment) only after step 10, i.e. after the first flush (step 10 ends at 1014).
+D = [8] * 10 + [12] * 5 + [4] * 10
+TOK = (150, 950)
+
+
+def _hand_run(live: LiveMetrics, *, check_between=None) -> tracekit.RawLog:
+    clk = FakeClock()
+    rec = tracekit.Recorder(
+        None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=1.0, gc=False,
+        handle_signals=False,
+    )  # fmt: skip
+    attach(rec, live)
+    with rec:
+        rec.request("a", max_new_tokens=25, arrival_tick=0)
+        for k, d in enumerate(D):
+            clk.now = 100 * k
+            with rec.step():
+                clk.now = 100 * k + 2
+                with rec.segment("decode"):
+                    clk.now = 100 * k + 2 + d
+                rec.emit(["a"])
+                rec.step_info(num_decode=1, graph_size=0 if 10 <= k < 15 else 1)
+            if k == 10:
+                clk.now = 1050
+                rec.add_segment("tok", *TOK)
+            if k == 21 and check_between is not None:  # the second flush was at step 21's end
+                check_between()
+        clk.now = 2500
+    return rec.log()
+
+
+def test_hand_built_run_settles_every_gap_exactly():
+    live = LiveMetrics(hold_s=1.2)
+    log = _hand_run(live)
+    s = live.snapshot()
+    # 25 emissions of one request: 24 gaps, gap k = e_k - e_{k-1} = 100 + d_k - d_{k-1}
+    assert s["gaps"] == 24
+    gap_total = sum(100 + D[k] - D[k - 1] for k in range(1, 25))
+    # the first flush is at 1014, W = 1014 - 1200 < 0: nothing settled before the tok
+    # window arrived (in the second chunk), so nothing is late
+    assert s["late_rows"] == 0 and s["truncated_gaps"] == 0 and s["errors"] == 0
+    # tok owns all of [150, 950] (inside the gaps, which span [e_0, e_24] = [10, 2406]),
+    # over decode (precedence): 800 ms
+    assert s["cause_ms"]["tok"] == pytest.approx(800, abs=1e-9)
+    # decode in gaps: sum over k = 1..24 of d_k = 9*8 + 5*12 + 10*4 = 172 ms, minus the
+    # decode of steps 2..9 (inside [150, 950], owned by tok): 8 * 8 = 64 -> 108 ms
+    # graph (rule 4): captured steps all at size 1 -> a flat line at their mean decode,
+    # (10*8 + 10*4) / 20 = 6 ms; eager excess fraction (12 - 6) / 12 = 1/2, on 5 eager
+    # steps of 12 ms wholly inside their gaps -> 30 ms; forward = 108 - 30 = 78 ms
+    assert s["cause_ms"]["graph"] == pytest.approx(30, abs=1e-9)
+    assert s["cause_ms"]["forward"] == pytest.approx(78, abs=1e-9)
+    # the rest is residual: gap time - tok - decode
+    assert s["cause_ms"]["residual"] == pytest.approx(gap_total - 800 - 108, abs=1e-9)
+    assert s["cause_ms"]["prefill"] == s["cause_ms"]["gc"] == s["cause_ms"]["preempt"] == 0
+    # TTFT: first emission e_0 = 10 ms after the arrival at 0
+    assert s["ttft_n"] == 1 and s["ttft_window_p50_ms"] == pytest.approx(10)
+    # and the offline partition of the same run says the same
+    p = partition(log)
+    for j, lb in enumerate(p.labels):
+        assert s["cause_ms"][lb] == pytest.approx(p.parts_ms[:, j].sum(), abs=1e-9), lb
+    assert s["final"]
+
+
+def test_running_graph_fit_moves_then_settles_at_close():
+    seen = {}
+    live = LiveMetrics(hold_s=0.5)
+
+    def between():
+        _wait_idle(live)
+        seen.update(live.snapshot())
+
+    _hand_run(live, check_between=between)
+    # second flush at step 21's end (2106): W = 2106 - 500 = 1606, so gaps up to e_16 = 1606
+    # and steps 0..16 (ended by 1606) are settled: captured ones 0..9 at 8 ms and 15, 16 at
+    # 4 ms -> mean (80 + 8) / 12 = 22/3 ms; eager fraction (12 - 22/3) / 12 on the 5 eager
+    # steps' 12 ms -> graph so far = 5 * (12 - 22/3) = 70/3 ms
+    assert seen["cause_ms"]["graph"] == pytest.approx(70 / 3, abs=1e-9)
+    assert not seen["final"]
+    # graph + forward never depends on the fit: the settled gaps' decode time, steps 1..16
+    # (9*8 + 5*12 + 2*4 = 140 ms) minus what tok owns of it live: steps 6..9 (32 ms; steps
+    # 2..5 were settled at the first flush, before the late tok window arrived) -> 108 ms
+    assert seen["cause_ms"]["graph"] + seen["cause_ms"]["forward"] == pytest.approx(108)
+    s = live.snapshot()
+    assert s["final"] and s["cause_ms"]["graph"] == pytest.approx(30, abs=1e-9)
+
+
+def test_a_window_open_longer_than_hold_is_late_and_counted(caplog):
+    live = LiveMetrics(hold_s=0.5)
+    with caplog.at_level(logging.WARNING, logger="tracekit.live"):
+        log = _hand_run(live)
+    s = live.snapshot()
+    # first flush at 1014: W = 514, the gaps closing at e_1..e_5 = 110..510 are settled
+    # without the tok window [150, 950] (it arrives in the next chunk): its part in
+    # [150, 510] (360 ms) is missing live; the rest (440 ms) is in later gaps
+    assert s["late_rows"] == 1
+    assert s["cause_ms"]["tok"] == pytest.approx(800 - 360, abs=1e-9)
+    assert s["gaps"] == len(partition(log)) == 24  # the count itself is never affected
+    assert sum("late" in r.getMessage() or "after the gaps" in r.getMessage()
+               for r in caplog.records) == 1  # fmt: skip
+
+
+def test_a_failing_export_is_logged_once_and_recording_goes_on(caplog):
+    class Broken(LiveMetrics):
+        def _settle_window(self, *a, **kw):
+            raise RuntimeError("exporter down")
+
+    live = Broken(hold_s=0.0)
+    with caplog.at_level(logging.ERROR, logger="tracekit.live"):
+        log = _hand_run(live)
+    assert len(partition(log)) == 24  # the run was recorded whole
+    errors = [r for r in caplog.records if r.name == "tracekit.live"]
+    assert len(errors) == 1 and "exporter down" in errors[0].getMessage()
+    assert live.snapshot()["errors"] >= 2  # several settlements failed, one log line
+
+
+def test_a_sink_that_raises_never_stops_the_recorder(caplog):
+    class Raises:
+        def open(self, meta):
+            pass
+
+        def write(self, chunk):
+            raise OSError("disk full")
+
+        def close(self, final):
+            raise OSError("disk full")
+
+    with caplog.at_level(logging.ERROR, logger="tracekit.live"):
+        log = _hand_run(Raises())  # type: ignore[arg-type]
+    assert len(partition(log)) == 24
+    assert len([r for r in caplog.records if "disk full" in r.getMessage()]) == 1
+
+
+def test_importing_tracekit_imports_no_live_dependency():
+    code = (
+        "import sys, tracekit, tracekit.analysis, tracekit.cli, tracekit.live, demo_engine.cli\n"
+        "live = ('prometheus_client', 'opentelemetry')\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in live]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- a demo engine run, scraped over HTTP --------------------------------------------------
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for smp in fam.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_demo_run_metrics_agree_with_analyze_over_http(tmp_path):
+    import httpx
+    from click.testing import CliRunner
+
+    from demo_engine.cli import demo
+    from tracekit.cli import main as tracekit_cli
+
+    port = _free_port()
+    during: list[dict] = []
+    stalled: list[socket.socket] = []
+    done = threading.Event()
+
+    def scraper():
+        while not done.is_set():
+            try:
+                during.append(_scrape(port))
+                if len(stalled) < 3:  # a scraper that connects, half-asks, and never reads
+                    c = socket.create_connection(("127.0.0.1", port))
+                    c.sendall(b"GET /metr")
+                    stalled.append(c)
+            except (OSError, httpx.HTTPError):
+                pass  # not listening yet
+            done.wait(0.2)
+
+    t = threading.Thread(target=scraper, daemon=True)
+    t.start()
+    try:
+        res = CliRunner().invoke(
+            demo,
+            ["run", "--rung", "baseline", "--seed", "1", "--duration", "4", "--rate", "6",
+             "--out", str(tmp_path), "--quiet", "--metrics-port", str(port)],
+        )  # fmt: skip
+    finally:
+        done.set()
+        t.join()
+    assert res.exit_code == 0, res.output
+    assert during, "no scrape succeeded while the engine ran"
+    after = _scrape(port)  # the server outlives the run (this process)
+    for c in stalled:
+        c.close()
+
+    path = str(tmp_path / "baseline__s1.npz")
+    r = CliRunner().invoke(tracekit_cli, ["analyze", path, "--format", "jsonl"])
+    assert r.exit_code == 0, r.output
+    a = json.loads(r.output.splitlines()[0])
+    r = CliRunner().invoke(tracekit_cli, ["gaps", path])
+    assert r.exit_code == 0, r.output
+    recs = [json.loads(x) for x in r.output.splitlines() if x.strip()]
+
+    assert after[("tracekit_live_final", ())] == 1.0
+    assert after[("tracekit_live_late_rows_total", ())] == 0
+    assert after[("tracekit_live_errors_total", ())] == 0
+    assert after[("tracekit_gaps_total", ())] == a["gaps"] == len(recs) > 0
+    for lb in a["labels"]:
+        offline_s = sum(g["parts"][lb] for g in recs) / 1e3
+        live_s = after.get(("tracekit_gap_cause_seconds_total", (("cause", lb),)), 0.0)
+        assert live_s == pytest.approx(offline_s, rel=1e-9, abs=1e-12), lb
+    # histogram buckets: the report's bins, cumulated
+    cum = np.cumsum([b["count"] for b in a["hist"]])
+    for b, c in zip(a["hist"][:-1], cum[:-1], strict=True):
+        le = repr(b["hi_ms"] / 1e3)
+        assert after[("tracekit_gap_seconds_bucket", (("le", le),))] == c
+    assert after[("tracekit_gap_seconds_count", ())] == a["gaps"]
+    # TTFT: every request with a first token, and (all in the window) the same p50/p99
+    assert after[("tracekit_ttft_seconds_count", ())] == a["requests"]
+    assert after[("tracekit_ttft_window_p50_seconds", ())] == pytest.approx(a["ttft_p50"] / 1e3)
+    assert after[("tracekit_ttft_window_p99_seconds", ())] == pytest.approx(a["ttft_p99"] / 1e3)
+    # scrapes during the run saw counters that only grow toward the final ones
+    seen = [d.get(("tracekit_gaps_total", ()), 0.0) for d in during] + [a["gaps"]]
+    assert all(x <= y for x, y in zip(seen, seen[1:], strict=False))
+
+
+def test_spans_above_the_slo_match_tracekit_gaps_min_ms(tmp_path):
+    from click.testing import CliRunner
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from demo_engine.config import EngineConfig, WorkloadConfig
+    from demo_engine.engine import Engine
+    from demo_engine.tokenizer import train_tokenizer
+    from demo_engine.workload import TraceRequest, make_trace
+    from tracekit.cli import main as tracekit_cli
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    slo_ms = 15.0
+    live = LiveMetrics(slo_ms=slo_ms, tracer_provider=provider, hold_s=0.1)
+    # batches above the largest captured size (eager steps) and long prefill chunks (gaps
+    # above the SLO), all in a few seconds
+    cfg = EngineConfig(
+        vocab_size=512, num_kv_blocks=200, max_num_seqs=8, max_num_batched_tokens=512,
+        max_prompt_tokens=128, max_new_tokens=64, num_startup_objects=2_000,
+        captured_graph_sizes=(1, 2, 4),
+    )  # fmt: skip
+    tok = train_tokenizer(512, WorkloadConfig())
+    tr = make_trace(0, 60.0, WorkloadConfig(rate_req_s=50.0, doc_frac=0.0))
+    trace = [TraceRequest(i, 0.02 * i, t.text[:300], 30, False) for i, t in enumerate(tr[:12])]
+    path = tmp_path / "run.npz"
+    rec = tracekit.Recorder(path, flush_interval_s=0.1)
+    attach(rec, live)
+    with rec:
+        eng = Engine(cfg, rec, tok)
+        try:
+            eng.startup()
+            eng.serve(trace, 60.0, is_drain=True)
+        finally:
+            eng.close()
+    r = CliRunner().invoke(tracekit_cli, ["gaps", str(path), "--min-ms", str(slo_ms)])
+    assert r.exit_code == 0, r.output
+    want = [json.loads(x) for x in r.output.splitlines() if x.strip()]
+    spans = exporter.get_finished_spans()
+    assert len(want) > 0 and len(spans) == len(want) == live.snapshot()["spans"]
+    key = lambda rid, t0: (rid, round(t0, 9))  # noqa: E731
+    by_key = {key(g["request"], g["t0"]): g for g in want}
+    for sp in spans:
+        at = sp.attributes
+        g = by_key[key(at["tracekit.request_id"], at["tracekit.t0_s"])]
+        assert at["tracekit.gap_ms"] == pytest.approx(g["gap_ms"], abs=1e-9)
+        assert (at["tracekit.step0"], at["tracekit.step1"]) == (g["step0"], g["step1"])
+        assert list(at["tracekit.steps"])[0] <= g["step1"] <= list(at["tracekit.steps"])[-1]
+        for lb, v in g["parts"].items():
+            got = at[f"tracekit.part.{lb}_ms"]
+            if lb in ("graph", "forward"):  # split with the fit so far; their sum is exact
+                continue
+            assert got == pytest.approx(v, abs=1e-9), lb
+        both = at["tracekit.part.graph_ms"] + at["tracekit.part.forward_ms"]
+        assert both == pytest.approx(g["parts"]["graph"] + g["parts"]["forward"], abs=1e-9)
