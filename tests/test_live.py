@@ -355,3 +355,76 @@ def test_spans_above_the_slo_match_tracekit_gaps_min_ms(tmp_path):
             assert got == pytest.approx(v, abs=1e-9), lb
         both = at["tracekit.part.graph_ms"] + at["tracekit.part.forward_ms"]
         assert both == pytest.approx(g["parts"]["graph"] + g["parts"]["forward"], abs=1e-9)
+
+
+# -- property: random runs, live == offline -------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_step = st.fixed_dictionaries(
+    {
+        "gap": st.integers(0, 30),  # idle ms before the step
+        "prefill": st.integers(0, 15),  # ms, 0: none
+        "decode": st.integers(1, 20),
+        "eager": st.booleans(),
+        "size": st.sampled_from([1, 2, 4]),
+        "emit": st.sets(st.integers(0, 2)),  # which requests emit (unless evicted)
+        "evict": st.one_of(st.none(), st.integers(0, 2)),
+        "readmit": st.booleans(),
+        "tok_back": st.one_of(st.none(), st.integers(1, 40)),  # side-thread window ending now
+        "gc": st.one_of(st.none(), st.integers(1, 5)),
+    }
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_step, min_size=2, max_size=40))
+def test_random_runs_live_totals_equal_the_offline_partition(steps):
+    """Any run whose windows stay open less than hold_s: every live total equals the
+    offline partition's, flushes every 50 ms notwithstanding."""
+    clk = FakeClock()
+    rec = tracekit.Recorder(
+        None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=0.05, gc=False,
+        handle_signals=False,
+    )  # fmt: skip
+    live = attach(rec, LiveMetrics(hold_s=0.2))
+    evicted: set[int] = set()
+    with rec:
+        for r in range(3):
+            rec.request(r, arrival_tick=0)
+        for s in steps:
+            clk.now += s["gap"]
+            with rec.step():
+                if s["evict"] is not None and s["evict"] not in evicted:
+                    rec.evict(s["evict"])
+                    evicted.add(s["evict"])
+                elif s["readmit"] and evicted:
+                    r = min(evicted)
+                    rec.readmit(r)
+                    evicted.discard(r)
+                if s["prefill"]:
+                    with rec.segment("prefill"):
+                        clk.now += s["prefill"]
+                with rec.segment("decode"):
+                    if s["gc"]:  # a collection inside the decode
+                        rec._on_gc("start", {})
+                        clk.now += s["gc"]
+                        rec._on_gc("stop", {"generation": 0})
+                    clk.now += s["decode"]
+                rec.emit(sorted(s["emit"] - evicted))
+                rec.step_info(graph_size=0 if s["eager"] else s["size"])
+            if s["tok_back"] is not None:  # recorded now, started up to 40 ms ago
+                rec.add_segment("tok", clk.now - s["tok_back"], clk.now)
+            clk.now += 1
+    log = rec.log()
+    p = partition(log)
+    snap = live.snapshot()
+    assert snap["late_rows"] == 0 and snap["errors"] == 0 and snap["final"]
+    assert snap["gaps"] == len(p)
+    for j, lb in enumerate(p.labels):
+        off = float(p.parts_ms[:, j].sum())
+        assert snap["cause_ms"].get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
+    from tracekit.analysis import analyze
+
+    assert snap["hist"].tolist() == [h.count for h in analyze(log, p).hist]

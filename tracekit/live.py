@@ -249,7 +249,8 @@ class LiveMetrics:
         self._truncated = 0
         self._errors = 0
         self._spans = 0
-        self._backlog = 0
+        self._written = 0  # chunks queued (only `write` counts up)
+        self._consumed = 0  # chunks partitioned (only the worker counts up)
         self._is_final = False
 
     # -- the sink protocol -------------------------------------------------------------
@@ -272,7 +273,7 @@ class LiveMetrics:
 
     def write(self, chunk: Mapping[str, np.ndarray]) -> None:
         """One flushed chunk: queued for the worker (never blocks, never raises)."""
-        self._backlog += 1
+        self._written += 1
         self._q.put(chunk)
 
     def close(self, final: Mapping[str, Any] | None = None) -> None:
@@ -289,7 +290,7 @@ class LiveMetrics:
                 log.warning(
                     "tracekit live: still partitioning %d chunk(s) after %.0f s at close; "
                     "the metrics settle when it is done",
-                    self._backlog,
+                    self._written - self._consumed,
                     self._close_timeout_s,
                 )
 
@@ -338,7 +339,7 @@ class LiveMetrics:
                     return
             finally:
                 if chunk is not None:
-                    self._backlog -= 1
+                    self._consumed += 1
 
     def _ingest(self, chunk: Mapping[str, np.ndarray]) -> None:
         rows = {
@@ -792,7 +793,7 @@ class LiveMetrics:
                 "truncated_gaps": self._truncated,
                 "errors": self._errors,
                 "spans": self._spans,
-                "backlog": self._backlog,
+                "backlog": self._written - self._consumed,
                 "fit_steps": self._fit_steps,
                 "settled_to_s": float(self._secs(np.array([self._settled_to]))[0])
                 if abs(self._settled_to) != _NO_TICK
