@@ -122,6 +122,26 @@ def test_hand_built_run_settles_every_gap_exactly():
     assert s["final"]
 
 
+def test_ttft_partitioner_hook_sees_each_wait_whole():
+    seen = []
+
+    def ttft_parts(window, requests):
+        # a stand-in for the TTFT partition: all of each wait as one label, from the
+        # window's requests table; and the window's rows reach back to the arrival
+        rq = window.requests
+        seen.append((requests.tolist(), float(window.segments.t_start_s.min())))
+        wait_ms = (rq.first_token_s[requests] - rq.arrival_s[requests]) * 1e3
+        return ("queue",), wait_ms.reshape(-1, 1)
+
+    live = LiveMetrics(hold_s=1.2, ttft_partitioner=ttft_parts)
+    _hand_run(live)
+    # request "a" (index 0) arrived at 0 and emitted first at e_0 = 10 ms; the window
+    # holds step 0's decode segment [2, 10] (it starts 2 ms after the arrival)
+    assert seen == [([0], pytest.approx(0.002))]
+    s = live.snapshot()
+    assert s["ttft_cause_ms"] == {"queue": pytest.approx(10.0)}
+
+
 def test_running_graph_fit_moves_then_settles_at_close():
     seen = {}
     live = LiveMetrics(hold_s=0.5)

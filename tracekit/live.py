@@ -147,8 +147,9 @@ class LiveMetrics:
     max_retain_s: a request with no known ``max_new_tokens`` stops pinning the retained
         rows this long after its last emission; a later gap of it is counted truncated.
     ttft_partitioner: ``f(window: RawLog, requests: np.ndarray) -> (labels, parts_ms)``,
-        the TTFT partition by cause (``tracekit.ttft``) of the given requests over a window
-        holding every row from their arrival on; exported as
+        the TTFT partition by cause (``tracekit.ttft``) of the given requests (indices)
+        over a window holding every row from their arrival on (its requests table has each
+        request's arrival and first token; its emissions table is empty); exported as
         ``tracekit_ttft_cause_seconds_total{cause}``. None: not exported.
     """
 
@@ -219,6 +220,7 @@ class LiveMetrics:
         self._carry_dstep = _Grow(np.int64, -1)
         self._tokens = _Grow(np.int64, 0)
         self._max_new = _Grow(np.int64, -1)
+        self._prompt = _Grow(np.int64, -1)
         self._arrival = _Grow(np.int64, UNKNOWN_TICK)
         self._first = _Grow(np.int64, _NO_TICK)
         self._ttft_done = _Grow(np.bool_, False)
@@ -384,12 +386,12 @@ class LiveMetrics:
             known = rq[:, 1] != UNKNOWN_TICK
             arr[rq[known, 0]] = rq[known, 1]
             self._max_new.ensure(n_req)[rq[:, 0]] = rq[:, 3]
+            self._prompt.ensure(n_req)[rq[:, 0]] = rq[:, 2]
         em = rows.get("emissions")
         if em is not None and len(em):
             self._pending = np.concatenate([self._pending, em])
             np.add.at(self._tokens.ensure(n_req), em[:, 0], em[:, 3])
             np.minimum.at(self._first.ensure(n_req), em[:, 0], em[:, 1])
-        self._export_ttft(n_req)
         self._flush_tick = int(chunk.get("flush_tick", self._settled_to))
 
     def _secs(self, ticks: np.ndarray) -> np.ndarray:
@@ -397,11 +399,15 @@ class LiveMetrics:
         return (ticks - self._t0).astype(np.float64) * self._spt
 
     # -- TTFT -------------------------------------------------------------------------------
-    def _export_ttft(self, n_req: int) -> None:
+    def _export_ttft(self, W: int) -> None:
+        """The requests whose first token came by W (and whose arrival is known): held
+        like the gaps, so a TTFT partition sees every window of their wait."""
+        n_req = len(self._req_ids)
         first = self._first.ensure(n_req)[:n_req]
         arr = self._arrival.ensure(n_req)[:n_req]
         done = self._ttft_done.ensure(n_req)[:n_req]
-        new = np.flatnonzero((first != _NO_TICK) & (arr != UNKNOWN_TICK) & ~done)
+        came = (first != _NO_TICK) & (first <= W)
+        new = np.flatnonzero(came & (arr != UNKNOWN_TICK) & ~done)
         if not len(new):
             return
         done[new] = True
@@ -437,6 +443,7 @@ class LiveMetrics:
         steps_done = self._steps_to_settle(W)
         if len(new_em) or steps_done:
             self._settle_window(new_em, W, final)
+        self._export_ttft(W)
         self._settled_to = W
         if final:
             self._is_final = True
@@ -528,12 +535,7 @@ class LiveMetrics:
                 device_step=np.where(em[:, 4] >= step_lo, em[:, 4] - step_lo, -1),
             ),
             evictions=_pair_evictions(self._events, secs),
-            requests=Requests(
-                arrival_s=np.full(len(self._req_ids), np.nan),
-                prompt_tokens=np.full(len(self._req_ids), -1, dtype=np.int64),
-                max_new_tokens=np.full(len(self._req_ids), -1, dtype=np.int64),
-                first_token_s=np.full(len(self._req_ids), np.nan),
-            ),
+            requests=self._requests_table(),
             counters=Counters.empty(),
             labels=tuple(self._labels),
             request_ids=tuple(self._req_ids),
@@ -541,6 +543,17 @@ class LiveMetrics:
             path="<live window>",
         )
         return window, step_lo, em
+
+    def _requests_table(self) -> Requests:
+        """Every request so far: arrival and first token (NaN: not yet), prompt, max new."""
+        n = len(self._req_ids)
+        arr, first = self._arrival.ensure(n)[:n], self._first.ensure(n)[:n]
+        return Requests(
+            arrival_s=np.where(arr != UNKNOWN_TICK, self._secs(arr), np.nan),
+            prompt_tokens=self._prompt.ensure(n)[:n].copy(),
+            max_new_tokens=self._max_new.ensure(n)[:n].copy(),
+            first_token_s=np.where(first != _NO_TICK, self._secs(first), np.nan),
+        )
 
     def _settle_window(self, new_em: np.ndarray, W: int, final: bool) -> None:
         win, step_lo, em = self._window(new_em)
