@@ -60,6 +60,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -253,6 +254,7 @@ class LiveMetrics:
         self._spans = 0
         self._written = 0  # chunks queued (only `write` counts up)
         self._consumed = 0  # chunks partitioned (only the worker counts up)
+        self._cpu_s = 0.0  # CPU time of the worker thread (partitioning and exporting)
         self._is_final = False
 
     # -- the sink protocol -------------------------------------------------------------
@@ -320,6 +322,7 @@ class LiveMetrics:
     def _run(self) -> None:
         while True:
             chunk = self._q.get()
+            cpu0 = time.thread_time()
             try:
                 if chunk is None:
                     self._settle(final=True)
@@ -340,6 +343,7 @@ class LiveMetrics:
                 if chunk is None:
                     return
             finally:
+                self._cpu_s += time.thread_time() - cpu0
                 if chunk is not None:
                     self._consumed += 1
 
@@ -807,6 +811,7 @@ class LiveMetrics:
                 "errors": self._errors,
                 "spans": self._spans,
                 "backlog": self._written - self._consumed,
+                "cpu_s": self._cpu_s,
                 "fit_steps": self._fit_steps,
                 "settled_to_s": float(self._secs(np.array([self._settled_to]))[0])
                 if abs(self._settled_to) != _NO_TICK
@@ -925,6 +930,8 @@ class _Collector:
              "Gaps settled after rows they needed were dropped (a request quiet > max_retain_s)."),
             ("tracekit_live_errors", "errors", "Settlements that failed (logged once)."),
             ("tracekit_live_spans", "spans", "OpenTelemetry spans sent for gaps above the SLO."),
+            ("tracekit_live_cpu_seconds", "cpu_s",
+             "CPU time the live worker thread spent partitioning and exporting."),
         ):  # fmt: skip
             yield CounterMetricFamily(name, doc, value=s[key])
         yield GaugeMetricFamily(
