@@ -90,6 +90,8 @@ _ST = {c: i for i, c in enumerate(TABLE_COLS["steps"])}
 _SG = {c: i for i, c in enumerate(TABLE_COLS["segments"])}
 _EM = {c: i for i, c in enumerate(TABLE_COLS["emissions"])}
 _NO_TICK = np.iinfo(np.int64).max
+#: A span lists at most this many of the steps its gap overlaps (the first and last halves).
+MAX_SPAN_STEPS = 64
 
 
 def _missing_extra(e: ImportError) -> ImportError:
@@ -270,13 +272,15 @@ class LiveMetrics:
         self._cause_map = {**DEFAULT_CAUSE_MAP, **dict(meta.get("cause_map") or {})}
         self._hold_ticks = int(self._hold_s / self._spt)
         self._retain_ticks = int(self._max_retain_s / self._spt)
-        if self.port is not None and self._server is None:
-            self.serve(self.port)
         self._thread = threading.Thread(target=self._run, name="tracekit-live", daemon=True)
         self._thread.start()
+        if self.port is not None and self._server is None:
+            self.serve(self.port)
 
     def write(self, chunk: Mapping[str, np.ndarray]) -> None:
         """One flushed chunk: queued for the worker (never blocks, never raises)."""
+        if self._thread is None:  # not opened (or opening failed): nothing would consume it
+            return
         self._written += 1
         self._q.put(chunk)
 
@@ -719,6 +723,10 @@ class LiveMetrics:
         for i in sel.tolist():
             t0, t1 = float(p.t0_s[i]), float(p.t1_s[i])
             hit = np.flatnonzero((st.t_start_s < t1) & (st.t_end_s > t0)) + step_lo
+            n_hit = len(hit)
+            if n_hit > MAX_SPAN_STEPS:  # a long gap: its first and last steps, where its cause is
+                half = MAX_SPAN_STEPS // 2
+                hit = np.concatenate([hit[:half], hit[-half:]])
             attrs: dict[str, Any] = {
                 "tracekit.request_id": self._req_ids[int(p.request[i])],
                 "tracekit.gap_ms": float(p.gap_ms[i]),
@@ -727,6 +735,7 @@ class LiveMetrics:
                 "tracekit.step0": int(p.step0[i]) + step_lo,
                 "tracekit.step1": int(p.step1[i]) + step_lo,
                 "tracekit.steps": hit.tolist(),
+                "tracekit.num_steps": n_hit,
                 "tracekit.primary_cause": str(names[i]),
                 "tracekit.graph_fit_steps": self._fit_steps,
             }
