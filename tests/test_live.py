@@ -435,15 +435,29 @@ _step = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(steps=st.lists(_step, min_size=2, max_size=40))
-def test_random_runs_live_totals_equal_the_offline_partition(steps):
-    """Any run whose windows stay open less than hold_s: every live total equals the
-    offline partition's, flushes every 50 ms notwithstanding."""
-    clk = FakeClock()
+class NsClock:
+    """Integer nanoseconds in `t` (what `FakeDeviceTimer` reads), set by the test."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def __call__(self) -> int:
+        return self.t
+
+
+def _random_run(steps, *, device: bool):
+    """Record `steps` (see `_step`) with a live sink; returns (log, sink snapshot).
+    Times in ms; with `device`, decode launches device work on a fake stream (5 ms per
+    launch, resolved 3 ms after it ends: its window reaches the sink a flush or more
+    later) and the step's decode time is the device's."""
+    from tracekit.device import FakeDeviceTimer
+
+    clk = NsClock()
+    ms = 1_000_000
+    timer = FakeDeviceTimer(clk, exec_ms=5.0, resolve_delay_ms=3.0) if device else None
     rec = tracekit.Recorder(
-        None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=0.05, gc=False,
-        handle_signals=False,
+        None, clock=clk, seconds_per_tick=1e-9, flush_interval_s=0.05, gc=False,
+        handle_signals=False, device_timer=timer,
     )  # fmt: skip
     live = attach(rec, LiveMetrics(hold_s=0.2))
     evicted: set[int] = set()
@@ -451,7 +465,7 @@ def test_random_runs_live_totals_equal_the_offline_partition(steps):
         for r in range(3):
             rec.request(r, arrival_tick=0)
         for s in steps:
-            clk.now += s["gap"]
+            clk.t += s["gap"] * ms
             with rec.step():
                 if s["evict"] is not None and s["evict"] not in evicted:
                     rec.evict(s["evict"])
@@ -462,26 +476,51 @@ def test_random_runs_live_totals_equal_the_offline_partition(steps):
                     evicted.discard(r)
                 if s["prefill"]:
                     with rec.segment("prefill"):
-                        clk.now += s["prefill"]
-                with rec.segment("decode"):
+                        clk.t += s["prefill"] * ms
+                with rec.segment("decode", device=device):
                     if s["gc"]:  # a collection inside the decode
                         rec._on_gc("start", {})
-                        clk.now += s["gc"]
+                        clk.t += s["gc"] * ms
                         rec._on_gc("stop", {"generation": 0})
-                    clk.now += s["decode"]
+                    clk.t += s["decode"] * ms
+                if device:
+                    clk.t += 2 * ms  # the host waits on the device a little
+                    with rec.segment("sync"):
+                        clk.t += 1 * ms
                 rec.emit(sorted(s["emit"] - evicted))
                 rec.step_info(graph_size=0 if s["eager"] else s["size"])
             if s["tok_back"] is not None:  # recorded now, started up to 40 ms ago
-                rec.add_segment("tok", clk.now - s["tok_back"], clk.now)
-            clk.now += 1
-    log = rec.log()
+                rec.add_segment("tok", clk.t - s["tok_back"] * ms, clk.t)
+            clk.t += 1 * ms
+    return rec.log(), live.snapshot()
+
+
+def _assert_live_equals_offline(log, snap):
+    from tracekit.analysis import analyze
+
     p = partition(log)
-    snap = live.snapshot()
     assert snap["late_rows"] == 0 and snap["errors"] == 0 and snap["final"]
+    assert snap["truncated_gaps"] == 0
     assert snap["gaps"] == len(p)
     for j, lb in enumerate(p.labels):
         off = float(p.parts_ms[:, j].sum())
         assert snap["cause_ms"].get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
-    from tracekit.analysis import analyze
-
     assert snap["hist"].tolist() == [h.count for h in analyze(log, p).hist]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_step, min_size=2, max_size=40))
+def test_random_runs_live_totals_equal_the_offline_partition(steps):
+    """Any run whose windows stay open less than hold_s: every live total equals the
+    offline partition's, flushes every 50 ms notwithstanding."""
+    _assert_live_equals_offline(*_random_run(steps, device=False))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_step, min_size=2, max_size=30))
+def test_random_runs_with_device_windows_resolved_late_still_agree(steps):
+    """Device windows (rule 6) reach the sink after their step's chunk; held past them,
+    the totals still equal the offline partition's."""
+    log, snap = _random_run(steps, device=True)
+    assert (log.segments.is_device == 1).any()
+    _assert_live_equals_offline(log, snap)
