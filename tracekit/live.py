@@ -495,7 +495,8 @@ class LiveMetrics:
                     self._truncated += truncated
         segs = self._segs[self._segs[:, _SG["t1"]] >= lo]
         gcs = self._gcs[self._gcs[:, 1] >= lo]
-        # steps: every one a row refers to, from the first unsettled one on
+        # steps: every one a row refers to (the emitting ones too: a span lists the steps
+        # its gap overlaps), from the first unsettled one on
         refs = [segs[:, _SG["step"]], em[:, _EM["step"]], em[:, _EM["device_step"]]]
         ref = np.concatenate(refs)
         ref = ref[ref >= self._step_base]
@@ -538,7 +539,7 @@ class LiveMetrics:
             emissions=Emissions(
                 request=em[:, 0].copy(),
                 t_s=secs(em[:, 1]),
-                step=rebase(em[:, 2]),
+                step=em[:, 2].copy(),  # global: only reported (step0/step1), never indexed
                 num_tokens=em[:, 3].copy(),
                 device_step=np.where(em[:, 4] >= step_lo, em[:, 4] - step_lo, -1),
             ),
@@ -732,8 +733,8 @@ class LiveMetrics:
                 "tracekit.gap_ms": float(p.gap_ms[i]),
                 "tracekit.t0_s": t0,
                 "tracekit.t1_s": t1,
-                "tracekit.step0": int(p.step0[i]) + step_lo,
-                "tracekit.step1": int(p.step1[i]) + step_lo,
+                "tracekit.step0": int(p.step0[i]),
+                "tracekit.step1": int(p.step1[i]),
                 "tracekit.steps": hit.tolist(),
                 "tracekit.num_steps": n_hit,
                 "tracekit.primary_cause": str(names[i]),
