@@ -142,9 +142,10 @@ def test_ttft_partitioner_hook_sees_each_wait_whole():
     assert s["ttft_cause_ms"] == {"queue": pytest.approx(10.0)}
 
 
-def test_running_graph_fit_moves_then_settles_at_close():
+@pytest.mark.parametrize("refit_s", [0.0, 10.0])  # re-evaluated at every settlement, or added up
+def test_running_graph_fit_moves_then_settles_at_close(refit_s):
     seen = {}
-    live = LiveMetrics(hold_s=0.5)
+    live = LiveMetrics(hold_s=0.5, refit_s=refit_s)
 
     def between():
         _wait_idle(live)

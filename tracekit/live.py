@@ -135,6 +135,49 @@ class _Ring:
         return self.buf[: min(self.count, len(self.buf))]
 
 
+class _RunningLine:
+    """The graph baseline's line (design.md rule 4) fitted as steps settle: least squares
+    of GC-free decode ms against the padded batch size over the captured steps with decode
+    time, from centred sums merged batch by batch (Chan et al.), so a long run costs O(1)
+    per step. A running estimate only: the exact totals use `fit_baseline` at close."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mx = self.my = self.m2x = self.cxy = 0.0
+        self.sizes: set[int] = set()
+
+    def add(self, graph_size: np.ndarray, net_ms: np.ndarray) -> None:
+        sel = (graph_size > 0) & (net_ms > 0)
+        if not sel.any():
+            return
+        x, y = graph_size[sel].astype(np.float64), net_ms[sel]
+        nb, mxb, myb = len(x), float(x.mean()), float(y.mean())
+        m2b = float(((x - mxb) ** 2).sum())
+        cb = float(((x - mxb) * (y - myb)).sum())
+        n = self.n + nb
+        dx, dy = mxb - self.mx, myb - self.my
+        self.m2x += m2b + dx * dx * self.n * nb / n
+        self.cxy += cb + dx * dy * self.n * nb / n
+        self.mx += dx * nb / n
+        self.my += dy * nb / n
+        self.n = n
+        self.sizes.update(np.unique(graph_size[sel]).tolist())
+
+    def excess_frac(self, graph_size: np.ndarray, num_decode: np.ndarray, net_ms: np.ndarray):
+        """Each eager step's fraction of decode time over the line (0 for the others)."""
+        frac = np.zeros(len(net_ms))
+        if self.n == 0:
+            return frac
+        slope = self.cxy / self.m2x if len(self.sizes) >= 2 else 0.0
+        icpt = self.my - slope * self.mx
+        eager = (graph_size == GRAPH_EAGER) & (net_ms > 0)
+        net = net_ms[eager]
+        frac[eager] = np.minimum(
+            1.0, np.maximum(0.0, net - (slope * num_decode[eager] + icpt)) / net
+        )
+        return frac
+
+
 class LiveMetrics:
     """A recorder sink that partitions every gap as the run goes and exports it.
 
@@ -149,6 +192,8 @@ class LiveMetrics:
     tail_window: how many recent gaps (and TTFTs) the sliding p99 is taken over.
     max_retain_s: a request with no known ``max_new_tokens`` stops pinning the retained
         rows this long after its last emission; a later gap of it is counted truncated.
+    refit_s: how often (engine clock) the running graph total is re-evaluated over every
+        eager step under the line fitted so far (between, new gaps add their estimates).
     ttft_partitioner: ``f(window: RawLog, requests: np.ndarray) -> (labels, parts_ms)``,
         the TTFT partition by cause (``tracekit.ttft``) of the given requests (indices)
         over a window holding every row from their arrival on (its requests table has each
@@ -169,6 +214,7 @@ class LiveMetrics:
         ttft_partitioner: Callable[[RawLog, np.ndarray], tuple[tuple[str, ...], np.ndarray]]
         | None = None,
         close_timeout_s: float = 60.0,
+        refit_s: float = 10.0,
     ) -> None:
         try:
             from prometheus_client import CollectorRegistry
@@ -193,6 +239,7 @@ class LiveMetrics:
         self._max_retain_s = max_retain_s
         self._ttft_partitioner = ttft_partitioner
         self._close_timeout_s = close_timeout_s
+        self._refit_s = refit_s
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._server: Any = None
@@ -233,6 +280,11 @@ class LiveMetrics:
         self._st_net = _Grow(np.float64, 0.0)
         self._w = _Grow(np.float64, 0.0)
         self._num_settled_steps = 0
+        self._line = _RunningLine()
+        self._eager_idx = _Grow(np.int64, 0)  # settled eager steps, in order
+        self._num_eager = 0
+        self._refit_ticks = 0
+        self._last_refit = -_NO_TICK
         # exported state (read by the collector under _lock)
         self._gaps = 0
         self._gap_sum_s = 0.0
@@ -272,6 +324,7 @@ class LiveMetrics:
         self._cause_map = {**DEFAULT_CAUSE_MAP, **dict(meta.get("cause_map") or {})}
         self._hold_ticks = int(self._hold_s / self._spt)
         self._retain_ticks = int(self._max_retain_s / self._spt)
+        self._refit_ticks = int(self._refit_s / self._spt)
         self._thread = threading.Thread(target=self._run, name="tracekit-live", daemon=True)
         self._thread.start()
         if self.port is not None and self._server is None:
@@ -454,7 +507,10 @@ class LiveMetrics:
         self._export_ttft(W)
         self._settled_to = W
         if final:
-            self._is_final = True
+            graph_ms = self._graph_exact()
+            with self._lock:
+                self._graph_ms = graph_ms
+                self._is_final = True
         else:
             self._prune(W)
 
@@ -582,6 +638,16 @@ class LiveMetrics:
             self._st_graph.ensure(hi)[g] = win.steps.graph_size[first : first + n_done]
             self._st_ndec.ensure(hi)[g] = win.steps.num_decode[first : first + n_done]
             self._st_net.ensure(hi)[g] = net[first : first + n_done]
+            self._line.add(
+                win.steps.graph_size[first : first + n_done], net[first : first + n_done]
+            )
+            eager_done = np.flatnonzero(win.steps.graph_size[first : first + n_done] == 0)
+            if len(eager_done):
+                k = self._num_eager
+                self._eager_idx.ensure(k + len(eager_done))[k : k + len(eager_done)] = (
+                    self._num_settled_steps + eager_done
+                )
+                self._num_eager += len(eager_done)
             self._num_settled_steps = hi
 
         # each gap's weight w_{g,s} per eager step it touches
@@ -592,12 +658,18 @@ class LiveMetrics:
         if len(gi):
             np.add.at(self._w.ensure(step_lo + n_win), step_lo + si, wv)
 
-        # the running fit: settled steps, plus this window's unsettled eager steps
-        frac_all, n_fit = self._fit(win, step_lo, net)
-        n_all = len(frac_all)
-        graph_ms = float(np.dot(frac_all, self._w.ensure(n_all)[:n_all]))
+        # each gap's graph under the running line (this window's decode times)
+        frac_win = self._line.excess_frac(win.steps.graph_size, win.steps.num_decode, net)
         g_est = np.zeros(len(p))
-        np.add.at(g_est, gi, frac_all[step_lo + si] * wv)
+        np.add.at(g_est, gi, frac_win[si] * wv)
+        # the run's graph total: exact at close (design.md's fit over every captured step);
+        # meanwhile the new gaps' estimates are added, and every `refit_s` of engine clock
+        # the whole total is re-evaluated under the line so far
+        if W - self._last_refit >= self._refit_ticks:
+            graph_ms = self._graph_running()
+            self._last_refit = W
+        else:
+            graph_ms = self._graph_ms + float(g_est.sum())
         parts = p.parts_ms.copy()
         parts[:, gcol] = g_est
         parts[:, fcol] = d_ms - g_est
@@ -624,7 +696,7 @@ class LiveMetrics:
                 self._tail_ms[lb] = self._tail_ms.get(lb, 0.0) + float(tail_sums[j])
             self._decode_ms += float(d_ms.sum())
             self._graph_ms = graph_ms
-            self._fit_steps = n_fit
+            self._fit_steps = self._line.n
             for nm in names[tail].tolist():
                 self._tail_count[nm] = self._tail_count.get(nm, 0) + 1
             if len(p):
@@ -684,28 +756,25 @@ class LiveMetrics:
             w[k] = col[gi[k]]
         return gi, si, w
 
-    def _fit(self, win: RawLog, step_lo: int, net: np.ndarray) -> tuple[np.ndarray, int]:
-        """Every step's graph fraction under the fit over the settled captured steps
-        (`tracekit.partition.fit_baseline`, design.md rule 4); unsettled eager steps of the
-        window are evaluated with their window decode time."""
-        n_set = self._num_settled_steps
-        n = max(n_set, step_lo + len(win.steps))
-        graph = self._st_graph.ensure(n)[:n].copy()
-        ndec = self._st_ndec.ensure(n)[:n].copy()
-        nets = self._st_net.ensure(n)[:n].copy()
-        k = np.arange(max(n_set, step_lo), step_lo + len(win.steps))
-        if len(k):
-            g = win.steps.graph_size[k - step_lo]
-            graph[k] = np.where(g == GRAPH_EAGER, GRAPH_EAGER, -1)  # unsettled: not in the fit
-            ndec[k] = win.steps.num_decode[k - step_lo]
-            nets[k] = net[k - step_lo]
+    def _graph_running(self) -> float:
+        """sum_s frac_s * w_s over the settled eager steps, under the running line."""
+        idx = self._eager_idx.a[: self._num_eager]
+        frac = self._line.excess_frac(
+            np.zeros(len(idx), dtype=np.int64), self._st_ndec.a[idx], self._st_net.a[idx]
+        )
+        return float(np.dot(frac, self._w.a[idx]))
+
+    def _graph_exact(self) -> float:
+        """sum_s frac_s * w_s with `tracekit.partition.fit_baseline` over every step of the
+        run (design.md rule 4, the offline fit itself): the exact graph total."""
+        n = self._num_settled_steps
         stub = RawLog(
             steps=Steps.from_columns(
                 t_start_s=np.zeros(n),
                 t_end_s=np.zeros(n),
-                num_decode=ndec,
+                num_decode=self._st_ndec.ensure(n)[:n],
                 num_prefill_tokens=np.zeros(n),
-                graph_size=graph,
+                graph_size=self._st_graph.ensure(n)[:n],
                 num_preempted=np.zeros(n),
                 num_swapped_in=np.zeros(n),
             ),
@@ -715,8 +784,8 @@ class LiveMetrics:
             evictions=_pair_evictions(self._events[:0], self._secs),
             requests=Requests.empty(),
         )
-        base = fit_baseline(stub, nets)
-        return base.eager_excess_frac, base.num_fit_steps
+        base = fit_baseline(stub, self._st_net.ensure(n)[:n])
+        return float(np.dot(base.eager_excess_frac, self._w.ensure(n)[:n]))
 
     # -- OpenTelemetry --------------------------------------------------------------------------
     def _export_spans(self, win, p, parts, names, step_lo, sel) -> None:
