@@ -273,7 +273,10 @@ class LiveMetrics:
         self._prompt = _Grow(np.int64, -1)
         self._arrival = _Grow(np.int64, UNKNOWN_TICK)
         self._first = _Grow(np.int64, _NO_TICK)
-        self._ttft_done = _Grow(np.bool_, False)
+        # requests whose arrival is known and TTFT not yet exported; requests with a carried
+        # emission not known to be finished (they pin the retained rows)
+        self._ttft_open = np.zeros(0, dtype=np.int64)
+        self._inflight = np.zeros(0, dtype=np.int64)
         # per step (global index): the graph fit's inputs, and each eager step's weight w_s
         self._st_graph = _Grow(np.int64, -1)
         self._st_ndec = _Grow(np.int64, 0)
@@ -445,7 +448,9 @@ class LiveMetrics:
         if rq is not None and len(rq):
             arr = self._arrival.ensure(n_req)
             known = rq[:, 1] != UNKNOWN_TICK
+            fresh = rq[known, 0][arr[rq[known, 0]] == UNKNOWN_TICK]
             arr[rq[known, 0]] = rq[known, 1]
+            self._ttft_open = np.union1d(self._ttft_open, fresh)
             self._max_new.ensure(n_req)[rq[:, 0]] = rq[:, 3]
             self._prompt.ensure(n_req)[rq[:, 0]] = rq[:, 2]
         em = rows.get("emissions")
@@ -464,14 +469,14 @@ class LiveMetrics:
         """The requests whose first token came by W (and whose arrival is known): held
         like the gaps, so a TTFT partition sees every window of their wait."""
         n_req = len(self._req_ids)
-        first = self._first.ensure(n_req)[:n_req]
-        arr = self._arrival.ensure(n_req)[:n_req]
-        done = self._ttft_done.ensure(n_req)[:n_req]
-        came = (first != _NO_TICK) & (first <= W)
-        new = np.flatnonzero(came & (arr != UNKNOWN_TICK) & ~done)
+        first = self._first.ensure(n_req)
+        arr = self._arrival.ensure(n_req)
+        o = self._ttft_open
+        came = (first[o] != _NO_TICK) & (first[o] <= W)
+        new = o[came]
         if not len(new):
             return
-        done[new] = True
+        self._ttft_open = o[~came]
         # first token - arrival, ms: the offline figure's arithmetic (seconds, then subtract)
         ttft_ms = (self._secs(first[new]) - self._secs(arr[new])) * 1e3
         self._ttft_ring.extend(ttft_ms)
@@ -480,7 +485,8 @@ class LiveMetrics:
         parts = None
         if self._ttft_partitioner is not None:
             lo = int(arr[new].min())  # every row from the earliest of their arrivals on
-            parts = self._ttft_partitioner(self._window(self._pending[:0], lo=lo)[0], new)
+            win = self._window(self._pending[:0], lo=lo, with_requests=True)[0]
+            parts = self._ttft_partitioner(win, new)
         with self._lock:
             self._ttft_n += len(new)
             self._ttft_sum_s += float(ttft_ms.sum()) / 1e3
@@ -521,7 +527,7 @@ class LiveMetrics:
         return int(np.searchsorted(np.cumsum(ends > W), 0, side="right")) if len(ends) else 0
 
     def _window(
-        self, new_em: np.ndarray, *, lo: int | None = None
+        self, new_em: np.ndarray, *, lo: int | None = None, with_requests: bool = False
     ) -> tuple[RawLog, int, np.ndarray]:
         """The rows that settling `new_em` needs, as a RawLog (steps re-based to `step_lo`),
         and the window's emissions (the involved requests' carried rows, then `new_em`)."""
@@ -600,10 +606,11 @@ class LiveMetrics:
                 device_step=np.where(em[:, 4] >= step_lo, em[:, 4] - step_lo, -1),
             ),
             evictions=_pair_evictions(self._events, secs),
-            requests=self._requests_table(),
+            # the partition never reads the requests: built only for a TTFT partitioner
+            requests=self._requests_table() if with_requests else Requests.empty(),
             counters=Counters.empty(),
             labels=tuple(self._labels),
-            request_ids=tuple(self._req_ids),
+            request_ids=tuple(self._req_ids) if with_requests else (),
             cause_map=self._cause_map,
             path="<live window>",
         )
@@ -716,6 +723,7 @@ class LiveMetrics:
             self._carry_step.ensure(n)[r] = new_em[last, 2]
             self._carry_nt.ensure(n)[r] = new_em[last, 3]
             self._carry_dstep.ensure(n)[r] = new_em[last, 4]
+            self._inflight = np.union1d(self._inflight, r)
 
     def _eager_weights(self, win: RawLog, p: Any, eager: np.ndarray, e_ms: np.ndarray):
         """(gap, window step, w) for every gap's eager decode time, per eager step.
@@ -821,26 +829,24 @@ class LiveMetrics:
     def _prune(self, W: int) -> None:
         """Drop the rows no future gap (or unsettled step) can overlap."""
         n_req = len(self._req_ids)
-        c = self._carry.ensure(n_req)[:n_req]
-        max_new = self._max_new.ensure(n_req)[:n_req]
-        done = (max_new > 0) & (self._tokens.ensure(n_req)[:n_req] >= max_new)
-        recent = c >= W - self._retain_ticks
-        live = (c != UNKNOWN_TICK) & ~done & recent
-        # a request with emissions still to settle needs the rows from its carried one on
-        live[self._pending[:, _EM["request"]]] = c[self._pending[:, _EM["request"]]] != UNKNOWN_TICK
+        carry = self._carry.ensure(n_req)
+        inf = self._inflight
+        max_new = self._max_new.ensure(n_req)[inf]
+        done = (max_new > 0) & (self._tokens.ensure(n_req)[inf] >= max_new)
+        inf = self._inflight = inf[~done & (carry[inf] >= W - self._retain_ticks)]
+        # and a request with emissions still to settle needs the rows from its carried one
+        pend = np.unique(self._pending[:, _EM["request"]])
+        live = np.union1d(inf, pend[carry[pend] != UNKNOWN_TICK])
         bounds = [W]
-        if live.any():
-            bounds.append(int(c[live].min()))
+        if len(live):
+            bounds.append(int(carry[live].min()))
         if len(self._pending):
             bounds.append(int(self._pending[:, _EM["t"]].min()))
         i = self._num_settled_steps - self._step_base
         if i < len(self._steps):
             bounds.append(int(self._steps[i, _ST["t0"]]))
-        if self._ttft_partitioner is not None:
-            arr = self._arrival.ensure(n_req)[:n_req]
-            waiting = (arr != UNKNOWN_TICK) & ~self._ttft_done.ensure(n_req)[:n_req]
-            if waiting.any():
-                bounds.append(int(arr[waiting].min()))
+        if self._ttft_partitioner is not None and len(self._ttft_open):
+            bounds.append(int(self._arrival.ensure(n_req)[self._ttft_open].min()))
         H = min(bounds)
         if H <= self._horizon:
             return
@@ -853,7 +859,7 @@ class LiveMetrics:
         s = self._segs[:, _SG["step"]]
         if len(s[s >= 0]):
             keep.append(int(s[s >= 0].min()))
-        for a in (self._carry_step.a[:n_req][live], self._carry_dstep.a[:n_req][live]):
+        for a in (self._carry_step.ensure(n_req)[live], self._carry_dstep.ensure(n_req)[live]):
             if len(a[a >= 0]):
                 keep.append(int(a[a >= 0].min()))
         for col in ("step", "device_step"):
