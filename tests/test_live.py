@@ -367,7 +367,7 @@ def test_spans_above_the_slo_match_tracekit_gaps_min_ms(tmp_path):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    slo_ms = 15.0
+    slo_ms = 25.0
     live = LiveMetrics(slo_ms=slo_ms, tracer_provider=provider, hold_s=0.1)
     # batches above the largest captured size (eager steps) and long prefill chunks (gaps
     # above the SLO), all in a few seconds
@@ -379,11 +379,25 @@ def test_spans_above_the_slo_match_tracekit_gaps_min_ms(tmp_path):
     tok = train_tokenizer(512, WorkloadConfig())
     tr = make_trace(0, 60.0, WorkloadConfig(rate_req_s=50.0, doc_frac=0.0))
     trace = [TraceRequest(i, 0.02 * i, t.text[:300], 30, False) for i, t in enumerate(tr[:12])]
+
+    class Stalling(Engine):
+        """Two 30 ms stalls (a `tok` window between steps), so gaps above the SLO exist
+        whatever the machine's speed."""
+
+        num_steps = 0
+
+        def step(self):
+            self.num_steps += 1
+            if self.num_steps in (20, 40):
+                with self.rec.segment("tok"):
+                    time.sleep(0.03)
+            return super().step()
+
     path = tmp_path / "run.npz"
     rec = tracekit.Recorder(path, flush_interval_s=0.1)
     attach(rec, live)
     with rec:
-        eng = Engine(cfg, rec, tok)
+        eng = Stalling(cfg, rec, tok)
         try:
             eng.startup()
             eng.serve(trace, 60.0, is_drain=True)

@@ -33,9 +33,11 @@ part is linear in the eager steps' excess fractions: ``graph = sum_s frac_s * w_
 ``w_s`` is the decode time of eager step ``s`` the gap owns (what `partition` charges with
 ``frac = 1``). The sink keeps ``w_s`` per eager step and each step's GC-free decode time,
 and exports ``graph = sum_s frac_s(fit so far) * w_s``, ``forward = decode time - graph``:
-their sum is exact at every scrape, the split is re-evaluated with the running fit at every
-settlement, and at `close` it is the whole run's fit, hence exact. Until then either may
-move down as well as up (Prometheus reads that as a counter reset). Per-gap figures that
+their sum is exact at every scrape; while the run goes, each settled gap adds its graph
+under the line fitted so far (`_RunningLine`) and every `refit_s` the whole sum is
+re-evaluated under it; at `close` it is evaluated once with `fit_baseline` over every step
+of the run (the offline fit itself), hence exact. Until then either may move down as well
+as up (Prometheus reads that as a counter reset). Per-gap figures that
 must be final when the gap is exported (its primary cause for
 ``tracekit_tail_gaps_total``, the span's ``graph``/``forward`` parts) use the fit so far;
 their sum, and every other part, is exact.
@@ -264,7 +266,9 @@ class LiveMetrics:
         self._settled_to = -_NO_TICK  # gaps closing at or before this tick are settled
         self._horizon = -_NO_TICK  # rows ending before this tick were dropped
         # per request (by index)
-        self._carry = _Grow(np.int64, UNKNOWN_TICK)  # (n, 5) via five arrays below
+        # each request's last settled emission (carried into the next window): tick, step,
+        # token count, device step
+        self._carry = _Grow(np.int64, UNKNOWN_TICK)
         self._carry_step = _Grow(np.int64, -1)
         self._carry_nt = _Grow(np.int64, 0)
         self._carry_dstep = _Grow(np.int64, -1)
