@@ -122,6 +122,41 @@ def test_hand_built_run_settles_every_gap_exactly():
     assert s["final"]
 
 
+def test_tail_counts_follow_the_sliding_p99_batch_by_batch():
+    # one request emits at T (ms; each emission a step of its own at T): gaps 10, 20, ...,
+    # 100 ms. Tok windows (recorded before the emission closing their gap): [70, 90] in
+    # gap 4 [60, 100] (20 of 40 ms: tok), [300, 310] in gap 8 [280, 360] (10 of 80 ms,
+    # under 25%: clean), [460, 520] in gap 10 [450, 550] (60 of 100 ms: tok).
+    T = [0, 10, 30, 60, 100, 150, 210, 280, 360, 450, 550]
+    tok = {100: (70, 90), 360: (300, 310), 550: (460, 520)}
+    clk = FakeClock()
+    rec = tracekit.Recorder(
+        None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=0.1, gc=False,
+        handle_signals=False,
+    )  # fmt: skip
+    live = attach(rec, LiveMetrics(hold_s=0.0))
+    with rec:
+        for t in T:
+            clk.now = t
+            if t in tok:
+                rec.add_segment("tok", *tok[t])
+            with rec.step():
+                rec.emit(["a"])
+        clk.now = 600
+    s = live.snapshot()
+    # flushes (every 100 ms, at a step's end) at 100, 210, 360, 550; with hold 0 each
+    # settles the gaps closed by then, and the window holds every gap so far (linear p99):
+    #   at 100: gaps 10..40      p99 = 30 + 0.97 * 10 = 39.7  -> tail: gap 4 (40, tok)
+    #   at 210: + 50, 60         p99 = 50 + 0.95 * 10 = 59.5  -> tail: gap 6 (60, clean)
+    #   at 360: + 70, 80         p99 = 70 + 0.93 * 10 = 79.3  -> tail: gap 8 (80, clean)
+    #   at 550: + 90, 100        p99 = 90 + 0.91 * 10 = 99.1  -> tail: gap 10 (100, tok)
+    assert s["gaps"] == 10
+    assert s["tail_count"] == {"tok": 2, "clean": 2}
+    assert s["itl_window_p99_ms"] == pytest.approx(99.1)
+    assert sum(s["tail_ms"].values()) == pytest.approx(40 + 60 + 80 + 100)
+    assert s["tail_ms"]["tok"] == pytest.approx(20 + 10 + 60)
+
+
 def test_ttft_partitioner_hook_sees_each_wait_whole():
     seen = []
 
