@@ -247,6 +247,12 @@ def test_a_sink_that_raises_never_stops_the_recorder(caplog):
     assert len([r for r in caplog.records if "disk full" in r.getMessage()]) == 1
 
 
+def test_without_the_extra_a_sink_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'tracekit\[live\]'"):
+        LiveMetrics()
+
+
 def test_importing_tracekit_imports_no_live_dependency():
     code = (
         "import sys, tracekit, tracekit.analysis, tracekit.cli, tracekit.live, demo_engine.cli\n"
