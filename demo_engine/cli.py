@@ -91,7 +91,8 @@ def run_one(
     `backend="torch"` runs the same model in torch on `device` (cpu or cuda); on cuda the
     recorder times device work with CUDA events. `is_async_scheduling` (torch only)
     schedules step N+1 while the device runs step N. `metrics_port`: serve live per-cause
-    metrics (`tracekit.live`) on this port while the run goes."""
+    metrics (`tracekit.live`) on this port from before the run until the process exits
+    (the run's final values stay scrapeable)."""
     limit_blas_threads(1)
     from tracekit import Recorder
 
