@@ -427,8 +427,10 @@ class LiveMetrics:
 
         # a row that starts before what is settled was open longer than hold_s: late
         late = 0
-        for k, col in (("segments", 2), ("gc_pauses", 0), ("emissions", 1), ("events", 2)):
+        for k, start_col in (("segments", "t0"), ("gc_pauses", "t0"), ("emissions", "t"),
+                             ("events", "t")):  # fmt: skip
             if k in rows and len(rows[k]):
+                col = TABLE_COLS[k].index(start_col)
                 late += int((rows[k][:, col] < self._settled_to).sum())
         st = rows.get("steps")
         if st is not None and len(st):
