@@ -1050,9 +1050,13 @@ def _gauge(cls: Any, name: str, doc: str, ms: float) -> Any:
 
 def attach(recorder: Any, sink: Any) -> Any:
     """Feed `sink` (``open/write/close``) from a `tracekit.Recorder`: opened at the
-    recorder's start, every flushed chunk written, closed at its stop. The one place that
-    wires a sink to today's recorder; with ``Recorder(sinks=[...])`` pass it there instead.
-    A sink that raises is logged once and never stops the recording. Returns `sink`."""
+    recorder's start, every flushed chunk written, closed at its stop. A recorder with
+    ``add_sink`` (``Recorder(sinks=[...])``) gets it there; otherwise its flush listeners
+    and start/stop are wrapped, here and nowhere else. A sink that raises is logged once
+    and never stops the recording. Returns `sink`."""
+    if hasattr(recorder, "add_sink"):  # a recorder that takes sinks itself
+        recorder.add_sink(sink)
+        return sink
     start, stop = recorder.start, recorder.stop
     failed = [False]
 
