@@ -27,6 +27,7 @@ import tracekit  # noqa: E402
 from tracekit.hooks import active_recorders  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
 from tracekit.partition import partition  # noqa: E402
+from tracekit.stream import TABLE_COLS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -90,6 +91,69 @@ def _hand_run(live: LiveMetrics, *, check_between=None) -> tracekit.RawLog:
     return rec.log()
 
 
+# The same run as the chunks a recorder flushing at 1014 (step 10's end), 2106 (step 21's
+# end) and at its stop (2500) hands its sinks: each row goes in the first chunk flushed at
+# or after the tick it was completed (a segment or step at its end, an emission at its
+# time; the tok window at 1050). Fed straight to a sink, so the batches settled are these
+# whatever a recorder's dispatch does.
+META = {"t0_tick": 0, "seconds_per_tick": 1e-3, "started_unix_s": 0.0, "cause_map": {}}
+
+
+def _chunk(rows: list[tuple[str, tuple]], flush_tick: int, *, stop: bool = False) -> dict:
+    c: dict = {}
+    for k in TABLE_COLS:
+        sel = [r for t, r in rows if t == k]
+        c[k] = np.array(sel, dtype=np.float64 if k == "counters" else np.int64).reshape(-1)
+    c["labels"] = np.array(["decode", "tok"])
+    c["counter_names"] = np.array([], dtype=str)
+    c["request_ids"] = (
+        np.array(["a"]) if any(t == "requests" for t, _ in rows) else np.array([], dtype=str)
+    )
+    c["request_ids_start"] = np.array(0)
+    c["config"] = np.array("{}")
+    c["flush_tick"] = np.array(flush_tick)
+    c["t0_tick"] = np.array(0)
+    c["seconds_per_tick"] = np.array(1e-3)
+    if stop:
+        c["stop_tick"] = np.array(flush_tick)
+    return c
+
+
+def _split(done: list[tuple[int, str, tuple]], flushes: list[int]) -> list[dict]:
+    """Rows (completed at tick, table, row) cut into the chunks of `flushes` (the last is
+    the stop)."""
+    out, prev = [], -1
+    for i, f in enumerate(flushes):
+        rows = [(k, r) for t, k, r in done if prev < t <= f]
+        out.append(_chunk(rows, f, stop=i == len(flushes) - 1))
+        prev = f
+    return out
+
+
+def _hand_chunks() -> list[dict]:
+    done = [(0, "requests", (0, 0, -1, 25))]
+    for k, d in enumerate(D):
+        e = 100 * k + 2 + d
+        graph = 0 if 10 <= k < 15 else 1
+        done.append((e, "segments", (k, 0, 100 * k + 2, e, 0, 0)))  # decode (label 0)
+        done.append((e, "emissions", (0, e, k, 1, k)))
+        done.append((e, "steps", (100 * k, e, 1, 0, graph, 0, 0)))
+    done.append((1050, "segments", (-1, 1, *TOK, 1, 0)))  # tok (label 1), another thread
+    return _split(done, [1014, 2106, 2500])
+
+
+def _replay(live, chunks: list[dict], between=None) -> None:
+    """open / write each chunk / close, as a recorder's dispatcher does; `between` runs
+    once the worker has partitioned the second chunk."""
+    live.open(META)
+    for i, c in enumerate(chunks):
+        live.write(c)
+        if i == 1 and between is not None:
+            _wait_idle(live)
+            between()
+    live.close({})
+
+
 def test_hand_built_run_settles_every_gap_exactly():
     live = LiveMetrics(hold_s=1.2)
     log = _hand_run(live)
@@ -129,20 +193,15 @@ def test_tail_counts_follow_the_sliding_p99_batch_by_batch():
     # under 25%: clean), [460, 520] in gap 10 [450, 550] (60 of 100 ms: tok).
     T = [0, 10, 30, 60, 100, 150, 210, 280, 360, 450, 550]
     tok = {100: (70, 90), 360: (300, 310), 550: (460, 520)}
-    clk = FakeClock()
-    rec = tracekit.Recorder(
-        None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=0.1, gc=False,
-        handle_signals=False,
-    )  # fmt: skip
-    live = attach(rec, LiveMetrics(hold_s=0.0))
-    with rec:
-        for t in T:
-            clk.now = t
-            if t in tok:
-                rec.add_segment("tok", *tok[t])
-            with rec.step():
-                rec.emit(["a"])
-        clk.now = 600
+    done = [(0, "requests", (0, 0, -1, -1))]
+    for k, t in enumerate(T):
+        if t in tok:
+            done.append((t, "segments", (-1, 1, *tok[t], 1, 0)))
+        done.append((t, "emissions", (0, t, k, 1, k)))
+        done.append((t, "steps", (t, t, 1, 0, 1, 0, 0)))
+    live = LiveMetrics(hold_s=0.0)
+    # a recorder flushing every 100 ms at a step's end: 100, 210, 360, 550; stop at 600
+    _replay(live, _split(done, [100, 210, 360, 550, 600]))
     s = live.snapshot()
     # flushes (every 100 ms, at a step's end) at 100, 210, 360, 550; with hold 0 each
     # settles the gaps closed by then, and the window holds every gap so far (linear p99):
@@ -186,7 +245,7 @@ def test_running_graph_fit_moves_then_settles_at_close(refit_s):
         _wait_idle(live)
         seen.update(live.snapshot())
 
-    _hand_run(live, check_between=between)
+    _replay(live, _hand_chunks(), between)
     # second flush at step 21's end (2106): W = 2106 - 500 = 1606, so gaps up to e_16 = 1606
     # and steps 0..16 (ended by 1606) are settled: captured ones 0..9 at 8 ms and 15, 16 at
     # 4 ms -> mean (80 + 8) / 12 = 22/3 ms; eager fraction (12 - 22/3) / 12 on the 5 eager
@@ -204,14 +263,14 @@ def test_running_graph_fit_moves_then_settles_at_close(refit_s):
 def test_a_window_open_longer_than_hold_is_late_and_counted(caplog):
     live = LiveMetrics(hold_s=0.5)
     with caplog.at_level(logging.WARNING, logger="tracekit.live"):
-        log = _hand_run(live)
+        _replay(live, _hand_chunks())
     s = live.snapshot()
     # first flush at 1014: W = 514, the gaps closing at e_1..e_5 = 110..510 are settled
     # without the tok window [150, 950] (it arrives in the next chunk): its part in
     # [150, 510] (360 ms) is missing live; the rest (440 ms) is in later gaps
     assert s["late_rows"] == 1
     assert s["cause_ms"]["tok"] == pytest.approx(800 - 360, abs=1e-9)
-    assert s["gaps"] == len(partition(log)) == 24  # the count itself is never affected
+    assert s["gaps"] == 24  # the count itself is never affected
     assert sum("late" in r.getMessage() or "after the gaps" in r.getMessage()
                for r in caplog.records) == 1  # fmt: skip
 
@@ -223,11 +282,16 @@ def test_a_failing_export_is_logged_once_and_recording_goes_on(caplog):
 
     live = Broken(hold_s=0.0)
     with caplog.at_level(logging.ERROR, logger="tracekit.live"):
-        log = _hand_run(live)
-    assert len(partition(log)) == 24  # the run was recorded whole
+        _replay(live, _hand_chunks())
     errors = [r for r in caplog.records if r.name == "tracekit.live"]
     assert len(errors) == 1 and "exporter down" in errors[0].getMessage()
-    assert live.snapshot()["errors"] >= 2  # several settlements failed, one log line
+    # each of the 3 chunks' settlements failed, and close retried the unfinished final one:
+    # 4 failures, one log line
+    assert live.snapshot()["errors"] == 4
+    # and through a recorder, the run is recorded whole
+    with caplog.at_level(logging.ERROR, logger="tracekit.live"):
+        log = _hand_run(Broken(hold_s=0.0))
+    assert len(partition(log)) == 24
 
 
 def test_a_sink_that_raises_never_stops_the_recorder(caplog):
