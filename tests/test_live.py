@@ -294,6 +294,27 @@ def test_a_failing_export_is_logged_once_and_recording_goes_on(caplog):
     assert len(partition(log)) == 24
 
 
+def test_a_stuck_exporter_never_blocks_the_recording():
+    release = threading.Event()
+
+    class Stuck(LiveMetrics):
+        def _settle_window(self, *a, **kw):
+            release.wait()  # an exporter that hangs until released
+            return super()._settle_window(*a, **kw)
+
+    live = Stuck(hold_s=0.0, close_timeout_s=0.1)
+    log = _hand_run(live)  # every step, flush and the stop return while the worker hangs
+    assert len(partition(log)) == 24
+    assert live.snapshot()["gaps"] == 0 and not live.snapshot()["final"]
+    release.set()
+    _wait_idle(live)
+    for _ in range(2000):  # the queued chunks, then the close, once released
+        if live.snapshot()["final"]:
+            break
+        time.sleep(0.005)
+    assert live.snapshot()["final"] and live.snapshot()["gaps"] == 24
+
+
 def test_a_sink_that_raises_never_stops_the_recorder(caplog):
     class Raises:
         def open(self, meta):
