@@ -14,6 +14,11 @@ worker's partitioning is in it). Goal: tokens/s within 1%. Also
 printed: the live worker thread's CPU time as a share of the live run's wall time (it holds
 the interpreter lock while it partitions, so that is what it can take from the engine).
 
+`--long-run STEPS` instead feeds a live sink a long synthetic run on a fake clock (16
+requests decoding 20 ms steps, one step in 7 eager, a new request as each finishes) and
+prints the worker's CPU time per 10,000 steps as the run grows, and what it retains: its
+per-flush cost must not grow with the run's length.
+
 Benchmarks live outside the tests: nothing here asserts on wall time.
 """
 
@@ -84,6 +89,59 @@ def serve_once(cfg, tokenizer, trace, *, live: bool, tmp: str, scrape_hz: float)
     return wall_s, cpu_s, stats.num_tokens, snap
 
 
+def long_run(num_steps: int) -> None:
+    """The live worker's CPU per 10,000 steps along one long synthetic run."""
+    from tracekit.live import LiveMetrics, attach
+
+    class Clock:
+        now = 0
+
+        def __call__(self) -> int:
+            return self.now
+
+    clk = Clock()
+    rec = tracekit.Recorder(
+        None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=1.0, gc=False,
+        handle_signals=False,
+    )  # fmt: skip
+    live = attach(rec, LiveMetrics(hold_s=2.0))
+    active = list(range(16))
+    left = dict.fromkeys(active, 200)
+    nxt = len(active)
+    marks = []
+    with rec:
+        for r in active:
+            rec.request(r, max_new_tokens=200, arrival_tick=0)
+        for k in range(num_steps):  # 20 ms steps of engine clock
+            clk.now = 20 * k
+            with rec.step():
+                clk.now = 20 * k + 2
+                with rec.segment("decode"):
+                    clk.now = 20 * k + 12
+                rec.emit(active)
+                rec.step_info(graph_size=0 if k % 7 == 0 else 16)
+            for r in list(active):
+                left[r] -= 1
+                if left[r] == 0:
+                    active.remove(r)
+                    rec.request(nxt, max_new_tokens=200, arrival_tick=clk.now)
+                    active.append(nxt)
+                    left[nxt] = 200
+                    nxt += 1
+            if k % 10_000 == 0:
+                while live.snapshot()["backlog"]:
+                    time.sleep(0.01)
+                marks.append((k, live.snapshot()["cpu_s"]))
+    s = live.snapshot()
+    print(f"long run: {num_steps} steps of 20 ms ({num_steps * 0.02:.0f} s of engine clock), "
+          f"{s['gaps']} gaps, {nxt} requests")  # fmt: skip
+    for (k0, c0), (k1, c1) in zip(marks, marks[1:], strict=False):
+        print(f"  steps {k0:7d}-{k1:7d}: worker CPU {c1 - c0:.3f} s "
+              f"({100 * (c1 - c0) / ((k1 - k0) * 0.02):.2f}% of their engine clock)")  # fmt: skip
+    print(f"  retained at the end: {len(live._segs)} segments, {len(live._steps)} steps, "
+          f"{len(live._inflight)} requests in flight; late rows {s['late_rows']}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rung", default="baseline")
@@ -92,7 +150,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=100)
     ap.add_argument("--scrape-hz", type=float, default=1.0, help="0: no scraper")
+    ap.add_argument("--long-run", type=int, default=0, metavar="STEPS",
+                    help="instead: the worker's cost along one long synthetic run")  # fmt: skip
     args = ap.parse_args()
+    if args.long_run:
+        long_run(args.long_run)
+        return
 
     rung = find_rung(args.rung)
     cfg = rung_config(rung)
