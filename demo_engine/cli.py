@@ -84,12 +84,15 @@ def run_one(
     device: str = "cpu",
     is_async_scheduling: bool = False,
     nvtx: bool = False,
+    metrics_port: int | None = None,
 ) -> tuple[str, Any]:
     """Run one rung with one seed; returns (log path, engine RunStats).
 
     `backend="torch"` runs the same model in torch on `device` (cpu or cuda); on cuda the
     recorder times device work with CUDA events. `is_async_scheduling` (torch only)
-    schedules step N+1 while the device runs step N."""
+    schedules step N+1 while the device runs step N. `metrics_port`: serve live per-cause
+    metrics (`tracekit.live`) on this port from before the run until the process exits
+    (the run's final values stay scrapeable)."""
     limit_blas_threads(1)
     from tracekit import Recorder
 
@@ -133,6 +136,8 @@ def run_one(
     rec = Recorder(
         path if enabled else None, config=config, enabled=enabled, device_timer=timer, nvtx=nvtx
     )
+    if metrics_port is not None:
+        _serve_live_metrics(rec, metrics_port, quiet=quiet)
     engine = Engine(cfg, rec, tokenizer, runner=runner)
     with rec:
         # the arrival trace, as the published logs kept it: id, arrival s, prompt chars, max new
@@ -148,6 +153,24 @@ def run_one(
     if not quiet and sys.stderr.isatty():
         click.echo("", err=True)
     return path, stats
+
+
+def _serve_live_metrics(rec: Any, port: int, *, quiet: bool) -> Any:
+    """A `tracekit.live.LiveMetrics` sink on `rec`, serving /metrics on `port`."""
+    try:
+        from tracekit.live import LiveMetrics, attach
+
+        live = LiveMetrics()
+        live.serve(port)
+    except ImportError as e:
+        raise click.UsageError(f"--metrics-port: {e}") from None
+    except OSError as e:
+        raise click.UsageError(
+            f"--metrics-port {port}: cannot listen there ({e.strerror}); pick a free port"
+        ) from None
+    if not quiet:
+        click.echo(f"metrics: http://127.0.0.1:{live.port}/metrics", err=True)
+    return attach(rec, live)
 
 
 def _make_runner(backend: str, device: str, cfg: EngineConfig, vocab_size: int) -> tuple[Any, Any]:
@@ -229,6 +252,13 @@ _mode_opt = click.option(
     help="Schedule step N+1 while the device runs step N (torch only).",
 )
 @click.option("--nvtx", is_flag=True, help="NVTX ranges per step and segment (gpu extra).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve live per-cause ITL/TTFT Prometheus metrics on 127.0.0.1:PORT/metrics while "
+    "the run goes (0: any free port; needs the live extra). See docs/live.md.",
+)
 def run_cmd(
     rung: str,
     seed: int,
@@ -242,6 +272,7 @@ def run_cmd(
     device: str,
     async_scheduling: bool,
     nvtx: bool,
+    metrics_port: int | None,
 ) -> None:
     """Run one rung of the fix ladder with one seed; writes OUT/<rung>__s<seed>.npz."""
     if rate is not None and load is not None:
@@ -275,6 +306,7 @@ def run_cmd(
         device=device,
         is_async_scheduling=async_scheduling,
         nvtx=nvtx,
+        metrics_port=metrics_port,
     )
     click.echo(_summary(path, stats))
 
@@ -292,6 +324,13 @@ def run_cmd(
     help="Comma-separated rung names or slugs.",
 )
 @_mode_opt
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Each run serves live Prometheus metrics on this port while it goes (runs are "
+    "sequential; the counters restart with each run). See docs/live.md.",
+)
 def ladder_cmd(
     seeds: str,
     duration: float,
@@ -300,6 +339,7 @@ def ladder_cmd(
     out_dir: str,
     rungs: str,
     preemption_mode: str,
+    metrics_port: int | None,
 ) -> None:
     """Every rung x every seed, each in a fresh interpreter, all at one arrival rate."""
     if rate is not None and load is not None:
@@ -361,6 +401,8 @@ def ladder_cmd(
             preemption_mode,
             "--quiet",
         ]
+        if metrics_port is not None:
+            cmd += ["--metrics-port", str(metrics_port)]
         click.echo(f"[{i}/{len(runs)}] {rung} s{seed} ...", err=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         elapsed = time.monotonic() - t_start

@@ -645,11 +645,18 @@ def _prefix(m: np.ndarray) -> np.ndarray:
 
 
 def partition(
-    log: RawLog, *, check: bool = True, baseline_fit: str = FIT_ALL_CAPTURED
+    log: RawLog,
+    *,
+    check: bool = True,
+    baseline_fit: str = FIT_ALL_CAPTURED,
+    excess_frac: np.ndarray | None = None,
 ) -> Partition:
     """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum.
 
     `baseline_fit`: the graph baseline's fit (`BASELINE_FITS`; design.md's by default).
+    `excess_frac`: each step's graph fraction to use instead of the fitted baseline's (a
+    caller that settles `graph`/`forward` itself, as `tracekit.live` does; the parts are
+    linear in it).
     Device windows are first corrected for the measured clock drift (`drift_corrected`)."""
     log = drift_corrected(log)
     causes = segment_causes(log)
@@ -667,6 +674,8 @@ def partition(
 
     net = _decode_net_ms(log, causes)
     base = fit_baseline(log, net, baseline_fit)
+    if excess_frac is not None:
+        base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
     tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
 
     # gaps, and each end's rank among the distinct emission times
