@@ -536,14 +536,14 @@ def test_spans_above_the_slo_match_tracekit_gaps_min_ms(tmp_path):
     assert len(want) > 0 and len(spans) == len(want) == live.snapshot()["spans"]
     st = tracekit.load(path).steps
     key = lambda rid, t0: (rid, round(t0, 9))  # noqa: E731
-    by_key = {key(g["request"], g["t0"]): g for g in want}
+    by_key = {key(g["request"], g["t0_s"]): g for g in want}
     for sp in spans:
         at = sp.attributes
         g = by_key[key(at["tracekit.request_id"], at["tracekit.t0_s"])]
         assert at["tracekit.gap_ms"] == pytest.approx(g["gap_ms"], abs=1e-9)
         assert (at["tracekit.step0"], at["tracekit.step1"]) == (g["step0"], g["step1"])
         # the steps it spans: every step of the log overlapping [t0, t1]
-        want_steps = np.flatnonzero((st.t_start_s < g["t1"]) & (st.t_end_s > g["t0"]))
+        want_steps = np.flatnonzero((st.t_start_s < g["t1_s"]) & (st.t_end_s > g["t0_s"]))
         assert at["tracekit.num_steps"] == len(want_steps) <= 64
         assert list(at["tracekit.steps"]) == want_steps.tolist()
         for lb, v in g["parts"].items():
