@@ -43,7 +43,7 @@ import numpy as np
 
 from .device import DeviceTimer
 from .labels import DEFAULT_CAUSE_MAP, colour
-from .rawlog import MODES, RawLog
+from .rawlog import MODES, WAIT_REASON_CODES, RawLog
 from .stream import (
     EVENT_COLS,
     EVICT,
@@ -631,6 +631,57 @@ class Recorder:
         self._step_readmissions += 1
         with self._lock:
             self._buf["events"].extend((idx, READMIT, t, -1))
+
+    # -- TTFT events: admission, prefill chunks, wait reasons ---------------------------
+    def admit(self, request_id: Any) -> None:
+        """The scheduler took `request_id` into a running batch for the first time, now.
+
+        Call it once per request, where the scheduler takes it off its waiting queue (a
+        readmission after an eviction is `readmit`). Ends the request's `queued` phase."""
+        if not self.enabled:
+            return
+        t = self._clock()
+        idx = self._request_index(request_id)
+        with self._lock:
+            self._buf["admissions"].extend((idx, t))
+
+    def prefill(self, request_id: Any, num_tokens: int) -> None:
+        """The open step computes `num_tokens` of `request_id`'s prompt in its `prefill`
+        segments (one call per request and step; the TTFT partition splits the step's
+        prefill time by these token counts)."""
+        if not self.enabled:
+            return
+        idx = self._req_index.get(request_id)
+        if idx is None:
+            idx = self._request_index(request_id)
+        row = (self._open_step("prefill"), idx, num_tokens)
+        with self._lock:
+            self._buf["prefill_chunks"].extend(row)
+
+    def wait(self, request_ids: Iterable[Any], reason: str) -> None:
+        """The open step's scheduler left `request_ids` waiting because of `reason`, one
+        of `tracekit.rawlog.WAIT_REASONS` (`kv_blocks`, `max_num_seqs`, `token_budget`,
+        `preempted_first`, `other`)."""
+        if not self.enabled:
+            return
+        code = WAIT_REASON_CODES.get(reason)
+        if code is None:
+            raise ValueError(f"wait reason {reason!r} is not one of {list(WAIT_REASON_CODES)}")
+        step = self._open_step("wait")
+        get = self._req_index.get
+        rows = array("q")
+        for rid in request_ids:
+            idx = get(rid)
+            if idx is None:
+                idx = self._request_index(rid)
+            rows.extend((step, idx, code))
+        with self._lock:
+            self._buf["waits"].extend(rows)
+
+    def _open_step(self, what: str) -> int:
+        if not (self._in_step and self._is_loop_thread()):
+            raise RuntimeError(f"rec.{what}() describes a step: call it inside rec.step()")
+        return self._step_no
 
     def counter(self, name: str, value: float) -> None:
         """Sample an engine counter (batch size, free KV blocks...) now."""
