@@ -548,11 +548,125 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
     )
 
 
+# -- per-run figures ------------------------------------------------------------------------
+
+#: TTFT percentiles a run reports, ms.
+TTFT_PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0))
+
+
+@dataclass(frozen=True)
+class TtftFigures:
+    """One run's TTFT figures. Times in ms; shares are fractions of summed TTFT."""
+
+    requests: int  # requests with an arrival and a first token
+    unsplit: int  # of them, without an admission row (phases unknown)
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    tail_requests: int  # requests at or above the run's TTFT p90
+    tail_share: dict[str, float]  # per label: label time in tail TTFTs / tail TTFT time
+    all_share: dict[str, float]  # the same over all TTFTs
+    tail_count: dict[str, int]  # tail requests by primary cause, "clean" included
+    all_count: dict[str, int]  # all requests by primary cause
+    phase_share: dict[str, float]  # per phase: phase time / TTFT time, all requests
+    tail_phase_share: dict[str, float]  # the same over tail requests
+    held_context_ms: dict[str, float]  # what ran while requests were evicted or held
+    reconcile_max_err_ms: float  # max over requests of |TTFT - sum(parts)|, phases too
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _shares(m: np.ndarray, total_ms: np.ndarray, names) -> dict[str, float]:
+    t = float(total_ms.sum())
+    if t <= 0:
+        return {n: 0.0 for n in names}
+    return {n: float(v) for n, v in zip(names, m.sum(axis=0) / t, strict=True)}
+
+
+def _count(primary: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
+    c = np.bincount(np.where(primary == CLEAN, len(causes), primary), minlength=len(causes) + 1)
+    return {name: int(v) for name, v in zip((*causes, "clean"), c, strict=True) if v}
+
+
+def ttft_figures(p: TtftPartition) -> TtftFigures:
+    """The per-run TTFT figures of docs/ttft.md from a partition. The tail is the requests
+    at or above the run's TTFT p90 (numpy's default linear percentile)."""
+    t = p.ttft_ms
+    pct = {k: float(np.percentile(t, q)) if len(t) else float("nan") for k, q in TTFT_PERCENTILES}
+    tail = t >= pct["p90"] if len(t) else np.zeros(0, dtype=bool)
+    return TtftFigures(
+        requests=len(p),
+        unsplit=int((~p.is_split).sum()),
+        p50_ms=pct["p50"],
+        p90_ms=pct["p90"],
+        p99_ms=pct["p99"],
+        max_ms=float(t.max()) if len(t) else float("nan"),
+        tail_requests=int(tail.sum()),
+        tail_share=_shares(p.parts_ms[tail], t[tail], p.labels),
+        all_share=_shares(p.parts_ms, t, p.labels),
+        tail_count=_count(p.primary[tail], p.causes),
+        all_count=_count(p.primary, p.causes),
+        phase_share=_shares(p.phases_ms, t, PHASES),
+        tail_phase_share=_shares(p.phases_ms[tail], t[tail], PHASES),
+        held_context_ms={
+            lb: float(v) for lb, v in zip(p.labels, p.context_ms.sum(axis=0), strict=True) if v
+        },
+        reconcile_max_err_ms=p.reconcile_max_err_ms,
+        notes=list(p.notes),
+    )
+
+
+def ttft_records(log: RawLog, p: TtftPartition | None = None, *, min_ms: float | None = None,
+                 request_id: str | None = None) -> list[dict]:  # fmt: skip
+    """One dict per request (as `tracekit.gaps.gap_records` for gaps): request id, arrival,
+    admission (null: unsplit), first token (s, engine clock), ttft_ms, phases and parts
+    (ms; each sums to ttft_ms), context (what ran while held or evicted), primary."""
+    p = p if p is not None else ttft_partition(log)
+    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    sel = np.ones(len(p), dtype=bool)
+    if min_ms is not None:
+        sel &= p.ttft_ms >= min_ms
+    if request_id is not None:
+        if request_id not in ids:
+            from .errors import LogError
+
+            raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
+        sel &= p.request == ids.index(request_id)
+    prim = p.primary_names()
+    out = []
+    for i in np.flatnonzero(sel).tolist():
+        adm = float(p.admit_s[i])
+        out.append(
+            {
+                "request": ids[int(p.request[i])],
+                "arrival": float(p.arrival_s[i]),
+                "admitted": adm if np.isfinite(adm) else None,
+                "first_token": float(p.first_token_s[i]),
+                "ttft_ms": float(p.ttft_ms[i]),
+                "phases": {ph: float(v) for ph, v in zip(PHASES, p.phases_ms[i], strict=True)},
+                "parts": {lb: float(v) for lb, v in zip(p.labels, p.parts_ms[i], strict=True)},
+                "context": {
+                    lb: float(v) for lb, v in zip(p.labels, p.context_ms[i], strict=True) if v
+                },
+                "primary": str(prim[i]),
+            }
+        )
+    return out
+
+
 __all__ = [
     "PHASES",
     "TTFT_STANDARD_LABELS",
+    "TtftFigures",
     "TtftPartition",
     "check_ttft_reconciled",
+    "ttft_figures",
     "ttft_partition",
     "ttft_partition_reference",
+    "ttft_records",
 ]
