@@ -192,6 +192,7 @@ class Engine:
         with rec.step():
             self._intake()
             out = self.scheduler.schedule()
+            self._record_schedule(out)
             for op in out.kv_ops:
                 self._do_kv_op(op)
             rids: list[int] = []
@@ -246,6 +247,7 @@ class Engine:
         with rec.step():
             self._intake()
             out = self.scheduler.schedule()
+            self._record_schedule(out)
             for op in out.kv_ops:
                 self._do_kv_op(op)
             reqs: list[Request] = []
@@ -315,6 +317,19 @@ class Engine:
             st.num_eager_steps += graph_size == 0
             st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
         return num_emitted
+
+    def _record_schedule(self, out: SchedulerOutput) -> None:
+        """What the scheduler decided, for the TTFT partition: first admissions (now),
+        the prompt chunks this step prefills (recompute chunks are `recompute`, not
+        prefill), and why the requests still waiting were not admitted."""
+        rec = self.rec
+        for r in out.admitted:
+            rec.admit(r.rid)
+        for r, n in out.prefill_chunks:
+            if not r.is_recomputing:
+                rec.prefill(r.rid, n)
+        if out.wait_reason is not None:
+            rec.wait([r.rid for r in self.scheduler.waiting], out.wait_reason)
 
     def _tag_step(self, out: SchedulerOutput, num_decode: int, graph_size: int) -> None:
         """What the step did, for the recorder: its attributes and the engine's counters."""
