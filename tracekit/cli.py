@@ -371,13 +371,16 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     from .partition import partition
     from .rawlog import load
     from .render import perfetto
+    from .ttft import ttft_partition
 
     t_start = time.perf_counter()
     win = perfetto.parse_window(window) if window else None
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
     log = load(run)
     _warn(log.path, log.warnings)
-    events = perfetto.chrome_trace_events(log, partition(log), requests=ids, window_s=win)
+    events = perfetto.chrome_trace_events(
+        log, partition(log), requests=ids, window_s=win, ttft=ttft_partition(log)
+    )
     size = perfetto.write_trace(events, output, meta={"source": os.path.basename(run)})
     click.echo(
         f"wrote {output}: {len(events)} events, {size / 1e6:.1f} MB in "
