@@ -633,14 +633,15 @@ class Recorder:
             self._buf["events"].extend((idx, READMIT, t, -1))
 
     # -- TTFT events: admission, prefill chunks, wait reasons ---------------------------
-    def admit(self, request_id: Any) -> None:
-        """The scheduler took `request_id` into a running batch for the first time, now.
+    def admit(self, request_id: Any, *, at_tick: int | None = None) -> None:
+        """The scheduler took `request_id` into a running batch for the first time, now (or
+        at `at_tick` of this recorder's clock: say, the start of the scheduling call).
 
         Call it once per request, where the scheduler takes it off its waiting queue (a
         readmission after an eviction is `readmit`). Ends the request's `queued` phase."""
         if not self.enabled:
             return
-        t = self._clock()
+        t = self._clock() if at_tick is None else at_tick
         idx = self._request_index(request_id)
         with self._lock:
             self._buf["admissions"].extend((idx, t))
