@@ -669,13 +669,19 @@ class Recorder:
         if code is None:
             raise ValueError(f"wait reason {reason!r} is not one of {list(WAIT_REASON_CODES)}")
         step = self._open_step("wait")
+        ids = request_ids if isinstance(request_ids, list) else list(request_ids)
         get = self._req_index.get
-        rows = array("q")
-        for rid in request_ids:
-            idx = get(rid)
-            if idx is None:
-                idx = self._request_index(rid)
-            rows.extend((step, idx, code))
+        found = [get(rid) for rid in ids]
+        idx: list[int] = (
+            found  # type: ignore[assignment]  # no None in it
+            if None not in found
+            else [  # requests this recorder has not seen yet get an index
+                self._request_index(rid) if i is None else i
+                for rid, i in zip(ids, found, strict=True)
+            ]
+        )
+        rows = array("q", (step, 0, code)) * len(idx)  # flat (step, request, reason) rows
+        rows[1::3] = array("q", idx)
         with self._lock:
             self._buf["waits"].extend(rows)
 
