@@ -535,9 +535,14 @@ def _v1_semantic_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("emission at an unknown step", "reject", "emissions.step",
             emissions__step=_set(base["emissions.step"], 4, 12))  # fmt: skip
     yield c("emission outside any step", "ok", emissions__step=_set(base["emissions.step"], 4, -1))
-    # a first emission before arrival reverses the TTFT window: rejected (docs/ttft.md)
+    # a first emission before arrival reverses the TTFT window: rejected where the log has
+    # TTFT events (docs/ttft.md), a warning without them
     yield c("emission before its request arrived", "reject", "requests.first_token_s",
             requests__arrival_s=np.array([0.5, 0.5, 0.5]))  # fmt: skip
+    yield c("emission before arrival, no TTFT events", "ok", "before their request",
+            requests__arrival_s=np.array([0.5, 0.5, 0.5]),
+            **{k.replace(".", "__"): None for k in base
+               if k.split(".")[0] in ("admissions", "prefill_chunks", "waits")})  # fmt: skip
     yield c("admission before arrival", "reject", "admissions.t_s",
             admissions__t_s=np.array([-0.01, 0.0, 0.0]))  # fmt: skip
     yield c("admission after the first token", "reject", "admissions.t_s",

@@ -249,3 +249,16 @@ def test_log_without_admissions_is_unsplit_and_says_so(impl):
     _close(_phases(p, 0), {"unsplit": 9.5})
     _close(_parts(p, 0), {"residual": 1.5, "prefill": 8.0})
     assert len(p.notes) == 1 and "no admission events" in p.notes[0]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_first_token_before_arrival_without_admissions_is_left_out_and_said(impl):
+    # a log without TTFT events loads with a warning (an engine that recorded the arrival
+    # late); the TTFT partition cannot use a reversed window: it leaves the request out
+    b = LogBuilder()
+    b.step(0, 10)
+    b.emit(0, 5, 0)
+    b.emit(1, 9, 0)
+    p = impl(b.build(arrivals_ms=[0, 20]))
+    assert p.request.tolist() == [0]
+    assert any("1 request(s) left out: first token before arrival" in n for n in p.notes)

@@ -140,7 +140,8 @@ def _windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     """(request, arrival, admission or NaN, first token) of every request with a TTFT."""
     rq = log.requests
     a, f = rq.arrival_s, rq.first_token_s
-    idx = np.flatnonzero(np.isfinite(a) & np.isfinite(f))
+    # a first token before arrival (rejected at load in a log with admissions): left out
+    idx = np.flatnonzero(np.isfinite(a) & np.isfinite(f) & (f >= a))
     adm = np.full(len(rq), np.nan)
     ad = log.admissions
     if len(ad):
@@ -190,9 +191,17 @@ def primary_of(parts_ms: np.ndarray, ttft_ms: np.ndarray, labels: tuple[str, ...
 
 
 def _notes(log: RawLog, is_split: np.ndarray) -> tuple[str, ...]:
+    rq = log.requests
+    n_reversed = int((rq.first_token_s < rq.arrival_s).sum())
+    out: tuple[str, ...] = ()
+    if n_reversed:
+        out = (
+            f"{n_reversed} request(s) left out: first token before arrival (the engine "
+            "recorded the arrival late)",
+        )
     n_unsplit = int((~is_split).sum())
     if n_unsplit == 0:
-        return ()
+        return out
     if len(log.admissions) == 0:
         why = (
             "the log has no admission events (a version-1 or published-layout log, or an "
@@ -201,6 +210,7 @@ def _notes(log: RawLog, is_split: np.ndarray) -> tuple[str, ...]:
     else:
         why = "no admission event was recorded for them"
     return (
+        *out,
         f"{n_unsplit} request(s) unsplit: {why}; their queued and prefilling phases, wait "
         "reasons and own/other prefill cannot be told apart (phase 'unsplit', label 'prefill')",
     )

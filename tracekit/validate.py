@@ -30,7 +30,7 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - a readmission before its eviction
 - an index outside its table: segment label or step, emission request or step, eviction request,
   counter name, admission request, prefill or wait request or step, wait reason
-- a first token before its request's arrival
+- in a log with admission events: a first token before its request's arrival
 - an admission before its request's arrival or after its first token, a request admitted twice,
   an eviction before its request's admission, two wait reasons for one request in one step
 - a request-id list whose length is not the number of requests, and duplicate request ids in the
@@ -239,6 +239,8 @@ def validate_ttft(log: RawLog) -> None:
     _index(log, "waits", "request", n_req)
     _index(log, "waits", "step", n_steps)
     _index(log, "waits", "reason", len(WAIT_REASONS))
+    if len(ad) == 0:
+        return  # no TTFT events: a reversed window is only warned about (emissions above)
     # a first token before its request arrived: the TTFT window is reversed
     early = rq.first_token_s < rq.arrival_s  # NaN compares False: not recorded is fine
     if early.any():
@@ -249,8 +251,6 @@ def validate_ttft(log: RawLog) -> None:
             f"row {i}: first token at {float(rq.first_token_s[i])!r} s is before the "
             f"request's arrival at {float(rq.arrival_s[i])!r} s",
         )
-    if len(ad) == 0:
-        return
     # admissions: one per request, between its arrival and its first token
     o = np.lexsort((ad.t_s, ad.request))
     twice = np.flatnonzero(ad.request[o][1:] == ad.request[o][:-1])
