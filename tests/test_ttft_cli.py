@@ -59,6 +59,8 @@ def test_analyze_compare_report_and_trace_carry_ttft(runs, tmp_path):
     assert "TTFT TAIL SHARE BY CAUSE" in t.stdout
     c = _tk("compare", *runs)
     assert c.returncode == 0 and "TTFT PER RUNG" in c.stdout
+    md = _tk("compare", *runs, "--format", "markdown")
+    assert md.returncode == 0 and "**TTFT PER RUNG" in md.stdout and "| kv |" in md.stdout
     cj = _tk("compare", *runs, "--format", "jsonl")
     groups = [json.loads(x) for x in cj.stdout.splitlines()]
     # the evicted run's only request: preempt 16 of 39 ms is its whole tail share

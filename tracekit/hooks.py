@@ -4,6 +4,9 @@
     with rec:                                   # installs gc.callbacks; flushes on stop
         rec.request(rid, prompt_tokens=812, max_new_tokens=300)
         with rec.step():                        # or @rec.step on the engine's step()
+            rec.admit(rid)                      # the scheduler took it (first time),
+            rec.prefill(rid, num_tokens=256)    # this step computes a prompt chunk,
+            rec.wait(waiting_ids, "kv_blocks")  # the rest wait: why (docs/ttft.md)
             with rec.segment("prefill"):        # or @rec.segment("tok") on a function
                 ...
             rec.evict(victim, mode="swap")      # explicit, timestamped, counted in the step
