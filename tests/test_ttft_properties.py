@@ -16,22 +16,21 @@ LABELS = ("tok", "prefill", "decode", "swap", "recompute", "schedule")
 
 
 def random_log(seed: int):
-    """A run of 3-12 steps with overlapping segments of every kind, GC pauses, requests that
-    queue (some with stated reasons), get admitted, prefill in chunks, are evicted before
-    their first token, or have no admission row at all (unsplit)."""
+    """A run of 3-12 steps with overlapping segments of every kind (some device windows),
+    GC pauses, requests that queue (some with stated reasons), get admitted, prefill in
+    chunks, are evicted before their first token, or have no admission row (unsplit)."""
     rng = np.random.default_rng(seed)
     b = LogBuilder()
     n_steps = int(rng.integers(3, 12))
     t = 0.0
-    starts = []
     for s in range(n_steps):
         dur = float(rng.uniform(2, 15))
         graph = int(rng.choice([0, 4, 8]))
         b.step(t, t + dur, n_decode=int(rng.integers(1, 9)), graph=graph)
-        starts.append((t, t + dur))
         for _ in range(int(rng.integers(0, 5))):
             a = t + float(rng.uniform(-1, dur))
-            b.seg(s, str(rng.choice(LABELS)), a, a + float(rng.uniform(0, dur / 2)))
+            b.seg(s, str(rng.choice(LABELS)), a, a + float(rng.uniform(0, dur / 2)),
+                  device=bool(rng.random() < 0.15))  # device windows: not charged  # fmt: skip
         if rng.random() < 0.2:  # a window outside any step (another thread)
             a = t + float(rng.uniform(0, dur))
             b.seg(-1, str(rng.choice(LABELS)), a, a + float(rng.uniform(0, 3)))
