@@ -88,3 +88,21 @@ def test_recompute_chunks_are_not_prefill_rows(tokenizer, tmp_path):
     per_req = np.bincount(log.prefill_chunks.request, log.prefill_chunks.num_tokens, 10)
     assert (per_req <= log.requests.prompt_tokens).all()
     ttft_partition(log)
+
+
+def test_async_scheduling_records_valid_ttft_events(tokenizer):
+    """Under async scheduling a step's tokens are emitted one iteration later: admissions
+    still precede first tokens and the TTFT partition reconciles."""
+    pytest.importorskip("torch")
+    from test_torch_runner import _serve
+
+    from demo_engine.torch_runner import TorchModelRunner
+    from tracekit.validate import validate_log
+
+    cfg = SMALL.replace(num_kv_blocks=24, is_async_scheduling=True)
+    _, stats, log = _serve(cfg, tokenizer, TorchModelRunner(cfg, tokenizer.get_vocab_size()))
+    assert stats.num_finished == 10
+    log = validate_log(log)  # admission before first token, evictions after admission
+    assert len(log.admissions) == 10
+    p = ttft_partition(log)
+    assert len(p) == 10 and p.is_split.all()
