@@ -238,7 +238,8 @@ def check_ttft_reconciled(p: TtftPartition, path: str = "") -> TtftPartition:
 
 
 def _host_setup(log: RawLog):
-    """Host timeline classes, the timeline, and the matrix from class integrals to labels."""
+    """(segment causes, host timeline classes by precedence, the timeline): the ITL
+    partition's elementary intervals, each owned by one class, with decode's graph rate."""
     causes = segment_causes(log)
     is_dev = log.segments.is_device == 1
     classes = [(c, False) for c in precedence(set(causes[~is_dev].tolist()))]
@@ -249,14 +250,14 @@ def _host_setup(log: RawLog):
     seg_cls = np.where(is_dev, -1, label_cls[log.segments.label])
     base = fit_baseline(log, _decode_net_ms(log, causes))
     tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
-    return causes, classes, seg_cls, tl, base
+    return causes, classes, tl
 
 
 def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
     """Partition every request's TTFT (vectorised). Raises `ReconcileError` if it does not sum."""
     labels = ttft_labels(log)
     col = {lb: i for i, lb in enumerate(labels)}
-    causes, classes, seg_cls, tl, _ = _host_setup(log)
+    causes, classes, tl = _host_setup(log)
     n_cls = len(classes)
     # class integrals (every class, residual, graph-rate) -> labels; prefill stays `prefill`
     # here and is split at the end
