@@ -115,6 +115,8 @@ class Engine:
         self._seg_decode = rec.segment("decode", device=True)
         # async scheduling: the step launched last, not read yet (see `_step_async`)
         self._inflight: _Inflight | None = None
+        # requests handed to the off-loop tokenizer and not back yet (their TTFT waits)
+        self._tokenizing: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def startup(self) -> None:
@@ -157,6 +159,7 @@ class Engine:
             self.stats.num_arrived += 1
             if self.off_loop is not None:
                 self.off_loop.submit(tr.index, tr.text)
+                self._tokenizing.add(tr.index)
             else:
                 with self._seg_tok:
                     ids = self.tokenizer.encode(tr.text).ids[: self.config.max_prompt_tokens]
@@ -164,6 +167,7 @@ class Engine:
         if self.off_loop is not None and self.off_loop.num_pending:
             for index, ids in self.off_loop.poll():
                 if index >= 0:
+                    self._tokenizing.discard(index)
                     self._add_request(index, ids)
 
     def _add_request(self, index: int, ids: list[int]) -> None:
@@ -330,6 +334,8 @@ class Engine:
                 rec.prefill(r.rid, n)
         if out.wait_reason is not None:
             rec.wait([r.rid for r in self.scheduler.waiting], out.wait_reason)
+        if self._tokenizing:  # arrived, not tokenised yet: the scheduler cannot take them
+            rec.wait(sorted(self._tokenizing), "tokenizing")
 
     def _tag_step(self, out: SchedulerOutput, num_decode: int, graph_size: int) -> None:
         """What the step did, for the recorder: its attributes and the engine's counters."""

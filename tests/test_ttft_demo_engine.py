@@ -106,3 +106,17 @@ def test_async_scheduling_records_valid_ttft_events(tokenizer):
     assert len(log.admissions) == 10
     p = ttft_partition(log)
     assert len(p) == 10 and p.is_split.all()
+
+
+def test_off_loop_tokenizer_states_tokenizing_waits(tokenizer, tmp_path):
+    """Requests in the off-loop tokenizer cannot be admitted yet: the engine says so."""
+    cfg = SMALL.replace(is_tokenize_off_loop=True)
+    _, stats, log = _run(cfg, tokenizer, _burst(10), tmp_path)
+    assert stats.num_finished == 10
+    reasons = {WAIT_REASONS[c] for c in log.waits.reason.tolist()}
+    assert "tokenizing" in reasons
+    p = ttft_partition(log)
+    assert p.column("wait_tokenizing").sum() > 0
+    assert (
+        not (log.segments.label == log.labels.index("tok")).any() if "tok" in log.labels else True
+    )

@@ -219,7 +219,7 @@ def ttft(
     Every request's window [arrival, first token] of RUN is split exclusively into phases
     (queued: arrival to admission; prefilling: admission to first token; evicted) and into
     parts by cause: preempt, gc, wait_<reason> (the scheduler said why it did not admit the
-    request: kv_blocks, max_num_seqs, token_budget, preempted_first, other), tok,
+    request: kv_blocks, max_num_seqs, token_budget, preempted_first, other, tokenizing), tok,
     prefill_own / prefill_other (a step's prefill time split by the request's token share),
     decode_other and graph (others' decoding), residual. Parts and phases each sum to the
     TTFT (checked; a mismatch is an error). A log without admission events (schema v1, the

@@ -46,13 +46,16 @@ READABLE_VERSIONS = (1, 2)
 #: `kv_blocks`: not enough free KV blocks (including a watermark's headroom);
 #: `max_num_seqs`: the running batch is full; `token_budget`: the step's token budget is
 #: spent; `preempted_first`: preempted requests are readmitted before new ones;
-#: `other`: a reason the engine has but this vocabulary does not name.
+#: `other`: a reason the engine has but this vocabulary does not name; `tokenizing`: the
+#: prompt is still being tokenised off the engine loop. New reasons are only appended
+#: (codes never change; each log stores the vocabulary it was written with).
 WAIT_REASONS: tuple[str, ...] = (
     "kv_blocks",
     "max_num_seqs",
     "token_budget",
     "preempted_first",
     "other",
+    "tokenizing",
 )
 WAIT_REASON_CODES: dict[str, int] = {name: i for i, name in enumerate(WAIT_REASONS)}
 

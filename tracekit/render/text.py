@@ -253,7 +253,8 @@ def comparison_markdown(cmp: Comparison) -> str:
 #: TTFT columns shown in terminal tables: phases, then the causes that move with the rungs.
 TTFT_TABLE_LABELS = (
     "wait_kv_blocks", "wait_max_num_seqs", "wait_token_budget", "wait_preempted_first",
-    "prefill_other", "decode_other", "preempt", "gc", "tok", "prefill_own", "residual",
+    "wait_tokenizing", "wait_other", "prefill_other", "decode_other", "preempt", "gc", "tok",
+    "prefill_own", "residual",
 )  # fmt: skip
 
 
