@@ -115,6 +115,8 @@ class Engine:
         self._seg_decode = rec.segment("decode", device=True)
         # async scheduling: the step launched last, not read yet (see `_step_async`)
         self._inflight: _Inflight | None = None
+        # requests handed to the off-loop tokenizer and not back yet (their TTFT waits)
+        self._tokenizing: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def startup(self) -> None:
@@ -157,6 +159,7 @@ class Engine:
             self.stats.num_arrived += 1
             if self.off_loop is not None:
                 self.off_loop.submit(tr.index, tr.text)
+                self._tokenizing.add(tr.index)
             else:
                 with self._seg_tok:
                     ids = self.tokenizer.encode(tr.text).ids[: self.config.max_prompt_tokens]
@@ -164,6 +167,7 @@ class Engine:
         if self.off_loop is not None and self.off_loop.num_pending:
             for index, ids in self.off_loop.poll():
                 if index >= 0:
+                    self._tokenizing.discard(index)
                     self._add_request(index, ids)
 
     def _add_request(self, index: int, ids: list[int]) -> None:
@@ -192,6 +196,7 @@ class Engine:
         with rec.step():
             self._intake()
             out = self.scheduler.schedule()
+            self._record_schedule(out)
             for op in out.kv_ops:
                 self._do_kv_op(op)
             rids: list[int] = []
@@ -246,6 +251,7 @@ class Engine:
         with rec.step():
             self._intake()
             out = self.scheduler.schedule()
+            self._record_schedule(out)
             for op in out.kv_ops:
                 self._do_kv_op(op)
             reqs: list[Request] = []
@@ -315,6 +321,21 @@ class Engine:
             st.num_eager_steps += graph_size == 0
             st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
         return num_emitted
+
+    def _record_schedule(self, out: SchedulerOutput) -> None:
+        """What the scheduler decided, for the TTFT partition: first admissions (now),
+        the prompt chunks this step prefills (recompute chunks are `recompute`, not
+        prefill), and why the requests still waiting were not admitted."""
+        rec = self.rec
+        for r in out.admitted:
+            rec.admit(r.rid)
+        for r, n in out.prefill_chunks:
+            if not r.is_recomputing:
+                rec.prefill(r.rid, n)
+        if out.wait_reason is not None:
+            rec.wait([r.rid for r in self.scheduler.waiting], out.wait_reason)
+        if self._tokenizing:  # arrived, not tokenised yet: the scheduler cannot take them
+            rec.wait(sorted(self._tokenizing), "tokenizing")
 
     def _tag_step(self, out: SchedulerOutput, num_decode: int, graph_size: int) -> None:
         """What the step did, for the recorder: its attributes and the engine's counters."""

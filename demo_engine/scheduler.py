@@ -94,6 +94,8 @@ class SchedulerOutput:
     kv_ops: list[KvOp] = field(default_factory=list)
     prefill_chunks: list[tuple[Request, int]] = field(default_factory=list)  # (req, tokens)
     decode_reqs: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # taken off the waiting queue
+    wait_reason: str | None = None  # why the waiting queue stopped (tracekit's WAIT_REASONS)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -202,7 +204,17 @@ class Scheduler:
             self.running.append(r)  # the newest: rids grow with arrival
             bm.allocate(r, n)
             out.prefill_chunks.append((r, n))
+            out.admitted.append(r)
             budget -= n
+        if self.waiting:  # the first condition of the loop above that stopped it
+            if self.preempted:
+                out.wait_reason = "preempted_first"
+            elif budget <= 0:
+                out.wait_reason = "token_budget"
+            elif len(self.running) >= cfg.max_num_seqs:
+                out.wait_reason = "max_num_seqs"
+            else:
+                out.wait_reason = "kv_blocks"  # the head's blocks (or the watermark) do not fit
         return out
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:

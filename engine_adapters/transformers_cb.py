@@ -37,6 +37,10 @@ What is recorded (module ``transformers.generation.continuous_batching``, read i
   requests: ``mode="swap"`` when its KV went to the CPU pool (needs pinned memory, so a
   GPU), ``mode="recompute"`` for a soft reset (it is prefilled again with its generated
   tokens as prompt). **Readmission**: when the scheduler next puts it in a batch.
+- **TTFT events**: admission (a request's first batch from ``schedule_batch``, at the
+  start of that call), prefill chunks (every row that is not a decode row, with its query
+  tokens) and why the requests still waiting were left out (see
+  ``TransformersCBAdapter._record_admissions``).
 - **requests**: ``ContinuousBatchingManager.add_request`` (``add_requests`` calls it):
   arrival at entry, prompt length and max new tokens. The first token is the first
   emission.
@@ -95,6 +99,15 @@ class TransformersCBAdapter:
         self._sample_t0: int | None = None
         #: evictions recorded, by mode (tests compare them with the engine's own counts)
         self.num_evictions = {"swap": 0, "recompute": 0}
+        # TTFT events (docs/ttft.md): requests admitted so far; per schedule_batch call,
+        # whether the cache met its safety margin and which requests failed allocation;
+        # the wait rows to write once the step is open
+        self._admitted: set[str] = set()
+        self._margin_ok = True
+        self._alloc_failed: set[str] = set()
+        self._waits: dict[str, str] = {}
+        #: first admissions recorded (tests compare them with the engine's request state)
+        self.num_admissions = 0
 
     # -- install / uninstall ------------------------------------------------------------
     def install(self) -> TransformersCBAdapter:
@@ -230,6 +243,8 @@ class TransformersCBAdapter:
         p = self._patches
         p.wrap(bp, "prepare_next_batch", self._wrap_prepare(bp))
         p.wrap(bp.scheduler, "schedule_batch", self._wrap_schedule_batch)
+        p.wrap(bp.scheduler, "_try_to_meet_safety_margin", self._wrap_margin)
+        p.wrap(bp.scheduler.cache, "can_store_request_tokens", self._wrap_can_store)
         p.wrap(bp.offloading_manager, "offload_requests", self._wrap_offload(bp))
         p.wrap(bp.offloading_manager, "restore_scheduled_requests", self._wrap_restore)
         p.wrap(bp.inputs_and_outputs, "prepare_batch_tensors", self._wrap_inner("prepare"))
@@ -271,12 +286,20 @@ class TransformersCBAdapter:
     def _describe_batch(self, bp: Any) -> None:
         """Decode rows, prefill tokens and graph size of the batch just prepared."""
         num_decode = num_prefill = 0
+        rec = self.rec
         for fs in bp.inputs_and_outputs.requests_in_batch:
             if fs.query_length == 1 and fs.state.generated_tokens:
                 num_decode += 1
             else:
                 num_prefill += fs.query_length
+                rec.prefill(fs.state.request_id, fs.query_length)  # a prompt chunk
         self._num_decode, self._num_prefill_tokens = num_decode, num_prefill
+        by_reason: dict[str, list[str]] = {}
+        for rid, reason in self._waits.items():
+            by_reason.setdefault(reason, []).append(rid)
+        for reason, rids in by_reason.items():
+            rec.wait(rids, reason)
+        self._waits = {}
 
     def _wrap_pad(self, bp: Any) -> Callable[..., Callable[..., Any]]:
         runner = bp.model_runner
@@ -322,7 +345,10 @@ class TransformersCBAdapter:
         rec = self.rec
 
         def schedule_batch_instrumented(*args: Any, **kwargs: Any) -> Any:
+            t0 = rec.now()
+            self._margin_ok, self._alloc_failed = True, set()
             out = schedule_batch(*args, **kwargs)
+            self._record_admissions(schedule_batch.__self__, out, t0, args, kwargs)
             batch = out[0]
             if batch and self._evicted:
                 for fs in batch:
@@ -333,6 +359,56 @@ class TransformersCBAdapter:
             return out
 
         return schedule_batch_instrumented
+
+    def _record_admissions(self, scheduler: Any, out: Any, t0: int, args: Any, kw: Any) -> None:
+        """First admissions of one ``schedule_batch`` call (stamped at its start, where the
+        engine stamps ``RequestState.lifespan[0]`` when the request leaves PENDING), and why
+        it left the still-waiting requests out, from that call's own state: the cache under
+        its safety margin, new requests blocked after an offload, or a failed allocation ->
+        ``kv_blocks``; ``max_requests_per_batch`` reached -> ``max_num_seqs``; the token
+        budget spent -> ``token_budget``; else ``other``. Wait rows are written when the
+        step's batch is described (`_describe_batch`): the engine may call this twice in
+        one step (after an offload)."""
+        batch, _, num_q_tokens, _ = out
+        for fs in batch or ():
+            rid = fs.state.request_id
+            if rid not in self._admitted and rid not in self._evicted:
+                self._admitted.add(rid)
+                self.rec.admit(rid, at_tick=t0)
+                self.num_admissions += 1
+        token_budget = args[0] if args else kw.get("token_budget", 0)
+        if scheduler.block_new_requests or not self._margin_ok:
+            reason = "kv_blocks"
+        elif len(batch or ()) >= scheduler.max_requests_per_batch:
+            reason = "max_num_seqs"
+        elif num_q_tokens >= token_budget:
+            reason = "token_budget"
+        elif batch is None or self._alloc_failed:
+            reason = "kv_blocks"
+        else:
+            reason = "other"
+        self._waits = {
+            rid: "kv_blocks" if rid in self._alloc_failed else reason
+            for rid in scheduler.waiting_requests
+            if rid not in self._admitted
+        }
+
+    def _wrap_margin(self, margin: Callable[[], bool]) -> Callable[[], bool]:
+        def margin_instrumented() -> bool:
+            ok = margin()
+            self._margin_ok = ok
+            return ok
+
+        return margin_instrumented
+
+    def _wrap_can_store(self, can_store: Callable[..., bool]) -> Callable[..., bool]:
+        def can_store_instrumented(state: Any, *args: Any, **kwargs: Any) -> bool:
+            fits = can_store(state, *args, **kwargs)
+            if not fits:
+                self._alloc_failed.add(state.request_id)
+            return fits
+
+        return can_store_instrumented
 
     def _wrap_offload(self, bp: Any) -> Callable[..., Callable[..., Any]]:
         rec = self.rec

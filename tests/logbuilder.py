@@ -7,14 +7,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tracekit.rawlog import (
+    WAIT_REASON_CODES,
+    Admissions,
     Counters,
     Emissions,
     Evictions,
     GcPauses,
+    PrefillChunks,
     RawLog,
     Requests,
     Segments,
     Steps,
+    Waits,
 )
 
 LABELS = ("tok", "swap", "prefill", "decode")
@@ -31,6 +35,9 @@ class LogBuilder:
     ems: list[tuple] = field(default_factory=list)
     evs: list[tuple] = field(default_factory=list)
     num_requests: int = 1
+    admits: list[tuple] = field(default_factory=list)
+    prefills: list[tuple] = field(default_factory=list)
+    waits: list[tuple] = field(default_factory=list)
 
     def step(self, t0, t1, *, n_decode=1, n_prefill=0, graph=1, preempted=0, swapped=0) -> int:
         self.steps.append((t0, t1, n_decode, n_prefill, graph, preempted, swapped))
@@ -52,6 +59,21 @@ class LogBuilder:
     def evict(self, req, t_evict, t_readmit=float("nan"), mode=0):
         self.num_requests = max(self.num_requests, req + 1)
         self.evs.append((req, t_evict, t_readmit, mode))
+
+    def admit(self, req, t):
+        """The first time the scheduler took `req` (ms)."""
+        self.num_requests = max(self.num_requests, req + 1)
+        self.admits.append((req, t))
+
+    def prefill(self, step, req, n):
+        """Step `step` computed `n` prompt tokens of `req`."""
+        self.num_requests = max(self.num_requests, req + 1)
+        self.prefills.append((step, req, n))
+
+    def wait(self, step, req, reason):
+        """Step `step` left `req` waiting because of `reason` (a WAIT_REASONS name)."""
+        self.num_requests = max(self.num_requests, req + 1)
+        self.waits.append((step, req, WAIT_REASON_CODES[reason]))
 
     def build(self, *, wall_ms=None, config=None, arrivals_ms=None) -> RawLog:
         s = 1e-3
@@ -89,6 +111,20 @@ class LogBuilder:
                 first_token_s=first,
             ),
             counters=Counters.empty(),
+            admissions=Admissions(
+                request=np.array([r for r, _ in self.admits], dtype=np.int64),
+                t_s=np.array([t for _, t in self.admits], dtype=np.float64) * s,
+            ),
+            prefill_chunks=PrefillChunks.from_columns(
+                step=[x[0] for x in self.prefills],
+                request=[x[1] for x in self.prefills],
+                num_tokens=[x[2] for x in self.prefills],
+            ),
+            waits=Waits.from_columns(
+                step=[x[0] for x in self.waits],
+                request=[x[1] for x in self.waits],
+                reason=[x[2] for x in self.waits],
+            ),
             labels=tuple(self.labels),
             request_ids=tuple(f"r{i}" for i in range(n)),
             config=config or {},

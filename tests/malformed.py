@@ -26,14 +26,17 @@ from pathlib import Path
 import numpy as np
 
 from tracekit.rawlog import (
+    Admissions,
     Counters,
     Emissions,
     Evictions,
     GcPauses,
+    PrefillChunks,
     RawLog,
     Requests,
     Segments,
     Steps,
+    Waits,
 )
 
 SEED = 20240607
@@ -135,6 +138,13 @@ def base_log() -> RawLog:
         labels=("tok", "swap", "prefill", "decode", "schedule"),
         request_ids=("req-a", "req-b", "req-c"),
         counter_names=("batch", "free_blocks"),
+        # TTFT tables: all three admitted at 0 (after arrival, before the first token),
+        # prompts prefilled in step 0; request 2 had waited for KV in step 0's decision
+        admissions=Admissions.from_columns(request=[0, 1, 2], t_s=[0.0, 0.0, 0.0]),
+        prefill_chunks=PrefillChunks.from_columns(
+            step=[0, 0, 0], request=[0, 1, 2], num_tokens=[100, 200, 300]
+        ),
+        waits=Waits.from_columns(step=[0], request=[2], reason=[0]),
         config={"rung": "baseline", "seed": 1, "engine": {"max_batch": 16}},
         wall_s=0.125,
         meta={"source": "tracekit", "clock": "fake"},
@@ -296,6 +306,7 @@ V1_TIME_COLS = {
     "requests.arrival_s": True,
     "requests.first_token_s": True,
     "counters.t_s": False,
+    "admissions.t_s": False,
 }
 V1_INDEX_COLS = {  # column -> lowest valid value
     "segments.label": 0,
@@ -304,6 +315,12 @@ V1_INDEX_COLS = {  # column -> lowest valid value
     "emissions.step": -1,
     "evictions.request": 0,
     "counters.name": 0,
+    "admissions.request": 0,
+    "prefill_chunks.step": 0,
+    "prefill_chunks.request": 0,
+    "waits.step": 0,
+    "waits.request": 0,
+    "waits.reason": 0,
 }
 V1_COUNT_COLS = {  # column -> lowest valid value
     "steps.num_decode": 0,
@@ -313,6 +330,7 @@ V1_COUNT_COLS = {  # column -> lowest valid value
     "steps.graph_size": -1,
     "emissions.num_tokens": 1,
     "gc_pauses.generation": 0,
+    "prefill_chunks.num_tokens": 0,
 }
 V1_REQUIRED = (
     ["schema", "schema_version", "wall_s"]
@@ -449,7 +467,7 @@ def _v1_scalar_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("schema as int", "reject", "schema", schema=np.array(1))
     yield c("schema as list", "reject", "schema", schema=np.array(["tracekit.rawlog"]))
     yield c("schema is empty", "reject", "schema", schema=np.array(""))
-    for v in (0, 2, 99, -1, 2**62):
+    for v in (0, 3, 99, -1, 2**62):
         yield c(f"schema_version {v}", "reject", "schema_version", schema_version=np.array(v))
     yield c("schema_version missing", "reject", "schema_version", schema_version=None)
     yield c("schema_version float", "reject", "schema_version", schema_version=np.array(1.5))
@@ -592,8 +610,32 @@ def _v1_semantic_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("emission at an unknown step", "reject", "emissions.step",
             emissions__step=_set(base["emissions.step"], 4, 12))  # fmt: skip
     yield c("emission outside any step", "ok", emissions__step=_set(base["emissions.step"], 4, -1))
-    yield c("emission before its request arrived", "ok", "before their request",
+    # a first emission before arrival reverses the TTFT window: rejected where the log has
+    # TTFT events (docs/ttft.md), a warning without them
+    yield c("emission before its request arrived", "reject", "requests.first_token_s",
             requests__arrival_s=np.array([0.5, 0.5, 0.5]))  # fmt: skip
+    yield c("emission before arrival, no TTFT events", "ok", "before their request",
+            requests__arrival_s=np.array([0.5, 0.5, 0.5]),
+            **{k.replace(".", "__"): None for k in base
+               if k.split(".")[0] in ("admissions", "prefill_chunks", "waits")})  # fmt: skip
+    yield c("admission before arrival", "reject", "admissions.t_s",
+            admissions__t_s=np.array([-0.01, 0.0, 0.0]))  # fmt: skip
+    yield c("admission after the first token", "reject", "admissions.t_s",
+            admissions__t_s=np.array([0.0, 0.05, 0.0]))  # fmt: skip
+    yield c("request admitted twice", "reject", "admissions.request",
+            admissions__request=np.array([0, 1, 1]))  # fmt: skip
+    yield c("prefill row for an unknown request", "reject", "prefill_chunks.request",
+            prefill_chunks__request=np.array([0, 1, 3]))  # fmt: skip
+    yield c("two wait reasons for one request in a step", "reject", "waits.request",
+            waits__step=np.array([0, 0]), waits__request=np.array([2, 2]),
+            waits__reason=np.array([0, 1]))  # fmt: skip
+    yield c("evicted before its admission", "reject", "evictions.t_evict_s",
+            admissions__t_s=np.array([0.0, 0.0075, 0.0]),
+            evictions__t_evict_s=np.array([0.005]),
+            evictions__t_readmit_s=np.array([0.061]))  # fmt: skip
+    yield c("no TTFT tables (a version-1 log)", "ok", schema_version=np.array(1),
+            **{k.replace(".", "__"): None for k in base
+               if k.split(".")[0] in ("admissions", "prefill_chunks", "waits")})  # fmt: skip
     yield c("eviction never readmitted", "ok", "never readmitted",
             evictions__t_readmit_s=np.array([math.nan]))  # fmt: skip
     yield c("readmission before eviction", "reject", "readmitted before",

@@ -268,3 +268,36 @@ def test_async_batching_is_refused_and_leaves_nothing_behind(model):
     with pytest.raises(ValueError, match="use_async_batching=False"):
         instrument_transformers(rec, manager)
     assert patches_left(manager) == []
+
+
+# -- TTFT events (docs/ttft.md) ----------------------------------------------------------
+
+
+def test_admissions_equal_the_engines_request_state(batch_run):
+    """One admission per request, as many as the engine's request states that left
+    PENDING (`lifespan[0]`, stamped inside schedule_batch), at the same time."""
+    from tracekit.ttft import ttft_partition, ttft_partition_reference
+
+    log, results = batch_run["log"], batch_run["results"]
+    resets = set(batch_run["resets"])
+    started = {rid for rid, r in results.items() if r.lifespan[0] > 0}
+    assert len(started) == NUM_REQUESTS
+    admitted = [log.request_ids[i] for i in log.admissions.request]
+    assert sorted(admitted) == sorted(started)
+    assert batch_run["adapter"].num_admissions == len(started)
+    # a soft reset replaces the request state (its lifespan restarts): compare the others
+    origin = log_origin_s(log)
+    lags = []
+    for rid in started - resets:
+        t_adm = float(log.admissions.t_s[admitted.index(rid)])
+        lags.append(results[rid].lifespan[0] - origin - t_adm)
+    assert lags, "every request was soft-reset: nothing to compare"
+    lag_ms = np.array(lags) * 1e3
+    # tracekit stamps the start of schedule_batch; the engine stamps inside it
+    assert lag_ms.min() >= -0.01 and lag_ms.max() < 50.0
+    p = ttft_partition(log)  # raises if a TTFT does not reconcile
+    assert len(p) == NUM_REQUESTS and p.is_split.all()
+    ref = ttft_partition_reference(log)
+    np.testing.assert_allclose(p.parts_ms, ref.parts_ms, rtol=0, atol=1e-9)
+    # 8 requests in 8 pages of 16 tokens: some waited, and the adapter said why
+    assert len(log.waits) > 0 and len(log.prefill_chunks) >= NUM_REQUESTS

@@ -223,3 +223,39 @@ def test_a_multiprocess_engine_is_refused_with_the_settings_to_change():
     with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0") as e:
         instrument_vllm(tracekit.Recorder(None), fake_llm)
     assert "SyncMPClient" in str(e.value)
+
+
+# -- TTFT events (docs/ttft.md) ----------------------------------------------------------
+
+
+def test_admissions_equal_the_engines_scheduled_timestamps(vllm_run):
+    """One admission per request, as many as vLLM's requests with a `scheduled_ts`
+    (RequestOutput.metrics, its first SCHEDULED event), at the same time."""
+    from tracekit.rawlog import WAIT_REASONS
+    from tracekit.ttft import ttft_partition, ttft_partition_reference
+
+    outputs, log = vllm_run["outputs"], vllm_run["log"]
+    scheduled = {o.request_id: o.metrics.scheduled_ts for o in outputs}
+    assert all(ts > 0 for ts in scheduled.values())
+    admitted = [log.request_ids[i] for i in log.admissions.request]
+    assert sorted(admitted) == sorted(scheduled)
+    assert vllm_run["adapter"].num_admissions == len(scheduled)
+    shift_s = vllm_run["mono_minus_perf_s"] + log_origin_s(log)
+    lag_ms = np.array(
+        [
+            (scheduled[rid] - shift_s - float(log.admissions.t_s[k])) * 1e3
+            for k, rid in enumerate(admitted)
+        ]
+    )
+    # tracekit stamps the start of schedule(); vLLM stamps a little later inside it
+    assert lag_ms.min() >= -0.5 and lag_ms.max() < 50.0
+    p = ttft_partition(log)  # raises if a TTFT does not reconcile
+    assert len(p) == NUM_REQUESTS and p.is_split.all()
+    ref = ttft_partition_reference(log)
+    np.testing.assert_allclose(p.parts_ms, ref.parts_ms, rtol=0, atol=1e-9)
+    # every prompt token was prefilled at least once (preemption re-prefills)
+    per_req = np.bincount(log.prefill_chunks.request, log.prefill_chunks.num_tokens)
+    assert (per_req >= log.requests.prompt_tokens).all()
+    # 8 requests and 4 KV blocks: the scheduler left some waiting, and the adapter said why
+    reasons = collections.Counter(WAIT_REASONS[c] for c in log.waits.reason.tolist())
+    assert reasons["kv_blocks"] > 0

@@ -224,8 +224,9 @@ def test_hist_bins_are_closed_below_open_above():
 def test_golden_run_in_the_published_layout_gives_the_same_figures(tmp_path):
     # the same run written in the published method's .npz layout loads and analyses to the
     # same figures (the hand-derived ones above)
-    import tracekit
     from test_rawlog import to_published
+
+    import tracekit
 
     log = golden_log()
     path = tmp_path / "golden.npz"

@@ -608,8 +608,16 @@ def test_device_rule_memory_is_linear_in_windows_and_gaps():
     # is device-bound: forward 20,000 * 0.5 = 10,000 ms, residual the other 10,000.
     import tracemalloc
 
-    from tracekit.rawlog import Counters, Emissions, Evictions, GcPauses, RawLog, Requests
-    from tracekit.rawlog import Segments, Steps
+    from tracekit.rawlog import (
+        Counters,
+        Emissions,
+        Evictions,
+        GcPauses,
+        RawLog,
+        Requests,
+        Segments,
+        Steps,
+    )
 
     n_win, n_req = 20_000, 10_000
     t = np.arange(n_win) * 1e-3

@@ -111,7 +111,9 @@ def test_report_renders_in_headless_chromium(report_path):
     import json
 
     drawn = json.loads(page.value)
-    assert [d[0] for d in drawn] == ["tk-hist", "tk-tail", "tk-ladder", "tk-fwd", "tk-ttft"]
+    assert [d[0] for d in drawn] == [
+        "tk-hist", "tk-tail", "tk-ladder", "tk-fwd", "tk-ttft", "tk-ttft-causes"
+    ]  # fmt: skip
     for div, svgs, marks in drawn:
         assert svgs >= 1 and marks >= 1, (div, svgs, marks)
 

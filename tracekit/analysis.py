@@ -15,6 +15,7 @@ import numpy as np
 from .formats import json_safe
 from .partition import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from .rawlog import GRAPH_EAGER, RawLog
+from .ttft import TtftPartition, ttft_figures, ttft_partition
 
 #: ITL histogram bin edges, ms: bins are [lo, hi).
 HIST_EDGES_MS: tuple[float, ...] = (0, 5, 10, 15, 20, 30, 50, 80, 120, 200, 400, 800, math.inf)
@@ -73,6 +74,9 @@ class RunAnalysis:
     device_clock_drift_ppm: float = math.nan  # device vs host clock over the run, if timed
     device_max_placement_err_ms: float = math.nan  # worst error placing a device window
     warnings: list[str] = field(default_factory=list)
+    #: TTFT partition figures (`tracekit.ttft.TtftFigures.to_dict`): p50/p90/p99/max_ms,
+    #: tail_share / tail_count (requests >= the run's TTFT p90), phase_share, ...
+    ttft: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite numbers become None."""
@@ -101,11 +105,17 @@ def _counts(primary: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
 
 
 def analyze(
-    log: RawLog, part: Partition | None = None, *, baseline_fit: str = FIT_ALL_CAPTURED
+    log: RawLog,
+    part: Partition | None = None,
+    ttft_part: TtftPartition | None = None,
+    *,
+    baseline_fit: str = FIT_ALL_CAPTURED,
 ) -> RunAnalysis:
     """Every per-run figure of design.md for one log (partitioning it if not given, with the
-    graph baseline fitted by `baseline_fit`: `tracekit.partition.BASELINE_FITS`)."""
+    graph baseline fitted by `baseline_fit`: `tracekit.partition.BASELINE_FITS`), and the
+    TTFT partition's figures (docs/ttft.md)."""
     p = part if part is not None else partition(log, baseline_fit=baseline_fit)
+    tp = ttft_part if ttft_part is not None else ttft_partition(log)
     gap = p.gap_ms
     labels = p.labels
     fwd = p.column("forward")
@@ -192,5 +202,6 @@ def analyze(
         device_max_placement_err_ms=float(
             dict(log.meta.get("device_calibration") or {}).get("max_placement_err_ms", math.nan)
         ),
-        warnings=warnings,
+        warnings=warnings + [f"TTFT: {n}" for n in tp.notes],
+        ttft=ttft_figures(tp).to_dict(),
     )

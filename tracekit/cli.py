@@ -232,7 +232,7 @@ def analyze(runs: tuple[str, ...], fmt: str, output: str | None, jobs: int) -> N
     if fmt == "jsonl":
         body = "".join(json.dumps(a.to_dict(), sort_keys=False) + "\n" for a in results)
     else:
-        body = text.analyze_report(results) + "\n"
+        body = text.analyze_report(results) + "\n\n" + text.ttft_runs(results) + "\n"
     _emit(body, output)
 
 
@@ -280,6 +280,64 @@ def gaps(run: str, fmt: str, min_ms: float | None, request_id: str | None, outpu
         buf = io.StringIO()
         pd.json_normalize(records, sep=".").to_csv(buf, index=False)
         body = buf.getvalue()
+    _emit(body, output)
+
+
+# -- ttft ----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("run", type=click.Path())
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "jsonl", "csv", "parquet"]), default="table",
+    show_default=True,
+    help="table: the run's TTFT figures and its slowest requests; jsonl/csv/parquet: one "
+    "record per request.",
+)  # fmt: skip
+@click.option("--min-ms", type=float, default=None, help="Only requests with TTFT >= this (ms).")
+@click.option("--request", "request_id", default=None, help="Only this request (its id).")
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
+              help="table: list this many of the slowest requests.")  # fmt: skip
+@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+def ttft(
+    run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int,
+    output: str | None,
+) -> None:  # fmt: skip
+    """Where each request's time to first token went (docs/ttft.md).
+
+    Every request's window [arrival, first token] of RUN is split exclusively into phases
+    (queued: arrival to admission; prefilling: admission to first token; evicted) and into
+    parts by cause: preempt, gc, wait_<reason> (the scheduler said why it did not admit the
+    request: kv_blocks, max_num_seqs, token_budget, preempted_first, other, tokenizing), tok,
+    prefill_own / prefill_other (a step's prefill time split by the request's token share),
+    decode_other and graph (others' decoding), residual. Parts and phases each sum to the
+    TTFT (checked; a mismatch is an error). A log without admission events (schema v1, the
+    published layout) is unsplit: the output says so.
+    """
+    from .rawlog import load
+    from .render import text
+    from .ttft import ttft_figures, ttft_partition, ttft_records
+
+    log = load(run)
+    _warn(log.path, log.warnings)
+    p = ttft_partition(log)
+    _warn(log.path, [f"TTFT: {n}" for n in p.notes])
+    records = ttft_records(log, p, min_ms=min_ms, request_id=request_id)
+    if fmt == "parquet":
+        _write_parquet(records, output, "parquet files")
+        return
+    if fmt == "jsonl":
+        body = "".join(json.dumps(r) + "\n" for r in records)
+    elif fmt == "csv":
+        import io
+
+        import pandas as pd
+
+        buf = io.StringIO()
+        pd.json_normalize(records, sep=".").to_csv(buf, index=False)
+        body = buf.getvalue()
+    else:
+        body = text.ttft_requests(run, ttft_figures(p).to_dict(), records, top) + "\n"
     _emit(body, output)
 
 
@@ -369,8 +427,12 @@ def compare(
         body = "".join(json.dumps(r) + "\n" for r in cmp.to_records())
     elif fmt == "markdown":
         body = text.comparison_markdown(cmp) + "\n"
+        if ttft_md := text.ttft_comparison(cmp, markdown=True):
+            body += "\n" + ttft_md + "\n"
     else:
         body = text.comparison(cmp) + "\n"
+        if ttft_table := text.ttft_comparison(cmp):
+            body += "\n" + ttft_table + "\n"
     _emit(body, output)
 
 
@@ -395,13 +457,16 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     from .partition import partition
     from .rawlog import load
     from .render import perfetto
+    from .ttft import ttft_partition
 
     t_start = time.perf_counter()
     win = perfetto.parse_window(window) if window else None
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
     log = load(run, **_limits())
     _warn(log.path, log.warnings)
-    events = perfetto.chrome_trace_events(log, partition(log), requests=ids, window_s=win)
+    events = perfetto.chrome_trace_events(
+        log, partition(log), requests=ids, window_s=win, ttft=ttft_partition(log)
+    )
     size = perfetto.write_trace(events, output, meta={"source": os.path.basename(run)})
     click.echo(
         f"wrote {one_line(output)}: {len(events)} events, {size / 1e6:.1f} MB in "

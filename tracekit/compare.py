@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,7 @@ class GroupSummary:
     figures: Mapping[str, Spread]  # FIGURES name -> spread across runs
     tail_share: Mapping[str, float]  # per label: median across runs of the run's tail share
     tail_count: Mapping[str, float]  # per primary cause ("clean" too): median across runs
+    ttft: Mapping[str, Any] = field(default_factory=dict)  # see `ttft_summary`
 
     @property
     def num_runs(self) -> int:
@@ -97,6 +98,9 @@ class Comparison:
                 rec[name] = g.figures[name].to_dict()
             rec["tail_share_median"] = {lb: g.tail_share.get(lb, 0.0) for lb in self.labels}
             rec["tail_count_median"] = dict(g.tail_count)
+            rec["ttft"] = {
+                k: (v.to_dict() if isinstance(v, Spread) else v) for k, v in g.ttft.items()
+            }
             rec["paths"] = list(g.paths)
             out.append(rec)
         return out
@@ -171,6 +175,36 @@ def compare(
                 figures=figures,
                 tail_share=share,
                 tail_count=count,
+                ttft=ttft_summary(members),
             )
         )
     return Comparison(by=by, labels=tuple(labels), groups=tuple(out))
+
+
+# -- TTFT ladder columns --------------------------------------------------------------------
+
+
+def ttft_summary(members: Sequence[RunAnalysis]) -> dict[str, Any]:
+    """A group's TTFT figures across its runs (each run's from `RunAnalysis.ttft`):
+    `p90_ms`, `p99_ms` (Spread), and medians across runs of the phase shares, the tail
+    share by label (requests >= each run's TTFT p90) and the tail counts by primary cause.
+    Empty when no run has TTFT figures."""
+    runs = [r.ttft for r in members if r.ttft]
+    if not runs:
+        return {}
+
+    def med(key: str) -> dict[str, float]:
+        names: list[str] = []
+        for t in runs:
+            names += [k for k in t[key] if k not in names]
+        return {n: float(np.median([t[key].get(n, 0.0) for t in runs])) for n in names}
+
+    return {
+        "p90_ms": Spread.of([t["p90_ms"] for t in runs]),
+        "p99_ms": Spread.of([t["p99_ms"] for t in runs]),
+        "phase_share": med("phase_share"),
+        "tail_phase_share": med("tail_phase_share"),
+        "tail_share": med("tail_share"),
+        "tail_count": med("tail_count"),
+        "unsplit": int(sum(t["unsplit"] for t in runs)),
+    }

@@ -4,6 +4,9 @@
     with rec:                                   # installs gc.callbacks; flushes on stop
         rec.request(rid, prompt_tokens=812, max_new_tokens=300)
         with rec.step():                        # or @rec.step on the engine's step()
+            rec.admit(rid)                      # the scheduler took it (first time),
+            rec.prefill(rid, num_tokens=256)    # this step computes a prompt chunk,
+            rec.wait(waiting_ids, "kv_blocks")  # the rest wait: why (docs/ttft.md)
             with rec.segment("prefill"):        # or @rec.segment("tok") on a function
                 ...
             rec.evict(victim, mode="swap")      # explicit, timestamped, counted in the step
@@ -43,7 +46,7 @@ import numpy as np
 from . import signals
 from .device import DeviceTimer
 from .labels import DEFAULT_CAUSE_MAP, colour
-from .rawlog import MODES, RawLog
+from .rawlog import MODES, WAIT_REASON_CODES, RawLog
 from .sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, _call
 from .stream import EVENT_COLS, EVICT, READMIT, TABLE_COLS, UNKNOWN_TICK
 
@@ -677,6 +680,64 @@ class Recorder:
         self._step_readmissions += 1
         with self._lock:
             self._buf["events"].extend((idx, READMIT, t, -1))
+
+    # -- TTFT events: admission, prefill chunks, wait reasons ---------------------------
+    def admit(self, request_id: Any, *, at_tick: int | None = None) -> None:
+        """The scheduler took `request_id` into a running batch for the first time, now (or
+        at `at_tick` of this recorder's clock: say, the start of the scheduling call).
+
+        Call it once per request, where the scheduler takes it off its waiting queue (a
+        readmission after an eviction is `readmit`). Ends the request's `queued` phase."""
+        if not self.enabled:
+            return
+        t = self._clock() if at_tick is None else at_tick
+        idx = self._request_index(request_id)
+        with self._lock:
+            self._buf["admissions"].extend((idx, t))
+
+    def prefill(self, request_id: Any, num_tokens: int) -> None:
+        """The open step computes `num_tokens` of `request_id`'s prompt in its `prefill`
+        segments (one call per request and step; the TTFT partition splits the step's
+        prefill time by these token counts)."""
+        if not self.enabled:
+            return
+        idx = self._req_index.get(request_id)
+        if idx is None:
+            idx = self._request_index(request_id)
+        row = (self._open_step("prefill"), idx, num_tokens)
+        with self._lock:
+            self._buf["prefill_chunks"].extend(row)
+
+    def wait(self, request_ids: Iterable[Any], reason: str) -> None:
+        """The open step's scheduler left `request_ids` waiting because of `reason`, one
+        of `tracekit.rawlog.WAIT_REASONS` (`kv_blocks`, `max_num_seqs`, `token_budget`,
+        `preempted_first`, `other`)."""
+        if not self.enabled:
+            return
+        code = WAIT_REASON_CODES.get(reason)
+        if code is None:
+            raise ValueError(f"wait reason {reason!r} is not one of {list(WAIT_REASON_CODES)}")
+        step = self._open_step("wait")
+        ids = request_ids if isinstance(request_ids, list) else list(request_ids)
+        get = self._req_index.get
+        found = [get(rid) for rid in ids]
+        idx: list[int] = (
+            found  # type: ignore[assignment]  # no None in it
+            if None not in found
+            else [  # requests this recorder has not seen yet get an index
+                self._request_index(rid) if i is None else i
+                for rid, i in zip(ids, found, strict=True)
+            ]
+        )
+        rows = array("q", (step, 0, code)) * len(idx)  # flat (step, request, reason) rows
+        rows[1::3] = array("q", idx)
+        with self._lock:
+            self._buf["waits"].extend(rows)
+
+    def _open_step(self, what: str) -> int:
+        if not (self._in_step and self._is_loop_thread()):
+            raise RuntimeError(f"rec.{what}() describes a step: call it inside rec.step()")
+        return self._step_no
 
     def counter(self, name: str, value: float) -> None:
         """Sample an engine counter (batch size, free KV blocks...) now."""

@@ -5,12 +5,14 @@ recorder's start). Capture writes one; analysis reads one and never sees a live 
 
 On disk it is one `.npz` per run (`save`/`load`), self-describing:
 
-- ``schema`` = ``"tracekit.rawlog"``, ``schema_version`` = 1;
+- ``schema`` = ``"tracekit.rawlog"``, ``schema_version`` = 2 (version 1, which has no
+  TTFT tables, still loads: those tables are empty);
 - one array per table column, named ``TABLE.COLUMN`` with the unit in the column name
   (``steps.t_start_s``, ``segments.label``, ...);
 - ``labels`` (segment label vocabulary), ``cause_map`` (JSON), ``config`` (JSON),
   ``meta`` (JSON: clock source, tracekit version, warnings recorded at capture),
-  ``request_ids`` (strings), ``counter_names``, ``wall_s``.
+  ``request_ids`` (strings), ``counter_names``, ``wall_s``, ``wait_reasons`` (the
+  vocabulary of ``waits.reason``, written so a log explains its own codes).
 
 `load` also reads the *published* layout (the `.npz` files written by the method tracekit
 industrialises, design.md's table) unchanged: `tracekit.published`. A log can never
@@ -39,7 +41,26 @@ from .formats import json_safe
 from .labels import DEFAULT_CAUSE_MAP
 
 SCHEMA = "tracekit.rawlog"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions `load` reads: 1 lacks the TTFT tables (admissions, prefill_chunks, waits).
+READABLE_VERSIONS = (1, 2)
+
+#: Why the scheduler did not admit a waiting request in a step (`waits.reason` codes).
+#: `kv_blocks`: not enough free KV blocks (including a watermark's headroom);
+#: `max_num_seqs`: the running batch is full; `token_budget`: the step's token budget is
+#: spent; `preempted_first`: preempted requests are readmitted before new ones;
+#: `other`: a reason the engine has but this vocabulary does not name; `tokenizing`: the
+#: prompt is still being tokenised off the engine loop. New reasons are only appended
+#: (codes never change; each log stores the vocabulary it was written with).
+WAIT_REASONS: tuple[str, ...] = (
+    "kv_blocks",
+    "max_num_seqs",
+    "token_budget",
+    "preempted_first",
+    "other",
+    "tokenizing",
+)
+WAIT_REASON_CODES: dict[str, int] = {name: i for i, name in enumerate(WAIT_REASONS)}
 
 # Eviction modes.
 MODE_SWAP = 0
@@ -215,6 +236,37 @@ class Counters(_Table):
     DTYPES = {"name": np.int64, "t_s": np.float64, "value": np.float64}
 
 
+@dataclass(frozen=True)
+class Admissions(_Table):
+    """The first time the scheduler took each request into a running batch (schema v2).
+
+    At most one row per request; readmissions after an eviction are `Evictions` rows."""
+
+    request: np.ndarray  # index into RawLog.requests
+    t_s: np.ndarray
+    DTYPES = {"request": np.int64, "t_s": np.float64}
+
+
+@dataclass(frozen=True)
+class PrefillChunks(_Table):
+    """Prompt chunks a step computed in its `prefill` segments: one row per (step, request)."""
+
+    step: np.ndarray
+    request: np.ndarray
+    num_tokens: np.ndarray  # prompt tokens of this request computed in the step
+    DTYPES = {"step": np.int64, "request": np.int64, "num_tokens": np.int64}
+
+
+@dataclass(frozen=True)
+class Waits(_Table):
+    """Why a waiting request was not admitted in a step: one row per (step, request)."""
+
+    step: np.ndarray
+    request: np.ndarray
+    reason: np.ndarray  # index into WAIT_REASONS
+    DTYPES = {"step": np.int64, "request": np.int64, "reason": np.int64}
+
+
 TABLES: dict[str, type[_Table]] = {
     "steps": Steps,
     "segments": Segments,
@@ -223,7 +275,12 @@ TABLES: dict[str, type[_Table]] = {
     "evictions": Evictions,
     "requests": Requests,
     "counters": Counters,
+    "admissions": Admissions,
+    "prefill_chunks": PrefillChunks,
+    "waits": Waits,
 }
+#: Tables a log may lack as a whole (version 1 logs, the published layout): empty on load.
+OPTIONAL_TABLES = frozenset({"counters", "admissions", "prefill_chunks", "waits"})
 
 
 @dataclass(frozen=True)
@@ -237,6 +294,9 @@ class RawLog:
     evictions: Evictions
     requests: Requests
     counters: Counters = field(default_factory=Counters.empty)
+    admissions: Admissions = field(default_factory=Admissions.empty)
+    prefill_chunks: PrefillChunks = field(default_factory=PrefillChunks.empty)
+    waits: Waits = field(default_factory=Waits.empty)
     labels: tuple[str, ...] = ()
     request_ids: tuple[str, ...] = ()
     counter_names: tuple[str, ...] = ()
@@ -267,7 +327,7 @@ class RawLog:
 
     # -- io ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> str:
-        """Write the v1 `.npz` atomically (`tracekit.fsio.atomic_open`)."""
+        """Write the current-version `.npz` atomically (`tracekit.fsio.atomic_open`)."""
         path = os.fspath(path)
         arrays: dict[str, np.ndarray] = {
             "schema": np.array(SCHEMA),
@@ -279,6 +339,7 @@ class RawLog:
             "config": np.array(json.dumps(json_safe(self.config), sort_keys=True)),
             "meta": np.array(json.dumps(json_safe(self.meta), sort_keys=True)),
             "wall_s": np.array(float(self.wall_s)),
+            "wait_reasons": np.array(WAIT_REASONS, dtype=str),
         }
         for tname in TABLES:
             for cname, col in getattr(self, tname).columns().items():
@@ -298,7 +359,7 @@ class RawLog:
 
 V1_SCALARS = frozenset(
     {"schema", "schema_version", "labels", "request_ids", "counter_names", "cause_map",
-     "config", "meta", "wall_s"}
+     "config", "meta", "wall_s", "wait_reasons"}
 )  # fmt: skip
 V1_COLUMNS = frozenset(f"{t}.{c}" for t, cls in TABLES.items() for c in cls.DTYPES)
 V1_MEMBERS = V1_SCALARS | V1_COLUMNS
@@ -508,16 +569,19 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     v = arrays.get("schema_version")
     if v is None or v.shape != () or v.dtype.kind not in "iu":
         raise LogError(path, "schema_version", "missing or not an integer scalar")
-    if int(v) != SCHEMA_VERSION:
+    if int(v) not in READABLE_VERSIONS:
         raise LogError(
             path,
             "schema_version",
-            f"is {int(v)}; this tracekit reads version {SCHEMA_VERSION} (upgrade tracekit)",
+            f"is {int(v)}; this tracekit reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} (upgrade tracekit)",
         )
+    if int(v) >= 2:
+        _check_wait_reasons(path, arrays)
     tables: dict[str, _Table] = {}
     for tname, cls in TABLES.items():
         keys = [f"{tname}.{c}" for c in cls.DTYPES]
-        if tname == "counters" and not any(k in arrays for k in keys):
+        if tname in OPTIONAL_TABLES and not any(k in arrays for k in keys):
             tables[tname] = cls.empty()  # optional as a whole table
             continue
         cols = {
@@ -564,3 +628,14 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         path=path,
         warnings=tuple(warnings),
     )
+
+
+def _check_wait_reasons(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """A v2 log names its wait-reason codes; they must be the ones this tracekit knows."""
+    names = _str_list(path, arrays, "wait_reasons")
+    if names and names != WAIT_REASONS[: len(names)]:
+        raise LogError(
+            path,
+            "wait_reasons",
+            f"vocabulary {list(names)} differs from this tracekit's {list(WAIT_REASONS)}",
+        )

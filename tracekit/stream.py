@@ -30,14 +30,17 @@ from .fsio import atomic_open, atomic_write
 from .labels import DEFAULT_CAUSE_MAP
 from .rawlog import (
     MODE_UNKNOWN,
+    Admissions,
     Counters,
     Emissions,
     Evictions,
     GcPauses,
+    PrefillChunks,
     RawLog,
     Requests,
     Segments,
     Steps,
+    Waits,
 )
 
 # Row layouts of the recorder's flat buffers (all int64 ticks and ids, counters float64).
@@ -48,6 +51,9 @@ EMIT_COLS = ("request", "t", "step", "num_tokens", "device_step")
 EVENT_COLS = ("request", "kind", "t", "mode")  # kind 0 evict, 1 readmit
 REQ_COLS = ("request", "arrival", "prompt_tokens", "max_new_tokens")
 COUNTER_COLS = ("name", "t", "value")
+ADMIT_COLS = ("request", "t")  # the first time the scheduler took the request
+PREFILL_COLS = ("step", "request", "num_tokens")  # a prompt chunk computed in a step
+WAIT_COLS = ("step", "request", "reason")  # why a waiting request was not admitted
 TABLE_COLS = {
     "steps": STEP_COLS,
     "segments": SEG_COLS,
@@ -56,7 +62,12 @@ TABLE_COLS = {
     "events": EVENT_COLS,
     "requests": REQ_COLS,
     "counters": COUNTER_COLS,
+    "admissions": ADMIT_COLS,
+    "prefill_chunks": PREFILL_COLS,
+    "waits": WAIT_COLS,
 }
+#: Tables added after the first parts format: a part written before them lacks them.
+OPTIONAL_PART_TABLES = frozenset({"admissions", "prefill_chunks", "waits"})
 EVICT, READMIT = 0, 1
 UNKNOWN_TICK = np.iinfo(np.int64).min  # an arrival that was not recorded
 
@@ -179,6 +190,8 @@ def parse_chunk(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
 
     tables = {}
     for k, cols in TABLE_COLS.items():
+        if k in OPTIONAL_PART_TABLES and k not in z:
+            continue  # written before the table existed
         a = np.asarray(z[k])
         if a.dtype.kind not in ("f" if k == "counters" else "iu"):
             raise bad(k, f"dtype {a.dtype} (expected {'float' if k == 'counters' else 'int'}64)")
@@ -348,6 +361,9 @@ def merge_chunks(
     counters = Counters(
         name=ct[:, 0].astype(np.int64), t_s=(ct[:, 1] - t0) * scale, value=ct[:, 2].copy()
     )
+    admissions, prefill_chunks, waits = _ttft_tables(
+        table("admissions"), table("prefill_chunks"), table("waits"), secs
+    )
     if wall_ticks is None:  # an interrupted run: its wall time is what was flushed
         wall_ticks = last_tick - t0
     out_meta = {k: v for k, v in meta.items() if k not in ("config", "cause_map", "schema")}
@@ -368,6 +384,9 @@ def merge_chunks(
             arrival_s=arrival, prompt_tokens=prompt, max_new_tokens=max_new, first_token_s=first
         ),
         counters=counters,
+        admissions=admissions,
+        prefill_chunks=prefill_chunks,
+        waits=waits,
         labels=tuple(labels),
         request_ids=tuple(request_ids),
         counter_names=tuple(counter_names),
@@ -379,6 +398,25 @@ def merge_chunks(
         warnings=tuple(warnings),
         extras=dict((final or {}).get("extras", {})),
     )
+
+
+def _ttft_tables(
+    ad: np.ndarray, pf: np.ndarray, wt: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]
+) -> tuple[Admissions, PrefillChunks, Waits]:
+    """The TTFT tables from their rows. A request admitted twice keeps its first admission
+    (the first time the scheduler took it is what the row means)."""
+    if len(ad):
+        order = np.lexsort((ad[:, 1], ad[:, 0]))
+        ad = ad[order]
+        head = np.ones(len(ad), dtype=bool)
+        head[1:] = ad[1:, 0] != ad[:-1, 0]
+        ad = ad[head]
+    admissions = Admissions(request=ad[:, 0].copy(), t_s=secs(ad[:, 1]))
+    prefill = PrefillChunks(
+        step=pf[:, 0].copy(), request=pf[:, 1].copy(), num_tokens=pf[:, 2].copy()
+    )
+    waits = Waits(step=wt[:, 0].copy(), request=wt[:, 1].copy(), reason=wt[:, 2].copy())
+    return admissions, prefill, waits
 
 
 def _pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) -> Evictions:

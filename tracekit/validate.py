@@ -14,10 +14,12 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - an archive member that appears twice
 - arrays that would inflate beyond the inflate limit (a deflate bomb, zero-filled columns):
   their declared sizes are summed before anything is inflated
-- a v1 log without `schema`, with another schema name, or a `schema_version` other than 1
+- a tracekit log without `schema`, with another schema name, or a `schema_version` other than 1
+  or 2
 - neither a `schema` array nor the published layout's `steps` and `segs`
-- a missing required array or column (only the counters table, `emissions.device_step` and the
-  JSON fields are optional)
+- a missing required array or column (only the counters table, the TTFT tables `admissions`,
+  `prefill_chunks` and `waits` as whole tables, `emissions.device_step` and the JSON fields are
+  optional)
 - a column that is not 1-D, not numeric (strings, complex, datetimes, records), or of unequal length
   within its table
 - a published array that is not 2-D with its documented number of columns
@@ -31,7 +33,10 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - reversed intervals: a step, segment or GC pause that ends before it starts
 - a readmission before its eviction
 - an index outside its table: segment label or step, emission request or step, eviction request,
-  counter name
+  counter name, admission request, prefill or wait request or step, wait reason
+- in a log with admission events: a first token before its request's arrival
+- an admission before its request's arrival or after its first token, a request admitted twice,
+  an eviction before its request's admission, two wait reasons for one request in one step
 - a request-id list whose length is not the number of requests, and duplicate request ids
 - negative counts, a token count below 1, a GC generation other than 0, 1 or 2, an is_device flag
   other than 0 or 1, an eviction mode other than -1, 0 or 1
@@ -64,7 +69,7 @@ from dataclasses import replace
 import numpy as np
 
 from .errors import LogError
-from .rawlog import MODE_RECOMPUTE, MODE_UNKNOWN, RawLog
+from .rawlog import MODE_RECOMPUTE, MODE_UNKNOWN, WAIT_REASONS, RawLog
 
 #: Times further than this from engine start (about 115 days) are rejected as absurd.
 MAX_ABS_TIME_S = 1.0e7
@@ -192,6 +197,7 @@ def validate_log(log: RawLog) -> RawLog:
         raise LogError(log.path, "wall_s", f"{log.wall_s!r} is not a non-negative wall time")
     if log.wall_s > MAX_ABS_TIME_S:
         raise LogError(log.path, "wall_s", f"absurd wall time {log.wall_s!r} s")
+    validate_ttft(log)
 
     # -- odd but usable ------------------------------------------------------------------
     em = log.emissions
@@ -234,3 +240,80 @@ def validate_log(log: RawLog) -> RawLog:
         if np.any(same & (s[1:] < e[:-1])):
             warnings.append("overlapping evictions of one request (their union is used)")
     return replace(log, warnings=tuple(dict.fromkeys(warnings)))
+
+
+def validate_ttft(log: RawLog) -> None:
+    """The TTFT tables (schema v2) and the TTFT window: raise `LogError` for what the TTFT
+    partition cannot use (docs/ttft.md, "Bad input")."""
+    n_steps, n_req = len(log.steps), len(log.requests)
+    rq, ad = log.requests, log.admissions
+    _index(log, "admissions", "request", n_req)
+    _finite_times(log, "admissions", "t_s")
+    _index(log, "prefill_chunks", "request", n_req)
+    _index(log, "prefill_chunks", "step", n_steps)
+    _in_range(log, "prefill_chunks", "num_tokens")
+    _index(log, "waits", "request", n_req)
+    _index(log, "waits", "step", n_steps)
+    _index(log, "waits", "reason", len(WAIT_REASONS))
+    if len(ad) == 0:
+        return  # no TTFT events: a reversed window is only warned about (emissions above)
+    # a first token before its request arrived: the TTFT window is reversed
+    early = rq.first_token_s < rq.arrival_s  # NaN compares False: not recorded is fine
+    if early.any():
+        i = int(np.flatnonzero(early)[0])
+        raise LogError(
+            log.path,
+            "requests.first_token_s",
+            f"row {i}: first token at {float(rq.first_token_s[i])!r} s is before the "
+            f"request's arrival at {float(rq.arrival_s[i])!r} s",
+        )
+    # admissions: one per request, between its arrival and its first token
+    o = np.lexsort((ad.t_s, ad.request))
+    twice = np.flatnonzero(ad.request[o][1:] == ad.request[o][:-1])
+    if len(twice):
+        i = int(o[twice[0] + 1])
+        raise LogError(
+            log.path,
+            "admissions.request",
+            f"row {i}: request {int(ad.request[i])} admitted twice (an admission is the first "
+            "time the scheduler takes it; readmissions are evictions rows)",
+        )
+    arrival, first = rq.arrival_s[ad.request], rq.first_token_s[ad.request]
+    for bad, what, when in (
+        (ad.t_s < arrival, "before its arrival", arrival),
+        (ad.t_s > first, "after its first token", first),
+    ):
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise LogError(
+                log.path,
+                "admissions.t_s",
+                f"row {i}: request {int(ad.request[i])} admitted at {float(ad.t_s[i])!r} s, "
+                f"{what} at {float(when[i])!r} s (admission events out of order)",
+            )
+    ev = log.evictions
+    if len(ev):
+        admitted = np.full(n_req, np.inf)
+        admitted[ad.request] = ad.t_s
+        bad = ev.t_evict_s < admitted[ev.request]
+        bad &= np.isfinite(admitted[ev.request])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise LogError(
+                log.path,
+                "evictions.t_evict_s",
+                f"row {i}: request {int(ev.request[i])} evicted before its admission at "
+                f"{float(admitted[ev.request[i]])!r} s",
+            )
+    wt = log.waits
+    if len(wt):
+        key = wt.step * max(n_req, 1) + wt.request
+        u, c = np.unique(key, return_counts=True)
+        if (c > 1).any():
+            i = int(np.flatnonzero(key == u[c > 1][0])[1])
+            raise LogError(
+                log.path,
+                "waits.request",
+                f"row {i}: request {int(wt.request[i])} has two wait reasons in step "
+                f"{int(wt.step[i])} (state one reason per request and step)",
+            )

@@ -360,6 +360,105 @@ def ttft_figure(runs: Sequence[RunAnalysis], names: Sequence[str]) -> dict[str, 
     }
 
 
+# -- TTFT by cause (docs/ttft.md) -------------------------------------------------------
+
+_TTFT_PHASES = ("queued", "prefilling", "evicted", "unsplit")
+
+
+def ttft_cause_figure(
+    rows: Sequence[tuple[str, Mapping[str, float]]], labels: Sequence[str], per: str
+) -> dict[str, Any]:
+    """Share of tail TTFT time (requests >= the run's TTFT p90) by label, one bar per row."""
+    y = [esc(r[0]) for r in rows]
+    data = [
+        {
+            "type": "bar",
+            "orientation": "h",
+            "name": esc(lb),
+            "x": [100 * r[1].get(lb, 0.0) for r in rows],
+            "y": y,
+            "marker": {"color": colour(lb)},
+            "hovertemplate": f"%{{y}}: {esc(lb)} %{{x:.1f}}% of tail TTFT<extra></extra>",
+        }
+        for lb in labels
+        if any(r[1].get(lb, 0.0) for r in rows)
+    ]
+    return {
+        "data": data,
+        "layout": _layout(
+            f"Where TTFT went, per {per}: share of tail TTFT time (requests at or above the "
+            "run's TTFT p90) by cause",
+            barmode="stack",
+            height=max(300, 170 + 28 * len(rows)),
+            margin={"l": 160, "r": 20, "t": 60, "b": 110},
+            legend={"orientation": "h", "y": -0.1, "yanchor": "top", "yref": "container"},
+            xaxis=_axis("share of tail TTFT time (%)", range=[0, 100]),
+            yaxis=_axis("", autorange="reversed", type="category"),
+        ),
+    }
+
+
+def ttft_section(
+    runs: Sequence[RunAnalysis], names: Sequence[str], cmp: Comparison, chart: Any
+) -> str:
+    """The report's TTFT section: where TTFT went per run and per group (phases, tail share
+    by cause, primary causes). `chart(div_id, figure, note)` places a figure."""
+    have = [(a, n) for a, n in zip(runs, names, strict=True) if a.ttft]
+    if not have:
+        return ""
+    labels: list[str] = []
+    for a, _ in have:
+        labels += [lb for lb in a.ttft["all_share"] if lb not in labels]
+    grouped = any(g.num_runs > 1 for g in cmp.groups) and all(g.ttft for g in cmp.groups)
+    if grouped:
+        rows = [(g.key, g.ttft["tail_share"]) for g in cmp.groups]
+        per = cmp.by
+    else:
+        rows = [(n, a.ttft["tail_share"]) for a, n in have]
+        per = "run"
+    header = ["run", "TTFT p50", "p90", "p99", "max", *_TTFT_PHASES, "tail primary causes",
+              "reconcile err (ms)"]  # fmt: skip
+    body = []
+    for a, n in have:
+        t = a.ttft
+        counts = ", ".join(
+            f"{esc(k)} {v}" for k, v in sorted(t["tail_count"].items(), key=lambda kv: -kv[1])
+        )
+        body.append(
+            [esc(n), *(num(t[k], 0) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms"))]
+            + [f"{100 * t['phase_share'].get(ph, 0.0):.1f}%" for ph in _TTFT_PHASES]
+            + [counts or "-", f"{t['reconcile_max_err_ms']:.1e}"]
+        )
+    out = [
+        "<h2>Where TTFT went</h2><p class=note>Each request's window [arrival, first token] "
+        "split exclusively into phases (queued until admission, prefilling, evicted) and "
+        "causes; both sum to the TTFT. wait_* is queue time the scheduler explained (why it "
+        "did not admit the request); prefill_own/prefill_other split a step's prefill by "
+        "token share; decode_other is other requests' decoding.</p>",
+        chart("tk-ttft-causes", ttft_cause_figure(rows, labels, per)),
+        "<p class=note>Per run: TTFT (ms), share of TTFT time by phase, and tail requests "
+        "(TTFT &gt;= p90) by primary cause:</p>",
+        _table([esc(h) for h in header], body),
+    ]
+    if grouped:
+        g_head = [cmp.by, "queued", "prefilling", "evicted", *labels]
+        g_rows = [
+            [esc(g.key)]
+            + [f"{100 * g.ttft['phase_share'].get(ph, 0.0):.1f}%" for ph in _TTFT_PHASES[:3]]
+            + [f"{100 * g.ttft['tail_share'].get(lb, 0.0):.1f}%" for lb in labels]
+            for g in cmp.groups
+        ]
+        out.append(
+            f"<p class=note>Per {esc(cmp.by)}: median phase share and median tail TTFT share "
+            "by cause across runs (a row need not sum to 100%):</p>"
+            + _table([esc(h) if h not in labels else _swatch(h) for h in g_head], g_rows)
+        )
+    notes = sorted({nt for a, _ in have for nt in a.ttft.get("notes", [])})
+    if notes:
+        out.append("<p class=note>" + "<br>".join(esc(nt) for nt in notes) + "</p>")
+    return "".join(out)
+
+
 # -- tables -----------------------------------------------------------------------------
 
 
@@ -626,6 +725,7 @@ def render_report(
         f"{chart('tk-fwd', forward_share_figure(analyses, names))}"
         f"<h2>TTFT</h2>{chart('tk-ttft', ttft_figure(analyses, names))}"
     )
+    sections.append(ttft_section(analyses, names, comparison, chart))
     worst = "".join(
         worst_gaps_html(n, r.worst_gaps, open_=(k == 0))
         for k, (r, n) in enumerate(zip(runs, names, strict=True))

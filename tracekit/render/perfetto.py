@@ -14,7 +14,8 @@ before the recorder started, so that no ``ts`` is negative: see `engine_start_us
   - counters (``ph: C``) for every sampled engine counter (``batch_size``,
     ``kv_free_blocks``, ...); Perfetto names the track ``NAME value``;
 - process ``requests`` (pid 2): one thread track per request, named ``req ID``:
-  - ``ttft``: arrival to first token;
+  - ``ttft``: arrival to first token, with ``args.parts`` and ``args.phases`` (ms; each
+    sums to ``args.ttft_ms``) and ``args.primary`` when the TTFT partition is given;
   - every gap as a slice named by its *primary cause* (``clean``, ``preempt``, ``gc``, ...),
     with ``args.parts`` (ms by label; they sum to the slice's duration), ``args.gap_ms``
     and the two emissions' steps;
@@ -46,6 +47,8 @@ from ..errors import UsageError
 from ..labels import cause_of
 from ..partition import Partition, evicted_windows
 from ..rawlog import RawLog
+from ..ttft import PHASES as TTFT_PHASES
+from ..ttft import TtftPartition
 
 PID_ENGINE = 1
 PID_REQUESTS = 2
@@ -183,11 +186,14 @@ def chrome_trace_events(
     *,
     requests: Iterable[str] | None = None,
     window_s: tuple[float, float] | None = None,
+    ttft: TtftPartition | None = None,
 ) -> list[dict[str, Any]]:
     """Every event of the trace of one run, in a deterministic order (see module doc).
 
     requests: only these request ids get a track (the engine tracks are always there).
     window_s: only slices and samples overlapping ``[t0, t1]`` (seconds, engine clock).
+    ttft: the run's TTFT partition: each ``ttft`` slice gets its parts, phases and primary
+    cause in ``args``.
     """
     ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
     if requests is not None:
@@ -216,8 +222,26 @@ def chrome_trace_events(
     ]
     events += _engine_events(log, window_s)
     events += _counter_events(log, window_s)
-    events += _request_events(log, part, ids, keep_req, window_s)
+    events += _request_events(log, part, ids, keep_req, window_s, _ttft_args(ttft))
     return _shift_to_zero(events)
+
+
+def _ttft_args(ttft: TtftPartition | None) -> dict[int, dict[str, Any]]:
+    """Per request index: the ``ttft`` slice's extra args (parts and phases in ms, each
+    summing to ``ttft_ms``; primary cause; admission time when recorded)."""
+    if ttft is None:
+        return {}
+    out: dict[int, dict[str, Any]] = {}
+    prim = ttft.primary_names().tolist()
+    parts = np.round(ttft.parts_ms, PARTS_DECIMALS).tolist()
+    phases = np.round(ttft.phases_ms, PARTS_DECIMALS).tolist()
+    for i, r in enumerate(ttft.request.tolist()):
+        out[r] = {
+            "primary": prim[i],
+            "parts": {lb: v for lb, v in zip(ttft.labels, parts[i], strict=True) if v},
+            "phases": {ph: v for ph, v in zip(TTFT_PHASES, phases[i], strict=True) if v},
+        }
+    return out
 
 
 def engine_start_us(events: Sequence[Mapping[str, Any]]) -> float:
@@ -368,7 +392,9 @@ def _counter_events(log: RawLog, window_s) -> list[dict[str, Any]]:
     return out
 
 
-def _request_events(log: RawLog, part: Partition, ids, keep_req, window_s) -> list[dict]:
+def _request_events(
+    log: RawLog, part: Partition, ids, keep_req, window_s, ttft_args=None
+) -> list[dict]:
     out: list[dict[str, Any]] = []
     rq = log.requests
     n_req = len(ids)
@@ -451,7 +477,7 @@ def _request_events(log: RawLog, part: Partition, ids, keep_req, window_s) -> li
                             "ts": _us(a),
                             "dur": _us(b - a),
                             "name": "ttft",
-                            "args": {"ttft_ms": (b - a) / 1e6},
+                            "args": {"ttft_ms": (b - a) / 1e6, **(ttft_args or {}).get(r, {})},
                         },
                     )
                 )

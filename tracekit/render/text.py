@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..analysis import RunAnalysis
 from ..compare import FIGURES, Comparison, Spread
@@ -270,3 +270,109 @@ def comparison_markdown(cmp: Comparison) -> str:
             ),
         ]
     )
+
+
+# -- TTFT (tracekit ttft, and the TTFT block of analyze and compare) ----------------------
+
+#: TTFT columns shown in terminal tables: phases, then the causes that move with the rungs.
+TTFT_TABLE_LABELS = (
+    "wait_kv_blocks", "wait_max_num_seqs", "wait_token_budget", "wait_preempted_first",
+    "wait_tokenizing", "wait_other", "prefill_other", "decode_other", "preempt", "gc", "tok",
+    "prefill_own", "residual",
+)  # fmt: skip
+
+
+def _ttft_share_cells(share: Mapping[str, float], labels: Sequence[str]) -> list[str]:
+    return [f"{100 * share.get(lb, 0.0):.1f}%" for lb in labels]
+
+
+def ttft_runs(runs: Sequence[RunAnalysis]) -> str:
+    """Per run: TTFT p50/p90/p99/max, phase shares, and the tail share by label."""
+    phases = ("queued", "prefilling", "evicted", "unsplit")
+    rows, share_rows = [], []
+    labels = [
+        lb for lb in TTFT_TABLE_LABELS if any(a.ttft.get("all_share", {}).get(lb) for a in runs)
+    ]
+    for a in runs:
+        t = a.ttft
+        if not t:
+            continue
+        name = run_name(a)
+        pct = [num(t[k], 0) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")]
+        phase_cells = _ttft_share_cells(t["phase_share"], phases)
+        err = f"{t['reconcile_max_err_ms']:.1e}"
+        rows.append([name, str(t["requests"]), *pct, *phase_cells, err])
+        share_rows.append([name, *_ttft_share_cells(t["tail_share"], labels)])
+    if not rows:
+        return "TTFT: no request with an arrival and a first token"
+    head = ["run", "reqs", "p50", "p90", "p99", "max", *phases, "err ms"]
+    return "\n".join(
+        [
+            "TTFT  (ms; phase share of all TTFT time)",
+            table(rows, head, "l" + "r" * (len(head) - 1)),
+            "",
+            "TTFT TAIL SHARE BY CAUSE  (requests >= each run's TTFT p90)",
+            table(share_rows, ["run", *labels], "l" + "r" * len(labels)),
+        ]
+    )
+
+
+def ttft_comparison(cmp: Comparison, *, markdown: bool = False) -> str:
+    """Per group: TTFT p50/p90/p99 (median [min-max]), the median queued share, and the
+    median TTFT tail share by cause: what each rung did to TTFT's causes."""
+    groups = [g for g in cmp.groups if g.ttft]
+    if not groups:
+        return ""
+    labels = [lb for lb in TTFT_TABLE_LABELS if any(g.ttft["tail_share"].get(lb) for g in groups)]
+    head = [cmp.by, "ttft p50", "ttft p90", "ttft p99", "queued", *labels]
+    rows = [
+        [
+            g.key,
+            spread_cell(g.figures["ttft_p50"], 0),
+            spread_cell(g.ttft["p90_ms"], 0),
+            spread_cell(g.ttft["p99_ms"], 0),
+            f"{100 * g.ttft['phase_share'].get('queued', 0.0):.1f}%",
+            *_ttft_share_cells(g.ttft["tail_share"], labels),
+        ]
+        for g in groups
+    ]
+    title = (
+        f"TTFT PER {cmp.by.upper()}  (ms, median [min-max] across runs; queued: median share "
+        "of TTFT time; then the median share of tail TTFT time (requests >= each run's p90) "
+        "by cause)"
+    )
+    align = "l" + "r" * (len(head) - 1)
+    if markdown:
+        return "\n".join([f"**{_md_cell(title)}**", "", markdown_table(rows, head, align)])
+    return "\n".join([title, table(rows, head, align)])
+
+
+def ttft_requests(name: str, figures: Mapping, records: Sequence[Mapping], top: int) -> str:
+    """`tracekit ttft RUN`: the run's TTFT figures, then the slowest requests' partitions."""
+    f = figures
+    out = [
+        f"{name}: {f['requests']} requests with a first token; TTFT p50 {num(f['p50_ms'])} "
+        f"p90 {num(f['p90_ms'])} p99 {num(f['p99_ms'])} max {num(f['max_ms'])} ms; "
+        f"reconcile max err {f['reconcile_max_err_ms']:.2e} ms",
+        "phases (share of all TTFT time): "
+        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in f["phase_share"].items() if v),
+        "tail (>= p90) by primary cause: "
+        + (", ".join(f"{k} {v}" for k, v in f["tail_count"].items()) or "-"),
+    ]
+    slow = sorted(records, key=lambda r: -r["ttft_ms"])[:top]
+    if slow:
+        rows = []
+        for r in slow:
+            parts = sorted(((v, k) for k, v in r["parts"].items() if v > 0.05), reverse=True)
+            rows.append(
+                [
+                    str(r["request"]),
+                    num(r["ttft_ms"]),
+                    *(num(r["phases"][ph]) for ph in ("queued", "prefilling", "evicted")),
+                    str(r["primary"]),
+                    ", ".join(f"{k} {v:.1f}" for v, k in parts[:5]),
+                ]
+            )
+        head = ["request", "ttft ms", "queued", "prefilling", "evicted", "primary", "parts (ms)"]
+        out += ["", f"SLOWEST {len(slow)} (ms)", table(rows, head, "lrrrrll")]
+    return "\n".join(out)

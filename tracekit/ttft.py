@@ -1,0 +1,683 @@
+"""The exclusive partition of every request's time to first token by cause (docs/ttft.md).
+
+A request's TTFT window is ``[arrival, first token]`` (`Requests.arrival_s`,
+`Requests.first_token_s`). Its *phases*, from recorded events only:
+
+- ``evicted``: eviction to readmission (`Evictions`) inside the window;
+- ``queued``: arrival to its admission (`Admissions`: the first time the scheduler took it),
+  less evicted time;
+- ``prefilling``: admission to the first token, less evicted time;
+- ``unsplit``: a request with no admission row (version-1 and published logs, engines that
+  do not call `Recorder.admit`): the window less evicted time, phases unknown.
+
+Every millisecond of the window goes to exactly one label. Precedence, highest first
+(docs/ttft.md numbers these rules; this is the one place the code applies them):
+
+1. evicted time is ``preempt``; what the engine ran meanwhile is *context*, never added;
+2. GC pauses (their union) are ``gc``;
+3. queued time inside a step window where the scheduler stated why it did not admit the
+   request (`Waits`) is ``wait_<reason>``; what the engine ran meanwhile is context. A
+   wait row of step s covers ``[start of s, start of the next step)`` (the time until the
+   scheduler decides again; the last step: its end);
+4. the rest goes to the host segments' causes, with ITL's precedence
+   (`tracekit.labels.precedence`) where they overlap: ``decode`` is others' decoding,
+   split into ``graph`` (the ITL rule 4 excess of an eager step) and ``decode_other``;
+   ``prefill`` time splits into ``prefill_own`` and ``prefill_other``: in the prefilling
+   phase, a step's prefill time inside the window times the request's share of the
+   step's prefill tokens (`PrefillChunks`) is its own (at most all of the phase's prefill
+   time); all other prefill time is others'. Unsplit requests keep ``prefill``;
+5. whatever no segment or pause covers is ``residual``.
+
+Device windows (CUDA events) are not charged: TTFT uses the host rules only, as a gap with
+an eviction does. The primary cause of a TTFT is its largest part other than
+``prefill_own`` and ``residual``, if it is >= 1 ms and >= 25% of the TTFT.
+
+`ttft_partition` is vectorised (cumulative sums over the same elementary timeline the ITL
+partition builds); `ttft_partition_reference` computes the same with plain loops, one
+request and one elementary interval at a time. Tests check that they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ReconcileError
+from .labels import cause_of, precedence
+from .partition import (
+    PRIMARY_MIN_MS,
+    PRIMARY_MIN_SHARE,
+    RECONCILE_TOL_MS,
+    _build_timeline,
+    _decode_net_ms,
+    evicted_windows,
+    fit_baseline,
+    segment_causes,
+)
+from .rawlog import WAIT_REASONS, RawLog
+
+#: The phases of a TTFT window, in display order (they sum to the TTFT).
+PHASES: tuple[str, ...] = ("queued", "prefilling", "evicted", "unsplit")
+WAIT_LABELS: tuple[str, ...] = tuple(f"wait_{r}" for r in WAIT_REASONS)
+#: The labels every TTFT partition reports, in display order, even when zero.
+TTFT_STANDARD_LABELS: tuple[str, ...] = (
+    "preempt",
+    "gc",
+    *WAIT_LABELS,
+    "tok",
+    "prefill_other",
+    "decode_other",
+    "graph",
+    "prefill_own",
+    "prefill",
+    "residual",
+)
+#: Parts that are not causes of a late first token: the request's own prefill, and time no
+#: instrument covered.
+TTFT_NON_CAUSES = frozenset({"prefill_own", "residual"})
+CLEAN = -1
+
+
+@dataclass(frozen=True)
+class TtftPartition:
+    """Every TTFT of a run, partitioned. Rows are requests with an arrival and a first token,
+    in request order."""
+
+    labels: tuple[str, ...]  # columns of parts_ms / context_ms
+    request: np.ndarray  # request index (into RawLog.requests)
+    arrival_s: np.ndarray  # engine clock seconds
+    admit_s: np.ndarray  # first admission; NaN: not recorded (the request is unsplit)
+    first_token_s: np.ndarray
+    ttft_ms: np.ndarray  # (first_token_s - arrival_s) * 1e3
+    parts_ms: np.ndarray  # (requests, labels): exclusive, sums to ttft_ms
+    context_ms: np.ndarray  # (requests, labels): what ran while evicted or held for a reason
+    phases_ms: np.ndarray  # (requests, PHASES): sums to ttft_ms
+    primary: np.ndarray  # index into `causes`, or CLEAN (-1)
+    causes: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())  # what this log does not let the partition split
+
+    def __len__(self) -> int:
+        return len(self.ttft_ms)
+
+    @property
+    def is_split(self) -> np.ndarray:
+        return np.isfinite(self.admit_s)
+
+    @property
+    def reconcile_max_err_ms(self) -> float:
+        if not len(self):
+            return 0.0
+        return float(
+            max(
+                np.abs(self.ttft_ms - self.parts_ms.sum(axis=1)).max(),
+                np.abs(self.ttft_ms - self.phases_ms.sum(axis=1)).max(),
+            )
+        )
+
+    def column(self, label: str) -> np.ndarray:
+        return self.parts_ms[:, self.labels.index(label)]
+
+    def phase(self, name: str) -> np.ndarray:
+        return self.phases_ms[:, PHASES.index(name)]
+
+    def primary_names(self) -> np.ndarray:
+        names = np.array(list(self.causes) + ["clean"], dtype=object)
+        return names[self.primary]
+
+
+# -- shared pieces ------------------------------------------------------------------------
+
+
+def ttft_labels(log: RawLog) -> tuple[str, ...]:
+    """The standard TTFT labels, then any other host cause of the log (sorted)."""
+    causes = set(segment_causes(log)[log.segments.is_device != 1].tolist())
+    extra = causes - {"gc", "preempt", "tok", "prefill", "decode"} - set(TTFT_STANDARD_LABELS)
+    return TTFT_STANDARD_LABELS + tuple(sorted(extra))
+
+
+def _windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(request, arrival, admission or NaN, first token) of every request with a TTFT."""
+    rq = log.requests
+    a, f = rq.arrival_s, rq.first_token_s
+    # a first token before arrival (rejected at load in a log with admissions): left out
+    idx = np.flatnonzero(np.isfinite(a) & np.isfinite(f) & (f >= a))
+    adm = np.full(len(rq), np.nan)
+    ad = log.admissions
+    if len(ad):
+        # the first admission of each request (validation rejects a second one)
+        o = np.lexsort((-ad.t_s, ad.request))  # per request latest first: the first wins
+        adm[ad.request[o]] = ad.t_s[o]
+    return idx, a[idx], adm[idx], f[idx]
+
+
+def wait_windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each wait row as (request, start, end, reason): the stating step's start to the next
+    step's start in time order (the last step: its end)."""
+    st, wt = log.steps, log.waits
+    z = np.zeros(0)
+    if len(wt) == 0 or len(st) == 0:
+        return z.astype(np.int64), z, z, z.astype(np.int64)
+    o = np.lexsort((np.arange(len(st)), st.t_start_s))
+    nxt_sorted = np.append(st.t_start_s[o][1:], np.nan)
+    end = np.empty(len(st))
+    end[o] = nxt_sorted
+    last = np.isnan(end)
+    end[last] = np.maximum(st.t_end_s[last], st.t_start_s[last])
+    return wt.request.copy(), st.t_start_s[wt.step], end[wt.step], wt.reason.copy()
+
+
+def prefill_shares(log: RawLog) -> np.ndarray:
+    """Each prefill row's share of its step's prefill tokens (0 where the step has none)."""
+    pf = log.prefill_chunks
+    total = np.zeros(max(len(log.steps), 1))
+    np.add.at(total, pf.step, pf.num_tokens.astype(np.float64))
+    tot = total[pf.step] if len(pf) else np.zeros(0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(tot > 0, pf.num_tokens / np.where(tot > 0, tot, 1.0), 0.0)
+
+
+def primary_of(parts_ms: np.ndarray, ttft_ms: np.ndarray, labels: tuple[str, ...]):
+    """Primary cause per request: index into the returned causes, or CLEAN."""
+    cols = [i for i, lb in enumerate(labels) if lb not in TTFT_NON_CAUSES]
+    causes = tuple(labels[i] for i in cols)
+    if len(ttft_ms) == 0:
+        return np.zeros(0, dtype=np.int64), causes
+    c = parts_ms[:, cols]
+    best = np.argmax(c, axis=1)
+    val = c[np.arange(len(c)), best]
+    ok = (val >= PRIMARY_MIN_MS) & (val >= PRIMARY_MIN_SHARE * ttft_ms)
+    return np.where(ok, best, CLEAN).astype(np.int64), causes
+
+
+def _notes(log: RawLog, is_split: np.ndarray) -> tuple[str, ...]:
+    rq = log.requests
+    n_reversed = int((rq.first_token_s < rq.arrival_s).sum())
+    out: tuple[str, ...] = ()
+    if n_reversed:
+        out = (
+            f"{n_reversed} request(s) left out: first token before arrival (the engine "
+            "recorded the arrival late)",
+        )
+    n_unsplit = int((~is_split).sum())
+    if n_unsplit == 0:
+        return out
+    if len(log.admissions) == 0:
+        why = (
+            "the log has no admission events (a version-1 or published-layout log, or an "
+            "engine that does not call Recorder.admit)"
+        )
+    else:
+        why = "no admission event was recorded for them"
+    return (
+        *out,
+        f"{n_unsplit} request(s) unsplit: {why}; their queued and prefilling phases, wait "
+        "reasons and own/other prefill cannot be told apart (phase 'unsplit', label 'prefill')",
+    )
+
+
+def check_ttft_reconciled(p: TtftPartition, path: str = "") -> TtftPartition:
+    """Raise `ReconcileError` if any request's parts or phases do not sum to its TTFT."""
+    if len(p) == 0:
+        return p
+    for what, m in (("parts", p.parts_ms), ("phases", p.phases_ms)):
+        err = np.abs(p.ttft_ms - m.sum(axis=1))
+        i = int(np.argmax(err))
+        neg = float(m.min())
+        if err[i] > RECONCILE_TOL_MS or neg < -RECONCILE_TOL_MS:
+            names = p.labels if what == "parts" else PHASES
+            shown = dict(zip(names, m[i].round(6).tolist(), strict=True))
+            raise ReconcileError(
+                f"{path}: TTFT of request {int(p.request[i])} is {p.ttft_ms[i]!r} ms but its "
+                f"{what} sum to {m[i].sum()!r} ms ({shown}; most negative {neg!r} ms)"
+            )
+    return p
+
+
+# -- the vectorised partitioner -----------------------------------------------------------
+
+
+def _host_setup(log: RawLog):
+    """(segment causes, host timeline classes by precedence, the timeline): the ITL
+    partition's elementary intervals, each owned by one class, with decode's graph rate."""
+    causes = segment_causes(log)
+    is_dev = log.segments.is_device == 1
+    classes = [(c, False) for c in precedence(set(causes[~is_dev].tolist()))]
+    index = {c: i for i, (c, _) in enumerate(classes)}
+    label_cls = np.array(
+        [index.get(cause_of(lb, log.cause_map), -1) for lb in log.labels] + [-1], dtype=np.int64
+    )
+    seg_cls = np.where(is_dev, -1, label_cls[log.segments.label])
+    base = fit_baseline(log, _decode_net_ms(log, causes))
+    tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    return causes, classes, tl
+
+
+def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
+    """Partition every request's TTFT (vectorised). Raises `ReconcileError` if it does not sum."""
+    labels = ttft_labels(log)
+    col = {lb: i for i, lb in enumerate(labels)}
+    causes, classes, tl = _host_setup(log)
+    n_cls = len(classes)
+    # class integrals (every class, residual, graph-rate) -> labels; prefill stays `prefill`
+    # here and is split at the end
+    to_labels = np.zeros((n_cls + 2, len(labels)))
+    for c, (name, _) in enumerate(classes):
+        to_labels[c, col["decode_other" if name == "decode" else name]] = 1.0
+    to_labels[n_cls, col["residual"]] = 1.0
+    to_labels[n_cls + 1, col["graph"]] += 1.0
+    to_labels[n_cls + 1, col["decode_other"]] -= 1.0
+    prefill_cls = next((i for i, (c, _) in enumerate(classes) if c == "prefill"), None)
+
+    def cumulative(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        k = np.searchsorted(tl.bounds, times, side="right")
+        hl = [tl.integrals(c, times, k) for c in [*range(n_cls + 1), None]]
+        return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
+
+    def between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        h0, l0 = cumulative(x)
+        h1, l1 = cumulative(y)
+        return (((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3
+
+    def prefill_between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        if prefill_cls is None or len(x) == 0:
+            return np.zeros(len(x))
+        h0, l0 = tl.integrals(prefill_cls, x)
+        h1, l1 = tl.integrals(prefill_cls, y)
+        return ((h1 - h0) + (l1 - l0)) * 1e3
+
+    req, a, adm, f = _windows(log)
+    n = len(req)
+    split = np.isfinite(adm)
+    row_of = np.full(len(log.requests), -1, dtype=np.int64)
+    row_of[req] = np.arange(n)
+    ttft_ms = (f - a) * 1e3
+    parts = between(a, f) if n else np.zeros((0, len(labels)))
+    context = np.zeros_like(parts)
+    phases = np.zeros((n, len(PHASES)))
+
+    # 1. evicted windows of each request, clipped to its TTFT window: preempt
+    e_req, e_a, e_b = evicted_windows(log)
+    e_row = row_of[e_req] if len(e_req) else e_req
+    keep = e_row >= 0
+    e_row, e_a, e_b = e_row[keep], e_a[keep], e_b[keep]
+    w0, w1 = np.maximum(e_a, a[e_row]), np.minimum(e_b, f[e_row])
+    keep = w1 > w0
+    e_row, w0, w1 = e_row[keep], w0[keep], w1[keep]
+    if len(e_row):
+        ran = between(w0, w1)
+        np.subtract.at(parts, e_row, ran)
+        ran[:, col["residual"]] = 0.0
+        np.add.at(context, e_row, ran)
+        np.add.at(parts[:, col["preempt"]], e_row, (w1 - w0) * 1e3)
+    evicted_ms = np.bincount(e_row, (w1 - w0) * 1e3, minlength=n)[:n]
+
+    # 3. queued time inside a stated wait window: wait_<reason> (gc keeps its time)
+    q_req, q0, q1, q_reason = wait_windows(log)
+    q_row = row_of[q_req] if len(q_req) else q_req
+    keep = q_row >= 0
+    q_row, q0, q1, q_reason = q_row[keep], q0[keep], q1[keep], q_reason[keep]
+    keep = split[q_row]
+    q_row, q0, q1, q_reason = q_row[keep], q0[keep], q1[keep], q_reason[keep]
+    p0, p1 = np.maximum(q0, a[q_row]), np.minimum(q1, adm[q_row])
+    keep = p1 > p0
+    q_row, p0, p1, q_reason = q_row[keep], p0[keep], p1[keep], q_reason[keep]
+    if len(q_row):
+        ran = between(p0, p1)
+        gc_ms = ran[:, col["gc"]].copy()
+        ran[:, col["gc"]] = 0.0
+        np.subtract.at(parts, q_row, ran)
+        ran[:, col["residual"]] = 0.0
+        np.add.at(context, q_row, ran)
+        wait_col = np.array([col[WAIT_LABELS[r]] for r in q_reason.tolist()], dtype=np.int64)
+        np.add.at(parts, (q_row, wait_col), (p1 - p0) * 1e3 - gc_ms)
+
+    # 4. prefill: own share in the prefilling phase, the rest is others'
+    own = _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_between)
+    # the phase's prefill time: prefill between admission and first token, less evicted
+    live_prefill = np.zeros(n)
+    live_prefill[split] = prefill_between(adm[split], f[split])
+    if len(e_row):
+        m = split[e_row]
+        x0 = np.maximum(w0[m], adm[e_row[m]])
+        x1 = np.maximum(np.minimum(w1[m], f[e_row[m]]), x0)
+        np.subtract.at(live_prefill, e_row[m], prefill_between(x0, x1))
+    own = np.minimum(own, np.maximum(live_prefill, 0.0))
+    pcol = parts[:, col["prefill"]].copy()
+    parts[split, col["prefill_own"]] = own[split]
+    parts[split, col["prefill_other"]] = pcol[split] - own[split]
+    parts[split, col["prefill"]] = 0.0
+    # context uses the same names: prefill that ran while held or evicted was others'
+    context[:, col["prefill_other"]] += context[:, col["prefill"]]
+    context[:, col["prefill"]] = 0.0
+
+    phases[:, PHASES.index("evicted")] = evicted_ms
+    queued = np.zeros(n)
+    queued_ev: np.ndarray = np.zeros(n)
+    if len(e_row):
+        qe = np.maximum(np.minimum(w1, adm[e_row]) - w0, 0.0)
+        qe[~split[e_row]] = 0.0
+        queued_ev = np.bincount(e_row, qe * 1e3, minlength=n)[:n].astype(np.float64)
+    queued[split] = (adm[split] - a[split]) * 1e3 - queued_ev[split]
+    phases[:, PHASES.index("queued")] = queued
+    phases[split, PHASES.index("prefilling")] = (f[split] - adm[split]) * 1e3 - (
+        evicted_ms[split] - queued_ev[split]
+    )
+    phases[~split, PHASES.index("unsplit")] = ttft_ms[~split] - evicted_ms[~split]
+
+    primary, prim_causes = primary_of(parts, ttft_ms, labels)
+    p = TtftPartition(
+        labels=labels,
+        request=req,
+        arrival_s=a,
+        admit_s=adm,
+        first_token_s=f,
+        ttft_ms=ttft_ms,
+        parts_ms=parts,
+        context_ms=context,
+        phases_ms=phases,
+        primary=primary,
+        causes=prim_causes,
+        notes=_notes(log, split),
+    )
+    return check_ttft_reconciled(p, log.path) if check else p
+
+
+def _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_between):
+    """Per TTFT row: sum over its prefill rows of the step's share times the prefill time of
+    that step's prefill segments inside [admission, first token], less evicted time."""
+    n = len(adm)
+    own = np.zeros(n)
+    pf, sg = log.prefill_chunks, log.segments
+    if len(pf) == 0:
+        return own
+    share = prefill_shares(log)
+    rows = row_of[pf.request]
+    keep = rows >= 0
+    keep[keep] = split[rows[keep]]
+    rows, steps, share = rows[keep], pf.step[keep], share[keep]
+    pseg = np.flatnonzero((causes == "prefill") & (sg.is_device != 1) & (sg.step >= 0))
+    pseg = pseg[np.argsort(sg.step[pseg], kind="stable")]
+    if len(rows) == 0 or len(pseg) == 0:
+        return own
+    seg_step = sg.step[pseg]
+    first = np.searchsorted(seg_step, steps, side="left")
+    cnt = np.searchsorted(seg_step, steps, side="right") - first
+    ri = np.repeat(np.arange(len(rows)), cnt)
+    si = pseg[np.repeat(first, cnt) + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))]
+    r = rows[ri]
+    x0 = np.maximum(sg.t_start_s[si], adm[r])
+    x1 = np.minimum(sg.t_end_s[si], f[r])
+    ok = x1 > x0
+    ri, r, x0, x1 = ri[ok], r[ok], x0[ok], x1[ok]
+    val = prefill_between(x0, x1)
+    if len(e_row) and len(ri):
+        # evicted overlap of each piece: join pieces with their request's evicted windows
+        o = np.argsort(e_row, kind="stable")
+        er, ea, eb = e_row[o], w0[o], w1[o]
+        lo = np.searchsorted(er, r, side="left")
+        c = np.searchsorted(er, r, side="right") - lo
+        pi = np.repeat(np.arange(len(r)), c)
+        ei = np.repeat(lo, c) + (np.arange(c.sum()) - np.repeat(np.cumsum(c) - c, c))
+        y0 = np.maximum(x0[pi], ea[ei])
+        y1 = np.maximum(np.minimum(x1[pi], eb[ei]), y0)
+        np.subtract.at(val, pi, prefill_between(y0, y1))
+    np.add.at(own, r, share[ri] * val)
+    return own
+
+
+# -- the reference partitioner (slow, obvious; for tests) ---------------------------------
+
+
+def _add_host(into: dict[str, float], who: str, ms: float, rate: float) -> None:
+    """Context: what the host ran, by label (prefill that ran while held was others')."""
+    if who == "decode":
+        into["graph"] += ms * rate
+        into["decode_other"] += ms * (1 - rate)
+    elif who == "prefill":
+        into["prefill_other"] += ms
+    elif who != "residual":
+        into[who] += ms
+
+
+def ttft_partition_reference(log: RawLog) -> TtftPartition:
+    """The same partition with plain loops, one request and one elementary interval at a time."""
+    labels = ttft_labels(log)
+    causes_arr = segment_causes(log)
+    sg = log.segments
+    host = [
+        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), str(causes_arr[i]), int(sg.step[i]))
+        for i in range(len(sg))
+        if sg.is_device[i] != 1
+    ]
+    order = precedence({c for _, _, c, _ in host})
+    rank = {c: i for i, c in enumerate(order)}
+    base = fit_baseline(log, _decode_net_ms(log, causes_arr))
+    pauses = list(
+        zip(log.gc_pauses.t_start_s.tolist(), log.gc_pauses.t_end_s.tolist(), strict=True)
+    )
+    share = prefill_shares(log)
+    pf = log.prefill_chunks
+    q_req, q0, q1, q_reason = wait_windows(log)
+    e_req, e_a, e_b = evicted_windows(log)
+    req, a_all, adm_all, f_all = _windows(log)
+
+    def owner(x: float) -> tuple[str, float, list[int]]:
+        """Who owns the instant just after x on the host: (cause, graph rate, the steps of
+        the prefill segments covering it)."""
+        if any(pa <= x < pb for pa, pb in pauses):
+            return "gc", 0.0, []
+        live = [(rank[c], c, s) for s0, s1, c, s in host if s0 <= x < s1]
+        if not live:
+            return "residual", 0.0, []
+        best = min(live)[1]
+        if best == "decode":
+            fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for _, c, s in live if c == "decode"]
+            return "decode", min(1.0, max(0.0, sum(fr) / len(fr))), []
+        if best == "prefill":
+            return "prefill", 0.0, [s for _, c, s in live if c == "prefill" and s >= 0]
+        return best, 0.0, []
+
+    n = len(req)
+    parts = np.zeros((n, len(labels)))
+    context = np.zeros_like(parts)
+    phases = np.zeros((n, len(PHASES)))
+    for i in range(n):
+        r, a, adm, f = int(req[i]), float(a_all[i]), float(adm_all[i]), float(f_all[i])
+        is_split = adm == adm  # not NaN
+        evicted = [
+            (float(x), float(y)) for rr, x, y in zip(e_req, e_a, e_b, strict=True) if rr == r
+        ]
+        waits = [
+            (float(x), float(y), WAIT_LABELS[int(k)])
+            for rr, x, y, k in zip(q_req, q0, q1, q_reason, strict=True)
+            if rr == r
+        ]
+        my_share = {
+            int(s): float(share[j])
+            for j, (s, rr) in enumerate(zip(pf.step, pf.request, strict=True))
+            if rr == r
+        }
+        cuts = {a, f} | ({adm} if is_split else set())
+        cuts |= {p for s0, s1, _, _ in host for p in (s0, s1)}
+        cuts |= {p for pa, pb in pauses for p in (pa, pb)}
+        cuts |= {p for x, y in evicted for p in (x, y)}
+        cuts |= {p for x, y, _ in waits for p in (x, y)}
+        pts = sorted(p for p in cuts if a <= p <= f and np.isfinite(p))
+        own_raw = prefill_live = prefill_all = 0.0
+        row = dict.fromkeys(labels, 0.0)
+        ctx = dict.fromkeys(labels, 0.0)
+        for x, y in zip(pts[:-1], pts[1:], strict=True):
+            ms = (y - x) * 1e3
+            who, rate, psteps = owner(x)
+
+            phase = "unsplit" if not is_split else ("queued" if x < adm else "prefilling")
+            if any(ex <= x < ey for ex, ey in evicted):
+                row["preempt"] += ms
+                phases[i, PHASES.index("evicted")] += ms
+                _add_host(ctx, who, ms, rate)
+                continue
+            phases[i, PHASES.index(phase)] += ms
+            held = [lb for wx, wy, lb in waits if wx <= x < wy] if phase == "queued" else []
+            if held and who != "gc":
+                row[held[0]] += ms
+                _add_host(ctx, who, ms, rate)
+                continue
+            if who == "decode":
+                row["graph"] += ms * rate
+                row["decode_other"] += ms * (1 - rate)
+            elif who == "prefill":
+                prefill_all += ms
+                if phase == "prefilling":
+                    prefill_live += ms
+                    own_raw += ms * sum(my_share.get(s, 0.0) for s in psteps)
+            else:
+                row[who] += ms
+        if is_split:
+            own = min(own_raw, prefill_live)
+            row["prefill_own"] += own
+            row["prefill_other"] += prefill_all - own
+        else:
+            row["prefill"] += prefill_all
+        parts[i] = [row[lb] for lb in labels]
+        context[i] = [ctx[lb] for lb in labels]
+    ttft_ms = (f_all - a_all) * 1e3
+    primary, prim_causes = primary_of(parts, ttft_ms, labels)
+    return TtftPartition(
+        labels=labels,
+        request=req,
+        arrival_s=a_all,
+        admit_s=adm_all,
+        first_token_s=f_all,
+        ttft_ms=ttft_ms,
+        parts_ms=parts,
+        context_ms=context,
+        phases_ms=phases,
+        primary=primary,
+        causes=prim_causes,
+        notes=_notes(log, np.isfinite(adm_all)),
+    )
+
+
+# -- per-run figures ------------------------------------------------------------------------
+
+#: TTFT percentiles a run reports, ms.
+TTFT_PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0))
+
+
+@dataclass(frozen=True)
+class TtftFigures:
+    """One run's TTFT figures. Times in ms; shares are fractions of summed TTFT."""
+
+    requests: int  # requests with an arrival and a first token
+    unsplit: int  # of them, without an admission row (phases unknown)
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    tail_requests: int  # requests at or above the run's TTFT p90
+    tail_share: dict[str, float]  # per label: label time in tail TTFTs / tail TTFT time
+    all_share: dict[str, float]  # the same over all TTFTs
+    tail_count: dict[str, int]  # tail requests by primary cause, "clean" included
+    all_count: dict[str, int]  # all requests by primary cause
+    phase_share: dict[str, float]  # per phase: phase time / TTFT time, all requests
+    tail_phase_share: dict[str, float]  # the same over tail requests
+    held_context_ms: dict[str, float]  # what ran while requests were evicted or held
+    reconcile_max_err_ms: float  # max over requests of |TTFT - sum(parts)|, phases too
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _shares(m: np.ndarray, total_ms: np.ndarray, names) -> dict[str, float]:
+    t = float(total_ms.sum())
+    if t <= 0:
+        return {n: 0.0 for n in names}
+    return {n: float(v) for n, v in zip(names, m.sum(axis=0) / t, strict=True)}
+
+
+def _count(primary: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
+    c = np.bincount(np.where(primary == CLEAN, len(causes), primary), minlength=len(causes) + 1)
+    return {name: int(v) for name, v in zip((*causes, "clean"), c, strict=True) if v}
+
+
+def ttft_figures(p: TtftPartition) -> TtftFigures:
+    """The per-run TTFT figures of docs/ttft.md from a partition. The tail is the requests
+    at or above the run's TTFT p90 (numpy's default linear percentile)."""
+    t = p.ttft_ms
+    pct = {k: float(np.percentile(t, q)) if len(t) else float("nan") for k, q in TTFT_PERCENTILES}
+    tail = t >= pct["p90"] if len(t) else np.zeros(0, dtype=bool)
+    return TtftFigures(
+        requests=len(p),
+        unsplit=int((~p.is_split).sum()),
+        p50_ms=pct["p50"],
+        p90_ms=pct["p90"],
+        p99_ms=pct["p99"],
+        max_ms=float(t.max()) if len(t) else float("nan"),
+        tail_requests=int(tail.sum()),
+        tail_share=_shares(p.parts_ms[tail], t[tail], p.labels),
+        all_share=_shares(p.parts_ms, t, p.labels),
+        tail_count=_count(p.primary[tail], p.causes),
+        all_count=_count(p.primary, p.causes),
+        phase_share=_shares(p.phases_ms, t, PHASES),
+        tail_phase_share=_shares(p.phases_ms[tail], t[tail], PHASES),
+        held_context_ms={
+            lb: float(v) for lb, v in zip(p.labels, p.context_ms.sum(axis=0), strict=True) if v
+        },
+        reconcile_max_err_ms=p.reconcile_max_err_ms,
+        notes=list(p.notes),
+    )
+
+
+def ttft_records(log: RawLog, p: TtftPartition | None = None, *, min_ms: float | None = None,
+                 request_id: str | None = None) -> list[dict]:  # fmt: skip
+    """One dict per request (as `tracekit.gaps.gap_records` for gaps): request id, arrival,
+    admission (null: unsplit), first token (s, engine clock), ttft_ms, phases and parts
+    (ms; each sums to ttft_ms), context (what ran while held or evicted), primary."""
+    p = p if p is not None else ttft_partition(log)
+    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    sel = np.ones(len(p), dtype=bool)
+    if min_ms is not None:
+        sel &= p.ttft_ms >= min_ms
+    if request_id is not None:
+        if request_id not in ids:
+            from .errors import LogError
+
+            raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
+        sel &= p.request == ids.index(request_id)
+    prim = p.primary_names()
+    out = []
+    for i in np.flatnonzero(sel).tolist():
+        adm = float(p.admit_s[i])
+        out.append(
+            {
+                "request": ids[int(p.request[i])],
+                "arrival": float(p.arrival_s[i]),
+                "admitted": adm if np.isfinite(adm) else None,
+                "first_token": float(p.first_token_s[i]),
+                "ttft_ms": float(p.ttft_ms[i]),
+                "phases": {ph: float(v) for ph, v in zip(PHASES, p.phases_ms[i], strict=True)},
+                "parts": {lb: float(v) for lb, v in zip(p.labels, p.parts_ms[i], strict=True)},
+                "context": {
+                    lb: float(v) for lb, v in zip(p.labels, p.context_ms[i], strict=True) if v
+                },
+                "primary": str(prim[i]),
+            }
+        )
+    return out
+
+
+__all__ = [
+    "PHASES",
+    "TTFT_STANDARD_LABELS",
+    "TtftFigures",
+    "TtftPartition",
+    "check_ttft_reconciled",
+    "ttft_figures",
+    "ttft_partition",
+    "ttft_partition_reference",
+    "ttft_records",
+]
