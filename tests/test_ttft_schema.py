@@ -12,7 +12,7 @@ import pytest
 
 import tracekit
 from tracekit.errors import LogError
-from tracekit.hooks import _merge_memory
+from tracekit.stream import merge_chunks, parse_chunk
 from tracekit.rawlog import SCHEMA_VERSION, WAIT_REASONS
 from tracekit.ttft import ttft_partition
 
@@ -107,13 +107,31 @@ def test_unknown_version_and_a_foreign_reason_vocabulary_are_refused(tmp_path):
 
 
 def test_parts_written_before_the_ttft_tables_still_merge():
-    rec = _record(None)  # a memory recorder keeps its chunks: strip the new tables from them
-    old = [
+    class Keep:  # a sink that keeps the raw chunks, as parts on disk would hold them
+        def open(self, meta):
+            self.meta = dict(meta)
+            self.chunks = []
+
+        def write(self, chunk):
+            self.chunks.append(dict(chunk))
+
+        def close(self, final):
+            pass
+
+    keep = Keep()
+    rec = tracekit.Recorder(None, sinks=[keep])
+    with rec:
+        rec.request("a", prompt_tokens=8)
+        with rec.step():
+            rec.admit("a")
+            rec.prefill("a", 8)
+            rec.emit(["a"])
+    old = [  # strip the new tables: what a recorder before them wrote
         {k: v for k, v in c.items() if k not in ("admissions", "prefill_chunks", "waits")}
-        for c in rec._mem_parts
+        for c in keep.chunks
     ]
-    log = _merge_memory(rec._meta, old, {})
-    assert len(log.emissions) == 3 and len(log.steps) == 2
+    log = merge_chunks(keep.meta, [parse_chunk(c, "old") for c in old], final={})
+    assert len(log.emissions) == 1 and len(log.steps) == 1
     assert len(log.admissions) == len(log.prefill_chunks) == len(log.waits) == 0
 
 
