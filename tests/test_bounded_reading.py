@@ -20,7 +20,7 @@ from malformed import npz_bytes, v1_arrays
 from procs import run_cli
 
 import tracekit
-from tracekit.errors import LogError
+from tracekit.errors import LogError, UsageError
 from tracekit.partition import partition
 from tracekit.render import perfetto
 
@@ -259,3 +259,16 @@ def test_loading_holds_each_array_once(tmp_path):
     assert proc.returncode == 0, err
     grown = int(out.strip())
     assert 90e6 < grown < 150e6, (grown, out, err)
+
+
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [("TRACEKIT_MAX_INFLATE_MB", "inf"), ("TRACEKIT_MAX_INFLATE_MB", "lots"),
+     ("TRACEKIT_MAX_INFLATE_MB", "0"), ("TRACEKIT_MAX_LABEL_CHARS", "-3"),
+     ("TRACEKIT_MAX_LABEL_CHARS", "1e3")],
+)  # fmt: skip
+def test_a_bad_limit_in_the_environment_is_a_usage_error(tmp_path, monkeypatch, env, value):
+    p = _log_with_extra(tmp_path, 8)
+    monkeypatch.setenv(env, value)
+    with pytest.raises(UsageError, match=f"\\${env}="):
+        tracekit.load(p)

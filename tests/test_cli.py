@@ -261,3 +261,10 @@ def test_gap_records_carry_units_in_their_keys():
     assert set(rec["steps"][0]) == {"step", "t_start_s", "dur_ms", "num_decode",
                                     "num_prefill_tokens", "graph_size", "num_preempted",
                                     "num_swapped_in", "segments_ms"}  # fmt: skip
+
+
+def test_every_command_that_loads_a_log_offers_the_reading_limits():
+    for cmd in ("analyze", "gaps", "check", "compare", "report", "trace", "recover"):
+        r = CliRunner().invoke(main, [cmd, "--help"])
+        assert r.exit_code == 0, r.output
+        assert "--max-inflate-mb" in r.stdout and "--max-label-chars" in r.stdout, cmd

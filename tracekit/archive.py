@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from .errors import LogError
+from .errors import LogError, UsageError
 
 #: deflate expands at most ~1032:1; a member claiming more is lying about its size
 _MAX_DEFLATE_RATIO = 1100
@@ -46,16 +46,18 @@ INFLATE_ENV = "TRACEKIT_MAX_INFLATE_MB"
 def inflate_limit_bytes(file_size: int, max_inflate_mb: float | None = None) -> int:
     """The most bytes the read members of a `file_size`-byte archive may inflate to:
     `max_inflate_mb` when given, else $TRACEKIT_MAX_INFLATE_MB, else the default above."""
+    what = "max_inflate_mb"
     if max_inflate_mb is None:
         env = os.environ.get(INFLATE_ENV, "").strip()
         if env:
+            what = f"${INFLATE_ENV}"
             try:
                 max_inflate_mb = float(env)
             except ValueError:
-                raise LogError(
-                    f"${INFLATE_ENV}", "value", f"{env!r} is not a number of MB"
-                ) from None
+                raise UsageError(f"{what}={env!r}: expected a number of MB") from None
     if max_inflate_mb is not None:
+        if not (math.isfinite(max_inflate_mb) and max_inflate_mb > 0):
+            raise UsageError(f"{what}={max_inflate_mb!r}: expected a finite number of MB > 0")
         return int(max_inflate_mb * 1e6)
     by_size = min(max(INFLATE_RATIO * file_size, INFLATE_FLOOR_BYTES), INFLATE_CAP_BYTES)
     return max(file_size, by_size)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .archive import read_npz, short
-from .errors import LogError, one_line
+from .errors import LogError, UsageError, one_line
 from .formats import json_safe
 from .labels import DEFAULT_CAUSE_MAP
 
@@ -418,15 +418,19 @@ def load(
 
 
 def _max_name_chars(given: int | None) -> int:
-    if given is not None:
-        return given
-    env = os.environ.get(NAME_CHARS_ENV, "").strip()
-    if not env:
-        return MAX_NAME_CHARS
-    try:
-        return int(env)
-    except ValueError:
-        raise LogError(f"${NAME_CHARS_ENV}", "value", f"{env!r} is not a whole number") from None
+    what, value = "max_label_chars", given
+    if value is None:
+        env = os.environ.get(NAME_CHARS_ENV, "").strip()
+        if not env:
+            return MAX_NAME_CHARS
+        what = f"${NAME_CHARS_ENV}"
+        try:
+            value = int(env)
+        except ValueError:
+            raise UsageError(f"{what}={env!r}: expected a whole number of characters") from None
+    if value < 1:
+        raise UsageError(f"{what}={value!r}: expected at least 1 character")
+    return value
 
 
 def shorten_name(name: str, max_chars: int) -> str:
