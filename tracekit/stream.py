@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .archive import read_npz
 from .errors import LogError
 from .fsio import atomic_open, atomic_write
 from .labels import DEFAULT_CAUSE_MAP
@@ -68,6 +69,11 @@ TABLE_COLS = {
 }
 #: Tables added after the first parts format: a part written before them lacks them.
 OPTIONAL_PART_TABLES = frozenset({"admissions", "prefill_chunks", "waits"})
+#: The arrays a part may hold (anything else in its archive is left unread).
+PART_KEYS = frozenset(TABLE_COLS) | {
+    "labels", "counter_names", "request_ids", "request_ids_start", "config", "flush_tick",
+    "t0_tick", "seconds_per_tick", "stop_tick", "dropped_rows",
+}  # fmt: skip
 EVICT, READMIT = 0, 1
 UNKNOWN_TICK = np.iinfo(np.int64).min  # an arrival that was not recorded
 
@@ -164,20 +170,26 @@ def merge_parts(parts_dir: str, *, final: Mapping[str, Any] | None = None) -> Ra
     warnings: list[str] = []
     parts: list[dict[str, Any]] = []
     for i, p in enumerate(paths):
-        try:  # read the whole part before using any of it
-            with np.load(p, allow_pickle=False) as z:
-                parts.append(parse_chunk(z, p))
-        except LogError:
-            raise
+        try:  # read the whole part before using any of it (bounded: tracekit.archive)
+            z, _ = read_npz(p, lambda names: [n for n in names if n in PART_KEYS])
         except Exception as e:
-            # Damaged on disk (a kill cannot do this: parts are renamed into place whole).
-            # Later parts refer to its steps and requests by index, so the run ends here.
-            warnings.append(
-                f"{os.path.basename(p)} is unreadable ({type(e).__name__}: {str(e)[:100]}); "
-                f"the run ends at the flush before it ({len(paths) - i} part(s) left out, "
-                "still on disk)"
-            )
-            break
+            damaged: BaseException = e
+        else:  # readable: contents that contradict the run are a LogError naming the field
+            try:
+                parts.append(parse_chunk(z, p))
+                continue
+            except LogError:
+                raise
+            except Exception as e:  # a member missing or of the wrong shape
+                damaged = e
+        # Damaged on disk (a kill cannot do this: parts are renamed into place whole).
+        # Later parts refer to its steps and requests by index, so the run ends here.
+        warnings.append(
+            f"{os.path.basename(p)} is unreadable ({type(damaged).__name__}: "
+            f"{str(damaged)[:100]}); the run ends at the flush before it "
+            f"({len(paths) - i} part(s) left out, still on disk)"
+        )
+        break
     return merge_chunks(meta, parts, final=final, path=parts_dir, warnings=warnings)
 
 
@@ -310,35 +322,12 @@ def merge_chunks(
     def secs(ticks: np.ndarray) -> np.ndarray:
         return (ticks - t0).astype(np.float64) * scale
 
-    st = table("steps")
-    steps = Steps(
-        t_start_s=secs(st[:, 0]),
-        t_end_s=secs(st[:, 1]),
-        num_decode=st[:, 2].copy(),
-        num_prefill_tokens=st[:, 3].copy(),
-        graph_size=st[:, 4].copy(),
-        num_preempted=st[:, 5].copy(),
-        num_swapped_in=st[:, 6].copy(),
-    )
-    sg = table("segments")
-    segments = Segments(
-        step=sg[:, 0].copy(),
-        label=sg[:, 1].copy(),
-        t_start_s=secs(sg[:, 2]),
-        t_end_s=secs(sg[:, 3]),
-        thread=sg[:, 4].copy(),
-        is_device=sg[:, 5].astype(np.int8),
-    )
-    g = table("gc_pauses")
-    gcs = GcPauses(t_start_s=secs(g[:, 0]), t_end_s=secs(g[:, 1]), generation=g[:, 2].copy())
+    # the recorder's row layouts (TABLE_COLS) are the tables' column orders
+    steps = Steps.from_rows(table("steps"), time=secs)
+    segments = Segments.from_rows(table("segments"), time=secs)
+    gcs = GcPauses.from_rows(table("gc_pauses"), time=secs)
     em = table("emissions")
-    emissions = Emissions(
-        request=em[:, 0].copy(),
-        t_s=secs(em[:, 1]),
-        step=em[:, 2].copy(),
-        num_tokens=em[:, 3].copy(),
-        device_step=em[:, 4].copy(),
-    )
+    emissions = Emissions.from_rows(em, time=secs)
     n_req = len(request_ids)
     rq = table("requests")
     arrival = np.full(n_req, np.nan)
