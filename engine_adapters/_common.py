@@ -1,7 +1,10 @@
 """What both engine adapters share: reversible method patches and window arithmetic.
 
 `Patches` replaces methods on objects (instances or classes) and puts every original back
-in reverse order, also when one restore fails. Instance patches shadow the class method
+in reverse order, also when one restore fails. Restoring refuses (RuntimeError, nothing
+changed) while another wrapper sits on top of one of its own: two instrumentations of one
+engine must be removed last in, first out, or the later one's wrappers would be dropped and
+the earlier one's put back silently. Instance patches shadow the class method
 with an attribute on the instance; restoring deletes that attribute again (or puts back
 the instance attribute that was there before, e.g. vLLM's ``EngineCore.step_fn``).
 """
@@ -24,7 +27,7 @@ class Patches:
     """A stack of reversible attribute replacements."""
 
     def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
+        self._undo: list[tuple[Any, str, Any, Any]] = []
 
     def wrap(
         self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -37,14 +40,28 @@ class Patches:
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         wrapper.__tracekit_patch__ = True  # type: ignore[attr-defined]
         setattr(obj, name, wrapper)
-        self._undo.append((obj, name, own))
+        self._undo.append((obj, name, own, wrapper))
         _installed[0] += 1
 
     def restore(self) -> None:
-        """Undo every patch, newest first. Raises the first failure after trying them all."""
+        """Undo every patch, newest first. Raises the first failure after trying them all.
+
+        Raises RuntimeError and changes nothing if another wrapper was installed over one
+        of these since (uninstall that one first: last in, first out)."""
+        covered = [
+            f"{type(obj).__name__}.{name}"
+            for obj, name, _own, wrapper in self._undo
+            if vars(obj).get(name, _MISSING) is not wrapper
+        ]
+        if covered:
+            raise RuntimeError(
+                "cannot uninstall: another instrumentation wrapped "
+                + ", ".join(sorted(set(covered)))
+                + " after this one; uninstall the one installed last first (last in, first out)"
+            )
         first_error: BaseException | None = None
         while self._undo:
-            obj, name, own = self._undo.pop()
+            obj, name, own, _wrapper = self._undo.pop()
             try:
                 if own is _MISSING:
                     delattr(obj, name)

