@@ -160,11 +160,52 @@ def test_one_clock_is_proved_by_paired_stamps(merged):
         assert lo <= 0 <= hi
 
 
-def test_every_gap_reconciles(merged):
+def test_every_gap_reconciles_at_both_boundaries(merged):
+    from tracekit.frontend import client_partition, client_partition_reference
     from tracekit.partition import partition
 
     p = partition(merged)  # check=True raises on a gap whose parts miss its length
     assert len(p) > 0 and p.reconcile_max_err_ms < 1e-6
+    cp = client_partition(merged)  # the same check at the client boundary
+    assert len(cp) == len(merged.client_emissions) - (5 + N_SIBLINGS)
+    assert cp.reconcile_err_ms.max() < 1e-6
+    ref = client_partition_reference(merged)
+    assert np.allclose(cp.parts_ms, ref.parts_ms, atol=1e-6)
+    # the frontend's own causes were measured, not left to the residual
+    for label in ("hop", "output", "sse_write"):
+        assert cp.column(label).sum() > 0, label
+
+
+def test_analyze_report_and_trace_read_the_directory(served, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "tracekit"]
+    r = subprocess.run([*cli, "analyze", served["dir"], "--format", "jsonl"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    client = json.loads(r.stdout)["client"]
+    assert set(client["itl_ms"]) >= {"per_chunk", "per_token", "per_engine_step"}
+    assert client["chunks"] == sum(len(s.t_ns) for s in served["streams"])
+    trace = str(tmp_path / "t.json")
+    r = subprocess.run([*cli, "trace", served["dir"], "-o", trace], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    from tracekit.render.perfetto import read_trace, validate_trace
+
+    events = read_trace(trace)
+    assert validate_trace(events) == []
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {"engine", "requests"} <= names
+    assert any(n.startswith("api_server") for n in names)
+    assert any(n.startswith("worker") for n in names)
+    report = str(tmp_path / "r.html")
+    r = subprocess.run([*cli, "report", served["dir"], "-o", report], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    with open(report, encoding="utf-8") as fh:
+        assert "Client boundary" in fh.read()
 
 
 def test_sigkilled_parts_rebuild_with_recover_and_merge_keeps_them(served, merged, tmp_path):

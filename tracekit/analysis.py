@@ -71,6 +71,8 @@ class RunAnalysis:
     device_clock_drift_ppm: float = math.nan  # device vs host clock over the run, if timed
     device_max_placement_err_ms: float = math.nan  # worst error placing a device window
     warnings: list[str] = field(default_factory=list)
+    #: the client boundary of a merged server run (`tracekit.frontend.client_summary`)
+    client: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite numbers become None."""
@@ -155,6 +157,12 @@ def analyze(log: RawLog, part: Partition | None = None) -> RunAnalysis:
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
+    client = None
+    if len(log.client_emissions):
+        from .frontend import client_partition, client_summary, spec_acceptance
+
+        client = client_summary(log, client_partition(log), gap)
+        client["spec"] = spec_acceptance(log)
     return RunAnalysis(
         path=log.path,
         rung=log.rung,
@@ -200,4 +208,5 @@ def analyze(log: RawLog, part: Partition | None = None) -> RunAnalysis:
             dict(log.meta.get("device_calibration") or {}).get("max_placement_err_ms", math.nan)
         ),
         warnings=warnings,
+        client=client,
     )

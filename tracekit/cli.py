@@ -341,7 +341,10 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     """Write RUN as a Chrome trace for Perfetto (ui.perfetto.dev -> Open trace file): the
     engine loop (steps with their segments nested), gc, counters (batch size, free KV
     blocks), and one track per request with every gap named by its primary cause and its
-    partition in args.parts. Use --requests / --window to cut large runs."""
+    partition in args.parts; for a merged server run (or its directory) also one process
+    track per process (API server, workers) with their windows, the chunks written to
+    clients and the arrival of each step's outputs. Use --requests / --window to cut large
+    runs."""
     import time
 
     from .partition import partition
@@ -353,6 +356,15 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     log = _load(run)
     _warn(log.path, log.warnings)
     events = perfetto.chrome_trace_events(log, partition(log), requests=ids, window_s=win)
+    if log.meta.get("processes"):  # a merged server run: one track per process
+        from .render.serve import process_events
+
+        shift = perfetto.engine_start_us(events)
+        extra = process_events(log, win)
+        for e in extra:
+            if "ts" in e:
+                e["ts"] = round(e["ts"] + shift, 3)
+        events += extra
     size = perfetto.write_trace(events, output, meta={"source": os.path.basename(run)})
     click.echo(
         f"wrote {output}: {len(events)} events, {size / 1e6:.1f} MB in "
