@@ -96,8 +96,16 @@ def complement(t0: int, t1: int, inner: list[tuple[int, int]]) -> list[tuple[int
     return out
 
 
-def add_forward(rec: Any, t0: int, t1: int, num_prefill_tokens: int, num_decode: int) -> None:
-    """Record the forward window ``[t0, t1]`` as `prefill` and/or `decode`.
+def add_forward(
+    rec: Any,
+    t0: int,
+    t1: int,
+    num_prefill_tokens: int,
+    num_decode: int,
+    decode_label: str = "decode",
+) -> None:
+    """Record the forward window ``[t0, t1]`` as `prefill` and/or `decode` (`decode_label`:
+    ``verify`` when the decode rows carry speculative draft tokens to check).
 
     One forward pass runs a mixed batch; the host cannot time its prefill rows apart from
     its decode rows. The window is split by token mix: the first
@@ -108,7 +116,7 @@ def add_forward(rec: Any, t0: int, t1: int, num_prefill_tokens: int, num_decode:
         return
     total = num_prefill_tokens + num_decode
     if total <= 0 or num_prefill_tokens <= 0:
-        rec.add_segment("decode", t0, t1)
+        rec.add_segment(decode_label, t0, t1)
         return
     if num_decode <= 0:
         rec.add_segment("prefill", t0, t1)
@@ -116,7 +124,7 @@ def add_forward(rec: Any, t0: int, t1: int, num_prefill_tokens: int, num_decode:
     # split point, in ticks: integer arithmetic keeps the two parts exactly adjacent
     cut = t0 + (t1 - t0) * num_prefill_tokens // total
     rec.add_segment("prefill", t0, cut)
-    rec.add_segment("decode", cut, t1)
+    rec.add_segment(decode_label, cut, t1)
 
 
 def seconds_per_tick(rec: Any) -> float:

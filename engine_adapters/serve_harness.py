@@ -29,6 +29,9 @@ SERVE_ENV = {
 }
 #: 4 KV blocks of 32 tokens for several ~60-token streams: the scheduler preempts.
 PREEMPTING_ARGS = ["--num-gpu-blocks-override", "4", "--block-size", "32", "--max-model-len", "96"]
+#: vLLM's ngram proposer (runs on CPU): steps emit, and chunks carry, 1-4 tokens.
+NGRAM_SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+NGRAM_ARGS = ["--speculative-config", NGRAM_SPEC]
 
 
 def free_port() -> int:

@@ -208,7 +208,7 @@ class ServeCoreAdapter(VllmV1Adapter):
             p.wrap(executor, "sample_tokens", self._wrap_sample)
             if getattr(cfg, "speculative_config", None) is not None:
                 # after each step: fetch the proposer's draft tokens from the worker
-                p.wrap(core, "post_step", self._wrap_timed("draft", in_step_only=False))
+                p.wrap(core, "post_step", self._wrap_timed("draft_ids", in_step_only=False))
         except BaseException:
             p.restore()
             raise
@@ -218,7 +218,8 @@ class ServeCoreAdapter(VllmV1Adapter):
     def _close_forward(self, t1: int) -> None:
         t0, self._exec_t0 = self._exec_t0, None
         if t0 is not None:
-            add_forward(self.rec, t0, t1, self._num_prefill_tokens, self._num_decode)
+            label = "verify" if self._spec else "decode"
+            add_forward(self.rec, t0, t1, self._num_prefill_tokens, self._num_decode, label)
 
     def _wrap_execute(self, execute: Callable[..., Any]) -> Callable[..., Any]:
         rec = self.rec

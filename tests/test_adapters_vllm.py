@@ -254,3 +254,45 @@ def test_two_adapters_exited_out_of_order_are_refused_then_restore_in_order(llm,
     a.uninstall()
     assert vars(core)["step_fn"] is step_fn
     assert patches_left(*objs) == []
+
+
+def test_speculative_decoding_offline_multi_token_emissions_and_acceptance(
+    vllm_mod, tmp_path_factory
+):
+    """vLLM's ngram proposer in process: steps emit 1-4 tokens per request; the adapter
+    records them as one emission each, the proposer as `draft`, the checking forward
+    pass as `verify`, and acceptance counts equal to vLLM's own counters."""
+    frozen_before = gc.get_freeze_count()
+    with pytest.MonkeyPatch.context() as mp, one_torch_thread():
+        for k, v in VLLM_ENV.items():
+            mp.setenv(k, v)
+        path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-spec"))
+        engine = vllm_mod.LLM(
+            model=path, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
+            max_model_len=128, disable_log_stats=False, seed=0,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 3},
+        )  # fmt: skip
+        try:
+            params = vllm_mod.SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+            rec = tracekit.Recorder(None)
+            with rec, instrument_vllm(rec, engine):
+                outputs = engine.generate(tiny_prompts(4, seed=5), params, use_tqdm=False)
+            metrics = {m.name: m for m in engine.get_metrics()}
+        finally:
+            engine.llm_engine.engine_core.shutdown()
+            if frozen_before == 0 and gc.get_freeze_count():
+                gc.unfreeze()
+    log = rec.log()
+    assert tokens_by_request(log) == {o.request_id: 40 for o in outputs}
+    assert log.emissions.num_tokens.max() > 1  # a step accepted draft tokens
+    assert {"draft", "verify"} <= set(log.labels)
+    names = log.counter_names
+    got = {
+        k: float(log.counters.value[log.counters.name == names.index(f"spec.{k}")].sum())
+        for k in ("drafted", "accepted")
+    }
+    assert got["drafted"] > 0
+    assert got["drafted"] == metrics["vllm:spec_decode_num_draft_tokens"].value
+    assert got["accepted"] == metrics["vllm:spec_decode_num_accepted_tokens"].value
+    partition(log)  # every gap reconciles

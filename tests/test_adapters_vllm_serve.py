@@ -1,8 +1,9 @@
 """`vllm serve` recorded by tracekit's plugin, against what a real streaming client saw.
 
 One server (vLLM's OpenAI API server, default multiprocess mode: API server, engine core,
-worker) of the tiny local model, 4 KV blocks of 32 tokens so the scheduler preempts,
-recorded into a directory with TRACEKIT_VLLM_DIR. An httpx client streams 6 completions
+worker) of the tiny local model, 4 KV blocks of 32 tokens so the scheduler preempts, ngram
+speculative decoding so that steps emit and chunks carry 1-4 tokens, recorded into a
+directory with TRACEKIT_VLLM_DIR. An httpx client streams 6 completions
 at once (one with n=3) and stamps every SSE chunk's arrival with time.perf_counter_ns,
 the clock every recorder reads (CLOCK_MONOTONIC, one per host). The server is stopped with
 SIGTERM; with vLLM's default --shutdown-timeout 0 the engine core and the worker are then
@@ -41,7 +42,7 @@ def served(tmp_path_factory):
     model = build_tiny_llama(str(base / "model"))
     rec_dir = str(base / "rec")
     server = sh.start_server(model, record_dir=rec_dir, log_path=str(base / "server.log"),
-                             extra_args=sh.PREEMPTING_ARGS)  # fmt: skip
+                             extra_args=[*sh.PREEMPTING_ARGS, *sh.NGRAM_ARGS])  # fmt: skip
     try:
         bodies = [
             sh.completion_body(
@@ -56,12 +57,14 @@ def served(tmp_path_factory):
         )
         streams = sh.stream_load(server, bodies)
         preemptions = sh.metric(server, "vllm:num_preemptions_total")
+        spec = {k: sh.metric(server, f"vllm:spec_decode_num_{k}_tokens_total")
+                for k in ("draft", "accepted")}  # fmt: skip
         import time
 
         time.sleep(1.0)  # > the flush interval (0.2 s): everything recorded reaches disk
     finally:
         rc = server.stop(signal.SIGTERM)
-    return {"dir": rec_dir, "streams": streams, "preemptions": preemptions, "rc": rc,
+    return {"dir": rec_dir, "streams": streams, "preemptions": preemptions, "rc": rc, "spec": spec,
             "bodies": bodies, "server_log": server.log_path}  # fmt: skip
 
 
@@ -220,3 +223,19 @@ def test_sigkilled_parts_rebuild_with_recover_and_merge_keeps_them(served, merge
     assert len(log.steps) == len(merged.steps) > 0
     assert len(log.emissions) == len(merged.emissions)
     assert os.path.isdir(core["path"])  # the merge read the parts in place
+
+
+def test_speculative_decoding_acceptance_equals_vllm_metrics(served, merged):
+    from tracekit.frontend import spec_acceptance
+
+    acc = spec_acceptance(merged)
+    assert served["spec"]["draft"] > 0, "the ngram proposer was meant to draft"
+    assert acc["drafted"] == served["spec"]["draft"]
+    assert acc["accepted"] == served["spec"]["accepted"]
+    # multi-token emissions at both boundaries, and the proposer's and verifier's windows
+    assert merged.emissions.num_tokens.max() > 1
+    assert merged.client_emissions.num_tokens.max() > 1
+    assert "verify" in merged.labels and "draft" in merged.labels
+    worker = next(i for i, p in enumerate(merged.meta["processes"]) if p["role"] == "worker")
+    ps = merged.proc_segments
+    assert np.any((ps.process == worker) & (ps.label == merged.labels.index("draft")))

@@ -225,7 +225,7 @@ def _windows(log: RawLog, labels: tuple[str, ...], steps_only: bool) -> np.ndarr
 def worker_bounds(core: ProcessLog, wk: ProcessLog, offset_s: float):
     """Paired-stamp bounds on a worker's correction: the engine core's n-th forward window
     (from ``execute_model`` to its wait returning) contains the worker's n-th."""
-    c = _windows(core.log, ("prefill", "decode"), steps_only=True)
+    c = _windows(core.log, ("prefill", "decode", "verify"), steps_only=True)
     w_prep = _windows(wk.log, ("prepare",), steps_only=False)
     w_fwd = _windows(wk.log, ("forward",), steps_only=False)
     if not len(c) or not len(w_fwd):
