@@ -187,3 +187,20 @@ def test_a_directory_without_an_engine_core_is_one_line_exit_2(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "engine core" in r.stderr
+
+
+def test_a_merged_run_with_a_bad_client_table_is_refused_naming_the_field(tmp_path):
+    from dataclasses import replace
+
+    from tracekit.rawlog import ClientEmissions
+
+    d, _, _ = record_pair(tmp_path / "r" if (tmp_path / "r").mkdir() is None else tmp_path, n=5)
+    log = merge_dir(d)
+    ce = log.client_emissions
+    bad = replace(log, client_emissions=ClientEmissions.from_columns(
+        **{**ce.columns(), "request": ce.request + 1000}))  # fmt: skip
+    path = bad.save(str(tmp_path / "bad.npz"))
+    with pytest.raises(LogError, match="client_emissions.request"):
+        tracekit.load(path)
+    good = log.save(str(tmp_path / "good.npz"))
+    assert len(tracekit.load(good).client_emissions) == 10  # and it round-trips

@@ -10,7 +10,10 @@ On disk it is one `.npz` per run (`save`/`load`), self-describing:
   (``steps.t_start_s``, ``segments.label``, ...);
 - ``labels`` (segment label vocabulary), ``cause_map`` (JSON), ``config`` (JSON),
   ``meta`` (JSON: clock source, tracekit version, warnings recorded at capture),
-  ``request_ids`` (strings), ``counter_names``, ``wall_s``.
+  ``request_ids`` (strings), ``counter_names``, ``wall_s``;
+- a run merged from a multi-process server (`tracekit.merge`) also has the optional tables
+  ``proc_segments``, ``client_emissions`` and ``deliveries`` (absent in other logs: loaded
+  as empty).
 
 `load` also reads the *published* layout (the `.npz` files written by the method tracekit
 industrialises; see docs/rawlog.md) unchanged. A log can never execute code: arrays are
@@ -260,8 +263,10 @@ TABLES: dict[str, type[_Table]] = {
     "client_emissions": ClientEmissions,
     "deliveries": Deliveries,
 }
+#: The tables of a merged multi-process server run (`tracekit.merge`).
+SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries"})
 #: Tables a log may lack as a whole (each is then empty).
-OPTIONAL_TABLES = frozenset({"counters", "proc_segments", "client_emissions", "deliveries"})
+OPTIONAL_TABLES = frozenset({"counters"}) | SERVER_TABLES
 
 
 @dataclass(frozen=True)
@@ -322,6 +327,8 @@ class RawLog:
             "wall_s": np.array(float(self.wall_s)),
         }
         for tname in TABLES:
+            if tname in SERVER_TABLES and not len(getattr(self, tname)):
+                continue  # only a merged server run has them: other logs stay as they were
             for cname, col in getattr(self, tname).columns().items():
                 arrays[f"{tname}.{cname}"] = col
         for k, v in self.extras.items():
