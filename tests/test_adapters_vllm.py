@@ -296,3 +296,9 @@ def test_speculative_decoding_offline_multi_token_emissions_and_acceptance(
     assert got["drafted"] == metrics["vllm:spec_decode_num_draft_tokens"].value
     assert got["accepted"] == metrics["vllm:spec_decode_num_accepted_tokens"].value
     partition(log)  # every gap reconciles
+    from tracekit.analysis import analyze
+    from tracekit.render.text import analyze_report
+
+    a = analyze(log)
+    assert a.spec["drafted"] == got["drafted"] and a.spec["accepted"] == got["accepted"]
+    assert "speculative decoding" in analyze_report([a])  # acceptance next to ITL

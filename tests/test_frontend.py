@@ -191,3 +191,23 @@ def test_fast_equals_reference_and_every_gap_reconciles(log):
     assert np.allclose(fast.parts_ms, ref.parts_ms, atol=1e-6)
     assert np.all(fast.parts_ms >= -1e-9)
     assert np.allclose(ref.parts_ms.sum(axis=1), ref.gap_ms, atol=1e-6)
+
+
+def test_spec_acceptance_hand_derived():
+    from tracekit.frontend import spec_acceptance
+    from tracekit.rawlog import Counters
+
+    b = LogBuilder()
+    b.step(0, 10)
+    b.emit(0, 10, 0, n=3)
+    b.step(10, 20)
+    b.emit(0, 20, 1, n=1)
+    log = b.build()
+    assert spec_acceptance(log) is None  # no speculative decoding recorded
+    # step 0: 3 drafts, 2 accepted (3 tokens emitted); step 1: 3 drafts, none accepted
+    log = replace(log, counter_names=("spec.drafted", "spec.accepted"),
+                  counters=Counters.from_columns(name=[0, 1, 0, 1], t_s=[0.01, 0.01, 0.02, 0.02],
+                                                 value=[3, 2, 3, 0]))  # fmt: skip
+    acc = spec_acceptance(log)
+    # accepted 2 of 6 drafted; tokens per emission (3 + 1) / 2 = 2
+    assert acc == {"drafted": 6.0, "accepted": 2.0, "acceptance": 2 / 6, "tokens_per_emission": 2.0}

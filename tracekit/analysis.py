@@ -73,6 +73,8 @@ class RunAnalysis:
     warnings: list[str] = field(default_factory=list)
     #: the client boundary of a merged server run (`tracekit.frontend.client_summary`)
     client: dict[str, Any] | None = None
+    #: speculative decoding: drafted, accepted, acceptance, tokens per emission (or None)
+    spec: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite numbers become None."""
@@ -157,12 +159,13 @@ def analyze(log: RawLog, part: Partition | None = None) -> RunAnalysis:
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
+    from .frontend import client_partition, client_summary, spec_acceptance
+
+    spec = spec_acceptance(log)
     client = None
     if len(log.client_emissions):
-        from .frontend import client_partition, client_summary, spec_acceptance
-
         client = client_summary(log, client_partition(log), gap)
-        client["spec"] = spec_acceptance(log)
+        client["spec"] = spec
     return RunAnalysis(
         path=log.path,
         rung=log.rung,
@@ -209,4 +212,5 @@ def analyze(log: RawLog, part: Partition | None = None) -> RunAnalysis:
         ),
         warnings=warnings,
         client=client,
+        spec=spec,
     )

@@ -60,6 +60,38 @@ def client_text(c: Mapping[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def spec_text(a: Any) -> str:
+    """One line for a run with speculative decoding: acceptance next to ITL."""
+    s = a.spec
+    return (
+        f"speculative decoding: {s['accepted']:.0f} of {s['drafted']:.0f} draft tokens "
+        f"accepted ({_pct(s['acceptance'])}), {_ms(s['tokens_per_emission'])} tokens per "
+        f"engine emission; ITL (per engine emission) p50 {_ms(a.itl_p50)} ms, "
+        f"p99 {_ms(a.itl_p99)} ms"
+    )
+
+
+def spec_html(runs: Sequence[tuple[str, Any]]) -> str:
+    """Acceptance next to ITL for runs with speculative decoding but no client boundary
+    (a run with one shows it in its client-boundary section)."""
+    have = [(n, a) for n, a in runs if a.spec and not a.client]
+    if not have:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(n)}</td><td>{_pct(a.spec['acceptance'])}</td>"
+        f"<td>{a.spec['accepted']:.0f} / {a.spec['drafted']:.0f}</td>"
+        f"<td>{_ms(a.spec['tokens_per_emission'])}</td><td>{_ms(a.itl_p50)}</td>"
+        f"<td>{_ms(a.itl_p99)}</td></tr>"
+        for n, a in have
+    )
+    return (
+        "<h2>Speculative decoding</h2><p class=note>Draft tokens accepted, and ITL between "
+        "engine emissions (each carries every token a step accepted).</p><table><tr>"
+        "<th>run</th><th>acceptance</th><th>accepted / drafted</th><th>tokens per emission"
+        f"</th><th>ITL p50 ms</th><th>ITL p99 ms</th></tr>{rows}</table>"
+    )
+
+
 def client_html(runs: Sequence[tuple[str, Mapping[str, Any] | None]]) -> str:
     """HTML section for the runs that have a client boundary ('' when none has)."""
     have = [(n, c) for n, c in runs if c]
