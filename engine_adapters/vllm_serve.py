@@ -28,7 +28,9 @@ names an output directory. Then it installs class-level wrappers that start a
 - **API server** (``AsyncLLM`` and the ``/v1/completions`` stream), started at its first
   request: arrival at HTTP (requests named ``CLIENT_ID<US>ENGINE_ID``, see `FRONT_SEP`;
   CLIENT_ID is vLLM's external id, ``cmpl-...-PROMPT``, with ``#INDEX`` for the siblings of
-  ``n > 1``), ``input`` (``InputProcessor.process_inputs``), counter ``serve.sent`` (value:
+  ``n > 1``), ``tokenize`` (``BaseRenderer.tokenize_prompts_async``: a window that awaits
+  vLLM's tokenizer thread, so not event-loop time), ``input``
+  (``InputProcessor.process_inputs``), counter ``serve.sent`` (value:
   request index) when the request leaves for the engine core, counter ``serve.recv``
   (value: the outputs' ``EngineCoreOutputs.timestamp``) when a step's outputs arrive,
   ``output`` (``OutputProcessor.process_outputs``: output processing and
@@ -470,6 +472,24 @@ def _install_frontend_hooks() -> None:
     p.wrap(InputProcessor, "process_inputs", wrap_timed("input"))
     p.wrap(AsyncMPClient, "add_request_async", wrap_send)
     p.wrap(AsyncMPClient, "get_output_async", wrap_get)
+    try:
+        from vllm.renderers.base import BaseRenderer
+    except ImportError:  # another vLLM layout: tokenisation is then not recorded
+        BaseRenderer = None  # noqa: N806
+    if BaseRenderer is not None and hasattr(BaseRenderer, "tokenize_prompts_async"):
+
+        def wrap_tokenize(tokenize: Callable[..., Any]) -> Callable[..., Any]:
+            async def tokenize_prompts_async(*args: Any, **kwargs: Any) -> Any:
+                rec = recorder_for("api_server")
+                t0 = rec.now()
+                try:
+                    return await tokenize(*args, **kwargs)
+                finally:
+                    rec.add_segment("tokenize", t0, rec.now())
+
+            return tokenize_prompts_async
+
+        p.wrap(BaseRenderer, "tokenize_prompts_async", wrap_tokenize)
     _install_write_hooks(p)
 
 

@@ -95,6 +95,13 @@ def test_every_process_recorded_and_the_killed_ones_left_parts(served, merged):
     assert procs["engine_core"]["recovered"] and procs["worker"]["recovered"]
     names = sorted(os.listdir(served["dir"]))
     assert sum(n.endswith(".npz.parts") for n in names) == 2, names
+    # what each of the other processes recorded, on the run's clock
+    ps = merged.proc_segments
+    roles = [p["role"] for p in merged.meta["processes"]]
+    for role, labels in (("api_server", {"tokenize", "input", "output", "sse_write"}),
+                         ("worker", {"prepare", "forward", "sample"})):  # fmt: skip
+        mine = ps.label[ps.process == roles.index(role)]
+        assert labels <= {merged.labels[i] for i in mine}, role
 
 
 def test_chunk_counts_equal_client_boundary_emissions(served, merged):

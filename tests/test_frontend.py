@@ -211,3 +211,28 @@ def test_spec_acceptance_hand_derived():
     acc = spec_acceptance(log)
     # accepted 2 of 6 drafted; tokens per emission (3 + 1) / 2 = 2
     assert acc == {"drafted": 6.0, "accepted": 2.0, "acceptance": 2 / 6, "tokens_per_emission": 2.0}
+
+
+def test_process_tracks_are_a_valid_trace_even_with_overlapping_windows():
+    from tracekit.render.perfetto import chrome_trace_events, validate_trace
+    from tracekit.render.serve import process_events
+
+    b = LogBuilder()
+    b.step(0, 10)
+    b.seg(0, "decode", 0, 10)
+    b.emit(0, 10, 0)
+    b.step(10, 20)
+    b.seg(1, "decode", 10, 20)
+    b.emit(0, 20, 1)
+    windows = [(1, "tokenize", 1, 5), (1, "tokenize", 2, 6), (1, "tokenize", 3, 4),
+               (1, "output", 10.5, 11), (2, "forward", 12, 19)]  # fmt: skip
+    log = serve_log(b, [(0, 11, 1), (0, 21, 1)], windows, [(0, 10, 10.2), (1, 20, 20.3)])
+    extra = process_events(log)
+    events = chrome_trace_events(log, partition(log)) + extra
+    assert validate_trace(events) == []
+    names = {e["args"]["name"] for e in extra if e.get("name") == "thread_name"}
+    # three overlapping tokenize windows need three lanes; chunks and deliveries have theirs
+    assert {"tokenize", "tokenize (2)", "tokenize (3)", "output", "forward"} <= names
+    assert {"client chunks written", "step outputs received"} <= names
+    procs = {e["args"]["name"] for e in extra if e.get("name") == "process_name"}
+    assert procs == {"api_server (pid ?)", "worker (pid ?)"}

@@ -169,27 +169,36 @@ def process_events(log: Any, window_s: tuple[float, float] | None = None) -> lis
         )
         mine = ps.process == k
         labels = sorted({int(x) for x in ps.label[mine]})
-        tid0 = TID_PROCESS_BASE + 1000 * k  # Perfetto keys JSON threads by tid alone
-        for tid, lab in enumerate(labels, start=tid0 + 1):
-            out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
-                        "args": {"name": log.labels[lab]}})  # fmt: skip
+        tid = TID_PROCESS_BASE + 1000 * k  # Perfetto keys JSON threads by tid alone
+        for lab in labels:
             m = mine & (ps.label == lab)
             a, b = ps.t_start_s[m], ps.t_end_s[m]
             sel = keep(a, b)
-            for t0, t1 in zip(a[sel].tolist(), b[sel].tolist(), strict=True):
-                out.append(
-                    {
-                        "ph": "X",
-                        "pid": pid,
-                        "tid": tid,
-                        "name": log.labels[lab],
-                        "ts": round(t0 * 1e6, 3),
-                        "dur": round(max(t1 - t0, 0) * 1e6, 3),
-                    }
-                )
+            a, b = a[sel], b[sel]
+            order = np.lexsort((-b, a))
+            # windows of one label can overlap (concurrent requests awaiting the tokenizer,
+            # a GC inside a write): one track per lane, a lane never holds two that overlap
+            lane_end: list[float] = []
+            lane_of = np.zeros(len(a), dtype=np.int64)
+            for i in order.tolist():
+                j = next((q for q, e in enumerate(lane_end) if e <= a[i]), len(lane_end))
+                if j == len(lane_end):
+                    lane_end.append(b[i])
+                else:
+                    lane_end[j] = b[i]
+                lane_of[i] = j
+            for j in range(max(len(lane_end), 1)):
+                tid += 1
+                name = log.labels[lab] + (f" ({j + 1})" if j else "")
+                out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                            "args": {"name": name}})  # fmt: skip
+                for t0, t1 in zip(a[lane_of == j].tolist(), b[lane_of == j].tolist(), strict=True):
+                    out.append({"ph": "X", "pid": pid, "tid": tid, "name": log.labels[lab],
+                                "ts": round(t0 * 1e6, 3),
+                                "dur": round(max(t1 - t0, 0) * 1e6, 3)})  # fmt: skip
         m = ce.process == k
         if m.any():
-            tid = tid0 + len(labels) + 1
+            tid += 1
             out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
                         "args": {"name": "client chunks written"}})  # fmt: skip
             sel = m & keep(ce.t_s, ce.t_s)
@@ -200,7 +209,7 @@ def process_events(log: Any, window_s: tuple[float, float] | None = None) -> lis
                             "args": {"request": log.request_ids[r], "tokens": n}})  # fmt: skip
         m = dl.process == k
         if m.any():
-            tid = tid0 + len(labels) + 2
+            tid += 1
             out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
                         "args": {"name": "step outputs received"}})  # fmt: skip
             sel = m & keep(dl.t_recv_s, dl.t_recv_s)
