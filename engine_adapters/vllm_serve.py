@@ -90,18 +90,49 @@ _writes: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
 
 def register() -> None:
     """vLLM's plugin entry point: installs the hooks when ``TRACEKIT_VLLM_DIR`` is set."""
-    if not os.environ.get(ENV_DIR):
+    out = os.environ.get(ENV_DIR)
+    if not out:
         return
     with _lock:
         if _registered[0]:
             return
+        check_output_dir(out)
         _registered[0] = True
     _install_core_hooks()
     _install_worker_hooks()
     _install_frontend_hooks()
 
 
+def installed_hooks() -> int:
+    """How many class-level wrappers the plugin installed in this process (0: inert)."""
+    return len(_class_patches)
+
+
 # -- per-process recorder ---------------------------------------------------------------
+
+
+def check_output_dir(out: str) -> None:
+    """Fail at startup, with what to do, rather than on the first request."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".tracekit-probe-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise RuntimeError(
+            f"{ENV_DIR}={out!r}: cannot write per-process logs there ({e.strerror or e}); "
+            f"set {ENV_DIR} to a writable directory, or unset it to serve without recording"
+        ) from None
+    try:
+        flush_s = float(os.environ.get(ENV_FLUSH_S, DEFAULT_FLUSH_S))
+    except ValueError:
+        flush_s = -1.0
+    if not flush_s > 0:
+        raise RuntimeError(
+            f"{ENV_FLUSH_S}={os.environ.get(ENV_FLUSH_S)!r}: expected a positive number of "
+            "seconds (how long recorded rows may stay in memory), e.g. 0.5"
+        )
 
 
 def process_identity(role: str) -> dict[str, Any]:
@@ -575,7 +606,9 @@ __all__ = [
     "FRONT_SEP",
     "ROLES",
     "ServeCoreAdapter",
+    "check_output_dir",
     "client_name",
+    "installed_hooks",
     "process_identity",
     "recorder_for",
     "register",

@@ -135,6 +135,10 @@ def test_offset_and_drift_between_hosts_are_estimated(tmp_path, offset_s, drift)
     err = np.sort(log.client_emissions.t_s) - np.sort(writes + 100.0 - t0_core)
     assert np.abs(err).max() <= fit["uncertainty_s"]
     assert fit["violations"] == 0
+    # both recorders started at true time 0: the pair's offset (start to start) is 0
+    (pair,) = log.meta["clock_pairs"]
+    assert (pair["a"], pair["b"]) == ("engine_core-1", "api_server-2")
+    assert abs(pair["offset_s"]) <= pair["uncertainty_s"] == fit["uncertainty_s"]
 
 
 def test_estimate_offset_recovers_a_line_from_bounds():

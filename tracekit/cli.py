@@ -267,6 +267,12 @@ def merge(directory: str, output: str) -> None:
         )  # fmt: skip
         state = "recovered from parts" if p["recovered"] else "complete"
         click.echo(f"{p['role']:<12} pid {p['pid']:<7} {state:<21} {how}")
+    for c in log.meta["clock_pairs"]:
+        if c["method"] == "through the engine core":
+            click.echo(
+                f"{c['a']} vs {c['b']}: offset {c['offset_s']:+.6f} s, uncertainty "
+                f"{c['uncertainty_s'] * 1e6:.1f} us ({c['method']})"
+            )
     click.echo(
         f"wrote {output}: {len(log.steps)} steps, {len(log.emissions)} engine emissions, "
         f"{len(log.client_emissions)} client chunks, {len(log.request_ids)} requests"

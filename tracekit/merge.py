@@ -35,9 +35,10 @@ Each log says who wrote it in ``config["process"]`` (``role``, ``pid``, ``host``
 The merged run keeps the engine core's tables as they are (steps, segments, emissions at
 the engine boundary, evictions, requests) and adds the client boundary: `client_emissions`
 (each SSE chunk written), `proc_segments` (API server and worker windows and GC pauses, on
-the run's clock), `deliveries` (each step's outputs, built and received), and
+the run's clock), `deliveries` (each step's outputs, built and received),
 ``meta["processes"]`` (per process: identity, file, recovered or not, and the clock
-offset, correction and uncertainty against the engine core).
+offset, correction and uncertainty against the engine core) and ``meta["clock_pairs"]``
+(every pair of processes, the others through the engine core).
 """
 
 from __future__ import annotations
@@ -410,6 +411,7 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
     meta = dict(log.meta)
     meta["process"] = {k: v for k, v in core.identity.items()}
     meta["processes"] = processes
+    meta["clock_pairs"] = clock_pairs(core, others, fits)
     meta["merged_from"] = os.path.abspath(path) if path != "<memory>" else path
     meta["interrupted"] = any(p.recovered for p in procs)
     warnings = list(log.warnings)
@@ -438,6 +440,33 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
         path=path,
         warnings=tuple(warnings),
     )
+
+
+def clock_pairs(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> list:
+    """Every pair of processes: how far the second's clock is from the first's at the
+    run's start (``t_first = t_second + offset_s``, seconds since each recorder started)
+    and the uncertainty. Against the engine core: the fit itself; between two other
+    processes: through the engine core (offsets subtract, uncertainties add)."""
+
+    def name(p: ProcessLog) -> str:
+        return f"{p.role}-{p.identity.get('pid', '?')}"
+
+    out = [
+        {"a": name(core), "b": name(p), "offset_s": f.offset_s + f.correction_s,
+         "drift_ppm": f.drift * 1e6, "uncertainty_s": f.uncertainty_s, "method": f.method}
+        for p, f in zip(others, fits, strict=True)
+    ]  # fmt: skip
+    for i in range(len(others)):
+        for j in range(i + 1, len(others)):
+            fi, fj = fits[i], fits[j]
+            out.append({
+                "a": name(others[i]), "b": name(others[j]),
+                "offset_s": (fj.offset_s + fj.correction_s) - (fi.offset_s + fi.correction_s),
+                "drift_ppm": (fj.drift - fi.drift) * 1e6,
+                "uncertainty_s": fi.uncertainty_s + fj.uncertainty_s,
+                "method": "through the engine core",
+            })  # fmt: skip
+    return out
 
 
 def _ready_times(lg: RawLog, t_sent: np.ndarray) -> np.ndarray:
