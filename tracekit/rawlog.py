@@ -12,7 +12,10 @@ On disk it is one `.npz` per run (`save`/`load`), self-describing:
 - ``labels`` (segment label vocabulary), ``cause_map`` (JSON), ``config`` (JSON),
   ``meta`` (JSON: clock source, tracekit version, warnings recorded at capture),
   ``request_ids`` (strings), ``counter_names``, ``wall_s``, ``wait_reasons`` (the
-  vocabulary of ``waits.reason``, written so a log explains its own codes).
+  vocabulary of ``waits.reason``, written so a log explains its own codes);
+- a run merged from a multi-process server (`tracekit.merge`) also has the optional tables
+  ``proc_segments``, ``client_emissions`` and ``deliveries`` (absent in other logs: loaded
+  as empty).
 
 `load` also reads the *published* layout (the `.npz` files written by the method tracekit
 industrialises, design.md's table) unchanged: `tracekit.published`. A log can never
@@ -267,6 +270,63 @@ class Waits(_Table):
     DTYPES = {"step": np.int64, "request": np.int64, "reason": np.int64}
 
 
+@dataclass(frozen=True)
+class ProcSegments(_Table):
+    """Windows recorded in the other processes of a multi-process server (API server,
+    workers), on the merged clock: kept apart from `segments` because they are not the
+    engine step's work (`tracekit.frontend` partitions client-boundary gaps with them).
+    `process` indexes ``meta["processes"]``; `label` indexes `RawLog.labels` (``gc``: a
+    garbage-collector pause of that process)."""
+
+    process: np.ndarray
+    label: np.ndarray
+    t_start_s: np.ndarray
+    t_end_s: np.ndarray
+    DTYPES = {
+        "process": np.int64,
+        "label": np.int64,
+        "t_start_s": np.float64,
+        "t_end_s": np.float64,
+    }
+
+
+@dataclass(frozen=True)
+class ClientEmissions(_Table):
+    """Emissions at the client boundary: one row per streamed chunk a server wrote
+    (`t_s`, when the write returned), with the tokens it carried and when the chunk was
+    ready to write (`t_ready_s`); `process` indexes ``meta["processes"]``."""
+
+    request: np.ndarray
+    t_s: np.ndarray
+    t_ready_s: np.ndarray
+    num_tokens: np.ndarray
+    process: np.ndarray
+    DTYPES = {
+        "request": np.int64,
+        "t_s": np.float64,
+        "t_ready_s": np.float64,
+        "num_tokens": np.int64,
+        "process": np.int64,
+    }
+
+
+@dataclass(frozen=True)
+class Deliveries(_Table):
+    """One row per engine step's outputs that reached a frontend process: built at
+    `t_out_s` in the engine (its step `step`), received at `t_recv_s` (merged clock)."""
+
+    step: np.ndarray
+    t_out_s: np.ndarray
+    t_recv_s: np.ndarray
+    process: np.ndarray
+    DTYPES = {
+        "step": np.int64,
+        "t_out_s": np.float64,
+        "t_recv_s": np.float64,
+        "process": np.int64,
+    }
+
+
 TABLES: dict[str, type[_Table]] = {
     "steps": Steps,
     "segments": Segments,
@@ -278,9 +338,15 @@ TABLES: dict[str, type[_Table]] = {
     "admissions": Admissions,
     "prefill_chunks": PrefillChunks,
     "waits": Waits,
+    "proc_segments": ProcSegments,
+    "client_emissions": ClientEmissions,
+    "deliveries": Deliveries,
 }
-#: Tables a log may lack as a whole (version 1 logs, the published layout): empty on load.
-OPTIONAL_TABLES = frozenset({"counters", "admissions", "prefill_chunks", "waits"})
+#: The tables of a merged multi-process server run (`tracekit.merge`).
+SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries"})
+#: Tables a log may lack as a whole (version 1 logs, the published layout, logs of one
+#: process): empty on load.
+OPTIONAL_TABLES = frozenset({"counters", "admissions", "prefill_chunks", "waits"}) | SERVER_TABLES
 
 
 @dataclass(frozen=True)
@@ -297,6 +363,9 @@ class RawLog:
     admissions: Admissions = field(default_factory=Admissions.empty)
     prefill_chunks: PrefillChunks = field(default_factory=PrefillChunks.empty)
     waits: Waits = field(default_factory=Waits.empty)
+    proc_segments: ProcSegments = field(default_factory=ProcSegments.empty)
+    client_emissions: ClientEmissions = field(default_factory=ClientEmissions.empty)
+    deliveries: Deliveries = field(default_factory=Deliveries.empty)
     labels: tuple[str, ...] = ()
     request_ids: tuple[str, ...] = ()
     counter_names: tuple[str, ...] = ()
@@ -342,6 +411,8 @@ class RawLog:
             "wait_reasons": np.array(WAIT_REASONS, dtype=str),
         }
         for tname in TABLES:
+            if tname in SERVER_TABLES and not len(getattr(self, tname)):
+                continue  # only a merged server run has them: other logs stay as they were
             for cname, col in getattr(self, tname).columns().items():
                 arrays[f"{tname}.{cname}"] = col
         for k, v in self.extras.items():

@@ -166,6 +166,19 @@ def validate_log(log: RawLog) -> RawLog:
     _index(log, "emissions", "device_step", n_steps, allow_minus_one=True)
     _index(log, "evictions", "request", n_req)
     _index(log, "counters", "name", len(log.counter_names))
+    # a merged server run's tables (tracekit.merge); empty in every other log
+    for table, cols in (
+        ("proc_segments", ("t_start_s", "t_end_s")),
+        ("client_emissions", ("t_s", "t_ready_s")),
+        ("deliveries", ("t_out_s", "t_recv_s")),
+    ):
+        for c in cols:
+            _finite_times(log, table, c)
+    _ordered(log, "proc_segments", "t_start_s", "t_end_s")
+    _index(log, "proc_segments", "label", len(log.labels))
+    _index(log, "client_emissions", "request", n_req)
+    _index(log, "deliveries", "step", n_steps, allow_minus_one=True)
+    _in_range(log, "client_emissions", "num_tokens", lo=1)
     if log.request_ids and len(log.request_ids) != n_req:
         raise LogError(
             log.path,

@@ -726,6 +726,10 @@ def render_report(
         f"<h2>TTFT</h2>{chart('tk-ttft', ttft_figure(analyses, names))}"
     )
     sections.append(ttft_section(analyses, names, comparison, chart))
+    from .serve import client_html, spec_html
+
+    sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
+    sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))
     worst = "".join(
         worst_gaps_html(n, r.worst_gaps, open_=(k == 0))
         for k, (r, n) in enumerate(zip(runs, names, strict=True))

@@ -144,6 +144,10 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
     parts = [summary(runs), "", shares(runs, "tail_share")]
     if len(runs) == 1:
         parts += ["", histogram(runs[0]), "", run_details(runs[0])]
+    from .serve import client_text, spec_text
+
+    parts += [f"\n{run_name(a)}: {spec_text(a)}" for a in runs if a.spec and not a.client]
+    parts += [f"\n{run_name(a)}: {client_text(a.client)}" for a in runs if a.client]
     return "\n".join(parts)
 
 

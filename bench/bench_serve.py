@@ -1,0 +1,152 @@
+"""Tokens/s of `vllm serve` with and without tracekit's plugin, interleaved.
+
+    python bench/bench_serve.py                    # tiny random Llama, 8 rounds per side
+    python bench/bench_serve.py --rounds 12 --requests 32 --max-tokens 64
+
+Two servers of the same model run side by side for the whole benchmark, started the same
+way; one has ``TRACEKIT_VLLM_DIR`` set (the plugin records its three processes), the other
+not (the plugin loads and stays inert). Rounds alternate between them in ABBA order (a
+slow drift of the machine hits both alike); a round streams ``--requests`` completions of
+``--max-tokens`` tokens at once to one server with an httpx client and times from the
+first request to the last chunk. Printed: tokens/s per round, then per ABBA pair the ratio
+with / without, and their median with the spread (min..max) over pairs: the plugin's cost
+is ``1 - ratio``. On a machine shared with other work the spread is the honest figure.
+Needs the `adapters` extra and the editable install (docs/adapters.md).
+
+    python bench/bench_serve.py --frontend-only    # no server: the API server's cost per
+                                                   # streamed chunk, plain vs recorded
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _abba(rounds: int) -> list[bool]:
+    """with-plugin flags in ABBA order: F T T F F T T F ..."""
+    return [(i % 4) in (1, 2) for i in range(rounds * 2)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a HF causal-LM folder (default: build the tiny Llama)")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds per side")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--frontend-only", action="store_true",
+                    help="no server: the API server's cost per streamed chunk")  # fmt: skip
+    args = ap.parse_args()
+    if args.frontend_only:
+        frontend_chunk_cost()
+        return 0
+
+    from engine_adapters import serve_harness as sh
+
+    work = tempfile.mkdtemp(prefix="bench-serve-")
+    model = args.model
+    if model is None:
+        from engine_adapters.tiny_model import build_tiny_llama
+
+        model = build_tiny_llama(os.path.join(work, "model"))
+    print(f"starting two servers (logs in {work}); a minute or more each on a CPU")
+    servers = {
+        False: sh.start_server(model, record_dir=None, log_path=os.path.join(work, "off.log")),
+        True: sh.start_server(
+            model, record_dir=os.path.join(work, "rec"), log_path=os.path.join(work, "on.log"),
+            flush_s=0.5,
+        ),
+    }  # fmt: skip
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for flag in (False, True):  # warm-up round each (first-request costs)
+            bodies = [sh.completion_body(model, f"warm {i}", 8) for i in range(2)]
+            sh.stream_load(servers[flag], bodies)
+        for i, flag in enumerate(_abba(args.rounds)):
+            bodies = [
+                sh.completion_body(
+                    model, f"round {i} request {k}: the quick brown fox", args.max_tokens
+                )  # fmt: skip
+                for k in range(args.requests)
+            ]
+            t0 = time.perf_counter()
+            streams = sh.stream_load(servers[flag], bodies)
+            dt = time.perf_counter() - t0
+            assert all(s.status == 200 for s in streams)
+            tok = args.requests * args.max_tokens
+            rates[flag].append(tok / dt)
+            print(f"round {i:2d} {'with   ' if flag else 'without'} {tok / dt:8.1f} tok/s")
+    finally:
+        for s in servers.values():
+            s.stop(signal.SIGTERM)
+    # pairs in ABBA order: round k of each side ran next to each other
+    ratios = [w / o for w, o in zip(rates[True], rates[False], strict=True)]
+    med = statistics.median(ratios)
+    print(f"\nwithout: median {statistics.median(rates[False]):.1f} tok/s, "
+          f"with: median {statistics.median(rates[True]):.1f} tok/s")  # fmt: skip
+    print(f"with / without per pair: {', '.join(f'{r:.3f}' for r in ratios)}")
+    print(
+        f"ratio median {med:.3f} (spread {min(ratios):.3f}..{max(ratios):.3f} over "
+        f"{len(ratios)} pairs); plugin cost {100 * (1 - med):+.1f}% (goal: within 2%); "
+        f"ratio of the sides' medians "
+        f"{statistics.median(rates[True]) / statistics.median(rates[False]):.3f}"
+    )
+    return 0
+
+
+def frontend_chunk_cost(n: int = 20000, repeats: int = 5) -> None:
+    """The API server's cost per streamed chunk, without a server: vLLM's completion
+    stream generator shape (one output per RequestOutput, one SSE string per chunk) run
+    plain and through the plugin's wrapper, interleaved; prints microseconds per chunk."""
+    import asyncio
+    import types
+
+    os.environ.setdefault("TRACEKIT_VLLM_DIR", tempfile.mkdtemp(prefix="bench-serve-"))
+    from engine_adapters import vllm_serve as vs
+
+    chunk = 'data: {"id":"cmpl-a","object":"text_completion","choices":[{"index":0,"text":"x"}]}'
+
+    async def results(k):
+        for i in range(k):
+            out = types.SimpleNamespace(index=0, token_ids=[i], text="x")
+            yield 0, types.SimpleNamespace(request_id="cmpl-a-0", outputs=[out])
+
+    async def stream(self, request, engine_inputs, result_generator, *a, **kw):
+        async for _ in result_generator:
+            yield chunk + "\n\n"
+
+    async def drive(gen_fn) -> float:
+        rec = vs.recorder_for("api_server")
+        vs._front.key["cmpl-a-0"] = "cmpl-a-0" + vs.FRONT_SEP + "cmpl-a-0-x"
+        t = time.perf_counter()
+        async for _ in gen_fn(None, types.SimpleNamespace(n=1), None, results(n)):
+            writes = vs._writes.get()
+            if writes is not None:  # what the server's send hook does per write
+                writes.append(rec.now())
+        return (time.perf_counter() - t) / n * 1e6
+
+    async def run() -> None:
+        wrapped = vs._wrap_stream(stream)
+        costs = []
+        for _ in range(repeats):
+            plain, recorded = await drive(stream), await drive(wrapped)
+            costs.append(recorded - plain)
+            print(f"per chunk: plain {plain:.2f} us, recorded {recorded:.2f} us")
+        print(
+            f"plugin cost per chunk: median {statistics.median(costs):.2f} us "
+            f"(spread {min(costs):.2f}..{max(costs):.2f})"
+        )
+        vs.recorder_for("api_server").stop()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,615 @@
+"""Record every process of `vllm serve` (a vLLM general plugin; no code change to serve).
+
+    pip install -e '.[adapters]'                 # declares the entry point below
+    TRACEKIT_VLLM_DIR=runs/serve1 python -m vllm.entrypoints.openai.api_server --model M ...
+    ...                                          # stream requests, stop the server
+    tracekit merge runs/serve1 -o runs/serve1.npz
+
+vLLM loads every entry point of the group ``vllm.general_plugins`` in each of its
+processes (the API server while it parses its arguments, the engine core at the top of
+``EngineCore.__init__``, each worker in ``WorkerWrapperBase.init_worker``). tracekit's
+entry point, `register`, does nothing unless the environment variable ``TRACEKIT_VLLM_DIR``
+names an output directory. Then it installs class-level wrappers that start a
+`tracekit.Recorder` in the process where they first fire, writing
+``DIR/ROLE-PID.npz`` (crash-safe parts in ``DIR/ROLE-PID.npz.parts/`` meanwhile):
+
+- **engine core** (``EngineCoreProc.run_busy_loop``): what the in-process adapter
+  (`engine_adapters.vllm_v1`) records, on the engine core: steps, ``schedule``, the forward
+  window as the engine core waits for it (``execute_model`` to ``sample_tokens``: the RPC
+  to the worker and its forward pass, split into ``prefill`` / ``decode`` by token mix),
+  ``sample``, ``update``, preemptions as evictions, emissions at the core boundary
+  (requests named by vLLM's internal id), and two paired stamps for the merge: counter
+  ``serve.added`` (value: request index) when a request reaches the scheduler and
+  ``serve.out`` (value: ``EngineCoreOutputs.timestamp``) when a step's outputs are built.
+- **worker** (``WorkerProc.worker_busy_loop``): the model runner's windows, outside any
+  step: ``prepare`` (``execute_model`` up to the forward), ``forward`` (``_model_forward``
+  to the end of ``execute_model``), ``sample`` (``sample_tokens``) and, with speculative
+  decoding, ``draft`` (``propose_draft_token_ids``, the proposer).
+- **API server** (``AsyncLLM`` and the ``/v1/completions`` stream), started at its first
+  request: arrival at HTTP (requests named ``CLIENT_ID<US>ENGINE_ID``, see `FRONT_SEP`;
+  CLIENT_ID is vLLM's external id, ``cmpl-...-PROMPT``, with ``#INDEX`` for the siblings of
+  ``n > 1``), ``tokenize`` (``BaseRenderer.tokenize_prompts_async``: a window that awaits
+  vLLM's tokenizer thread, so not event-loop time), ``input``
+  (``InputProcessor.process_inputs``), counter ``serve.sent`` (value:
+  request index) when the request leaves for the engine core, counter ``serve.recv``
+  (value: the outputs' ``EngineCoreOutputs.timestamp``) when a step's outputs arrive,
+  ``output`` (``OutputProcessor.process_outputs``: output processing and
+  detokenisation), and per SSE chunk written: ``sse_write`` (from the chunk being ready to
+  uvicorn's transport write returning) and one emission at the client boundary, at that
+  write, with the chunk's tokens.
+
+Each process flushes at least every ``TRACEKIT_VLLM_FLUSH_S`` seconds (default 0.5), also
+while idle (a background thread), so what was recorded reaches disk within that interval.
+The API server stops its recorder at exit (SIGTERM / SIGINT of the server end in a normal
+exit there). With vLLM's default ``--shutdown-timeout 0`` the engine core
+and workers are SIGKILLed, so no exit hook runs there: their parts stay on disk and
+``tracekit merge`` recovers them (without removing them). Only the OpenAI
+``/v1/completions`` stream is recorded at the client boundary; a server started with
+tracekit refuses nothing, and ``/v1/chat/completions`` streams still record everything
+up to the API server's output processing.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import re
+import socket
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ._common import Patches, add_forward, seconds_per_tick
+from .vllm_v1 import VllmV1Adapter
+
+ENV_DIR = "TRACEKIT_VLLM_DIR"
+ENV_FLUSH_S = "TRACEKIT_VLLM_FLUSH_S"
+DEFAULT_FLUSH_S = 0.5
+#: Separates the client id from the engine id in the API server's request names.
+FRONT_SEP = "\x1f"
+#: Counter names of the paired stamps (see the module docstring).
+SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"
+ROLES = ("api_server", "engine_core", "worker")
+
+_lock = threading.Lock()
+_registered = [False]
+_class_patches = Patches()
+_rec: dict[str, Any] = {}  # role -> the process's Recorder
+_arrival: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "tracekit_arrival_tick", default=None
+)
+_INDEX = re.compile(r'"index":\s*(\d+)')
+#: Set by the SSE generator of a request; the server's ``send`` appends the tick each body
+#: write returned at (the same task runs both).
+_writes: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "tracekit_sse_writes", default=None
+)
+
+
+def register() -> None:
+    """vLLM's plugin entry point: installs the hooks when ``TRACEKIT_VLLM_DIR`` is set."""
+    out = os.environ.get(ENV_DIR)
+    if not out:
+        return
+    with _lock:
+        if _registered[0]:
+            return
+        check_output_dir(out)
+        _registered[0] = True
+    _install_core_hooks()
+    _install_worker_hooks()
+    _install_frontend_hooks()
+
+
+def installed_hooks() -> int:
+    """How many class-level wrappers the plugin installed in this process (0: inert)."""
+    return len(_class_patches)
+
+
+# -- per-process recorder ---------------------------------------------------------------
+
+
+def check_output_dir(out: str) -> None:
+    """Fail at startup, with what to do, rather than on the first request."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".tracekit-probe-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise RuntimeError(
+            f"{ENV_DIR}={out!r}: cannot write per-process logs there ({e.strerror or e}); "
+            f"set {ENV_DIR} to a writable directory, or unset it to serve without recording"
+        ) from None
+    try:
+        flush_s = float(os.environ.get(ENV_FLUSH_S, DEFAULT_FLUSH_S))
+    except ValueError:
+        flush_s = -1.0
+    if not flush_s > 0:
+        raise RuntimeError(
+            f"{ENV_FLUSH_S}={os.environ.get(ENV_FLUSH_S)!r}: expected a positive number of "
+            "seconds (how long recorded rows may stay in memory), e.g. 0.5"
+        )
+
+
+def process_identity(role: str) -> dict[str, Any]:
+    """Who recorded a log: role, pid, host, process name, and what the merge needs to
+    decide whether two processes share a clock (boot id, the clock behind perf_counter)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot_id = fh.read().strip()
+    except OSError:
+        boot_id = ""
+    import multiprocessing
+
+    return {
+        "role": role,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "name": multiprocessing.current_process().name,
+        "boot_id": boot_id,
+        "clock": time.get_clock_info("perf_counter").implementation,
+    }
+
+
+def recorder_for(role: str) -> Any:
+    """This process's recorder (started on first use), writing ``DIR/ROLE-PID.npz``."""
+    rec = _rec.get(role)
+    if rec is not None:
+        return rec
+    with _lock:
+        rec = _rec.get(role)
+        if rec is None:
+            import tracekit
+
+            out_dir = os.environ[ENV_DIR]
+            os.makedirs(out_dir, exist_ok=True)
+            try:
+                import vllm
+
+                version = str(getattr(vllm, "__version__", "?"))
+            except ImportError:  # pragma: no cover - the plugin runs inside vLLM
+                version = "?"
+            flush_s = float(os.environ.get(ENV_FLUSH_S, DEFAULT_FLUSH_S))
+            rec = tracekit.Recorder(
+                os.path.join(out_dir, f"{role}-{os.getpid()}.npz"),
+                config={"engine": "vllm", "vllm": version, "process": process_identity(role)},
+                flush_interval_s=flush_s,
+                handle_signals=False,  # vLLM's own handlers decide how each process ends
+            )
+            rec.start()
+            _rec[role] = rec
+            threading.Thread(
+                target=_idle_flusher, args=(rec, flush_s), name="tracekit-idle-flush", daemon=True
+            ).start()
+    return rec
+
+
+def _idle_flusher(rec: Any, interval_s: float) -> None:
+    """Flush what an idle process recorded: an engine core waiting for work (or killed
+    later) otherwise keeps its last rows in memory until its next step."""
+    while rec.running:
+        time.sleep(interval_s)
+        flush_if_idle(rec)
+
+
+def flush_if_idle(rec: Any) -> None:
+    """Let rows recorded before the process idles reach disk within the flush interval
+    (a no-op until the interval has passed since the last flush)."""
+    fn = getattr(rec, "_flush_if_idle", None)
+    if fn is not None and rec.running:
+        fn(rec.now())
+
+
+# -- engine core ------------------------------------------------------------------------
+
+
+class ServeCoreAdapter(VllmV1Adapter):
+    """The in-process adapter, on the engine core of a multiprocess server: the model runs
+    in worker processes behind the multiproc executor, so the forward window is what the
+    engine core waits for (``execute_model`` to ``sample_tokens``)."""
+
+    def __init__(self, rec: Any, core: Any) -> None:
+        super().__init__(rec, core)
+        self._exec_t0: int | None = None
+
+    def install(self) -> ServeCoreAdapter:
+        if self._installed:
+            return self
+        core = self.engine
+        if getattr(core, "batch_queue", None) is not None:
+            raise ValueError(
+                "tracekit records the synchronous engine step only: this engine core uses a "
+                "batch queue (async scheduling or pipeline parallelism)"
+            )
+        cfg = core.vllm_config
+        mode = getattr(getattr(cfg, "compilation_config", None), "cudagraph_mode", None)
+        self._eager = bool(getattr(cfg.model_config, "enforce_eager", False)) or (
+            getattr(mode, "name", None) == "NONE"
+        )
+        p, executor, sched = self._patches, core.model_executor, core.scheduler
+        try:
+            p.wrap(core, "step_fn", self._wrap_step(sched))
+            p.wrap(sched, "add_request", self._wrap_add_request)
+            p.wrap(sched, "schedule", self._wrap_schedule(sched))
+            p.wrap(sched, "_preempt_request", self._wrap_preempt)
+            p.wrap(sched, "update_from_output", self._wrap_update)
+            p.wrap(executor, "execute_model", self._wrap_execute)
+            p.wrap(executor, "sample_tokens", self._wrap_sample)
+            if getattr(cfg, "speculative_config", None) is not None:
+                # after each step: fetch the proposer's draft tokens from the worker
+                p.wrap(core, "post_step", self._wrap_timed("draft_ids", in_step_only=False))
+        except BaseException:
+            p.restore()
+            raise
+        self._installed = True
+        return self
+
+    def _close_forward(self, t1: int) -> None:
+        t0, self._exec_t0 = self._exec_t0, None
+        if t0 is not None:
+            label = "verify" if self._spec else "decode"
+            add_forward(self.rec, t0, t1, self._num_prefill_tokens, self._num_decode, label)
+
+    def _wrap_execute(self, execute: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+
+        def execute_instrumented(*args: Any, **kwargs: Any) -> Any:
+            if self._in_step:
+                self._exec_t0 = rec.now()
+            return execute(*args, **kwargs)
+
+        return execute_instrumented
+
+    def _wrap_sample(self, sample: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+
+        def sample_instrumented(*args: Any, **kwargs: Any) -> Any:
+            if not self._in_step:
+                return sample(*args, **kwargs)
+            t0 = rec.now()
+            self._close_forward(t0)
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                rec.add_segment("sample", t0, rec.now())
+
+        return sample_instrumented
+
+    def _wrap_add_request(self, add_request: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+        spt = seconds_per_tick(rec)
+
+        def add_request_instrumented(request: Any, *args: Any, **kwargs: Any) -> Any:
+            now_tick, now_unix_s = rec.now(), time.time()
+            arrival = getattr(request, "arrival_time", None)
+            tick = now_tick if arrival is None else now_tick - round((now_unix_s - arrival) / spt)
+            out = add_request(request, *args, **kwargs)
+            max_tokens = getattr(request, "max_tokens", None)
+            idx = rec.request(
+                request.request_id,
+                prompt_tokens=int(getattr(request, "num_prompt_tokens", -1)),
+                max_new_tokens=-1 if max_tokens is None else int(max_tokens),
+                arrival_tick=tick,
+            )
+            rec.counter(ADDED, float(idx))
+            return out
+
+        return add_request_instrumented
+
+    def _wrap_update(self, update: Callable[..., Any]) -> Callable[..., Any]:
+        rec = self.rec
+        inner = super()._wrap_update(update)
+
+        def update_instrumented(scheduler_output: Any, model_runner_output: Any) -> Any:
+            if self._exec_t0 is not None:  # no separate sample_tokens call this step
+                self._close_forward(rec.now())
+            out = inner(scheduler_output, model_runner_output)
+            for eco in out.values() if isinstance(out, dict) else ():
+                if getattr(eco, "outputs", None):
+                    rec.counter(OUT, float(eco.timestamp))
+            return out
+
+        return update_instrumented
+
+
+def _install_core_hooks() -> None:
+    from vllm.v1.engine.core import EngineCoreProc
+
+    def make(run_busy_loop: Callable[..., Any]) -> Callable[..., Any]:
+        def run_busy_loop_recorded(self: Any) -> Any:
+            rec = recorder_for("engine_core")
+            adapter = ServeCoreAdapter(rec, self).install()
+            try:
+                return run_busy_loop(self)
+            finally:  # a clean shutdown (--shutdown-timeout > 0); a SIGKILL leaves parts
+                adapter.uninstall()
+                rec.stop()
+
+        return run_busy_loop_recorded
+
+    _class_patches.wrap(EngineCoreProc, "run_busy_loop", make)
+
+
+# -- worker -----------------------------------------------------------------------------
+
+
+def _install_worker_hooks() -> None:
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    def make(busy_loop: Callable[..., Any]) -> Callable[..., Any]:
+        def worker_busy_loop_recorded(self: Any) -> Any:
+            rec = recorder_for("worker")
+            runner = getattr(getattr(self.worker, "worker", None), "model_runner", None)
+            patches = Patches()
+            if runner is not None:
+                _instrument_runner(rec, runner, patches)
+            try:
+                return busy_loop(self)
+            finally:
+                patches.restore()
+                rec.stop()
+
+        return worker_busy_loop_recorded
+
+    _class_patches.wrap(WorkerProc, "worker_busy_loop", make)
+
+
+def _instrument_runner(rec: Any, runner: Any, p: Patches) -> None:
+    fwd_t0: list[int | None] = [None]
+
+    def wrap_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
+        def execute_model(*args: Any, **kwargs: Any) -> Any:
+            fwd_t0[0] = None
+            t0 = rec.now()
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                t1 = rec.now()
+                tf = fwd_t0[0] if fwd_t0[0] is not None else t0
+                if tf > t0:
+                    rec.add_segment("prepare", t0, tf)
+                rec.add_segment("forward", tf, t1)
+
+        return execute_model
+
+    def wrap_model_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def model_forward(*args: Any, **kwargs: Any) -> Any:
+            if fwd_t0[0] is None:
+                fwd_t0[0] = rec.now()
+            return forward(*args, **kwargs)
+
+        return model_forward
+
+    def wrap_sample(sample: Callable[..., Any]) -> Callable[..., Any]:
+        seg = rec.segment("sample")
+
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            with seg:
+                return sample(*args, **kwargs)
+
+        return sample_tokens
+
+    def wrap_draft(propose: Callable[..., Any]) -> Callable[..., Any]:
+        seg = rec.segment("draft")
+
+        def propose_draft_token_ids(*args: Any, **kwargs: Any) -> Any:
+            with seg:
+                return propose(*args, **kwargs)
+
+        return propose_draft_token_ids
+
+    p.wrap(runner, "execute_model", wrap_execute)
+    if hasattr(runner, "_model_forward"):
+        p.wrap(runner, "_model_forward", wrap_model_forward)
+    if hasattr(runner, "sample_tokens"):
+        p.wrap(runner, "sample_tokens", wrap_sample)
+    if hasattr(runner, "propose_draft_token_ids"):
+        p.wrap(runner, "propose_draft_token_ids", wrap_draft)
+
+
+# -- API server -------------------------------------------------------------------------
+
+
+class _Frontend:
+    """The API server's bookkeeping between hooks (all on its event loop thread)."""
+
+    def __init__(self) -> None:
+        self.key: dict[str, str] = {}  # client name -> recorder request name
+        self.index: dict[str, int] = {}  # engine (internal) id -> recorder request index
+
+
+_front = _Frontend()
+
+
+def client_name(external_id: str, parent: Any, index: int) -> str:
+    """A request's name at the client boundary: vLLM's external id, ``#INDEX`` for the
+    siblings of parallel sampling (as the in-process adapter names them)."""
+    return external_id if parent is None else f"{external_id}#{index}"
+
+
+def _install_frontend_hooks() -> None:
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.v1.engine.core_client import AsyncMPClient
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    p = _class_patches
+
+    def wrap_create(create: Callable[..., Any]) -> Callable[..., Any]:
+        async def create_completion(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _arrival.set(recorder_for("api_server").now())
+            return await create(self, *args, **kwargs)
+
+        return create_completion
+
+    def wrap_add(add: Callable[..., Any]) -> Callable[..., Any]:
+        def add_request(self: Any, request: Any, prompt: Any, parent_req: Any = None,
+                        request_index: int = 0, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+            out = add(self, request, prompt, parent_req, request_index, *args, **kwargs)
+            rec = recorder_for("api_server")
+            external = getattr(request, "external_req_id", None) or request.request_id
+            name = client_name(external, parent_req, request_index)
+            key = f"{name}{FRONT_SEP}{request.request_id}"
+            params = getattr(request, "sampling_params", None)
+            max_tokens = getattr(params, "max_tokens", None)
+            prompt_ids = getattr(request, "prompt_token_ids", None)
+            _front.key[name] = key
+            _front.index[request.request_id] = rec.request(
+                key,
+                prompt_tokens=-1 if prompt_ids is None else len(prompt_ids),
+                max_new_tokens=-1 if max_tokens is None else int(max_tokens),
+                arrival_tick=_arrival.get() or rec.now(),
+            )
+            return out
+
+        return add_request
+
+    def wrap_send(send: Callable[..., Any]) -> Callable[..., Any]:
+        async def add_request_async(self: Any, request: Any) -> Any:
+            idx = _front.index.pop(request.request_id, None)
+            if idx is not None:
+                recorder_for("api_server").counter(SENT, float(idx))
+            return await send(self, request)
+
+        return add_request_async
+
+    def wrap_get(get: Callable[..., Any]) -> Callable[..., Any]:
+        async def get_output_async(self: Any) -> Any:
+            outputs = await get(self)
+            if outputs.outputs:
+                recorder_for("api_server").counter(RECV, float(outputs.timestamp))
+            return outputs
+
+        return get_output_async
+
+    def wrap_timed(label: str) -> Callable[..., Callable[..., Any]]:
+        def make(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                with recorder_for("api_server").segment(label):
+                    return fn(*args, **kwargs)
+
+            return timed
+
+        return make
+
+    p.wrap(OpenAIServingCompletion, "create_completion", wrap_create)
+    p.wrap(OpenAIServingCompletion, "completion_stream_generator", _wrap_stream)
+    p.wrap(OutputProcessor, "add_request", wrap_add)
+    p.wrap(OutputProcessor, "process_outputs", wrap_timed("output"))
+    p.wrap(InputProcessor, "process_inputs", wrap_timed("input"))
+    p.wrap(AsyncMPClient, "add_request_async", wrap_send)
+    p.wrap(AsyncMPClient, "get_output_async", wrap_get)
+    try:
+        from vllm.renderers.base import BaseRenderer
+    except ImportError:  # another vLLM layout: tokenisation is then not recorded
+        BaseRenderer = None  # noqa: N806
+    if BaseRenderer is not None and hasattr(BaseRenderer, "tokenize_prompts_async"):
+
+        def wrap_tokenize(tokenize: Callable[..., Any]) -> Callable[..., Any]:
+            async def tokenize_prompts_async(*args: Any, **kwargs: Any) -> Any:
+                rec = recorder_for("api_server")
+                t0 = rec.now()
+                try:
+                    return await tokenize(*args, **kwargs)
+                finally:
+                    rec.add_segment("tokenize", t0, rec.now())
+
+            return tokenize_prompts_async
+
+        p.wrap(BaseRenderer, "tokenize_prompts_async", wrap_tokenize)
+    _install_write_hooks(p)
+
+
+def _install_write_hooks(p: Patches) -> None:
+    """Stamp each response body write where it happens: in uvicorn's ``send``, right after
+    the transport write (a chunk's generator is resumed only after ASGI middleware and
+    other tasks ran, which can be milliseconds later)."""
+
+    def wrap_send(send: Callable[..., Any]) -> Callable[..., Any]:
+        async def send_stamped(self: Any, message: Any) -> Any:
+            out = await send(self, message)
+            writes = _writes.get()
+            if writes is not None and message.get("type") == "http.response.body":
+                writes.append(recorder_for("api_server").now())
+            return out
+
+        return send_stamped
+
+    for mod in ("uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl"):
+        try:
+            cycle = __import__(mod, fromlist=["RequestResponseCycle"]).RequestResponseCycle
+        except ImportError:  # that HTTP implementation is not installed
+            continue
+        p.wrap(cycle, "send", wrap_send)
+
+
+def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``/v1/completions`` SSE generator: each chunk it yields is written to the client
+    before the generator is resumed, so ``[yield, resume]`` is the chunk's write."""
+
+    async def completion_stream_generator(self: Any, request: Any, engine_inputs: Any,
+                                          result_generator: Any, *args: Any,
+                                          **kwargs: Any) -> Any:  # fmt: skip
+        rec = recorder_for("api_server")
+        n = 1 if getattr(request, "n", None) is None else int(request.n)
+        pending: dict[int, deque[tuple[str, int]]] = defaultdict(deque)
+        seen: dict[int, int] = defaultdict(int)
+
+        async def observed() -> AsyncIterator[Any]:
+            # mirror of the generator's own rule: an output with no text and no tokens
+            # before the choice's first token makes no chunk
+            async for prompt_idx, res in result_generator:
+                for output in res.outputs:
+                    i = output.index + prompt_idx * n
+                    k = len(output.token_ids)
+                    if not output.text and not k and not seen[i]:
+                        continue
+                    seen[i] += k
+                    name = res.request_id if n == 1 else f"{res.request_id}#{output.index}"
+                    pending[i].append((name, k))
+                yield prompt_idx, res
+
+        gen = stream(self, request, engine_inputs, observed(), *args, **kwargs)
+        writes: list[int] = []
+        _writes.set(writes)
+        try:
+            async for chunk in gen:
+                t_ready = rec.now()
+                m = _INDEX.search(chunk) if '"choices":[{' in chunk else None
+                writes.clear()
+                yield chunk  # the server writes it before asking for the next one
+                if m is None:
+                    continue
+                t_sent = writes[-1] if writes else rec.now()
+                queue = pending.get(int(m.group(1)))
+                if not queue:
+                    continue
+                name, k = queue.popleft()
+                key = _front.key.get(name)
+                if key is None:
+                    continue
+                rec.add_segment("sse_write", t_ready, t_sent)
+                rec.emit((key,), (k,), at_tick=t_sent)
+        finally:
+            await gen.aclose()
+
+    return completion_stream_generator
+
+
+__all__ = [
+    "ENV_DIR",
+    "ENV_FLUSH_S",
+    "FRONT_SEP",
+    "ROLES",
+    "ServeCoreAdapter",
+    "check_output_dir",
+    "client_name",
+    "installed_hooks",
+    "process_identity",
+    "recorder_for",
+    "register",
+]

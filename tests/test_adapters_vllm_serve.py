@@ -1,0 +1,253 @@
+"""`vllm serve` recorded by tracekit's plugin, against what a real streaming client saw.
+
+One server (vLLM's OpenAI API server, default multiprocess mode: API server, engine core,
+worker) of the tiny local model, 4 KV blocks of 32 tokens so the scheduler preempts, ngram
+speculative decoding so that steps emit and chunks carry 1-4 tokens, recorded into a
+directory with TRACEKIT_VLLM_DIR. An httpx client streams 6 completions
+at once (one with n=3) and stamps every SSE chunk's arrival with time.perf_counter_ns,
+the clock every recorder reads (CLOCK_MONOTONIC, one per host). The server is stopped with
+SIGTERM; with vLLM's default --shutdown-timeout 0 the engine core and the worker are then
+SIGKILLed, so their logs are the parts they flushed, which the merge recovers.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.adapters, pytest.mark.slow]
+
+MAX_TOKENS = 40
+N_SIBLINGS = 3
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    pytest.importorskip("vllm")
+    pytest.importorskip("httpx")
+    from importlib.metadata import entry_points
+
+    if not any(e.value.startswith("engine_adapters.vllm_serve") for e in
+               entry_points(group="vllm.general_plugins")):  # fmt: skip
+        pytest.skip("tracekit's vLLM plugin entry point is not installed: pip install -e .")
+    from engine_adapters import serve_harness as sh
+    from engine_adapters.tiny_model import build_tiny_llama
+
+    base = tmp_path_factory.mktemp("serve")
+    model = build_tiny_llama(str(base / "model"))
+    rec_dir = str(base / "rec")
+    server = sh.start_server(model, record_dir=rec_dir, log_path=str(base / "server.log"),
+                             extra_args=[*sh.PREEMPTING_ARGS, *sh.NGRAM_ARGS])  # fmt: skip
+    try:
+        bodies = [
+            sh.completion_body(
+                model, f"the quick brown fox {i} jumps over the lazy dog", MAX_TOKENS
+            )
+            for i in range(5)
+        ]
+        bodies.append(
+            sh.completion_body(
+                model, "a b c", MAX_TOKENS // 2, n=N_SIBLINGS, temperature=0.8, seed=1
+            )  # fmt: skip
+        )
+        streams = sh.stream_load(server, bodies)
+        preemptions = sh.metric(server, "vllm:num_preemptions_total")
+        spec = {k: sh.metric(server, f"vllm:spec_decode_num_{k}_tokens_total")
+                for k in ("draft", "accepted")}  # fmt: skip
+        import time
+
+        time.sleep(1.0)  # > the flush interval (0.2 s): everything recorded reaches disk
+    finally:
+        rc = server.stop(signal.SIGTERM)
+    return {"dir": rec_dir, "streams": streams, "preemptions": preemptions, "rc": rc, "spec": spec,
+            "bodies": bodies, "server_log": server.log_path}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def merged(served):
+    from tracekit.merge import merge_dir
+
+    return merge_dir(served["dir"])
+
+
+def _client_chunks(served):
+    """name -> arrival times (s, perf_counter) of its chunks, as the client saw them."""
+    out = collections.defaultdict(list)
+    for s in served["streams"]:
+        assert s.status == 200
+        for i, t in zip(s.index, s.t_ns, strict=True):
+            out[s.name(i)].append(t * 1e-9)
+    return out
+
+
+def test_every_process_recorded_and_the_killed_ones_left_parts(served, merged):
+    procs = {p["role"]: p for p in merged.meta["processes"]}
+    assert set(procs) == {"api_server", "engine_core", "worker"}
+    # the API server exited normally on SIGTERM: its log is whole
+    assert not procs["api_server"]["recovered"]
+    assert procs["api_server"]["path"].endswith(".npz")
+    # engine core and worker were SIGKILLed (--shutdown-timeout 0): parts only
+    assert procs["engine_core"]["recovered"] and procs["worker"]["recovered"]
+    names = sorted(os.listdir(served["dir"]))
+    assert sum(n.endswith(".npz.parts") for n in names) == 2, names
+    # what each of the other processes recorded, on the run's clock
+    ps = merged.proc_segments
+    roles = [p["role"] for p in merged.meta["processes"]]
+    for role, labels in (("api_server", {"tokenize", "input", "output", "sse_write"}),
+                         ("worker", {"prepare", "forward", "sample"})):  # fmt: skip
+        mine = ps.label[ps.process == roles.index(role)]
+        assert labels <= {merged.labels[i] for i in mine}, role
+
+
+def test_chunk_counts_equal_client_boundary_emissions(served, merged):
+    client = _client_chunks(served)
+    ce = merged.client_emissions
+    recorded = collections.Counter(merged.request_ids[i] for i in ce.request)
+    assert {k: len(v) for k, v in client.items()} == dict(recorded)
+    assert len(client) == 5 + N_SIBLINGS  # siblings named ID-0#INDEX, not vLLM's internal ids
+
+
+def test_every_token_reached_the_log_of_both_boundaries(served, merged):
+    # ignore_eos: each choice streams exactly max_tokens tokens; the engine core was
+    # SIGKILLed, so this holds only if it flushed before (the idle flush)
+    ce, em = merged.client_emissions, merged.emissions
+    client_tok = np.bincount(ce.request, ce.num_tokens, minlength=len(merged.request_ids))
+    engine_tok = np.bincount(em.request, em.num_tokens, minlength=len(merged.request_ids))
+    pairs = zip(served["streams"], served["bodies"], strict=True)
+    expect = {s.name(i): b["max_tokens"] for s, b in pairs for i in range(s.n)}
+    got_client = {n: int(c) for n, c in zip(merged.request_ids, client_tok, strict=True)}
+    got_engine = {n: int(c) for n, c in zip(merged.request_ids, engine_tok, strict=True)}
+    assert got_client == expect
+    assert got_engine == expect
+
+
+def test_client_gaps_agree_with_tracekit_frontend_gaps(served, merged):
+    client = _client_chunks(served)
+    ce = merged.client_emissions
+    t0_s = merged.meta["t0_tick"] * merged.meta["seconds_per_tick"]  # the engine core's start
+    diffs, lat = [], []
+    for name, ts in client.items():
+        i = merged.request_ids.index(name)
+        mine = ce.request == i
+        order = np.argsort(ce.t_s[mine], kind="stable")
+        t_rec, t_ready = ce.t_s[mine][order], ce.t_ready_s[mine][order]
+        t_cli = np.asarray(ts) - t0_s  # the client's stamps on the run's clock
+        assert len(t_rec) == len(t_cli)
+        diffs.append(np.diff(t_cli) - np.diff(t_rec))
+        lat.append(t_cli - t_rec)
+        # causality on one clock: no chunk reaches the client before it was ready to write
+        # (the write stamp itself is taken just after the write returns; a process switch
+        # there can put it after the client's arrival stamp on a busy machine)
+        assert np.all(t_cli >= t_ready)
+    d_ms = np.abs(np.concatenate(diffs)) * 1e3
+    lat_ms = np.concatenate(lat) * 1e3
+    print(f"|client gap - tracekit gap| ms: median {np.median(d_ms):.4f}, "
+          f"p90 {np.percentile(d_ms, 90):.4f}, max {d_ms.max():.3f}; "
+          f"write -> client arrival ms: median {np.median(lat_ms):.4f}, "
+          f"min {lat_ms.min():.4f}")  # fmt: skip
+    assert np.median(d_ms) < 1.0
+
+
+def test_preemptions_equal_vllm_metrics_counter(served, merged):
+    assert served["preemptions"] >= 1, "4 KV blocks were meant to force preemption"
+    assert len(merged.evictions) == served["preemptions"]
+
+
+def test_one_clock_is_proved_by_paired_stamps(merged):
+    for p in merged.meta["processes"]:
+        fit = p.get("clock_fit")
+        if fit is None:
+            assert p["role"] == "engine_core"  # the reference
+            continue
+        assert fit["method"].startswith("one clock")
+        assert fit["pairs"] > 10 and fit["violations"] == 0
+        lo, hi = fit["bound_s"]
+        assert lo <= 0 <= hi
+    # every pair of the three processes, the worker and the API server through the core
+    pairs = {frozenset((c["a"].split("-")[0], c["b"].split("-")[0]))
+             for c in merged.meta["clock_pairs"]}  # fmt: skip
+    roles = ("engine_core", "api_server", "worker")
+    assert pairs == {frozenset((a, b)) for a in roles for b in roles if a < b}
+
+
+def test_every_gap_reconciles_at_both_boundaries(merged):
+    from tracekit.frontend import client_partition, client_partition_reference
+    from tracekit.partition import partition
+
+    p = partition(merged)  # check=True raises on a gap whose parts miss its length
+    assert len(p) > 0 and p.reconcile_max_err_ms < 1e-6
+    cp = client_partition(merged)  # the same check at the client boundary
+    assert len(cp) == len(merged.client_emissions) - (5 + N_SIBLINGS)
+    assert cp.reconcile_err_ms.max() < 1e-6
+    ref = client_partition_reference(merged)
+    assert np.allclose(cp.parts_ms, ref.parts_ms, atol=1e-6)
+    # the frontend's own causes were measured, not left to the residual
+    for label in ("hop", "output", "sse_write"):
+        assert cp.column(label).sum() > 0, label
+
+
+def test_analyze_report_and_trace_read_the_directory(served, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "tracekit"]
+    r = subprocess.run([*cli, "analyze", served["dir"], "--format", "jsonl"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    client = json.loads(r.stdout)["client"]
+    assert set(client["itl_ms"]) >= {"per_chunk", "per_token", "per_engine_step"}
+    assert client["chunks"] == sum(len(s.t_ns) for s in served["streams"])
+    trace = str(tmp_path / "t.json")
+    r = subprocess.run([*cli, "trace", served["dir"], "-o", trace], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    from tracekit.render.perfetto import read_trace, validate_trace
+
+    events = read_trace(trace)
+    assert validate_trace(events) == []
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {"engine", "requests"} <= names
+    assert any(n.startswith("api_server") for n in names)
+    assert any(n.startswith("worker") for n in names)
+    report = str(tmp_path / "r.html")
+    r = subprocess.run([*cli, "report", served["dir"], "-o", report], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    with open(report, encoding="utf-8") as fh:
+        assert "Client boundary" in fh.read()
+
+
+def test_sigkilled_parts_rebuild_with_recover_and_merge_keeps_them(served, merged, tmp_path):
+    from tracekit.rawlog import load
+    from tracekit.stream import recover
+
+    core = next(p for p in merged.meta["processes"] if p["role"] == "engine_core")
+    copy = str(tmp_path / "core.npz.parts")
+    shutil.copytree(core["path"], copy)
+    out = recover(copy)
+    log = load(out)
+    assert len(log.steps) == len(merged.steps) > 0
+    assert len(log.emissions) == len(merged.emissions)
+    assert os.path.isdir(core["path"])  # the merge read the parts in place
+
+
+def test_speculative_decoding_acceptance_equals_vllm_metrics(served, merged):
+    from tracekit.frontend import spec_acceptance
+
+    acc = spec_acceptance(merged)
+    assert served["spec"]["draft"] > 0, "the ngram proposer was meant to draft"
+    assert acc["drafted"] == served["spec"]["draft"]
+    assert acc["accepted"] == served["spec"]["accepted"]
+    # multi-token emissions at both boundaries, and the proposer's and verifier's windows
+    assert merged.emissions.num_tokens.max() > 1
+    assert merged.client_emissions.num_tokens.max() > 1
+    assert "verify" in merged.labels and "draft" in merged.labels
+    worker = next(i for i, p in enumerate(merged.meta["processes"]) if p["role"] == "worker")
+    ps = merged.proc_segments
+    assert np.any((ps.process == worker) & (ps.label == merged.labels.index("draft")))

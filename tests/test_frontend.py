@@ -1,0 +1,238 @@
+"""Client-boundary gaps (`tracekit.frontend`): hand-derived cases from the written rules
+(the module docstring), and the fast partition against the loop reference."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from logbuilder import LogBuilder
+
+from tracekit.frontend import (
+    client_partition,
+    client_partition_reference,
+    itl_conventions,
+)
+from tracekit.partition import partition
+from tracekit.rawlog import ClientEmissions, Deliveries, ProcSegments
+
+PROCS = [{"role": "engine_core"}, {"role": "api_server"}, {"role": "worker"}]
+
+
+def serve_log(b: LogBuilder, chunks, windows=(), deliveries=()):
+    """The engine log `b` plus the client boundary, all times in ms.
+
+    chunks: (request, t_write, tokens[, t_ready]); windows: (process, label, t0, t1);
+    deliveries: (step, t_out, t_recv)."""
+    log = b.build()
+    labels = list(log.labels)
+    for _, lb, _, _ in windows:
+        if lb not in labels:
+            labels.append(lb)
+    s = 1e-3
+    ce = ClientEmissions.from_columns(
+        request=[c[0] for c in chunks],
+        t_s=[c[1] * s for c in chunks],
+        t_ready_s=[(c[3] if len(c) > 3 else c[1]) * s for c in chunks],
+        num_tokens=[c[2] for c in chunks],
+        process=[1] * len(chunks),
+    )
+    ps = ProcSegments.from_columns(
+        process=[w[0] for w in windows],
+        label=[labels.index(w[1]) for w in windows],
+        t_start_s=[w[2] * s for w in windows],
+        t_end_s=[w[3] * s for w in windows],
+    )
+    dl = Deliveries.from_columns(
+        step=[d[0] for d in deliveries],
+        t_out_s=[d[1] * s for d in deliveries],
+        t_recv_s=[d[2] * s for d in deliveries],
+        process=[1] * len(deliveries),
+    )
+    return replace(log, labels=tuple(labels), client_emissions=ce, proc_segments=ps,
+                   deliveries=dl, meta={**log.meta, "processes": PROCS})  # fmt: skip
+
+
+def _hand_log():
+    b = LogBuilder()
+    # engine core: five captured decode steps of request 0, one GC pause in step 1
+    for k, (t0, t1) in enumerate([(0, 10), (10, 20), (20, 30), (30, 40), (40, 40.9)]):
+        b.step(t0, t1)
+        b.seg(k, "decode", t0, t1)
+        b.emit(0, t1, k)
+    b.gc(12, 14)
+    chunks = [(0, 11, 1), (0, 25, 1), (0, 41, 2), (0, 43, 1)]  # the 3rd carries 2 tokens
+    windows = [
+        (1, "output", 21.0, 22.0),
+        (1, "gc", 22.5, 23.0),
+        (1, "sse_write", 23.5, 24.0),  # another request's chunk: the loop was busy
+        (1, "sse_write", 24.5, 25.0),
+        (2, "forward", 20.5, 24.0),  # a worker's window: never a frontend cause
+    ]
+    deliveries = [(0, 10, 10.4), (1, 20, 21.0), (2, 30, 30.3), (3, 40, 40.2), (4, 40.9, 41.5)]
+    return serve_log(b, chunks, windows, deliveries)
+
+
+def _row(cp, i):
+    return {lb: round(float(v), 9) for lb, v in zip(cp.labels, cp.parts_ms[i], strict=True) if v}
+
+
+def test_hand_derived_client_gaps():
+    cp = client_partition(_hand_log())
+    assert len(cp) == 3
+    # gap 0 = [11, 25]: the chunk's token left the engine at 20 (step 1).
+    #  engine part [11, 20], as an engine gap: decode [10, 20] minus the GC [12, 14]:
+    #    gc 2, forward 7;
+    #  frontend part [20, 25]: output [21, 22] 1; frontend GC [22.5, 23] 0.5; the two
+    #    writes [23.5, 24] + [24.5, 25] 1; hop [20, recv 21] 1; the rest ([22, 22.5],
+    #    [23, 23.5], [24, 24.5]) frontend_other 1.5. The worker's window counts for nothing.
+    assert _row(cp, 0) == {"gc": 2.0, "forward": 7.0, "output": 1.0, "frontend_gc": 0.5,
+                           "sse_write": 1.0, "hop": 1.0, "frontend_other": 1.5}  # fmt: skip
+    # gap 1 = [25, 41], a chunk of 2 tokens whose last left the engine at 40:
+    #  engine part [25, 40]: decode [25, 30] + [30, 40] = forward 15;
+    #  frontend part [40, 41]: hop [40, 40.2] 0.2, other 0.8
+    assert _row(cp, 1) == {"forward": 15.0, "hop": 0.2, "frontend_other": 0.8}
+    assert cp.num_tokens[1] == 2
+    # gap 2 = [41, 43]: its token left the engine at 40.9, before the previous write, so
+    #  the engine part is empty; hop [41, 41.5] 0.5, other 1.5
+    assert _row(cp, 2) == {"hop": 0.5, "frontend_other": 1.5}
+    assert np.allclose(cp.gap_ms, [14, 16, 2])
+    assert np.allclose(cp.engine_s * 1e3, [20, 40, 41])
+
+
+def test_hand_derived_itl_conventions():
+    log = _hand_log()
+    cp = client_partition(log)
+    itl = itl_conventions(log, cp, partition(log).gap_ms)
+    # per chunk: gaps 14, 16, 2 -> median 14
+    assert itl["per_chunk"]["p50"] == pytest.approx(14)
+    # per token: 14 (1 token), 16 / 2 = 8 twice, 2 -> [2, 8, 8, 14], median 8
+    assert itl["per_token"]["p50"] == pytest.approx(8)
+    assert itl["per_token"]["n"] == 4
+    # per engine step: emissions at 10, 20, 30, 40, 40.9 -> 10, 10, 10, 0.9, median 10
+    assert itl["per_engine_step"]["p50"] == pytest.approx(10)
+
+
+def test_reference_agrees_on_the_hand_case():
+    log = _hand_log()
+    fast, ref = client_partition(log), client_partition_reference(log)
+    assert fast.labels == ref.labels
+    assert np.allclose(fast.parts_ms, ref.parts_ms, atol=1e-9)
+
+
+def test_an_evicted_request_is_preempt_in_the_engine_part():
+    b = LogBuilder()
+    b.step(0, 10)
+    b.seg(0, "decode", 0, 10)
+    b.emit(0, 10, 0)
+    b.step(10, 30)
+    b.seg(1, "decode", 10, 30)
+    b.emit(0, 30, 1)
+    b.evict(0, 12, 25, mode=1)
+    log = serve_log(b, [(0, 11, 1), (0, 31, 1)], deliveries=[(1, 30, 30.5)])
+    cp = client_partition(log)
+    # engine part [11, 30]: evicted [12, 25] is preempt 13; decode [11, 12] + [25, 30] = 6;
+    # frontend part [30, 31]: hop 0.5, other 0.5
+    assert _row(cp, 0) == {"preempt": 13.0, "forward": 6.0, "hop": 0.5, "frontend_other": 0.5}
+
+
+@st.composite
+def _random_serve_log(draw):
+    b = LogBuilder()
+    n_req = draw(st.integers(1, 3))
+    t = 0.0
+    em_times: dict[int, list[float]] = {r: [] for r in range(n_req)}
+    deliveries = []
+    for k in range(draw(st.integers(2, 8))):
+        dur = draw(st.floats(0.5, 10))
+        b.step(t, t + dur, graph=draw(st.sampled_from([0, 1])))
+        b.seg(k, draw(st.sampled_from(["decode", "prefill", "schedule"])), t, t + dur)
+        for r in range(n_req):
+            if draw(st.booleans()):
+                b.emit(r, t + dur, k, n=draw(st.integers(1, 3)))
+                em_times[r].append(t + dur)
+        deliveries.append((k, t + dur, t + dur + draw(st.floats(0.0, 2.0))))
+        t += dur
+    if draw(st.booleans()):
+        g0 = draw(st.floats(0, t))
+        b.gc(g0, g0 + draw(st.floats(0, 3)))
+    if draw(st.booleans()):
+        e0 = draw(st.floats(0, t))
+        b.evict(0, e0, e0 + draw(st.floats(0, 5)), mode=1)
+    log = b.build()
+    chunks = []
+    for r in range(n_req):
+        em = log.emissions
+        mine = np.flatnonzero(em.request == r)
+        w = t * 0.0
+        for i in mine:  # one chunk per emission, some merged with the next
+            w = max(w, float(em.t_s[i]) * 1e3) + draw(st.floats(0.01, 3))
+            chunks.append((r, w, int(em.num_tokens[i])))
+        if len(chunks) >= 2 and draw(st.booleans()) and chunks[-1][0] == chunks[-2][0] == r:
+            last, prev = chunks.pop(), chunks.pop()
+            chunks.append((r, last[1], prev[2] + last[2]))
+    windows = []
+    for _ in range(draw(st.integers(0, 6))):
+        w0 = draw(st.floats(0, t + 10))
+        lb = draw(st.sampled_from(["gc", "sse_write", "output", "input", "forward"]))
+        windows.append((draw(st.sampled_from([1, 2])), lb, w0, w0 + draw(st.floats(0, 4))))
+    return serve_log(b, chunks, windows, deliveries)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_random_serve_log())
+def test_fast_equals_reference_and_every_gap_reconciles(log):
+    fast = client_partition(log)  # check=True: raises if a gap's parts miss its length
+    ref = client_partition_reference(log)
+    assert fast.labels == ref.labels
+    assert np.allclose(fast.parts_ms, ref.parts_ms, atol=1e-6)
+    assert np.all(fast.parts_ms >= -1e-9)
+    assert np.allclose(ref.parts_ms.sum(axis=1), ref.gap_ms, atol=1e-6)
+
+
+def test_spec_acceptance_hand_derived():
+    from tracekit.frontend import spec_acceptance
+    from tracekit.rawlog import Counters
+
+    b = LogBuilder()
+    b.step(0, 10)
+    b.emit(0, 10, 0, n=3)
+    b.step(10, 20)
+    b.emit(0, 20, 1, n=1)
+    log = b.build()
+    assert spec_acceptance(log) is None  # no speculative decoding recorded
+    # step 0: 3 drafts, 2 accepted (3 tokens emitted); step 1: 3 drafts, none accepted
+    log = replace(log, counter_names=("spec.drafted", "spec.accepted"),
+                  counters=Counters.from_columns(name=[0, 1, 0, 1], t_s=[0.01, 0.01, 0.02, 0.02],
+                                                 value=[3, 2, 3, 0]))  # fmt: skip
+    acc = spec_acceptance(log)
+    # accepted 2 of 6 drafted; tokens per emission (3 + 1) / 2 = 2
+    assert acc == {"drafted": 6.0, "accepted": 2.0, "acceptance": 2 / 6, "tokens_per_emission": 2.0}
+
+
+def test_process_tracks_are_a_valid_trace_even_with_overlapping_windows():
+    from tracekit.render.perfetto import chrome_trace_events, validate_trace
+    from tracekit.render.serve import process_events
+
+    b = LogBuilder()
+    b.step(0, 10)
+    b.seg(0, "decode", 0, 10)
+    b.emit(0, 10, 0)
+    b.step(10, 20)
+    b.seg(1, "decode", 10, 20)
+    b.emit(0, 20, 1)
+    windows = [(1, "tokenize", 1, 5), (1, "tokenize", 2, 6), (1, "tokenize", 3, 4),
+               (1, "output", 10.5, 11), (2, "forward", 12, 19)]  # fmt: skip
+    log = serve_log(b, [(0, 11, 1), (0, 21, 1)], windows, [(0, 10, 10.2), (1, 20, 20.3)])
+    extra = process_events(log)
+    events = chrome_trace_events(log, partition(log)) + extra
+    assert validate_trace(events) == []
+    names = {e["args"]["name"] for e in extra if e.get("name") == "thread_name"}
+    # three overlapping tokenize windows need three lanes; chunks and deliveries have theirs
+    assert {"tokenize", "tokenize (2)", "tokenize (3)", "output", "forward"} <= names
+    assert {"client chunks written", "step outputs received"} <= names
+    procs = {e["args"]["name"] for e in extra if e.get("name") == "process_name"}
+    assert procs == {"api_server (pid ?)", "worker (pid ?)"}

@@ -1,0 +1,432 @@
+"""Gaps at the client boundary: between two streamed chunks of a request, partitioned.
+
+A merged server run (`tracekit.merge`) has two boundaries. The engine boundary is where the
+engine core emits tokens (`RawLog.emissions`, partitioned by `tracekit.partition` as for
+any engine). The client boundary is where the API server writes each chunk of a stream
+(`RawLog.client_emissions`): what a streaming client measures. A *client gap* is
+``[a, b]`` between the writes of two consecutive chunks of one request. Every millisecond
+of it goes to exactly one label:
+
+1. **The engine part** ``[a, x]``, ``x = clip(e, a, b)``, where `e` is when the engine core
+   emitted the last token the later chunk carries: until then the token did not exist.
+   It is partitioned by `tracekit.partition` itself, as if ``[a, x]`` were an engine gap of
+   the request (its evictions, the step whose device work `e` read): the engine labels.
+2. **The frontend part** ``[x, b]``: the token existed, the client did not have it yet. The
+   API server's windows (on the run's clock) own it, first match wins:
+   ``frontend_gc`` (its GC pauses) > ``sse_write`` (chunks being written) > ``output``
+   (output processing and detokenisation) > ``input`` (input processing of arriving
+   requests) > ``hop`` (from `e` until the API server received the step's outputs: IPC,
+   serialisation, the output queue) > ``frontend_other`` (what no window covers: building
+   the chunk, the event loop, other tasks).
+
+The event loop runs one thing at a time, so a window of another request (its output
+processing, its chunk's write) inside this gap delayed this chunk all the same: windows
+are not filtered by request. Parts sum to the gap (checked; a violation is an error).
+
+`client_partition` is vectorised (a timeline of elementary intervals and cumulative
+sums); `client_partition_reference` does the same with loops over each gap's windows and
+`partition_reference` for the engine part. Tests check they agree.
+
+ITL in three conventions (`itl_conventions`), the ones streaming benchmarks disagree on
+when a chunk carries several tokens: *per chunk* (the client gap), *per token* (a chunk's
+gap divided by its tokens, counted once per token) and *per engine step* (the engine
+boundary's gaps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .errors import ReconcileError
+from .partition import PRIMARY_MIN_MS, PRIMARY_MIN_SHARE, RECONCILE_TOL_MS, partition
+from .rawlog import Emissions, Evictions, RawLog, Requests
+
+#: Frontend labels, in the order that owns an overlap first.
+FRONTEND_PRECEDENCE = ("frontend_gc", "sse_write", "output", "input")
+FRONTEND_LABELS = (*FRONTEND_PRECEDENCE, "hop", "frontend_other")
+#: proc_segments label -> frontend label
+FRONTEND_WINDOW = {"gc": "frontend_gc", "sse_write": "sse_write", "output": "output",
+                   "input": "input"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClientPartition:
+    """Every client gap of a run. Rows are gaps, sorted by request then time."""
+
+    labels: tuple[str, ...]  # engine labels, then FRONTEND_LABELS
+    request: np.ndarray
+    t0_s: np.ndarray  # the earlier chunk's write
+    t1_s: np.ndarray  # the later chunk's write
+    engine_s: np.ndarray  # x: when the later chunk's last token left the engine (clipped)
+    num_tokens: np.ndarray  # tokens the later chunk carried
+    gap_ms: np.ndarray
+    parts_ms: np.ndarray  # (gaps, labels), sums to gap_ms
+
+    def __len__(self) -> int:
+        return len(self.gap_ms)
+
+    @property
+    def reconcile_err_ms(self) -> np.ndarray:
+        return np.abs(self.gap_ms - self.parts_ms.sum(axis=1))
+
+    def column(self, label: str) -> np.ndarray:
+        return self.parts_ms[:, self.labels.index(label)]
+
+    def engine_ms(self) -> np.ndarray:
+        n = len(self.labels) - len(FRONTEND_LABELS)
+        return self.parts_ms[:, :n].sum(axis=1)
+
+    def frontend_ms(self) -> np.ndarray:
+        n = len(self.labels) - len(FRONTEND_LABELS)
+        return self.parts_ms[:, n:].sum(axis=1)
+
+    def primary_names(self) -> np.ndarray:
+        """Largest part of each gap if >= 1 ms and >= 25% of it (as for engine gaps),
+        'forward' / 'residual' / 'frontend_other' excluded; else 'clean'."""
+        skip = {"forward", "residual", "frontend_other"}
+        cols = [i for i, lb in enumerate(self.labels) if lb not in skip]
+        if not len(self) or not cols:
+            return np.array(["clean"] * len(self), dtype=object)
+        sub = self.parts_ms[:, cols]
+        best = np.argmax(sub, axis=1)
+        val = sub[np.arange(len(self)), best]
+        ok = (val >= PRIMARY_MIN_MS) & (val >= PRIMARY_MIN_SHARE * self.gap_ms)
+        names = np.array([self.labels[c] for c in cols], dtype=object)[best]
+        return np.where(ok, names, "clean")
+
+
+@dataclass(frozen=True)
+class _Gaps:
+    request: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    x: np.ndarray
+    e: np.ndarray  # engine emission of the later chunk's last token (NaN: unknown)
+    recv: np.ndarray  # when the API server received that step's outputs (NaN: unknown)
+    step0: np.ndarray
+    step1: np.ndarray
+    dstep1: np.ndarray
+    num_tokens: np.ndarray
+
+
+def client_gaps(log: RawLog) -> _Gaps:
+    """Consecutive chunk pairs per request, each with the engine emission its later chunk
+    waited for (by cumulative token count) and when that step's outputs were received."""
+    ce, em = log.client_emissions, log.emissions
+    order = np.lexsort((ce.t_s, ce.request))
+    r, t, k = ce.request[order], ce.t_s[order], ce.num_tokens[order]
+    # cumulative tokens per request at each chunk, and at each engine emission
+    c_cum = _cum_by_request(r, k)
+    eo = np.lexsort((em.t_s, em.request))
+    er, et, ek = em.request[eo], em.t_s[eo], em.num_tokens[eo]
+    e_cum = _cum_by_request(er, ek)
+    # the first engine emission of the same request whose cumulative count reaches c_cum:
+    # search in (request, cumulative) order; both are sorted that way
+    big = float(max(int(e_cum.max(initial=0)), int(c_cum.max(initial=0))) + 1)
+    key_e = er.astype(np.float64) * big + e_cum
+    key_c = r.astype(np.float64) * big + c_cum
+    j = np.searchsorted(key_e, key_c, side="left")
+    ok = j < len(key_e)
+    ok[ok] = er[j[ok]] == r[ok]
+    e = np.full(len(r), np.nan)
+    e[ok] = et[j[ok]]
+    step = np.full(len(r), -1, dtype=np.int64)
+    dstep = np.full(len(r), -1, dtype=np.int64)
+    step[ok] = em.step[eo][j[ok]]
+    dstep[ok] = em.device_step[eo][j[ok]]
+    recv = np.full(len(r), np.nan)
+    dl = log.deliveries
+    if len(dl) and ok.any():
+        d_order = np.argsort(dl.step, kind="stable")
+        ds, dr = dl.step[d_order], dl.t_recv_s[d_order]
+        p = np.searchsorted(ds, step)
+        hit = (p < len(ds)) & ok
+        hit[hit] = ds[p[hit]] == step[hit]
+        recv[hit] = dr[p[hit]]
+    pair = np.flatnonzero(r[1:] == r[:-1])
+    a, b = t[pair], t[pair + 1]
+    e1 = e[pair + 1]
+    x = np.where(np.isnan(e1), a, np.clip(e1, a, b))
+    return _Gaps(
+        request=r[pair + 1],
+        a=a,
+        b=b,
+        x=x,
+        e=e1,
+        recv=recv[pair + 1],
+        step0=step[pair],
+        step1=step[pair + 1],
+        dstep1=dstep[pair + 1],
+        num_tokens=k[pair + 1],
+    )
+
+
+def _cum_by_request(r: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Running token count within each request (rows sorted by request)."""
+    c = np.cumsum(k).astype(np.float64)
+    if not len(c):
+        return c
+    head = np.ones(len(r), dtype=bool)
+    head[1:] = r[1:] != r[:-1]
+    start = np.maximum.accumulate(np.where(head, np.arange(len(r)), 0))
+    base = np.concatenate([[0.0], c])[start]
+    return c - base
+
+
+def _engine_log(log: RawLog, g: _Gaps) -> RawLog:
+    """The run with one pseudo-request per client gap whose engine part is non-empty,
+    emitting at its two ends: `partition` then partitions exactly the engine parts."""
+    live = np.flatnonzero(g.x > g.a)
+    n = len(live)
+    req = np.repeat(np.arange(n), 2)
+    t = np.column_stack([g.a[live], g.x[live]]).ravel()
+    step = np.column_stack([g.step0[live], g.step1[live]]).ravel()
+    dstep = np.column_stack([g.step0[live], g.dstep1[live]]).ravel()
+    em = Emissions(request=req, t_s=t, step=step, num_tokens=np.ones(2 * n, dtype=np.int64),
+                   device_step=dstep)  # fmt: skip
+    # each pseudo-request inherits its request's evictions
+    ev = log.evictions
+    rows = [np.flatnonzero(ev.request == r) for r in g.request[live]]
+    src = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    owner = np.repeat(np.arange(n), [len(x) for x in rows]) if rows else src
+    evictions = Evictions(
+        request=owner.astype(np.int64),
+        t_evict_s=ev.t_evict_s[src],
+        t_readmit_s=ev.t_readmit_s[src],
+        mode=ev.mode[src],
+    )
+    nan = np.full(n, np.nan)
+    requests = Requests(arrival_s=nan, prompt_tokens=np.full(n, -1),
+                        max_new_tokens=np.full(n, -1), first_token_s=nan.copy())  # fmt: skip
+    return replace(log, emissions=em, evictions=evictions, requests=requests,
+                   request_ids=tuple(str(i) for i in range(n)))  # fmt: skip
+
+
+def _frontend_processes(log: RawLog) -> list[int]:
+    procs = log.meta.get("processes", [])
+    return [i for i, p in enumerate(procs) if isinstance(p, dict) and p.get("role") == "api_server"]
+
+
+def _frontend_windows(log: RawLog) -> list[tuple[float, float, int]]:
+    """(start, end, precedence rank) of every API server window that owns frontend time."""
+    ps = log.proc_segments
+    fe = np.isin(ps.process, _frontend_processes(log))
+    rank = {lb: FRONTEND_PRECEDENCE.index(FRONTEND_WINDOW[lb]) for lb in FRONTEND_WINDOW}
+    lab = np.array([rank.get(x, -1) for x in log.labels] + [-1], dtype=np.int64)
+    r = lab[ps.label] if len(ps) else np.zeros(0, dtype=np.int64)
+    m = fe & (r >= 0) & (ps.t_end_s > ps.t_start_s)
+    return list(zip(ps.t_start_s[m].tolist(), ps.t_end_s[m].tolist(), r[m].tolist(), strict=True))
+
+
+def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
+    """Partition every client gap of a merged server run (see the module docstring)."""
+    g = client_gaps(log)
+    eng = partition(_engine_log(log, g), check=check) if (g.x > g.a).any() else None
+    eng_labels = eng.labels if eng is not None else partition(log, check=False).labels
+    labels = (*eng_labels, *FRONTEND_LABELS)
+    n, ne = len(g.a), len(eng_labels)
+    parts = np.zeros((n, len(labels)))
+    live = np.flatnonzero(g.x > g.a)
+    if eng is not None:
+        parts[live[eng.request], :ne] = eng.parts_ms
+    # frontend part: one timeline of the API server's windows, owner by precedence
+    wins = _frontend_windows(log)
+    nf = len(FRONTEND_PRECEDENCE)
+    if wins:
+        w = np.array(wins)
+        bounds = np.unique(w[:, :2].ravel())
+        k0 = np.searchsorted(bounds, w[:, 0])
+        k1 = np.searchsorted(bounds, w[:, 1])
+        count = np.zeros((nf, len(bounds)))
+        for c in range(nf):  # coverage count of each class over the elementary intervals
+            m = w[:, 2] == c
+            np.add.at(count[c], k0[m], 1.0)
+            np.add.at(count[c], k1[m], -1.0)
+        covered = np.cumsum(count, axis=1)[:, :-1] > 0.5
+        owner = np.full(len(bounds) - 1, -1)
+        for c in range(nf - 1, -1, -1):  # the first in precedence wins
+            owner[covered[c]] = c
+        width = np.diff(bounds)
+
+        def owned(c: int | None, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+            """Time in [lo, hi] owned by class c (None: by any class), seconds."""
+            rate = (owner >= 0) if c is None else (owner == c)
+            cum = np.concatenate([[0.0], np.cumsum(width * rate)])
+            return np.interp(hi, bounds, cum) - np.interp(lo, bounds, cum)
+
+        for c in range(nf):
+            parts[:, ne + c] = owned(c, g.x, g.b) * 1e3
+        hop_lo = np.clip(np.where(np.isnan(g.e), g.b, g.e), g.x, g.b)
+        hop_hi = np.clip(np.where(np.isnan(g.recv), hop_lo, g.recv), hop_lo, g.b)
+        hop = (hop_hi - hop_lo) - owned(None, hop_lo, hop_hi)
+    else:
+        hop_lo = np.clip(np.where(np.isnan(g.e), g.b, g.e), g.x, g.b)
+        hop_hi = np.clip(np.where(np.isnan(g.recv), hop_lo, g.recv), hop_lo, g.b)
+        hop = hop_hi - hop_lo
+    parts[:, ne + nf] = np.maximum(hop, 0.0) * 1e3
+    front = (g.b - g.x) * 1e3
+    parts[:, ne + nf + 1] = np.maximum(front - parts[:, ne : ne + nf + 1].sum(axis=1), 0.0)
+    out = ClientPartition(
+        labels=labels,
+        request=g.request,
+        t0_s=g.a,
+        t1_s=g.b,
+        engine_s=g.x,
+        num_tokens=g.num_tokens,
+        gap_ms=(g.b - g.a) * 1e3,
+        parts_ms=parts,
+    )
+    return check_client_reconciled(out, log.path) if check else out
+
+
+def check_client_reconciled(p: ClientPartition, path: str = "") -> ClientPartition:
+    if not len(p):
+        return p
+    err = p.reconcile_err_ms
+    i = int(np.argmax(err))
+    if err[i] > RECONCILE_TOL_MS * max(1.0, p.gap_ms[i]) or p.parts_ms.min() < -RECONCILE_TOL_MS:
+        raise ReconcileError(
+            f"{path}: client gap {i} (request {int(p.request[i])}) is {p.gap_ms[i]!r} ms but "
+            f"its parts sum to {p.parts_ms[i].sum()!r} ms "
+            f"({dict(zip(p.labels, p.parts_ms[i].round(6).tolist(), strict=True))})"
+        )
+    return p
+
+
+def client_partition_reference(log: RawLog) -> ClientPartition:
+    """`client_partition` with plain loops: each gap's frontend part cut at every window
+    boundary inside it, each piece given to the first window (by precedence) covering it."""
+    from .partition import partition_reference
+
+    g = client_gaps(log)
+    live = [i for i in range(len(g.a)) if g.x[i] > g.a[i]]
+    if live:
+        eng = partition_reference(_engine_log(log, g))
+        eng_labels, eng_rows = eng.labels, {live[int(q)]: eng.parts_ms[j]
+                                            for j, q in enumerate(eng.request)}  # fmt: skip
+    else:
+        eng_labels, eng_rows = partition(log, check=False).labels, {}
+    labels = (*eng_labels, *FRONTEND_LABELS)
+    ne, nf = len(eng_labels), len(FRONTEND_PRECEDENCE)
+    wins = _frontend_windows(log)
+    rows = []
+    for i in range(len(g.a)):
+        row = [0.0] * len(labels)
+        if i in eng_rows:
+            row[:ne] = eng_rows[i].tolist()
+        x, b = float(g.x[i]), float(g.b[i])
+        e = float(g.e[i]) if not np.isnan(g.e[i]) else b
+        recv = float(g.recv[i]) if not np.isnan(g.recv[i]) else e
+        cuts = sorted({x, b, *(t for s, en, _ in wins for t in (s, en) if x < t < b),
+                       *(t for t in (e, recv) if x < t < b)})  # fmt: skip
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=False):
+            mid = (lo + hi) / 2
+            owners = [c for s, en, c in wins if s <= mid < en]
+            if owners:
+                col = ne + min(owners)
+            elif e <= mid < recv:
+                col = ne + nf
+            else:
+                col = ne + nf + 1
+            row[col] += (hi - lo) * 1e3
+        rows.append(row)
+    parts = np.array(rows, dtype=np.float64).reshape(len(g.a), len(labels))
+    return ClientPartition(
+        labels=labels,
+        request=g.request,
+        t0_s=g.a,
+        t1_s=g.b,
+        engine_s=g.x,
+        num_tokens=g.num_tokens,
+        gap_ms=(g.b - g.a) * 1e3,
+        parts_ms=parts,
+    )
+
+
+# -- figures ------------------------------------------------------------------------------
+
+PCTS = (50, 90, 99)
+
+
+def _pcts(v: np.ndarray, weights: np.ndarray | None = None) -> dict[str, float]:
+    if not len(v):
+        return {f"p{q}": float("nan") for q in PCTS} | {"mean": float("nan"), "n": 0}
+    if weights is not None:
+        v = np.repeat(v, weights.astype(np.int64))
+    return {f"p{q}": float(np.percentile(v, q)) for q in PCTS} | {
+        "mean": float(v.mean()),
+        "n": int(len(v)),
+    }
+
+
+def itl_conventions(log: RawLog, cp: ClientPartition, engine_gap_ms: np.ndarray) -> dict[str, Any]:
+    """ITL (ms) per chunk, per token (chunk gap / its tokens, once per token) and per engine
+    step (the engine boundary's gaps), side by side."""
+    per_token = cp.gap_ms / np.maximum(cp.num_tokens, 1)
+    return {
+        "per_chunk": _pcts(cp.gap_ms),
+        "per_token": _pcts(per_token, np.maximum(cp.num_tokens, 1)),
+        "per_engine_step": _pcts(np.asarray(engine_gap_ms)),
+        "tokens_per_chunk_mean": float(cp.num_tokens.mean()) if len(cp) else float("nan"),
+    }
+
+
+def client_summary(log: RawLog, cp: ClientPartition, engine_gap_ms: np.ndarray) -> dict[str, Any]:
+    """What analyze and report show for the client boundary: ITL conventions, the share of
+    all client-gap time and of tail time (gaps >= p99) by label, engine vs frontend."""
+    out: dict[str, Any] = {"gaps": len(cp), "chunks": len(log.client_emissions)}
+    out["itl_ms"] = itl_conventions(log, cp, engine_gap_ms)
+    total = cp.gap_ms.sum()
+    out["all_share"] = {
+        lb: float(cp.parts_ms[:, j].sum() / total) if total > 0 else 0.0
+        for j, lb in enumerate(cp.labels)
+    }
+    if len(cp):
+        p99 = float(np.percentile(cp.gap_ms, 99))
+        tail = cp.gap_ms >= p99
+        tt = cp.gap_ms[tail].sum()
+        out["p99_ms"] = p99
+        out["tail_share"] = {
+            lb: float(cp.parts_ms[tail, j].sum() / tt) if tt > 0 else 0.0
+            for j, lb in enumerate(cp.labels)
+        }
+        out["frontend_share"] = float(cp.frontend_ms().sum() / total) if total > 0 else 0.0
+        out["reconcile_max_err_ms"] = float(cp.reconcile_err_ms.max())
+    return out
+
+
+def spec_acceptance(log: RawLog) -> dict[str, float] | None:
+    """Speculative decoding: drafted and accepted tokens (counters ``spec.drafted`` and
+    ``spec.accepted`` per step), acceptance rate and tokens per engine emission."""
+    names = log.counter_names
+    if "spec.drafted" not in names:
+        return None
+    c = log.counters
+    drafted = float(c.value[c.name == names.index("spec.drafted")].sum())
+    accepted = (
+        float(c.value[c.name == names.index("spec.accepted")].sum())
+        if "spec.accepted" in names
+        else 0.0
+    )
+    em = log.emissions
+    return {
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else float("nan"),
+        "tokens_per_emission": float(em.num_tokens.mean()) if len(em) else float("nan"),
+    }
+
+
+__all__ = [
+    "FRONTEND_LABELS",
+    "ClientPartition",
+    "client_gaps",
+    "client_partition",
+    "client_partition_reference",
+    "client_summary",
+    "itl_conventions",
+    "spec_acceptance",
+]

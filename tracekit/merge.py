@@ -1,0 +1,529 @@
+"""One run from the logs of many processes (a multi-process server recorded per process).
+
+A directory holds one log per process: ``ROLE-PID.npz`` after a clean stop, or the parts
+``ROLE-PID.npz.parts/`` of a process that was killed (read here in place, never removed).
+Each log says who wrote it in ``config["process"]`` (``role``, ``pid``, ``host``, ``name``,
+``boot_id``, ``clock``). `merge_dir` joins them into one `RawLog`:
+
+- **One clock.** The engine core's clock is the run's clock (seconds from its start).
+  Every recorder reads ``perf_counter_ns`` and stamps its start tick (``meta["t0_tick"]``),
+  so a process's times move by the difference of start ticks (`offset_s`) when the two
+  clocks are one: same host, same boot id, ``perf_counter`` implemented by
+  ``CLOCK_MONOTONIC`` (Linux keeps one CLOCK_MONOTONIC per boot for every process). That is
+  then *checked* with paired stamps, events whose order causality fixes:
+
+  - API server -> engine core: a request is sent (``serve.sent``) before the engine core
+    adds it (``serve.added``): the API server's clock is at most ``added - sent`` ahead;
+  - engine core -> API server: a step's outputs are built (``serve.out``, vLLM's
+    ``EngineCoreOutputs.timestamp`` as the pair's key) before they arrive (``serve.recv``):
+    at least ``out - recv`` ahead;
+  - engine core -> worker: the engine core asks for the forward pass before the worker
+    starts it, and the worker ends it before the engine core's wait returns (the n-th
+    forward window of each, in order, from the engine core's first step).
+
+  Each pair bounds the remaining correction ``theta`` (``lo <= theta <= hi``); on one clock
+  0 must lie in every bound (`violations` counts pairs where it does not) and the reported
+  uncertainty is 0. For processes on different hosts (or clocks that are not one),
+  ``theta(t) = a + b t`` is *estimated* from the same bounds: the tightest lower and upper
+  bound per time bin (the fastest round trips), their midpoints fitted by least squares;
+  the uncertainty is half the widest bin's bound plus the fit's largest residual.
+- **One request identity.** The engine core knows vLLM's internal ids (``cmpl-..-0-1a2b3c4d``,
+  ``1_cmpl-..-0-1a2b3c4d`` for the second sibling of ``n > 1``); the API server records each
+  request as ``CLIENT_ID<US>ENGINE_ID``. The run names requests by CLIENT_ID (what the
+  client sees: ``cmpl-..-0``, ``cmpl-..-0#1``).
+
+The merged run keeps the engine core's tables as they are (steps, segments, emissions at
+the engine boundary, evictions, requests) and adds the client boundary: `client_emissions`
+(each SSE chunk written), `proc_segments` (API server and worker windows and GC pauses, on
+the run's clock), `deliveries` (each step's outputs, built and received),
+``meta["processes"]`` (per process: identity, file, recovered or not, and the clock
+offset, correction and uncertainty against the engine core) and ``meta["clock_pairs"]``
+(every pair of processes, the others through the engine core).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .errors import LogError
+from .rawlog import ClientEmissions, Deliveries, ProcSegments, RawLog, Requests, load
+from .stream import PARTS_SUFFIX, merge_parts
+
+FRONT_SEP = "\x1f"
+SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"
+CORE, FRONTEND, WORKER = "engine_core", "api_server", "worker"
+SHARED_CLOCK = "clock_gettime(CLOCK_MONOTONIC)"
+#: Paired-stamp bounds may miss 0 by float rounding of the tick conversions.
+CAUSALITY_TOL_S = 1e-7
+
+
+@dataclass(frozen=True)
+class ProcessLog:
+    path: str
+    log: RawLog
+    identity: dict[str, Any]
+    recovered: bool
+
+    @property
+    def role(self) -> str:
+        return str(self.identity.get("role", "?"))
+
+    @property
+    def t0_s(self) -> float:
+        """The recorder's start on its own clock, seconds."""
+        return int(self.log.meta.get("t0_tick", 0)) * float(
+            self.log.meta.get("seconds_per_tick", 1e-9)
+        )
+
+
+@dataclass(frozen=True)
+class ClockFit:
+    """How one process's times map onto the run's clock: ``t_run = t + offset_s +
+    correction_s + drift * t`` (t: seconds from that process's recorder start)."""
+
+    offset_s: float  # difference of recorder start ticks (exact on one clock)
+    correction_s: float  # theta at the process's start: 0 on one clock
+    drift: float  # d theta / dt (0 on one clock)
+    uncertainty_s: float
+    bound_s: tuple[float, float]  # the tightest [lo, hi] the paired stamps allow
+    pairs: int
+    violations: int  # pairs whose bound excludes the correction used
+    method: str
+
+    def apply(self, t: np.ndarray) -> np.ndarray:
+        t = np.asarray(t, dtype=np.float64)
+        return t + self.offset_s + self.correction_s + self.drift * t
+
+    def as_meta(self) -> dict[str, Any]:
+        return {
+            "offset_s": self.offset_s,
+            "correction_s": self.correction_s,
+            "drift_ppm": self.drift * 1e6,
+            "uncertainty_s": self.uncertainty_s,
+            "bound_s": list(self.bound_s),
+            "pairs": self.pairs,
+            "violations": self.violations,
+            "method": self.method,
+        }
+
+
+# -- reading a directory ------------------------------------------------------------------
+
+
+def process_logs(directory: str) -> list[ProcessLog]:
+    """Every process log in `directory`: a whole ``.npz``, else its parts (read in place)."""
+    if not os.path.isdir(directory):
+        raise LogError(directory, "directory", "does not exist or is not a directory")
+    done = sorted(p for p in glob.glob(os.path.join(directory, "*.npz")) if os.path.isfile(p))
+    parts = sorted(p for p in glob.glob(os.path.join(directory, "*" + PARTS_SUFFIX)))
+    out = []
+    for p in done:
+        out.append(_process_log(p, load(p), recovered=False))
+    have = set(done)
+    for d in parts:
+        if d[: -len(PARTS_SUFFIX)] in have or not os.path.isdir(d):
+            continue  # stopped cleanly after all (the .npz is the whole run)
+        out.append(_process_log(d, merge_parts(d), recovered=True))
+    if not out:
+        raise LogError(
+            directory, "directory", "holds no process logs (ROLE-PID.npz or ROLE-PID.npz.parts/)"
+        )
+    return out
+
+
+def _process_log(path: str, log: RawLog, recovered: bool) -> ProcessLog:
+    ident = log.config.get("process")
+    if not isinstance(ident, dict) or ident.get("role") not in (CORE, FRONTEND, WORKER):
+        raise LogError(
+            path,
+            "config.process.role",
+            f"missing or not one of {CORE}, {FRONTEND}, {WORKER}: not a per-process log "
+            "(record the server with TRACEKIT_VLLM_DIR set, see docs/adapters.md)",
+        )
+    if "t0_tick" not in log.meta:
+        raise LogError(path, "meta.t0_tick", "missing: the merge needs each recorder's start tick")
+    return ProcessLog(path, log, dict(ident), recovered)
+
+
+def is_process_dir(path: str) -> bool:
+    """True for a directory of per-process logs (what `merge_dir` reads)."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "meta.json")):
+        return False
+    return bool(glob.glob(os.path.join(path, "*.npz")) or glob.glob(os.path.join(path, "*.parts")))
+
+
+# -- clocks -------------------------------------------------------------------------------
+
+
+def one_clock(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two processes read one clock: same host boot, perf_counter on CLOCK_MONOTONIC."""
+    return bool(
+        a.get("boot_id")
+        and a.get("boot_id") == b.get("boot_id")
+        and a.get("clock") == SHARED_CLOCK
+        and b.get("clock") == SHARED_CLOCK
+    )
+
+
+def _counter(log: RawLog, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(times, values) of one counter of a log (empty if it never fired)."""
+    if name not in log.counter_names:
+        return np.zeros(0), np.zeros(0)
+    m = log.counters.name == log.counter_names.index(name)
+    return log.counters.t_s[m], log.counters.value[m]
+
+
+def frontend_bounds(core: ProcessLog, fe: ProcessLog, offset_s: float):
+    """Paired-stamp bounds on the API server's correction, at the API server's times:
+    (t_lo, lo, t_hi, hi) with ``theta >= lo`` at t_lo and ``theta <= hi`` at t_hi."""
+    # outputs built (core) -> received (frontend), keyed by vLLM's outputs timestamp
+    c_t, c_v = _counter(core.log, OUT)
+    f_t, f_v = _counter(fe.log, RECV)
+    common, ci, fi = np.intersect1d(c_v, f_v, return_indices=True)
+    t_lo = f_t[fi]
+    lo = c_t[ci] - (f_t[fi] + offset_s)
+    # request sent (frontend) -> added (core), keyed by the engine id
+    s_t, s_v = _counter(fe.log, SENT)
+    a_t, a_v = _counter(core.log, ADDED)
+    core_ids = core.log.request_ids
+    added = {core_ids[int(v)]: t for t, v in zip(a_t, a_v, strict=True)}
+    t_hi, hi = [], []
+    for t, v in zip(s_t, s_v, strict=True):
+        name = fe.log.request_ids[int(v)]
+        engine_id = name.split(FRONT_SEP, 1)[-1]
+        ta = added.get(engine_id)
+        if ta is not None:
+            t_hi.append(t)
+            hi.append(ta - (t + offset_s))
+    return t_lo, lo, np.asarray(t_hi, dtype=np.float64), np.asarray(hi, dtype=np.float64)
+
+
+def _windows(log: RawLog, labels: tuple[str, ...], steps_only: bool) -> np.ndarray:
+    """Per step (engine core) the [first start, last end] of its `labels` windows, or for
+    a worker each execute window (``prepare`` + ``forward``) in order: (n, 2)."""
+    ids = [log.labels.index(x) for x in labels if x in log.labels]
+    seg = log.segments
+    m = np.isin(seg.label, ids)
+    if steps_only:
+        m &= seg.step >= 0
+        st = seg.step[m]
+        if not len(st):
+            return np.zeros((0, 2))
+        uniq, inv = np.unique(st, return_inverse=True)
+        a = np.full(len(uniq), np.inf)
+        b = np.full(len(uniq), -np.inf)
+        np.minimum.at(a, inv, seg.t_start_s[m])
+        np.maximum.at(b, inv, seg.t_end_s[m])
+        return np.column_stack([a, b])
+    return np.column_stack([seg.t_start_s[m], seg.t_end_s[m]])
+
+
+def worker_bounds(core: ProcessLog, wk: ProcessLog, offset_s: float):
+    """Paired-stamp bounds on a worker's correction: the engine core's n-th forward window
+    (from ``execute_model`` to its wait returning) contains the worker's n-th."""
+    c = _windows(core.log, ("prefill", "decode", "verify"), steps_only=True)
+    w_prep = _windows(wk.log, ("prepare",), steps_only=False)
+    w_fwd = _windows(wk.log, ("forward",), steps_only=False)
+    if not len(c) or not len(w_fwd):
+        return (np.zeros(0),) * 4
+    # a worker window is (prepare start or forward start, forward end); prepare precedes
+    # its forward, so pair each forward with the last prepare that ended at its start
+    starts = w_fwd[:, 0].copy()
+    if len(w_prep):
+        k = np.searchsorted(w_prep[:, 1], w_fwd[:, 0], side="right") - 1
+        ok = (k >= 0) & (np.abs(w_prep[np.clip(k, 0, None), 1] - w_fwd[:, 0]) < 1e-9)
+        starts[ok] = w_prep[k[ok], 0]
+    w = np.column_stack([starts, w_fwd[:, 1]])
+    # serving windows only: from the engine core's first step (startup runs come before)
+    w = w[w[:, 0] + offset_s >= c[0, 0] - 1e-3]
+    n = min(len(c), len(w))
+    c, w = c[:n], w[:n]
+    lo = c[:, 0] - (w[:, 0] + offset_s)  # the worker started after the core asked
+    hi = c[:, 1] - (w[:, 1] + offset_s)  # and ended before the core's wait returned
+    return w[:, 0], lo, w[:, 1], hi
+
+
+def fit_clock(t_lo, lo, t_hi, hi, *, offset_s: float, shared: bool) -> ClockFit:
+    """The correction for one process from its paired-stamp bounds (see the module doc)."""
+    t_lo, lo, t_hi, hi = (np.asarray(x, dtype=np.float64) for x in (t_lo, lo, t_hi, hi))
+    pairs = len(lo) + len(hi)
+    bound = (float(lo.max()) if len(lo) else -np.inf, float(hi.min()) if len(hi) else np.inf)
+    if shared:
+        viol = int(np.sum(lo > CAUSALITY_TOL_S) + np.sum(hi < -CAUSALITY_TOL_S))
+        return ClockFit(
+            offset_s, 0.0, 0.0, 0.0, bound, pairs, viol, "one clock (same boot, CLOCK_MONOTONIC)"
+        )
+    if not len(lo) or not len(hi):
+        raise LogError(
+            "<merge>", "clock", "processes on different clocks need paired stamps both ways"
+        )
+    a, b, unc = estimate_offset(t_lo, lo, t_hi, hi)
+    theta_lo = a + b * t_lo
+    theta_hi = a + b * t_hi
+    viol = int(np.sum(lo > theta_lo + unc) + np.sum(hi < theta_hi - unc))
+    return ClockFit(offset_s, a, b, unc, bound, pairs, viol, "estimated from paired stamps")
+
+
+def estimate_offset(t_lo, lo, t_hi, hi, *, bins: int = 8) -> tuple[float, float, float]:
+    """``theta(t) = a + b t`` from bounds ``lo_i <= theta(t_lo_i)``, ``theta(t_hi_j) <= hi_j``:
+    per time bin the tightest bounds, their midpoints fitted by least squares. Returns (a,
+    b, uncertainty): half the widest bin's bound plus the largest fit residual."""
+    t_all = np.concatenate([t_lo, t_hi])
+    edges = np.unique(np.quantile(t_all, np.linspace(0, 1, bins + 1)))
+    mids, ts, half = [], [], []
+    for i in range(len(edges) - 1):
+        last = i == len(edges) - 2
+        ml = (t_lo >= edges[i]) & ((t_lo <= edges[i + 1]) if last else (t_lo < edges[i + 1]))
+        mh = (t_hi >= edges[i]) & ((t_hi <= edges[i + 1]) if last else (t_hi < edges[i + 1]))
+        if not ml.any() or not mh.any():
+            continue
+        lo_b, hi_b = lo[ml].max(), hi[mh].min()
+        mids.append((lo_b + hi_b) / 2)
+        half.append(abs(hi_b - lo_b) / 2)
+        ts.append((edges[i] + edges[i + 1]) / 2)
+    if not mids:  # bounds never share a bin: one constant from the tightest of each
+        m = (lo.max() + hi.min()) / 2
+        return float(m), 0.0, float(abs(hi.min() - lo.max()) / 2)
+    tv, mv = np.asarray(ts), np.asarray(mids)
+    if len(tv) >= 2:
+        b, a = np.polyfit(tv, mv, 1)
+    else:
+        a, b = float(mv[0]), 0.0
+    resid = float(np.max(np.abs(mv - (a + b * tv))))
+    return float(a), float(b), float(max(half) + resid)
+
+
+# -- the merge ----------------------------------------------------------------------------
+
+
+def merge_dir(directory: str) -> RawLog:
+    """The run recorded in `directory` (see the module docstring)."""
+    return merge_logs(process_logs(directory), path=directory)
+
+
+def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
+    cores = [p for p in procs if p.role == CORE]
+    if len(cores) != 1:
+        raise LogError(
+            path,
+            "engine_core",
+            f"found {len(cores)} engine core logs; the merge needs exactly one "
+            "(one engine core per server; data parallel runs are not merged)",
+        )
+    core = cores[0]
+    others = [p for p in procs if p is not core]
+    fits = [_fit(core, p) for p in others]
+    # one request identity: the client's name for every engine id the API server knew
+    client_of: dict[str, str] = {}
+    for p in others:
+        if p.role == FRONTEND:
+            for name in p.log.request_ids:
+                client, sep, engine_id = name.partition(FRONT_SEP)
+                if sep:
+                    client_of[engine_id] = client
+    req_ids = [client_of.get(r, r) for r in core.log.request_ids]
+    index = {r: i for i, r in enumerate(req_ids)}
+    labels = list(core.log.labels)
+
+    def label_id(name: str) -> int:
+        if name not in labels:
+            labels.append(name)
+        return labels.index(name)
+
+    extra_req: list[str] = []
+    seg_rows: list[np.ndarray] = []
+    ce_rows: list[np.ndarray] = []
+    dl_rows: list[np.ndarray] = []
+    processes = [{**core.identity, "path": core.path, "recovered": core.recovered}]
+    for k, (p, fit) in enumerate(zip(others, fits, strict=True), start=1):
+        processes.append(
+            {**p.identity, "path": p.path, "recovered": p.recovered, "clock_fit": fit.as_meta()}
+        )
+        lg = p.log
+        lab = np.array([label_id(x) for x in lg.labels], dtype=np.int64)
+        if len(lg.segments):
+            seg_rows.append(
+                np.column_stack(
+                    [
+                        np.full(len(lg.segments), k),
+                        lab[lg.segments.label] if len(lab) else lg.segments.label,
+                        fit.apply(lg.segments.t_start_s),
+                        fit.apply(lg.segments.t_end_s),
+                    ]
+                )
+            )
+        if len(lg.gc_pauses):
+            seg_rows.append(
+                np.column_stack(
+                    [
+                        np.full(len(lg.gc_pauses), k),
+                        np.full(len(lg.gc_pauses), label_id("gc")),
+                        fit.apply(lg.gc_pauses.t_start_s),
+                        fit.apply(lg.gc_pauses.t_end_s),
+                    ]
+                )
+            )
+        if p.role != FRONTEND:
+            continue
+        # client-boundary emissions: the request's merged index
+        names = [r.partition(FRONT_SEP)[0] for r in lg.request_ids]
+        ridx = np.empty(len(names), dtype=np.int64)
+        for i, nm in enumerate(names):
+            j = index.get(nm)
+            if j is None:
+                j = index[nm] = len(req_ids) + len(extra_req)
+                extra_req.append(nm)
+            ridx[i] = j
+        em = lg.emissions
+        if len(em):
+            t_sent = fit.apply(em.t_s)
+            ready = _ready_times(lg, em.t_s)
+            ce_rows.append(
+                np.column_stack(
+                    [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
+                )
+            )
+        # deliveries: outputs built in a core step, received here
+        c_t, c_v = _counter(core.log, OUT)
+        f_t, f_v = _counter(lg, RECV)
+        _, ci, fi = np.intersect1d(c_v, f_v, return_indices=True)
+        if len(ci):
+            st = core.log.steps
+            step = np.searchsorted(st.t_start_s, c_t[ci], side="right") - 1
+            dl_rows.append(
+                np.column_stack([step, c_t[ci], fit.apply(f_t[fi]), np.full(len(ci), k)])
+            )
+    log = core.log
+    requests = log.requests
+    if extra_req:
+        n = len(extra_req)
+        requests = Requests(
+            arrival_s=np.concatenate([requests.arrival_s, np.full(n, np.nan)]),
+            prompt_tokens=np.concatenate([requests.prompt_tokens, np.full(n, -1)]),
+            max_new_tokens=np.concatenate([requests.max_new_tokens, np.full(n, -1)]),
+            first_token_s=np.concatenate([requests.first_token_s, np.full(n, np.nan)]),
+        )
+    meta = dict(log.meta)
+    meta["process"] = {k: v for k, v in core.identity.items()}
+    meta["processes"] = processes
+    meta["clock_pairs"] = clock_pairs(core, others, fits)
+    meta["merged_from"] = os.path.abspath(path) if path != "<memory>" else path
+    meta["interrupted"] = any(p.recovered for p in procs)
+    warnings = list(log.warnings)
+    for p in procs:
+        if p.recovered:
+            warnings.append(
+                f"{os.path.basename(p.path)}: recovered from parts (the process was killed); "
+                "rows after its last flush are lost"
+            )
+    for p, fit in zip(others, fits, strict=True):
+        if fit.violations:
+            warnings.append(
+                f"{os.path.basename(p.path)}: {fit.violations} of {fit.pairs} paired stamps "
+                f"violate causality with the clock used ({fit.method})"
+            )
+    meta["warnings"] = warnings
+    return replace(
+        log,
+        requests=requests,
+        request_ids=tuple(req_ids + extra_req),
+        labels=tuple(labels),
+        proc_segments=ProcSegments.from_columns(**_cols(seg_rows, ProcSegments)),
+        client_emissions=ClientEmissions.from_columns(**_cols(ce_rows, ClientEmissions)),
+        deliveries=Deliveries.from_columns(**_cols(dl_rows, Deliveries)),
+        meta=meta,
+        path=path,
+        warnings=tuple(warnings),
+    )
+
+
+def clock_pairs(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> list:
+    """Every pair of processes: how far the second's clock is from the first's at the
+    run's start (``t_first = t_second + offset_s``, seconds since each recorder started)
+    and the uncertainty. Against the engine core: the fit itself; between two other
+    processes: through the engine core (offsets subtract, uncertainties add)."""
+
+    def name(p: ProcessLog) -> str:
+        return f"{p.role}-{p.identity.get('pid', '?')}"
+
+    out = [
+        {"a": name(core), "b": name(p), "offset_s": f.offset_s + f.correction_s,
+         "drift_ppm": f.drift * 1e6, "uncertainty_s": f.uncertainty_s, "method": f.method}
+        for p, f in zip(others, fits, strict=True)
+    ]  # fmt: skip
+    for i in range(len(others)):
+        for j in range(i + 1, len(others)):
+            fi, fj = fits[i], fits[j]
+            out.append({
+                "a": name(others[i]), "b": name(others[j]),
+                "offset_s": (fj.offset_s + fj.correction_s) - (fi.offset_s + fi.correction_s),
+                "drift_ppm": (fj.drift - fi.drift) * 1e6,
+                "uncertainty_s": fi.uncertainty_s + fj.uncertainty_s,
+                "method": "through the engine core",
+            })  # fmt: skip
+    return out
+
+
+def _ready_times(lg: RawLog, t_sent: np.ndarray) -> np.ndarray:
+    """When each chunk was ready: the start of the ``sse_write`` window that ends at its
+    write (recorded together); the write itself where there is none."""
+    ready = np.asarray(t_sent, dtype=np.float64).copy()
+    if "sse_write" not in lg.labels:
+        return ready
+    m = lg.segments.label == lg.labels.index("sse_write")
+    ends, starts = lg.segments.t_end_s[m], lg.segments.t_start_s[m]
+    order = np.argsort(ends, kind="stable")
+    ends, starts = ends[order], starts[order]
+    k = np.searchsorted(ends, t_sent)
+    ok = k < len(ends)
+    hit = ok.copy()
+    hit[ok] = ends[k[ok]] == t_sent[ok]
+    ready[hit] = starts[k[hit]]
+    return ready
+
+
+def _cols(rows: list[np.ndarray], cls: Any) -> dict[str, np.ndarray]:
+    names = list(cls.DTYPES)
+    if not rows:
+        return {k: np.zeros(0) for k in names}
+    a = np.concatenate(rows)
+    return {k: a[:, i] for i, k in enumerate(names)}
+
+
+def _fit(core: ProcessLog, p: ProcessLog) -> ClockFit:
+    offset_s = p.t0_s - core.t0_s
+    shared = one_clock(core.identity, p.identity)
+    if p.role == FRONTEND:
+        bounds = frontend_bounds(core, p, offset_s)
+    else:
+        bounds = worker_bounds(core, p, offset_s)
+    if not shared and not (len(bounds[1]) and len(bounds[3])):
+        # nothing to estimate from: the start ticks are all there is; say so
+        return ClockFit(offset_s, 0.0, 0.0, float("inf"), (-np.inf, np.inf), 0, 0,
+                        "unknown: different clocks and no paired stamps")  # fmt: skip
+    return fit_clock(*bounds, offset_s=offset_s, shared=shared)
+
+
+def save_merged(directory: str, out: str) -> RawLog:
+    log = merge_dir(directory)
+    log.save(out)
+    return log.with_path(out)
+
+
+__all__ = [
+    "ClockFit",
+    "ProcessLog",
+    "estimate_offset",
+    "fit_clock",
+    "is_process_dir",
+    "merge_dir",
+    "merge_logs",
+    "one_clock",
+    "process_logs",
+    "save_merged",
+]

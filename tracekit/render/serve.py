@@ -1,0 +1,229 @@
+"""The client boundary of a merged server run, rendered: a terminal block and a
+self-contained HTML section (plain tables, no script). Consumes `RunAnalysis.client`
+(`tracekit.frontend.client_summary`); analyses nothing itself."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+CONVENTIONS = (
+    ("per_chunk", "per chunk (client gap)"),
+    ("per_token", "per token (chunk gap / its tokens)"),
+    ("per_engine_step", "per engine step (engine gap)"),
+)
+
+
+def _ms(x: Any, nd: int = 2) -> str:
+    return "-" if x is None or not math.isfinite(float(x)) else f"{float(x):.{nd}f}"
+
+
+def _pct(x: Any) -> str:
+    return "-" if x is None or not math.isfinite(float(x)) else f"{100 * float(x):.1f}%"
+
+
+def _shares(c: Mapping[str, Any], key: str) -> list[tuple[str, float]]:
+    return [(lb, v) for lb, v in c.get(key, {}).items() if v and v > 5e-4]
+
+
+def client_text(c: Mapping[str, Any] | None) -> str:
+    """Terminal block for one run's client boundary ('' when the run has none)."""
+    if not c:
+        return ""
+    itl = c["itl_ms"]
+    lines = [
+        f"Client boundary: {c['chunks']} chunks, {c['gaps']} gaps between chunks, "
+        f"{_ms(itl['tokens_per_chunk_mean'])} tokens per chunk; frontend share of gap time "
+        f"{_pct(c.get('frontend_share'))}; "
+        f"reconcile max err {c.get('reconcile_max_err_ms', 0):.1e} ms",
+        f"{'ITL ms':<38}{'p50':>9}{'p90':>9}{'p99':>9}{'mean':>9}{'n':>7}",
+    ]
+    for key, name in CONVENTIONS:
+        v = itl[key]
+        lines.append(
+            f"{name:<38}{_ms(v['p50']):>9}{_ms(v['p90']):>9}{_ms(v['p99']):>9}"
+            f"{_ms(v['mean']):>9}{v['n']:>7}"
+        )
+    spec = c.get("spec")
+    if spec:
+        lines.append(
+            f"speculative decoding: {spec['accepted']:.0f} of {spec['drafted']:.0f} draft tokens "
+            f"accepted ({_pct(spec['acceptance'])}), {_ms(spec['tokens_per_emission'])} tokens "
+            "per engine emission"
+        )
+    for key, title in (("tail_share", f"client tail (gaps >= p99 {_ms(c.get('p99_ms'))} ms)"),
+                       ("all_share", "all client-gap time")):  # fmt: skip
+        parts = ", ".join(f"{lb} {_pct(v)}" for lb, v in _shares(c, key))
+        lines.append(f"{title}: {parts}")
+    return "\n".join(lines)
+
+
+def spec_text(a: Any) -> str:
+    """One line for a run with speculative decoding: acceptance next to ITL."""
+    s = a.spec
+    return (
+        f"speculative decoding: {s['accepted']:.0f} of {s['drafted']:.0f} draft tokens "
+        f"accepted ({_pct(s['acceptance'])}), {_ms(s['tokens_per_emission'])} tokens per "
+        f"engine emission; ITL (per engine emission) p50 {_ms(a.itl_p50)} ms, "
+        f"p99 {_ms(a.itl_p99)} ms"
+    )
+
+
+def spec_html(runs: Sequence[tuple[str, Any]]) -> str:
+    """Acceptance next to ITL for runs with speculative decoding but no client boundary
+    (a run with one shows it in its client-boundary section)."""
+    have = [(n, a) for n, a in runs if a.spec and not a.client]
+    if not have:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(n)}</td><td>{_pct(a.spec['acceptance'])}</td>"
+        f"<td>{a.spec['accepted']:.0f} / {a.spec['drafted']:.0f}</td>"
+        f"<td>{_ms(a.spec['tokens_per_emission'])}</td><td>{_ms(a.itl_p50)}</td>"
+        f"<td>{_ms(a.itl_p99)}</td></tr>"
+        for n, a in have
+    )
+    return (
+        "<h2>Speculative decoding</h2><p class=note>Draft tokens accepted, and ITL between "
+        "engine emissions (each carries every token a step accepted).</p><table><tr>"
+        "<th>run</th><th>acceptance</th><th>accepted / drafted</th><th>tokens per emission"
+        f"</th><th>ITL p50 ms</th><th>ITL p99 ms</th></tr>{rows}</table>"
+    )
+
+
+def client_html(runs: Sequence[tuple[str, Mapping[str, Any] | None]]) -> str:
+    """HTML section for the runs that have a client boundary ('' when none has)."""
+    have = [(n, c) for n, c in runs if c]
+    if not have:
+        return ""
+    e = html.escape
+    out = [
+        "<h2>Client boundary (streamed chunks)</h2><p class=note>Gaps between two chunks a "
+        "client received, partitioned: the engine's causes until the chunk's last token left "
+        "the engine, then the API server's (hop, output processing and detokenisation, "
+        "frontend GC, the SSE write, other). ITL in three conventions side by side.</p>"
+    ]
+    for name, c in have:
+        itl = c["itl_ms"]
+        rows = "".join(
+            f"<tr><td>{e(label)}</td><td>{_ms(itl[k]['p50'])}</td><td>{_ms(itl[k]['p90'])}</td>"
+            f"<td>{_ms(itl[k]['p99'])}</td><td>{_ms(itl[k]['mean'])}</td><td>{itl[k]['n']}</td></tr>"
+            for k, label in CONVENTIONS
+        )
+        share = "".join(
+            f"<tr><td>{e(lb)}</td><td>{_pct(c['all_share'].get(lb))}</td>"
+            f"<td>{_pct(c.get('tail_share', {}).get(lb))}</td></tr>"
+            for lb, _ in _shares(c, "all_share")
+        )
+        spec = c.get("spec")
+        spec_p = (
+            f"<p>Speculative decoding: acceptance {_pct(spec['acceptance'])} "
+            f"({spec['accepted']:.0f} of {spec['drafted']:.0f} draft tokens), "
+            f"{_ms(spec['tokens_per_emission'])} tokens per engine emission.</p>"
+            if spec
+            else ""
+        )
+        out.append(
+            f"<h3>{e(name)}</h3><p>{c['chunks']} chunks, {_ms(itl['tokens_per_chunk_mean'])} "
+            f"tokens per chunk, frontend share of gap time {_pct(c.get('frontend_share'))}.</p>"
+            f"{spec_p}<table><tr><th>ITL ms</th><th>p50</th><th>p90</th><th>p99</th>"
+            f"<th>mean</th><th>n</th></tr>{rows}</table>"
+            f"<table><tr><th>label</th><th>all gap time</th><th>tail time</th></tr>{share}</table>"
+        )
+    return "".join(out)
+
+
+#: Perfetto pids of the other processes of a merged run: this base + their index in
+#: ``meta["processes"]`` (the engine core is the trace's "engine" process).
+PID_PROCESS_BASE = 100
+#: Their threads: tids from here (clear of the request tracks' tids), 1000 per process.
+TID_PROCESS_BASE = 1_000_000
+
+
+def process_events(log: Any, window_s: tuple[float, float] | None = None) -> list[dict[str, Any]]:
+    """Chrome trace events for a merged server run: one process track per process other
+    than the engine core (API server, workers), one thread per window label, the client
+    chunks (instants, with request and tokens) and the arrival of each step's outputs.
+    Times in µs on the run's clock; only what lies at or after the engine core's start."""
+    import numpy as np
+
+    procs = log.meta.get("processes") or []
+    ps, ce, dl = log.proc_segments, log.client_emissions, log.deliveries
+    out: list[dict[str, Any]] = []
+
+    def keep(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        m = a >= 0
+        if window_s is not None:
+            m &= (b >= window_s[0]) & (a <= window_s[1])
+        return m
+
+    for k, p in enumerate(procs):
+        if k == 0 or not isinstance(p, dict):
+            continue  # the engine core: the trace's engine process
+        pid = PID_PROCESS_BASE + k
+        name = f"{p.get('role', '?')} (pid {p.get('pid', '?')})"
+        out.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}})
+        out.append(
+            {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": 2 + k}}
+        )
+        mine = ps.process == k
+        labels = sorted({int(x) for x in ps.label[mine]})
+        tid = TID_PROCESS_BASE + 1000 * k  # Perfetto keys JSON threads by tid alone
+        for lab in labels:
+            m = mine & (ps.label == lab)
+            a, b = ps.t_start_s[m], ps.t_end_s[m]
+            sel = keep(a, b)
+            a, b = a[sel], b[sel]
+            order = np.lexsort((-b, a))
+            # windows of one label can overlap (concurrent requests awaiting the tokenizer,
+            # a GC inside a write): one track per lane, a lane never holds two that overlap
+            lane_end: list[float] = []
+            lane_of = np.zeros(len(a), dtype=np.int64)
+            for i in order.tolist():
+                j = next((q for q, e in enumerate(lane_end) if e <= a[i]), len(lane_end))
+                if j == len(lane_end):
+                    lane_end.append(b[i])
+                else:
+                    lane_end[j] = b[i]
+                lane_of[i] = j
+            for j in range(max(len(lane_end), 1)):
+                tid += 1
+                name = log.labels[lab] + (f" ({j + 1})" if j else "")
+                out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                            "args": {"name": name}})  # fmt: skip
+                for t0, t1 in zip(a[lane_of == j].tolist(), b[lane_of == j].tolist(), strict=True):
+                    out.append({"ph": "X", "pid": pid, "tid": tid, "name": log.labels[lab],
+                                "ts": round(t0 * 1e6, 3),
+                                "dur": round(max(t1 - t0, 0) * 1e6, 3)})  # fmt: skip
+        m = ce.process == k
+        if m.any():
+            tid += 1
+            out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                        "args": {"name": "client chunks written"}})  # fmt: skip
+            sel = m & keep(ce.t_s, ce.t_s)
+            for r, t, n in zip(ce.request[sel].tolist(), ce.t_s[sel].tolist(),
+                               ce.num_tokens[sel].tolist(), strict=True):  # fmt: skip
+                out.append({"ph": "i", "s": "t", "pid": pid, "tid": tid, "name": "chunk",
+                            "ts": round(t * 1e6, 3),
+                            "args": {"request": log.request_ids[r], "tokens": n}})  # fmt: skip
+        m = dl.process == k
+        if m.any():
+            tid += 1
+            out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                        "args": {"name": "step outputs received"}})  # fmt: skip
+            sel = m & keep(dl.t_recv_s, dl.t_recv_s)
+            for s, t_out, t in zip(dl.step[sel].tolist(), dl.t_out_s[sel].tolist(),
+                                   dl.t_recv_s[sel].tolist(), strict=True):  # fmt: skip
+                out.append(
+                    {
+                        "ph": "i",
+                        "s": "t",
+                        "pid": pid,
+                        "tid": tid,
+                        "name": "outputs",
+                        "ts": round(t * 1e6, 3),
+                        "args": {"step": s, "hop_ms": round((t - t_out) * 1e3, 4)},
+                    }
+                )
+    return out
