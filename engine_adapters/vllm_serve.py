@@ -181,27 +181,8 @@ def recorder_for(role: str) -> Any:
                 handle_signals=False,  # vLLM's own handlers decide how each process ends
             )
             rec.start()
-            _rec[role] = rec
-            threading.Thread(
-                target=_idle_flusher, args=(rec, flush_s), name="tracekit-idle-flush", daemon=True
-            ).start()
+            _rec[role] = rec  # the recorder's own idle flush bounds what a SIGKILL loses
     return rec
-
-
-def _idle_flusher(rec: Any, interval_s: float) -> None:
-    """Flush what an idle process recorded: an engine core waiting for work (or killed
-    later) otherwise keeps its last rows in memory until its next step."""
-    while rec.running:
-        time.sleep(interval_s)
-        flush_if_idle(rec)
-
-
-def flush_if_idle(rec: Any) -> None:
-    """Let rows recorded before the process idles reach disk within the flush interval
-    (a no-op until the interval has passed since the last flush)."""
-    fn = getattr(rec, "_flush_if_idle", None)
-    if fn is not None and rec.running:
-        fn(rec.now())
 
 
 # -- engine core ------------------------------------------------------------------------

@@ -259,6 +259,8 @@ def test_admissions_equal_the_engines_scheduled_timestamps(vllm_run):
     # 8 requests and 4 KV blocks: the scheduler left some waiting, and the adapter said why
     reasons = collections.Counter(WAIT_REASONS[c] for c in log.waits.reason.tolist())
     assert reasons["kv_blocks"] > 0
+
+
 def test_parallel_sampling_siblings_are_named_by_the_callers_id(llm, vllm_mod):
     """n=3: vLLM runs three engine requests `K_ID-XXXXXXXX`; tracekit names them `ID#K`
     (K = `CompletionOutput.index`), so grouping by what precedes '#' sees every token."""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tracekit
+import tracekit.signals
 from tracekit.errors import LogError
 from tracekit.merge import estimate_offset, merge_dir
 
@@ -84,12 +85,10 @@ def record_pair(tmp_path, *, fe_offset_s=0.0, fe_drift=0.0, fe_boot="b1", n=300,
     fe.stop()
     if kill_core:
         core._flush()  # what the flush interval would have written; then no stop()
-        core._writer.close()
+        core._dispatcher.close()  # every flushed row is in its part, as after a SIGKILL
         core._running = False
         tracekit.hooks._ACTIVE.discard(core)
-        import atexit
-
-        atexit.unregister(core.stop)
+        tracekit.signals.cancel_at_exit(core.stop)
     else:
         core.stop()
     return str(tmp_path), np.array(writes), core_clk

@@ -340,15 +340,17 @@ def ttft_comparison(cmp: Comparison, *, markdown: bool = False) -> str:
         ]
         for g in groups
     ]
-    title = (
-        f"TTFT PER {cmp.by.upper()}  (ms, median [min-max] across runs; queued: median share "
-        "of TTFT time; then the median share of tail TTFT time (requests >= each run's p90) "
-        "by cause)"
+    what = (
+        "(ms, median [min-max] across runs; queued: median share of TTFT time; then the "
+        "median share of tail TTFT time (requests >= each run's p90) by cause)"
     )
     align = "l" + "r" * (len(head) - 1)
-    if markdown:
-        return "\n".join([f"**{_md_cell(title)}**", "", markdown_table(rows, head, align)])
-    return "\n".join([title, table(rows, head, align)])
+    if markdown:  # group keys and the grouping key come from the logs: literal text
+        md_rows = [[md_text(r[0]), *map(_md_cell, r[1:])] for r in rows]
+        md_head = [md_text(head[0]), *map(_md_cell, head[1:])]
+        title = f"TTFT PER {md_text(cmp.by.upper())}  {_md_cell(what)}"
+        return "\n".join([f"**{title}**", "", markdown_table(md_rows, md_head, align)])
+    return "\n".join([f"TTFT PER {one_line(cmp.by).upper()}  {what}", table(rows, head, align)])
 
 
 def ttft_requests(name: str, figures: Mapping, records: Sequence[Mapping], top: int) -> str:
