@@ -624,7 +624,7 @@ def _from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     )
     req_ids_num = _int_col(path, "requests", rq[:, 0], "request id")
     order = np.argsort(req_ids_num, kind="stable")
-    if len(np.unique(req_ids_num)) != len(req_ids_num):
+    if np.any(req_ids_num[order][1:] == req_ids_num[order][:-1]):  # sorted: neighbours
         raise LogError(path, "requests", "column request id: duplicate ids")
 
     def to_index(key: str, ids: np.ndarray) -> np.ndarray:
