@@ -105,10 +105,12 @@ def run_row(analysis: Any, run_id: str) -> dict[str, Any]:
 
 
 def _scalar(v: Any) -> Any:
-    """Ints stay ints, bools bools; floats and None (a non-finite figure) become float."""
-    if isinstance(v, bool) or isinstance(v, int):
+    """Ints stay ints, bools bools, floats floats; a figure without a value (a run without
+    gaps has no p99) is None: a null in Parquet, which SQL engines skip in max() and
+    median() (a NaN would sort above every number there)."""
+    if v is None or isinstance(v, (bool, int)):
         return v
-    return math.nan if v is None else float(v)
+    return float(v) if math.isfinite(float(v)) else None
 
 
 def gap_columns(log: Any, part: Any, run_id: str) -> dict[str, np.ndarray]:
@@ -203,9 +205,19 @@ def _table(cols: Mapping[str, Any]):
             arrays[k] = pa.array(v)
         elif k in ("run", "primary"):
             arrays[k] = pa.array(list(v), type=pa.string()).dictionary_encode()
+        elif k in _STRING_LISTS:
+            arrays[k] = pa.array(list(v), type=pa.list_(pa.string()))
+        elif len(v) and isinstance(v[0], list):  # gen2 pause lists: ms
+            arrays[k] = pa.array(list(v), type=pa.list_(pa.float64()))
+        elif all(x is None for x in v):  # a figure without a value: a float figure
+            arrays[k] = pa.array(list(v), type=pa.float64())
         else:
             arrays[k] = pa.array(list(v))
     return pa.table(arrays)
+
+
+#: List columns of strings in the runs table (other lists hold ms).
+_STRING_LISTS = frozenset({"labels", "warnings"})
 
 
 def _write(path: str, table: Any) -> None:
