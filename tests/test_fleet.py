@@ -244,3 +244,24 @@ def test_cli_export_and_fleet(tmp_path):
     assert r.stderr.strip() == (
         f"tracekit: error: {bad}: file: not a readable .npz archive (File is not a zip file)"
     )
+
+
+def test_nothing_but_the_ray_path_imports_ray(dataset, tmp_path):
+    """`ray` is an optional extra: the package, the CLI and a whole analyse/export/fleet
+    without --ray never import it (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    paths, root = dataset
+    code = (
+        "import sys, tracekit, tracekit.cli, tracekit.export, tracekit.fleet\n"
+        "from click.testing import CliRunner\n"
+        "r = CliRunner()\n"
+        f"assert r.invoke(tracekit.cli.main, ['analyze', {paths[2]!r}]).exit_code == 0\n"
+        f"assert r.invoke(tracekit.cli.main, ['fleet', {root!r}, '--by', 'rung']).exit_code == 0\n"
+        f"assert r.invoke(tracekit.cli.main, ['export', {paths[2]!r}, '-o', "
+        f"{str(tmp_path / 'd')!r}]).exit_code == 0\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

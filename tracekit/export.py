@@ -205,6 +205,8 @@ def _table(cols: Mapping[str, Any]):
             arrays[k] = pa.array(v)
         elif k in ("run", "primary"):
             arrays[k] = pa.array(list(v), type=pa.string()).dictionary_encode()
+        elif k in ("request", "path", "config_json", "hist_json"):
+            arrays[k] = pa.array(list(v), type=pa.string())
         elif k in _STRING_LISTS:
             arrays[k] = pa.array(list(v), type=pa.list_(pa.string()))
         elif len(v) and isinstance(v[0], list):  # gen2 pause lists: ms
