@@ -581,7 +581,9 @@ def _published_array(path: str, arrays: dict[str, np.ndarray], key: str) -> np.n
         return np.zeros((0, ncol), dtype=np.float64)
     if a.ndim != 2 or a.shape[1] != ncol:
         raise LogError(path, key, f"expected shape (n, {ncol}), got {a.shape}")
-    return a.astype(np.float64, copy=False)
+    # column-major: each column becomes a contiguous array (a row-major (n, 3) array's
+    # columns are strided views, and every pass over emission times would read 3x the bytes)
+    return np.asfortranarray(a, dtype=np.float64)
 
 
 def _int_col(path: str, key: str, col: np.ndarray, name: str) -> np.ndarray:
