@@ -29,22 +29,26 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 _done: list[bool] = []
 
 
+def set_malloc_thresholds(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
+    """Set glibc's mmap and trim thresholds (fixed from then on). False where there is no
+    glibc `mallopt` (other platforms, musl): nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)
+    )
+
+
 def keep_freed_memory(
     mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES,
     trim_threshold_bytes: int = TRIM_THRESHOLD_BYTES,
 ) -> bool:
     """Tune glibc's malloc for array-heavy analysis (once per process). Returns whether it
     applied: False on other C libraries and platforms, where nothing changes."""
-    if _done:
-        return _done[0]
-    ok = False
-    if sys.platform.startswith("linux"):
-        try:
-            mallopt = ctypes.CDLL("libc.so.6").mallopt
-            ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and bool(
-                mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)
-            )
-        except (OSError, AttributeError):  # musl or another libc: keep its defaults
-            ok = False
-    _done.append(ok)
-    return ok
+    if not _done:
+        _done.append(set_malloc_thresholds(mmap_threshold_bytes, trim_threshold_bytes))
+    return _done[0]
