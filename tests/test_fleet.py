@@ -136,9 +136,10 @@ def pandas_rollup(root: str, by: str) -> dict[str, dict]:
     return out
 
 
-def test_fleet_rollup_equals_pandas_over_the_exported_dataset(dataset):
+def test_fleet_rollup_equals_pandas_over_the_exported_dataset(dataset, monkeypatch):
     _, root = dataset
     want = pandas_rollup(root, "rung")
+    monkeypatch.setattr("tracekit.fleet.FILES_PER_TASK", 5)  # three batches to combine
     got = rollup(root, "rung")
     assert [g.key for g in got.groups] == ["baseline", "+watermark", "+budget"]  # run order
     for g in got.groups:
@@ -160,8 +161,9 @@ def test_fleet_rollup_equals_pandas_over_the_exported_dataset(dataset):
         assert g.tail_count == w["tail_count"]
 
 
-def test_fleet_sketch_states_a_rank_error_that_holds(dataset):
+def test_fleet_sketch_states_a_rank_error_that_holds(dataset, monkeypatch):
     _, root = dataset
+    monkeypatch.setattr("tracekit.fleet.FILES_PER_TASK", 5)
     gaps = pd.read_parquet(os.path.join(root, "gaps"))
     got = rollup(root, "replica", memory_budget_bytes=0, sketch_points=32)
     for g in got.groups:

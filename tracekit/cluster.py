@@ -77,7 +77,8 @@ def ray_map(
             if address:
                 ray.init(address=address, **opts)
             else:
-                ray.init(num_cpus=os.cpu_count() or 1, **opts)
+                # "local": a new Ray even where RAY_ADDRESS names a cluster
+                ray.init(address="local", num_cpus=os.cpu_count() or 1, **opts)
         except Exception as e:  # ConnectionError, RuntimeError, ValueError from ray.init
             where = address or "a local Ray"
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__

@@ -45,6 +45,8 @@ MEMORY_BUDGET_BYTES = 1 << 30
 #: Default size of a merged quantile summary (points); a bigger one has a smaller rank error.
 SKETCH_POINTS = 100_000
 MISSING = "(none)"
+#: Data files per task (a Ray task, or one step here): fewer, larger results to combine.
+FILES_PER_TASK = 32
 
 Mapper = Callable[[Callable[..., Any], Sequence[tuple]], list[Any]]
 
@@ -322,35 +324,49 @@ def _rows_by_group(t: Any, run_group: Mapping[str, str]) -> dict[str, np.ndarray
     return {g: np.sort(np.concatenate(ix)) for g, ix in out.items()}
 
 
-def pass_gaps(path: str, run_group: Mapping[str, str], exact: frozenset[str], points: int):
-    """One file's gaps per group: the gap array for exact groups, a summary otherwise."""
-    t = _read_gaps(path, ["run", "gap_ms"])
-    gap = t.column("gap_ms").to_numpy()
-    out: dict[str, Any] = {}
-    for g, rows in _rows_by_group(t, run_group).items():
-        out[g] = gap[rows] if g in exact else QuantileSketch.of(gap[rows], points)
+def pass_gaps(files: Sequence[str], run_group: Mapping[str, str], exact: frozenset[str],
+              points: int):  # fmt: skip
+    """A batch of files' gaps per group, in file order: one array for an exact group, one
+    merged summary otherwise."""
+    arrays: dict[str, list[np.ndarray]] = {}
+    sketches: dict[str, QuantileSketch] = {}
+    for path in files:
+        t = _read_gaps(path, ["run", "gap_ms"])
+        gap = t.column("gap_ms").to_numpy()
+        for g, rows in _rows_by_group(t, run_group).items():
+            if g in exact:
+                arrays.setdefault(g, []).append(gap[rows])
+            else:
+                sk = QuantileSketch.of(gap[rows], points)
+                sketches[g] = sketches[g].merge(sk, points) if g in sketches else sk
+    out: dict[str, Any] = {g: np.concatenate(a) for g, a in arrays.items()}
+    out.update(sketches)
     return out
 
 
-def pass_tail(path: str, run_group: Mapping[str, str], threshold: Mapping[str, float],
-              labels: Sequence[str]):  # fmt: skip
-    """One file's tail sums per group: (tail gaps, their total ms, ms per label, count by
-    primary cause)."""
+def pass_tail(files: Sequence[str], run_group: Mapping[str, str],
+              threshold: Mapping[str, float], labels: Sequence[str]):  # fmt: skip
+    """A batch of files' tail sums per group, added in file order: (tail gaps, their total
+    ms, ms per label, count by primary cause)."""
+    out: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
     cols = ["run", "gap_ms", "primary"] + [f"part_{lb}_ms" for lb in labels]
-    t = _read_gaps(path, cols)
-    gap = t.column("gap_ms").to_numpy()
-    prim = np.asarray(t.column("primary").to_pylist(), dtype=object)
-    parts = [t.column(f"part_{lb}_ms").to_numpy() for lb in labels]
-    out = {}
-    for g, rows in _rows_by_group(t, run_group).items():
-        sel = rows[gap[rows] >= threshold[g]]
-        names, counts = np.unique(prim[sel].astype(str), return_counts=True)
-        out[g] = (
-            len(sel),
-            float(gap[sel].sum()),
-            [float(p[sel].sum()) for p in parts],
-            {str(k): int(c) for k, c in zip(names, counts, strict=True)},
-        )
+    for path in files:
+        t = _read_gaps(path, cols)
+        gap = t.column("gap_ms").to_numpy()
+        prim = np.asarray(t.column("primary").to_pylist(), dtype=object)
+        parts = [t.column(f"part_{lb}_ms").to_numpy() for lb in labels]
+        for g, rows in _rows_by_group(t, run_group).items():
+            sel = rows[gap[rows] >= threshold[g]]
+            names, counts = np.unique(prim[sel].astype(str), return_counts=True)
+            k, ms, by_label, by_cause = out.get(g, (0, 0.0, [0.0] * len(labels), {}))
+            for c, v in zip(names.tolist(), counts.tolist(), strict=True):
+                by_cause[c] = by_cause.get(c, 0) + v
+            out[g] = (
+                k + len(sel),
+                ms + float(gap[sel].sum()),
+                [a + float(p[sel].sum()) for a, p in zip(by_label, parts, strict=True)],
+                by_cause,
+            )
     return out
 
 
@@ -390,7 +406,10 @@ def rollup(
             spent += need
     exact_f = frozenset(exact)
 
-    per_file = mapper(pass_gaps, [(f, run_group, exact_f, sketch_points) for f in files])
+    # files in fixed batches (one task each): the same batches here and on Ray, so the
+    # same merges in the same order and the same numbers
+    batches = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
+    per_file = mapper(pass_gaps, [(b, run_group, exact_f, sketch_points) for b in batches])
     pooled: dict[str, dict[str, tuple[float, int]]] = {}
     threshold: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -414,7 +433,7 @@ def rollup(
         counts[g] = n
     del per_file
 
-    tails = mapper(pass_tail, [(f, run_group, threshold, labels) for f in files])
+    tails = mapper(pass_tail, [(b, run_group, threshold, labels) for b in batches])
     out = []
     for g in groups:
         members = df[np.asarray(group_of) == g]
