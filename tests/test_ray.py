@@ -39,6 +39,20 @@ def invoke(*args: str):
     return r.exit_code, r.stdout, r.stderr
 
 
+def test_an_unreachable_cluster_is_one_line_and_no_hang(runs):
+    """Ray retries an address nobody answers at for minutes; tracekit says so at once.
+    (First in this file: later tests connect this process to a local Ray.)"""
+    assert not ray.is_initialized()
+    code, out, err = invoke("analyze", "--ray", "127.0.0.1:1", runs[0])
+    assert code == 2 and out == ""
+    assert err == (
+        "tracekit: error: --ray 127.0.0.1:1: cannot reach 127.0.0.1:1 (Connection refused); "
+        "is the cluster up? `ray status` on its head node prints the address\n"
+    )
+    code, _, err = invoke("analyze", "--ray", "not-an-address", runs[0])
+    assert code == 2 and "expected auto, HOST:PORT" in err
+
+
 def test_ray_records_equal_jobs_1_in_order(local_ray, runs):
     code1, local, _ = invoke("analyze", "--format", "jsonl", "--jobs", "1", *runs)
     code2, on_ray, _ = invoke("analyze", "--format", "jsonl", "--ray", *runs)

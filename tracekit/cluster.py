@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from .errors import TracekitError
 
 #: `--ray` with no address: start a local Ray for this call.
 LOCAL = ""
+#: How long to wait for a cluster's address to answer before giving up.
+CONNECT_TIMEOUT_S = 5.0
 
 
 class ClusterError(TracekitError):
@@ -53,6 +56,26 @@ def _ray():
     return ray
 
 
+def _check_reachable(address: str) -> None:
+    """Fail fast on an address nothing listens at (Ray itself retries for minutes)."""
+    if address in ("auto", "local"):
+        return
+    hostport = address[len("ray://") :] if address.startswith("ray://") else address
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(
+            f"--ray {address}: expected auto, HOST:PORT (the GCS, 6379) or ray://HOST:PORT "
+            "(Ray Client, 10001)"
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ClusterError(
+            f"--ray {address}: cannot reach {host}:{port} ({e.strerror or e}); is the cluster "
+            "up? `ray status` on its head node prints the address"
+        ) from None
+
+
 def ray_map(
     fn: Callable[..., Any],
     arg_tuples: Sequence[tuple],
@@ -75,10 +98,13 @@ def ray_map(
         }
         try:
             if address:
+                _check_reachable(address)
                 ray.init(address=address, **opts)
             else:
                 # "local": a new Ray even where RAY_ADDRESS names a cluster
                 ray.init(address="local", num_cpus=os.cpu_count() or 1, **opts)
+        except ClusterError:
+            raise
         except Exception as e:  # ConnectionError, RuntimeError, ValueError from ray.init
             where = address or "a local Ray"
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
