@@ -19,12 +19,17 @@ on this machine at this moment (a shared machine: read the ratios). Asserts noth
 
 from __future__ import annotations
 
-import argparse
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core: before numpy is imported
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
 import cProfile
 import io
 import json
-import os
 import pstats
+import resource
 import subprocess
 import sys
 import tempfile
@@ -75,13 +80,16 @@ def to_published(log, path: str, *, compressed: bool) -> str:
     return path
 
 
-def best(fn, n: int) -> float:
-    out = []
+def best(fn, n: int) -> tuple[float, float]:
+    """(wall s, CPU s of this process), each the best of `n` calls. On a shared machine
+    CPU time is the one-core figure: wall time also counts waiting for a core."""
+    walls, cpus = [], []
     for _ in range(n):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        out.append(time.perf_counter() - t)
-    return min(out)
+        cpus.append(time.process_time() - c)
+        walls.append(time.perf_counter() - t)
+    return min(walls), min(cpus)
 
 
 def spread(xs: list[float]) -> str:
@@ -111,21 +119,22 @@ def one_run(d: str, steps: int) -> None:
           f"tail counts equal {counts}, tail shares differ by at most {worst:.1e}")  # fmt: skip
 
     # interleaved A/B pairs: published (once per pair: seconds) vs tracekit (best of 5)
-    ratios, t_pub, t_tk = [], [], []
+    r_wall, r_cpu, t_pub = [], [], []
     for _ in range(3):
         tp = best(lambda: published_analysis(pub), 1)
         tt = best(lambda: analyze(load(pub)), 5)
-        ratios.append(tp / tt)
-        t_pub.append(tp)
-        t_tk.append(tt)
-    print(f"published analysis: {n / np.median(t_pub) / 1e3:,.0f} k gaps/s "
+        r_wall.append(tp[0] / tt[0])
+        r_cpu.append(tp[1] / tt[1])
+        t_pub.append(tp[1])
+    print(f"published analysis: {n / np.median(t_pub) / 1e3:,.0f} k gaps/s of CPU time "
           f"(median of 3, {np.median(t_pub):.2f} s)")  # fmt: skip
-    print("tracekit end to end (load + validate + partition + analyse), one core:")
+    print("tracekit end to end (load + validate + partition + analyse), one core, best of 7:")
     for name, path in files.items():
-        t = best(lambda p=path: analyze(load(p)), 7)
-        print(f"  {name:<32} {n / t / 1e6:5.2f} M gaps/s ({t * 1e3:5.1f} ms)")
-    print(f"  speed-up over the published analysis (compressed file, 3 interleaved pairs): "
-          f"{spread(ratios)}")  # fmt: skip
+        w, c = best(lambda p=path: analyze(load(p)), 7)
+        print(f"  {name:<32} {n / c / 1e6:5.2f} M gaps/s of CPU time ({c * 1e3:5.1f} ms), "
+              f"{n / w / 1e6:5.2f} M gaps/s of wall time ({w * 1e3:5.1f} ms)")  # fmt: skip
+    print("  speed-up over the published analysis (compressed file, 3 interleaved pairs): "
+          f"{spread(r_cpu)} in CPU time, {spread(r_wall)} in wall time")  # fmt: skip
 
     # stages, on the compressed published file
     raw = load(pub, validate=False)
@@ -137,21 +146,21 @@ def one_run(d: str, steps: int) -> None:
         "partition": best(lambda: partition(lg), 7),
         "analyse (figures from the partition)": best(lambda: analyze(lg, p), 7),
     }
-    total = sum(stages.values())
-    print("stages (best of 7 each, compressed published file):")
-    for k, v in stages.items():
-        print(f"  {k:<42} {v * 1e3:5.1f} ms  {100 * v / total:4.0f}%")
+    total = sum(c for _, c in stages.values())
+    print("stages (CPU time, best of 7 each, compressed published file):")
+    for k, (_, c) in stages.items():
+        print(f"  {k:<42} {c * 1e3:5.1f} ms  {100 * c / total:4.0f}%")
 
     # the allocator: glibc defaults vs keep_freed_memory, interleaved
     rs = []
     for _ in range(3):
         set_malloc_thresholds(128 * 1024, 128 * 1024)  # glibc's initial (static) thresholds
-        t_def = best(lambda: analyze(load(pub)), 5)
+        t_def = best(lambda: analyze(load(pub)), 5)[1]
         set_malloc_thresholds(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)  # keep_freed_memory
-        t_keep = best(lambda: analyze(load(pub)), 5)
+        t_keep = best(lambda: analyze(load(pub)), 5)[1]
         rs.append(t_def / t_keep)
     print(f"keeping freed memory (tracekit.allocator) vs glibc's default thresholds: "
-          f"{spread(rs)} faster (page faults of fresh mmaps)")  # fmt: skip
+          f"{spread(rs)} less CPU time (page faults of fresh mmaps)")  # fmt: skip
 
     pr = cProfile.Profile()
     pr.enable()
@@ -166,7 +175,7 @@ def one_run(d: str, steps: int) -> None:
     print("\n".join("  " + line for line in body[start - 2 :]))
 
 
-def _peak_rss_mb(code: str) -> float:
+def _peak_rss_mb(code: str) -> float:  # peak RSS of a fresh interpreter running `code`
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)  # fmt: skip
     return float(out.stdout.strip().splitlines()[-1])
@@ -184,49 +193,75 @@ def fleet(d: str, runs: int, steps: int) -> None:
     modes = {"--jobs 1": (["--jobs", "1"], 1), "--jobs 2": (["--jobs", "2"], 2),
              "--ray (local, starts Ray)": (["--ray"], os.cpu_count() or 1)}  # fmt: skip
     wall: dict[str, list[float]] = {k: [] for k in modes}
+    cpu: dict[str, list[float]] = {k: [] for k in modes}
     outs: dict[str, bytes] = {}
     for _ in range(2):  # interleaved
         for name, (flag, _cores) in modes.items():
             cmd = [sys.executable, "-m", "tracekit", "analyze", "--format", "jsonl", *flag]
+            c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             t = time.perf_counter()
             r = subprocess.run(cmd + paths, capture_output=True, check=True)
             wall[name].append(time.perf_counter() - t)
+            c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[name].append(c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime)
             outs[name] = r.stdout
+    cmd = [sys.executable, "-m", "tracekit", "analyze", "--format", "jsonl", "--ray", paths[0]]
+    t = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, check=True)
+    ray_fixed = time.perf_counter() - t
     base = min(wall["--jobs 1"])
+    print("  (wall: best of 2, whole command incl. interpreter start; CPU: the command's "
+          "processes, Ray's workers not counted)")  # fmt: skip
     for name, (_, cores) in modes.items():
-        w = min(wall[name])
-        print(f"  {name:<26} {w:6.2f} s  {total / w / 1e6:5.2f} M gaps/s  "
+        w, c = min(wall[name]), min(cpu[name])
+        print(f"  {name:<26} {w:6.2f} s wall  {total / w / 1e6:5.2f} M gaps/s  "
               f"{total / w / cores / 1e6:5.2f} M gaps/s per core ({cores} cores)  "
-              f"x{base / w:.2f} vs --jobs 1")  # fmt: skip
+              f"x{base / w:.2f} vs --jobs 1 | {total / c / 1e6:5.2f} M gaps per CPU-s")  # fmt: skip
     same = len({outs[k] for k in outs}) == 1
     print(f"  the three outputs are byte for byte equal: {same}")
+    w = min(wall["--ray (local, starts Ray)"]) - ray_fixed
+    rest = f"--ray without it: {total / w / 1e6:.2f} M gaps/s" if w > 0 else "it dominates"
+    print(f"  Ray's fixed cost (start a local Ray, one run, shut down): {ray_fixed:.1f} s; {rest}")
 
     print("\n== 3. per-run costs (sizing, docs/fleet.md)")
-    code = ("import resource, tracekit; from tracekit.allocator import keep_freed_memory; "
-            "keep_freed_memory(); from tracekit.analysis import analyze; "
-            f"analyze(tracekit.load({paths[0]!r})); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")  # fmt: skip
-    base_code = ("import resource, tracekit, tracekit.analysis, tracekit.partition; "
-                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")  # fmt: skip
-    rss, rss0 = _peak_rss_mb(code), _peak_rss_mb(base_code)
-    print(f"  analyse one {n:,}-gap run: peak RSS {rss:.0f} MB ({rss0:.0f} MB interpreter "
-          f"+ imports, {rss - rss0:.0f} MB for the run)")  # fmt: skip
+    code = ("import pickle, resource, tracemalloc, tracekit; "
+            "from tracekit.allocator import keep_freed_memory; keep_freed_memory(); "
+            "from tracekit.analysis import analyze; rss0 = resource.getrusage("
+            "resource.RUSAGE_SELF).ru_maxrss; tracemalloc.start(); "
+            f"a = analyze(tracekit.load({paths[0]!r})); "
+            "peak = tracemalloc.get_traced_memory()[1]; tracemalloc.stop(); "
+            "print(rss0 / 1024, peak / 2**20, len(pickle.dumps(a)) / 1024)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    rss0, peak, result_kb = (float(x) for x in out)
+    print(f"  analyse one {n:,}-gap run: peak of arrays and objects {peak:.0f} MB "
+          f"({peak * 2**20 / n:.0f} B a gap) over an interpreter of {rss0:.0f} MB RSS; "
+          f"the result (RunAnalysis, pickled) {result_kb:.0f} kB")  # fmt: skip
     ds = f"{d}/dataset"
+    m = len(paths[:10])
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tracekit", "export", *paths[:10], "-o", ds],
+    subprocess.run([sys.executable, "-m", "tracekit", "export", *paths[:m], "-o", ds],
                    capture_output=True, check=True)  # fmt: skip
-    t_exp = (time.perf_counter() - t) / 10
+    t_exp = (time.perf_counter() - t) / m
     size = {k: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(f"{ds}/{k}")
-                   for f in fs) / 10 for k in ("gaps", "runs")}  # fmt: skip
-    raw = sum(os.path.getsize(p) for p in paths[:10]) / 10
-    print(f"  export: {t_exp:.2f} s a run (incl. interpreter start / 10); dataset "
+                   for f in fs) / m for k in ("gaps", "runs")}  # fmt: skip
+    raw = sum(os.path.getsize(p) for p in paths[:m]) / m
+    print(f"  export: {t_exp:.2f} s a run (incl. interpreter start / {m}); dataset "
           f"{size['gaps'] / 1e6:.2f} MB gaps + {size['runs'] / 1e3:.0f} kB runs a run "
           f"({size['gaps'] / n:.1f} B a gap); raw log {raw / 1e6:.2f} MB")  # fmt: skip
     code = ("import resource; from tracekit.fleet import rollup; "
             f"rollup({ds!r}, 'rung'); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")  # fmt: skip
-    print(f"  fleet rollup of 10 runs ({10 * n:,} gaps, exact): peak RSS "
+    print(f"  fleet rollup of {m} runs ({m * n:,} gaps, exact): peak RSS "
           f"{_peak_rss_mb(code):.0f} MB")  # fmt: skip
+    code = code.replace("'rung')", "'rung', memory_budget_bytes=0)")
+    code = code.replace("rollup(", "r = rollup(").replace(
+        "print(", "print(r.groups[0].pooled['itl_p999'][1], "
+    )
+    err, rss = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True).stdout.split()  # fmt: skip
+    print(f"  the same from the sketch (100k points): peak RSS {float(rss):.0f} MB, "
+          f"p99.9 rank error {int(err):,} of {m * n:,} gaps")  # fmt: skip
 
 
 def main() -> None:
