@@ -214,9 +214,10 @@ def fleet(d: str, runs: int, steps: int) -> None:
           "processes, Ray's workers not counted)")  # fmt: skip
     for name, (_, cores) in modes.items():
         w, c = min(wall[name]), min(cpu[name])
+        per_cpu = "-" if "ray" in name else f"{total / c / 1e6:5.2f}"  # tasks: Ray's processes
         print(f"  {name:<26} {w:6.2f} s wall  {total / w / 1e6:5.2f} M gaps/s  "
               f"{total / w / cores / 1e6:5.2f} M gaps/s per core ({cores} cores)  "
-              f"x{base / w:.2f} vs --jobs 1 | {total / c / 1e6:5.2f} M gaps per CPU-s")  # fmt: skip
+              f"x{base / w:.2f} vs --jobs 1 | {per_cpu} M gaps per CPU-s")  # fmt: skip
     same = len({outs[k] for k in outs}) == 1
     print(f"  the three outputs are byte for byte equal: {same}")
     w = min(wall["--ray (local, starts Ray)"]) - ray_fixed

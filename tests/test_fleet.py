@@ -238,9 +238,15 @@ def test_cli_export_and_fleet(tmp_path):
     r = runner.invoke(main, ["export", *paths, "-o", out])
     assert r.exit_code == 2 and "already holds a tracekit dataset" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    # a bad log: the same one line as `analyze`
+    # a key no run has is an error, not one "(none)" group
+    r = runner.invoke(main, ["fleet", out, "--by", "model"])
+    assert r.exit_code == 2 and "--by model: no run has this config key" in r.stderr
+    # a bad log: the same one line as `analyze`, and no half-written dataset left
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip")
+    r = runner.invoke(main, ["export", paths[0], str(bad), "-o", str(tmp_path / "half")])
+    assert r.exit_code == 2 and str(bad) in r.stderr
+    assert not os.path.exists(tmp_path / "half")
     r = runner.invoke(main, ["fleet", paths[0], str(bad), "--by", "rung"])
     assert r.exit_code == 2
     assert r.stderr.strip() == (

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import shutil
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -294,12 +295,15 @@ def export(
         )
     ids = run_ids(paths)
     args = [(p, r, root, tuple(keys)) for p, r in zip(paths, ids, strict=True)]
-    if mapper is None:
-        done = [export_one(*a) for a in args]
-    else:
-        done = mapper(export_one, args)
-    gap_cols = _unify(root, [d.gaps_file for d in done], [d.gap_columns for d in done])
-    _unify(root, [d.runs_file for d in done], [d.run_columns for d in done])
+    created = not os.path.exists(root)
+    try:
+        done = [export_one(*a) for a in args] if mapper is None else mapper(export_one, args)
+        gap_cols = _unify(root, [d.gaps_file for d in done], [d.gap_columns for d in done])
+        _unify(root, [d.runs_file for d in done], [d.run_columns for d in done])
+    except BaseException:
+        if created:  # a bad log midway: leave no half dataset behind
+            shutil.rmtree(root, ignore_errors=True)
+        raise
     meta = {
         "format": DATASET_FORMAT,
         "version": DATASET_VERSION,

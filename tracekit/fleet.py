@@ -389,6 +389,13 @@ def rollup(
     df = _runs_table(root)
     keys = set(_partition_keys(root))
     group_of = _group_of_run(df, by)
+    if all(g == MISSING for g in group_of) and by not in df.columns:
+        raise DatasetError(
+            f"--by {by}: no run has this config key or runs-table column (config keys of the "
+            f"first run: {', '.join(sorted(json.loads(df['config_json'].iloc[0])))})"
+            if len(df) and "config_json" in df.columns
+            else f"--by {by}: no run has this config key or runs-table column"
+        )
     run_group = dict(zip(df["run"].tolist(), group_of, strict=True))
     groups = list(dict.fromkeys(group_of))
     figures = _figure_columns(df, keys | {by})
