@@ -108,9 +108,10 @@ def _map_with_progress(
 def _ray_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
-        help="Analyse each run as a Ray task: on the cluster at ADDRESS (auto, ray://head:10001, "
-        "head:6379), or on a local Ray started for this call when ADDRESS is omitted. "
-        "Same output as without it. Needs `pip install 'tracekit[ray]'`.",
+        help="Run the per-run work as Ray tasks: on the cluster at ADDRESS (auto, "
+        "ray://head:10001, head:6379), or on a local Ray started for this call when ADDRESS is "
+        "omitted. Same output as without it. Needs `pip install 'tracekit[ray]'`; see "
+        "docs/fleet.md.",
     )(fn)  # fmt: skip
 
 
