@@ -234,6 +234,15 @@ def test_cli_export_and_fleet(tmp_path):
     r = runner.invoke(main, ["fleet", out, "--by", "rung", "--memory-mb", "0",
                              "--sketch-points", "16"])  # fmt: skip
     assert r.exit_code == 0 and "from a quantile sketch" in r.stdout and "ranks" in r.stdout
+    # two processes write the same dataset
+    r = runner.invoke(
+        main, ["export", *paths, "-o", out + "2", "--partition-by", "rung", "-j", "2"]
+    )
+    assert r.exit_code == 0, r.output
+    for table in ("gaps", "runs"):
+        a = pd.read_parquet(os.path.join(out, table))
+        b = pd.read_parquet(os.path.join(out + "2", table))
+        pd.testing.assert_frame_equal(a, b)
     # exporting into a folder that already holds a dataset is refused, in one line
     r = runner.invoke(main, ["export", *paths, "-o", out])
     assert r.exit_code == 2 and "already holds a tracekit dataset" in r.stderr

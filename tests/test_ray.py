@@ -53,13 +53,17 @@ def test_an_unreachable_cluster_is_one_line_and_no_hang(runs):
     assert code == 2 and "expected auto, HOST:PORT" in err
 
 
-def test_ray_records_equal_jobs_1_in_order(local_ray, runs):
+def test_ray_records_equal_jobs_1_in_order(local_ray, runs, tmp_path):
     code1, local, _ = invoke("analyze", "--format", "jsonl", "--jobs", "1", *runs)
     code2, on_ray, _ = invoke("analyze", "--format", "jsonl", "--ray", *runs)
     assert code1 == code2 == 0
     assert len(local.splitlines()) == NUM_RUNS
     assert [json.loads(x)["path"] for x in on_ray.splitlines()] == runs  # input order
     assert on_ray == local  # byte for byte
+    html = [str(tmp_path / "local.html"), str(tmp_path / "ray.html")]
+    assert invoke("report", *runs[:4], "-o", html[0])[0] == 0
+    assert invoke("report", *runs[:4], "-o", html[1], "--ray")[0] == 0
+    assert open(html[0], "rb").read() == open(html[1], "rb").read()
     code1, local, _ = invoke("compare", "--format", "jsonl", "--by", "replica", *runs)
     code2, on_ray, _ = invoke("compare", "--format", "jsonl", "--by", "replica", "--ray", *runs)
     assert code1 == code2 == 0 and on_ray == local and len(local.splitlines()) == 2
