@@ -516,6 +516,10 @@ def fleet_cmd(
     ray_address, source = _ray_runs(ray_address, source, 1)
     paths = _expand(source)
     mapper = _ray_mapper(ray_address)
+    if ray_address is not None:  # results combined as they arrive, not all held at once
+        from .cluster import ray_imap
+
+        mapper = lambda fn, args: ray_imap(fn, args, ray_address)  # noqa: E731
     opts = {"memory_budget_bytes": int(memory_mb * (1 << 20)), "sketch_points": sketch_points}
     if len(paths) == 1 and os.path.isdir(paths[0]):
         r = rollup(paths[0], by, mapper=mapper, **opts)

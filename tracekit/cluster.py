@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,10 +83,23 @@ def ray_map(
     *,
     on_result: Callable[[], None] | None = None,
 ) -> list[Any]:
-    """`[fn(*a) for a in arg_tuples]`, each call a Ray task, results in input order.
+    """`[fn(*a) for a in arg_tuples]`, each call a Ray task, results in input order."""
+    out = []
+    for r in ray_imap(fn, arg_tuples, address):
+        out.append(r)
+        if on_result is not None:
+            on_result()
+    return out
+
+
+def ray_imap(
+    fn: Callable[..., Any], arg_tuples: Sequence[tuple], address: str = LOCAL
+) -> Iterator[Any]:
+    """`fn(*a)` for each of `arg_tuples` as Ray tasks (all submitted at once), yielded in
+    input order as they are fetched, so a caller can combine and drop each result.
 
     Uses the Ray this process is already connected to if there is one; else connects to
-    `address` (or starts a local Ray when it is empty) and disconnects afterwards."""
+    `address` (or starts a local Ray when it is empty) and disconnects when done."""
     ray = _ray()
     started = False
     if not ray.is_initialized():
@@ -116,24 +129,21 @@ def ray_map(
     try:
         task = ray.remote(_call)
         refs = [task.remote(fn, tuple(a)) for a in arg_tuples]
-        out: list[Any] = []
-        for ref in refs:  # in order: the same order as the local path
+        for i in range(len(refs)):  # in order: the same order as the local path
             try:
-                r = ray.get(ref)
+                r = ray.get(refs[i])
             except ray.exceptions.RayError as e:  # a task that died (OOM, node lost)
                 msg = str(e).strip().splitlines()[-1][:200] if str(e) else type(e).__name__
                 raise ClusterError(f"a Ray task failed: {type(e).__name__}: {msg}") from None
+            refs[i] = None  # fetched: let Ray free it once the caller is done with it
             if isinstance(r, _Failed):
-                for rest in refs[len(out) + 1 :]:
+                for rest in refs[i + 1 :]:
                     try:
                         ray.cancel(rest)
                     except Exception:  # already finished: nothing to stop
                         pass
                 raise r.error
-            out.append(r)
-            if on_result is not None:
-                on_result()
-        return out
+            yield r
     finally:
         if started:
             ray.shutdown()

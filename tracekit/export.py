@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,7 +276,7 @@ def export(
     root: str,
     keys: Sequence[str] = (),
     *,
-    mapper: Callable[[Callable[..., Any], Sequence[tuple]], list[Any]] | None = None,
+    mapper: Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]] | None = None,
 ) -> dict[str, Any]:
     """Export runs to a dataset at `root`. `mapper(fn, arg_tuples)` runs `export_one` over
     the runs (in order; a process pool or Ray); default: one by one here. Returns the
@@ -297,7 +297,7 @@ def export(
     args = [(p, r, root, tuple(keys)) for p, r in zip(paths, ids, strict=True)]
     created = not os.path.exists(root)
     try:
-        done = [export_one(*a) for a in args] if mapper is None else mapper(export_one, args)
+        done = [export_one(*a) for a in args] if mapper is None else list(mapper(export_one, args))
         gap_cols = _unify(root, [d.gaps_file for d in done], [d.gap_columns for d in done])
         _unify(root, [d.runs_file for d in done], [d.run_columns for d in done])
     except BaseException:

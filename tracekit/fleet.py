@@ -29,7 +29,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,8 @@ MISSING = "(none)"
 #: Data files per task (a Ray task, or one step here): fewer, larger results to combine.
 FILES_PER_TASK = 32
 
-Mapper = Callable[[Callable[..., Any], Sequence[tuple]], list[Any]]
+#: `mapper(fn, arg_tuples)`: the results of `fn(*a)`, in order (a list or an iterator).
+Mapper = Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]]
 
 
 def _local_map(fn: Callable[..., Any], args: Sequence[tuple]) -> list[Any]:
@@ -416,45 +417,52 @@ def rollup(
     # files in fixed batches (one task each): the same batches here and on Ray, so the
     # same merges in the same order and the same numbers
     batches = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
-    per_file = mapper(pass_gaps, [(b, run_group, exact_f, sketch_points) for b in batches])
+    # combined as each batch's result arrives (in batch order), then dropped
+    arrays: dict[str, list[np.ndarray]] = {g: [] for g in exact}
+    sketches: dict[str, QuantileSketch] = {}
+    for res in mapper(pass_gaps, [(b, run_group, exact_f, sketch_points) for b in batches]):
+        for g, piece in res.items():
+            if g in exact:
+                arrays[g].append(piece)
+            else:
+                sketches[g] = sketches[g].merge(piece, sketch_points) if g in sketches else piece
+        del res
     pooled: dict[str, dict[str, tuple[float, int]]] = {}
     threshold: dict[str, float] = {}
     counts: dict[str, int] = {}
     for g in groups:
-        pieces = [p[g] for p in per_file if g in p]
         if g in exact:
-            gaps = np.concatenate(pieces) if pieces else np.zeros(0)
+            gaps = np.concatenate(arrays.pop(g)) if arrays[g] else np.zeros(0)
             n = len(gaps)
             qs = np.percentile(gaps, [q for _, q in POOLED]) if n else [math.nan] * len(POOLED)
             pooled[g] = {name: (float(v), 0) for (name, _), v in zip(POOLED, qs, strict=True)}
             pooled[g]["itl_max"] = (float(gaps.max()) if n else math.nan, 0)
-            threshold[g] = pooled[g]["itl_p99"][0]
+            del gaps
         else:
-            sk = QuantileSketch.of(np.zeros(0))
-            for piece in pieces:
-                sk = sk.merge(piece, sketch_points)
+            sk = sketches.pop(g, QuantileSketch.of(np.zeros(0)))
             n = sk.count
             pooled[g] = {name: sk.quantile(q) for name, q in POOLED}
             pooled[g]["itl_max"] = (sk.max, 0)
-            threshold[g] = pooled[g]["itl_p99"][0]
+        threshold[g] = pooled[g]["itl_p99"][0]
         counts[g] = n
-    del per_file
 
-    tails = mapper(pass_tail, [(b, run_group, threshold, labels) for b in batches])
-    out = []
-    for g in groups:
-        members = df[np.asarray(group_of) == g]
-        n_tail, tail_ms, by_label = 0, 0.0, [0.0] * len(labels)
-        by_cause: dict[str, int] = {}
-        for t in tails:
-            if g not in t:
-                continue
-            k, ms, lab, cause = t[g]
-            n_tail += k
-            tail_ms += ms
-            by_label = [a + b for a, b in zip(by_label, lab, strict=True)]
+    tail: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
+    for res in mapper(pass_tail, [(b, run_group, threshold, labels) for b in batches]):
+        for g, (k, ms, lab, cause) in res.items():
+            n_tail, tail_ms, by_label, by_cause = tail.get(g, (0, 0.0, [0.0] * len(labels), {}))
             for c, v in cause.items():
                 by_cause[c] = by_cause.get(c, 0) + v
+            tail[g] = (
+                n_tail + k,
+                tail_ms + ms,
+                [a + b for a, b in zip(by_label, lab, strict=True)],
+                by_cause,
+            )
+    out = []
+    group_arr = np.asarray(group_of)
+    for g in groups:
+        members = df[group_arr == g]
+        n_tail, tail_ms, by_label, by_cause = tail.get(g, (0, 0.0, [0.0] * len(labels), {}))
         share = {lb: (v / tail_ms if tail_ms > 0 else 0.0) for lb, v in zip(labels, by_label,
                                                                           strict=True)}  # fmt: skip
         out.append(
