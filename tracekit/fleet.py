@@ -306,22 +306,40 @@ def _read_gaps(path: str, columns: Sequence[str]):
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path).read(columns=list(columns))
+        f = pq.ParquetFile(path, read_dictionary=[c for c in ("run", "primary") if c in columns])
+        return f.read(columns=list(columns))
     except Exception as e:
         raise DatasetError(f"{path}: unreadable gaps file ({str(e).splitlines()[0]})") from None
 
 
+def _codes(col: Any) -> tuple[np.ndarray, list[str]]:
+    """A string column as (integer code per row, the distinct strings): no Python string
+    per row (a run's gaps file has one run id and a handful of primary causes)."""
+    import pyarrow as pa
+
+    if not pa.types.is_dictionary(col.type):
+        col = col.dictionary_encode()
+    if isinstance(col, pa.ChunkedArray):
+        col = col.unify_dictionaries()
+        names = col.chunk(0).dictionary.to_pylist() if col.num_chunks else []
+        codes = [c.indices.to_numpy(zero_copy_only=False) for c in col.chunks]
+        return (np.concatenate(codes) if codes else np.zeros(0, np.int64)), names
+    return col.indices.to_numpy(zero_copy_only=False), col.dictionary.to_pylist()
+
+
 def _rows_by_group(t: Any, run_group: Mapping[str, str]) -> dict[str, np.ndarray]:
     """Row indices of a gaps table per group (in row order), by its `run` column."""
-    runs = t.column("run").to_pylist() if t.num_rows else []
-    if not runs:
+    if not t.num_rows:
         return {}
-    uniq, inv = np.unique(np.asarray(runs, dtype=object), return_inverse=True)
+    codes, names = _codes(t.column("run"))
+    groups = [run_group.get(str(r)) for r in names]
+    if len(set(groups)) == 1 and groups[0] is not None:  # one run (or one group) a file
+        return {groups[0]: np.arange(t.num_rows)}
+    code_group = np.array([-1 if g is None else i for i, g in enumerate(groups)])
     out: dict[str, list[np.ndarray]] = {}
-    for j, r in enumerate(uniq.tolist()):
-        g = run_group.get(r)
+    for j, g in enumerate(groups):
         if g is not None:
-            out.setdefault(g, []).append(np.flatnonzero(inv == j))
+            out.setdefault(g, []).append(np.flatnonzero(codes == code_group[j]))
     return {g: np.sort(np.concatenate(ix)) for g, ix in out.items()}
 
 
@@ -354,14 +372,15 @@ def pass_tail(files: Sequence[str], run_group: Mapping[str, str],
     for path in files:
         t = _read_gaps(path, cols)
         gap = t.column("gap_ms").to_numpy()
-        prim = np.asarray(t.column("primary").to_pylist(), dtype=object)
+        prim, prim_names = _codes(t.column("primary"))
         parts = [t.column(f"part_{lb}_ms").to_numpy() for lb in labels]
         for g, rows in _rows_by_group(t, run_group).items():
             sel = rows[gap[rows] >= threshold[g]]
-            names, counts = np.unique(prim[sel].astype(str), return_counts=True)
+            counts = np.bincount(prim[sel], minlength=len(prim_names))
             k, ms, by_label, by_cause = out.get(g, (0, 0.0, [0.0] * len(labels), {}))
-            for c, v in zip(names.tolist(), counts.tolist(), strict=True):
-                by_cause[c] = by_cause.get(c, 0) + v
+            for c, v in zip(prim_names, counts.tolist(), strict=True):
+                if v:
+                    by_cause[str(c)] = by_cause.get(str(c), 0) + v
             out[g] = (
                 k + len(sel),
                 ms + float(gap[sel].sum()),
