@@ -335,11 +335,10 @@ def _rows_by_group(t: Any, run_group: Mapping[str, str]) -> dict[str, np.ndarray
     groups = [run_group.get(str(r)) for r in names]
     if len(set(groups)) == 1 and groups[0] is not None:  # one run (or one group) a file
         return {groups[0]: np.arange(t.num_rows)}
-    code_group = np.array([-1 if g is None else i for i, g in enumerate(groups)])
     out: dict[str, list[np.ndarray]] = {}
-    for j, g in enumerate(groups):
+    for j, g in enumerate(groups):  # runs the rollup does not group are skipped
         if g is not None:
-            out.setdefault(g, []).append(np.flatnonzero(codes == code_group[j]))
+            out.setdefault(g, []).append(np.flatnonzero(codes == j))
     return {g: np.sort(np.concatenate(ix)) for g, ix in out.items()}
 
 
