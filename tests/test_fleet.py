@@ -282,3 +282,33 @@ def test_nothing_but_the_ray_path_imports_ray(dataset, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_fleet_reads_a_dataset_compacted_by_duckdb(dataset, tmp_path):
+    """docs/fleet.md advises compacting the one-file-per-run dataset; a gaps file then holds
+    many runs (and DuckDB's own string encoding). The rollup is the same."""
+    import shutil
+
+    duckdb = pytest.importorskip("duckdb")
+    _, root = dataset
+    out = tmp_path / "compacted"
+    shutil.copytree(os.path.join(root, "runs"), out / "runs")
+    shutil.copy(os.path.join(root, "_tracekit_dataset.json"), out / "_tracekit_dataset.json")
+    glob = os.path.join(root, "gaps", "**", "*.parquet")
+    duckdb.connect().execute(
+        f"COPY (SELECT * FROM read_parquet('{glob}', hive_partitioning = true)) "
+        f"TO '{out / 'gaps'}' (FORMAT parquet, PARTITION_BY (rung))"
+    )
+    files = [f for _, _, fs in os.walk(out / "gaps") for f in fs]
+    assert len(files) == 3  # one a rung, 4 runs each
+    # by rung: one group a file; by replica: both replicas' runs in every file
+    for by in ("rung", "replica"):
+        a, b = rollup(root, by), rollup(str(out), by)
+        assert [g.key for g in a.groups] == [g.key for g in b.groups]
+        for ga, gb in zip(a.groups, b.groups, strict=True):
+            assert (ga.gaps, ga.pooled, ga.tail_gaps, ga.tail_count) == (
+                gb.gaps, gb.pooled, gb.tail_gaps, gb.tail_count
+            )  # fmt: skip
+            for lb, v in ga.tail_share.items():
+                assert gb.tail_share[lb] == pytest.approx(v, rel=1e-12, abs=1e-15)
+            assert ga.figures == gb.figures
