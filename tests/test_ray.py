@@ -9,7 +9,7 @@ import os
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from test_fleet import write_runs
+from test_fleet import pandas_rollup, write_runs
 
 from tracekit.cli import main
 
@@ -99,6 +99,27 @@ def test_fleet_and_export_on_ray_equal_the_single_machine_path(local_ray, runs, 
         recs = [json.loads(x) for x in local.splitlines()]
         assert sum(r["runs"] for r in recs) == NUM_RUNS
         assert {r["pooled"]["method"] for r in recs} == {"sketch" if extra else "exact"}
+        if extra:
+            continue
+        # the Ray rollup equals the same computation done with pandas on the files
+        want = pandas_rollup(local_ds, "rung")
+        assert sorted(want) == sorted(r["group"] for r in recs)
+        for r in recs:
+            w = want[r["group"]]
+            assert (r["runs"], r["gaps"], r["pooled_tail"]["gaps"]) == (
+                w["runs"], w["gaps"], w["tail_gaps"]
+            )  # fmt: skip
+            for name, v in w["pooled"].items():
+                assert r["pooled"][name] == {"ms": v, "rank_error": 0}, name
+            for lb, v in w["tail_share"].items():
+                assert r["pooled_tail"]["share"][lb] == pytest.approx(v, rel=1e-12, abs=1e-15)
+            assert r["pooled_tail"]["count"] == w["tail_count"]
+            for name, (med, lo, hi, n) in w["figures"].items():
+                got = r["figures"][name]
+                assert got["runs"] == n, name
+                if n:
+                    assert (got["min"], got["max"]) == (lo, hi), name
+                    assert got["median"] == pytest.approx(med, rel=1e-12, abs=1e-12), name
     # Ray Data reads the dataset without tracekit
     n = ray.data.read_parquet(os.path.join(local_ds, "gaps")).count()
     assert n == len(pd.read_parquet(os.path.join(local_ds, "gaps"), columns=["gap_ms"]))
