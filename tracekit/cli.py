@@ -164,13 +164,18 @@ def _load(path: str, **limits: Any) -> Any:
 
 
 def _analyze_one(path: str, **limits: Any) -> Any:
+    from .allocator import keep_freed_memory
     from .analysis import analyze
 
+    keep_freed_memory()  # once per process: ~40% of a run's analysis was page faults
     return analyze(_load(path, **limits))
 
 
-def _map_with_progress(fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str):
-    """Apply `fn` to each path (in `jobs` processes), in order, with a progress bar on stderr."""
+def _map_with_progress(
+    fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str, ray: str | None = None
+):
+    """Apply `fn` to each path (in `jobs` processes, or as Ray tasks on the cluster at `ray`:
+    "" for a local Ray), in order, with a progress bar on stderr."""
     show = len(paths) > 1 and sys.stderr.isatty()
     out: list[Any] = []
     with (
@@ -179,7 +184,11 @@ def _map_with_progress(fn: Callable[[str], Any], paths: Sequence[str], jobs: int
             length=len(paths), label=what, file=sys.stderr if show else devnull
         ) as bar,
     ):
-        if jobs <= 1 or len(paths) <= 1:
+        if ray is not None:
+            from .cluster import ray_map
+
+            out = ray_map(fn, [(p,) for p in paths], ray, on_result=lambda: bar.update(1))
+        elif jobs <= 1 or len(paths) <= 1:
             for p in paths:
                 out.append(fn(p))
                 bar.update(1)
@@ -189,6 +198,30 @@ def _map_with_progress(fn: Callable[[str], Any], paths: Sequence[str], jobs: int
                     out.append(r)
                     bar.update(1)
     return out
+
+
+def _ray_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+        help="Run the per-run work as Ray tasks: on the cluster at ADDRESS (auto, "
+        "ray://head:10001, head:6379), or on a local Ray started for this call when ADDRESS is "
+        "omitted. Same output as without it. Needs `pip install 'tracekit[ray]'`; see "
+        "docs/fleet.md.",
+    )(fn)  # fmt: skip
+
+
+def _ray_runs(
+    ray_address: str | None, runs: tuple[str, ...], jobs: int
+) -> tuple[str | None, tuple[str, ...]]:
+    """(address, runs): `--ray raw/a.npz raw/b.npz` means a local Ray and two runs (the
+    option's optional value swallowed the first run)."""
+    if ray_address is None:
+        return None, runs
+    if jobs > 1:
+        _fail("--ray and --jobs both given: --ray runs every run as its own task (drop --jobs)")
+    if ray_address and (ray_address.endswith(".npz") or os.path.exists(ray_address)):
+        return "", (ray_address, *runs)
+    return ray_address, runs
 
 
 def _expand(paths: Sequence[str]) -> list[str]:
@@ -218,8 +251,11 @@ def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str)
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@_ray_option
 @_read_limits
-def analyze(runs: tuple[str, ...], fmt: str, output: str | None, jobs: int) -> None:
+def analyze(
+    runs: tuple[str, ...], fmt: str, output: str | None, jobs: int, ray_address: str | None
+) -> None:
     """Per-run breakdown of every inter-token gap by cause.
 
     For each RUN (a raw .npz log): requests, tokens, gaps, tokens/s; ITL p50/p90/p99/p99.9/max
@@ -230,9 +266,10 @@ def analyze(runs: tuple[str, ...], fmt: str, output: str | None, jobs: int) -> N
     """
     from .render import text
 
+    ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     one = functools.partial(_analyze_one, **_limits())
-    results = _map_with_progress(one, paths, jobs, "analysing")
+    results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     for a in results:
         _warn(a.path, a.warnings)
     if fmt == "parquet":
@@ -450,10 +487,12 @@ def merge(directory: str, output: str) -> None:
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@_ray_option
 @_read_limits
 def compare(
-    runs: tuple[str, ...], by: str, fmt: str, order_by: str | None, output: str | None, jobs: int
-) -> None:
+    runs: tuple[str, ...], by: str, fmt: str, order_by: str | None, output: str | None, jobs: int,
+    ray_address: str | None,
+) -> None:  # fmt: skip
     """Compare groups of runs: per group (in the order groups first appear), the median and
     [min-max] across its runs of ITL p50, p99, p99.9 and max, TTFT p50 and tokens/s, and the
     median tail-time share by label. Runs are the unit of evidence: gaps are never pooled
@@ -461,9 +500,10 @@ def compare(
     from .compare import compare as do_compare
     from .render import text
 
+    ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     one = functools.partial(_analyze_one, **_limits())
-    results = _map_with_progress(one, paths, jobs, "analysing")
+    results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     for a in results:
         _warn(a.path, a.warnings)
     cmp = do_compare(results, by=by, order_by=order_by)
@@ -531,11 +571,13 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
 
 
 def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
+    from .allocator import keep_freed_memory
     from .analysis import analyze
     from .gaps import worst_gaps
     from .partition import partition
     from .render.html import ReportRun
 
+    keep_freed_memory()
     log = _load(path, **limits)
     part = partition(log)
     return ReportRun(analysis=analyze(log, part), worst_gaps=worst_gaps(log, part, n_worst))
@@ -552,10 +594,11 @@ def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
 @click.option("--title", default="tracekit report", show_default=True)
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@_ray_option
 @_read_limits
 def report(
     runs: tuple[str, ...], output: str, by: str, order_by: str | None, n_worst: int, title: str,
-    jobs: int,
+    jobs: int, ray_address: str | None,
 ):  # fmt: skip
     """Write one self-contained HTML report of RUNS (opens offline, no network): summary
     per run and per group, the ITL histogram by primary cause, tail-time share and
@@ -564,9 +607,10 @@ def report(
     from .compare import compare as do_compare
     from .render.html import render_report
 
+    ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     one = functools.partial(_report_one, n_worst=n_worst, **_limits())
-    results = _map_with_progress(one, paths, jobs, "analysing")
+    results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     for r in results:
         _warn(r.analysis.path, r.analysis.warnings)
     cmp = do_compare([r.analysis for r in results], by=by, order_by=order_by)
@@ -576,3 +620,119 @@ def report(
     click.echo(
         f"wrote {one_line(output)} ({len(page) / 1e6:.1f} MB, {len(results)} runs)", err=True
     )
+
+
+# -- export and fleet (Parquet datasets, fleet rollups) ------------------------------------
+
+
+def _ray_mapper(ray_address: str | None, jobs: int = 1):
+    """A `mapper(fn, arg_tuples)` running each call as a Ray task, in a process pool, or here."""
+    if ray_address is not None:
+        from .cluster import ray_map
+
+        return lambda fn, args: ray_map(fn, args, ray_address)
+    if jobs > 1:
+
+        def pool_map(fn, args):
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                return list(pool.map(fn, *zip(*args, strict=True))) if args else []
+
+        return pool_map
+    return None
+
+
+@main.command("export")
+@click.argument("runs", nargs=-1, type=click.Path())
+@click.option("-o", "--output", type=click.Path(), required=True, metavar="DATASET/",
+              help="A new folder for the dataset.")  # fmt: skip
+@click.option(
+    "--partition-by", default="", metavar="KEY[,KEY...]",
+    help="Hive-partition both tables by these run config keys (rung, seed, replica, date, "
+    "or dotted engine.block_size): DATASET/gaps/rung=baseline/seed=1/RUN.parquet.",
+)  # fmt: skip
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Export runs in this many processes.")  # fmt: skip
+@_ray_option
+def export_cmd(
+    runs: tuple[str, ...], output: str, partition_by: str, jobs: int, ray_address: str | None
+) -> None:
+    """Write RUNS as a Parquet dataset any tool reads without tracekit (pandas, pyarrow,
+    DuckDB, Ray Data, Spark): DATASET/gaps/ has one row per gap (run, request, t0_s, t1_s,
+    gap_ms, steps, primary cause, part_LABEL_ms for every label, summing to gap_ms);
+    DATASET/runs/ one row per run with every per-run figure of `tracekit analyze`.
+
+    \b
+      pandas:  pd.read_parquet("DATASET/gaps")
+      DuckDB:  SELECT * FROM read_parquet('DATASET/gaps/**/*.parquet', hive_partitioning=true)
+    """
+    from .export import export
+
+    ray_address, runs = _ray_runs(ray_address, runs, jobs)
+    paths = _expand(runs)
+    keys = [k.strip() for k in partition_by.split(",") if k.strip()]
+    meta = export(paths, output, keys, mapper=_ray_mapper(ray_address, jobs))
+    part = f", partitioned by {', '.join(keys)}" if keys else ""
+    click.echo(f"wrote {output}: {len(meta['runs'])} runs, {meta['gaps']:,} gaps{part}", err=True)
+
+
+@main.command("fleet")
+@click.argument("source", nargs=-1, type=click.Path())
+@click.option(
+    "--by",
+    required=True,
+    metavar="KEY",
+    help="Group runs by this config key (or a hive key / run figure of the dataset).",
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "jsonl"]), default="table",
+    show_default=True, help="table: terminal; jsonl: one object per group, every figure.",
+)  # fmt: skip
+@click.option(
+    "--memory-mb",
+    type=click.FloatRange(min=0),
+    default=1024,
+    show_default=True,
+    help="Pooled percentiles are exact while the gaps held (8 bytes each) fit in "
+    "this; larger groups use a quantile sketch and print its rank error.",
+)
+@click.option(
+    "--sketch-points",
+    type=click.IntRange(min=16),
+    default=100_000,
+    show_default=True,
+    help="Size of a merged quantile sketch: its rank error is about gaps/points.",
+)
+@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@_ray_option
+def fleet_cmd(
+    source: tuple[str, ...], by: str, fmt: str, memory_mb: float, sketch_points: int,
+    output: str | None, ray_address: str | None,
+) -> None:  # fmt: skip
+    """Roll up a fleet: SOURCE is a dataset folder from `tracekit export`, or raw logs.
+
+    Per group of runs (one value of --by): the median [min-max] across runs of every per-run
+    figure (exact), and pooled over all the group's gaps the ITL p50/p90/p99/p99.9/max, the
+    pooled tail (gaps >= the pooled p99) with each label's share of its time and its gaps
+    by primary cause. Pooled percentiles are exact when they fit --memory-mb, else from a
+    mergeable quantile sketch whose rank error is printed with each value.
+    """
+    from .fleet import rollup, rollup_logs
+    from .render.fleet import fleet_table
+
+    ray_address, source = _ray_runs(ray_address, source, 1)
+    paths = _expand(source)
+    mapper = _ray_mapper(ray_address)
+    if ray_address is not None:  # results combined as they arrive, not all held at once
+        from .cluster import ray_imap
+
+        mapper = lambda fn, args: ray_imap(fn, args, ray_address)  # noqa: E731
+    opts = {"memory_budget_bytes": int(memory_mb * (1 << 20)), "sketch_points": sketch_points}
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        r = rollup(paths[0], by, mapper=mapper, **opts)
+    else:
+        r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, **opts)
+    if fmt == "jsonl":
+        body = "".join(json.dumps(rec) + "\n" for rec in r.to_records())
+    else:
+        body = fleet_table(r) + "\n"
+    _emit(body, output)

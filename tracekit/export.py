@@ -1,0 +1,321 @@
+"""Runs as a Parquet dataset that any engine reads without tracekit (pandas, pyarrow, DuckDB,
+Ray Data, Spark): `tracekit export RUNS... -o DATASET/ --partition-by rung,replica`.
+
+Layout (hive-partitioned by the config keys the user names; one file per run and table):
+
+    DATASET/_tracekit_dataset.json       what wrote it, partition keys, labels, runs
+    DATASET/gaps/KEY=VALUE/.../RUN.parquet   one row per gap
+    DATASET/runs/KEY=VALUE/.../RUN.parquet   one row per run: every per-run figure
+
+`gaps` columns: `run`, `request` (the request's id), `t0_s`, `t1_s` (the two emissions,
+seconds from engine start), `gap_ms`, `step0`, `step1`, `primary` (primary cause or
+`clean`), and one `part_LABEL_ms` per label (they sum to `gap_ms`).
+
+`runs` columns: `run`, `path`, and every figure of `tracekit.analysis.RunAnalysis`
+flattened: scalars as they are (`itl_p99`, `tok_per_s`, ...), per-label and per-cause maps
+as `tail_share_LABEL`, `all_share_LABEL`, `tail_count_CAUSE`, `evicted_context_ms_LABEL`,
+`gc_counts_GEN`, `graph_baseline_...`; the histogram as `hist_count_LO_HI` plus
+`hist_json` (counts by primary cause); `gen2_startup_ms`/`gen2_serving_ms` and `labels`
+as lists; `config_json` (the run's config) and `warnings`.
+
+Every file of a table has the same columns in the same order: labels an engine adds
+(`part_schedule_ms`, `tail_share_schedule`) appear in every file, 0 where a run has none
+(a label with no time owns 0 ms and a 0 share). The partition key columns come from the
+directory names only (readers add them), never from inside the files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import TracekitError
+
+#: Written at the dataset's root (readers skip files starting with "_").
+DATASET_META = "_tracekit_dataset.json"
+DATASET_FORMAT = "tracekit.dataset"
+DATASET_VERSION = 1
+GAPS_DIR = "gaps"
+RUNS_DIR = "runs"
+#: A run without the partition key is filed under the hive convention's null value
+#: (pyarrow and Spark read it back as null).
+NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
+
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9._+-]+$")
+_SAFE_COLUMN = re.compile(r"[^A-Za-z0-9_]+")
+
+
+class DatasetError(TracekitError):
+    """A dataset that cannot be written or read (names the path and what is wrong)."""
+
+
+# -- one run -> rows ----------------------------------------------------------------------
+
+
+def column_name(text: str) -> str:
+    """A label or cause as a column-name fragment: letters, digits and `_` only."""
+    return _SAFE_COLUMN.sub("_", text).strip("_") or "x"
+
+
+def partition_value(config: Mapping[str, Any], key: str) -> str:
+    """The directory value of `key` for a run: strings as they are, other values as compact
+    JSON, URI-escaped where not plain (`%2F` for `/`); missing: the hive null."""
+    from .compare import config_value
+
+    v = config_value(config, key)
+    if v is None:
+        return NULL_PARTITION
+    text = v if isinstance(v, str) else json.dumps(v, sort_keys=True, separators=(",", ":"))
+    if text and _SAFE_VALUE.match(text):
+        return text
+    return urllib.parse.quote(text, safe="") or NULL_PARTITION
+
+
+def run_row(analysis: Any, run_id: str) -> dict[str, Any]:
+    """Every figure of one `RunAnalysis` as one flat row (see the module docstring)."""
+    d = analysis.to_dict()
+    row: dict[str, Any] = {"run": run_id, "path": str(d.pop("path"))}
+    row["config_json"] = json.dumps(d.pop("config"), sort_keys=True)
+    d.pop("rung", None)  # both are in config_json (and usually a partition key)
+    d.pop("seed", None)
+    row["labels"] = list(d.pop("labels"))
+    row["warnings"] = [str(w) for w in d.pop("warnings")]
+    hist = d.pop("hist")
+    for b in hist:
+        hi = "inf" if b["hi_ms"] is None or not math.isfinite(b["hi_ms"]) else f"{b['hi_ms']:g}"
+        row[f"hist_count_{b['lo_ms']:g}_{hi}"] = int(b["count"])
+    row["hist_json"] = json.dumps(hist, sort_keys=True)
+    for name, v in d.items():
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                row[f"{name}_{column_name(str(k))}"] = _scalar(x)
+        elif isinstance(v, list):
+            row[name] = [float(x) for x in v]
+        else:
+            row[name] = _scalar(v)
+    return row
+
+
+def _scalar(v: Any) -> Any:
+    """Ints stay ints, bools bools, floats floats; a figure without a value (a run without
+    gaps has no p99) is None: a null in Parquet, which SQL engines skip in max() and
+    median() (a NaN would sort above every number there)."""
+    if v is None or isinstance(v, (bool, int)):
+        return v
+    return float(v) if math.isfinite(float(v)) else None
+
+
+def gap_columns(log: Any, part: Any, run_id: str) -> dict[str, np.ndarray]:
+    """One run's gaps as columns (see the module docstring)."""
+    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    id_arr = np.asarray(ids, dtype=object)
+    n = len(part)
+    cols: dict[str, Any] = {
+        "run": np.full(n, run_id, dtype=object),
+        "request": id_arr[part.request] if n else np.zeros(0, dtype=object),
+        "t0_s": part.t0_s,
+        "t1_s": part.t1_s,
+        "gap_ms": part.gap_ms,
+        "step0": part.step0.astype(np.int64),
+        "step1": part.step1.astype(np.int64),
+        "primary": part.primary_names().astype(object) if n else np.zeros(0, dtype=object),
+    }
+    for j, lb in enumerate(part.labels):
+        cols[f"part_{column_name(lb)}_ms"] = np.ascontiguousarray(part.parts_ms[:, j])
+    return cols
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportedRun:
+    """What exporting one run wrote (returned from worker processes or Ray tasks)."""
+
+    run: str
+    path: str
+    gaps_file: str  # relative to the dataset root
+    runs_file: str
+    gaps: int
+    gap_columns: tuple[str, ...]
+    run_columns: tuple[str, ...]
+
+
+def run_ids(paths: Sequence[str]) -> list[str]:
+    """A unique id per run: its file name without `.npz`; repeats get `-2`, `-3`, ..."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in paths:
+        stem = os.path.basename(os.path.normpath(p))
+        stem = stem[: -len(".npz")] if stem.endswith(".npz") else stem
+        stem = stem or "run"
+        k = seen.get(stem, 0) + 1
+        seen[stem] = k
+        out.append(stem if k == 1 else f"{stem}-{k}")
+    return out
+
+
+def export_one(path: str, run_id: str, root: str, keys: Sequence[str]) -> ExportedRun:
+    """Load, partition and analyse one run; write its gaps and runs files under `root`."""
+    from .allocator import keep_freed_memory
+    from .analysis import analyze
+    from .partition import partition
+    from .rawlog import load
+
+    keep_freed_memory()
+    log = load(path)
+    part = partition(log)
+    analysis = analyze(log, part)
+    hive = [f"{k}={partition_value(log.config, k)}" for k in keys]
+    fname = f"{urllib.parse.quote(run_id, safe='')}.parquet"
+    gaps_rel = os.path.join(GAPS_DIR, *hive, fname)
+    runs_rel = os.path.join(RUNS_DIR, *hive, fname)
+    gcols = gap_columns(log, part, run_id)
+    row = run_row(analysis, run_id)
+    for k in keys:  # partition keys live in the directory names only
+        gcols.pop(k, None)
+        row.pop(k, None)
+    _write(os.path.join(root, gaps_rel), _table(gcols))
+    _write(os.path.join(root, runs_rel), _table({k: [v] for k, v in row.items()}))
+    return ExportedRun(
+        run=run_id,
+        path=path,
+        gaps_file=gaps_rel,
+        runs_file=runs_rel,
+        gaps=len(part),
+        gap_columns=tuple(gcols),
+        run_columns=tuple(row),
+    )
+
+
+def _table(cols: Mapping[str, Any]):
+    import pyarrow as pa
+
+    arrays = {}
+    for k, v in cols.items():
+        if isinstance(v, np.ndarray) and v.dtype != object:
+            arrays[k] = pa.array(v)
+        elif k in ("run", "primary"):
+            arrays[k] = pa.array(list(v), type=pa.string()).dictionary_encode()
+        elif k in ("request", "path", "config_json", "hist_json"):
+            arrays[k] = pa.array(list(v), type=pa.string())
+        elif k in _STRING_LISTS:
+            arrays[k] = pa.array(list(v), type=pa.list_(pa.string()))
+        elif len(v) and isinstance(v[0], list):  # gen2 pause lists: ms
+            arrays[k] = pa.array(list(v), type=pa.list_(pa.float64()))
+        elif all(x is None for x in v):  # a figure without a value: a float figure
+            arrays[k] = pa.array(list(v), type=pa.float64())
+        else:
+            arrays[k] = pa.array(list(v))
+    return pa.table(arrays)
+
+
+#: List columns of strings in the runs table (other lists hold ms).
+_STRING_LISTS = frozenset({"labels", "warnings"})
+
+
+def _write(path: str, table: Any) -> None:
+    import pyarrow.parquet as pq
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def _zeros(field: Any, n: int):
+    """A column of `n` zeros of `field`'s type (nulls for a non-numeric type)."""
+    import pyarrow as pa
+
+    t = field.type
+    if pa.types.is_integer(t):
+        return pa.array(np.zeros(n, dtype=np.int64)).cast(t)
+    if pa.types.is_floating(t):
+        return pa.array(np.zeros(n)).cast(t)
+    return pa.nulls(n, type=t)
+
+
+def _unify(root: str, files: Sequence[str], columns: Sequence[Sequence[str]]) -> list[str]:
+    """Give every file of a table the same columns in the same order: the union, in order
+    of first appearance (standard labels come first in every run). A column a file lacks
+    is a label that run never saw: 0 (ms, share or count). Returns the union."""
+    import pyarrow.parquet as pq
+
+    union = list(dict.fromkeys(c for cols in columns for c in cols))
+    schemas: dict[str, Any] = {}
+
+    def field(c: str) -> Any:
+        f = next(f for f, cols in zip(files, columns, strict=True) if c in cols)
+        if f not in schemas:
+            schemas[f] = pq.read_schema(os.path.join(root, f))
+        return schemas[f].field(c)
+
+    for f, cols in zip(files, columns, strict=True):
+        if list(cols) == union:
+            continue
+        t = pq.read_table(os.path.join(root, f))
+        for c in union:
+            if c not in cols:
+                fc = field(c)
+                t = t.append_column(fc, _zeros(fc, t.num_rows))
+        _write(os.path.join(root, f), t.select(union))
+    return union
+
+
+def export(
+    paths: Sequence[str],
+    root: str,
+    keys: Sequence[str] = (),
+    *,
+    mapper: Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]] | None = None,
+) -> dict[str, Any]:
+    """Export runs to a dataset at `root`. `mapper(fn, arg_tuples)` runs `export_one` over
+    the runs (in order; a process pool or Ray); default: one by one here. Returns the
+    dataset's metadata (also written to `root/_tracekit_dataset.json`)."""
+    for k in keys:
+        if not k or "/" in k or "=" in k or k in _RESERVED:
+            raise DatasetError(f"--partition-by {k!r}: not usable as a partition key name")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DatasetError(f"{root}: exists and is not a directory")
+    meta_path = os.path.join(root, DATASET_META)
+    if os.path.isdir(root) and os.listdir(root) and not os.path.exists(meta_path):
+        raise DatasetError(f"{root}: not empty and not a tracekit dataset (pick a new folder)")
+    if os.path.exists(meta_path):
+        raise DatasetError(
+            f"{root}: already holds a tracekit dataset (export into a new folder, or delete it)"
+        )
+    ids = run_ids(paths)
+    args = [(p, r, root, tuple(keys)) for p, r in zip(paths, ids, strict=True)]
+    created = not os.path.exists(root)
+    try:
+        done = [export_one(*a) for a in args] if mapper is None else list(mapper(export_one, args))
+        gap_cols = _unify(root, [d.gaps_file for d in done], [d.gap_columns for d in done])
+        _unify(root, [d.runs_file for d in done], [d.run_columns for d in done])
+    except BaseException:
+        if created:  # a bad log midway: leave no half dataset behind
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    meta = {
+        "format": DATASET_FORMAT,
+        "version": DATASET_VERSION,
+        "partition_by": list(keys),
+        "labels": [c[len("part_") : -len("_ms")] for c in gap_cols if c.startswith("part_")],
+        "runs": [{"run": d.run, "path": d.path, "gaps": d.gaps} for d in done],
+        "gaps": int(sum(d.gaps for d in done)),
+    }
+    with open(meta_path, "w", encoding="utf-8") as fh:
+        json.dump(meta, fh, indent=1)
+    return meta
+
+
+#: Column names a partition key may not take (they are the tables' own columns).
+_RESERVED = frozenset({"run", "request", "t0_s", "t1_s", "gap_ms", "primary", "path"})

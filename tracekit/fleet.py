@@ -1,0 +1,531 @@
+"""Fleet rollups: `tracekit fleet DATASET/ --by KEY` (or over raw logs).
+
+Per group of runs (one value of KEY):
+
+- **across runs**: the median and [min-max] of every numeric per-run figure of the runs
+  table (`tracekit.export`), over the runs with a finite value. Exact.
+- **pooled**: percentiles 50, 90, 99, 99.9 and the max of *all* gaps of the group's runs
+  (numpy's linear percentiles), the group's tail (gaps at or above its pooled p99) and
+  each label's share of the tail's time, and tail gaps by primary cause.
+
+Pooled percentiles are exact while the group's gaps fit in the memory budget (8 bytes a
+gap). Beyond it they come from a mergeable quantile summary (`QuantileSketch`): each data
+file contributes a summary of its sorted gaps, summaries merge in file order, and every
+answer carries a proven bound on its rank error (how many positions the returned gap may
+sit from the exact percentile's position in the sorted gaps), printed beside it. The tail
+is then the gaps at or above the sketch's p99, and its shares are summed exactly.
+
+Runs are still the unit of evidence (design.md): the across-runs figures are what a fix is
+judged by; pooled percentiles answer "what did our users see, all runs together".
+
+The work is per data file (one per run in a dataset `tracekit export` wrote) in two passes
+(gaps, then tail sums), each file a function call here or a Ray task; results combine in
+file order either way, so both paths give the same numbers to the last bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .export import DATASET_META, GAPS_DIR, RUNS_DIR, DatasetError
+
+#: Pooled percentiles: (name, q), numpy's linear percentiles.
+POOLED = (("itl_p50", 50.0), ("itl_p90", 90.0), ("itl_p99", 99.0), ("itl_p999", 99.9))
+TAIL_Q = 99.0
+#: Default memory budget for exact pooled percentiles: this many bytes of gaps in memory.
+MEMORY_BUDGET_BYTES = 1 << 30
+#: Default size of a merged quantile summary (points); a bigger one has a smaller rank error.
+SKETCH_POINTS = 100_000
+MISSING = "(none)"
+#: Data files per task (a Ray task, or one step here): fewer, larger results to combine.
+FILES_PER_TASK = 32
+
+#: `mapper(fn, arg_tuples)`: the results of `fn(*a)`, in order (a list or an iterator).
+Mapper = Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]]
+
+
+def _local_map(fn: Callable[..., Any], args: Sequence[tuple]) -> list[Any]:
+    return [fn(*a) for a in args]
+
+
+# -- the mergeable quantile summary -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantileSketch:
+    """A mergeable summary of a multiset of gaps with rank bounds per kept value.
+
+    Each kept value `values[i]` occupies some position (0-based, in the sorted multiset of
+    all `count` gaps summarised) within ``[rank_lo[i], rank_hi[i]]``. A summary of one
+    sorted array keeps every k-th value with its exact position; merging two summaries
+    bounds each value's position in the union by its own bounds plus the bounds of its
+    neighbours in the other summary (the merge of Greenwald-Khanna style summaries);
+    thinning keeps evenly spaced values with their bounds unchanged. Queries return a kept
+    value and how far its position can be from the asked one: a proven bound, not an
+    estimate."""
+
+    values: np.ndarray  # sorted ascending
+    rank_lo: np.ndarray  # int64
+    rank_hi: np.ndarray  # int64
+    count: int
+
+    @classmethod
+    def of(cls, gaps_ms: np.ndarray, points: int = SKETCH_POINTS) -> QuantileSketch:
+        v = np.sort(np.asarray(gaps_ms, dtype=np.float64))
+        n = len(v)
+        if n == 0:
+            z = np.zeros(0, dtype=np.int64)
+            return cls(np.zeros(0), z, z, 0)
+        k = max(1, -(-n // points))  # every k-th value: at most `points` of them
+        idx = np.arange(k - 1, n, k)
+        idx = np.union1d(np.union1d(idx, [0]), [n - 1])  # min and max always kept
+        return cls(v[idx], idx.astype(np.int64), idx.astype(np.int64), n)
+
+    def merge(self, other: QuantileSketch, points: int = SKETCH_POINTS) -> QuantileSketch:
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        lo_a, hi_a = _bounds_in(self, other)
+        lo_b, hi_b = _bounds_in(other, self)
+        v = np.concatenate([self.values, other.values])
+        lo = np.concatenate([lo_a, lo_b])
+        hi = np.concatenate([hi_a, hi_b])
+        o = np.lexsort((hi, lo, v))
+        merged = QuantileSketch(v[o], lo[o], hi[o], self.count + other.count)
+        return merged.thin(points) if len(merged.values) > 2 * points else merged
+
+    def thin(self, points: int) -> QuantileSketch:
+        """Keep about `points` evenly spaced values (first and last always)."""
+        if len(self.values) <= points:
+            return self
+        keep = np.unique(np.linspace(0, len(self.values) - 1, points).round().astype(np.int64))
+        return QuantileSketch(self.values[keep], self.rank_lo[keep], self.rank_hi[keep], self.count)
+
+    def quantile(self, q: float) -> tuple[float, int]:
+        """(value, rank error): a gap whose position in the sorted gaps is within `rank
+        error` positions of q/100 * (count - 1), the position numpy's percentile reads."""
+        if self.count == 0:
+            return math.nan, 0
+        h = q / 100.0 * (self.count - 1)
+        err = np.maximum(self.rank_hi - h, h - self.rank_lo)
+        i = int(np.argmin(err))
+        return float(self.values[i]), int(math.ceil(max(0.0, float(err[i]))))
+
+    @property
+    def max(self) -> float:
+        return float(self.values[-1]) if self.count else math.nan
+
+
+def _bounds_in(a: QuantileSketch, b: QuantileSketch) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds on the position of each of `a`'s values in the union of both multisets: its
+    position among `a`'s gaps plus how many of `b`'s gaps can lie before it (at least one
+    more than the position of `b`'s largest kept value below it; at most the position of
+    `b`'s smallest kept value above it, or all of `b`)."""
+    pred = np.searchsorted(b.values, a.values, side="left") - 1
+    succ = np.searchsorted(b.values, a.values, side="right")
+    below = np.where(pred >= 0, b.rank_lo[np.maximum(pred, 0)] + 1, 0)
+    has_succ = succ < len(b.values)
+    above = np.where(has_succ, b.rank_hi[np.minimum(succ, len(b.values) - 1)], b.count)
+    return a.rank_lo + below, a.rank_hi + above
+
+
+# -- reading a dataset --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupRollup:
+    """One group's rollup (see the module docstring)."""
+
+    key: str
+    runs: tuple[str, ...]
+    gaps: int
+    figures: Mapping[str, tuple[float, float, float, int]]  # median, min, max, runs
+    method: str  # "exact" or "sketch"
+    pooled: Mapping[str, tuple[float, int]]  # name -> (ms, rank error in gaps)
+    tail_threshold_ms: float
+    tail_gaps: int
+    tail_share: Mapping[str, float]
+    tail_count: Mapping[str, int]
+
+    def to_dict(self, by: str) -> dict[str, Any]:
+        def f(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "by": by,
+            "group": self.key,
+            "runs": len(self.runs),
+            "gaps": self.gaps,
+            "figures": {
+                k: {"median": f(m), "min": f(lo), "max": f(hi), "runs": n}
+                for k, (m, lo, hi, n) in self.figures.items()
+            },
+            "pooled": {
+                "method": self.method,
+                **{k: {"ms": f(v), "rank_error": e} for k, (v, e) in self.pooled.items()},
+            },
+            "pooled_tail": {
+                "threshold_ms": f(self.tail_threshold_ms),
+                "gaps": self.tail_gaps,
+                "share": dict(self.tail_share),
+                "count": dict(self.tail_count),
+            },
+            "run_ids": list(self.runs),
+        }
+
+
+@dataclass(frozen=True)
+class FleetRollup:
+    by: str
+    labels: tuple[str, ...]
+    groups: tuple[GroupRollup, ...]
+    memory_budget_bytes: int
+    sketch_points: int
+    notes: tuple[str, ...] = field(default=())
+
+    def to_records(self) -> list[dict[str, Any]]:
+        return [g.to_dict(self.by) for g in self.groups]
+
+
+def _files(root: str, table: str) -> list[str]:
+    base = os.path.join(root, table)
+    if not os.path.isdir(base):
+        raise DatasetError(f"{root}: no {table}/ folder (not a dataset `tracekit export` wrote)")
+    out = []
+    for d, dirs, names in os.walk(base):
+        dirs[:] = sorted(x for x in dirs if not x.startswith((".", "_")))
+        out += [os.path.join(d, n) for n in names if n.endswith(".parquet")]
+    if not out:
+        raise DatasetError(f"{base}: no .parquet files")
+    return sorted(out)
+
+
+def _runs_table(root: str):
+    """The runs table as a pandas frame, in the export's run order, with the hive keys."""
+    import pyarrow.dataset as ds
+
+    files = _files(root, RUNS_DIR)
+    try:
+        t = ds.dataset(files, format="parquet", partitioning="hive",
+                       partition_base_dir=os.path.join(root, RUNS_DIR)).to_table()  # fmt: skip
+    except Exception as e:
+        raise DatasetError(f"{root}/{RUNS_DIR}: unreadable ({str(e).splitlines()[0]})") from None
+    df = t.to_pandas()
+    if "run" not in df.columns:
+        raise DatasetError(f"{root}/{RUNS_DIR}: no 'run' column")
+    order = _meta_order(root)
+    if order:
+        pos = {r: i for i, r in enumerate(order)}
+        df = df.assign(_o=[pos.get(r, len(pos)) for r in df["run"]]).sort_values(
+            ["_o", "run"], kind="stable"
+        )
+        df = df.drop(columns="_o")
+    else:
+        df = df.sort_values("run", kind="stable")
+    return df.reset_index(drop=True)
+
+
+def _meta_order(root: str) -> list[str]:
+    try:
+        with open(os.path.join(root, DATASET_META), encoding="utf-8") as fh:
+            return [r["run"] for r in json.load(fh)["runs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _partition_keys(root: str) -> list[str]:
+    try:
+        with open(os.path.join(root, DATASET_META), encoding="utf-8") as fh:
+            return list(json.load(fh)["partition_by"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _group_of_run(df: Any, by: str) -> list[str]:
+    """Each run's group text: the config value (as `tracekit compare` groups), else the
+    column `by` of the runs table (a figure or a hive key), else MISSING."""
+    from .compare import config_value
+
+    out = []
+    for i in range(len(df)):
+        v: Any = None
+        if "config_json" in df.columns:
+            try:
+                v = config_value(json.loads(df["config_json"].iloc[i]), by)
+            except (TypeError, ValueError):
+                v = None
+        if v is None and by in df.columns:
+            x = df[by].iloc[i]
+            v = None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+            if isinstance(v, np.generic):
+                v = v.item()
+        if v is None:
+            out.append(MISSING)
+        elif isinstance(v, str):
+            out.append(v)
+        else:
+            out.append(json.dumps(v, sort_keys=True, separators=(",", ":")))
+    return out
+
+
+def _figure_columns(df: Any, skip: set[str]) -> list[str]:
+    import pandas as pd
+
+    cols = []
+    for c in df.columns:
+        if c in skip or c == "run":
+            continue
+        dt = df[c].dtype
+        if pd.api.types.is_bool_dtype(dt) or not pd.api.types.is_numeric_dtype(dt):
+            continue
+        cols.append(c)
+    return cols
+
+
+def _spread(values: np.ndarray) -> tuple[float, float, float, int]:
+    a = np.asarray(values, dtype=np.float64)
+    a = a[np.isfinite(a)]
+    if not len(a):
+        return math.nan, math.nan, math.nan, 0
+    return float(np.median(a)), float(a.min()), float(a.max()), int(len(a))
+
+
+# -- per-file work (a function call here, or a Ray task) ----------------------------------
+
+
+def _read_gaps(path: str, columns: Sequence[str]):
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(path, read_dictionary=[c for c in ("run", "primary") if c in columns])
+        return f.read(columns=list(columns))
+    except Exception as e:
+        raise DatasetError(f"{path}: unreadable gaps file ({str(e).splitlines()[0]})") from None
+
+
+def _codes(col: Any) -> tuple[np.ndarray, list[str]]:
+    """A string column as (integer code per row, the distinct strings): no Python string
+    per row (a run's gaps file has one run id and a handful of primary causes)."""
+    import pyarrow as pa
+
+    if not pa.types.is_dictionary(col.type):
+        col = col.dictionary_encode()
+    if isinstance(col, pa.ChunkedArray):
+        col = col.unify_dictionaries()
+        names = col.chunk(0).dictionary.to_pylist() if col.num_chunks else []
+        codes = [c.indices.to_numpy(zero_copy_only=False) for c in col.chunks]
+        return (np.concatenate(codes) if codes else np.zeros(0, np.int64)), names
+    return col.indices.to_numpy(zero_copy_only=False), col.dictionary.to_pylist()
+
+
+def _rows_by_group(t: Any, run_group: Mapping[str, str]) -> dict[str, np.ndarray]:
+    """Row indices of a gaps table per group (in row order), by its `run` column."""
+    if not t.num_rows:
+        return {}
+    codes, names = _codes(t.column("run"))
+    groups = [run_group.get(str(r)) for r in names]
+    if len(set(groups)) == 1 and groups[0] is not None:  # one run (or one group) a file
+        return {groups[0]: np.arange(t.num_rows)}
+    out: dict[str, list[np.ndarray]] = {}
+    for j, g in enumerate(groups):  # runs the rollup does not group are skipped
+        if g is not None:
+            out.setdefault(g, []).append(np.flatnonzero(codes == j))
+    return {g: np.sort(np.concatenate(ix)) for g, ix in out.items()}
+
+
+def pass_gaps(files: Sequence[str], run_group: Mapping[str, str], exact: frozenset[str],
+              points: int):  # fmt: skip
+    """A batch of files' gaps per group, in file order: one array for an exact group, one
+    merged summary otherwise."""
+    arrays: dict[str, list[np.ndarray]] = {}
+    sketches: dict[str, QuantileSketch] = {}
+    for path in files:
+        t = _read_gaps(path, ["run", "gap_ms"])
+        gap = t.column("gap_ms").to_numpy()
+        for g, rows in _rows_by_group(t, run_group).items():
+            if g in exact:
+                arrays.setdefault(g, []).append(gap[rows])
+            else:
+                sk = QuantileSketch.of(gap[rows], points)
+                sketches[g] = sketches[g].merge(sk, points) if g in sketches else sk
+    out: dict[str, Any] = {g: np.concatenate(a) for g, a in arrays.items()}
+    out.update(sketches)
+    return out
+
+
+def pass_tail(files: Sequence[str], run_group: Mapping[str, str],
+              threshold: Mapping[str, float], labels: Sequence[str]):  # fmt: skip
+    """A batch of files' tail sums per group, added in file order: (tail gaps, their total
+    ms, ms per label, count by primary cause)."""
+    out: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
+    cols = ["run", "gap_ms", "primary"] + [f"part_{lb}_ms" for lb in labels]
+    for path in files:
+        t = _read_gaps(path, cols)
+        gap = t.column("gap_ms").to_numpy()
+        prim, prim_names = _codes(t.column("primary"))
+        parts = [t.column(f"part_{lb}_ms").to_numpy() for lb in labels]
+        for g, rows in _rows_by_group(t, run_group).items():
+            sel = rows[gap[rows] >= threshold[g]]
+            counts = np.bincount(prim[sel], minlength=len(prim_names))
+            k, ms, by_label, by_cause = out.get(g, (0, 0.0, [0.0] * len(labels), {}))
+            for c, v in zip(prim_names, counts.tolist(), strict=True):
+                if v:
+                    by_cause[str(c)] = by_cause.get(str(c), 0) + v
+            out[g] = (
+                k + len(sel),
+                ms + float(gap[sel].sum()),
+                [a + float(p[sel].sum()) for a, p in zip(by_label, parts, strict=True)],
+                by_cause,
+            )
+    return out
+
+
+# -- the rollup ---------------------------------------------------------------------------
+
+
+def rollup(
+    root: str,
+    by: str,
+    *,
+    memory_budget_bytes: int = MEMORY_BUDGET_BYTES,
+    sketch_points: int = SKETCH_POINTS,
+    mapper: Mapper | None = None,
+) -> FleetRollup:
+    """Roll up the dataset at `root` by `by`. `mapper(fn, arg_tuples)` runs the per-file
+    passes (in order; Ray tasks or here)."""
+    mapper = mapper or _local_map
+    if not os.path.isdir(root):
+        raise DatasetError(f"{root}: not a folder (a dataset written by `tracekit export`)")
+    df = _runs_table(root)
+    keys = set(_partition_keys(root))
+    group_of = _group_of_run(df, by)
+    if all(g == MISSING for g in group_of) and by not in df.columns:
+        raise DatasetError(
+            f"--by {by}: no run has this config key or runs-table column (config keys of the "
+            f"first run: {', '.join(sorted(json.loads(df['config_json'].iloc[0])))})"
+            if len(df) and "config_json" in df.columns
+            else f"--by {by}: no run has this config key or runs-table column"
+        )
+    run_group = dict(zip(df["run"].tolist(), group_of, strict=True))
+    groups = list(dict.fromkeys(group_of))
+    figures = _figure_columns(df, keys | {by})
+    files = _files(root, GAPS_DIR)
+    labels = _labels(files[0])
+
+    # exact where the group's gaps fit the budget (groups in order, until it is spent)
+    n_gaps = df.groupby(np.asarray(group_of), sort=False)["gaps"].sum() if "gaps" in df else None
+    exact: set[str] = set()
+    spent = 0
+    for g in groups:
+        need = 8 * int(n_gaps[g]) if n_gaps is not None else memory_budget_bytes + 1
+        if spent + need <= memory_budget_bytes:
+            exact.add(g)
+            spent += need
+    exact_f = frozenset(exact)
+
+    # files in fixed batches (one task each): the same batches here and on Ray, so the
+    # same merges in the same order and the same numbers
+    batches = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
+    # combined as each batch's result arrives (in batch order), then dropped
+    arrays: dict[str, list[np.ndarray]] = {g: [] for g in exact}
+    sketches: dict[str, QuantileSketch] = {}
+    for res in mapper(pass_gaps, [(b, run_group, exact_f, sketch_points) for b in batches]):
+        for g, piece in res.items():
+            if g in exact:
+                arrays[g].append(piece)
+            else:
+                sketches[g] = sketches[g].merge(piece, sketch_points) if g in sketches else piece
+        del res
+    pooled: dict[str, dict[str, tuple[float, int]]] = {}
+    threshold: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for g in groups:
+        if g in exact:
+            gaps = np.concatenate(arrays.pop(g)) if arrays[g] else np.zeros(0)
+            n = len(gaps)
+            qs = np.percentile(gaps, [q for _, q in POOLED]) if n else [math.nan] * len(POOLED)
+            pooled[g] = {name: (float(v), 0) for (name, _), v in zip(POOLED, qs, strict=True)}
+            pooled[g]["itl_max"] = (float(gaps.max()) if n else math.nan, 0)
+            del gaps
+        else:
+            sk = sketches.pop(g, QuantileSketch.of(np.zeros(0)))
+            n = sk.count
+            pooled[g] = {name: sk.quantile(q) for name, q in POOLED}
+            pooled[g]["itl_max"] = (sk.max, 0)
+        threshold[g] = pooled[g]["itl_p99"][0]
+        counts[g] = n
+
+    tail: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
+    for res in mapper(pass_tail, [(b, run_group, threshold, labels) for b in batches]):
+        for g, (k, ms, lab, cause) in res.items():
+            n_tail, tail_ms, by_label, by_cause = tail.get(g, (0, 0.0, [0.0] * len(labels), {}))
+            for c, v in cause.items():
+                by_cause[c] = by_cause.get(c, 0) + v
+            tail[g] = (
+                n_tail + k,
+                tail_ms + ms,
+                [a + b for a, b in zip(by_label, lab, strict=True)],
+                by_cause,
+            )
+    out = []
+    group_arr = np.asarray(group_of)
+    for g in groups:
+        members = df[group_arr == g]
+        n_tail, tail_ms, by_label, by_cause = tail.get(g, (0, 0.0, [0.0] * len(labels), {}))
+        share = {lb: (v / tail_ms if tail_ms > 0 else 0.0) for lb, v in zip(labels, by_label,
+                                                                          strict=True)}  # fmt: skip
+        out.append(
+            GroupRollup(
+                key=g,
+                runs=tuple(members["run"].tolist()),
+                gaps=counts[g],
+                figures={c: _spread(members[c].to_numpy()) for c in figures},
+                method="exact" if g in exact else "sketch",
+                pooled=pooled[g],
+                tail_threshold_ms=threshold[g],
+                tail_gaps=n_tail,
+                tail_share=share,
+                tail_count=dict(sorted(by_cause.items())),
+            )
+        )
+    return FleetRollup(
+        by=by,
+        labels=tuple(labels),
+        groups=tuple(out),
+        memory_budget_bytes=memory_budget_bytes,
+        sketch_points=sketch_points,
+    )
+
+
+def _labels(gaps_file: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(gaps_file).names
+    return [c[len("part_") : -len("_ms")] for c in names if c.startswith("part_") and
+            c.endswith("_ms")]  # fmt: skip
+
+
+def rollup_logs(
+    paths: Sequence[str],
+    by: str,
+    *,
+    export_mapper: Mapper | None = None,
+    **kwargs: Any,
+) -> FleetRollup:
+    """The same rollup over raw logs: they are exported to a temporary dataset first (so
+    both inputs give the same numbers by construction), which is removed afterwards."""
+    from .export import export
+
+    with tempfile.TemporaryDirectory(prefix="tracekit-fleet-") as tmp:
+        root = os.path.join(tmp, "dataset")
+        export(paths, root, (), mapper=export_mapper)
+        return rollup(root, by, **kwargs)
