@@ -94,15 +94,24 @@ def run_row(analysis: Any, run_id: str) -> dict[str, Any]:
         hi = "inf" if b["hi_ms"] is None or not math.isfinite(b["hi_ms"]) else f"{b['hi_ms']:g}"
         row[f"hist_count_{b['lo_ms']:g}_{hi}"] = int(b["count"])
     row["hist_json"] = json.dumps(hist, sort_keys=True)
-    for name, v in d.items():
-        if isinstance(v, Mapping):
-            for k, x in v.items():
-                row[f"{name}_{column_name(str(k))}"] = _scalar(x)
-        elif isinstance(v, list):
-            row[name] = [float(x) for x in v]
-        else:
-            row[name] = _scalar(v)
+    _flatten(d, "", row)
     return row
+
+
+def _flatten(d: Mapping[str, Any], prefix: str, row: dict[str, Any]) -> None:
+    """Nested figures (`ttft`'s shares, a server run's `client` block) as columns
+    ``name_key_subkey``; a top-level list of numbers stays a list column, a nested list is
+    JSON (so every file of the dataset has the same column types)."""
+    for name, v in d.items():
+        key = f"{prefix}{column_name(str(name))}" if prefix else str(name)
+        if isinstance(v, Mapping):
+            _flatten(v, key + "_", row)
+        elif isinstance(v, list) and not prefix:  # a figure's values: a list of numbers
+            row[key] = [float(x) for x in v]
+        elif isinstance(v, list):  # inside a nested block: one JSON column, same in every run
+            row[key] = json.dumps(v, sort_keys=True, default=str)
+        else:
+            row[key] = _scalar(v)
 
 
 def _scalar(v: Any) -> Any:
