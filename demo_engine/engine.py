@@ -32,7 +32,7 @@ import numpy as np
 from .block_manager import BlockManager
 from .config import EngineConfig, WorkloadConfig
 from .history import CompactHistory, History, ObjectHistory, build_startup_heap
-from .model import DecodeRow, ModelRunner, NumpyModelRunner, Samples
+from .model import DecodeRow, ModelRunner, NumpyModelRunner, Samples, prev_token_ref
 from .scheduler import KvOp, Request, Scheduler, SchedulerOutput
 from .tokenizer import OffLoopTokenizer
 from .workload import TraceRequest, make_text, mean_output_tokens
@@ -113,8 +113,8 @@ class Engine:
         self._seg_prefill = rec.segment("prefill", device=True)
         self._seg_recompute = rec.segment("recompute", device=True)
         self._seg_decode = rec.segment("decode", device=True)
-        # async scheduling: the step launched last, not read yet (see `_step_async`)
-        self._inflight: _Inflight | None = None
+        # async scheduling: the step launched last, not read yet (see `step`)
+        self._inflight: _Launched | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def startup(self) -> None:
@@ -185,129 +185,35 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> int:
-        """One engine iteration. Returns the number of tokens emitted."""
-        if self.config.is_async_scheduling:
-            return self._step_async()
-        rec, runner, bm = self.rec, self.runner, self.bm
+        """One engine iteration. Returns the number of tokens emitted.
+
+        Synchronous (the default): the step's forward passes run to completion and their
+        tokens are emitted in the same step. With async scheduling the step launches its
+        forward passes without waiting (the runner must be `TorchModelRunner`), hands the
+        scheduler placeholder tokens so it can move on, and then reads and emits the
+        *previous* step's samples, so the host's work for step N overlaps the device's for
+        N-1. Placeholders (`prev_token_ref`, a row of the samples still on the device) are
+        filled in when read; requests finish by count, so the scheduler needs no values."""
+        rec, runner = self.rec, self.runner
+        is_async = self.config.is_async_scheduling
         with rec.step():
             self._intake()
             out = self.scheduler.schedule()
             for op in out.kv_ops:
                 self._do_kv_op(op)
-            rids: list[int] = []
-            samples: list[Samples] = []
-            for r, n in out.prefill_chunks:
-                start = r.num_computed_tokens
-                is_last = start + n == len(r.token_ids)
-                with self._seg_recompute if r.is_recomputing else self._seg_prefill:
-                    s = runner.prefill(
-                        r.token_ids[start : start + n],
-                        start,
-                        bm.slots(r, start + n),
-                        is_last=is_last,
-                    )
-                if s is not None:
-                    rids.append(r.rid)
-                    samples.append(s)
             num_decode = len(out.decode_reqs)
             graph_size = runner.graph_size_for(num_decode)
-            if num_decode:
-                with self._seg_decode:
-                    rows = [
-                        DecodeRow(
-                            r.token_ids[-1],
-                            r.num_computed_tokens,
-                            bm.slots(r, r.num_computed_tokens + 1),
-                        )
-                        for r in out.decode_reqs
-                    ]
-                    s = runner.decode(rows, graph_size)
-                rids[:0] = [r.rid for r in out.decode_reqs]
-                samples.insert(0, s)
-            if rids:
-                rec.emit(rids)  # the engine-emission boundary: all tokens of the step
-            self._tag_step(out, num_decode, graph_size)
-            self._bookkeep(out, rids, samples, graph_size, num_decode)
-        return len(rids)
-
-    def _step_async(self) -> int:
-        """One iteration with async scheduling: schedule and launch step N, then read step
-        N-1's samples and emit them, so the host's work for N overlaps the device's for
-        N-1 (the runner must launch without waiting: `TorchModelRunner`).
-
-        The scheduler runs one step ahead of the samples: a launched request's new token is
-        a placeholder (`prev_token_ref`, a row of the samples still on the device, which
-        the runner reads there if the next step decodes it), and requests finish by count,
-        so `update` needs no token values. Placeholders are filled in when read."""
-        from .torch_runner import prev_token_ref
-
-        rec, runner, bm = self.rec, self.runner, self.bm
-        launcher: Any = runner
-        with rec.step():
-            self._intake()
-            out = self.scheduler.schedule()
-            for op in out.kv_ops:
-                self._do_kv_op(op)
-            reqs: list[Request] = []
-            pending: list[Any] = []
-            num_decode = len(out.decode_reqs)
-            graph_size = runner.graph_size_for(num_decode)
-            if num_decode:
-                rows = [
-                    DecodeRow(
-                        r.token_ids[-1],
-                        r.num_computed_tokens,
-                        bm.slots(r, r.num_computed_tokens + 1),
-                    )
-                    for r in out.decode_reqs
-                ]
-                with self._seg_decode:
-                    pending.append(launcher.decode_launch(rows, graph_size))
-                reqs.extend(out.decode_reqs)
-            for r, n in out.prefill_chunks:
-                start = r.num_computed_tokens
-                with self._seg_recompute if r.is_recomputing else self._seg_prefill:
-                    p = launcher.prefill_launch(
-                        r.token_ids[start : start + n],
-                        start,
-                        bm.slots(r, start + n),
-                        is_last=start + n == len(r.token_ids),
-                    )
-                if p is not None:
-                    reqs.append(r)
-                    pending.append(p)
-            # the scheduler moves on now; the token values follow when they are read
-            finished = self.scheduler.update(
-                out, {r.rid: prev_token_ref(i) for i, r in enumerate(reqs)}
-            )
-            prev = self._inflight
-            self._inflight = None
-            if reqs:
-                launcher.set_step_outputs(pending)
-                self._inflight = _Inflight(
-                    reqs, [len(r.token_ids) - 1 for r in reqs], pending, finished,
-                    rec.current_step,
-                )  # fmt: skip
-            num_emitted = 0
-            if prev is not None:  # the read: waits for step N-1 on the device
-                samples = [p.result() for p in prev.pending]
-                rids = [r.rid for r in prev.reqs]
-                # the engine-emission boundary: when the host has them; they are the
-                # results of the step that launched them (the partition's rule 6)
-                rec.emit(rids, reads_step=prev.step)
-                s = samples[0] if len(samples) == 1 else _concat(samples)
-                for r, i, tok in zip(
-                    prev.reqs, prev.token_index, s.token_ids.tolist(), strict=True
-                ):
-                    r.token_ids[i] = tok
-                self.history.record(
-                    rids, self.stats.num_steps, s.token_ids, s.logprobs, s.topk_ids, s.topk_logprobs
+            launched = self._forward(out, graph_size, is_async=is_async)
+            if is_async:  # the scheduler moves on now; the token values follow when read
+                launched.finished = self.scheduler.update(
+                    out, {r.rid: prev_token_ref(i) for i, r in enumerate(launched.reqs)}
                 )
-                for r in prev.finished:
-                    self.history.close(r.rid)
-                num_emitted = len(rids)
-                self.stats.num_tokens += num_emitted
-                self.stats.num_finished += len(prev.finished)
+                if launched.reqs:
+                    runner.set_step_outputs(launched.pending)  # type: ignore[attr-defined]
+                ready, self._inflight = self._inflight, (launched if launched.reqs else None)
+            else:
+                ready = launched
+            num_emitted = self._emit(ready, None if is_async else out)
             self._tag_step(out, num_decode, graph_size)
             st = self.stats
             st.num_steps += 1
@@ -315,6 +221,72 @@ class Engine:
             st.num_eager_steps += graph_size == 0
             st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
         return num_emitted
+
+    def _forward(self, out: SchedulerOutput, graph_size: int, *, is_async: bool) -> _Launched:
+        """The step's prefill chunks (each in its segment), then its decode batch. Sync:
+        each call returns its samples; async: each launch returns pending samples. Rows are
+        ordered decode first, then the prefills that completed a sequence."""
+        runner: Any = self.runner
+        bm = self.bm
+        prefill = runner.prefill_launch if is_async else runner.prefill
+        decode = runner.decode_launch if is_async else runner.decode
+        reqs: list[Request] = []
+        pending: list[Any] = []
+        for r, n in out.prefill_chunks:
+            start = r.num_computed_tokens
+            with self._seg_recompute if r.is_recomputing else self._seg_prefill:
+                p = prefill(
+                    r.token_ids[start : start + n],
+                    start,
+                    bm.slots(r, start + n),
+                    is_last=start + n == len(r.token_ids),
+                )
+            if p is not None:
+                reqs.append(r)
+                pending.append(p)
+        if out.decode_reqs:
+            rows = [
+                DecodeRow(
+                    r.token_ids[-1], r.num_computed_tokens, bm.slots(r, r.num_computed_tokens + 1)
+                )
+                for r in out.decode_reqs
+            ]
+            with self._seg_decode:
+                pending.insert(0, decode(rows, graph_size))
+            reqs[:0] = out.decode_reqs
+        return _Launched(reqs, [len(r.token_ids) for r in reqs], pending, self.rec.current_step)
+
+    def _emit(self, ready: _Launched | None, sync_out: SchedulerOutput | None) -> int:
+        """Emit `ready`'s tokens (this step's, or under async scheduling the previous
+        step's) and keep their history. Sync (`sync_out` is this step's schedule): the
+        scheduler takes the real tokens now; async: they fill in the placeholders the
+        scheduler took at launch. Returns the number of tokens emitted."""
+        if ready is None or not ready.reqs:
+            if sync_out is not None:
+                self.scheduler.update(sync_out, {})  # prefill chunks still advance
+            return 0
+        samples = [p if isinstance(p, Samples) else p.result() for p in ready.pending]
+        rids = [r.rid for r in ready.reqs]
+        # the engine-emission boundary: all tokens of the step, when the host has them;
+        # they are the results of the step that launched them (the partition's rule 6)
+        self.rec.emit(rids, reads_step=ready.step)
+        s = samples[0] if len(samples) == 1 else _concat(samples)
+        tokens = s.token_ids.tolist()
+        if sync_out is not None:
+            finished = self.scheduler.update(sync_out, dict(zip(rids, tokens, strict=True)))
+        else:
+            for r, i, tok in zip(ready.reqs, ready.token_index, tokens, strict=True):
+                r.token_ids[i] = tok
+            finished = ready.finished or []
+        st = self.stats
+        self.history.record(
+            rids, st.num_steps, s.token_ids, s.logprobs, s.topk_ids, s.topk_logprobs
+        )
+        for r in finished:
+            self.history.close(r.rid)
+        st.num_tokens += len(rids)
+        st.num_finished += len(finished)
+        return len(rids)
 
     def _tag_step(self, out: SchedulerOutput, num_decode: int, graph_size: int) -> None:
         """What the step did, for the recorder: its attributes and the engine's counters."""
@@ -345,37 +317,6 @@ class Engine:
             rec.readmit(r.rid)
         else:
             raise ValueError(f"unknown KV op {op.kind!r}")
-
-    def _bookkeep(
-        self,
-        out: SchedulerOutput,
-        rids: list[int],
-        samples: list[Samples],
-        graph_size: int,
-        num_decode: int,
-    ) -> None:
-        st = self.stats
-        st.num_steps += 1
-        st.num_tokens += len(rids)
-        st.num_preemptions += out.num_preempted
-        st.num_eager_steps += graph_size == 0
-        st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
-        if not rids:
-            self.scheduler.update(out, {})
-            return
-        if len(samples) == 1:
-            s = samples[0]
-        else:
-            s = Samples(
-                *(np.concatenate([getattr(x, f) for x in samples]) for f in Samples.__slots__)
-            )
-        self.history.record(
-            rids, st.num_steps, s.token_ids, s.logprobs, s.topk_ids, s.topk_logprobs
-        )
-        finished = self.scheduler.update(out, dict(zip(rids, s.token_ids.tolist(), strict=True)))
-        for r in finished:
-            self.history.close(r.rid)
-        st.num_finished += len(finished)
 
     # -- serving -------------------------------------------------------------------------------
     def serve(
@@ -443,14 +384,14 @@ class Engine:
 
 
 @dataclass(slots=True)
-class _Inflight:
-    """A launched step whose samples the host has not read yet (async scheduling)."""
+class _Launched:
+    """A step's forward passes: their requests and samples (async: pending on the device)."""
 
     reqs: list[Request]  # in sample-row order: decode rows, then completed prefills
-    token_index: list[int]  # where each request's placeholder token sits in its token_ids
-    pending: list[Any]  # the runner's PendingSamples, in the same order
-    finished: list[Request]  # retired by count at launch; their history closes when read
-    step: int = -1  # the recorder's index of the step that launched it
+    token_index: list[int]  # where each request's new token goes (appended after launch)
+    pending: list[Any]  # Samples (sync) or the runner's PendingSamples (async), same order
+    step: int  # the recorder's index of the step that launched them
+    finished: list[Request] | None = None  # async: retired by count at launch
 
 
 def _concat(samples: list[Samples]) -> Samples:

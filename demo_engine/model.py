@@ -44,6 +44,12 @@ class DecodeRow:
     slots: np.ndarray
 
 
+def prev_token_ref(row_index: int) -> int:
+    """The token id that stands for row `row_index` of the last launched step's samples,
+    still on the device (the async-scheduling engine's placeholder, always negative)."""
+    return -1 - row_index
+
+
 class ModelRunner(Protocol):
     """What the engine needs from a model backend."""
 
