@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 
 from .block_manager import BlockManager
-from .config import EngineConfig, WorkloadConfig
+from .config import EngineConfig
 from .history import CompactHistory, History, ObjectHistory, build_startup_heap
 from .model import DecodeRow, ModelRunner, NumpyModelRunner, Samples, prev_token_ref
 from .scheduler import KvOp, Request, Scheduler, SchedulerOutput
 from .tokenizer import OffLoopTokenizer
-from .workload import TraceRequest, make_text, mean_output_tokens
+from .workload import TraceRequest
 
 NS_PER_S = 1_000_000_000
 
@@ -45,7 +45,9 @@ class Progress:
     """A snapshot for progress lines: where the run is and what the engine holds."""
 
     elapsed_s: float
-    duration_s: float
+    num_steps: int
+    clock: str  # the workload's clock: "seconds" or "steps"
+    span: float  # the run's length on that clock
     num_tokens: int
     num_running: int
     num_waiting: int
@@ -103,8 +105,11 @@ class Engine:
         self._is_frozen = False
         # the trace being served and where we are in it
         self._trace: list[TraceRequest] = []
-        self._arrival_ticks: list[int] = []
+        self._is_step_clock = False
+        self._due: list[float] = []  # arrival times on the workload clock (ticks or steps)
         self._next_arrival = 0
+        self._step_clock = 0.0  # steps run, plus idle stretches skipped to the next arrival
+        self.arrival_ticks: dict[int, int] = {}  # request index -> when it arrived (tick)
         # segment handles, looked up once (a disabled recorder hands back a shared no-op);
         # the runner's work is device work: with a device timer (torch on CUDA) the
         # recorder also times its execution, without one these are plain host windows
@@ -147,14 +152,23 @@ class Engine:
         self.close()
 
     # -- intake ----------------------------------------------------------------------------------
+    def _now(self) -> float:
+        """Now on the workload's clock: engine-clock ticks, or engine steps."""
+        return self._step_clock if self._is_step_clock else self.rec.now()
+
     def _intake(self) -> None:
         """Requests whose arrival time has passed: tokenise (on the loop or off it)."""
-        now = self.rec.now()
-        ticks = self._arrival_ticks
-        while self._next_arrival < len(ticks) and ticks[self._next_arrival] <= now:
+        now = self._now()
+        due = self._due
+        while self._next_arrival < len(due) and due[self._next_arrival] <= now:
             tr = self._trace[self._next_arrival]
             self._next_arrival += 1
             self.stats.num_arrived += 1
+            # on the step clock a request arrives when its step starts; on the wall
+            # clock at its scheduled time, even if the loop was busy then
+            self.arrival_ticks[tr.index] = (
+                self.rec.now() if self._is_step_clock else int(due[self._next_arrival - 1])
+            )
             if self.off_loop is not None:
                 self.off_loop.submit(tr.index, tr.text)
             else:
@@ -171,7 +185,7 @@ class Engine:
         max_new = min(tr.max_new_tokens, self.config.max_new_tokens)
         req = Request(
             rid=index,
-            arrival_tick=self._arrival_ticks[index],
+            arrival_tick=self.arrival_ticks[index],
             token_ids=list(ids) or [0],
             max_new_tokens=max_new,
         )
@@ -217,6 +231,7 @@ class Engine:
             self._tag_step(out, num_decode, graph_size)
             st = self.stats
             st.num_steps += 1
+            self._step_clock += 1
             st.num_preemptions += out.num_preempted
             st.num_eager_steps += graph_size == 0
             st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
@@ -322,58 +337,74 @@ class Engine:
     def serve(
         self,
         trace: list[TraceRequest],
-        duration_s: float,
+        span: float,
         *,
+        clock: str = "seconds",
         progress: Callable[[Progress], None] | None = None,
         progress_interval_s: float = 1.0,
         is_drain: bool = False,
     ) -> RunStats:
-        """Serve `trace` for `duration_s` seconds of engine clock: admit each request when
-        its arrival time passes, step while there is work, nap briefly when there is none.
+        """Serve `trace` for `span` units of `clock`, the clock its arrival times count:
+        `"seconds"` of engine clock, or engine `"steps"`. Each request is admitted when its
+        arrival time passes; the loop steps while there is work. When there is none it
+        naps (seconds) or skips ahead to the next arrival (steps: an idle engine runs no
+        steps, so waiting for an arrival costs none).
         `is_drain`: stop early once every request has arrived and finished (benchmarks
         and tests serve a fixed amount of work this way)."""
+        if clock not in ("seconds", "steps"):
+            raise ValueError(f"clock must be 'seconds' or 'steps', got {clock!r}")
         rec, sched = self.rec, self.scheduler
         t0 = rec.now()
         self._trace = trace
-        self._arrival_ticks = [t0 + int(tr.arrival_s * NS_PER_S) for tr in trace]
+        self._is_step_clock = clock == "steps"
+        self._step_clock = 0.0
+        if self._is_step_clock:
+            self._due = [tr.arrival for tr in trace]
+            end = float(span)
+        else:
+            self._due = [t0 + int(tr.arrival * NS_PER_S) for tr in trace]
+            end = t0 + int(span * NS_PER_S)
         self._next_arrival = 0
-        end = t0 + int(duration_s * NS_PER_S)
         next_report = t0 + int(progress_interval_s * NS_PER_S)
         idle_ns = int(self.config.idle_sleep_s * NS_PER_S)
-        ticks = self._arrival_ticks
+        due = self._due
         while True:
-            now = rec.now()
+            wall = rec.now()
+            now = self._now()
             if now >= end:
                 break
-            is_due = self._next_arrival < len(ticks) and ticks[self._next_arrival] <= now
+            is_due = self._next_arrival < len(due) and due[self._next_arrival] <= now
+            is_tokenizing = self.off_loop is not None and self.off_loop.num_pending > 0
             if is_due or sched.has_work or self._inflight is not None:
                 self.step()
-            elif (
-                is_drain
-                and self._next_arrival == len(ticks)
-                and not (self.off_loop is not None and self.off_loop.num_pending)
-            ):
+            elif is_drain and self._next_arrival == len(due) and not is_tokenizing:
                 break
-            elif self.off_loop is not None and self.off_loop.num_pending:
+            elif is_tokenizing:
                 self._intake()  # collect finished tokenisations outside any step
                 if not sched.has_work:
                     time.sleep(self.config.idle_sleep_s)
+            elif self._is_step_clock:
+                if self._next_arrival == len(due):
+                    break  # nothing will ever arrive: the rest of the run is idle
+                self._step_clock = max(now, due[self._next_arrival])
             else:
                 wait_ns = idle_ns
-                if self._next_arrival < len(ticks):
-                    wait_ns = min(wait_ns, max(0, ticks[self._next_arrival] - now))
+                if self._next_arrival < len(due):
+                    wait_ns = min(wait_ns, max(0, int(due[self._next_arrival] - now)))
                 time.sleep(wait_ns / NS_PER_S)
-            if progress is not None and now >= next_report:
+            if progress is not None and wall >= next_report:
                 next_report += int(progress_interval_s * NS_PER_S)
-                progress(self.progress((now - t0) / NS_PER_S, duration_s))
+                progress(self.progress((wall - t0) / NS_PER_S, clock, span))
         self.stats.wall_s = (rec.now() - t0) / NS_PER_S
         return self.stats
 
-    def progress(self, elapsed_s: float, duration_s: float) -> Progress:
+    def progress(self, elapsed_s: float, clock: str, span: float) -> Progress:
         s = self.scheduler
         return Progress(
             elapsed_s=elapsed_s,
-            duration_s=duration_s,
+            num_steps=self.stats.num_steps,
+            clock=clock,
+            span=span,
             num_tokens=self.stats.num_tokens,
             num_running=len(s.running),
             num_waiting=len(s.waiting) + (self.off_loop.num_pending if self.off_loop else 0),
@@ -396,81 +427,3 @@ class _Launched:
 
 def _concat(samples: list[Samples]) -> Samples:
     return Samples(*(np.concatenate([getattr(x, f) for x in samples]) for f in Samples.__slots__))
-
-
-# -- capacity ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True, frozen=True)
-class Capacity:
-    """This machine's measured throughput and the arrival rate it can sustain."""
-
-    decode_batch: int
-    decode_step_ms: float  # median decode step at `decode_batch` rows on a captured size
-    prefill_chunk_ms: float  # median 256-token prefill chunk
-    decode_tok_s: float
-    prefill_tok_s: float
-    mean_prompt_tokens: float
-    mean_output_tokens: float
-    req_s: float  # 1 / (seconds of decode + prefill work one average request needs)
-
-    def to_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
-
-
-def measure_capacity(
-    config: EngineConfig,
-    tokenizer: Any,
-    workload: WorkloadConfig,
-    *,
-    budget_s: float = 1.5,
-) -> Capacity:
-    """A short measurement of decode and prefill throughput on this machine (~budget_s s).
-
-    The request rate this machine sustains is estimated as one over the work an average
-    request needs: its output tokens at the measured decode rate (a full captured batch)
-    plus its prompt tokens at the measured prefill rate."""
-    rng = np.random.default_rng(0)
-    # mean prompt tokens: tokenise sample prompts; documents are truncated to the max
-    sample = [
-        make_text(rng, int(workload.prompt_chars_mean), workload.lexicon_seed, is_doc=False)
-        for _ in range(20)
-    ]
-    tok_per_char = sum(len(tokenizer.encode(t).ids) for t in sample) / sum(map(len, sample))
-    mean_prompt = (1 - workload.doc_frac) * tok_per_char * workload.prompt_chars_mean + (
-        workload.doc_frac * config.max_prompt_tokens
-    )
-    mean_out = mean_output_tokens(workload)
-    runner = NumpyModelRunner(config, tokenizer.get_vocab_size())
-    runner.kv[:] = rng.standard_normal(runner.kv.shape, dtype=np.float32) * 0.1
-    batch = max(s for s in config.captured_graph_sizes if s <= config.max_num_seqs)
-    ctx = int(mean_prompt + mean_out / 2)  # a decoding request is halfway through, on average
-    blocks = -(-(ctx + 1) // config.block_size)
-    offsets = np.arange(config.block_size)
-    rows = []
-    for i in range(batch):
-        bt = (np.arange(blocks) + i * blocks) % config.num_kv_blocks
-        rows.append(
-            DecodeRow(1, ctx, (bt[:, None] * config.block_size + offsets).ravel()[: ctx + 1])
-        )
-    decode_ms: list[float] = []
-    prefill_ms: list[float] = []
-    chunk = list(range(1, 257))
-    slots = np.arange(256)
-    t_end = time.perf_counter() + budget_s
-    while time.perf_counter() < t_end or len(decode_ms) < 5:
-        t = time.perf_counter()
-        runner.decode(rows, batch)
-        decode_ms.append((time.perf_counter() - t) * 1e3)
-        if len(prefill_ms) < len(decode_ms) // 4 + 1:
-            t = time.perf_counter()
-            runner.prefill(chunk, 0, slots, is_last=True)
-            prefill_ms.append((time.perf_counter() - t) * 1e3)
-    step_ms = float(np.median(decode_ms[1:]))
-    chunk_ms = float(np.median(prefill_ms))
-    decode_tok_s = batch / (step_ms / 1e3)
-    prefill_tok_s = 256 / (chunk_ms / 1e3)
-    req_s = 1.0 / (mean_out / decode_tok_s + mean_prompt / prefill_tok_s)
-    return Capacity(
-        batch, step_ms, chunk_ms, decode_tok_s, prefill_tok_s, mean_prompt, mean_out, req_s
-    )

@@ -1,6 +1,7 @@
 """The arrival trace: who arrives when, with what prompt text, wanting how many tokens.
 
-Non-homogeneous Poisson arrivals (by thinning) with a sinusoidal swell; prompts of about
+Non-homogeneous Poisson arrivals (by thinning) with a sinusoidal swell, on the workload's
+clock (seconds, or engine steps: `WorkloadConfig.clock`); prompts of about
 1,000 characters, and a small share of pasted documents of 150k-400k characters that are
 truncated to the model length only after tokenising (so their tokenizer cost is real).
 Everything is deterministic in the seed: the same seed and rate give the same trace.
@@ -68,31 +69,30 @@ def make_text(rng: np.random.Generator, num_chars: int, lexicon_seed: int, *, is
 
 @dataclass(slots=True, frozen=True)
 class TraceRequest:
-    """One arrival. `arrival_s` is seconds from the start of serving (the engine clock)."""
+    """One arrival. `arrival` is when, from the start of serving, on the workload's clock:
+    seconds of engine clock, or engine steps (`WorkloadConfig.clock`)."""
 
     index: int
-    arrival_s: float
+    arrival: float
     text: str
     max_new_tokens: int
     is_doc: bool
 
 
-def rate_at(t_s: float, cfg: WorkloadConfig) -> float:
-    """The instantaneous arrival rate (req/s) at `t_s` seconds into the run."""
-    return cfg.rate_req_s * (
-        1.0 + cfg.swell_frac * math.sin(2 * math.pi * t_s / cfg.swell_period_s)
-    )
+def rate_at(t: float, cfg: WorkloadConfig) -> float:
+    """The instantaneous arrival rate at `t` (requests per unit of the workload's clock)."""
+    return cfg.rate * (1.0 + cfg.swell_frac * math.sin(2 * math.pi * t / cfg.swell_period))
 
 
-def make_trace(seed: int, duration_s: float, cfg: WorkloadConfig) -> list[TraceRequest]:
-    """Arrivals in [0, duration_s), deterministic in (seed, cfg)."""
+def make_trace(seed: int, span: float, cfg: WorkloadConfig) -> list[TraceRequest]:
+    """Arrivals in [0, span) on the workload's clock, deterministic in (seed, cfg)."""
     rng = np.random.default_rng([seed, 0x7EACE])
-    rate_max = cfg.rate_req_s * (1.0 + cfg.swell_frac)
+    rate_max = cfg.rate * (1.0 + cfg.swell_frac)
     out: list[TraceRequest] = []
     t = 0.0
     while True:
         t += rng.exponential(1.0 / rate_max)  # candidate from the bounding process
-        if t >= duration_s:
+        if t >= span:
             break
         if rng.random() * rate_max > rate_at(t, cfg):  # thinning
             continue
@@ -114,6 +114,16 @@ def mean_output_tokens(cfg: WorkloadConfig) -> float:
     return cfg.output_tokens_min + cfg.output_tokens_exp_mean * (
         1.0 - math.exp(-span / cfg.output_tokens_exp_mean)
     )
+
+
+def step_capacity_req(max_num_seqs: int, cfg: WorkloadConfig) -> float:
+    """Requests per engine step the engine retires with its batch full: `max_num_seqs`
+    requests decode one token each per step, and an average request needs
+    `mean_output_tokens` decode steps (its prefill is one or a few steps more). The demo's
+    KV pool is sized so that a full batch at the average context about fills it, so a load
+    near 1 of this keeps the pool near full and the batch near its limit: preemptions and
+    batches above the largest captured size, on any machine."""
+    return max_num_seqs / mean_output_tokens(cfg)
 
 
 def training_corpus(cfg: WorkloadConfig, num_lines: int = 2000) -> list[str]:

@@ -106,12 +106,12 @@ def test_each_rung_keeps_every_fix_above_it():
 def test_workload_is_deterministic_and_shaped():
     cfg = WorkloadConfig(rate_req_s=20.0, doc_frac=0.05)
     a, b = make_trace(3, 30.0, cfg), make_trace(3, 30.0, cfg)
-    assert [(t.arrival_s, t.text, t.max_new_tokens) for t in a] == [
-        (t.arrival_s, t.text, t.max_new_tokens) for t in b
+    assert [(t.arrival, t.text, t.max_new_tokens) for t in a] == [
+        (t.arrival, t.text, t.max_new_tokens) for t in b
     ]
     assert make_trace(4, 30.0, cfg)[0].text != a[0].text
     assert 0.7 * 600 < len(a) < 1.3 * 600
-    arr = np.array([t.arrival_s for t in a])
+    arr = np.array([t.arrival for t in a])
     assert np.all(np.diff(arr) > 0) and arr.max() < 30.0
     # the swell: the rising half-period gets more arrivals than the falling one
     phase = (arr % 15.0) < 7.5
@@ -475,3 +475,68 @@ def test_cli_run_writes_a_named_log(tmp_path):
     assert log.config["rate"] == 4.0 and log.config["engine"]["is_gc_freeze"] is True
     bad = CliRunner().invoke(demo, ["run", "--rung", "nope", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "unknown rung" in bad.output
+
+
+# -- the step clock: the same pressure on any machine ----------------------------------------------
+
+
+def _step_clock_run(cfg, tokenizer, trace, slowdown: float):
+    from demo_engine.model import NumpyModelRunner, SlowedRunner
+
+    runner = NumpyModelRunner(cfg, tokenizer.get_vocab_size())
+    if slowdown != 1.0:
+        runner = SlowedRunner(runner, slowdown)
+    rec = tracekit.Recorder(None, config={"rung": "test"})
+    with rec:
+        eng = Engine(cfg, rec, tokenizer, runner=runner)
+        try:
+            eng.startup()
+            stats = eng.serve(trace, 120, clock="steps")
+        finally:
+            eng.close()
+    return stats, rec.log()
+
+
+def test_step_clock_gives_the_same_schedule_at_any_speed(tokenizer):
+    """Arrivals paced in engine steps: a 3x slower model runs the same steps (the same
+    batches, preemptions and eager steps), only each takes longer."""
+    cfg = SMALL.replace(num_kv_blocks=36, captured_graph_sizes=(1, 2, 4, 6))
+    wl = WorkloadConfig(
+        clock="steps", rate_req_step=0.4, swell_period_steps=60, doc_frac=0.0,
+        prompt_chars_mean=150, output_tokens_exp_mean=20, output_tokens_max=60,
+    )  # fmt: skip
+    trace = make_trace(5, 120, wl)
+    assert trace and max(t.arrival for t in trace) < 120
+    fast, log_fast = _step_clock_run(cfg, tokenizer, trace, 1.0)
+    slow, log_slow = _step_clock_run(cfg, tokenizer, trace, 3.0)
+    # the run is its steps (idle stretches skipped count too), whatever they cost
+    assert fast.num_steps == slow.num_steps <= 120
+    # the regime this config is built for, reached both times
+    assert fast.num_preemptions > 0 and fast.num_eager_steps > 0
+    for f in ("num_preemptions", "num_eager_steps", "num_tokens", "num_arrived"):
+        assert getattr(fast, f) == getattr(slow, f), f
+    np.testing.assert_array_equal(log_fast.steps.num_decode, log_slow.steps.num_decode)
+    np.testing.assert_array_equal(log_fast.steps.num_preempted, log_slow.steps.num_preempted)
+
+    # ... while the slowed model's decode segments did take longer (median, 3x asked)
+    def decode_ms(log):
+        seg = log.segments
+        is_dec = seg.label == log.labels.index("decode")
+        return np.median(seg.t_end_s[is_dec] - seg.t_start_s[is_dec]) * 1e3
+
+    assert decode_ms(log_slow) > 1.5 * decode_ms(log_fast)
+
+
+def test_cli_pacing_options_that_do_not_go_together_are_errors(tmp_path):
+    from click.testing import CliRunner
+
+    from demo_engine.cli import demo
+
+    for args, words in (
+        (["--duration", "5"], "--duration goes with --rate"),
+        (["--rate", "4", "--steps", "100"], "give one or the other"),
+        (["--load", "0"], "must be > 0"),
+    ):
+        res = CliRunner().invoke(demo, ["run", *args, "--out", str(tmp_path), "--quiet"])
+        assert res.exit_code == 2 and words in res.output, (args, res.output)
+    assert not list(tmp_path.iterdir())  # nothing ran
