@@ -120,7 +120,7 @@ class WorkloadConfig:
     swell_period_steps: float = 500.0
     swell_frac: float = 0.6  # rate(t) = rate * (1 + swell_frac * sin(2 pi t / period))
     prompt_chars_mean: float = 1000.0
-    doc_frac: float = 0.01  # share of requests that paste a document
+    doc_frac: float = 0.02  # share of requests that paste a document (one in 50)
     doc_chars_min: int = 150_000
     doc_chars_max: int = 400_000
     output_tokens_min: int = 16  # outputs ~ min + Exponential(mean), capped

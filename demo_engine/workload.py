@@ -1,9 +1,10 @@
 """The arrival trace: who arrives when, with what prompt text, wanting how many tokens.
 
 Non-homogeneous Poisson arrivals (by thinning) with a sinusoidal swell, on the workload's
-clock (seconds, or engine steps: `WorkloadConfig.clock`); prompts of about
-1,000 characters, and a small share of pasted documents of 150k-400k characters that are
-truncated to the model length only after tokenising (so their tokenizer cost is real).
+clock (seconds, or engine steps: `WorkloadConfig.clock`); prompts of about 1,000
+characters, and a fixed share of pasted documents (spread evenly) of 150k-400k characters
+that are truncated to the model length only after tokenising (so their tokenizer cost is
+real).
 Everything is deterministic in the seed: the same seed and rate give the same trace.
 
 The text is drawn from a synthetic lexicon (pseudo-words with Zipf frequencies) that the
@@ -87,6 +88,9 @@ def rate_at(t: float, cfg: WorkloadConfig) -> float:
 def make_trace(seed: int, span: float, cfg: WorkloadConfig) -> list[TraceRequest]:
     """Arrivals in [0, span) on the workload's clock, deterministic in (seed, cfg)."""
     rng = np.random.default_rng([seed, 0x7EACE])
+    # documents are spread evenly, one every 1/doc_frac requests from a seeded phase, so
+    # every run of a given length gets its share of them rather than 0 or 5 by chance
+    phase = float(np.random.default_rng([seed, 0xD0C]).random())
     rate_max = cfg.rate * (1.0 + cfg.swell_frac)
     out: list[TraceRequest] = []
     t = 0.0
@@ -96,7 +100,8 @@ def make_trace(seed: int, span: float, cfg: WorkloadConfig) -> list[TraceRequest
             break
         if rng.random() * rate_max > rate_at(t, cfg):  # thinning
             continue
-        is_doc = bool(rng.random() < cfg.doc_frac)
+        k = len(out) + phase / max(cfg.doc_frac, 1e-9)
+        is_doc = math.floor(k * cfg.doc_frac) > math.floor((k - 1) * cfg.doc_frac)
         if is_doc:
             n_chars = int(rng.integers(cfg.doc_chars_min, cfg.doc_chars_max + 1))
         else:  # gamma(4) around the mean: ~1k characters, rarely below 200
