@@ -559,3 +559,21 @@ def test_cli_pacing_options_that_do_not_go_together_are_errors(tmp_path):
         res = CliRunner().invoke(demo, ["run", *args, "--out", str(tmp_path), "--quiet"])
         assert res.exit_code == 2 and words in res.output, (args, res.output)
     assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_a_baseline_run_without_the_regime_says_so():
+    from types import SimpleNamespace
+
+    from demo_engine.cli import BASELINE_EXPECT, _summary, regime_misses
+
+    stats = SimpleNamespace(
+        num_steps=600, num_tokens=100, wall_s=2.0, tok_per_s=50.0, num_arrived=10,
+        num_finished=5, num_preemptions=0, num_eager_steps=12, num_max_decode_batch=40,
+    )  # fmt: skip
+    assert BASELINE_EXPECT == {"preemptions": 1, "eager_steps": 1}
+    assert regime_misses("baseline", stats) == ["0 preemptions (needs >= 1)"]
+    assert regime_misses("+gc.freeze", stats) == []  # only the baseline carries the regime
+    line = _summary("raw/baseline__s1.npz", "baseline", stats)
+    assert "regime NOT reached: 0 preemptions (needs >= 1)" in line
+    stats.num_preemptions = 3
+    assert "regime" not in _summary("raw/baseline__s1.npz", "baseline", stats)
