@@ -5,8 +5,11 @@ number in a sentence is a figure of the comparison (medians across the runs of a
 
 - The first group (the baseline, in the comparison's order) gets a diagnosis: the causes
   that hold the most tail time, with the counts the fixes act on.
-- Every later group gets what changed from the group before it: the cause whose tail
-  share fell the most, and the median p99.9 before and after. A change whose [min-max]
+- Every later group gets what changed from the group before it: the median p99.9 before
+  and after, and the cause it took out of the tail: of the causes whose tail share fell
+  by at least MIN_NAMED_SHARE, the one that fell by the largest fraction of its own share
+  (a fix's signature is its cause going to zero, while the shares of the causes it left
+  alone move only because the tail shrank around them). A change whose [min-max]
   ranges across runs overlap is marked as such: the runs do not separate the two groups.
 - The last group is set against the first: median p99.9 (how many times lower or
   higher) and TTFT p50, since a fix that cuts the tail can make requests wait to start.
@@ -93,14 +96,14 @@ def _ttft(a: GroupSummary, b: GroupSummary) -> str:
 
 
 def change(prev: GroupSummary, g: GroupSummary, *, with_ttft: bool = False) -> str:
-    """What moved from `prev` to `g`: the cause whose tail share fell the most, and p99.9
-    (and TTFT p50 with `with_ttft`)."""
-    falls = [
-        (prev.tail_share.get(lb, 0.0) - g.tail_share.get(lb, 0.0), lb)
-        for lb in prev.tail_share
-        if lb not in NON_CAUSES
-    ]
-    drop, lb = max(falls, default=(0.0, ""), key=lambda t: (t[0], t[1]))
+    """What moved from `prev` to `g`: p99.9, and the cause whose tail share fell by the
+    largest fraction (see the module docstring); TTFT p50 too with `with_ttft`."""
+    falls = []
+    for lb, before in prev.tail_share.items():
+        fall = before - g.tail_share.get(lb, 0.0)
+        if lb not in NON_CAUSES and fall >= MIN_NAMED_SHARE:
+            falls.append((fall / before, fall, lb))
+    _, drop, lb = max(falls, default=(0.0, 0.0, ""))
     a, b = prev.figures["itl_p999"], g.figures["itl_p999"]
     verb = "cut" if b.median < a.median else "raised"
     words = f"{verb} median p99.9 from {_ms(a.median)} to {_ms(b.median)} ms"
