@@ -74,6 +74,7 @@ def run_one(
     rate: float | None = None,
     duration_s: float | None = None,
     compute_slowdown: float = 1.0,
+    timer: str | None = None,
     preemption_mode: str = "swap",
     quiet: bool = False,
     enabled: bool = True,
@@ -87,6 +88,9 @@ def run_one(
     Arrivals are paced in engine steps (`load` times the step capacity, for `steps`
     steps) unless `rate` is given: then `rate` req/s for `duration_s` seconds.
     `compute_slowdown` stretches every model call (a slower machine, for checks).
+    `timer`: what the recorder's clock counts: "cpu" (this process's CPU time; the
+    default with step pacing on the CPU) or "wall" (the default, and the only choice,
+    with `rate` or on a GPU, whose device windows are mapped onto wall time).
     `backend="torch"` runs the same model in torch on `device` (cpu or cuda); on cuda the
     recorder times device work with CUDA events. `is_async_scheduling` (torch only)
     schedules step N+1 while the device runs step N."""
@@ -114,6 +118,10 @@ def run_one(
             "a rate in req/s puts a different pressure on every machine: drop --rate "
             "(arrivals paced in engine steps) or raise it"
         )
+    if timer is None:
+        timer = "wall" if rate is not None or device != "cpu" else "cpu"
+    if timer not in ("cpu", "wall") or (timer == "cpu" and (rate is not None or device != "cpu")):
+        raise ValueError("timer must be 'wall', or 'cpu' with step pacing on the CPU")
     tokenizer = train_tokenizer(cfg.vocab_size, wl)
     trace = make_trace(seed, span, wl)
     os.makedirs(out_dir, exist_ok=True)
@@ -128,6 +136,7 @@ def run_one(
         "rate": wl.rate,  # per step or per second, by clock
         "load": load if rate is None else None,
         "compute_slowdown": compute_slowdown,
+        "timer": timer,
         "engine": cfg.to_dict(),
         "workload": wl.to_dict(),
         "trace": {
@@ -142,7 +151,7 @@ def run_one(
     if rung == RUNG_NAMES[0]:
         config["expect"] = dict(BASELINE_EXPECT)
         config["expect_hint"] = hint
-    runner, timer = _make_runner(backend, device, cfg, tokenizer.get_vocab_size())
+    runner, device_timer = _make_runner(backend, device, cfg, tokenizer.get_vocab_size())
     if compute_slowdown != 1.0:
         if is_async_scheduling:
             raise ValueError("--compute-slowdown works on synchronous steps only")
@@ -151,8 +160,16 @@ def run_one(
         runner = SlowedRunner(
             runner or NumpyModelRunner(cfg, tokenizer.get_vocab_size()), compute_slowdown
         )
+    # the CPU clock leaves out the time the OS gave to other processes: on a shared
+    # machine that time would otherwise land in whichever gap it interrupted
+    clock = time.process_time_ns if timer == "cpu" else time.perf_counter_ns
     rec = Recorder(
-        path if enabled else None, config=config, enabled=enabled, device_timer=timer, nvtx=nvtx
+        path if enabled else None,
+        config=config,
+        enabled=enabled,
+        device_timer=device_timer,
+        nvtx=nvtx,
+        clock=clock,
     )
     engine = Engine(cfg, rec, tokenizer, runner=runner)
     with rec:
@@ -167,7 +184,8 @@ def run_one(
         finally:
             engine.close()
         # the arrival trace as the published logs kept it (id, arrival s, prompt chars,
-        # max new tokens), for the requests that arrived, at the time they did
+        # max new tokens), for the requests that arrived, at the time they did (on the
+        # recorder's clock)
         t0 = rec.t0_tick
         rows = [
             [t.index, (engine.arrival_ticks[t.index] - t0) / 1e9, len(t.text), t.max_new_tokens]
@@ -281,6 +299,14 @@ def _pacing_opts(fn: Any) -> Any:
             help="With --rate: seconds of serving (default 30).",
         ),
         click.option(
+            "--timer",
+            type=click.Choice(["cpu", "wall"]),
+            default=None,
+            help="What the recorded times count: cpu (this process's CPU time, the default "
+            "with step pacing on the CPU: time the OS gives other processes lands in no "
+            "gap) or wall (the default with --rate or --device cuda).",
+        ),
+        click.option(
             "--compute-slowdown",
             type=click.FloatRange(min=1.0),
             default=1.0,
@@ -338,6 +364,7 @@ def run_cmd(
     load: float | None,
     rate: float | None,
     duration: float | None,
+    timer: str | None,
     compute_slowdown: float,
     out_dir: str,
     preemption_mode: str,
@@ -357,6 +384,11 @@ def run_cmd(
         raise click.UsageError("--device cuda and --async-scheduling need --backend torch")
     if async_scheduling and compute_slowdown != 1.0:
         raise click.UsageError("--compute-slowdown works on synchronous steps only")
+    if timer == "cpu" and (rate is not None or device != "cpu"):
+        raise click.UsageError(
+            "--timer cpu needs arrivals paced in steps (no --rate) on the CPU: a rate in "
+            "req/s and CUDA device windows are both wall time"
+        )
     if backend == "torch":
         import importlib.util
 
@@ -376,6 +408,7 @@ def run_cmd(
         rate=rate,
         duration_s=duration,
         compute_slowdown=compute_slowdown,
+        timer=timer,
         preemption_mode=preemption_mode,
         quiet=quiet,
         backend=backend,
@@ -403,6 +436,7 @@ def ladder_cmd(
     load: float | None,
     rate: float | None,
     duration: float | None,
+    timer: str | None,
     compute_slowdown: float,
     out_dir: str,
     rungs: str,

@@ -257,7 +257,8 @@ class NumpyModelRunner:
 
 class SlowedRunner:
     """`inner` with its compute stretched `factor` times: every prefill, decode and swap
-    is followed by a sleep of `factor - 1` times its own duration. A stand-in for a slower
+    is followed by `factor - 1` times its own CPU time of busy work (CPU, not a sleep, so
+    it shows on a CPU clock as it would on a slower machine). A stand-in for a slower
     machine, to check that the workload's regime does not depend on the machine's speed
     (synchronous calls only; everything else is `inner`'s)."""
 
@@ -271,29 +272,32 @@ class SlowedRunner:
         return getattr(self._inner, name)
 
     def _stretch(self, t0: float) -> None:
-        time.sleep(self._extra * (time.perf_counter() - t0))
+        t1 = time.process_time()
+        until = t1 + self._extra * (t1 - t0)
+        while time.process_time() < until:
+            pass
 
     def prefill(
         self, token_ids: Sequence[int], start_pos: int, slots: np.ndarray, *, is_last: bool
     ) -> Samples | None:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         out = self._inner.prefill(token_ids, start_pos, slots, is_last=is_last)
         self._stretch(t0)
         return out
 
     def decode(self, rows: Sequence[DecodeRow], graph_size: int) -> Samples:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         out = self._inner.decode(rows, graph_size)
         self._stretch(t0)
         return out
 
     def swap_out(self, slots: np.ndarray) -> np.ndarray:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         out = self._inner.swap_out(slots)
         self._stretch(t0)
         return out
 
     def swap_in(self, host_kv: np.ndarray, slots: np.ndarray) -> None:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         self._inner.swap_in(host_kv, slots)
         self._stretch(t0)

@@ -519,15 +519,20 @@ def test_step_clock_gives_the_same_schedule_at_any_speed(tokenizer):
     np.testing.assert_array_equal(log_fast.steps.num_preempted, log_slow.steps.num_preempted)
 
 
-def test_slowed_runner_sleeps_factor_minus_one_times_each_call(monkeypatch):
-    """SlowedRunner: a call that took 2 ms (fake clock) is followed by a 6 ms sleep at 4x
-    ((4 - 1) * 2 ms); results and attributes are the inner runner's."""
+def test_slowed_runner_spins_factor_minus_one_times_each_calls_cpu_time(monkeypatch):
+    """SlowedRunner: a call that took 2 ms of CPU (fake clock) is followed by busy work
+    until 6 more ms of CPU have passed at 4x ((4 - 1) * 2 ms); results and attributes are
+    the inner runner's."""
     import demo_engine.model as model
 
-    clock = iter([10.0, 10.002, 20.0, 20.002])
-    slept: list[float] = []
-    monkeypatch.setattr(model.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(model.time, "sleep", slept.append)
+    readings: list[float] = []
+    ticks = iter([0.0, 0.002] + [0.002 + 0.001 * k for k in range(1, 20)])
+
+    def fake_cpu() -> float:
+        readings.append(next(ticks))
+        return readings[-1]
+
+    monkeypatch.setattr(model.time, "process_time", fake_cpu)
 
     class Inner:
         captured_graph_sizes = (1, 2)
@@ -535,13 +540,11 @@ def test_slowed_runner_sleeps_factor_minus_one_times_each_call(monkeypatch):
         def decode(self, rows, graph_size):
             return ("decoded", len(rows), graph_size)
 
-        def swap_in(self, host_kv, slots):
-            return None
-
     r = model.SlowedRunner(Inner(), 4.0)
     assert r.decode([1, 2], 2) == ("decoded", 2, 2) and r.captured_graph_sizes == (1, 2)
-    r.swap_in(None, None)
-    assert slept == pytest.approx([0.006, 0.006])
+    # start 0, end of the call 0.002, then spinning until the first reading >= 0.008
+    assert readings[:2] == [0.0, 0.002] and readings[-1] == pytest.approx(0.008)
+    assert all(x < 0.008 - 1e-12 for x in readings[2:-1])
     with pytest.raises(ValueError, match=">= 1"):
         model.SlowedRunner(Inner(), 0.5)
 
@@ -555,6 +558,7 @@ def test_cli_pacing_options_that_do_not_go_together_are_errors(tmp_path):
         (["--duration", "5"], "--duration goes with --rate"),
         (["--rate", "4", "--steps", "100"], "give one or the other"),
         (["--load", "0"], "must be > 0"),
+        (["--rate", "4", "--timer", "cpu"], "--timer cpu needs arrivals paced in steps"),
     ):
         res = CliRunner().invoke(demo, ["run", *args, "--out", str(tmp_path), "--quiet"])
         assert res.exit_code == 2 and words in res.output, (args, res.output)
