@@ -6,8 +6,10 @@
 Each run writes `OUT/<rung-slug>__s<seed>.npz`. Arrivals are paced in engine steps
 (`--load F`: F times the requests per step the engine retires with its batch full), so
 the scheduler sees the same pressure on a slow, fast or busy machine; only the
-milliseconds differ. `--rate R --duration S` paces them in seconds instead (R req/s for
-S s), which makes the pressure depend on this machine's speed. `ladder` runs each run in
+milliseconds differ. Times are this process's CPU time (`--timer cpu`), so the time the OS
+gives other processes lands in no gap; `--timer wall` records wall time. `--rate R
+--duration S` paces arrivals in seconds instead (R req/s for S s, on the wall clock),
+which makes the pressure depend on this machine's speed. `ladder` runs each run in
 a fresh interpreter (no GC state or heap carried from one run to the next).
 
 numpy is imported only inside the commands, after BLAS is limited to one thread.
