@@ -17,6 +17,9 @@ One step, in the reference post's order, each part inside its segment:
 
 The engine clock is the recorder's clock (`rec.now()`), which still ticks when the
 recorder is disabled, so a run with `Recorder(enabled=False)` runs the same engine.
+Arrivals are due on the workload's clock: engine-clock seconds, or engine steps (then the
+schedule does not depend on how long a step takes; see `serve`). With async scheduling
+`step()` emits the previous step's tokens: the same function, reading one step later.
 """
 
 from __future__ import annotations
