@@ -1,12 +1,15 @@
 """`demo`: run the demonstrator engine, one rung or the whole fix ladder.
 
-    python -m demo_engine.cli run --rung baseline --seed 1 --duration 30 --load 0.8 --out raw/
-    python -m demo_engine.cli ladder --seeds 1,2,3 --duration 30 --load 0.8 --out raw/
+    tracekit demo run --rung baseline --seed 1 --steps 800 --out raw/
+    tracekit demo ladder --seeds 1,2,3 --steps 800 --out raw/
 
-(`tracekit demo ...` once the lead registers this group.) Each run writes
-`OUT/<rung-slug>__s<seed>.npz`. `--rate` fixes the arrival rate; `--load F` measures this
-machine's capacity at startup and uses F times it, so the ladder lands near capacity on
-any machine. `ladder` measures once and gives every run the same rate, and runs each in
+Each run writes `OUT/<rung-slug>__s<seed>.npz`. Arrivals are paced in engine steps
+(`--load F`: F times the requests per step the engine retires with its batch full), so
+the scheduler sees the same pressure on a slow, fast or busy machine; only the
+milliseconds differ. Times are this process's CPU time (`--timer cpu`), so the time the OS
+gives other processes lands in no gap; `--timer wall` records wall time. `--rate R
+--duration S` paces arrivals in seconds instead (R req/s for S s, on the wall clock),
+which makes the pressure depend on this machine's speed. `ladder` runs each run in
 a fresh interpreter (no GC state or heap carried from one run to the next).
 
 numpy is imported only inside the commands, after BLAS is limited to one thread.
@@ -27,7 +30,15 @@ import numpy as np
 from ._blas import limit_blas_threads, set_thread_env
 from .config import RUNG_NAMES, EngineConfig, WorkloadConfig, find_rung, rung_config, rung_slug
 
-DEFAULT_LOAD = 0.8
+#: Arrivals per step relative to the batch capacity. 1.3 is about the pressure the published
+#: ladder ran at (8.75 req/s at ~26 ms per baseline step: 0.23 requests per step, 1.37x
+#: 48 / 288): past the batch capacity, so the KV pool fills and stays full at baseline.
+DEFAULT_LOAD = 1.3
+DEFAULT_STEPS = 800
+#: What the ladder's story needs from its baseline run: a KV pool under pressure
+#: (preemptions) and batches above the largest captured size (eager steps). Written into
+#: the run's config, where `tracekit compare` and `report` check it too.
+BASELINE_EXPECT = {"preemptions": 1, "eager_steps": 1}
 
 
 def _progress_printer(label: str, *, quiet: bool) -> Any:
@@ -40,8 +51,13 @@ def _progress_printer(label: str, *, quiet: bool) -> Any:
         if not is_tty and p.elapsed_s - state["last"] < 5.0:
             return
         state["last"] = p.elapsed_s
+        where = (
+            f"step {p.num_steps}/{p.span:.0f}"
+            if p.clock == "steps"
+            else f"{p.elapsed_s:5.1f}/{p.span:.0f} s"
+        )
         line = (
-            f"[{label}] {p.elapsed_s:5.1f}/{p.duration_s:.0f} s  tokens {p.num_tokens}  "
+            f"[{label}] {where}  tokens {p.num_tokens}  "
             f"arrived {p.num_arrived}  running {p.num_running}  waiting {p.num_waiting}  "
             f"preempted {p.num_preempted_now} (total {p.num_preemptions})"
         )
@@ -50,33 +66,17 @@ def _progress_printer(label: str, *, quiet: bool) -> Any:
     return show
 
 
-def calibrate(load: float, *, quiet: bool = False) -> tuple[float, dict[str, float]]:
-    """The arrival rate for `load` times this machine's measured capacity."""
-    from .engine import measure_capacity
-    from .tokenizer import train_tokenizer
-
-    cfg, wl = EngineConfig(), WorkloadConfig()
-    tok = train_tokenizer(cfg.vocab_size, wl)
-    cap = measure_capacity(cfg, tok, wl)
-    rate = load * cap.req_s
-    if not quiet:
-        click.echo(
-            f"capacity: decode {cap.decode_tok_s:.0f} tok/s (batch {cap.decode_batch}: "
-            f"{cap.decode_step_ms:.1f} ms/step), prefill {cap.prefill_tok_s:.0f} tok/s; "
-            f"~{cap.req_s:.2f} req/s -> load {load} = {rate:.2f} req/s",
-            err=True,
-        )
-    return rate, cap.to_dict()
-
-
 def run_one(
     rung: str,
     seed: int,
-    duration_s: float,
     out_dir: str,
     *,
+    steps: int = DEFAULT_STEPS,
+    load: float = DEFAULT_LOAD,
     rate: float | None = None,
-    load: float | None = None,
+    duration_s: float | None = None,
+    compute_slowdown: float = 1.0,
+    timer: str | None = None,
     preemption_mode: str = "swap",
     quiet: bool = False,
     enabled: bool = True,
@@ -88,6 +88,12 @@ def run_one(
 ) -> tuple[str, Any]:
     """Run one rung with one seed; returns (log path, engine RunStats).
 
+    Arrivals are paced in engine steps (`load` times the step capacity, for `steps`
+    steps) unless `rate` is given: then `rate` req/s for `duration_s` seconds.
+    `compute_slowdown` stretches every model call (a slower machine, for checks).
+    `timer`: what the recorder's clock counts: "cpu" (this process's CPU time; the
+    default with step pacing on the CPU) or "wall" (the default, and the only choice,
+    with `rate` or on a GPU, whose device windows are mapped onto wall time).
     `backend="torch"` runs the same model in torch on `device` (cpu or cuda); on cuda the
     recorder times device work with CUDA events. `is_async_scheduling` (torch only)
     schedules step N+1 while the device runs step N. `metrics_port`: serve live per-cause
@@ -97,30 +103,45 @@ def run_one(
     from tracekit import Recorder
 
     from .engine import Engine
+    from .model import SlowedRunner
     from .tokenizer import train_tokenizer
-    from .workload import make_trace
+    from .workload import make_trace, step_capacity_req
 
     rung = find_rung(rung)
     cfg = rung_config(rung).replace(
         preemption_mode=preemption_mode, is_async_scheduling=is_async_scheduling
     )
-    capacity: dict[str, float] | None = None
-    if rate is None:
-        load = DEFAULT_LOAD if load is None else load  # recorded as used, not as typed
-        rate, capacity = calibrate(load, quiet=quiet)
-    wl = WorkloadConfig(rate_req_s=rate)
+    if rate is None:  # the step clock: the same pressure on any machine
+        per_step = load * step_capacity_req(cfg.max_num_seqs, WorkloadConfig())
+        wl = WorkloadConfig(clock="steps", rate_req_step=per_step)
+        span: float = steps
+        hint = "raise --load or --steps"
+    else:
+        wl = WorkloadConfig(clock="seconds", rate_req_s=rate)
+        span = 30.0 if duration_s is None else duration_s
+        hint = (
+            "a rate in req/s puts a different pressure on every machine: drop --rate "
+            "(arrivals paced in engine steps) or raise it"
+        )
+    if timer is None:
+        timer = "wall" if rate is not None or device != "cpu" else "cpu"
+    if timer not in ("cpu", "wall") or (timer == "cpu" and (rate is not None or device != "cpu")):
+        raise ValueError("timer must be 'wall', or 'cpu' with step pacing on the CPU")
     tokenizer = train_tokenizer(cfg.vocab_size, wl)
-    trace = make_trace(seed, duration_s, wl)
+    trace = make_trace(seed, span, wl)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{rung_slug(rung)}__s{seed}.npz")
     config = {
         "rung": rung,
         "rung_index": RUNG_NAMES.index(rung),  # ladder order, for compare --order-by
         "seed": seed,
-        "duration": duration_s,
-        "rate": rate,
-        "load": load,
-        "capacity": capacity,
+        "clock": wl.clock,
+        "steps": steps if rate is None else None,
+        "duration": span if rate is not None else None,
+        "rate": wl.rate,  # per step or per second, by clock
+        "load": load if rate is None else None,
+        "compute_slowdown": compute_slowdown,
+        "timer": timer,
         "engine": cfg.to_dict(),
         "workload": wl.to_dict(),
         "trace": {
@@ -132,24 +153,53 @@ def run_one(
         "backend": backend,
         "device": device,
     }
-    runner, timer = _make_runner(backend, device, cfg, tokenizer.get_vocab_size())
+    if rung == RUNG_NAMES[0]:
+        config["expect"] = dict(BASELINE_EXPECT)
+        config["expect_hint"] = hint
+    runner, device_timer = _make_runner(backend, device, cfg, tokenizer.get_vocab_size())
+    if compute_slowdown != 1.0:
+        if is_async_scheduling:
+            raise ValueError("--compute-slowdown works on synchronous steps only")
+        from .model import NumpyModelRunner
+
+        runner = SlowedRunner(
+            runner or NumpyModelRunner(cfg, tokenizer.get_vocab_size()), compute_slowdown
+        )
+    # the CPU clock leaves out the time the OS gave to other processes: on a shared
+    # machine that time would otherwise land in whichever gap it interrupted
+    clock = time.process_time_ns if timer == "cpu" else time.perf_counter_ns
     rec = Recorder(
-        path if enabled else None, config=config, enabled=enabled, device_timer=timer, nvtx=nvtx
+        path if enabled else None,
+        config=config,
+        enabled=enabled,
+        device_timer=device_timer,
+        nvtx=nvtx,
+        clock=clock,
     )
     if metrics_port is not None:
         _serve_live_metrics(rec, metrics_port, quiet=quiet)
     engine = Engine(cfg, rec, tokenizer, runner=runner)
     with rec:
-        # the arrival trace, as the published logs kept it: id, arrival s, prompt chars, max new
-        rows = [[t.index, t.arrival_s, len(t.text), t.max_new_tokens] for t in trace]
-        rec.attach("trace", np.array(rows, dtype=np.float64).reshape(-1, 4))
         try:
             engine.startup()
             stats = engine.serve(
-                trace, duration_s, progress=_progress_printer(f"{rung} s{seed}", quiet=quiet)
+                trace,
+                span,
+                clock=wl.clock,
+                progress=_progress_printer(f"{rung} s{seed}", quiet=quiet),
             )
         finally:
             engine.close()
+        # the arrival trace as the published logs kept it (id, arrival s, prompt chars,
+        # max new tokens), for the requests that arrived, at the time they did (on the
+        # recorder's clock)
+        t0 = rec.t0_tick
+        rows = [
+            [t.index, (engine.arrival_ticks[t.index] - t0) / 1e9, len(t.text), t.max_new_tokens]
+            for t in trace
+            if t.index in engine.arrival_ticks
+        ]
+        rec.attach("trace", np.array(rows, dtype=np.float64).reshape(-1, 4))
     if not quiet and sys.stderr.isatty():
         click.echo("", err=True)
     return path, stats
@@ -173,6 +223,18 @@ def _serve_live_metrics(rec: Any, port: int, *, quiet: bool) -> Any:
     return attach(rec, live)
 
 
+def regime_misses(rung: str, stats: Any) -> list[str]:
+    """What the run lacked of what the ladder's story needs from it (baseline only)."""
+    if rung != RUNG_NAMES[0]:
+        return []
+    got = {"preemptions": stats.num_preemptions, "eager_steps": stats.num_eager_steps}
+    return [
+        f"{got[k]} {k.replace('_', ' ')} (needs >= {v})"
+        for k, v in BASELINE_EXPECT.items()
+        if got[k] < v
+    ]
+
+
 def _make_runner(backend: str, device: str, cfg: EngineConfig, vocab_size: int) -> tuple[Any, Any]:
     """(model runner, device timer): None, None for numpy (the engine's default)."""
     if backend == "numpy":
@@ -192,13 +254,39 @@ def _make_runner(backend: str, device: str, cfg: EngineConfig, vocab_size: int) 
     return TorchModelRunner(cfg, vocab_size, device=device), timer
 
 
-def _summary(path: str, stats: Any) -> str:
-    return (
-        f"{path}: {stats.num_tokens} tokens in {stats.wall_s:.1f} s ({stats.tok_per_s:.0f} tok/s), "
-        f"{stats.num_arrived} arrived, {stats.num_finished} finished, "
-        f"{stats.num_preemptions} preemptions, {stats.num_eager_steps} eager steps, "
-        f"max decode batch {stats.num_max_decode_batch}"
+def _summary(path: str, rung: str, stats: Any) -> str:
+    line = (
+        f"{path}: {stats.num_steps} steps, {stats.num_tokens} tokens in {stats.wall_s:.1f} s "
+        f"({stats.tok_per_s:.0f} tok/s), {stats.num_arrived} arrived, "
+        f"{stats.num_finished} finished, {stats.num_preemptions} preemptions, "
+        f"{stats.num_eager_steps} eager steps, max decode batch {stats.num_max_decode_batch}"
     )
+    misses = regime_misses(rung, stats)
+    if misses:
+        line += (
+            f"\n  regime NOT reached: {'; '.join(misses)}: the fixes aimed at preemption and "
+            "graph misses will have nothing to act on"
+        )
+    return line
+
+
+def _check_pacing(
+    rate: float | None, load: float | None, duration: float | None, steps: int | None
+) -> None:
+    if rate is not None and (load is not None or steps is not None):
+        raise click.UsageError(
+            "--rate (req/s, with --duration) paces arrivals in seconds; --load and --steps "
+            "pace them in engine steps: give one or the other"
+        )
+    if duration is not None and rate is None:
+        raise click.UsageError(
+            "--duration goes with --rate (arrivals in req/s); without --rate arrivals are "
+            "paced in engine steps: give the run's length with --steps"
+        )
+    if load is not None and not load > 0:
+        raise click.BadParameter(f"must be > 0, got {load}", param_hint="--load")
+    if steps is not None and steps < 1:
+        raise click.BadParameter(f"must be >= 1, got {steps}", param_hint="--steps")
 
 
 @click.group("demo")
@@ -206,13 +294,57 @@ def demo() -> None:
     """The CPU demonstrator engine: every stall cause real, recorded with tracekit."""
 
 
-_rate_opt = click.option("--rate", type=float, default=None, help="Arrival rate, req/s.")
-_load_opt = click.option(
-    "--load",
-    type=float,
-    default=None,
-    help=f"Arrival rate as a fraction of this machine's capacity (default {DEFAULT_LOAD}).",
-)
+def _pacing_opts(fn: Any) -> Any:
+    opts = [
+        click.option(
+            "--steps",
+            type=int,
+            default=None,
+            help=f"Engine steps per run (default {DEFAULT_STEPS}); arrivals are paced in "
+            "steps, so the pressure is the same on any machine.",
+        ),
+        click.option(
+            "--load",
+            type=float,
+            default=None,
+            help="Arrivals per step as a fraction of what the engine retires with its batch "
+            f"full (max_num_seqs / mean output tokens); default {DEFAULT_LOAD}.",
+        ),
+        click.option(
+            "--rate",
+            type=float,
+            default=None,
+            help="Pace arrivals in seconds instead: this many req/s (the pressure then "
+            "depends on this machine's speed).",
+        ),
+        click.option(
+            "--duration",
+            type=float,
+            default=None,
+            help="With --rate: seconds of serving (default 30).",
+        ),
+        click.option(
+            "--timer",
+            type=click.Choice(["cpu", "wall"]),
+            default=None,
+            help="What the recorded times count: cpu (this process's CPU time, the default "
+            "with step pacing on the CPU: time the OS gives other processes lands in no "
+            "gap) or wall (the default with --rate or --device cuda).",
+        ),
+        click.option(
+            "--compute-slowdown",
+            type=click.FloatRange(min=1.0),
+            default=1.0,
+            show_default=True,
+            help="Stretch every model call this many times (a slower machine, to check "
+            "that the regime holds).",
+        ),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
 _mode_opt = click.option(
     "--preemption-mode", type=click.Choice(["swap", "recompute"]), default="swap", show_default=True
 )
@@ -226,9 +358,7 @@ _mode_opt = click.option(
     help="One of: " + ", ".join(RUNG_NAMES) + " (or its slug).",
 )
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--duration", type=float, default=30.0, show_default=True, help="Seconds of serving.")
-@_rate_opt
-@_load_opt
+@_pacing_opts
 @click.option("--out", "out_dir", default="raw", show_default=True, help="Directory for the log.")
 @_mode_opt
 @click.option("--quiet", is_flag=True, help="No progress line.")
@@ -262,9 +392,12 @@ _mode_opt = click.option(
 def run_cmd(
     rung: str,
     seed: int,
-    duration: float,
-    rate: float | None,
+    steps: int | None,
     load: float | None,
+    rate: float | None,
+    duration: float | None,
+    timer: str | None,
+    compute_slowdown: float,
     out_dir: str,
     preemption_mode: str,
     quiet: bool,
@@ -275,14 +408,20 @@ def run_cmd(
     metrics_port: int | None,
 ) -> None:
     """Run one rung of the fix ladder with one seed; writes OUT/<rung>__s<seed>.npz."""
-    if rate is not None and load is not None:
-        raise click.UsageError("give --rate or --load, not both")
+    _check_pacing(rate, load, duration, steps)
     try:
-        find_rung(rung)
+        rung = find_rung(rung)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--rung") from None
     if backend == "numpy" and (device != "cpu" or async_scheduling):
         raise click.UsageError("--device cuda and --async-scheduling need --backend torch")
+    if async_scheduling and compute_slowdown != 1.0:
+        raise click.UsageError("--compute-slowdown works on synchronous steps only")
+    if timer == "cpu" and (rate is not None or device != "cpu"):
+        raise click.UsageError(
+            "--timer cpu needs arrivals paced in steps (no --rate) on the CPU: a rate in "
+            "req/s and CUDA device windows are both wall time"
+        )
     if backend == "torch":
         import importlib.util
 
@@ -296,10 +435,13 @@ def run_cmd(
     path, stats = run_one(
         rung,
         seed,
-        duration,
         out_dir,
+        steps=DEFAULT_STEPS if steps is None else steps,
+        load=DEFAULT_LOAD if load is None else load,
         rate=rate,
-        load=load,
+        duration_s=duration,
+        compute_slowdown=compute_slowdown,
+        timer=timer,
         preemption_mode=preemption_mode,
         quiet=quiet,
         backend=backend,
@@ -308,14 +450,12 @@ def run_cmd(
         nvtx=nvtx,
         metrics_port=metrics_port,
     )
-    click.echo(_summary(path, stats))
+    click.echo(_summary(path, rung, stats))
 
 
 @demo.command("ladder")
 @click.option("--seeds", default="1,2,3", show_default=True, help="Comma-separated seeds.")
-@click.option("--duration", type=float, default=30.0, show_default=True)
-@_rate_opt
-@_load_opt
+@_pacing_opts
 @click.option("--out", "out_dir", default="raw", show_default=True)
 @click.option(
     "--rungs",
@@ -333,37 +473,40 @@ def run_cmd(
 )
 def ladder_cmd(
     seeds: str,
-    duration: float,
-    rate: float | None,
+    steps: int | None,
     load: float | None,
+    rate: float | None,
+    duration: float | None,
+    timer: str | None,
+    compute_slowdown: float,
     out_dir: str,
     rungs: str,
     preemption_mode: str,
     metrics_port: int | None,
 ) -> None:
-    """Every rung x every seed, each in a fresh interpreter, all at one arrival rate."""
-    if rate is not None and load is not None:
-        raise click.UsageError("give --rate or --load, not both")
+    """Every rung x every seed, each in a fresh interpreter, all with one workload."""
+    _check_pacing(rate, load, duration, steps)
     try:
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
         rung_list = [find_rung(r.strip()) for r in rungs.split(",") if r.strip()]
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     limit_blas_threads(1)
-    capacity = None
     if rate is None:
-        load = DEFAULT_LOAD if load is None else load
-        rate, capacity = calibrate(load)
+        pacing = ["--steps", str(DEFAULT_STEPS if steps is None else steps)]
+        pacing += ["--load", repr(DEFAULT_LOAD if load is None else load)]
+    else:
+        pacing = ["--rate", repr(rate)] + (
+            [] if duration is None else ["--duration", repr(duration)]
+        )
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "ladder.json"), "w") as fh:
         json.dump(
             {
                 "seeds": seed_list,
                 "rungs": rung_list,
-                "duration": duration,
-                "rate": rate,
-                "load": load,
-                "capacity": capacity,
+                "pacing": pacing,
+                "compute_slowdown": compute_slowdown,
                 "preemption_mode": preemption_mode,
                 "argv": sys.argv,
             },
@@ -387,19 +530,9 @@ def ladder_cmd(
             "-m",
             "demo_engine.cli",
             "run",
-            "--rung",
-            rung,
-            "--seed",
-            str(seed),
-            "--duration",
-            str(duration),
-            "--rate",
-            repr(rate),
-            "--out",
-            out_dir,
-            "--preemption-mode",
-            preemption_mode,
-            "--quiet",
+            *("--rung", rung, "--seed", str(seed), *pacing),
+            *("--compute-slowdown", repr(compute_slowdown), "--out", out_dir),
+            *("--preemption-mode", preemption_mode, "--quiet"),
         ]
         if metrics_port is not None:
             cmd += ["--metrics-port", str(metrics_port)]

@@ -97,15 +97,30 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+#: The workload's clocks: arrivals in seconds of engine clock, or in engine steps.
+CLOCKS = ("seconds", "steps")
+
+
 @dataclass(slots=True, frozen=True)
 class WorkloadConfig:
-    """The arrival trace: non-homogeneous Poisson arrivals with a sinusoidal swell."""
+    """The arrival trace: non-homogeneous Poisson arrivals with a sinusoidal swell.
 
-    rate_req_s: float = 6.5  # mean arrival rate
+    `clock` says what arrival times count. `"seconds"`: engine-clock seconds, at
+    `rate_req_s`; the pressure then depends on how fast this machine runs the engine.
+    `"steps"`: engine steps, at `rate_req_step`; a request arriving at step k is admitted
+    at the start of step k whatever a step costs, so the scheduler sees the same sequence
+    of arrivals, KV occupancy, batch sizes and preemptions on a slow, fast or contended
+    machine (`demo_engine.workload.step_capacity_req` sets the rate from the engine's
+    batch limit)."""
+
+    clock: str = "seconds"
+    rate_req_s: float = 6.5  # mean arrival rate per second (clock "seconds")
+    rate_req_step: float = 0.17  # mean arrival rate per engine step (clock "steps")
     swell_period_s: float = 15.0
+    swell_period_steps: float = 500.0
     swell_frac: float = 0.6  # rate(t) = rate * (1 + swell_frac * sin(2 pi t / period))
     prompt_chars_mean: float = 1000.0
-    doc_frac: float = 0.01  # share of requests that paste a document
+    doc_frac: float = 0.02  # share of requests that paste a document (one in 50)
     doc_chars_min: int = 150_000
     doc_chars_max: int = 400_000
     output_tokens_min: int = 16  # outputs ~ min + Exponential(mean), capped
@@ -113,11 +128,24 @@ class WorkloadConfig:
     output_tokens_max: int = 1000
     lexicon_seed: int = 12345  # the words every trace and the tokenizer's corpus draw from
 
+    @property
+    def rate(self) -> float:
+        """Mean arrivals per unit of `clock`."""
+        return self.rate_req_step if self.clock == "steps" else self.rate_req_s
+
+    @property
+    def swell_period(self) -> float:
+        """The swell's period in units of `clock`."""
+        return self.swell_period_steps if self.clock == "steps" else self.swell_period_s
+
     def __post_init__(self) -> None:
-        if not self.rate_req_s > 0:
-            raise ValueError(f"WorkloadConfig.rate_req_s must be > 0, got {self.rate_req_s}")
-        if not 0 <= self.swell_frac < 1 or self.swell_period_s <= 0:
-            raise ValueError("WorkloadConfig: swell_frac must be in [0, 1), swell_period_s > 0")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"WorkloadConfig.clock must be one of {CLOCKS}, got {self.clock!r}")
+        for name in ("rate_req_s", "rate_req_step", "swell_period_s", "swell_period_steps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"WorkloadConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.swell_frac < 1:
+            raise ValueError("WorkloadConfig: swell_frac must be in [0, 1)")
         if not 0 <= self.doc_frac <= 1 or not 0 < self.doc_chars_min <= self.doc_chars_max:
             raise ValueError("WorkloadConfig: doc_frac in [0, 1], 0 < doc_chars_min <= max")
         if not 0 < self.output_tokens_min <= self.output_tokens_max:

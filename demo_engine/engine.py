@@ -17,6 +17,9 @@ One step, in the reference post's order, each part inside its segment:
 
 The engine clock is the recorder's clock (`rec.now()`), which still ticks when the
 recorder is disabled, so a run with `Recorder(enabled=False)` runs the same engine.
+Arrivals are due on the workload's clock: engine-clock seconds, or engine steps (then the
+schedule does not depend on how long a step takes; see `serve`). With async scheduling
+`step()` emits the previous step's tokens: the same function, reading one step later.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ from typing import Any
 import numpy as np
 
 from .block_manager import BlockManager
-from .config import EngineConfig, WorkloadConfig
+from .config import EngineConfig
 from .history import CompactHistory, History, ObjectHistory, build_startup_heap
-from .model import DecodeRow, ModelRunner, NumpyModelRunner, Samples
+from .model import DecodeRow, ModelRunner, NumpyModelRunner, Samples, prev_token_ref
 from .scheduler import KvOp, Request, Scheduler, SchedulerOutput
 from .tokenizer import OffLoopTokenizer
-from .workload import TraceRequest, make_text, mean_output_tokens
+from .workload import TraceRequest
 
 NS_PER_S = 1_000_000_000
 
@@ -45,7 +48,9 @@ class Progress:
     """A snapshot for progress lines: where the run is and what the engine holds."""
 
     elapsed_s: float
-    duration_s: float
+    num_steps: int
+    clock: str  # the workload's clock: "seconds" or "steps"
+    span: float  # the run's length on that clock
     num_tokens: int
     num_running: int
     num_waiting: int
@@ -103,8 +108,11 @@ class Engine:
         self._is_frozen = False
         # the trace being served and where we are in it
         self._trace: list[TraceRequest] = []
-        self._arrival_ticks: list[int] = []
+        self._is_step_clock = False
+        self._due: list[float] = []  # arrival times on the workload clock (ticks or steps)
         self._next_arrival = 0
+        self._step_clock = 0.0  # steps run, plus idle stretches skipped to the next arrival
+        self.arrival_ticks: dict[int, int] = {}  # request index -> when it arrived (tick)
         # segment handles, looked up once (a disabled recorder hands back a shared no-op);
         # the runner's work is device work: with a device timer (torch on CUDA) the
         # recorder also times its execution, without one these are plain host windows
@@ -113,8 +121,8 @@ class Engine:
         self._seg_prefill = rec.segment("prefill", device=True)
         self._seg_recompute = rec.segment("recompute", device=True)
         self._seg_decode = rec.segment("decode", device=True)
-        # async scheduling: the step launched last, not read yet (see `_step_async`)
-        self._inflight: _Inflight | None = None
+        # async scheduling: the step launched last, not read yet (see `step`)
+        self._inflight: _Launched | None = None
         # requests handed to the off-loop tokenizer and not back yet (their TTFT waits)
         self._tokenizing: set[int] = set()
 
@@ -149,14 +157,23 @@ class Engine:
         self.close()
 
     # -- intake ----------------------------------------------------------------------------------
+    def _now(self) -> float:
+        """Now on the workload's clock: engine-clock ticks, or engine steps."""
+        return self._step_clock if self._is_step_clock else self.rec.now()
+
     def _intake(self) -> None:
         """Requests whose arrival time has passed: tokenise (on the loop or off it)."""
-        now = self.rec.now()
-        ticks = self._arrival_ticks
-        while self._next_arrival < len(ticks) and ticks[self._next_arrival] <= now:
+        now = self._now()
+        due = self._due
+        while self._next_arrival < len(due) and due[self._next_arrival] <= now:
             tr = self._trace[self._next_arrival]
             self._next_arrival += 1
             self.stats.num_arrived += 1
+            # on the step clock a request arrives when its step starts; on the wall
+            # clock at its scheduled time, even if the loop was busy then
+            self.arrival_ticks[tr.index] = (
+                self.rec.now() if self._is_step_clock else int(due[self._next_arrival - 1])
+            )
             if self.off_loop is not None:
                 self.off_loop.submit(tr.index, tr.text)
                 self._tokenizing.add(tr.index)
@@ -175,7 +192,7 @@ class Engine:
         max_new = min(tr.max_new_tokens, self.config.max_new_tokens)
         req = Request(
             rid=index,
-            arrival_tick=self._arrival_ticks[index],
+            arrival_tick=self.arrival_ticks[index],
             token_ids=list(ids) or [0],
             max_new_tokens=max_new,
         )
@@ -189,138 +206,110 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> int:
-        """One engine iteration. Returns the number of tokens emitted."""
-        if self.config.is_async_scheduling:
-            return self._step_async()
-        rec, runner, bm = self.rec, self.runner, self.bm
+        """One engine iteration. Returns the number of tokens emitted.
+
+        Synchronous (the default): the step's forward passes run to completion and their
+        tokens are emitted in the same step. With async scheduling the step launches its
+        forward passes without waiting (the runner must be `TorchModelRunner`), hands the
+        scheduler placeholder tokens so it can move on, and then reads and emits the
+        *previous* step's samples, so the host's work for step N overlaps the device's for
+        N-1. Placeholders (`prev_token_ref`, a row of the samples still on the device) are
+        filled in when read; requests finish by count, so the scheduler needs no values."""
+        rec, runner = self.rec, self.runner
+        is_async = self.config.is_async_scheduling
         with rec.step():
             self._intake()
             out = self.scheduler.schedule()
             self._record_schedule(out)
             for op in out.kv_ops:
                 self._do_kv_op(op)
-            rids: list[int] = []
-            samples: list[Samples] = []
-            for r, n in out.prefill_chunks:
-                start = r.num_computed_tokens
-                is_last = start + n == len(r.token_ids)
-                with self._seg_recompute if r.is_recomputing else self._seg_prefill:
-                    s = runner.prefill(
-                        r.token_ids[start : start + n],
-                        start,
-                        bm.slots(r, start + n),
-                        is_last=is_last,
-                    )
-                if s is not None:
-                    rids.append(r.rid)
-                    samples.append(s)
             num_decode = len(out.decode_reqs)
             graph_size = runner.graph_size_for(num_decode)
-            if num_decode:
-                with self._seg_decode:
-                    rows = [
-                        DecodeRow(
-                            r.token_ids[-1],
-                            r.num_computed_tokens,
-                            bm.slots(r, r.num_computed_tokens + 1),
-                        )
-                        for r in out.decode_reqs
-                    ]
-                    s = runner.decode(rows, graph_size)
-                rids[:0] = [r.rid for r in out.decode_reqs]
-                samples.insert(0, s)
-            if rids:
-                rec.emit(rids)  # the engine-emission boundary: all tokens of the step
-            self._tag_step(out, num_decode, graph_size)
-            self._bookkeep(out, rids, samples, graph_size, num_decode)
-        return len(rids)
-
-    def _step_async(self) -> int:
-        """One iteration with async scheduling: schedule and launch step N, then read step
-        N-1's samples and emit them, so the host's work for N overlaps the device's for
-        N-1 (the runner must launch without waiting: `TorchModelRunner`).
-
-        The scheduler runs one step ahead of the samples: a launched request's new token is
-        a placeholder (`prev_token_ref`, a row of the samples still on the device, which
-        the runner reads there if the next step decodes it), and requests finish by count,
-        so `update` needs no token values. Placeholders are filled in when read."""
-        from .torch_runner import prev_token_ref
-
-        rec, runner, bm = self.rec, self.runner, self.bm
-        launcher: Any = runner
-        with rec.step():
-            self._intake()
-            out = self.scheduler.schedule()
-            self._record_schedule(out)
-            for op in out.kv_ops:
-                self._do_kv_op(op)
-            reqs: list[Request] = []
-            pending: list[Any] = []
-            num_decode = len(out.decode_reqs)
-            graph_size = runner.graph_size_for(num_decode)
-            if num_decode:
-                rows = [
-                    DecodeRow(
-                        r.token_ids[-1],
-                        r.num_computed_tokens,
-                        bm.slots(r, r.num_computed_tokens + 1),
-                    )
-                    for r in out.decode_reqs
-                ]
-                with self._seg_decode:
-                    pending.append(launcher.decode_launch(rows, graph_size))
-                reqs.extend(out.decode_reqs)
-            for r, n in out.prefill_chunks:
-                start = r.num_computed_tokens
-                with self._seg_recompute if r.is_recomputing else self._seg_prefill:
-                    p = launcher.prefill_launch(
-                        r.token_ids[start : start + n],
-                        start,
-                        bm.slots(r, start + n),
-                        is_last=start + n == len(r.token_ids),
-                    )
-                if p is not None:
-                    reqs.append(r)
-                    pending.append(p)
-            # the scheduler moves on now; the token values follow when they are read
-            finished = self.scheduler.update(
-                out, {r.rid: prev_token_ref(i) for i, r in enumerate(reqs)}
-            )
-            prev = self._inflight
-            self._inflight = None
-            if reqs:
-                launcher.set_step_outputs(pending)
-                self._inflight = _Inflight(
-                    reqs, [len(r.token_ids) - 1 for r in reqs], pending, finished,
-                    rec.current_step,
-                )  # fmt: skip
-            num_emitted = 0
-            if prev is not None:  # the read: waits for step N-1 on the device
-                samples = [p.result() for p in prev.pending]
-                rids = [r.rid for r in prev.reqs]
-                # the engine-emission boundary: when the host has them; they are the
-                # results of the step that launched them (the partition's rule 6)
-                rec.emit(rids, reads_step=prev.step)
-                s = samples[0] if len(samples) == 1 else _concat(samples)
-                for r, i, tok in zip(
-                    prev.reqs, prev.token_index, s.token_ids.tolist(), strict=True
-                ):
-                    r.token_ids[i] = tok
-                self.history.record(
-                    rids, self.stats.num_steps, s.token_ids, s.logprobs, s.topk_ids, s.topk_logprobs
+            launched = self._forward(out, graph_size, is_async=is_async)
+            if is_async:  # the scheduler moves on now; the token values follow when read
+                launched.finished = self.scheduler.update(
+                    out, {r.rid: prev_token_ref(i) for i, r in enumerate(launched.reqs)}
                 )
-                for r in prev.finished:
-                    self.history.close(r.rid)
-                num_emitted = len(rids)
-                self.stats.num_tokens += num_emitted
-                self.stats.num_finished += len(prev.finished)
+                if launched.reqs:
+                    runner.set_step_outputs(launched.pending)  # type: ignore[attr-defined]
+                ready, self._inflight = self._inflight, (launched if launched.reqs else None)
+            else:
+                ready = launched
+            num_emitted = self._emit(ready, None if is_async else out)
             self._tag_step(out, num_decode, graph_size)
             st = self.stats
             st.num_steps += 1
+            self._step_clock += 1
             st.num_preemptions += out.num_preempted
             st.num_eager_steps += graph_size == 0
             st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
         return num_emitted
+
+    def _forward(self, out: SchedulerOutput, graph_size: int, *, is_async: bool) -> _Launched:
+        """The step's prefill chunks (each in its segment), then its decode batch. Sync:
+        each call returns its samples; async: each launch returns pending samples. Rows are
+        ordered decode first, then the prefills that completed a sequence."""
+        runner: Any = self.runner
+        bm = self.bm
+        prefill = runner.prefill_launch if is_async else runner.prefill
+        decode = runner.decode_launch if is_async else runner.decode
+        reqs: list[Request] = []
+        pending: list[Any] = []
+        for r, n in out.prefill_chunks:
+            start = r.num_computed_tokens
+            with self._seg_recompute if r.is_recomputing else self._seg_prefill:
+                p = prefill(
+                    r.token_ids[start : start + n],
+                    start,
+                    bm.slots(r, start + n),
+                    is_last=start + n == len(r.token_ids),
+                )
+            if p is not None:
+                reqs.append(r)
+                pending.append(p)
+        if out.decode_reqs:
+            rows = [
+                DecodeRow(
+                    r.token_ids[-1], r.num_computed_tokens, bm.slots(r, r.num_computed_tokens + 1)
+                )
+                for r in out.decode_reqs
+            ]
+            with self._seg_decode:
+                pending.insert(0, decode(rows, graph_size))
+            reqs[:0] = out.decode_reqs
+        return _Launched(reqs, [len(r.token_ids) for r in reqs], pending, self.rec.current_step)
+
+    def _emit(self, ready: _Launched | None, sync_out: SchedulerOutput | None) -> int:
+        """Emit `ready`'s tokens (this step's, or under async scheduling the previous
+        step's) and keep their history. Sync (`sync_out` is this step's schedule): the
+        scheduler takes the real tokens now; async: they fill in the placeholders the
+        scheduler took at launch. Returns the number of tokens emitted."""
+        if ready is None or not ready.reqs:
+            if sync_out is not None:
+                self.scheduler.update(sync_out, {})  # prefill chunks still advance
+            return 0
+        samples = [p if isinstance(p, Samples) else p.result() for p in ready.pending]
+        rids = [r.rid for r in ready.reqs]
+        # the engine-emission boundary: all tokens of the step, when the host has them;
+        # they are the results of the step that launched them (the partition's rule 6)
+        self.rec.emit(rids, reads_step=ready.step)
+        s = samples[0] if len(samples) == 1 else _concat(samples)
+        tokens = s.token_ids.tolist()
+        if sync_out is not None:
+            finished = self.scheduler.update(sync_out, dict(zip(rids, tokens, strict=True)))
+        else:
+            for r, i, tok in zip(ready.reqs, ready.token_index, tokens, strict=True):
+                r.token_ids[i] = tok
+            finished = ready.finished or []
+        st = self.stats
+        self.history.record(
+            rids, st.num_steps, s.token_ids, s.logprobs, s.topk_ids, s.topk_logprobs
+        )
+        for r in finished:
+            self.history.close(r.rid)
+        st.num_tokens += len(rids)
+        st.num_finished += len(finished)
+        return len(rids)
 
     def _record_schedule(self, out: SchedulerOutput) -> None:
         """What the scheduler decided, for the TTFT partition: first admissions (now),
@@ -367,93 +356,79 @@ class Engine:
         else:
             raise ValueError(f"unknown KV op {op.kind!r}")
 
-    def _bookkeep(
-        self,
-        out: SchedulerOutput,
-        rids: list[int],
-        samples: list[Samples],
-        graph_size: int,
-        num_decode: int,
-    ) -> None:
-        st = self.stats
-        st.num_steps += 1
-        st.num_tokens += len(rids)
-        st.num_preemptions += out.num_preempted
-        st.num_eager_steps += graph_size == 0
-        st.num_max_decode_batch = max(st.num_max_decode_batch, num_decode)
-        if not rids:
-            self.scheduler.update(out, {})
-            return
-        if len(samples) == 1:
-            s = samples[0]
-        else:
-            s = Samples(
-                *(np.concatenate([getattr(x, f) for x in samples]) for f in Samples.__slots__)
-            )
-        self.history.record(
-            rids, st.num_steps, s.token_ids, s.logprobs, s.topk_ids, s.topk_logprobs
-        )
-        finished = self.scheduler.update(out, dict(zip(rids, s.token_ids.tolist(), strict=True)))
-        for r in finished:
-            self.history.close(r.rid)
-        st.num_finished += len(finished)
-
     # -- serving -------------------------------------------------------------------------------
     def serve(
         self,
         trace: list[TraceRequest],
-        duration_s: float,
+        span: float,
         *,
+        clock: str = "seconds",
         progress: Callable[[Progress], None] | None = None,
         progress_interval_s: float = 1.0,
         is_drain: bool = False,
     ) -> RunStats:
-        """Serve `trace` for `duration_s` seconds of engine clock: admit each request when
-        its arrival time passes, step while there is work, nap briefly when there is none.
+        """Serve `trace` for `span` units of `clock`, the clock its arrival times count:
+        `"seconds"` of engine clock, or engine `"steps"`. Each request is admitted when its
+        arrival time passes; the loop steps while there is work. When there is none it
+        naps (seconds) or skips ahead to the next arrival (steps: an idle engine runs no
+        steps, so waiting for an arrival costs none).
         `is_drain`: stop early once every request has arrived and finished (benchmarks
         and tests serve a fixed amount of work this way)."""
+        if clock not in ("seconds", "steps"):
+            raise ValueError(f"clock must be 'seconds' or 'steps', got {clock!r}")
         rec, sched = self.rec, self.scheduler
         t0 = rec.now()
+        wall_t0 = time.perf_counter()
         self._trace = trace
-        self._arrival_ticks = [t0 + int(tr.arrival_s * NS_PER_S) for tr in trace]
+        self._is_step_clock = clock == "steps"
+        self._step_clock = 0.0
+        if self._is_step_clock:
+            self._due = [tr.arrival for tr in trace]
+            end = float(span)
+        else:
+            self._due = [t0 + int(tr.arrival * NS_PER_S) for tr in trace]
+            end = t0 + int(span * NS_PER_S)
         self._next_arrival = 0
-        end = t0 + int(duration_s * NS_PER_S)
         next_report = t0 + int(progress_interval_s * NS_PER_S)
         idle_ns = int(self.config.idle_sleep_s * NS_PER_S)
-        ticks = self._arrival_ticks
+        due = self._due
         while True:
-            now = rec.now()
+            wall = rec.now()
+            now = self._now()
             if now >= end:
                 break
-            is_due = self._next_arrival < len(ticks) and ticks[self._next_arrival] <= now
+            is_due = self._next_arrival < len(due) and due[self._next_arrival] <= now
+            is_tokenizing = self.off_loop is not None and self.off_loop.num_pending > 0
             if is_due or sched.has_work or self._inflight is not None:
                 self.step()
-            elif (
-                is_drain
-                and self._next_arrival == len(ticks)
-                and not (self.off_loop is not None and self.off_loop.num_pending)
-            ):
+            elif is_drain and self._next_arrival == len(due) and not is_tokenizing:
                 break
-            elif self.off_loop is not None and self.off_loop.num_pending:
+            elif is_tokenizing:
                 self._intake()  # collect finished tokenisations outside any step
                 if not sched.has_work:
                     time.sleep(self.config.idle_sleep_s)
+            elif self._is_step_clock:
+                if self._next_arrival == len(due):
+                    break  # nothing will ever arrive: the rest of the run is idle
+                self._step_clock = max(now, due[self._next_arrival])
             else:
                 wait_ns = idle_ns
-                if self._next_arrival < len(ticks):
-                    wait_ns = min(wait_ns, max(0, ticks[self._next_arrival] - now))
+                if self._next_arrival < len(due):
+                    wait_ns = min(wait_ns, max(0, int(due[self._next_arrival] - now)))
                 time.sleep(wait_ns / NS_PER_S)
-            if progress is not None and now >= next_report:
+            if progress is not None and wall >= next_report:
                 next_report += int(progress_interval_s * NS_PER_S)
-                progress(self.progress((now - t0) / NS_PER_S, duration_s))
-        self.stats.wall_s = (rec.now() - t0) / NS_PER_S
+                progress(self.progress((wall - t0) / NS_PER_S, clock, span))
+        self.stats.wall_s = time.perf_counter() - wall_t0  # wall time, whatever rec's clock
         return self.stats
 
-    def progress(self, elapsed_s: float, duration_s: float) -> Progress:
+    def progress(self, elapsed_s: float, clock: str, span: float) -> Progress:
         s = self.scheduler
         return Progress(
             elapsed_s=elapsed_s,
-            duration_s=duration_s,
+            num_steps=self.stats.num_steps,
+            clock=clock,
+            span=span,
             num_tokens=self.stats.num_tokens,
             num_running=len(s.running),
             num_waiting=len(s.waiting) + (self.off_loop.num_pending if self.off_loop else 0),
@@ -464,93 +439,15 @@ class Engine:
 
 
 @dataclass(slots=True)
-class _Inflight:
-    """A launched step whose samples the host has not read yet (async scheduling)."""
+class _Launched:
+    """A step's forward passes: their requests and samples (async: pending on the device)."""
 
     reqs: list[Request]  # in sample-row order: decode rows, then completed prefills
-    token_index: list[int]  # where each request's placeholder token sits in its token_ids
-    pending: list[Any]  # the runner's PendingSamples, in the same order
-    finished: list[Request]  # retired by count at launch; their history closes when read
-    step: int = -1  # the recorder's index of the step that launched it
+    token_index: list[int]  # where each request's new token goes (appended after launch)
+    pending: list[Any]  # Samples (sync) or the runner's PendingSamples (async), same order
+    step: int  # the recorder's index of the step that launched them
+    finished: list[Request] | None = None  # async: retired by count at launch
 
 
 def _concat(samples: list[Samples]) -> Samples:
     return Samples(*(np.concatenate([getattr(x, f) for x in samples]) for f in Samples.__slots__))
-
-
-# -- capacity ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True, frozen=True)
-class Capacity:
-    """This machine's measured throughput and the arrival rate it can sustain."""
-
-    decode_batch: int
-    decode_step_ms: float  # median decode step at `decode_batch` rows on a captured size
-    prefill_chunk_ms: float  # median 256-token prefill chunk
-    decode_tok_s: float
-    prefill_tok_s: float
-    mean_prompt_tokens: float
-    mean_output_tokens: float
-    req_s: float  # 1 / (seconds of decode + prefill work one average request needs)
-
-    def to_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
-
-
-def measure_capacity(
-    config: EngineConfig,
-    tokenizer: Any,
-    workload: WorkloadConfig,
-    *,
-    budget_s: float = 1.5,
-) -> Capacity:
-    """A short measurement of decode and prefill throughput on this machine (~budget_s s).
-
-    The request rate this machine sustains is estimated as one over the work an average
-    request needs: its output tokens at the measured decode rate (a full captured batch)
-    plus its prompt tokens at the measured prefill rate."""
-    rng = np.random.default_rng(0)
-    # mean prompt tokens: tokenise sample prompts; documents are truncated to the max
-    sample = [
-        make_text(rng, int(workload.prompt_chars_mean), workload.lexicon_seed, is_doc=False)
-        for _ in range(20)
-    ]
-    tok_per_char = sum(len(tokenizer.encode(t).ids) for t in sample) / sum(map(len, sample))
-    mean_prompt = (1 - workload.doc_frac) * tok_per_char * workload.prompt_chars_mean + (
-        workload.doc_frac * config.max_prompt_tokens
-    )
-    mean_out = mean_output_tokens(workload)
-    runner = NumpyModelRunner(config, tokenizer.get_vocab_size())
-    runner.kv[:] = rng.standard_normal(runner.kv.shape, dtype=np.float32) * 0.1
-    batch = max(s for s in config.captured_graph_sizes if s <= config.max_num_seqs)
-    ctx = int(mean_prompt + mean_out / 2)  # a decoding request is halfway through, on average
-    blocks = -(-(ctx + 1) // config.block_size)
-    offsets = np.arange(config.block_size)
-    rows = []
-    for i in range(batch):
-        bt = (np.arange(blocks) + i * blocks) % config.num_kv_blocks
-        rows.append(
-            DecodeRow(1, ctx, (bt[:, None] * config.block_size + offsets).ravel()[: ctx + 1])
-        )
-    decode_ms: list[float] = []
-    prefill_ms: list[float] = []
-    chunk = list(range(1, 257))
-    slots = np.arange(256)
-    t_end = time.perf_counter() + budget_s
-    while time.perf_counter() < t_end or len(decode_ms) < 5:
-        t = time.perf_counter()
-        runner.decode(rows, batch)
-        decode_ms.append((time.perf_counter() - t) * 1e3)
-        if len(prefill_ms) < len(decode_ms) // 4 + 1:
-            t = time.perf_counter()
-            runner.prefill(chunk, 0, slots, is_last=True)
-            prefill_ms.append((time.perf_counter() - t) * 1e3)
-    step_ms = float(np.median(decode_ms[1:]))
-    chunk_ms = float(np.median(prefill_ms))
-    decode_tok_s = batch / (step_ms / 1e3)
-    prefill_tok_s = 256 / (chunk_ms / 1e3)
-    req_s = 1.0 / (mean_out / decode_tok_s + mean_prompt / prefill_tok_s)
-    return Capacity(
-        batch, step_ms, chunk_ms, decode_tok_s, prefill_tok_s, mean_prompt, mean_out, req_s
-    )

@@ -16,9 +16,10 @@ the paged pool through its block table, like paged attention.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -42,6 +43,12 @@ class DecodeRow:
     token_id: int
     position: int
     slots: np.ndarray
+
+
+def prev_token_ref(row_index: int) -> int:
+    """The token id that stands for row `row_index` of the last launched step's samples,
+    still on the device (the async-scheduling engine's placeholder, always negative)."""
+    return -1 - row_index
 
 
 class ModelRunner(Protocol):
@@ -246,3 +253,51 @@ class NumpyModelRunner:
 
     def swap_in(self, host_kv: np.ndarray, slots: np.ndarray) -> None:
         self.kv[:, :, slots, :] = host_kv
+
+
+class SlowedRunner:
+    """`inner` with its compute stretched `factor` times: every prefill, decode and swap
+    is followed by `factor - 1` times its own CPU time of busy work (CPU, not a sleep, so
+    it shows on a CPU clock as it would on a slower machine). A stand-in for a slower
+    machine, to check that the workload's regime does not depend on the machine's speed
+    (synchronous calls only; everything else is `inner`'s)."""
+
+    def __init__(self, inner: ModelRunner, factor: float) -> None:
+        if not factor >= 1.0:
+            raise ValueError(f"a compute slowdown must be >= 1, got {factor}")
+        self._inner = inner
+        self._extra = factor - 1.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _stretch(self, t0: float) -> None:
+        t1 = time.process_time()
+        until = t1 + self._extra * (t1 - t0)
+        while time.process_time() < until:
+            pass
+
+    def prefill(
+        self, token_ids: Sequence[int], start_pos: int, slots: np.ndarray, *, is_last: bool
+    ) -> Samples | None:
+        t0 = time.process_time()
+        out = self._inner.prefill(token_ids, start_pos, slots, is_last=is_last)
+        self._stretch(t0)
+        return out
+
+    def decode(self, rows: Sequence[DecodeRow], graph_size: int) -> Samples:
+        t0 = time.process_time()
+        out = self._inner.decode(rows, graph_size)
+        self._stretch(t0)
+        return out
+
+    def swap_out(self, slots: np.ndarray) -> np.ndarray:
+        t0 = time.process_time()
+        out = self._inner.swap_out(slots)
+        self._stretch(t0)
+        return out
+
+    def swap_in(self, host_kv: np.ndarray, slots: np.ndarray) -> None:
+        t0 = time.process_time()
+        self._inner.swap_in(host_kv, slots)
+        self._stretch(t0)

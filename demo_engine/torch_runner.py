@@ -30,12 +30,6 @@ from .config import EngineConfig
 from .model import DecodeRow, NumpyModelRunner, Samples
 
 
-def prev_token_ref(row_index: int) -> int:
-    """The token id that stands for row `row_index` of the last launched step's samples,
-    still on the device (the async-scheduling engine's placeholder)."""
-    return -1 - row_index
-
-
 class PendingSamples:
     """Samples on their way to the host: device tensors, a copy into pinned host memory
     started without blocking, and the event that marks its end."""
@@ -227,7 +221,3 @@ class TorchModelRunner:
     def swap_in(self, host_kv: np.ndarray, slots: np.ndarray) -> None:
         idx = torch.from_numpy(np.asarray(slots, np.int64)).to(self.device)
         self.kv[:, :, idx, :] = torch.from_numpy(host_kv).to(self.device)
-
-
-def cuda_available() -> bool:
-    return bool(torch.cuda.is_available())

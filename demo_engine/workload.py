@@ -1,8 +1,10 @@
 """The arrival trace: who arrives when, with what prompt text, wanting how many tokens.
 
-Non-homogeneous Poisson arrivals (by thinning) with a sinusoidal swell; prompts of about
-1,000 characters, and a small share of pasted documents of 150k-400k characters that are
-truncated to the model length only after tokenising (so their tokenizer cost is real).
+Arrivals with a sinusoidal swell, stratified so every seed gives the same count, on the
+workload's clock (seconds, or engine steps: `WorkloadConfig.clock`); prompts of about 1,000
+characters, and a fixed share of pasted documents (spread evenly) of 150k-400k characters
+that are truncated to the model length only after tokenising (so their tokenizer cost is
+real).
 Everything is deterministic in the seed: the same seed and rate give the same trace.
 
 The text is drawn from a synthetic lexicon (pseudo-words with Zipf frequencies) that the
@@ -68,43 +70,56 @@ def make_text(rng: np.random.Generator, num_chars: int, lexicon_seed: int, *, is
 
 @dataclass(slots=True, frozen=True)
 class TraceRequest:
-    """One arrival. `arrival_s` is seconds from the start of serving (the engine clock)."""
+    """One arrival. `arrival` is when, from the start of serving, on the workload's clock:
+    seconds of engine clock, or engine steps (`WorkloadConfig.clock`)."""
 
     index: int
-    arrival_s: float
+    arrival: float
     text: str
     max_new_tokens: int
     is_doc: bool
 
 
-def rate_at(t_s: float, cfg: WorkloadConfig) -> float:
-    """The instantaneous arrival rate (req/s) at `t_s` seconds into the run."""
-    return cfg.rate_req_s * (
-        1.0 + cfg.swell_frac * math.sin(2 * math.pi * t_s / cfg.swell_period_s)
-    )
+def rate_at(t: float, cfg: WorkloadConfig) -> float:
+    """The instantaneous arrival rate at `t` (requests per unit of the workload's clock)."""
+    return cfg.rate * (1.0 + cfg.swell_frac * math.sin(2 * math.pi * t / cfg.swell_period))
 
 
-def make_trace(seed: int, duration_s: float, cfg: WorkloadConfig) -> list[TraceRequest]:
-    """Arrivals in [0, duration_s), deterministic in (seed, cfg)."""
+def cumulative_arrivals(t: np.ndarray, cfg: WorkloadConfig) -> np.ndarray:
+    """Expected arrivals in [0, t]: the integral of `rate_at`."""
+    w = 2 * math.pi / cfg.swell_period
+    return cfg.rate * (t + cfg.swell_frac * (1.0 - np.cos(w * t)) / w)
+
+
+def make_trace(seed: int, span: float, cfg: WorkloadConfig) -> list[TraceRequest]:
+    """Arrivals in [0, span) on the workload's clock, deterministic in (seed, cfg).
+
+    Stratified, so that every seed puts the same pressure on the engine and only the
+    details differ: the i-th arrival falls at a uniformly random point of the i-th unit of
+    expected arrivals (`cumulative_arrivals`), so the count over any stretch is what the
+    rate says, give or take one, while the times stay irregular and follow the swell;
+    output lengths are the exponential's quantiles at stratified random levels, in a
+    random order; documents come one every 1/doc_frac requests from a seeded phase."""
     rng = np.random.default_rng([seed, 0x7EACE])
-    rate_max = cfg.rate_req_s * (1.0 + cfg.swell_frac)
+    grid = np.linspace(0.0, span, 20_001)
+    expected = cumulative_arrivals(grid, cfg)
+    levels = np.arange(int(math.floor(expected[-1])) + 1) + rng.random(int(expected[-1]) + 1)
+    times = np.interp(levels[levels < expected[-1]], expected, grid)
+    n = len(times)
+    q = (rng.permutation(n) + rng.random(n)) / max(n, 1)  # stratified quantiles, shuffled
+    outs = cfg.output_tokens_min + np.floor(-cfg.output_tokens_exp_mean * np.log1p(-q))
+    outs = np.minimum(outs, cfg.output_tokens_max).astype(np.int64)
+    phase = float(rng.random()) / max(cfg.doc_frac, 1e-9)
     out: list[TraceRequest] = []
-    t = 0.0
-    while True:
-        t += rng.exponential(1.0 / rate_max)  # candidate from the bounding process
-        if t >= duration_s:
-            break
-        if rng.random() * rate_max > rate_at(t, cfg):  # thinning
-            continue
-        is_doc = bool(rng.random() < cfg.doc_frac)
+    for i, (t, n_out) in enumerate(zip(times.tolist(), outs.tolist(), strict=True)):
+        k = i + phase
+        is_doc = math.floor(k * cfg.doc_frac) > math.floor((k - 1) * cfg.doc_frac)
         if is_doc:
             n_chars = int(rng.integers(cfg.doc_chars_min, cfg.doc_chars_max + 1))
         else:  # gamma(4) around the mean: ~1k characters, rarely below 200
             n_chars = max(40, int(rng.gamma(4.0, cfg.prompt_chars_mean / 4.0)))
-        n_out = cfg.output_tokens_min + int(rng.exponential(cfg.output_tokens_exp_mean))
-        n_out = min(n_out, cfg.output_tokens_max)
         text = make_text(rng, n_chars, cfg.lexicon_seed, is_doc=is_doc)
-        out.append(TraceRequest(len(out), t, text, n_out, is_doc))
+        out.append(TraceRequest(i, float(t), text, int(n_out), is_doc))
     return out
 
 
@@ -114,6 +129,16 @@ def mean_output_tokens(cfg: WorkloadConfig) -> float:
     return cfg.output_tokens_min + cfg.output_tokens_exp_mean * (
         1.0 - math.exp(-span / cfg.output_tokens_exp_mean)
     )
+
+
+def step_capacity_req(max_num_seqs: int, cfg: WorkloadConfig) -> float:
+    """Requests per engine step the engine retires with its batch full: `max_num_seqs`
+    requests decode one token each per step, and an average request needs
+    `mean_output_tokens` decode steps (its prefill is one or a few steps more). The demo's
+    KV pool is sized so that a full batch at the average context about fills it, so a load
+    near 1 of this keeps the pool near full and the batch near its limit: preemptions and
+    batches above the largest captured size, on any machine."""
+    return max_num_seqs / mean_output_tokens(cfg)
 
 
 def training_corpus(cfg: WorkloadConfig, num_lines: int = 2000) -> list[str]:

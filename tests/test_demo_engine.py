@@ -106,12 +106,12 @@ def test_each_rung_keeps_every_fix_above_it():
 def test_workload_is_deterministic_and_shaped():
     cfg = WorkloadConfig(rate_req_s=20.0, doc_frac=0.05)
     a, b = make_trace(3, 30.0, cfg), make_trace(3, 30.0, cfg)
-    assert [(t.arrival_s, t.text, t.max_new_tokens) for t in a] == [
-        (t.arrival_s, t.text, t.max_new_tokens) for t in b
+    assert [(t.arrival, t.text, t.max_new_tokens) for t in a] == [
+        (t.arrival, t.text, t.max_new_tokens) for t in b
     ]
     assert make_trace(4, 30.0, cfg)[0].text != a[0].text
     assert 0.7 * 600 < len(a) < 1.3 * 600
-    arr = np.array([t.arrival_s for t in a])
+    arr = np.array([t.arrival for t in a])
     assert np.all(np.diff(arr) > 0) and arr.max() < 30.0
     # the swell: the rising half-period gets more arrivals than the falling one
     phase = (arr % 15.0) < 7.5
@@ -504,3 +504,109 @@ def test_cli_run_writes_a_named_log(tmp_path):
     assert log.config["rate"] == 4.0 and log.config["engine"]["is_gc_freeze"] is True
     bad = CliRunner().invoke(demo, ["run", "--rung", "nope", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "unknown rung" in bad.output
+
+
+# -- the step clock: the same pressure on any machine ----------------------------------------------
+
+
+def _step_clock_run(cfg, tokenizer, trace, slowdown: float):
+    from demo_engine.model import NumpyModelRunner, SlowedRunner
+
+    runner = NumpyModelRunner(cfg, tokenizer.get_vocab_size())
+    if slowdown != 1.0:
+        runner = SlowedRunner(runner, slowdown)
+    rec = tracekit.Recorder(None, config={"rung": "test"})
+    with rec:
+        eng = Engine(cfg, rec, tokenizer, runner=runner)
+        try:
+            eng.startup()
+            stats = eng.serve(trace, 120, clock="steps")
+        finally:
+            eng.close()
+    return stats, rec.log()
+
+
+def test_step_clock_gives_the_same_schedule_at_any_speed(tokenizer):
+    """Arrivals paced in engine steps: a 3x slower model runs the same steps (the same
+    batches, preemptions and eager steps), only each takes longer."""
+    cfg = SMALL.replace(num_kv_blocks=36, captured_graph_sizes=(1, 2, 4, 6))
+    wl = WorkloadConfig(
+        clock="steps", rate_req_step=0.4, swell_period_steps=60, doc_frac=0.0,
+        prompt_chars_mean=150, output_tokens_exp_mean=20, output_tokens_max=60,
+    )  # fmt: skip
+    trace = make_trace(5, 120, wl)
+    assert trace and max(t.arrival for t in trace) < 120
+    fast, log_fast = _step_clock_run(cfg, tokenizer, trace, 1.0)
+    slow, log_slow = _step_clock_run(cfg, tokenizer, trace, 3.0)
+    # the run is its steps (idle stretches skipped count too), whatever they cost
+    assert fast.num_steps == slow.num_steps <= 120
+    # the regime this config is built for, reached both times
+    assert fast.num_preemptions > 0 and fast.num_eager_steps > 0
+    for f in ("num_preemptions", "num_eager_steps", "num_tokens", "num_arrived"):
+        assert getattr(fast, f) == getattr(slow, f), f
+    np.testing.assert_array_equal(log_fast.steps.num_decode, log_slow.steps.num_decode)
+    np.testing.assert_array_equal(log_fast.steps.num_preempted, log_slow.steps.num_preempted)
+
+
+def test_slowed_runner_spins_factor_minus_one_times_each_calls_cpu_time(monkeypatch):
+    """SlowedRunner: a call that took 2 ms of CPU (fake clock) is followed by busy work
+    until 6 more ms of CPU have passed at 4x ((4 - 1) * 2 ms); results and attributes are
+    the inner runner's."""
+    import demo_engine.model as model
+
+    readings: list[float] = []
+    ticks = iter([0.0, 0.002] + [0.002 + 0.001 * k for k in range(1, 20)])
+
+    def fake_cpu() -> float:
+        readings.append(next(ticks))
+        return readings[-1]
+
+    monkeypatch.setattr(model.time, "process_time", fake_cpu)
+
+    class Inner:
+        captured_graph_sizes = (1, 2)
+
+        def decode(self, rows, graph_size):
+            return ("decoded", len(rows), graph_size)
+
+    r = model.SlowedRunner(Inner(), 4.0)
+    assert r.decode([1, 2], 2) == ("decoded", 2, 2) and r.captured_graph_sizes == (1, 2)
+    # start 0, end of the call 0.002, then spinning until the first reading >= 0.008
+    assert readings[:2] == [0.0, 0.002] and readings[-1] == pytest.approx(0.008)
+    assert all(x < 0.008 - 1e-12 for x in readings[2:-1])
+    with pytest.raises(ValueError, match=">= 1"):
+        model.SlowedRunner(Inner(), 0.5)
+
+
+def test_cli_pacing_options_that_do_not_go_together_are_errors(tmp_path):
+    from click.testing import CliRunner
+
+    from demo_engine.cli import demo
+
+    for args, words in (
+        (["--duration", "5"], "--duration goes with --rate"),
+        (["--rate", "4", "--steps", "100"], "give one or the other"),
+        (["--load", "0"], "must be > 0"),
+        (["--rate", "4", "--timer", "cpu"], "--timer cpu needs arrivals paced in steps"),
+    ):
+        res = CliRunner().invoke(demo, ["run", *args, "--out", str(tmp_path), "--quiet"])
+        assert res.exit_code == 2 and words in res.output, (args, res.output)
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_a_baseline_run_without_the_regime_says_so():
+    from types import SimpleNamespace
+
+    from demo_engine.cli import BASELINE_EXPECT, _summary, regime_misses
+
+    stats = SimpleNamespace(
+        num_steps=600, num_tokens=100, wall_s=2.0, tok_per_s=50.0, num_arrived=10,
+        num_finished=5, num_preemptions=0, num_eager_steps=12, num_max_decode_batch=40,
+    )  # fmt: skip
+    assert BASELINE_EXPECT == {"preemptions": 1, "eager_steps": 1}
+    assert regime_misses("baseline", stats) == ["0 preemptions (needs >= 1)"]
+    assert regime_misses("+gc.freeze", stats) == []  # only the baseline carries the regime
+    line = _summary("raw/baseline__s1.npz", "baseline", stats)
+    assert "regime NOT reached: 0 preemptions (needs >= 1)" in line
+    stats.num_preemptions = 3
+    assert "regime" not in _summary("raw/baseline__s1.npz", "baseline", stats)

@@ -1,6 +1,7 @@
 """The HTML report: renders in a real headless Chromium with no console error and no
-request beyond the file itself, every chart drawn; byte-identical twice; everything that
-comes from a log escaped."""
+request beyond the file itself, every chart drawn (the ITL-over-time chart among them),
+the verdict and the grouped worst stalls on the page; byte-identical twice; everything
+that comes from a log escaped."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from synthlog import synthetic_log
 from tracekit.analysis import analyze
 from tracekit.cli import main
 from tracekit.compare import compare
-from tracekit.gaps import worst_gaps
+from tracekit.gaps import itl_series, worst_gaps, worst_stalls
 from tracekit.partition import partition
-from tracekit.render.html import ReportRun, render_report, script_json
+from tracekit.render.html import ReportRun, log_ticks, render_report, script_json
+from tracekit.verdict import verdict
 
 EVIL = "<script>alert(1)</script>"
 EVIL_ID = '"><img src=x onerror=alert(2)>'
@@ -58,8 +60,11 @@ def stub_page(runs_paths) -> str:
     for p in runs_paths:
         log = load(p)
         part = partition(log)
-        runs.append(ReportRun(analyze(log, part), worst_gaps(log, part, 5)))
-    return render_report(runs, compare([r.analysis for r in runs]), plotly_js="/*plotly*/")
+        runs.append(
+            ReportRun(analyze(log, part), worst_stalls(log, part, 5), itl_series(log, part))
+        )
+    cmp = compare([r.analysis for r in runs])
+    return render_report(runs, cmp, verdict(cmp), plotly_js="/*plotly*/")
 
 
 def test_same_input_gives_byte_identical_html(raw_runs, report_path, tmp_path):
@@ -75,7 +80,7 @@ def test_everything_from_a_log_is_escaped(raw_runs):
     assert page.count("<script") == 4 and page.count("</script") == 4
     assert EVIL not in page and "<img" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # in tables, as text
-    assert "onerror=alert(2)&gt;" in page  # the request id, in the worst-gaps table
+    assert "onerror=alert(2)&gt;" in page  # the request id, in the worst-stalls table
     figures = page.split('id="tk-figures">')[1].split("</script>")[0]
     assert "<" not in figures and ">" not in figures and "&" not in figures
     assert "\\u0026lt;script\\u0026gt;" in figures  # chart text: HTML-, then JSON-escaped
@@ -95,27 +100,52 @@ def test_script_json_cannot_close_a_script():
     reason="chromium is not installed (apt-get install -y chromium); the report is not opened",
 )
 def test_report_renders_in_headless_chromium(report_path):
-    charts = (
-        "JSON.stringify(Array.from(document.querySelectorAll('.chart'))"
-        ".map(d => [d.id, d.querySelectorAll('.main-svg').length,"
-        " d.querySelectorAll('.point, .bars path, .trace').length]))"
-    )
+    probe = """JSON.stringify({
+      charts: Array.from(document.querySelectorAll('.chart')).map(d => [d.id,
+        d.querySelectorAll('.main-svg').length,
+        d.querySelectorAll('.point, .bars path, .trace').length]),
+      verdict: Array.from(document.querySelectorAll('#tk-verdict ul.verdict li'))
+        .map(li => li.textContent),
+      timePoints: document.querySelectorAll('#tk-itl-time .scatterlayer .point').length,
+      stallRows: Array.from(document.querySelectorAll('table.worst > tbody > tr'))
+        .map(tr => tr.children[3].textContent),
+      width: document.documentElement.scrollWidth})"""
     page = open_page(
         report_path.as_uri(),
         ready="document.body && document.body.getAttribute('data-charts')",
-        expression=charts,
+        expression=probe,
+        width=1000,
         timeout_s=25,
     )
     assert page.console_errors == [] and page.exceptions == []
     assert page.requests == [report_path.as_uri()], "the report must load nothing else"
     import json
 
-    drawn = json.loads(page.value)
+    got = json.loads(page.value)
+    drawn = got["charts"]
     assert [d[0] for d in drawn] == [
-        "tk-hist", "tk-tail", "tk-ladder", "tk-fwd", "tk-ttft", "tk-ttft-causes"
+        "tk-itl-time", "tk-hist", "tk-tail", "tk-ladder", "tk-fwd", "tk-ttft", "tk-ttft-causes"
     ]  # fmt: skip
     for div, svgs, marks in drawn:
         assert svgs >= 1 and marks >= 1, (div, svgs, marks)
+    # the verdict: the first group's diagnosis, then what the second group changed
+    assert len(got["verdict"]) == 2
+    assert got["verdict"][0].startswith("baseline: ") and "of tail time" in got["verdict"][0]
+    assert "median p99.9 from" in got["verdict"][1]
+    assert got["timePoints"] > 100  # every gap of the first run is a point (a 2 s run)
+    # worst stalls: one row per event; at least one event hit several requests at once
+    hits = [int(t.split(":")[0]) for t in got["stallRows"]]
+    assert hits and max(hits) > 1
+    assert got["width"] <= 1000  # the layout fits a 1000 px window
+
+
+def test_log_axis_ticks_are_full_numbers():
+    # 1-2-5 steps between 3 and 1500, each labelled with its whole value
+    t = log_ticks(3, 1500)
+    assert t["tickvals"] == [5, 10, 20, 50, 100, 200, 500, 1000]
+    assert t["ticktext"] == ["5", "10", "20", "50", "100", "200", "500", "1,000"]
+    # over a wide range only the powers of ten stay
+    assert log_ticks(1, 1e6)["tickvals"] == [1, 10, 100, 1000, 1e4, 1e5, 1e6]
 
 
 def test_a_run_without_gaps_still_renders():
@@ -126,4 +156,10 @@ def test_a_run_without_gaps_still_renders():
     log = b.build(config={"rung": "empty"})
     a = analyze(log)
     page = render_report([ReportRun(a, worst_gaps(log, None, 5))], compare([a]), plotly_js="")
+    assert "no gaps" in page and 'id="tk-hist"' in page
+    cmp = compare([a])
+    page = render_report(
+        [ReportRun(a, worst_stalls(log, None, 5), itl_series(log))], cmp, verdict(cmp),
+        plotly_js="",
+    )  # fmt: skip
     assert "no gaps" in page and 'id="tk-hist"' in page

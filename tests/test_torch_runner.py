@@ -14,9 +14,9 @@ import tracekit  # noqa: E402
 from demo_engine.config import WorkloadConfig  # noqa: E402
 from demo_engine.engine import Engine  # noqa: E402
 from demo_engine.history import ObjectHistory  # noqa: E402
-from demo_engine.model import DecodeRow, NumpyModelRunner  # noqa: E402
+from demo_engine.model import DecodeRow, NumpyModelRunner, prev_token_ref  # noqa: E402
 from demo_engine.tokenizer import train_tokenizer  # noqa: E402
-from demo_engine.torch_runner import TorchModelRunner, prev_token_ref  # noqa: E402
+from demo_engine.torch_runner import TorchModelRunner  # noqa: E402
 from tracekit.partition import partition  # noqa: E402
 
 

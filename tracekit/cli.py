@@ -297,25 +297,46 @@ def _emit(body: str, output: str | None) -> None:
 @main.command()
 @click.argument("run", type=click.Path())
 @click.option(
-    "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default="jsonl",
-    show_default=True,
+    "--format", "fmt", type=click.Choice(["table", "jsonl", "csv", "parquet"]), default=None,
+    help="table: the longest gaps, readable (the default on a terminal); jsonl (the default "
+    "otherwise), csv: every selected gap; parquet: -o FILE.",
 )  # fmt: skip
 @click.option("--min-ms", type=float, default=None, help="Only gaps at least this long (ms).")
 @click.option("--request", "request_id", default=None, help="Only this request's gaps (its id).")
+@click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
+              help="table: show this many of the longest gaps (0: all).")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @_read_limits
-def gaps(run: str, fmt: str, min_ms: float | None, request_id: str | None, output: str | None):
+def gaps(
+    run: str, fmt: str | None, min_ms: float | None, request_id: str | None, top: int,
+    output: str | None,
+):  # fmt: skip
     """One record per gap of RUN: request, t0_s, t1_s (seconds from engine start), gap_ms,
     parts and context (ms by label; parts sum to gap_ms) and the primary cause."""
     from .gaps import gap_records
+    from .partition import partition
 
+    if fmt is None:
+        fmt = "table" if output is None and sys.stdout.isatty() else "jsonl"
     log = _load(run, **_limits())
     _warn(log.path, log.warnings)
-    records = gap_records(log, min_ms=min_ms, request_id=request_id)
+    part = partition(log)
+    records = gap_records(log, part, min_ms=min_ms, request_id=request_id)
+    if not records:
+        longest = f"{float(part.gap_ms.max()):.1f} ms" if len(part) else "none: no gaps"
+        what = f" of request {request_id!r}" if request_id is not None else ""
+        above = f" at least {min_ms:g} ms long" if min_ms is not None else ""
+        click.echo(
+            f"tracekit: {run}: no gap{what}{above} (the run's longest gap: {longest})", err=True
+        )
     if fmt == "parquet":
         _write_parquet(records, output, "parquet files")
         return
-    if fmt == "jsonl":
+    if fmt == "table":
+        from .render import text
+
+        body = text.gaps_table(records, top) + "\n" if records else ""
+    elif fmt == "jsonl":
         body = "".join(json.dumps(r) + "\n" for r in records)
     else:
         import io
@@ -483,7 +504,9 @@ def merge(directory: str, output: str) -> None:
     show_default=True, help="table: terminal; markdown: a PR or doc; jsonl: one object per group.",
 )  # fmt: skip
 @click.option("--order-by", default=None, metavar="KEY",
-              help="Sort groups by this config key (default: the order of the runs).")  # fmt: skip
+              help="Sort groups by this config key, e.g. rung_index (the demo ladder's "
+              "order); default: the order of the runs. Unknown keys are an error that "
+              "lists the keys there are.")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
@@ -495,10 +518,13 @@ def compare(
 ) -> None:  # fmt: skip
     """Compare groups of runs: per group (in the order groups first appear), the median and
     [min-max] across its runs of ITL p50, p99, p99.9 and max, TTFT p50 and tokens/s, and the
-    median tail-time share by label. Runs are the unit of evidence: gaps are never pooled
-    across runs."""
+    median tail-time share by label; then the verdict in words (what owns the first group's
+    tail, what each group changed) and its caveats (runs that disagree, a cause the first
+    group lacks, runs that missed the regime their engine asked for). Runs are the unit of
+    evidence: gaps are never pooled across runs."""
     from .compare import compare as do_compare
     from .render import text
+    from .verdict import verdict
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
@@ -509,14 +535,16 @@ def compare(
     cmp = do_compare(results, by=by, order_by=order_by)
     if fmt == "jsonl":
         body = "".join(json.dumps(r) + "\n" for r in cmp.to_records())
-    elif fmt == "markdown":
-        body = text.comparison_markdown(cmp) + "\n"
-        if ttft_md := text.ttft_comparison(cmp, markdown=True):
-            body += "\n" + ttft_md + "\n"
     else:
-        body = text.comparison(cmp) + "\n"
-        if ttft_table := text.ttft_comparison(cmp):
-            body += "\n" + ttft_table + "\n"
+        v = verdict(cmp)
+        is_md = fmt == "markdown"
+        lines = ["", "**VERDICT**" if is_md else "VERDICT", *(f"- {f}" for f in v.findings)]
+        if v.caveats:
+            lines += ["", "**CAVEATS**" if is_md else "CAVEATS", *(f"- {c}" for c in v.caveats)]
+        tables = text.comparison_markdown(cmp) if is_md else text.comparison(cmp)
+        if ttft_tables := text.ttft_comparison(cmp, markdown=is_md):
+            tables += "\n\n" + ttft_tables
+        body = tables + "\n" + "\n".join(lines) + "\n"
     _emit(body, output)
 
 
@@ -550,6 +578,13 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
     log = _load(run, **_limits())
     _warn(log.path, log.warnings)
+    if win is not None:
+        lo, hi = _run_span_s(log)
+        if not (win[0] <= hi and win[1] >= lo):
+            _fail(
+                f"{run}: --window {window}: outside the run, which spans {lo:.3f}-{hi:.3f} s "
+                "from engine start"
+            )
     events = perfetto.chrome_trace_events(
         log, partition(log), requests=ids, window_s=win, ttft=ttft_partition(log)
     )
@@ -570,17 +605,31 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     )
 
 
+def _run_span_s(log: Any) -> tuple[float, float]:
+    """First and last moment the run recorded (steps, emissions), seconds from start."""
+    import numpy as np
+
+    ts = [log.steps.t_start_s, log.steps.t_end_s, log.emissions.t_s]
+    t = np.concatenate([np.asarray(a, dtype=float) for a in ts])
+    t = t[np.isfinite(t)]
+    return (float(t.min()), float(t.max())) if len(t) else (0.0, 0.0)
+
+
 def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
     from .allocator import keep_freed_memory
     from .analysis import analyze
-    from .gaps import worst_gaps
+    from .gaps import itl_series, worst_stalls
     from .partition import partition
     from .render.html import ReportRun
 
     keep_freed_memory()
     log = _load(path, **limits)
     part = partition(log)
-    return ReportRun(analysis=analyze(log, part), worst_gaps=worst_gaps(log, part, n_worst))
+    return ReportRun(
+        analysis=analyze(log, part),
+        worst_stalls=worst_stalls(log, part, n_worst),
+        series=itl_series(log, part),
+    )
 
 
 @main.command()
@@ -588,38 +637,71 @@ def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
 @click.option("-o", "--output", type=click.Path(), default="report.html", show_default=True)
 @click.option("--by", default="rung", show_default=True, help="Group runs by this config key.")
 @click.option("--order-by", default=None, metavar="KEY",
-              help="Sort groups by this config key (default: the order of the runs).")  # fmt: skip
+              help="Sort groups and runs (every table and chart) by this config key, e.g. "
+              "rung_index (the demo ladder's order); default: the order of the runs.")  # fmt: skip
 @click.option("--worst", "n_worst", type=click.IntRange(min=0), default=10, show_default=True,
-              help="List this many of the longest gaps of each run.")  # fmt: skip
+              help="List this many of the worst stalls of each run.")  # fmt: skip
 @click.option("--title", default="tracekit report", show_default=True)
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
 @_ray_option
 @_read_limits
+@click.option(
+    "--open", "open_", is_flag=True,
+    help="Open the report in a browser (or print its file:// URL if none is here).",
+)  # fmt: skip
 def report(
     runs: tuple[str, ...], output: str, by: str, order_by: str | None, n_worst: int, title: str,
-    jobs: int, ray_address: str | None,
+    jobs: int, ray_address: str | None, open_: bool,
 ):  # fmt: skip
-    """Write one self-contained HTML report of RUNS (opens offline, no network): summary
-    per run and per group, the ITL histogram by primary cause, tail-time share and
-    tail-gap counts by cause, the ladder (p99 and p99.9 per group), forward share of clean
-    vs tail gaps, TTFT, and the worst gaps with their partition and steps."""
+    """Write one self-contained HTML report of RUNS (opens offline, no network): the
+    verdict in words with its caveats, summary per run and per group, ITL over time per
+    run, the ITL histogram by primary cause, tail-time share and tail-gap counts by cause,
+    the ladder (p99 and p99.9 per group), forward share of clean vs tail gaps, TTFT, and
+    the worst stalls (gaps grouped by the event that caused them) with their partition and
+    steps."""
+    import functools
+
     from .compare import compare as do_compare
+    from .compare import order_runs
     from .render.html import render_report
+    from .verdict import verdict
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
+    out_dir = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(out_dir):
+        _fail(f"-o {output}: the directory {out_dir} does not exist (create it first)")
     one = functools.partial(_report_one, n_worst=n_worst, **_limits())
     results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     for r in results:
         _warn(r.analysis.path, r.analysis.warnings)
     cmp = do_compare([r.analysis for r in results], by=by, order_by=order_by)
-    page = render_report(results, cmp, title=title)
+    order = order_runs([r.analysis for r in results], order_by)
+    results = sorted(results, key=lambda r: order.index(r.analysis))
+    page = render_report(results, cmp, verdict(cmp), title=title)
     with open(output, "w", encoding="utf-8") as fh:
         fh.write(page)
     click.echo(
         f"wrote {one_line(output)} ({len(page) / 1e6:.1f} MB, {len(results)} runs)", err=True
     )
+    if open_:
+        _open_in_browser(output)
+
+
+def _open_in_browser(path: str) -> None:
+    import pathlib
+    import webbrowser
+
+    url = pathlib.Path(os.path.abspath(path)).as_uri()
+    try:
+        ok = webbrowser.open(url)
+    except webbrowser.Error:
+        ok = False
+    if ok:
+        click.echo(f"opened {url}", err=True)
+    else:
+        click.echo(f"no browser available here; open {url}", err=True)
 
 
 # -- export and fleet (Parquet datasets, fleet rollups) ------------------------------------

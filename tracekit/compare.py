@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .analysis import RunAnalysis
+from .errors import TracekitError
 from .labels import STANDARD_LABELS
 
 #: The per-run figures a comparison summarises: (RunAnalysis attribute, unit).
@@ -30,6 +31,9 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("ttft_p50", "ms"),
     ("tok_per_s", "tok/s"),
 )
+
+#: Per-run counts a group also summarises: what the fixes of a ladder act on.
+COUNTS: tuple[str, ...] = ("preemptions", "eager_steps")
 
 #: What a run without the grouping key is grouped under.
 MISSING = "(none)"
@@ -75,6 +79,8 @@ class GroupSummary:
     tail_share: Mapping[str, float]  # per label: median across runs of the run's tail share
     tail_count: Mapping[str, float]  # per primary cause ("clean" too): median across runs
     ttft: Mapping[str, Any] = field(default_factory=dict)  # see `ttft_summary`
+    counts: Mapping[str, Spread] = field(default_factory=dict)  # COUNTS name -> spread
+    regime_misses: tuple[str, ...] = ()  # per run, what it lacked of its config's `expect`
 
     @property
     def num_runs(self) -> int:
@@ -101,6 +107,10 @@ class Comparison:
             rec["ttft"] = {
                 k: (v.to_dict() if isinstance(v, Spread) else v) for k, v in g.ttft.items()
             }
+            for name in COUNTS:
+                if name in g.counts:
+                    rec[name] = g.counts[name].to_dict()
+            rec["regime_misses"] = list(g.regime_misses)
             rec["paths"] = list(g.paths)
             out.append(rec)
         return out
@@ -117,6 +127,56 @@ def config_value(config: Mapping[str, Any], key: str) -> Any:
             return None
         cur = cur[part]
     return cur
+
+
+class ConfigKeyError(TracekitError):
+    """A grouping or ordering key that no run's config has."""
+
+
+def config_keys(runs: Sequence[RunAnalysis]) -> list[str]:
+    """The keys runs can be grouped or ordered by: every top-level config key (and
+    `rung`), with nested objects shown as `name.KEY`, sorted."""
+    keys = {"rung"}
+    for r in runs:
+        for k, v in r.config.items():
+            keys.add(f"{k}.KEY" if isinstance(v, Mapping) else str(k))
+    return sorted(keys)
+
+
+def check_key(runs: Sequence[RunAnalysis], key: str, option: str) -> None:
+    """Raise `ConfigKeyError` (listing the keys there are) unless some run has `key`."""
+    if not runs or key == "rung" or any(config_value(r.config, key) is not None for r in runs):
+        return
+    raise ConfigKeyError(
+        f"{option} {key!r}: no run's config has this key; keys: {', '.join(config_keys(runs))} "
+        "(a dotted key reaches a nested value, e.g. engine.block_size)"
+    )
+
+
+def regime_misses(run: RunAnalysis) -> list[str]:
+    """What `run` lacked of what its engine said the run needs (`config["expect"]`: figure
+    name -> minimum, e.g. {"preemptions": 1}), each with the config's `expect_hint`."""
+    expect = run.config.get("expect")
+    if not isinstance(expect, Mapping):
+        return []
+    hint = run.config.get("expect_hint")
+    out = []
+    for name, lo in expect.items():
+        got = getattr(run, str(name), None)
+        if isinstance(got, (int, float)) and isinstance(lo, (int, float)) and got < lo:
+            out.append(
+                f"{run.path}: {got:g} {str(name).replace('_', ' ')} (the run needs >= {lo:g})"
+                + (f": {hint}" if isinstance(hint, str) and hint else "")
+            )
+    return out
+
+
+def order_runs(runs: Sequence[RunAnalysis], key: str | None) -> list[RunAnalysis]:
+    """`runs` sorted by config `key` (numbers, then text, then runs without it), stable;
+    as given when `key` is None."""
+    if key is None:
+        return list(runs)
+    return sorted(runs, key=lambda r: _order_value(r, key))
 
 
 def group_key(run: RunAnalysis, by: str) -> str:
@@ -148,7 +208,10 @@ def compare(
 ) -> Comparison:
     """Group `runs` by `by` and summarise each group across its runs. Groups come in the
     order they first appear in `runs`, or sorted by the config key `order_by` (say a
-    `rung_index` the engine records) when given."""
+    `rung_index` the engine records) when given. A key no run has is a `ConfigKeyError`."""
+    check_key(runs, by, "--by")
+    if order_by is not None:
+        check_key(runs, order_by, "--order-by")
     groups: dict[str, list[RunAnalysis]] = {}
     for r in runs:
         groups.setdefault(group_key(r, by), []).append(r)
@@ -176,6 +239,8 @@ def compare(
                 tail_share=share,
                 tail_count=count,
                 ttft=ttft_summary(members),
+                counts={n: Spread.of([getattr(r, n) for r in members]) for n in COUNTS},
+                regime_misses=tuple(m for r in members for m in regime_misses(r)),
             )
         )
     return Comparison(by=by, labels=tuple(labels), groups=tuple(out))

@@ -68,6 +68,13 @@ def worst_gaps(
         return []
     order = np.lexsort((np.arange(len(p)), -p.gap_ms))[:n]  # longest first, stable
     records = gap_records(log, p, index=order)
+    _add_steps(log, records, max_steps)
+    return records
+
+
+def _add_steps(log: RawLog, records: list[dict[str, Any]], max_steps: int) -> None:
+    """Give each record (with `t0`, `t1`) the engine steps it spans: `num_steps` and `steps`
+    (see `worst_gaps`)."""
     st, sg = log.steps, log.segments
     seg_ms: dict[int, dict[str, float]] = {}
     if len(sg):
@@ -100,4 +107,82 @@ def worst_gaps(
             }
             for i in hit.tolist()
         ]
+
+
+def stall_events(p: Partition, index: np.ndarray) -> list[np.ndarray]:
+    """Gaps `index` grouped by the event that stalled them: one event is the gaps closed by
+    the same emitting step with the same primary cause (a GC pause or a long prefill in a
+    step delays every request of the batch at once, and they all resume in that step).
+    Events come longest first (by their longest gap); each holds its gaps longest first."""
+    index = np.asarray(index, dtype=np.int64)
+    if not len(index):
+        return []
+    key = p.step1[index].astype(np.int64) * (len(p.causes) + 2) + (p.primary[index] + 1)
+    order = np.lexsort((index, -p.gap_ms[index], key))  # by event, longest gap first
+    idx, key = index[order], key[order]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    groups = np.split(idx, starts[1:])
+    return sorted(groups, key=lambda g: (-float(p.gap_ms[g[0]]), int(g[0])))
+
+
+def worst_stalls(
+    log: RawLog,
+    part: Partition | None = None,
+    n: int = 10,
+    *,
+    max_steps: int = 12,
+    max_requests: int = 24,
+) -> list[dict[str, Any]]:
+    """The `n` worst stall events of the run (see `stall_events`), among its tail gaps
+    (at or above the run's p99): one record per event, its longest gap as in `worst_gaps`
+    (request, t0, t1, gap_ms, parts, context, primary, steps) plus `num_requests` hit,
+    `requests` (the first `max_requests` ids, longest gap first) and `gap_ms_min`."""
+    p = part if part is not None else partition(log)
+    if n <= 0 or len(p) == 0:
+        return []
+    tail = np.flatnonzero(p.gap_ms >= np.percentile(p.gap_ms, 99))
+    events = stall_events(p, tail)[:n]
+    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    records = gap_records(log, p, index=np.array([int(g[0]) for g in events], dtype=np.int64))
+    for rec, g in zip(records, events, strict=True):
+        rec["num_requests"] = int(len(g))
+        rec["requests"] = [ids[int(p.request[i])] for i in g[:max_requests].tolist()]
+        rec["gap_ms_min"] = float(p.gap_ms[g].min())
+    _add_steps(log, records, max_steps)
     return records
+
+
+def itl_series(
+    log: RawLog, part: Partition | None = None, *, max_points: int = 2500, min_gc_ms: float = 1.0
+) -> dict:
+    """Every gap of the run as a point in time (`t_s`: when it ended, `gap_ms`, `primary`),
+    for an ITL-over-time chart, thinned for long runs: every gap at or above the run's
+    p99 is kept, the others by an even stride, so at most about `max_points` remain
+    (`num_gaps` counts all). Plus the marks: evictions (`evict_t_s`) and GC pauses
+    (`gc_t_s`, `gc_ms`, `gc_generation`) of at least `min_gc_ms`."""
+    p = part if part is not None else partition(log)
+    n = len(p)
+    keep = np.zeros(n, dtype=bool)
+    if n:
+        is_tail = p.gap_ms >= np.percentile(p.gap_ms, 99)
+        keep |= is_tail
+        rest = np.flatnonzero(~is_tail)
+        room = max(max_points - int(is_tail.sum()), 0)
+        if len(rest) > room:
+            rest = rest[np.linspace(0, len(rest) - 1, room).astype(np.int64)] if room else rest[:0]
+        keep[rest] = True
+    sel = np.flatnonzero(keep)
+    sel = sel[np.argsort(p.t1_s[sel], kind="stable")]
+    gc = log.gc_pauses
+    gc_ms = (gc.t_end_s - gc.t_start_s) * 1e3
+    big = gc_ms >= min_gc_ms
+    return {
+        "num_gaps": int(n),
+        "t_s": p.t1_s[sel].tolist(),
+        "gap_ms": p.gap_ms[sel].tolist(),
+        "primary": p.primary_names()[sel].tolist(),
+        "evict_t_s": log.evictions.t_evict_s.tolist(),
+        "gc_t_s": gc.t_start_s[big].tolist(),
+        "gc_ms": gc_ms[big].tolist(),
+        "gc_generation": gc.generation[big].tolist(),
+    }

@@ -56,12 +56,12 @@ COLOURS: dict[str, str] = {
     "tok": "#E69F00",
     "prefill": "#0072B2",
     "graph": "#009E73",
-    "forward": "#999999",
-    "residual": "#DDDDDD",
-    "decode": "#999999",
+    "forward": "#56B4E9",  # forward, clean and residual: three distinct colours, not greys
+    "residual": "#F0E442",
+    "decode": "#56B4E9",
     "clean": "#BBBBBB",
 }
-_EXTRA_COLOURS = ("#56B4E9", "#F0E442", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
+_EXTRA_COLOURS = ("#882255", "#44AA99", "#117733", "#332288", "#AA4499", "#661100", "#6699CC")
 
 #: One character per primary cause for terminal histograms (`.` is clean).
 GLYPHS: dict[str, str] = {

@@ -9,13 +9,17 @@ is HTML-escaped where it lands in the page and in chart text (plotly draws pseud
 in labels), and the figures' JSON inside ``<script>`` has ``<``, ``>`` and ``&`` written
 as ``\\u003c``, ``\\u003e``, ``\\u0026``, so nothing in a log can close the script.
 
-Sections: summary per run and per group; the ITL histogram by primary cause; tail-time
-share by cause with tail-gap counts beside it; the ladder (p99 and p99.9, median with
-[min-max] whiskers per group); forward-pass share of clean vs tail gaps; TTFT; the worst
-gaps of each run with their partition and the steps they spanned.
+Sections: the verdict in words with its caveats (`tracekit.verdict`); summary per run
+and per group; ITL over time per run (each gap a point coloured by primary cause,
+evictions and GC pauses marked); the ITL histogram by primary cause; tail-time share by
+cause with tail-gap counts beside it; the ladder (p99 and p99.9, median with [min-max]
+whiskers per group); forward-pass share of clean vs tail gaps; TTFT; the worst stalls of
+each run (gaps grouped by the event that caused them) with their partition and steps.
+Runs appear in the order given (the CLI sorts them by `--order-by`). The page fits a
+1000 px window: wide tables scroll inside their box.
 
-Pure rendering: it consumes `RunAnalysis`, `Comparison` and `tracekit.gaps.worst_gaps`
-records and returns a string.
+Pure rendering: it consumes `RunAnalysis`, `Comparison`, `Verdict`, and
+`tracekit.gaps.worst_stalls` / `itl_series` records, and returns a string.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..analysis import RunAnalysis
 from ..compare import FIGURES, Comparison
 from ..formats import json_safe, num
 from ..labels import colour
+from ..verdict import Verdict
 from . import text
 
 #: Colours that are not labels: the two sides of the forward-share and TTFT charts.
@@ -46,7 +51,9 @@ class ReportRun:
     """What the report shows of one run."""
 
     analysis: RunAnalysis
-    worst_gaps: list[dict[str, Any]] = field(default_factory=list)  # gaps.worst_gaps
+    # gaps.worst_stalls (gaps.worst_gaps records read as stalls that hit one request)
+    worst_stalls: list[dict[str, Any]] = field(default_factory=list)
+    series: Mapping[str, Any] | None = None  # gaps.itl_series
 
 
 def esc(x: Any) -> str:
@@ -119,12 +126,37 @@ def _axis(title: str, **kw: Any) -> dict[str, Any]:
     return ax
 
 
+def log_ticks(lo: float, hi: float) -> dict[str, Any]:
+    """Tick marks for a log axis over [lo, hi]: 1-2-5 steps, every label the full number
+    (plotly's own log ticks label minor steps "2" and "5" alone, which reads as 2 above
+    1000). Thinned to 1-10-100 steps over wide ranges."""
+    if not (lo > 0 and hi > 0 and math.isfinite(lo) and math.isfinite(hi)):
+        return {}
+    lo, hi = min(lo, hi), max(lo, hi)
+    vals: list[float] = []
+    e = math.floor(math.log10(lo))
+    while 10**e <= hi * 1.0001:
+        vals += [m * 10.0**e for m in (1, 2, 5)]
+        e += 1
+    vals = [v for v in vals if lo / 1.0001 <= v <= hi * 1.0001] or [10.0 ** round(math.log10(lo))]
+    if len(vals) > 12:
+        vals = [v for v in vals if f"{v:g}".lstrip("0.").startswith("1")]
+    text_ = [f"{v:,.0f}" if v >= 1 else f"{v:g}" for v in vals]
+    return {"tickmode": "array", "tickvals": vals, "ticktext": text_}
+
+
+def _log_range(values: Sequence[float]) -> tuple[float, float]:
+    v = [x for x in values if x is not None and math.isfinite(x) and x > 0]
+    return (min(v), max(v)) if v else (1.0, 10.0)
+
+
 def histogram_figure(runs: Sequence[RunAnalysis], names: Sequence[str]) -> dict[str, Any]:
     """Stacked bars of gap counts per ITL bin, one colour per primary cause; a menu picks
     the run (runs are never pooled) and the y scale."""
     causes = _causes(runs)
     data: list[dict[str, Any]] = []
     owner: list[int] = []
+    counts = [b.count for a in runs for b in a.hist]
     for k, a in enumerate(runs):
         x = _bin_names(a)
         for c in causes:
@@ -154,30 +186,21 @@ def histogram_figure(runs: Sequence[RunAnalysis], names: Sequence[str]) -> dict[
             "yanchor": "bottom",
             "showactive": True,
             "buttons": [
-                {"label": "log y", "method": "relayout", "args": [{"yaxis.type": "log"}]},
-                {"label": "linear y", "method": "relayout", "args": [{"yaxis.type": "linear"}]},
+                {
+                    "label": "log y",
+                    "method": "relayout",
+                    "args": [{"yaxis.type": "log", "yaxis.tickmode": "array"}],
+                },
+                {
+                    "label": "linear y",
+                    "method": "relayout",
+                    "args": [{"yaxis.type": "linear", "yaxis.tickmode": "auto"}],
+                },
             ],
         }
     ]
     if len(runs) > 1:
-        menus.append(
-            {
-                "type": "dropdown",
-                "x": 0.78,
-                "xanchor": "right",
-                "y": 1.12,
-                "yanchor": "bottom",
-                "showactive": True,
-                "buttons": [
-                    {
-                        "label": esc(n),
-                        "method": "restyle",
-                        "args": [{"visible": [o == k for o in owner]}],
-                    }
-                    for k, n in enumerate(names)
-                ],
-            }
-        )
+        menus.append(_run_menu(names, owner, x=0.78))
     title = "ITL histogram by primary cause" + (f" ({names[0]})" if len(runs) == 1 else "")
     return {
         "data": data,
@@ -187,8 +210,106 @@ def histogram_figure(runs: Sequence[RunAnalysis], names: Sequence[str]) -> dict[
             height=430,
             margin={"l": 60, "r": 20, "t": 90, "b": 60},
             xaxis=_axis("inter-token gap (ms), bins [lo, hi)", type="category"),
-            yaxis=_axis("gaps", type="log"),
+            yaxis=_axis("gaps", type="log", **log_ticks(1, max(counts, default=10))),
             updatemenus=menus,
+        ),
+    }
+
+
+def _run_menu(names: Sequence[str], owner: Sequence[int], x: float = 1.0) -> dict[str, Any]:
+    """A dropdown that shows one run's traces at a time (`owner[i]`: trace i's run)."""
+    return {
+        "type": "dropdown",
+        "x": x,
+        "xanchor": "right",
+        "y": 1.12,
+        "yanchor": "bottom",
+        "showactive": True,
+        "buttons": [
+            {
+                "label": esc(n),
+                "method": "restyle",
+                "args": [{"visible": [o == k for o in owner]}],
+            }
+            for k, n in enumerate(names)
+        ],
+    }
+
+
+def itl_time_figure(series: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """ITL over time, one run at a time (a menu picks it): each gap a point at the time it
+    ended, coloured by primary cause; GC pauses as open diamonds at their length; evictions
+    as triangles along the bottom. Log y."""
+    data: list[dict[str, Any]] = []
+    owner: list[int] = []
+    lo, hi = _log_range([v for s_ in series for v in s_["gap_ms"]])
+    floor = lo / 1.6  # where eviction marks sit, below every gap
+    for k, s_ in enumerate(series):
+        by_cause: dict[str, list[int]] = {}
+        for i, c in enumerate(s_["primary"]):
+            by_cause.setdefault(str(c), []).append(i)
+        for c in sorted(by_cause, key=lambda c: (c != "clean", c)):
+            idx = by_cause[c]
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": esc(c),
+                    "legendgroup": esc(c),
+                    "x": [s_["t_s"][i] for i in idx],
+                    "y": [s_["gap_ms"][i] for i in idx],
+                    "marker": {"color": colour(c), "size": 4 if c == "clean" else 6},
+                    "visible": k == 0,
+                    "hovertemplate": f"t %{{x:.3f}} s: gap %{{y:.1f}} ms, primary {esc(c)}"
+                    "<extra></extra>",
+                }
+            )
+            owner.append(k)
+        if s_["gc_t_s"]:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": "GC pause",
+                    "legendgroup": "GC pause",
+                    "x": s_["gc_t_s"],
+                    "y": [max(v, floor) for v in s_["gc_ms"]],
+                    "customdata": s_["gc_generation"],
+                    "marker": {"color": colour("gc"), "symbol": "diamond-open", "size": 9},
+                    "visible": k == 0,
+                    "hovertemplate": "GC gen %{customdata} at %{x:.3f} s: %{y:.1f} ms"
+                    "<extra></extra>",
+                }
+            )
+            owner.append(k)
+        if s_["evict_t_s"]:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": "eviction",
+                    "legendgroup": "eviction",
+                    "x": s_["evict_t_s"],
+                    "y": [floor] * len(s_["evict_t_s"]),
+                    "marker": {"color": colour("preempt"), "symbol": "triangle-up", "size": 8},
+                    "visible": k == 0,
+                    "hovertemplate": "eviction at %{x:.3f} s<extra></extra>",
+                }
+            )
+            owner.append(k)
+    menus = [_run_menu(names, owner)] if len(series) > 1 else []
+    shown = [f"{len(s_['t_s'])} of {s_['num_gaps']}" for s_ in series]
+    title = "ITL over time" + (f" ({names[0]})" if len(series) == 1 else "")
+    return {
+        "data": data,
+        "layout": _layout(
+            title,
+            height=430,
+            margin={"l": 60, "r": 20, "t": 90, "b": 60},
+            xaxis=_axis("engine clock (s)"),
+            yaxis=_axis("inter-token gap (ms)", type="log", **log_ticks(floor, hi)),
+            updatemenus=menus,
+            meta={"points": shown},
         ),
     }
 
@@ -249,8 +370,14 @@ def tail_share_figure(
             "count (tail gaps by primary cause)",
             barmode="stack",
             height=h,
-            margin={"l": 160, "r": 20, "t": 60, "b": 110},
-            legend={"orientation": "h", "y": -0.1, "yanchor": "top", "yref": "container"},
+            margin={"l": 160, "r": 20, "t": 60, "b": 120},
+            legend={
+                "orientation": "h",
+                "x": 0,
+                "y": 0.01,
+                "yanchor": "bottom",
+                "yref": "container",
+            },
             xaxis=_axis("share of tail time (%)", domain=[0.0, 0.48], range=[0, 100]),
             yaxis=_axis("", autorange="reversed", type="category"),
             xaxis2=_axis("tail gaps (count)", domain=[0.55, 1.0], anchor="y2"),
@@ -300,7 +427,16 @@ def ladder_figure(cmp: Comparison) -> dict[str, Any]:
             f"The ladder: ITL p99 and p99.9 per {cmp.by}, median with [min-max] across runs",
             height=420,
             xaxis=_axis(cmp.by, type="category"),
-            yaxis=_axis("ITL (ms)", type="log"),
+            yaxis=_axis(
+                "ITL (ms)",
+                type="log",
+                **log_ticks(
+                    *_log_range(
+                        [g.figures[n].lo for g in cmp.groups for n in ("itl_p99", "itl_p999")]
+                        + [g.figures[n].hi for g in cmp.groups for n in ("itl_p99", "itl_p999")]
+                    )
+                ),
+            ),
         ),
     }
 
@@ -555,7 +691,27 @@ def _parts_text(parts: Mapping[str, float], total_ms: float) -> str:
     )
 
 
-def worst_gaps_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool) -> str:
+def verdict_html(v: Verdict) -> str:
+    items = "".join(f"<li>{esc(f)}</li>" for f in v.findings)
+    cav = "".join(f"<li>{esc(c)}</li>" for c in v.caveats)
+    return (
+        f'<section id="tk-verdict"><h2>Verdict</h2><ul class=verdict>{items}</ul>'
+        + (f"<h3>Caveats</h3><ul class=caveats>{cav}</ul>" if cav else "")
+        + "<p class=note>Computed from the figures below: medians across the runs of each "
+        f"group by <code>{esc(v.by)}</code>, in the groups' order.</p></section>"
+    )
+
+
+def _requests_cell(g: Mapping[str, Any]) -> str:
+    ids = g.get("requests") or [g["request"]]
+    n = int(g.get("num_requests", len(ids)))
+    more = f" and {n - len(ids)} more" if n > len(ids) else ""
+    return f"<b>{n}</b>: " + ", ".join(esc(i) for i in ids) + more
+
+
+def worst_stalls_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool) -> str:
+    """One row per stall event (its longest gap's partition and steps; every request it
+    hit), longest first."""
     if not records:
         return f"<details><summary>{esc(name)}: no gaps</summary></details>"
     rows = []
@@ -589,38 +745,44 @@ def worst_gaps_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool
             if ctx
             else ""
         )
+        lo = g.get("gap_ms_min", g["gap_ms"])
+        gap = num(g["gap_ms"]) if lo >= g["gap_ms"] else f"{num(g['gap_ms'])}<br>({num(lo)} min)"
         rows.append(
             [
                 str(k),
-                esc(g["request"]),
-                f"{g['t0_s']:.4f}",
-                num(g["gap_ms"]),
+                gap,
                 _swatch(g["primary"]),
+                _requests_cell(g),
+                f"{g['t0_s']:.4f}",
                 _parts_bar(g["parts"], g["gap_ms"]) + _parts_text(g["parts"], g["gap_ms"]),
                 f"<details><summary>{g.get('num_steps', len(steps))} steps "
                 f"({g['step0']}-{g['step1']})</summary>{step_table}{note}{ctx_html}</details>",
             ]
         )
     table = _table(
-        ["#", "request", "t0 (s)", "gap (ms)", "primary", "partition (ms by label)", "steps"],
-        rows,
-        "worst",
-    )
+        ["#", "gap (ms)", "primary", "requests hit", "t0 (s)",
+         "partition of the longest gap (ms by label)", "steps"],
+        rows, "worst",
+    )  # fmt: skip
     op = " open" if open_ else ""
-    return f"<details{op}><summary>{esc(name)}</summary>{table}</details>"
+    return f"<details{op}><summary>{esc(name)}</summary><div class=tw>{table}</div></details>"
 
 
 # -- the page ---------------------------------------------------------------------------
 
 _CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px;
-color:#222;max-width:1400px}
+body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:16px;
+color:#222;max-width:1000px}
+.tw{overflow-x:auto;max-width:100%}
+#tk-verdict{background:#f7f9fb;border:1px solid #dde3ea;border-radius:4px;padding:2px 14px 8px}
+ul.verdict{font-size:14px;line-height:1.45} ul.caveats{font-size:13px;color:#7a4b00}
+h3{font-size:14px;margin:10px 0 4px}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 p.note,.note{color:#666;font-size:12px;margin:4px 0}
 table{border-collapse:collapse;font-size:12px;margin:6px 0 12px}
 th,td{padding:3px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top}
 th:first-child,td:first-child{text-align:left}
-table.worst td:nth-child(n+5),table.steps td:last-child{text-align:left}
+table.worst td:nth-child(n+3),table.steps td:last-child{text-align:left}
 thead th{background:#f6f6f6}
 .sw{display:inline-block;width:10px;height:10px;margin-right:4px;border-radius:2px}
 .bar{display:flex;width:260px;height:12px;background:#f2f2f2;margin-bottom:3px}
@@ -650,11 +812,13 @@ _LOADER = """
 def render_report(
     runs: Sequence[ReportRun],
     comparison: Comparison,
+    verdict: Verdict | None = None,
     *,
     title: str = "tracekit report",
     plotly_js: str | None = None,
 ) -> str:
-    """The whole page as one string. `plotly_js` overrides the inlined bundle (tests)."""
+    """The whole page as one string, runs in the order given. Without `verdict` the page
+    has no verdict section. `plotly_js` overrides the inlined bundle (tests)."""
     if plotly_js is None:
         from plotly.offline import get_plotlyjs
 
@@ -682,18 +846,41 @@ def render_report(
         "or above its own p99; runs are the unit of evidence (figures are per run, or the "
         f"median and [min-max] across runs). tracekit {esc(__version__)}.</p>"
     )
-    sections.append("<h2>Runs</h2>" + run_table(analyses, names))
+    if verdict is not None:
+        sections.append(verdict_html(verdict))
+    sections.append("<h2>Runs</h2><div class=tw>" + run_table(analyses, names) + "</div>")
     sections.append(
         "<p class=note>Share of tail time by label, per run (each row sums to 100%):</p>"
-        + run_share_table(analyses, names, labels)
+        "<div class=tw>" + run_share_table(analyses, names, labels) + "</div>"
     )
-    sections.append(f"<h2>Groups by {esc(comparison.by)}</h2>" + group_tables(comparison))
+    sections.append(
+        f"<h2>Groups by {esc(comparison.by)}</h2><div class=tw>"
+        + group_tables(comparison)
+        + "</div>"
+    )
     warn = [(n, w) for a, n in zip(analyses, names, strict=True) for w in a.warnings]
     if warn:
         sections.append(
             "<h2>Warnings</h2><ul>"
             + "".join(f"<li>{esc(n)}: {esc(w)}</li>" for n, w in warn)
             + "</ul>"
+        )
+    series = [r.series for r in runs]
+    if all(x is not None for x in series) and series:
+        sections.append(
+            "<h2>ITL over time</h2>"
+            + chart(
+                "tk-itl-time",
+                itl_time_figure(series, names),  # type: ignore[arg-type]
+                "Each point is one gap, at the time it ended, coloured by its primary cause; "
+                "every tail gap (at or above the run's p99) is drawn, the others thinned "
+                "evenly in long runs ("
+                + ", ".join(
+                    f"{esc(n)}: {len(x['t_s'])} of {x['num_gaps']}"  # type: ignore[index]
+                    for n, x in zip(names, series, strict=True)
+                )
+                + "). Pick the run in the menu.",
+            )
         )
     sections.append(
         "<h2>ITL histogram by primary cause</h2>"
@@ -731,12 +918,15 @@ def render_report(
     sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
     sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))
     worst = "".join(
-        worst_gaps_html(n, r.worst_gaps, open_=(k == 0))
+        worst_stalls_html(n, r.worst_stalls, open_=(k == 0))
         for k, (r, n) in enumerate(zip(runs, names, strict=True))
     )
     sections.append(
-        "<h2>Worst gaps</h2><p class=note>The longest gaps of each run, their exclusive "
-        "partition (parts sum to the gap) and the engine steps they spanned.</p>" + worst
+        '<h2 id="tk-stalls">Worst stalls</h2><p class=note>The worst stalls of each run '
+        "among its tail gaps: gaps closed by the same step with the same primary cause are "
+        "one stall (a GC pause or a long prefill stalls the whole batch at once), listed "
+        "once with every request it hit; the partition (parts sum to the gap) and steps are "
+        "those of its longest gap.</p>" + worst
     )
 
     legend = " ".join(_swatch(c) for c in dict.fromkeys([*labels, *causes]))

@@ -382,3 +382,31 @@ def ttft_requests(name: str, figures: Mapping, records: Sequence[Mapping], top: 
         head = ["request", "ttft ms", "queued", "prefilling", "evicted", "primary", "parts (ms)"]
         out += ["", f"SLOWEST {len(slow)} (ms)", table(rows, head, "lrrrrll")]
     return "\n".join(out)
+
+
+def gaps_table(records: Sequence[dict], top: int = 20) -> str:
+    """`tracekit gaps --format table`: the `top` longest of `records` (0: all), longest
+    first, each with its largest parts; a last line says how many are not shown."""
+    order = sorted(range(len(records)), key=lambda i: (-records[i]["gap_ms"], i))
+    shown = order if top <= 0 else order[:top]
+    rows = []
+    for i in shown:
+        r = records[i]
+        parts = sorted(((v, lb) for lb, v in r["parts"].items() if v > 0), reverse=True)
+        rows.append(
+            [
+                num(r["gap_ms"]),
+                str(r["request"]),
+                f"{r['t0_s']:.3f}",
+                r["primary"],
+                ", ".join(f"{lb} {v:.1f}" for v, lb in parts[:4]),
+            ]
+        )
+    out = table(rows, ["gap ms", "request", "t0 s", "primary", "parts ms (largest first)"],
+                "rllll")  # fmt: skip
+    if len(shown) < len(records):
+        out += (
+            f"\n({len(records) - len(shown)} shorter gaps not shown: --top 0 shows all, "
+            "--format jsonl or csv writes every field)"
+        )
+    return out
