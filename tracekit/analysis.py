@@ -223,7 +223,7 @@ def analyze(
         device_max_placement_err_ms=float(
             dict(log.meta.get("device_calibration") or {}).get("max_placement_err_ms", math.nan)
         ),
-        warnings=warnings + [f"TTFT: {n}" for n in tp.notes],
+        warnings=warnings,  # the TTFT partition's own notes stay in `ttft["notes"]`
         ttft=ttft_figures(tp).to_dict(),
         client=client,
         spec=spec,

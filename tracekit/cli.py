@@ -538,9 +538,12 @@ def compare(
     else:
         v = verdict(cmp)
         is_md = fmt == "markdown"
-        lines = ["", "**VERDICT**" if is_md else "VERDICT", *(f"- {f}" for f in v.findings)]
+        # sentences that quote group keys from the logs: literal text in either format
+        inert = text.md_text if is_md else one_line
+        lines = ["", "**VERDICT**" if is_md else "VERDICT", *(f"- {inert(f)}" for f in v.findings)]
         if v.caveats:
-            lines += ["", "**CAVEATS**" if is_md else "CAVEATS", *(f"- {c}" for c in v.caveats)]
+            lines += ["", "**CAVEATS**" if is_md else "CAVEATS"]
+            lines += [f"- {inert(c)}" for c in v.caveats]
         tables = text.comparison_markdown(cmp) if is_md else text.comparison(cmp)
         if ttft_tables := text.ttft_comparison(cmp, markdown=is_md):
             tables += "\n\n" + ttft_tables

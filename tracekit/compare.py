@@ -78,9 +78,9 @@ class GroupSummary:
     figures: Mapping[str, Spread]  # FIGURES name -> spread across runs
     tail_share: Mapping[str, float]  # per label: median across runs of the run's tail share
     tail_count: Mapping[str, float]  # per primary cause ("clean" too): median across runs
-    ttft: Mapping[str, Any] = field(default_factory=dict)  # see `ttft_summary`
     counts: Mapping[str, Spread] = field(default_factory=dict)  # COUNTS name -> spread
     regime_misses: tuple[str, ...] = ()  # per run, what it lacked of its config's `expect`
+    ttft: Mapping[str, Any] = field(default_factory=dict)  # see `ttft_summary`
 
     @property
     def num_runs(self) -> int:

@@ -599,11 +599,14 @@ def ttft_section(
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "") -> str:
-    """Cells are already HTML (escape before); the first column is left-aligned."""
+    """Cells are already HTML (escape before); the first column is left-aligned. A wide
+    table scrolls inside its own box (the page keeps to a 1000 px window)."""
     head = "".join(f"<th>{h}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
     c = f' class="{cls}"' if cls else ""
-    return f"<table{c}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return (
+        f"<div class=tw><table{c}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    )
 
 
 def run_table(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:

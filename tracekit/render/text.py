@@ -310,10 +310,12 @@ def ttft_runs(runs: Sequence[RunAnalysis]) -> str:
     if not rows:
         return "TTFT: no request with an arrival and a first token"
     head = ["run", "reqs", "p50", "p90", "p99", "max", *phases, "err ms"]
+    notes = [f"{run_name(a)}: {one_line(n)}" for a in runs for n in a.ttft.get("notes", ())]
     return "\n".join(
         [
             "TTFT  (ms; phase share of all TTFT time)",
             table(rows, head, "l" + "r" * (len(head) - 1)),
+            *(f"note: {n}" for n in notes),
             "",
             "TTFT TAIL SHARE BY CAUSE  (requests >= each run's TTFT p90)",
             table(share_rows, ["run", *labels], "l" + "r" * len(labels)),
