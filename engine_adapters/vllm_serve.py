@@ -61,7 +61,7 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ._common import Patches, add_forward, seconds_per_tick
+from ._common import Patches, add_forward
 from .vllm_v1 import VllmV1Adapter
 
 ENV_DIR = "TRACEKIT_VLLM_DIR"
@@ -260,26 +260,11 @@ class ServeCoreAdapter(VllmV1Adapter):
 
         return sample_instrumented
 
-    def _wrap_add_request(self, add_request: Callable[..., Any]) -> Callable[..., Any]:
-        rec = self.rec
-        spt = seconds_per_tick(rec)
+    def _request_key(self, request_id: str) -> str:
+        return request_id  # the engine's id: the merge names it as the client knows it
 
-        def add_request_instrumented(request: Any, *args: Any, **kwargs: Any) -> Any:
-            now_tick, now_unix_s = rec.now(), time.time()
-            arrival = getattr(request, "arrival_time", None)
-            tick = now_tick if arrival is None else now_tick - round((now_unix_s - arrival) / spt)
-            out = add_request(request, *args, **kwargs)
-            max_tokens = getattr(request, "max_tokens", None)
-            idx = rec.request(
-                request.request_id,
-                prompt_tokens=int(getattr(request, "num_prompt_tokens", -1)),
-                max_new_tokens=-1 if max_tokens is None else int(max_tokens),
-                arrival_tick=tick,
-            )
-            rec.counter(ADDED, float(idx))
-            return out
-
-        return add_request_instrumented
+    def _on_added(self, index: int) -> None:
+        self.rec.counter(ADDED, float(index))  # a paired stamp for the merge's clock check
 
     def _wrap_update(self, update: Callable[..., Any]) -> Callable[..., Any]:
         rec = self.rec

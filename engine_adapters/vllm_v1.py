@@ -268,15 +268,23 @@ class VllmV1Adapter:
             tick = now_tick if arrival is None else now_tick - round((now_unix_s - arrival) / spt)
             out = add_request(request, *args, **kwargs)
             max_tokens = getattr(request, "max_tokens", None)
-            rec.request(
-                self._name(request.request_id),
+            idx = rec.request(
+                self._request_key(request.request_id),
                 prompt_tokens=int(getattr(request, "num_prompt_tokens", -1)),
                 max_new_tokens=-1 if max_tokens is None else int(max_tokens),
                 arrival_tick=tick,
             )
+            self._on_added(idx)
             return out
 
         return add_request_instrumented
+
+    def _request_key(self, request_id: str) -> str:
+        """The name a request is recorded under (the caller's id where it is known)."""
+        return self._name(request_id)
+
+    def _on_added(self, index: int) -> None:
+        """After a request's arrival is recorded (its index in the recorder)."""
 
     def _wrap_schedule(self, sched: Any) -> Callable[..., Callable[..., Any]]:
         rec = self.rec

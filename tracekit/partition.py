@@ -290,9 +290,15 @@ def fit_baseline(
     )
 
 
-def primary_of(parts_ms: np.ndarray, gap_ms: np.ndarray, labels: tuple[str, ...]):
-    """Primary cause per gap: index into the returned causes, or CLEAN."""
-    cause_cols = [i for i, lb in enumerate(labels) if lb not in NON_CAUSES]
+def primary_of(
+    parts_ms: np.ndarray,
+    gap_ms: np.ndarray,
+    labels: tuple[str, ...],
+    non_causes: frozenset[str] | set[str] = NON_CAUSES,
+):
+    """Primary cause per gap (or per TTFT window): index into the returned causes, or
+    CLEAN. `non_causes`: labels that are never a cause (`forward`, `residual`)."""
+    cause_cols = [i for i, lb in enumerate(labels) if lb not in non_causes]
     causes = tuple(labels[i] for i in cause_cols)
     if len(gap_ms) == 0:
         return np.zeros(0, dtype=np.int64), causes

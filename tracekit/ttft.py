@@ -46,8 +46,6 @@ import numpy as np
 from .errors import ReconcileError
 from .labels import cause_of, precedence
 from .partition import (
-    PRIMARY_MIN_MS,
-    PRIMARY_MIN_SHARE,
     RECONCILE_TOL_MS,
     _build_timeline,
     _decode_net_ms,
@@ -55,6 +53,7 @@ from .partition import (
     fit_baseline,
     segment_causes,
 )
+from .partition import primary_of as _primary_of
 from .rawlog import WAIT_REASONS, RawLog
 
 #: The phases of a TTFT window, in display order (they sum to the TTFT).
@@ -178,16 +177,9 @@ def prefill_shares(log: RawLog) -> np.ndarray:
 
 
 def primary_of(parts_ms: np.ndarray, ttft_ms: np.ndarray, labels: tuple[str, ...]):
-    """Primary cause per request: index into the returned causes, or CLEAN."""
-    cols = [i for i, lb in enumerate(labels) if lb not in TTFT_NON_CAUSES]
-    causes = tuple(labels[i] for i in cols)
-    if len(ttft_ms) == 0:
-        return np.zeros(0, dtype=np.int64), causes
-    c = parts_ms[:, cols]
-    best = np.argmax(c, axis=1)
-    val = c[np.arange(len(c)), best]
-    ok = (val >= PRIMARY_MIN_MS) & (val >= PRIMARY_MIN_SHARE * ttft_ms)
-    return np.where(ok, best, CLEAN).astype(np.int64), causes
+    """Primary cause per request: index into the returned causes, or CLEAN (the ITL rule,
+    design.md, over the TTFT labels that are causes)."""
+    return _primary_of(parts_ms, ttft_ms, labels, TTFT_NON_CAUSES)
 
 
 def _notes(log: RawLog, is_split: np.ndarray) -> tuple[str, ...]:
