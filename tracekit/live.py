@@ -1049,44 +1049,11 @@ def _gauge(cls: Any, name: str, doc: str, ms: float) -> Any:
 
 
 def attach(recorder: Any, sink: Any) -> Any:
-    """Feed `sink` (``open/write/close``) from a `tracekit.Recorder`: opened at the
-    recorder's start, every flushed chunk written, closed at its stop. A recorder with
-    ``add_sink`` (``Recorder(sinks=[...])``) gets it there; otherwise its flush listeners
-    and start/stop are wrapped, here and nowhere else. A sink that raises is logged once
-    and never stops the recording. Returns `sink`."""
-    if hasattr(recorder, "add_sink"):  # a recorder that takes sinks itself
-        recorder.add_sink(sink)
-        return sink
-    start, stop = recorder.start, recorder.stop
-    failed = [False]
-
-    def guarded(fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as e:
-            if not failed[0]:
-                failed[0] = True
-                log.error("tracekit sink %r failed (%s: %s); recording goes on",
-                          sink, type(e).__name__, e, exc_info=True)  # fmt: skip
-
-    def start_and_open() -> Any:
-        was = recorder.running
-        out = start()
-        if recorder.running and not was:
-            guarded(sink.open, recorder._meta)
-        return out
-
-    def stop_and_close() -> Any:
-        was = recorder.running
-        out = stop()
-        if was:
-            guarded(sink.close, {"config": recorder.config})
-        return out
-
-    recorder.add_flush_listener(lambda chunk: guarded(sink.write, chunk))
-    recorder.start, recorder.stop = start_and_open, stop_and_close
-    if recorder.running:
-        guarded(sink.open, recorder._meta)
+    """Feed `sink` from a `tracekit.Recorder` (before its start): opened at the recorder's
+    start, every flushed chunk written off the engine thread, closed at its stop; a sink
+    that raises is logged once and detached, the recording goes on. The same as
+    ``Recorder(..., sinks=[sink])``. Returns `sink`."""
+    recorder.add_sink(sink)
     return sink
 
 
