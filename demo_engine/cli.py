@@ -32,13 +32,14 @@ from .config import RUNG_NAMES, EngineConfig, WorkloadConfig, find_rung, rung_co
 
 #: Arrivals per step relative to the batch capacity (48 / 288 mean output tokens = 0.167
 #: requests per step). The KV pool (1,000 blocks of 16) holds fewer requests than the batch
-#: limit once contexts grow, so past about 1 of this the pool, not the batch, sets what the
-#: engine retires. At 1.3 the pool filled only late in a 600-step run: 22-39 preemptions at
-#: baseline, 8-13% of its tail time, and the admission watermark had little left to cut
-#: once the tokenizer was off the loop. At 1.8 (0.30 per step) the pool is full (under 10
-#: free blocks) from step 150-350 on: 68-77 preemptions and 28-45% of baseline tail time in
-#: 600 steps, with batches of 33-48 (past the largest captured size, 32). Like the
-#: published ladder's runs, this engine is overloaded: its waiting queue grows.
+#: limit once their contexts grow, so it runs dry before the batch is full. At 1.3 the pool
+#: filled only late in a 600-step run: 22-39 preemptions at baseline, 8-13% of its tail
+#: time, and the admission watermark had little left to cut once the tokenizer was off the
+#: loop. At 1.8 (0.30 per step) the pool first runs dry (under 10 free blocks) at step
+#: 150-250 and is dry for over a third of a 600-step run: 68-77 preemptions and 28-44% of
+#: baseline tail time, with batches of 33-48 (past the largest captured size, 32). The
+#: engine is overloaded (its waiting queue grows), like the published post's sidebar runs
+#: (reports/demo-engine-ladder.md).
 DEFAULT_LOAD = 1.8
 DEFAULT_STEPS = 800
 #: What the ladder's story needs from its baseline run: a KV pool under pressure
