@@ -30,10 +30,17 @@ import numpy as np
 from ._blas import limit_blas_threads, set_thread_env
 from .config import RUNG_NAMES, EngineConfig, WorkloadConfig, find_rung, rung_config, rung_slug
 
-#: Arrivals per step relative to the batch capacity. 1.3 is about the pressure the published
-#: ladder ran at (8.75 req/s at ~26 ms per baseline step: 0.23 requests per step, 1.37x
-#: 48 / 288): past the batch capacity, so the KV pool fills and stays full at baseline.
-DEFAULT_LOAD = 1.3
+#: Arrivals per step relative to the batch capacity (48 / 288 mean output tokens = 0.167
+#: requests per step). The KV pool (1,000 blocks of 16) holds fewer requests than the batch
+#: limit once their contexts grow, so it runs dry before the batch is full. At 1.3 the pool
+#: filled only late in a 600-step run: 22-39 preemptions at baseline, 8-13% of its tail
+#: time, and the admission watermark had little left to cut once the tokenizer was off the
+#: loop. At 1.8 (0.30 per step) the pool first runs dry (under 10 free blocks) at step
+#: 150-250 and is dry for over a third of a 600-step run: 68-77 preemptions and 28-44% of
+#: baseline tail time, with batches of 33-48 (past the largest captured size, 32). The
+#: engine is overloaded (its waiting queue grows), like the published post's sidebar runs
+#: (reports/demo-engine-ladder.md).
+DEFAULT_LOAD = 1.8
 DEFAULT_STEPS = 800
 #: What the ladder's story needs from its baseline run: a KV pool under pressure
 #: (preemptions) and batches above the largest captured size (eager steps). Written into

@@ -135,9 +135,10 @@ def step_capacity_req(max_num_seqs: int, cfg: WorkloadConfig) -> float:
     """Requests per engine step the engine retires with its batch full: `max_num_seqs`
     requests decode one token each per step, and an average request needs
     `mean_output_tokens` decode steps (its prefill is one or a few steps more). The demo's
-    KV pool is sized so that a full batch at the average context about fills it, so a load
-    near 1 of this keeps the pool near full and the batch near its limit: preemptions and
-    batches above the largest captured size, on any machine."""
+    KV pool holds fewer requests than the batch limit once their contexts grow, so a load
+    past 1 of this keeps the pool full (preemptions) while the batch still runs
+    above the largest captured size (eager steps), on any machine; the demo's default
+    load is 1.8 (`demo_engine.cli.DEFAULT_LOAD`)."""
     return max_num_seqs / mean_output_tokens(cfg)
 
 

@@ -5,9 +5,9 @@
 
 Prints markdown: per rung, median [min-max] across runs of the counts the fixes act on
 (preemptions, eager steps, GC collections and generation-2 pauses while serving, forward
-share of clean and tail gaps); the baseline's tail by cause for each run; and TTFT p50
-per run for the last two rungs. Everything here is read from the per-run analyses; it
-computes nothing from gaps itself.
+share of clean and tail gaps); each run's tail by cause; and TTFT p50 per run, with the
+number of requests that had a first token (TTFT covers only those). Everything here is
+read from the per-run analyses; it computes nothing from gaps itself.
 """
 
 from __future__ import annotations
@@ -77,15 +77,16 @@ def main(path: str) -> None:
                 + f" | {tc} |"
             )
 
-    print("\n**TTFT p50 per run (ms)**\n")
+    print("\n**TTFT p50 per run** (ms; in parentheses, the requests with a first token)\n")
     seeds = sorted({r["seed"] for r in runs})
     print("| rung | " + " | ".join(f"s{s}" for s in seeds) + " |")
     print("|:---|" + "---:|" * len(seeds))
     for rung, rs in by_rung.items():
-        got = {r["seed"]: r["ttft_p50"] for r in rs}
-        print(
-            f"| {rung} | " + " | ".join(f"{got[s]:.0f}" if s in got else "-" for s in seeds) + " |"
-        )
+        got = {
+            r["seed"]: f"{r['ttft_p50']:.0f} ({(r.get('ttft') or {}).get('requests', '?')})"
+            for r in rs
+        }
+        print(f"| {rung} | " + " | ".join(got.get(s, "-") for s in seeds) + " |")
 
 
 if __name__ == "__main__":
