@@ -162,3 +162,15 @@ def test_itl_series_keeps_the_tail_and_thins_the_rest():
     # GC marks: only the 100 ms pause (the 0.5 ms one is under 1 ms)
     assert s["gc_generation"] == [2] and abs(s["gc_ms"][0] - 100.0) < 1e-9
     assert len(itl_series(log)["gap_ms"]) == 27  # a short run keeps every gap
+
+
+def test_a_change_too_small_to_print_names_no_direction():
+    # 429.9 and 430.3 both print as 430 (ms >= 10: no decimals), TTFT 9.51 and 9.49 both
+    # as 9.5 (one decimal under 10 ms): "raised from 430 to 430" would read as a change
+    same = group("+same", (430.3, 420, 440), 9.49, SHARE_BASE, pre=100, eager=500)
+    base = group("baseline", (429.9, 420, 440), 9.51, SHARE_BASE, pre=100, eager=500)
+    v = verdict(cmp(base, same))
+    assert v.findings[1] == (
+        "+same: left median p99.9 at 430 ms (the runs' ranges overlap); "
+        "TTFT p50 unchanged at 9.5 ms."
+    )

@@ -92,6 +92,8 @@ def _ttft(a: GroupSummary, b: GroupSummary) -> str:
     ta, tb = a.figures["ttft_p50"].median, b.figures["ttft_p50"].median
     if not (math.isfinite(ta) and math.isfinite(tb)):
         return ""
+    if _ms(ta) == _ms(tb):
+        return f"; TTFT p50 unchanged at {_ms(tb)} ms"
     return f"; TTFT p50 {'rose' if tb > ta else 'fell'} {_ms(ta)} -> {_ms(tb)} ms"
 
 
@@ -105,8 +107,11 @@ def change(prev: GroupSummary, g: GroupSummary, *, with_ttft: bool = False) -> s
             falls.append((fall / before, fall, lb))
     _, drop, lb = max(falls, default=(0.0, 0.0, ""))
     a, b = prev.figures["itl_p999"], g.figures["itl_p999"]
-    verb = "cut" if b.median < a.median else "raised"
-    words = f"{verb} median p99.9 from {_ms(a.median)} to {_ms(b.median)} ms"
+    if _ms(a.median) == _ms(b.median):  # equal as printed: no direction to name
+        words = f"left median p99.9 at {_ms(b.median)} ms"
+    else:
+        verb = "cut" if b.median < a.median else "raised"
+        words = f"{verb} median p99.9 from {_ms(a.median)} to {_ms(b.median)} ms"
     if _overlap(a, b) and (a.num_runs > 1 or b.num_runs > 1):
         words += " (the runs' ranges overlap)"
     if drop >= MIN_NAMED_SHARE:
