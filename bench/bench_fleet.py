@@ -50,7 +50,8 @@ from tracekit.allocator import (  # noqa: E402
 )
 from tracekit.analysis import analyze  # noqa: E402
 from tracekit.partition import partition  # noqa: E402
-from tracekit.rawlog import PUBLISHED_SEG_LABELS, load  # noqa: E402
+from tracekit.published import PUBLISHED_SEG_LABELS  # noqa: E402
+from tracekit.rawlog import load  # noqa: E402
 from tracekit.validate import validate_log  # noqa: E402
 
 BATCH = 32
