@@ -48,6 +48,9 @@ import numpy as np  # noqa: E402
 
 import tracekit  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_overhead import per_event_ns  # noqa: E402  (one timing loop for both benches)
+
 ROWS_PER_STEP = 2000
 
 
@@ -59,54 +62,6 @@ def load_baseline(folder: str, tmp: str) -> ModuleType:
     shutil.copytree(src, os.path.join(tmp, "tracekit_baseline"))
     sys.path.insert(0, tmp)
     return importlib.import_module("tracekit_baseline")
-
-
-def per_event_ns(tk: ModuleType, num_iters: int) -> dict[str, float]:
-    """Net cost of each hot-path hook, ns per event, on an enabled in-memory recorder."""
-    rec = tk.Recorder(None, gc=False, handle_signals=False, flush_interval_s=3600.0)
-    ids = list(range(32))
-    res: dict[str, float] = {}
-    with rec:
-        for rid in ids:
-            rec.request(rid, prompt_tokens=100, max_new_tokens=100)
-        seg = rec.segment("decode")
-
-        def timed(fn: Any, n: int) -> float:
-            t0 = time.perf_counter_ns()
-            fn(n)
-            return (time.perf_counter_ns() - t0) / n
-
-        def empty(n: int) -> None:
-            for _ in range(n):
-                pass
-
-        def segment(n: int) -> None:
-            for _ in range(n):
-                with seg:
-                    pass
-
-        def step(n: int) -> None:
-            for _ in range(n):
-                with rec.step():
-                    pass
-
-        def emit32(n: int) -> None:
-            for _ in range(n):
-                rec.emit(ids)
-
-        def counter(n: int) -> None:
-            for _ in range(n):
-                rec.counter("batch_size", 32)
-
-        base = min(timed(empty, num_iters) for _ in range(3))
-        res["segment enter+exit"] = min(timed(segment, num_iters) for _ in range(3)) - base
-        res["step (empty)"] = min(timed(step, num_iters) for _ in range(3)) - base
-        n_emit = num_iters // 8
-        res["emit, per token (32/step)"] = (
-            min(timed(emit32, n_emit) for _ in range(3)) - base
-        ) / 32
-        res["counter"] = min(timed(counter, num_iters) for _ in range(3)) - base
-    return res
 
 
 def flush_latency(
@@ -208,7 +163,7 @@ def main() -> None:
         costs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
         for r in range(args.rounds):
             for n in names if r % 2 == 0 else names[::-1]:
-                costs[n].append(per_event_ns(arms[n], args.iters))
+                costs[n].append(per_event_ns(args.iters, arms[n]))
         hooks = list(costs["this"][0]) if costs["this"] else []
         for h in hooks:
             line = "  ".join(
