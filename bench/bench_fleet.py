@@ -27,7 +27,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import cProfile
 import io
-import json
 import pstats
 import resource
 import subprocess
@@ -50,7 +49,7 @@ from tracekit.allocator import (  # noqa: E402
 )
 from tracekit.analysis import analyze  # noqa: E402
 from tracekit.partition import partition  # noqa: E402
-from tracekit.published import PUBLISHED_SEG_LABELS  # noqa: E402
+from tracekit.published import save_published  # noqa: E402
 from tracekit.rawlog import load  # noqa: E402
 from tracekit.validate import validate_log  # noqa: E402
 
@@ -58,27 +57,7 @@ BATCH = 32
 
 
 def to_published(log, path: str, *, compressed: bool) -> str:
-    """Write `log` in the published method's .npz layout (design.md's table)."""
-    st, sg, em, ev, rq = log.steps, log.segments, log.emissions, log.evictions, log.requests
-    ids = np.arange(len(rq), dtype=np.float64) + 1000
-    code = np.array([PUBLISHED_SEG_LABELS.index(lb) for lb in log.labels])[sg.label]
-    save = np.savez_compressed if compressed else np.savez
-    save(
-        path,
-        steps=np.column_stack([st.t_start_s, st.t_end_s, st.num_decode, st.num_prefill_tokens,
-                               st.graph_size, st.num_preempted, st.num_swapped_in]),
-        segs=np.column_stack([sg.step, code, sg.t_start_s, sg.t_end_s]),
-        gcs=np.column_stack([log.gc_pauses.t_start_s, log.gc_pauses.t_end_s,
-                             log.gc_pauses.generation]),
-        emissions=np.column_stack([ids[em.request], em.t_s, em.step]),
-        evictions=np.column_stack([ids[ev.request], ev.t_evict_s, ev.t_readmit_s]),
-        requests=np.column_stack([ids, rq.arrival_s, rq.prompt_tokens, rq.max_new_tokens,
-                                  rq.first_token_s]),
-        trace=np.column_stack([ids, rq.arrival_s, np.full(len(ids), 1000.0), rq.max_new_tokens]),
-        wall=np.array(log.wall_s),
-        config=np.array(json.dumps(dict(log.config))),
-    )  # fmt: skip
-    return path
+    return save_published(log, path, compressed=compressed, first_id=1000)
 
 
 def best(fn, n: int) -> tuple[float, float]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from logbuilder import LogBuilder
@@ -11,7 +9,7 @@ from logbuilder import LogBuilder
 import tracekit
 from tracekit.analysis import analyze
 from tracekit.errors import LogError
-from tracekit.published import PUBLISHED_SEG_LABELS
+from tracekit.published import save_published
 
 
 def sample_log():
@@ -37,26 +35,8 @@ def sample_log():
 
 
 def to_published(log, path):
-    """Write `log` in the published method's .npz layout (design.md's table)."""
-    st, sg, em, ev, rq = log.steps, log.segments, log.emissions, log.evictions, log.requests
-    code = {lb: PUBLISHED_SEG_LABELS.index(lb) for lb in PUBLISHED_SEG_LABELS}
-    ids = np.array([100 + i for i in range(len(rq))], dtype=np.float64)
-    np.savez(
-        path,
-        steps=np.column_stack([st.t_start_s, st.t_end_s, st.num_decode, st.num_prefill_tokens,
-                               st.graph_size, st.num_preempted, st.num_swapped_in]),
-        segs=np.column_stack([sg.step, [code[log.labels[i]] for i in sg.label],
-                              sg.t_start_s, sg.t_end_s]),
-        gcs=np.column_stack([log.gc_pauses.t_start_s, log.gc_pauses.t_end_s,
-                             log.gc_pauses.generation]),
-        emissions=np.column_stack([ids[em.request], em.t_s, em.step]),
-        evictions=np.column_stack([ids[ev.request], ev.t_evict_s, ev.t_readmit_s]),
-        requests=np.column_stack([ids, rq.arrival_s, rq.prompt_tokens, rq.max_new_tokens,
-                                  rq.first_token_s]),
-        trace=np.column_stack([ids, rq.arrival_s, np.full(len(ids), 1000.0), rq.max_new_tokens]),
-        wall=np.array(log.wall_s),
-        config=np.array(json.dumps(dict(log.config))),
-    )  # fmt: skip
+    """`log` in the published method's .npz layout, request ids 100, 101, ..."""
+    return save_published(log, path, first_id=100)
 
 
 def test_round_trip_keeps_every_table(tmp_path):
@@ -141,3 +121,12 @@ def test_published_layout_errors_name_the_field(tmp_path, mutate, field):
     with pytest.raises(LogError) as e:
         tracekit.load(path)
     assert e.value.field == field and str(path) in str(e.value)
+
+
+def test_save_published_refuses_a_label_the_layout_has_no_code_for(tmp_path):
+    from dataclasses import replace
+
+    log = replace(sample_log(), labels=("tok", "swap", "prefill", "schedule"))
+    with pytest.raises(ValueError, match=r"\['schedule'\] have no code"):
+        save_published(log, tmp_path / "x.npz")
+    assert not (tmp_path / "x.npz").exists()

@@ -12,8 +12,8 @@ import pytest
 
 import tracekit
 from tracekit.errors import LogError
-from tracekit.stream import merge_chunks, parse_chunk
 from tracekit.rawlog import SCHEMA_VERSION, WAIT_REASONS
+from tracekit.stream import merge_chunks, parse_chunk
 from tracekit.ttft import ttft_partition
 
 

@@ -5,11 +5,14 @@ Six 2-D float arrays (``steps``, ``segs``, ``gcs``, ``emissions``, ``evictions``
 ``requests``) with a fixed number of columns each, a ``wall`` time, an optional ``config``
 (JSON) and ``trace``. Request ids are numbers there; emissions and evictions refer to them
 by id, which becomes an index into the requests table here. Tables the layout does not
-have are empty.
+have are empty. `save_published` writes a log back in that layout, for the published
+method's own scripts (and for checking that both layouts give the same figures).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import numpy as np
@@ -147,3 +150,40 @@ def from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         extras=extras,
         path=path,
     )
+
+
+def save_published(
+    log: RawLog, path: str | os.PathLike[str], *, compressed: bool = False, first_id: int = 100
+) -> str:
+    """Write `log` in the published layout (design.md's table), atomically. Requests get the
+    numeric ids ``first_id, first_id + 1, ...`` in table order; segment labels must be the
+    layout's four (``tok swap prefill decode``); what the layout has no place for (threads,
+    device windows, counters, TTFT events) is left out."""
+    from .fsio import atomic_open
+
+    unknown = sorted(set(log.labels) - set(PUBLISHED_SEG_LABELS))
+    if unknown:
+        raise ValueError(f"labels {unknown} have no code in the published layout")
+    st, sg, em, ev, rq, gc_ = (
+        log.steps, log.segments, log.emissions, log.evictions, log.requests, log.gc_pauses
+    )  # fmt: skip
+    ids = np.arange(len(rq), dtype=np.float64) + first_id
+    code = np.array([PUBLISHED_SEG_LABELS.index(lb) for lb in log.labels], dtype=np.float64)
+    arrays = {
+        "steps": np.column_stack([st.t_start_s, st.t_end_s, st.num_decode, st.num_prefill_tokens,
+                                  st.graph_size, st.num_preempted, st.num_swapped_in]),
+        "segs": np.column_stack([sg.step, code[sg.label], sg.t_start_s, sg.t_end_s]),
+        "gcs": np.column_stack([gc_.t_start_s, gc_.t_end_s, gc_.generation]),
+        "emissions": np.column_stack([ids[em.request], em.t_s, em.step]),
+        "evictions": np.column_stack([ids[ev.request], ev.t_evict_s, ev.t_readmit_s]),
+        "requests": np.column_stack([ids, rq.arrival_s, rq.prompt_tokens, rq.max_new_tokens,
+                                     rq.first_token_s]),
+        "trace": np.column_stack([ids, rq.arrival_s, np.full(len(ids), 1000.0),
+                                  rq.max_new_tokens]),
+        "wall": np.array(log.wall_s),
+        "config": np.array(json.dumps(dict(log.config))),
+    }  # fmt: skip
+    save = np.savez_compressed if compressed else np.savez
+    with atomic_open(path) as fh:
+        save(fh, **arrays)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
+    return os.fspath(path)
