@@ -37,7 +37,7 @@ import tracekit  # noqa: E402
 from demo_engine.config import WorkloadConfig, rung_config  # noqa: E402
 from demo_engine.engine import Engine  # noqa: E402
 from demo_engine.tokenizer import train_tokenizer  # noqa: E402
-from tracekit.device import FakeDeviceTimer  # noqa: E402
+from tracekit.capture.device import FakeDeviceTimer  # noqa: E402
 
 
 class WallClock:

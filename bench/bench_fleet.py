@@ -47,11 +47,11 @@ from tracekit.allocator import (  # noqa: E402
     keep_freed_memory,
     set_malloc_thresholds,
 )
-from tracekit.analysis import analyze  # noqa: E402
-from tracekit.partition import partition  # noqa: E402
-from tracekit.published import save_published  # noqa: E402
-from tracekit.rawlog import load  # noqa: E402
-from tracekit.validate import validate_log  # noqa: E402
+from tracekit.analysis.figures import analyze  # noqa: E402
+from tracekit.attribution.itl import partition  # noqa: E402
+from tracekit.log.published import save_published  # noqa: E402
+from tracekit.log.rawlog import load  # noqa: E402
+from tracekit.log.validate import validate_log  # noqa: E402
 
 BATCH = 32
 
@@ -207,7 +207,7 @@ def fleet(d: str, runs: int, steps: int) -> None:
     print("\n== 3. per-run costs (sizing, docs/fleet.md)")
     code = ("import pickle, resource, tracemalloc, tracekit; "
             "from tracekit.allocator import keep_freed_memory; keep_freed_memory(); "
-            "from tracekit.analysis import analyze; rss0 = resource.getrusage("
+            "from tracekit.analysis.figures import analyze; rss0 = resource.getrusage("
             "resource.RUSAGE_SELF).ru_maxrss; tracemalloc.start(); "
             f"a = analyze(tracekit.load({paths[0]!r})); "
             "peak = tracemalloc.get_traced_memory()[1]; tracemalloc.stop(); "
@@ -230,7 +230,7 @@ def fleet(d: str, runs: int, steps: int) -> None:
     print(f"  export: {t_exp:.2f} s a run (incl. interpreter start / {m}); dataset "
           f"{size['gaps'] / 1e6:.2f} MB gaps + {size['runs'] / 1e3:.0f} kB runs a run "
           f"({size['gaps'] / n:.1f} B a gap); raw log {raw / 1e6:.2f} MB")  # fmt: skip
-    code = ("import resource, time; from tracekit.fleet import rollup; "
+    code = ("import resource, time; from tracekit.analysis.fleet import rollup; "
             f"rollup({ds!r}, 'rung'); c = time.process_time(); rollup({ds!r}, 'rung'); "
             "c = time.process_time() - c; "
             "print(c, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")  # fmt: skip

@@ -67,7 +67,7 @@ def condition(name: str, seeds: list[int], steps: int, out: str) -> dict:
     import numpy as np
 
     import tracekit
-    from tracekit.analysis import analyze
+    from tracekit.analysis.figures import analyze
 
     busy: list[subprocess.Popen] = []
     if name == "contended":  # one busy process per core, for longer than the runs take

@@ -18,11 +18,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tracekit.analysis import analyze  # noqa: E402
-from tracekit.compare import compare  # noqa: E402
-from tracekit.gaps import worst_gaps  # noqa: E402
-from tracekit.partition import partition  # noqa: E402
-from tracekit.rawlog import load  # noqa: E402
+from tracekit.analysis.compare import compare  # noqa: E402
+from tracekit.analysis.figures import analyze  # noqa: E402
+from tracekit.analysis.gaps import worst_gaps  # noqa: E402
+from tracekit.attribution.itl import partition  # noqa: E402
+from tracekit.log.rawlog import load  # noqa: E402
 from tracekit.render.html import ReportRun, render_report  # noqa: E402
 from tracekit.render.perfetto import chrome_trace_events, write_trace  # noqa: E402
 

@@ -24,7 +24,7 @@ sys.path.insert(
 
 from logbuilder import LogBuilder  # noqa: E402
 
-from tracekit.partition import partition  # noqa: E402
+from tracekit.attribution.itl import partition  # noqa: E402
 from tracekit.render import perfetto  # noqa: E402
 
 

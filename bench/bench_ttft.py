@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic import synthetic_log  # noqa: E402
 
 import tracekit  # noqa: E402
-from tracekit.rawlog import Admissions, Evictions, PrefillChunks, Requests, Waits  # noqa: E402
-from tracekit.ttft import ttft_partition, ttft_partition_reference  # noqa: E402
-from tracekit.validate import validate_log  # noqa: E402
+from tracekit.attribution.ttft import ttft_partition, ttft_partition_reference  # noqa: E402
+from tracekit.log.rawlog import Admissions, Evictions, PrefillChunks, Requests, Waits  # noqa: E402
+from tracekit.log.validate import validate_log  # noqa: E402
 
 
 def ttft_log(num_steps: int, seed: int = 0):

@@ -85,7 +85,7 @@ def recorded_run(device: str, *, is_async: bool, seconds: float, rate: float, ou
     from demo_engine.tokenizer import train_tokenizer
     from demo_engine.torch_runner import TorchModelRunner
     from demo_engine.workload import make_trace
-    from tracekit.device import CudaEventTimer
+    from tracekit.capture.device import CudaEventTimer
 
     cfg = rung_config("+compact history").replace(is_async_scheduling=is_async)
     wl = WorkloadConfig(rate_req_s=rate)
@@ -113,7 +113,7 @@ def recorded_run(device: str, *, is_async: bool, seconds: float, rate: float, ou
 def report_run(name: str, log, stats) -> None:
     import numpy as np
 
-    from tracekit.partition import partition
+    from tracekit.attribution.itl import partition
 
     p = partition(log)
     host, dev = _decode_per_step(log)
@@ -161,7 +161,7 @@ def overhead(device: str, *, pairs: int, requests: int, max_new: int) -> None:
     from demo_engine.engine import Engine
     from demo_engine.tokenizer import train_tokenizer
     from demo_engine.torch_runner import TorchModelRunner
-    from tracekit.device import CudaEventTimer
+    from tracekit.capture.device import CudaEventTimer
 
     cfg = rung_config("+compact history")
     tok = train_tokenizer(cfg.vocab_size, WorkloadConfig())
@@ -207,7 +207,7 @@ def overhead(device: str, *, pairs: int, requests: int, max_new: int) -> None:
 
 def per_event(device: str, n: int = 20_000) -> None:
     import tracekit
-    from tracekit.device import CudaEventTimer
+    from tracekit.capture.device import CudaEventTimer
 
     timer = CudaEventTimer() if device == "cuda" else None
     rec = tracekit.Recorder(None, gc=False, handle_signals=False, device_timer=timer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracekit.rawlog import (
+from tracekit.log.rawlog import (
     Counters,
     Emissions,
     Evictions,

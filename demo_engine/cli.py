@@ -255,7 +255,7 @@ def _make_runner(backend: str, device: str, cfg: EngineConfig, vocab_size: int) 
     torch.set_num_threads(1)  # one core, as the numpy engine
     timer = None
     if device == "cuda":
-        from tracekit.device import CudaEventTimer
+        from tracekit.capture.device import CudaEventTimer
 
         timer = CudaEventTimer()
     return TorchModelRunner(cfg, vocab_size, device=device), timer

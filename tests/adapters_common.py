@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from engine_adapters._common import is_patched
-from tracekit.rawlog import RawLog
+from tracekit.log.rawlog import RawLog
 
 
 @contextlib.contextmanager

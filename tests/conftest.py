@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from tracekit import hooks
-from tracekit.hooks import active_recorders
+from tracekit.capture import recorder as hooks
+from tracekit.capture.recorder import active_recorders
 
 
 def _is_tracekit(cb) -> bool:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracekit.rawlog import (
+from tracekit.log.rawlog import (
     WAIT_REASON_CODES,
     Admissions,
     Counters,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tracekit.rawlog import (
+from tracekit.log.rawlog import (
     Admissions,
     Counters,
     Emissions,
@@ -1019,7 +1019,7 @@ def recorded_chunks() -> tuple[dict, list[dict[str, np.ndarray]]]:
     import itertools
     import time
 
-    from tracekit.hooks import Recorder
+    from tracekit.capture.recorder import Recorder
 
     class Keep:
         def __init__(self) -> None:

@@ -15,7 +15,7 @@ import random
 
 import numpy as np
 
-from tracekit.rawlog import (
+from tracekit.log.rawlog import (
     MODE_SWAP,
     Counters,
     Emissions,

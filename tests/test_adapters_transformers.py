@@ -40,7 +40,7 @@ cb_api = pytest.importorskip(
 )
 from engine_adapters.tiny_model import build_tiny_llama, tiny_prompts  # noqa: E402
 from engine_adapters.transformers_cb import instrument_transformers  # noqa: E402
-from tracekit.partition import partition  # noqa: E402
+from tracekit.attribution.itl import partition  # noqa: E402
 
 NUM_REQUESTS = 8
 MAX_NEW_TOKENS = 48
@@ -120,7 +120,7 @@ def test_every_engine_preemption_is_an_explicit_eviction(batch_run):
     ev = log.evictions
     by_request = collections.Counter(log.request_ids[i] for i in ev.request)
     assert by_request == collections.Counter(resets)
-    assert set(ev.mode.tolist()) == {tracekit.rawlog.MODE_RECOMPUTE}  # soft reset on a CPU
+    assert set(ev.mode.tolist()) == {tracekit.log.rawlog.MODE_RECOMPUTE}  # soft reset on a CPU
     assert np.isfinite(ev.t_readmit_s).all()  # every request finished, so each came back
     assert int(log.steps.num_preempted.sum()) == len(resets)
     assert batch_run["adapter"].num_evictions == {"swap": 0, "recompute": len(resets)}
@@ -276,7 +276,7 @@ def test_async_batching_is_refused_and_leaves_nothing_behind(model):
 def test_admissions_equal_the_engines_request_state(batch_run):
     """One admission per request, as many as the engine's request states that left
     PENDING (`lifespan[0]`, stamped inside schedule_batch), at the same time."""
-    from tracekit.ttft import ttft_partition, ttft_partition_reference
+    from tracekit.attribution.ttft import ttft_partition, ttft_partition_reference
 
     log, results = batch_run["log"], batch_run["results"]
     resets = set(batch_run["resets"])

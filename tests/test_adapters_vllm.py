@@ -29,7 +29,7 @@ from adapters_common import (
 import tracekit
 from engine_adapters.tiny_model import build_tiny_llama, tiny_prompts
 from engine_adapters.vllm_v1 import instrument_vllm
-from tracekit.partition import partition
+from tracekit.attribution.itl import partition
 
 pytestmark = pytest.mark.adapters
 
@@ -119,7 +119,7 @@ def test_every_engine_preemption_is_an_explicit_eviction(vllm_run):
     ev = log.evictions
     counted = collections.Counter(log.request_ids[i] for i in ev.request)
     assert {rid: counted.get(rid, 0) for rid in engine} == engine
-    assert set(ev.mode.tolist()) == {tracekit.rawlog.MODE_RECOMPUTE}
+    assert set(ev.mode.tolist()) == {tracekit.log.rawlog.MODE_RECOMPUTE}
     assert np.isfinite(ev.t_readmit_s).all()
     assert int(log.steps.num_preempted.sum()) == sum(engine.values())
     assert vllm_run["adapter"].num_evictions == sum(engine.values())
@@ -231,8 +231,8 @@ def test_a_multiprocess_engine_is_refused_with_the_settings_to_change():
 def test_admissions_equal_the_engines_scheduled_timestamps(vllm_run):
     """One admission per request, as many as vLLM's requests with a `scheduled_ts`
     (RequestOutput.metrics, its first SCHEDULED event), at the same time."""
-    from tracekit.rawlog import WAIT_REASONS
-    from tracekit.ttft import ttft_partition, ttft_partition_reference
+    from tracekit.attribution.ttft import ttft_partition, ttft_partition_reference
+    from tracekit.log.rawlog import WAIT_REASONS
 
     outputs, log = vllm_run["outputs"], vllm_run["log"]
     scheduled = {o.request_id: o.metrics.scheduled_ts for o in outputs}
@@ -332,7 +332,7 @@ def test_speculative_decoding_offline_multi_token_emissions_and_acceptance(
     assert got["drafted"] == metrics["vllm:spec_decode_num_draft_tokens"].value
     assert got["accepted"] == metrics["vllm:spec_decode_num_accepted_tokens"].value
     partition(log)  # every gap reconciles
-    from tracekit.analysis import analyze
+    from tracekit.analysis.figures import analyze
     from tracekit.render.text import analyze_report
 
     a = analyze(log)

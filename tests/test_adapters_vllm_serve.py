@@ -70,7 +70,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def merged(served):
-    from tracekit.merge import merge_dir
+    from tracekit.log.merge import merge_dir
 
     return merge_dir(served["dir"])
 
@@ -176,8 +176,8 @@ def test_one_clock_is_proved_by_paired_stamps(merged):
 
 
 def test_every_gap_reconciles_at_both_boundaries(merged):
-    from tracekit.frontend import client_partition, client_partition_reference
-    from tracekit.partition import partition
+    from tracekit.attribution.client import client_partition, client_partition_reference
+    from tracekit.attribution.itl import partition
 
     p = partition(merged)  # check=True raises on a gap whose parts miss its length
     assert len(p) > 0 and p.reconcile_max_err_ms < 1e-6
@@ -224,8 +224,8 @@ def test_analyze_report_and_trace_read_the_directory(served, tmp_path):
 
 
 def test_sigkilled_parts_rebuild_with_recover_and_merge_keeps_them(served, merged, tmp_path):
-    from tracekit.rawlog import load
-    from tracekit.stream import recover
+    from tracekit.log.parts import recover
+    from tracekit.log.rawlog import load
 
     core = next(p for p in merged.meta["processes"] if p["role"] == "engine_core")
     copy = str(tmp_path / "core.npz.parts")
@@ -238,7 +238,7 @@ def test_sigkilled_parts_rebuild_with_recover_and_merge_keeps_them(served, merge
 
 
 def test_speculative_decoding_acceptance_equals_vllm_metrics(served, merged):
-    from tracekit.frontend import spec_acceptance
+    from tracekit.attribution.client import spec_acceptance
 
     acc = spec_acceptance(merged)
     assert served["spec"]["draft"] > 0, "the ngram proposer was meant to draft"

@@ -50,8 +50,8 @@ import numpy as np
 import pytest
 from logbuilder import LogBuilder
 
-from tracekit.analysis import analyze
-from tracekit.partition import FIT_MEASURED_CAPTURED, partition, partition_reference
+from tracekit.analysis.figures import analyze
+from tracekit.attribution.itl import FIT_MEASURED_CAPTURED, partition, partition_reference
 
 IMPLS = [partition, partition_reference]
 

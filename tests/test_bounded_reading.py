@@ -20,8 +20,8 @@ from malformed import npz_bytes, v1_arrays
 from procs import run_cli
 
 import tracekit
+from tracekit.attribution.itl import partition
 from tracekit.errors import LogError, UsageError
-from tracekit.partition import partition
 from tracekit.render import perfetto
 
 # -- what the file is ---------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_the_inflate_limit_is_raised_and_lowered_by_flag_and_environment(tmp_pat
 
 
 def test_the_default_inflate_limit_follows_the_file_size():
-    from tracekit.archive import inflate_limit_bytes
+    from tracekit.log.archive import inflate_limit_bytes
 
     mib = 2**20
     # by the rule in archive.py: max(file, min(max(64 x file, 256 MiB), 8 GiB))

@@ -21,10 +21,10 @@ import pytest
 from procs import python, run_cli
 
 import tracekit
+from tracekit.capture.recorder import Recorder
+from tracekit.capture.sinks import CaptureError, Dispatcher, Flush, PartsSink
 from tracekit.errors import LogError, TracekitError
-from tracekit.hooks import Recorder
-from tracekit.sinks import CaptureError, Dispatcher, Flush, PartsSink
-from tracekit.stream import TABLE_COLS, merge_parts, recover
+from tracekit.log.parts import TABLE_COLS, merge_parts, recover
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "") -> None:
@@ -295,7 +295,7 @@ def test_fork_while_another_thread_holds_the_recorder_lock_does_not_deadlock(tmp
 def full_disk(monkeypatch):
     """While `full[0]` is set, writing a part fails like a full disk: some bytes reach the
     temporary file, then ENOSPC."""
-    import tracekit.stream as stream
+    import tracekit.log.parts as stream
 
     real = np.savez
     full = [False]

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 from logbuilder import LogBuilder
 
-from tracekit.analysis import analyze
+from tracekit.analysis.compare import MISSING, Spread, compare, config_value, group_key
+from tracekit.analysis.figures import analyze
 from tracekit.cli import main
-from tracekit.compare import MISSING, Spread, compare, config_value, group_key
 from tracekit.render import text
 
 

@@ -21,7 +21,7 @@ from procs import python, run_cli
 
 import tracekit
 from tracekit.errors import LogError
-from tracekit.stream import merge_parts
+from tracekit.log.parts import merge_parts
 
 #: A small engine loop. Step i records prefill tokens = i (so a log shows which steps it
 #: holds), a decode segment and one emission; it stops as argv[3] says.

@@ -29,7 +29,7 @@ from demo_engine.model import DecodeRow, NumpyModelRunner
 from demo_engine.scheduler import Request, Scheduler, Status
 from demo_engine.tokenizer import train_tokenizer
 from demo_engine.workload import TraceRequest, make_trace, mean_output_tokens
-from tracekit.hooks import active_recorders
+from tracekit.capture.recorder import active_recorders
 
 SMALL = EngineConfig(
     vocab_size=512,
@@ -398,8 +398,8 @@ def test_short_run_logs_evictions_where_the_engine_preempted(tokenizer, tmp_path
 
 
 def test_every_gap_reconciles_and_no_step_is_skipped_without_eviction(tokenizer, tmp_path):
-    from tracekit.analysis import analyze
-    from tracekit.partition import partition
+    from tracekit.analysis.figures import analyze
+    from tracekit.attribution.itl import partition
 
     cfg = SMALL.replace(num_kv_blocks=24, max_num_seqs=8)
     _, _, log = _run(cfg, tokenizer, _burst(10), tmp_path)
@@ -417,7 +417,7 @@ def test_every_gap_reconciles_and_no_step_is_skipped_without_eviction(tokenizer,
 
 
 def test_recompute_preemption_is_recorded_and_reconciles(tokenizer, tmp_path):
-    from tracekit.partition import partition
+    from tracekit.attribution.itl import partition
 
     cfg = SMALL.replace(num_kv_blocks=24, max_num_seqs=8, preemption_mode="recompute")
     _, stats, log = _run(cfg, tokenizer, _burst(10), tmp_path)

@@ -17,9 +17,9 @@ import pytest
 from logbuilder import LogBuilder
 
 import tracekit
-from tracekit.device import FakeClock, FakeDeviceTimer
-from tracekit.hooks import Recorder, active_recorders
-from tracekit.partition import partition, partition_reference
+from tracekit.attribution.itl import partition, partition_reference
+from tracekit.capture.device import FakeClock, FakeDeviceTimer
+from tracekit.capture.recorder import Recorder, active_recorders
 
 IMPLS = [partition, partition_reference]
 TOL_MS = 0.02  # the calibration bracket and a few clock reads (1 us each)
@@ -223,7 +223,7 @@ def test_drift_between_the_clocks_is_measured(drift_ppm):
     w = windows(log, device=True)
     assert w[0][3] - w[0][2] == pytest.approx(9.0 * (1 + drift_ppm * 1e-6), abs=1e-6)
     # and the run's analysis reports them
-    from tracekit.analysis import analyze
+    from tracekit.analysis.figures import analyze
     from tracekit.render.text import run_details
 
     a = analyze(log)
@@ -608,7 +608,7 @@ def test_device_rule_memory_is_linear_in_windows_and_gaps():
     # is device-bound: forward 20,000 * 0.5 = 10,000 ms, residual the other 10,000.
     import tracemalloc
 
-    from tracekit.rawlog import (
+    from tracekit.log.rawlog import (
         Counters,
         Emissions,
         Evictions,
@@ -684,7 +684,7 @@ needs_cuda = pytest.mark.skipif(not _has_cuda(), reason="needs torch with a CUDA
 def test_cuda_event_windows_cover_the_kernels_and_never_synchronise_on_the_hot_path(monkeypatch):
     import torch
 
-    from tracekit.device import CudaEventTimer
+    from tracekit.capture.device import CudaEventTimer
 
     x = torch.randn(2048, 2048, device="cuda")
     timer = CudaEventTimer()

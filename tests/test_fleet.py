@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from synthlog import synthetic_log
 
 import tracekit
-from tracekit.analysis import analyze
+from tracekit.analysis.export import export
+from tracekit.analysis.figures import analyze
+from tracekit.analysis.fleet import QuantileSketch, rollup, rollup_logs
+from tracekit.attribution.itl import partition
 from tracekit.cli import main
-from tracekit.export import export
-from tracekit.fleet import QuantileSketch, rollup, rollup_logs
-from tracekit.partition import partition
 
 
 def write_runs(d, n: int, *, rungs=("baseline", "+watermark", "+budget")) -> list[str]:
@@ -139,7 +139,7 @@ def pandas_rollup(root: str, by: str) -> dict[str, dict]:
 def test_fleet_rollup_equals_pandas_over_the_exported_dataset(dataset, monkeypatch):
     _, root = dataset
     want = pandas_rollup(root, "rung")
-    monkeypatch.setattr("tracekit.fleet.FILES_PER_TASK", 5)  # three batches to combine
+    monkeypatch.setattr("tracekit.analysis.fleet.FILES_PER_TASK", 5)  # three batches to combine
     got = rollup(root, "rung")
     assert [g.key for g in got.groups] == ["baseline", "+watermark", "+budget"]  # run order
     for g in got.groups:
@@ -163,7 +163,7 @@ def test_fleet_rollup_equals_pandas_over_the_exported_dataset(dataset, monkeypat
 
 def test_fleet_sketch_states_a_rank_error_that_holds(dataset, monkeypatch):
     _, root = dataset
-    monkeypatch.setattr("tracekit.fleet.FILES_PER_TASK", 5)
+    monkeypatch.setattr("tracekit.analysis.fleet.FILES_PER_TASK", 5)
     gaps = pd.read_parquet(os.path.join(root, "gaps"))
     got = rollup(root, "replica", memory_budget_bytes=0, sketch_points=32)
     for g in got.groups:
@@ -271,7 +271,7 @@ def test_nothing_but_the_ray_path_imports_ray(dataset, tmp_path):
 
     paths, root = dataset
     code = (
-        "import sys, tracekit, tracekit.cli, tracekit.export, tracekit.fleet\n"
+        "import sys, tracekit, tracekit.cli, tracekit.analysis.export, tracekit.analysis.fleet\n"
         "from click.testing import CliRunner\n"
         "r = CliRunner()\n"
         f"assert r.invoke(tracekit.cli.main, ['analyze', {paths[2]!r}]).exit_code == 0\n"

@@ -1,4 +1,4 @@
-"""Client-boundary gaps (`tracekit.frontend`): hand-derived cases from the written rules
+"""Client-boundary gaps (`tracekit.attribution.client`): hand-derived cases from the written rules
 (the module docstring), and the fast partition against the loop reference."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
-from tracekit.frontend import (
+from tracekit.attribution.client import (
     client_partition,
     client_partition_reference,
     itl_conventions,
 )
-from tracekit.partition import partition
-from tracekit.rawlog import ClientEmissions, Deliveries, ProcSegments
+from tracekit.attribution.itl import partition
+from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcSegments
 
 PROCS = [{"role": "engine_core"}, {"role": "api_server"}, {"role": "worker"}]
 
@@ -194,8 +194,8 @@ def test_fast_equals_reference_and_every_gap_reconciles(log):
 
 
 def test_spec_acceptance_hand_derived():
-    from tracekit.frontend import spec_acceptance
-    from tracekit.rawlog import Counters
+    from tracekit.attribution.client import spec_acceptance
+    from tracekit.log.rawlog import Counters
 
     b = LogBuilder()
     b.step(0, 10)
@@ -214,8 +214,8 @@ def test_spec_acceptance_hand_derived():
 
 
 def test_process_tracks_are_a_valid_trace_even_with_overlapping_windows():
+    from tracekit.render.client import process_events
     from tracekit.render.perfetto import chrome_trace_events, validate_trace
-    from tracekit.render.serve import process_events
 
     b = LogBuilder()
     b.step(0, 10)

@@ -19,8 +19,8 @@ import pytest
 from procs import python
 
 import tracekit
-from tracekit.hooks import Recorder, active_recorders
-from tracekit.sinks import CaptureError
+from tracekit.capture.recorder import Recorder, active_recorders
+from tracekit.capture.sinks import CaptureError
 
 #: Starts a recorder with every hook (gc, SIGTERM, NVTX through a fake module, parts on
 #: disk) and never calls stop(). An atexit function registered *before* the recorder runs
@@ -40,7 +40,7 @@ class FakeNvtx(types.ModuleType):
 
 sys.modules["nvtx"] = FakeNvtx("nvtx")
 import tracekit
-from tracekit.hooks import active_recorders
+from tracekit.capture.recorder import active_recorders
 
 out, how = sys.argv[1], sys.argv[2]
 

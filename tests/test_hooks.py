@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tracekit
-from tracekit.hooks import Recorder
+from tracekit.capture.recorder import Recorder
 
 
 class FakeClock:

@@ -24,10 +24,10 @@ pytest.importorskip("prometheus_client")
 pytest.importorskip("opentelemetry.sdk")
 
 import tracekit  # noqa: E402
-from tracekit.hooks import active_recorders  # noqa: E402
+from tracekit.attribution.itl import partition  # noqa: E402
+from tracekit.capture.recorder import active_recorders  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
-from tracekit.partition import partition  # noqa: E402
-from tracekit.stream import TABLE_COLS  # noqa: E402
+from tracekit.log.parts import TABLE_COLS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -340,7 +340,8 @@ def test_without_the_extra_a_sink_says_how_to_install_it(monkeypatch):
 
 def test_importing_tracekit_imports_no_live_dependency():
     code = (
-        "import sys, tracekit, tracekit.analysis, tracekit.cli, tracekit.live, demo_engine.cli\n"
+        "import sys, tracekit, tracekit.analysis.figures, tracekit.cli, tracekit.live\n"
+        "import demo_engine.cli\n"
         "live = ('prometheus_client', 'opentelemetry')\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in live]\n"
         "print(bad)\n"
@@ -591,7 +592,7 @@ def _random_run(steps, *, device: bool):
     Times in ms; with `device`, decode launches device work on a fake stream (5 ms per
     launch, resolved 3 ms after it ends: its window reaches the sink a flush or more
     later) and the step's decode time is the device's."""
-    from tracekit.device import FakeDeviceTimer
+    from tracekit.capture.device import FakeDeviceTimer
 
     clk = NsClock()
     ms = 1_000_000
@@ -637,7 +638,7 @@ def _random_run(steps, *, device: bool):
 
 
 def _assert_live_equals_offline(log, snap):
-    from tracekit.analysis import analyze
+    from tracekit.analysis.figures import analyze
 
     p = partition(log)
     assert snap["late_rows"] == 0 and snap["errors"] == 0 and snap["final"]

@@ -26,8 +26,8 @@ pytest.importorskip(
 pytest.importorskip("prometheus_client")
 from engine_adapters.tiny_model import build_tiny_llama, tiny_prompts  # noqa: E402
 from engine_adapters.transformers_cb import instrument_transformers  # noqa: E402
+from tracekit.attribution.itl import partition  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
-from tracekit.partition import partition  # noqa: E402
 
 
 def test_transformers_cb_run_live_totals_equal_the_offline_partition(tmp_path):

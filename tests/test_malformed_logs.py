@@ -24,10 +24,10 @@ from malformed import Case, Pickled, cases, npz_bytes, object_npy, v1_arrays, zi
 from procs import REPO, run_cli
 
 import tracekit
-from tracekit.analysis import analyze
+from tracekit.analysis.figures import analyze
 from tracekit.errors import LogError
+from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT
 from tracekit.render import text
-from tracekit.validate import MAX_ABS_TIME_S, MAX_COUNT
 
 #: A case taking longer than this through load + analyze counts as a hang.
 CASE_DEADLINE_S = 5.0
@@ -238,7 +238,7 @@ def _bullets(text: str) -> list[str]:
 
 def test_docs_and_validate_docstring_list_the_same_rules():
     """docs/input-validation.md's two lists are validate.py's docstring, item for item."""
-    import tracekit.validate as v
+    import tracekit.log.validate as v
 
     doc = (REPO / "docs" / "input-validation.md").read_text()
     src = v.__doc__

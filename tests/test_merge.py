@@ -1,4 +1,4 @@
-"""`tracekit.merge` on synthetic per-process logs: clocks (one clock; injected offset and
+"""`tracekit.log.merge` on synthetic per-process logs: clocks (one clock; injected offset and
 drift between hosts), request identity, and directories with killed processes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import tracekit
-import tracekit.signals
+import tracekit.capture.signals
 from tracekit.errors import LogError
-from tracekit.merge import estimate_offset, merge_dir
+from tracekit.log.merge import estimate_offset, merge_dir
 
 SEP = "\x1f"
 SHARED = "clock_gettime(CLOCK_MONOTONIC)"
@@ -87,8 +87,8 @@ def record_pair(tmp_path, *, fe_offset_s=0.0, fe_drift=0.0, fe_boot="b1", n=300,
         core._flush()  # what the flush interval would have written; then no stop()
         core._dispatcher.close()  # every flushed row is in its part, as after a SIGKILL
         core._running = False
-        tracekit.hooks._ACTIVE.discard(core)
-        tracekit.signals.cancel_at_exit(core.stop)
+        tracekit.capture.recorder._ACTIVE.discard(core)
+        tracekit.capture.signals.cancel_at_exit(core.stop)
     else:
         core.stop()
     return str(tmp_path), np.array(writes), core_clk
@@ -195,7 +195,7 @@ def test_a_directory_without_an_engine_core_is_one_line_exit_2(tmp_path):
 def test_a_merged_run_with_a_bad_client_table_is_refused_naming_the_field(tmp_path):
     from dataclasses import replace
 
-    from tracekit.rawlog import ClientEmissions
+    from tracekit.log.rawlog import ClientEmissions
 
     d, _, _ = record_pair(tmp_path / "r" if (tmp_path / "r").mkdir() is None else tmp_path, n=5)
     log = merge_dir(d)

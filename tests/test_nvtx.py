@@ -14,8 +14,8 @@ import types
 
 import pytest
 
-from tracekit.device import FakeClock, FakeDeviceTimer
-from tracekit.hooks import NVTX_DOMAIN, Recorder, active_recorders
+from tracekit.capture.device import FakeClock, FakeDeviceTimer
+from tracekit.capture.recorder import NVTX_DOMAIN, Recorder, active_recorders
 from tracekit.labels import colour
 
 

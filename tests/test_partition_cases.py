@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from logbuilder import LogBuilder
 
-from tracekit.partition import partition, partition_reference
+from tracekit.attribution.itl import partition, partition_reference
 
 IMPLS = [partition, partition_reference]
 

@@ -15,10 +15,11 @@ from click.testing import CliRunner
 from logbuilder import LogBuilder
 from synthlog import synthetic_log
 
+from tracekit.attribution.itl import partition
+from tracekit.capture.recorder import Recorder
+from tracekit.capture.sinks import ChromeTraceSink
 from tracekit.cli import main
 from tracekit.errors import UsageError
-from tracekit.hooks import Recorder
-from tracekit.partition import partition
 from tracekit.render.perfetto import (
     PID_ENGINE,
     PID_REQUESTS,
@@ -29,7 +30,6 @@ from tracekit.render.perfetto import (
     read_trace,
     validate_trace,
 )
-from tracekit.sinks import ChromeTraceSink
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import pytest
 from logbuilder import LogBuilder
 
 import tracekit
-from tracekit.analysis import analyze
+from tracekit.analysis.figures import analyze
 from tracekit.errors import LogError
-from tracekit.published import save_published
+from tracekit.log.published import save_published
 
 
 def sample_log():

@@ -12,13 +12,13 @@ from browser import chromium_path, open_page
 from click.testing import CliRunner
 from synthlog import synthetic_log
 
-from tracekit.analysis import analyze
+from tracekit.analysis.compare import compare
+from tracekit.analysis.figures import analyze
+from tracekit.analysis.gaps import itl_series, worst_gaps, worst_stalls
+from tracekit.analysis.verdict import verdict
+from tracekit.attribution.itl import partition
 from tracekit.cli import main
-from tracekit.compare import compare
-from tracekit.gaps import itl_series, worst_gaps, worst_stalls
-from tracekit.partition import partition
 from tracekit.render.html import ReportRun, log_ticks, render_report, script_json
-from tracekit.verdict import verdict
 
 EVIL = "<script>alert(1)</script>"
 EVIL_ID = '"><img src=x onerror=alert(2)>'
@@ -54,7 +54,7 @@ def report_path(raw_runs, tmp_path_factory):
 
 def stub_page(runs_paths) -> str:
     """The page with a stub instead of plotly.js, so it is all ours to inspect."""
-    from tracekit.rawlog import load
+    from tracekit.log.rawlog import load
 
     runs = []
     for p in runs_paths:

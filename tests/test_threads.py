@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 import tracekit
-from tracekit.hooks import Recorder
+from tracekit.capture.recorder import Recorder
 
 NUM_STEPS = 1500
 NUM_TOK = 2000  # per tokenizer thread

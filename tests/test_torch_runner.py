@@ -17,7 +17,7 @@ from demo_engine.history import ObjectHistory  # noqa: E402
 from demo_engine.model import DecodeRow, NumpyModelRunner, prev_token_ref  # noqa: E402
 from demo_engine.tokenizer import train_tokenizer  # noqa: E402
 from demo_engine.torch_runner import TorchModelRunner  # noqa: E402
-from tracekit.partition import partition  # noqa: E402
+from tracekit.attribution.itl import partition  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_cli_runs_the_torch_backend_with_async_scheduling(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_on_cuda_records_device_windows_for_every_launch(tokenizer):
-    from tracekit.device import CudaEventTimer
+    from tracekit.capture.device import CudaEventTimer
 
     for is_async in (False, True):
         cfg = SMALL.replace(num_kv_blocks=24, is_async_scheduling=is_async)

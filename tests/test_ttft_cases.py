@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from logbuilder import LogBuilder
 
-from tracekit.ttft import PHASES, ttft_partition, ttft_partition_reference
+from tracekit.attribution.ttft import PHASES, ttft_partition, ttft_partition_reference
 
 IMPLS = [ttft_partition, ttft_partition_reference]
 

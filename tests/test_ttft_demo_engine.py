@@ -10,8 +10,8 @@ from test_demo_engine import SMALL, _burst, _run
 from demo_engine.config import WorkloadConfig
 from demo_engine.scheduler import Scheduler
 from demo_engine.tokenizer import train_tokenizer
-from tracekit.rawlog import WAIT_REASONS
-from tracekit.ttft import ttft_partition, ttft_partition_reference
+from tracekit.attribution.ttft import ttft_partition, ttft_partition_reference
+from tracekit.log.rawlog import WAIT_REASONS
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_async_scheduling_records_valid_ttft_events(tokenizer):
     from test_torch_runner import _serve
 
     from demo_engine.torch_runner import TorchModelRunner
-    from tracekit.validate import validate_log
+    from tracekit.log.validate import validate_log
 
     cfg = SMALL.replace(num_kv_blocks=24, is_async_scheduling=True)
     _, stats, log = _serve(cfg, tokenizer, TorchModelRunner(cfg, tokenizer.get_vocab_size()))

@@ -8,9 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
-from tracekit.rawlog import WAIT_REASONS
-from tracekit.ttft import check_ttft_reconciled, ttft_partition, ttft_partition_reference
-from tracekit.validate import validate_log
+from tracekit.attribution.ttft import (
+    check_ttft_reconciled,
+    ttft_partition,
+    ttft_partition_reference,
+)
+from tracekit.log.rawlog import WAIT_REASONS
+from tracekit.log.validate import validate_log
 
 LABELS = ("tok", "prefill", "decode", "swap", "recompute", "schedule")
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import tracekit
+from tracekit.attribution.ttft import ttft_partition
 from tracekit.errors import LogError
-from tracekit.rawlog import SCHEMA_VERSION, WAIT_REASONS
-from tracekit.stream import merge_chunks, parse_chunk
-from tracekit.ttft import ttft_partition
+from tracekit.log.parts import merge_chunks, parse_chunk
+from tracekit.log.rawlog import SCHEMA_VERSION, WAIT_REASONS
 
 
 def _record(out=None):

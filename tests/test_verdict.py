@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 from logbuilder import LogBuilder
 
-from tracekit.compare import Comparison, GroupSummary, Spread, regime_misses
-from tracekit.gaps import itl_series, stall_events, worst_stalls
-from tracekit.partition import partition
-from tracekit.verdict import verdict
+from tracekit.analysis.compare import Comparison, GroupSummary, Spread, regime_misses
+from tracekit.analysis.gaps import itl_series, stall_events, worst_stalls
+from tracekit.analysis.verdict import verdict
+from tracekit.attribution.itl import partition
 
 SHARE_BASE = {"preempt": 0.46, "prefill": 0.26, "gc": 0.04, "forward": 0.20, "residual": 0.04}
 SHARE_WM = {"preempt": 0.02, "prefill": 0.20, "gc": 0.0, "forward": 0.70, "residual": 0.08}

@@ -5,9 +5,9 @@ partition every inter-token gap exclusively by cause (`partition`), and report p
 and across runs (`analyze`, the `tracekit` CLI).
 """
 
-from .errors import InternalError, LogError, ReconcileError, TracekitError, UsageError
-from .hooks import Recorder
-from .rawlog import RawLog, load
+from tracekit.capture.recorder import Recorder
+from tracekit.errors import InternalError, LogError, ReconcileError, TracekitError, UsageError
+from tracekit.log.rawlog import RawLog, load
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from .cli import main
+from tracekit.cli import main
 
 main()

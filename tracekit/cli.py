@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import click
 
-from .errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TracekitError, one_line
+from tracekit.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TracekitError, one_line
 
 #: Modules only some commands need -> the extra that installs them.
 OPTIONAL_MODULES = {"torch": "gpu", "nvtx": "gpu", "tokenizers": "demo"}
@@ -155,8 +155,8 @@ def _limits() -> dict[str, Any]:
 
 def _load(path: str, **limits: Any) -> Any:
     """A raw log, or the run merged from a directory of per-process logs (`tracekit merge`)."""
-    from .merge import is_process_dir, merge_dir
-    from .rawlog import load
+    from tracekit.log.merge import is_process_dir, merge_dir
+    from tracekit.log.rawlog import load
 
     if is_process_dir(path):
         return merge_dir(path)
@@ -164,8 +164,8 @@ def _load(path: str, **limits: Any) -> Any:
 
 
 def _analyze_one(path: str, **limits: Any) -> Any:
-    from .allocator import keep_freed_memory
-    from .analysis import analyze
+    from tracekit.allocator import keep_freed_memory
+    from tracekit.analysis.figures import analyze
 
     keep_freed_memory()  # once per process: ~40% of a run's analysis was page faults
     return analyze(_load(path, **limits))
@@ -185,7 +185,7 @@ def _map_with_progress(
         ) as bar,
     ):
         if ray is not None:
-            from .cluster import ray_map
+            from tracekit.analysis.cluster import ray_map
 
             out = ray_map(fn, [(p,) for p in paths], ray, on_result=lambda: bar.update(1))
         elif jobs <= 1 or len(paths) <= 1:
@@ -264,7 +264,7 @@ def analyze(
     added); tail gaps by primary cause; the reconciliation error (max |gap - sum of parts|);
     GC counts and generation-2 pauses; the ITL histogram by primary cause.
     """
-    from .render import text
+    from tracekit.render import text
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
@@ -313,8 +313,8 @@ def gaps(
 ):  # fmt: skip
     """One record per gap of RUN: request, t0_s, t1_s (seconds from engine start), gap_ms,
     parts and context (ms by label; parts sum to gap_ms) and the primary cause."""
-    from .gaps import gap_records
-    from .partition import partition
+    from tracekit.analysis.gaps import gap_records
+    from tracekit.attribution.itl import partition
 
     if fmt is None:
         fmt = "table" if output is None and sys.stdout.isatty() else "jsonl"
@@ -333,7 +333,7 @@ def gaps(
         _write_parquet(records, output, "parquet files")
         return
     if fmt == "table":
-        from .render import text
+        from tracekit.render import text
 
         body = text.gaps_table(records, top) + "\n" if records else ""
     elif fmt == "jsonl":
@@ -380,9 +380,9 @@ def ttft(
     TTFT (checked; a mismatch is an error). A log without admission events (schema v1, the
     published layout) is unsplit: the output says so.
     """
-    from .rawlog import load
-    from .render import text
-    from .ttft import ttft_figures, ttft_partition, ttft_records
+    from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
+    from tracekit.log.rawlog import load
+    from tracekit.render import text
 
     log = load(run)
     _warn(log.path, log.warnings)
@@ -415,7 +415,7 @@ def ttft(
 @_read_limits
 def check(runs: tuple[str, ...]) -> None:
     """Validate raw logs without analysing them: one line per file, exit 2 if any is bad."""
-    from .rawlog import load
+    from tracekit.log.rawlog import load
 
     bad = 0
     for path in _expand(runs):
@@ -444,8 +444,8 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
     """Turn an interrupted run's parts folder (RUN.npz.parts/) into the one RUN.npz a clean
     stop writes. Everything flushed before the interruption is kept. An existing RUN.npz
     (or -o file) is never replaced without --force; the parts are validated first."""
-    from .rawlog import load
-    from .stream import recover as do_recover
+    from tracekit.log.parts import recover as do_recover
+    from tracekit.log.rawlog import load
 
     if not os.path.isdir(parts_dir):
         _fail(f"{parts_dir}: not a parts folder (expected RUN.npz.parts/ left by a recorder)")
@@ -464,7 +464,7 @@ def merge(directory: str, output: str) -> None:
     windows, requests named as the client knows them. Prints each process's clock offset
     against the engine core and its uncertainty. `analyze`, `report` and `trace` also
     accept DIRECTORY itself."""
-    from .merge import save_merged
+    from tracekit.log.merge import save_merged
 
     log = save_merged(directory, output)
     _warn(directory, log.warnings)
@@ -522,9 +522,9 @@ def compare(
     tail, what each group changed) and its caveats (runs that disagree, a cause the first
     group lacks, runs that missed the regime their engine asked for). Runs are the unit of
     evidence: gaps are never pooled across runs."""
-    from .compare import compare as do_compare
-    from .render import text
-    from .verdict import verdict
+    from tracekit.analysis.compare import compare as do_compare
+    from tracekit.analysis.verdict import verdict
+    from tracekit.render import text
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
@@ -572,9 +572,9 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     runs."""
     import time
 
-    from .partition import partition
-    from .render import perfetto
-    from .ttft import ttft_partition
+    from tracekit.attribution.itl import partition
+    from tracekit.attribution.ttft import ttft_partition
+    from tracekit.render import perfetto
 
     t_start = time.perf_counter()
     win = perfetto.parse_window(window) if window else None
@@ -592,7 +592,7 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
         log, partition(log), requests=ids, window_s=win, ttft=ttft_partition(log)
     )
     if log.meta.get("processes"):  # a merged server run: one track per process
-        from .render.serve import process_events
+        from tracekit.render.client import process_events
 
         shift = perfetto.engine_start_us(events)
         extra = process_events(log, win)
@@ -619,11 +619,11 @@ def _run_span_s(log: Any) -> tuple[float, float]:
 
 
 def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
-    from .allocator import keep_freed_memory
-    from .analysis import analyze
-    from .gaps import itl_series, worst_stalls
-    from .partition import partition
-    from .render.html import ReportRun
+    from tracekit.allocator import keep_freed_memory
+    from tracekit.analysis.figures import analyze
+    from tracekit.analysis.gaps import itl_series, worst_stalls
+    from tracekit.attribution.itl import partition
+    from tracekit.render.html import ReportRun
 
     keep_freed_memory()
     log = _load(path, **limits)
@@ -665,10 +665,10 @@ def report(
     steps."""
     import functools
 
-    from .compare import compare as do_compare
-    from .compare import order_runs
-    from .render.html import render_report
-    from .verdict import verdict
+    from tracekit.analysis.compare import compare as do_compare
+    from tracekit.analysis.compare import order_runs
+    from tracekit.analysis.verdict import verdict
+    from tracekit.render.html import render_report
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
@@ -713,7 +713,7 @@ def _open_in_browser(path: str) -> None:
 def _ray_mapper(ray_address: str | None, jobs: int = 1):
     """A `mapper(fn, arg_tuples)` running each call as a Ray task, in a process pool, or here."""
     if ray_address is not None:
-        from .cluster import ray_map
+        from tracekit.analysis.cluster import ray_map
 
         return lambda fn, args: ray_map(fn, args, ray_address)
     if jobs > 1:
@@ -750,7 +750,7 @@ def export_cmd(
       pandas:  pd.read_parquet("DATASET/gaps")
       DuckDB:  SELECT * FROM read_parquet('DATASET/gaps/**/*.parquet', hive_partitioning=true)
     """
-    from .export import export
+    from tracekit.analysis.export import export
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
@@ -801,14 +801,14 @@ def fleet_cmd(
     by primary cause. Pooled percentiles are exact when they fit --memory-mb, else from a
     mergeable quantile sketch whose rank error is printed with each value.
     """
-    from .fleet import rollup, rollup_logs
-    from .render.fleet import fleet_table
+    from tracekit.analysis.fleet import rollup, rollup_logs
+    from tracekit.render.fleet import fleet_table
 
     ray_address, source = _ray_runs(ray_address, source, 1)
     paths = _expand(source)
     mapper = _ray_mapper(ray_address)
     if ray_address is not None:  # results combined as they arrive, not all held at once
-        from .cluster import ray_imap
+        from tracekit.analysis.cluster import ray_imap
 
         mapper = lambda fn, args: ray_imap(fn, args, ray_address)  # noqa: E731
     opts = {"memory_budget_bytes": int(memory_mb * (1 << 20)), "sketch_points": sketch_points}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..fleet import FleetRollup
+from tracekit.analysis.fleet import FleetRollup
 
 #: The across-runs figures the table shows (JSONL has every one).
 TABLE_FIGURES = ("itl_p50", "itl_p99", "itl_p999", "itl_max", "ttft_p50", "tok_per_s")

@@ -9,7 +9,7 @@ is HTML-escaped where it lands in the page and in chart text (plotly draws pseud
 in labels), and the figures' JSON inside ``<script>`` has ``<``, ``>`` and ``&`` written
 as ``\\u003c``, ``\\u003e``, ``\\u0026``, so nothing in a log can close the script.
 
-Sections: the verdict in words with its caveats (`tracekit.verdict`); summary per run
+Sections: the verdict in words with its caveats (`tracekit.analysis.verdict`); summary per run
 and per group; ITL over time per run (each gap a point coloured by primary cause,
 evictions and GC pauses marked); the ITL histogram by primary cause; tail-time share by
 cause with tail-gap counts beside it; the ladder (p99 and p99.9, median with [min-max]
@@ -19,7 +19,7 @@ Runs appear in the order given (the CLI sorts them by `--order-by`). The page fi
 1000 px window: wide tables scroll inside their box.
 
 Pure rendering: it consumes `RunAnalysis`, `Comparison`, `Verdict`, and
-`tracekit.gaps.worst_stalls` / `itl_series` records, and returns a string.
+`tracekit.analysis.gaps.worst_stalls` / `itl_series` records, and returns a string.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import __version__
-from ..analysis import RunAnalysis
-from ..compare import FIGURES, Comparison
-from ..formats import json_safe, num
-from ..labels import colour
-from ..verdict import Verdict
-from . import text
+from tracekit import __version__
+from tracekit.analysis.compare import FIGURES, Comparison
+from tracekit.analysis.figures import RunAnalysis
+from tracekit.analysis.verdict import Verdict
+from tracekit.formats import json_safe, num
+from tracekit.labels import colour
+from tracekit.render import text
 
 #: Colours that are not labels: the two sides of the forward-share and TTFT charts.
 _INK = "#333333"
@@ -916,7 +916,7 @@ def render_report(
         f"<h2>TTFT</h2>{chart('tk-ttft', ttft_figure(analyses, names))}"
     )
     sections.append(ttft_section(analyses, names, comparison, chart))
-    from .serve import client_html, spec_html
+    from tracekit.render.client import client_html, spec_html
 
     sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
     sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))

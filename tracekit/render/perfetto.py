@@ -28,7 +28,7 @@ Slice names are the partition's labels, so one cause has one colour throughout P
 `chrome_trace_events` builds the events (plain dicts), `write_trace` serialises them once
 (gzip when the name ends in ``.gz``, byte-identical for the same input), `validate_trace`
 checks what Perfetto needs. A trace written while a run records (the same tracks) is the
-capture sink `tracekit.sinks.ChromeTraceSink`.
+capture sink `tracekit.capture.sinks.ChromeTraceSink`.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UsageError
-from ..labels import cause_of
-from ..partition import Partition, evicted_windows
-from ..rawlog import RawLog
-from ..ttft import PHASES as TTFT_PHASES
-from ..ttft import TtftPartition
+from tracekit.attribution.itl import Partition, evicted_windows
+from tracekit.attribution.ttft import PHASES as TTFT_PHASES
+from tracekit.attribution.ttft import TtftPartition
+from tracekit.errors import UsageError
+from tracekit.labels import cause_of
+from tracekit.log.rawlog import RawLog
 
 PID_ENGINE = 1
 PID_REQUESTS = 2
@@ -552,7 +552,7 @@ def write_trace(events: list[dict[str, Any]], path: str, *, meta=None) -> int:
         with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
             gz.write(data)
         data = buf.getvalue()
-    from ..fsio import atomic_write
+    from tracekit.fsio import atomic_write
 
     atomic_write(path, data, fsync=False)
     return len(data)

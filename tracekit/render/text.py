@@ -7,11 +7,11 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from ..analysis import RunAnalysis
-from ..compare import FIGURES, Comparison, Spread
-from ..errors import one_line
-from ..formats import num
-from ..labels import STANDARD_LABELS, glyphs
+from tracekit.analysis.compare import FIGURES, Comparison, Spread
+from tracekit.analysis.figures import RunAnalysis
+from tracekit.errors import one_line
+from tracekit.formats import num
+from tracekit.labels import STANDARD_LABELS, glyphs
 
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | None = None) -> str:
@@ -144,7 +144,7 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
     parts = [summary(runs), "", shares(runs, "tail_share")]
     if len(runs) == 1:
         parts += ["", histogram(runs[0]), "", run_details(runs[0])]
-    from .serve import client_text, spec_text
+    from tracekit.render.client import client_text, spec_text
 
     parts += [f"\n{run_name(a)}: {spec_text(a)}" for a in runs if a.spec and not a.client]
     parts += [f"\n{run_name(a)}: {client_text(a.client)}" for a in runs if a.client]
@@ -153,7 +153,7 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
 
 # -- cross-run comparison (tracekit compare) ---------------------------------------------
 
-#: Column headers of the comparison table, by `tracekit.compare.FIGURES` name.
+#: Column headers of the comparison table, by `tracekit.analysis.compare.FIGURES` name.
 FIGURE_HEADERS = {
     "itl_p50": "p50",
     "itl_p99": "p99",

@@ -3,7 +3,7 @@
 Per group of runs (one value of KEY):
 
 - **across runs**: the median and [min-max] of every numeric per-run figure of the runs
-  table (`tracekit.export`), over the runs with a finite value. Exact.
+  table (`tracekit.analysis.export`), over the runs with a finite value. Exact.
 - **pooled**: percentiles 50, 90, 99, 99.9 and the max of *all* gaps of the group's runs
   (numpy's linear percentiles), the group's tail (gaps at or above its pooled p99) and
   each label's share of the tail's time, and tail gaps by primary cause.
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .export import DATASET_META, GAPS_DIR, RUNS_DIR, DatasetError
+from tracekit.analysis.export import DATASET_META, GAPS_DIR, RUNS_DIR, DatasetError
 
 #: Pooled percentiles: (name, q), numpy's linear percentiles.
 POOLED = (("itl_p50", 50.0), ("itl_p90", 90.0), ("itl_p99", 99.0), ("itl_p999", 99.9))
@@ -253,7 +253,7 @@ def _partition_keys(root: str) -> list[str]:
 def _group_of_run(df: Any, by: str) -> list[str]:
     """Each run's group text: the config value (as `tracekit compare` groups), else the
     column `by` of the runs table (a figure or a hive key), else MISSING."""
-    from .compare import config_value
+    from tracekit.analysis.compare import config_value
 
     out = []
     for i in range(len(df)):
@@ -523,7 +523,7 @@ def rollup_logs(
 ) -> FleetRollup:
     """The same rollup over raw logs: they are exported to a temporary dataset first (so
     both inputs give the same numbers by construction), which is removed afterwards."""
-    from .export import export
+    from tracekit.analysis.export import export
 
     with tempfile.TemporaryDirectory(prefix="tracekit-fleet-") as tmp:
         root = os.path.join(tmp, "dataset")

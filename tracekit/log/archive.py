@@ -4,7 +4,7 @@ Each array is read from its `.npy` header by hand: an object dtype (a pickle) is
 before a byte of it is read (what ``allow_pickle=False`` does, checked earlier), a header
 that claims more data than its member holds is refused before anything is allocated, and
 members the layout does not define are named and skipped, never decoded. Which members a
-layout defines is the caller's business (`tracekit.rawlog`, `tracekit.published`).
+layout defines is the caller's business (`tracekit.log.rawlog`, `tracekit.log.published`).
 
 Reading is bounded by what the file is. Only a regular file is opened (a FIFO, a device
 such as /dev/zero or /dev/urandom, or a symlink to one would hang or never end), and the
@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from .errors import LogError, UsageError
+from tracekit.errors import LogError, UsageError
 
 #: deflate expands at most ~1032:1; a member claiming more is lying about its size
 _MAX_DEFLATE_RATIO = 1100

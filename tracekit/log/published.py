@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LogError
-from .labels import DEFAULT_CAUSE_MAP
-from .rawlog import (
+from tracekit.errors import LogError
+from tracekit.labels import DEFAULT_CAUSE_MAP
+from tracekit.log.rawlog import (
     MODE_SWAP,
     Emissions,
     Evictions,
@@ -159,7 +159,7 @@ def save_published(
     numeric ids ``first_id, first_id + 1, ...`` in table order; segment labels must be the
     layout's four (``tok swap prefill decode``); what the layout has no place for (threads,
     device windows, counters, TTFT events) is left out."""
-    from .fsio import atomic_open
+    from tracekit.fsio import atomic_open
 
     unknown = sorted(set(log.labels) - set(PUBLISHED_SEG_LABELS))
     if unknown:

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from .formats import json_safe
-from .partition import CLEAN, FIT_ALL_CAPTURED, Partition, partition
-from .rawlog import GRAPH_EAGER, RawLog
-from .ttft import TtftPartition, ttft_figures, ttft_partition
+from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
+from tracekit.attribution.ttft import TtftPartition, ttft_figures, ttft_partition
+from tracekit.formats import json_safe
+from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 
 #: ITL histogram bin edges, ms: bins are [lo, hi).
 HIST_EDGES_MS: tuple[float, ...] = (0, 5, 10, 15, 20, 30, 50, 80, 120, 200, 400, 800, math.inf)
@@ -74,10 +74,10 @@ class RunAnalysis:
     device_clock_drift_ppm: float = math.nan  # device vs host clock over the run, if timed
     device_max_placement_err_ms: float = math.nan  # worst error placing a device window
     warnings: list[str] = field(default_factory=list)
-    #: TTFT partition figures (`tracekit.ttft.TtftFigures.to_dict`): p50/p90/p99/max_ms,
+    #: TTFT partition figures (`tracekit.attribution.ttft.TtftFigures.to_dict`): p50/p90/p99/max_ms,
     #: tail_share / tail_count (requests >= the run's TTFT p90), phase_share, ...
     ttft: dict[str, Any] = field(default_factory=dict)
-    #: the client boundary of a merged server run (`tracekit.frontend.client_summary`)
+    #: the client boundary of a merged server run (`tracekit.attribution.client.client_summary`)
     client: dict[str, Any] | None = None
     #: speculative decoding: drafted, accepted, acceptance, tokens per emission (or None)
     spec: dict[str, float] | None = None
@@ -116,7 +116,7 @@ def analyze(
     baseline_fit: str = FIT_ALL_CAPTURED,
 ) -> RunAnalysis:
     """Every per-run figure of design.md for one log (partitioning it if not given, with the
-    graph baseline fitted by `baseline_fit`: `tracekit.partition.BASELINE_FITS`), and the
+    graph baseline fitted by `baseline_fit`: `tracekit.attribution.itl.BASELINE_FITS`), and the
     TTFT partition's figures (docs/ttft.md)."""
     p = part if part is not None else partition(log, baseline_fit=baseline_fit)
     tp = ttft_part if ttft_part is not None else ttft_partition(log)
@@ -172,7 +172,7 @@ def analyze(
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
-    from .frontend import client_partition, client_summary, spec_acceptance
+    from tracekit.attribution.client import client_partition, client_summary, spec_acceptance
 
     spec = spec_acceptance(log)
     client = None

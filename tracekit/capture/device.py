@@ -8,7 +8,7 @@ therefore records two windows of the same label and step:
 - the *device window* (``is_device=1``): from its start event to its end event as the
   device's stream executed them, mapped onto the recorder's clock.
 
-    timer = tracekit.device.CudaEventTimer()      # torch.cuda.Event(enable_timing=True)
+    timer = tracekit.capture.device.CudaEventTimer()      # torch.cuda.Event(enable_timing=True)
     rec = tracekit.Recorder("raw/run.npz", device_timer=timer)
     with rec:
         with rec.step():
@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .errors import one_line
+from tracekit.errors import one_line
 
 #: `sink(step, label, t_start_tick, t_end_tick, thread)`: where resolved device windows go.
 Sink = Callable[[int, int, int, int, int], None]

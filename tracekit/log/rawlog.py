@@ -13,17 +13,17 @@ On disk it is one `.npz` per run (`save`/`load`), self-describing:
   ``meta`` (JSON: clock source, tracekit version, warnings recorded at capture),
   ``request_ids`` (strings), ``counter_names``, ``wall_s``, ``wait_reasons`` (the
   vocabulary of ``waits.reason``, written so a log explains its own codes);
-- a run merged from a multi-process server (`tracekit.merge`) also has the optional tables
+- a run merged from a multi-process server (`tracekit.log.merge`) also has the optional tables
   ``proc_segments``, ``client_emissions`` and ``deliveries`` (absent in other logs: loaded
   as empty).
 
 `load` also reads the *published* layout (the `.npz` files written by the method tracekit
-industrialises, design.md's table) unchanged: `tracekit.published`. A log can never
-execute code: `tracekit.archive` reads the arrays from their `.npy` headers with pickles
+industrialises, design.md's table) unchanged: `tracekit.log.published`. A log can never
+execute code: `tracekit.log.archive` reads the arrays from their `.npy` headers with pickles
 refused, and members the layout does not define are skipped unread; what it reads is
-bounded by the file (see `tracekit.archive`), and names longer than `MAX_NAME_CHARS` are
+bounded by the file (see `tracekit.log.archive`), and names longer than `MAX_NAME_CHARS` are
 shortened at load so that no output repeats a huge string per gap. What is rejected and
-what is only warned about: `tracekit.validate`.
+what is only warned about: `tracekit.log.validate`.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from .archive import read_npz, short
-from .errors import LogError, UsageError, one_line
-from .formats import json_safe
-from .labels import DEFAULT_CAUSE_MAP
+from tracekit.errors import LogError, UsageError, one_line
+from tracekit.formats import json_safe
+from tracekit.labels import DEFAULT_CAUSE_MAP
+from tracekit.log.archive import read_npz, short
 
 SCHEMA = "tracekit.rawlog"
 SCHEMA_VERSION = 2
@@ -274,7 +274,7 @@ class Waits(_Table):
 class ProcSegments(_Table):
     """Windows recorded in the other processes of a multi-process server (API server,
     workers), on the merged clock: kept apart from `segments` because they are not the
-    engine step's work (`tracekit.frontend` partitions client-boundary gaps with them).
+    engine step's work (`tracekit.attribution.client` partitions client-boundary gaps with them).
     `process` indexes ``meta["processes"]``; `label` indexes `RawLog.labels` (``gc``: a
     garbage-collector pause of that process)."""
 
@@ -342,7 +342,7 @@ TABLES: dict[str, type[_Table]] = {
     "client_emissions": ClientEmissions,
     "deliveries": Deliveries,
 }
-#: The tables of a merged multi-process server run (`tracekit.merge`).
+#: The tables of a merged multi-process server run (`tracekit.log.merge`).
 SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries"})
 #: Tables a log may lack as a whole (version 1 logs, the published layout, logs of one
 #: process): empty on load.
@@ -419,7 +419,7 @@ class RawLog:
             arrays[f"extra.{k}"] = np.asarray(v)
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
-        from .fsio import atomic_open
+        from tracekit.fsio import atomic_open
 
         with atomic_open(path) as fh:
             np.savez(fh, **arrays)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
@@ -451,11 +451,11 @@ def load(
 ) -> RawLog:
     """Read a raw log (v1 or the published layout). Raises `LogError` naming file and field.
 
-    Reading is bounded by the file: `max_inflate_mb` (default: `tracekit.archive`'s limit
+    Reading is bounded by the file: `max_inflate_mb` (default: `tracekit.log.archive`'s limit
     proportional to the file size) bounds what its arrays may inflate to, and names longer
     than `max_label_chars` (default `MAX_NAME_CHARS`, or $TRACEKIT_MAX_LABEL_CHARS) are
     shortened, with a warning, so that no output repeats a huge string per gap."""
-    from .published import from_published
+    from tracekit.log.published import from_published
 
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -482,7 +482,7 @@ def load(
         )
     log = _shorten_names(log, _max_name_chars(max_label_chars))
     if validate:
-        from .validate import validate_log
+        from tracekit.log.validate import validate_log
 
         log = validate_log(log)
     return log
@@ -550,7 +550,7 @@ def _shorten_names(log: RawLog, max_chars: int) -> RawLog:
 
 def _layout_members(keys: Collection[str]) -> set[str]:
     """The archive members a log's layout defines: v1 (with its ``extra.*``) or published."""
-    from .published import PUBLISHED_MEMBERS
+    from tracekit.log.published import PUBLISHED_MEMBERS
 
     if "schema" in keys:
         return {k for k in keys if k in V1_MEMBERS or k.startswith("extra.")}

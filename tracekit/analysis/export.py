@@ -11,7 +11,7 @@ Layout (hive-partitioned by the config keys the user names; one file per run and
 seconds from engine start), `gap_ms`, `step0`, `step1`, `primary` (primary cause or
 `clean`), and one `part_LABEL_ms` per label (they sum to `gap_ms`).
 
-`runs` columns: `run`, `path`, and every figure of `tracekit.analysis.RunAnalysis`
+`runs` columns: `run`, `path`, and every figure of `tracekit.analysis.figures.RunAnalysis`
 flattened: scalars as they are (`itl_p99`, `tok_per_s`, ...), per-label and per-cause maps
 as `tail_share_LABEL`, `all_share_LABEL`, `tail_count_CAUSE`, `evicted_context_ms_LABEL`,
 `gc_counts_GEN`, `graph_baseline_...`; the histogram as `hist_count_LO_HI` plus
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import TracekitError
+from tracekit.errors import TracekitError
 
 #: Written at the dataset's root (readers skip files starting with "_").
 DATASET_META = "_tracekit_dataset.json"
@@ -69,7 +69,7 @@ def column_name(text: str) -> str:
 def partition_value(config: Mapping[str, Any], key: str) -> str:
     """The directory value of `key` for a run: strings as they are, other values as compact
     JSON, URI-escaped where not plain (`%2F` for `/`); missing: the hive null."""
-    from .compare import config_value
+    from tracekit.analysis.compare import config_value
 
     v = config_value(config, key)
     if v is None:
@@ -175,10 +175,10 @@ def run_ids(paths: Sequence[str]) -> list[str]:
 
 def export_one(path: str, run_id: str, root: str, keys: Sequence[str]) -> ExportedRun:
     """Load, partition and analyse one run; write its gaps and runs files under `root`."""
-    from .allocator import keep_freed_memory
-    from .analysis import analyze
-    from .partition import partition
-    from .rawlog import load
+    from tracekit.allocator import keep_freed_memory
+    from tracekit.analysis.figures import analyze
+    from tracekit.attribution.itl import partition
+    from tracekit.log.rawlog import load
 
     keep_freed_memory()
     log = load(path)

@@ -50,9 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LogError
-from .rawlog import ClientEmissions, Deliveries, ProcSegments, RawLog, Requests, load
-from .stream import PARTS_SUFFIX, merge_parts
+from tracekit.errors import LogError
+from tracekit.log.parts import PARTS_SUFFIX, merge_parts
+from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcSegments, RawLog, Requests, load
 
 FRONT_SEP = "\x1f"
 SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"

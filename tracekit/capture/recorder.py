@@ -19,10 +19,10 @@ Hot path: each event is one row of integer clock ticks and interned ids appended
 `array.array` (no Python object kept per event or per token). Label and request names are
 interned once and resolved when the run is saved. The recorder is the producer only: at a
 bounded interval it swaps its buffers and hands the completed rows to its sinks
-(`tracekit.sinks`) on a dispatcher thread: numbered parts on disk for `out=PATH` (so a
+(`tracekit.capture.sinks`) on a dispatcher thread: numbered parts on disk for `out=PATH` (so a
 killed run keeps what was flushed), memory for `out=None`, and any `sinks=[...]` given (a
 live Chrome trace, live metrics). `stop()` (also on exceptions, SIGTERM and interpreter
-exit, see `tracekit.signals`) closes them: the parts become one `.npz`.
+exit, see `tracekit.capture.signals`) closes them: the parts become one `.npz`.
 
 A disabled recorder (`enabled=False`) costs next to nothing: `step`/`segment` decorators
 hand back the original function, context managers are a shared no-op, and `emit`,
@@ -43,12 +43,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import signals
-from .device import DeviceTimer
-from .labels import DEFAULT_CAUSE_MAP, colour
-from .rawlog import MODES, WAIT_REASON_CODES, RawLog
-from .sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, _call
-from .stream import EVENT_COLS, EVICT, READMIT, TABLE_COLS, UNKNOWN_TICK
+from tracekit.capture import signals
+from tracekit.capture.device import DeviceTimer
+from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, _call
+from tracekit.labels import DEFAULT_CAUSE_MAP, colour
+from tracekit.log.parts import EVENT_COLS, EVICT, READMIT, TABLE_COLS, UNKNOWN_TICK
+from tracekit.log.rawlog import MODES, WAIT_REASON_CODES, RawLog
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -109,7 +109,7 @@ class _Segment:
 
 
 class _DeviceSegment(_Segment):
-    """A segment of device work on a recorder with a device timer (`tracekit.device`): the
+    """A segment of device work on a recorder with a device timer (`tracekit.capture.device`): the
     host window of the launch (is_device=0) as for any segment, plus a pair of device
     events around it whose execution window the timer resolves later and appends as a
     device segment (is_device=1) of the same label and step."""
@@ -177,7 +177,7 @@ class Recorder:
     """Records one run. See the module docstring for the whole API in one example.
 
     out: where the run's `.npz` goes (parts stream to ``OUT.parts/`` meanwhile,
-        `tracekit.sinks.PartsSink`; a path another recorder uses, or holding an unrecovered
+        `tracekit.capture.sinks.PartsSink`; a path another recorder uses, or holding an unrecovered
         run, is refused at start); None keeps the run in memory, never on disk (`log()`
         returns it either way).
     config: JSON-able metadata saved with the run (`rung`, `seed`, engine settings...).
@@ -185,19 +185,20 @@ class Recorder:
     gc: time collections with `gc.callbacks` (installed at start, removed at stop).
     nvtx: also open an NVTX range per step and segment (needs the `nvtx` package), in the
         `tracekit` domain, one colour per label; imported at start, only when asked for.
-    device_timer: a `tracekit.device.DeviceTimer` (`CudaEventTimer`, or `FakeDeviceTimer`
+    device_timer: a `tracekit.capture.device.DeviceTimer` (`CudaEventTimer`, or `FakeDeviceTimer`
         in tests): `segment(label, device=True)` then also records the device execution
         window of the launch, resolved lazily; without one it records the host window only.
     clock: a function returning integer ticks (default `time.perf_counter_ns`); pass a fake
         clock in tests. `seconds_per_tick` converts them.
     flush_interval_s: completed rows reach the sinks (the disk) at least this often, while
         the engine steps and while it is idle (crash safety); a part never splits a step.
-    sinks: more `tracekit.sinks.Sink`s to receive every flushed chunk (a live Chrome trace,
+    sinks: more `tracekit.capture.sinks.Sink`s to receive every flushed chunk (a live Chrome trace,
         live metrics); one that raises is logged and detached, the run goes on.
     cause_map: segment label -> cause, on top of the defaults (`swap` -> `preempt`, ...).
     handle_signals: turn SIGTERM into a clean stop, and keep it and Ctrl-C (SIGINT, still
         a KeyboardInterrupt) from being lost in a GC pause or a flush (re-sent once those
-        end); installed at start and restored at stop, main thread only (`tracekit.signals`).
+        end); installed at start and restored at stop, main thread only
+        (`tracekit.capture.signals`).
 
     A recorder belongs to the process that started it: in a forked child it is switched off
     (the child neither records into the parent's run nor stops it).
@@ -508,7 +509,7 @@ class Recorder:
 
         Works from any thread; a window outside a step is recorded with step -1.
         `device=True`: the body launches device work; with a device timer its execution
-        window is recorded too (is_device=1, see `tracekit.device`), without one only the
+        window is recorded too (is_device=1, see `tracekit.capture.device`), without one only the
         host window is."""
         if not self.enabled:
             return _NullSegment
@@ -710,7 +711,7 @@ class Recorder:
 
     def wait(self, request_ids: Iterable[Any], reason: str) -> None:
         """The open step's scheduler left `request_ids` waiting because of `reason`, one
-        of `tracekit.rawlog.WAIT_REASONS` (`kv_blocks`, `max_num_seqs`, `token_budget`,
+        of `tracekit.log.rawlog.WAIT_REASONS` (`kv_blocks`, `max_num_seqs`, `token_budget`,
         `preempted_first`, `other`)."""
         if not self.enabled:
             return
@@ -758,7 +759,7 @@ class Recorder:
     # -- gc --------------------------------------------------------------------------
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            signals.IN_GC[0] = True  # first, before any call: see tracekit.signals
+            signals.IN_GC[0] = True  # first, before any call: see tracekit.capture.signals
             self._gc_t0 = self._clock()
         else:
             try:
@@ -779,7 +780,7 @@ class Recorder:
         dev = self._device
         if poll_device and dev is not None and dev._pending and stop_tick is None:
             dev.poll(self._append_device_window)
-        signals.IN_FLUSH[0] += 1  # from the swap until the hand-over: see tracekit.signals
+        signals.IN_FLUSH[0] += 1  # from the swap until the hand-over: see tracekit.capture.signals
         try:
             with self._lock:  # hand-overs in swap order: chunks name request ids in order
                 buf = self._buf
@@ -839,7 +840,7 @@ class _NullSegmentType:
 _NullSegment = _NullSegmentType()
 
 
-#: The collection and flush flags (`tracekit.signals`), under their old names.
+#: The collection and flush flags (`tracekit.capture.signals`), under their old names.
 _IN_GC = signals.IN_GC
 _IN_FLUSH = signals.IN_FLUSH
 

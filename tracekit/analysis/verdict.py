@@ -25,8 +25,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .compare import Comparison, GroupSummary, Spread
-from .labels import NON_CAUSES
+from tracekit.analysis.compare import Comparison, GroupSummary, Spread
+from tracekit.labels import NON_CAUSES
 
 #: Runs of a group "disagree" when their largest p99.9 is at least this many times their
 #: smallest: a 2x spread is larger than any rung-to-rung change but the biggest ones.

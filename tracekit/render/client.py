@@ -1,6 +1,6 @@
 """The client boundary of a merged server run, rendered: a terminal block and a
 self-contained HTML section (plain tables, no script). Consumes `RunAnalysis.client`
-(`tracekit.frontend.client_summary`); analyses nothing itself."""
+(`tracekit.attribution.client.client_summary`); analyses nothing itself."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from .partition import Partition, partition
-from .rawlog import RawLog
+from tracekit.attribution.itl import Partition, partition
+from tracekit.log.rawlog import RawLog
 
 
 def gap_records(
@@ -29,7 +29,7 @@ def gap_records(
     ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
     if request_id is not None:
         if request_id not in ids:
-            from .errors import LogError
+            from tracekit.errors import LogError
 
             raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
         sel &= p.request == ids.index(request_id)

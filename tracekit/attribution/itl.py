@@ -57,9 +57,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .errors import ReconcileError
-from .labels import NON_CAUSES, cause_of, partition_labels, precedence
-from .rawlog import GRAPH_EAGER, RawLog
+from tracekit.errors import ReconcileError
+from tracekit.labels import NON_CAUSES, cause_of, partition_labels, precedence
+from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 
 #: A gap whose parts miss its length by more than this is a bug (float rounding is ~1e-12).
 RECONCILE_TOL_MS = 1e-6

@@ -43,9 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ReconcileError
-from .labels import cause_of, precedence
-from .partition import (
+from tracekit.attribution.itl import (
     RECONCILE_TOL_MS,
     _build_timeline,
     _decode_net_ms,
@@ -53,8 +51,10 @@ from .partition import (
     fit_baseline,
     segment_causes,
 )
-from .partition import primary_of as _primary_of
-from .rawlog import WAIT_REASONS, RawLog
+from tracekit.attribution.itl import primary_of as _primary_of
+from tracekit.errors import ReconcileError
+from tracekit.labels import cause_of, precedence
+from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
 #: The phases of a TTFT window, in display order (they sum to the TTFT).
 PHASES: tuple[str, ...] = ("queued", "prefilling", "evicted", "unsplit")
@@ -626,7 +626,7 @@ def ttft_figures(p: TtftPartition) -> TtftFigures:
 
 def ttft_records(log: RawLog, p: TtftPartition | None = None, *, min_ms: float | None = None,
                  request_id: str | None = None) -> list[dict]:  # fmt: skip
-    """One dict per request (as `tracekit.gaps.gap_records` for gaps): request id, arrival,
+    """One dict per request (as `tracekit.analysis.gaps.gap_records` for gaps): request id, arrival,
     admission (null: unsplit), first token (s, engine clock), ttft_ms, phases and parts
     (ms; each sums to ttft_ms), context (what ran while held or evicted), primary."""
     p = p if p is not None else ttft_partition(log)
@@ -636,7 +636,7 @@ def ttft_records(log: RawLog, p: TtftPartition | None = None, *, min_ms: float |
         sel &= p.ttft_ms >= min_ms
     if request_id is not None:
         if request_id not in ids:
-            from .errors import LogError
+            from tracekit.errors import LogError
 
             raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
         sel &= p.request == ids.index(request_id)

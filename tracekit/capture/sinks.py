@@ -3,7 +3,7 @@
 The recorder appends rows to flat buffers on the engine's threads; at each flush it swaps
 the buffers and hands them to a dispatcher thread, which builds one *chunk* and calls
 `write(chunk)` on every sink, never on the engine thread. A chunk is a dict of numpy
-arrays: for each table of `tracekit.stream.TABLE_COLS` a flat int64 array of rows
+arrays: for each table of `tracekit.log.parts.TABLE_COLS` a flat int64 array of rows
 (counters float64), plus ``labels``, ``counter_names``, ``request_ids`` (the ids new since
 the previous chunk, starting at index ``request_ids_start``), ``config`` (JSON),
 ``flush_tick``, ``t0_tick``, ``seconds_per_tick`` and, on the last chunk, ``stop_tick``.
@@ -39,8 +39,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from .rawlog import RawLog
-from .stream import (
+from tracekit.log.parts import (
     EVICT,
     LOCK_NAME,
     READMIT,
@@ -54,6 +53,7 @@ from .stream import (
     parts_dir_for,
     write_part,
 )
+from tracekit.log.rawlog import RawLog
 
 logger = logging.getLogger("tracekit")
 
@@ -117,7 +117,7 @@ def build_chunk(flushes: list[Flush], t0_tick: int, seconds_per_tick: float) -> 
 
 
 def _jsonable(obj: Any) -> Any:
-    from .formats import json_safe as impl
+    from tracekit.formats import json_safe as impl
 
     return impl(obj)
 
@@ -270,7 +270,7 @@ class PartsSink:
         self._meta: dict[str, Any] = {}
 
     def open(self, meta: Mapping[str, Any]) -> None:
-        from .fsio import atomic_write
+        from tracekit.fsio import atomic_write
 
         self._meta = dict(meta)
         os.makedirs(os.path.dirname(os.path.abspath(self.dir)), exist_ok=True)
@@ -392,7 +392,7 @@ def _read_small(path: str) -> str | None:
 
 class MemorySink:
     """Keeps the chunks in memory and merges them at close (the same merge as parts on
-    disk, `tracekit.stream.merge_chunks`); `log` is the run afterwards."""
+    disk, `tracekit.log.parts.merge_chunks`); `log` is the run afterwards."""
 
     def __init__(self) -> None:
         self.log: RawLog | None = None
@@ -447,7 +447,7 @@ class ChromeTraceSink:
         self._has_evict = np.zeros(0, dtype=bool)
 
     def open(self, meta: Mapping[str, Any]) -> None:
-        from .render import perfetto as pf
+        from tracekit.render import perfetto as pf
 
         self._t0 = int(meta["t0_tick"])
         self._us_per_tick = float(meta["seconds_per_tick"]) * 1e6
@@ -495,7 +495,7 @@ class ChromeTraceSink:
 
     def chunk_events(self, chunk: Mapping[str, np.ndarray]) -> np.ndarray:
         """The chunk's events, one JSON text each, as a numpy string array."""
-        from .render import perfetto as pf
+        from tracekit.render import perfetto as pf
 
         self._labels = [str(x) for x in np.asarray(chunk.get("labels", self._labels))]
         counter_names = [str(x) for x in np.asarray(chunk.get("counter_names", []))]
@@ -623,7 +623,7 @@ class ChromeTraceSink:
 
     def _emissions(self, em: np.ndarray, out: list[np.ndarray]) -> list[str]:
         """Per request, a ``gap`` slice from each emission to the next (across chunks)."""
-        from .render import perfetto as pf
+        from tracekit.render import perfetto as pf
 
         em = em[em[:, 0] >= 0]
         if not len(em):
@@ -673,7 +673,7 @@ class ChromeTraceSink:
 
     def _evictions(self, ev: np.ndarray, out: list[np.ndarray]) -> list[str]:
         """Per request, an ``evicted`` slice from each eviction to its readmission."""
-        from .render import perfetto as pf
+        from tracekit.render import perfetto as pf
 
         ev = ev[ev[:, 0] >= 0]
         if not len(ev):

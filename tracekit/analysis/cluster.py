@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import TracekitError
+from tracekit.errors import TracekitError
 
 #: `--ray` with no address: start a local Ray for this call.
 LOCAL = ""

@@ -7,7 +7,7 @@ OpenTelemetry spans (the `live` extra: prometheus-client, opentelemetry-sdk).
     attach(rec, live)                              # open at start, every flush, close at stop
 
 `LiveMetrics` is a recorder sink: ``open(meta)`` at start, ``write(chunk)`` once per flush
-(the flat rows the recorder flushed, see `tracekit.stream.TABLE_COLS`), ``close(final)`` at
+(the flat rows the recorder flushed, see `tracekit.log.parts.TABLE_COLS`), ``close(final)`` at
 stop. ``write`` only queues the chunk; one background thread partitions and exports, so
 the engine never waits on it, nor on a scraper (the HTTP server has threads of its own).
 
@@ -18,7 +18,7 @@ a gap is *settled* (partitioned and exported) only once its closing emission is 
 the latest flush by `hold_s`: a window that was open for less than `hold_s` has arrived by
 then. A window open longer than that arrives *late*: it is counted in
 ``tracekit_live_late_rows_total`` (and logged once), and the gaps it overlapped were
-exported without it. Each settlement runs `tracekit.partition.partition` on a bounded
+exported without it. Each settlement runs `tracekit.attribution.itl.partition` on a bounded
 window of rows: the settled gaps' first emissions (one carried row per request) to the
 watermark, and the rows overlapping that span, nothing older.
 
@@ -68,10 +68,11 @@ from typing import Any
 
 import numpy as np
 
-from .analysis import HIST_EDGES_MS
-from .labels import DEFAULT_CAUSE_MAP, STANDARD_LABELS, cause_of
-from .partition import CLEAN, fit_baseline, partition, primary_of
-from .rawlog import (
+from tracekit.analysis.figures import HIST_EDGES_MS
+from tracekit.attribution.itl import CLEAN, fit_baseline, partition, primary_of
+from tracekit.labels import DEFAULT_CAUSE_MAP, STANDARD_LABELS, cause_of
+from tracekit.log.parts import TABLE_COLS, UNKNOWN_TICK, _pair_evictions
+from tracekit.log.rawlog import (
     GRAPH_EAGER,
     Counters,
     Emissions,
@@ -81,7 +82,6 @@ from .rawlog import (
     Segments,
     Steps,
 )
-from .stream import TABLE_COLS, UNKNOWN_TICK, _pair_evictions
 
 log = logging.getLogger("tracekit.live")
 
@@ -197,7 +197,7 @@ class LiveMetrics:
     refit_s: how often (engine clock) the running graph total is re-evaluated over every
         eager step under the line fitted so far (between, new gaps add their estimates).
     ttft_partitioner: ``f(window: RawLog, requests: np.ndarray) -> (labels, parts_ms)``,
-        the TTFT partition by cause (``tracekit.ttft``) of the given requests (indices)
+        the TTFT partition by cause (``tracekit.attribution.ttft``) of the given requests (indices)
         over a window holding every row from their arrival on (its requests table has each
         request's arrival and first token; its emissions table is empty); exported as
         ``tracekit_ttft_cause_seconds_total{cause}``. None: not exported.
@@ -779,7 +779,7 @@ class LiveMetrics:
         return float(np.dot(frac, self._w.a[idx]))
 
     def _graph_exact(self) -> float:
-        """sum_s frac_s * w_s with `tracekit.partition.fit_baseline` over every step of the
+        """sum_s frac_s * w_s with `tracekit.attribution.itl.fit_baseline` over every step of the
         run (design.md rule 4, the offline fit itself): the exact graph total."""
         n = self._num_settled_steps
         stub = RawLog(

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from .archive import read_npz
-from .errors import LogError
-from .fsio import atomic_open, atomic_write
-from .labels import DEFAULT_CAUSE_MAP
-from .rawlog import (
+from tracekit.errors import LogError
+from tracekit.fsio import atomic_open, atomic_write
+from tracekit.labels import DEFAULT_CAUSE_MAP
+from tracekit.log.archive import read_npz
+from tracekit.log.rawlog import (
     MODE_UNKNOWN,
     Admissions,
     Counters,
@@ -170,7 +170,7 @@ def merge_parts(parts_dir: str, *, final: Mapping[str, Any] | None = None) -> Ra
     warnings: list[str] = []
     parts: list[dict[str, Any]] = []
     for i, p in enumerate(paths):
-        try:  # read the whole part before using any of it (bounded: tracekit.archive)
+        try:  # read the whole part before using any of it (bounded: tracekit.log.archive)
             z, _ = read_npz(p, lambda names: [n for n in names if n in PART_KEYS])
         except Exception as e:
             damaged: BaseException = e
@@ -449,8 +449,8 @@ def recover(
     killed while removing its parts) is refused unless `force`; the merged log is
     validated before anything is written; a folder a live process is still recording into
     is refused."""
-    from .errors import TracekitError
-    from .validate import validate_log
+    from tracekit.errors import TracekitError
+    from tracekit.log.validate import validate_log
 
     parts_dir = parts_dir.rstrip("/") or parts_dir
     if out is None:

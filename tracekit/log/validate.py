@@ -1,6 +1,6 @@
 """Checks a loaded raw log: reject what cannot be analysed, warn about what is odd but usable.
 
-Reading (`tracekit.rawlog.load`) and these checks together decide. docs/input-validation.md
+Reading (`tracekit.log.rawlog.load`) and these checks together decide. docs/input-validation.md
 repeats both lists word for word (a test keeps them in sync).
 
 Rejected (a `LogError` naming file, field and problem; the CLI prints one line, exits 2):
@@ -68,8 +68,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .errors import LogError
-from .rawlog import MODE_RECOMPUTE, MODE_UNKNOWN, WAIT_REASONS, RawLog
+from tracekit.errors import LogError
+from tracekit.log.rawlog import MODE_RECOMPUTE, MODE_UNKNOWN, WAIT_REASONS, RawLog
 
 #: Times further than this from engine start (about 115 days) are rejected as absurd.
 MAX_ABS_TIME_S = 1.0e7
@@ -166,7 +166,7 @@ def validate_log(log: RawLog) -> RawLog:
     _index(log, "emissions", "device_step", n_steps, allow_minus_one=True)
     _index(log, "evictions", "request", n_req)
     _index(log, "counters", "name", len(log.counter_names))
-    # a merged server run's tables (tracekit.merge); empty in every other log
+    # a merged server run's tables (tracekit.log.merge); empty in every other log
     for table, cols in (
         ("proc_segments", ("t_start_s", "t_end_s")),
         ("client_emissions", ("t_s", "t_ready_s")),

@@ -3,7 +3,7 @@ group as the median and [min-max] across its runs.
 
 Runs are the unit of evidence, never pooled gaps: one GC pause stalls every request of a
 batch at once, so a run's ~100k gaps are far from independent. Every figure here is first
-computed per run (`tracekit.analysis.analyze`), then summarised across the runs of a group.
+computed per run (`tracekit.analysis.figures.analyze`), then summarised across the runs of a group.
 
 Pure: `RunAnalysis` objects in, a `Comparison` out. Rendering lives in `tracekit.render`.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from .analysis import RunAnalysis
-from .errors import TracekitError
-from .labels import STANDARD_LABELS
+from tracekit.analysis.figures import RunAnalysis
+from tracekit.errors import TracekitError
+from tracekit.labels import STANDARD_LABELS
 
 #: The per-run figures a comparison summarises: (RunAnalysis attribute, unit).
 FIGURES: tuple[tuple[str, str], ...] = (

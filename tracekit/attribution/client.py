@@ -1,7 +1,7 @@
 """Gaps at the client boundary: between two streamed chunks of a request, partitioned.
 
-A merged server run (`tracekit.merge`) has two boundaries. The engine boundary is where the
-engine core emits tokens (`RawLog.emissions`, partitioned by `tracekit.partition` as for
+A merged server run (`tracekit.log.merge`) has two boundaries. The engine boundary is where the
+engine core emits tokens (`RawLog.emissions`, partitioned by `tracekit.attribution.itl` as for
 any engine). The client boundary is where the API server writes each chunk of a stream
 (`RawLog.client_emissions`): what a streaming client measures. A *client gap* is
 ``[a, b]`` between the writes of two consecutive chunks of one request. Every millisecond
@@ -9,7 +9,7 @@ of it goes to exactly one label:
 
 1. **The engine part** ``[a, x]``, ``x = clip(e, a, b)``, where `e` is when the engine core
    emitted the last token the later chunk carries: until then the token did not exist.
-   It is partitioned by `tracekit.partition` itself, as if ``[a, x]`` were an engine gap of
+   It is partitioned by `tracekit.attribution.itl` itself, as if ``[a, x]`` were an engine gap of
    the request (its evictions, the step whose device work `e` read): the engine labels.
 2. **The frontend part** ``[x, b]``: the token existed, the client did not have it yet. The
    API server's windows (on the run's clock) own it, first match wins:
@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ReconcileError
-from .partition import PRIMARY_MIN_MS, PRIMARY_MIN_SHARE, RECONCILE_TOL_MS, partition
-from .rawlog import Emissions, Evictions, RawLog, Requests
+from tracekit.attribution.itl import PRIMARY_MIN_MS, PRIMARY_MIN_SHARE, RECONCILE_TOL_MS, partition
+from tracekit.errors import ReconcileError
+from tracekit.log.rawlog import Emissions, Evictions, RawLog, Requests
 
 #: Frontend labels, in the order that owns an overlap first.
 FRONTEND_PRECEDENCE = ("frontend_gc", "sse_write", "output", "input")
@@ -299,7 +299,7 @@ def check_client_reconciled(p: ClientPartition, path: str = "") -> ClientPartiti
 def client_partition_reference(log: RawLog) -> ClientPartition:
     """`client_partition` with plain loops: each gap's frontend part cut at every window
     boundary inside it, each piece given to the first window (by precedence) covering it."""
-    from .partition import partition_reference
+    from tracekit.attribution.itl import partition_reference
 
     g = client_gaps(log)
     live = [i for i in range(len(g.a)) if g.x[i] > g.a[i]]
