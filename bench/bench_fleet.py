@@ -50,7 +50,7 @@ from tracekit.allocator import (  # noqa: E402
 from tracekit.analysis.figures import analyze  # noqa: E402
 from tracekit.attribution.itl import partition  # noqa: E402
 from tracekit.log.published import save_published  # noqa: E402
-from tracekit.log.rawlog import load  # noqa: E402
+from tracekit.log.reader import load  # noqa: E402
 from tracekit.log.validate import validate_log  # noqa: E402
 
 BATCH = 32

@@ -22,7 +22,7 @@ from tracekit.analysis.compare import compare  # noqa: E402
 from tracekit.analysis.figures import analyze  # noqa: E402
 from tracekit.analysis.gaps import worst_gaps  # noqa: E402
 from tracekit.attribution.itl import partition  # noqa: E402
-from tracekit.log.rawlog import load  # noqa: E402
+from tracekit.log.reader import load  # noqa: E402
 from tracekit.render.html import ReportRun, render_report  # noqa: E402
 from tracekit.render.perfetto import chrome_trace_events, write_trace  # noqa: E402
 

@@ -225,7 +225,7 @@ def test_analyze_report_and_trace_read_the_directory(served, tmp_path):
 
 def test_sigkilled_parts_rebuild_with_recover_and_merge_keeps_them(served, merged, tmp_path):
     from tracekit.log.parts import recover
-    from tracekit.log.rawlog import load
+    from tracekit.log.reader import load
 
     core = next(p for p in merged.meta["processes"] if p["role"] == "engine_core")
     copy = str(tmp_path / "core.npz.parts")

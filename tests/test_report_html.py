@@ -54,7 +54,7 @@ def report_path(raw_runs, tmp_path_factory):
 
 def stub_page(runs_paths) -> str:
     """The page with a stub instead of plotly.js, so it is all ours to inspect."""
-    from tracekit.log.rawlog import load
+    from tracekit.log.reader import load
 
     runs = []
     for p in runs_paths:

@@ -7,7 +7,8 @@ and across runs (`analyze`, the `tracekit` CLI).
 
 from tracekit.capture.recorder import Recorder
 from tracekit.errors import InternalError, LogError, ReconcileError, TracekitError, UsageError
-from tracekit.log.rawlog import RawLog, load
+from tracekit.log.rawlog import RawLog
+from tracekit.log.reader import load
 
 __version__ = "0.1.0"
 

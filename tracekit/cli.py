@@ -156,7 +156,7 @@ def _limits() -> dict[str, Any]:
 def _load(path: str, **limits: Any) -> Any:
     """A raw log, or the run merged from a directory of per-process logs (`tracekit merge`)."""
     from tracekit.log.merge import is_process_dir, merge_dir
-    from tracekit.log.rawlog import load
+    from tracekit.log.reader import load
 
     if is_process_dir(path):
         return merge_dir(path)
@@ -381,7 +381,7 @@ def ttft(
     published layout) is unsplit: the output says so.
     """
     from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
-    from tracekit.log.rawlog import load
+    from tracekit.log.reader import load
     from tracekit.render import text
 
     log = load(run)
@@ -415,7 +415,7 @@ def ttft(
 @_read_limits
 def check(runs: tuple[str, ...]) -> None:
     """Validate raw logs without analysing them: one line per file, exit 2 if any is bad."""
-    from tracekit.log.rawlog import load
+    from tracekit.log.reader import load
 
     bad = 0
     for path in _expand(runs):
@@ -445,7 +445,7 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
     stop writes. Everything flushed before the interruption is kept. An existing RUN.npz
     (or -o file) is never replaced without --force; the parts are validated first."""
     from tracekit.log.parts import recover as do_recover
-    from tracekit.log.rawlog import load
+    from tracekit.log.reader import load
 
     if not os.path.isdir(parts_dir):
         _fail(f"{parts_dir}: not a parts folder (expected RUN.npz.parts/ left by a recorder)")

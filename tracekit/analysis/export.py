@@ -178,7 +178,7 @@ def export_one(path: str, run_id: str, root: str, keys: Sequence[str]) -> Export
     from tracekit.allocator import keep_freed_memory
     from tracekit.analysis.figures import analyze
     from tracekit.attribution.itl import partition
-    from tracekit.log.rawlog import load
+    from tracekit.log.reader import load
 
     keep_freed_memory()
     log = load(path)

@@ -15,11 +15,14 @@ and an absolute cap; ``--max-inflate-mb`` or ``TRACEKIT_MAX_INFLATE_MB`` raises 
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import stat
 import zipfile
 from collections.abc import Callable, Collection
+from typing import Any
 
 import numpy as np
 
@@ -203,3 +206,82 @@ def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str
 def short(e: BaseException) -> str:
     s = str(e).splitlines()[0] if str(e) else type(e).__name__
     return s[:160]
+
+
+# -- typed members: what a decoder of a layout asks of the arrays it read ----------------
+
+
+def scalar_str(path: str, arrays: dict[str, np.ndarray], key: str) -> str:
+    a = arrays.get(key)
+    if a is None:
+        raise LogError(path, key, "missing")
+    if a.shape != () or a.dtype.kind != "U":
+        raise LogError(path, key, f"expected a string scalar, got {a.dtype} {a.shape}")
+    return str(a[()])
+
+
+def json_member(path: str, arrays: dict[str, np.ndarray], key: str, default: Any = None) -> Any:
+    if key not in arrays and default is not None:
+        return default
+    s = scalar_str(path, arrays, key)
+    try:
+        return clean_strings(json.loads(s))
+    except json.JSONDecodeError as e:
+        raise LogError(path, key, f"not valid JSON ({e.msg} at char {e.pos})") from None
+    except (ValueError, RecursionError) as e:  # 5000-digit integers, 100,000 nested lists
+        raise LogError(path, key, f"not usable JSON ({short(e)})") from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_strings(obj: Any) -> Any:
+    """Strings from a log as valid Unicode: lone surrogates (which no terminal or file can
+    encode) become U+FFFD. Everything else is kept as it is."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+            return obj
+        except UnicodeEncodeError:
+            return _SURROGATE.sub("\ufffd", obj)
+    if isinstance(obj, dict):
+        return {clean_strings(k): clean_strings(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clean_strings(v) for v in obj]
+    return obj
+
+
+def str_list(path: str, arrays: dict[str, np.ndarray], key: str) -> tuple[str, ...]:
+    a = arrays.get(key)
+    if a is None:
+        return ()
+    if a.ndim != 1 or (a.size and a.dtype.kind != "U"):
+        raise LogError(path, key, f"expected a 1-D array of strings, got {a.dtype} {a.shape}")
+    return tuple(clean_strings(str(x)) for x in a)
+
+
+def column(path: str, arrays: dict[str, np.ndarray], key: str, dtype: Any) -> np.ndarray:
+    a = arrays.get(key)
+    if a is None:
+        raise LogError(path, key, "missing")
+    if a.ndim != 1:
+        raise LogError(path, key, f"expected a 1-D column, got shape {a.shape}")
+    if a.dtype.kind not in "biuf":
+        raise LogError(path, key, f"expected numbers, got dtype {a.dtype}")
+    if np.dtype(dtype).kind in "iu":
+        check_ints(path, key, a, np.dtype(dtype))
+    return a.astype(dtype, copy=False)
+
+
+def check_ints(path: str, key: str, a: np.ndarray, dtype: np.dtype, name: str = "") -> None:
+    """Refuse what would not survive the cast to `dtype` unchanged (NaN, 0.5, 1e19, 300 for
+    an int8): numpy would wrap it silently or with a RuntimeWarning, never an error."""
+    what = f"column {name}: " if name else ""
+    if a.dtype.kind == "f" and (not np.all(np.isfinite(a)) or np.any(a != np.round(a))):
+        raise LogError(path, key, f"{what}expected integers, got non-integral floats")
+    info = np.iinfo(dtype)
+    if a.size and (a.max() > info.max or a.min() < info.min):
+        # float 2**63 compares equal to int64 max + 1: compare in float, with margin
+        raise LogError(path, key, f"{what}value out of range for {dtype}")
+    if a.dtype.kind == "f" and a.size and max(abs(float(a.max())), abs(float(a.min()))) >= 2.0**63:
+        raise LogError(path, key, f"{what}value out of range for {dtype}")

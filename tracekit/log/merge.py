@@ -52,7 +52,8 @@ import numpy as np
 
 from tracekit.errors import LogError
 from tracekit.log.parts import PARTS_SUFFIX, merge_parts
-from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcSegments, RawLog, Requests, load
+from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcSegments, RawLog, Requests
+from tracekit.log.reader import load
 
 FRONT_SEP = "\x1f"
 SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"

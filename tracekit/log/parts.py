@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.errors import LogError
+from tracekit.errors import LogError, TracekitError
 from tracekit.fsio import atomic_open, atomic_write
 from tracekit.labels import DEFAULT_CAUSE_MAP
 from tracekit.log.archive import read_npz
@@ -43,6 +43,7 @@ from tracekit.log.rawlog import (
     Steps,
     Waits,
 )
+from tracekit.log.validate import validate_log
 
 # Row layouts of the recorder's flat buffers (all int64 ticks and ids, counters float64).
 STEP_COLS = ("t0", "t1", "num_decode", "num_prefill_tokens", "graph_size", "preempted", "swapped")
@@ -449,9 +450,6 @@ def recover(
     killed while removing its parts) is refused unless `force`; the merged log is
     validated before anything is written; a folder a live process is still recording into
     is refused."""
-    from tracekit.errors import TracekitError
-    from tracekit.log.validate import validate_log
-
     parts_dir = parts_dir.rstrip("/") or parts_dir
     if out is None:
         out = (

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 
 from tracekit.errors import LogError
+from tracekit.fsio import atomic_open
 from tracekit.labels import DEFAULT_CAUSE_MAP
+from tracekit.log.archive import check_ints, json_member
 from tracekit.log.rawlog import (
     MODE_SWAP,
     Emissions,
@@ -28,8 +30,6 @@ from tracekit.log.rawlog import (
     Requests,
     Segments,
     Steps,
-    _check_ints,
-    _json,
 )
 
 PUBLISHED_ARRAYS = {
@@ -63,7 +63,7 @@ def _published_array(path: str, arrays: dict[str, np.ndarray], key: str) -> np.n
 
 
 def _int_col(path: str, key: str, col: np.ndarray, name: str) -> np.ndarray:
-    _check_ints(path, key, col, np.dtype(np.int64), name)
+    check_ints(path, key, col, np.dtype(np.int64), name)
     return col.astype(np.int64)
 
 
@@ -71,7 +71,7 @@ def _ints(path: str, key: str, a: np.ndarray, names: dict[int, str]) -> np.ndarr
     """`a`, once its integer columns (index -> the layout's column name) are checked to
     hold integers that fit int64."""
     for j, name in names.items():
-        _check_ints(path, key, a[:, j], np.dtype(np.int64), name)
+        check_ints(path, key, a[:, j], np.dtype(np.int64), name)
     return a
 
 
@@ -130,7 +130,7 @@ def from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         raise LogError(path, "wall", "missing or not a number")
     config: dict[str, Any] = {}
     if "config" in arrays:
-        config = _json(path, arrays, "config")
+        config = json_member(path, arrays, "config")
         if not isinstance(config, dict):
             raise LogError(path, "config", "expected a JSON object")
     extras = {k: a for k, a in arrays.items() if k == "trace"}
@@ -159,8 +159,6 @@ def save_published(
     numeric ids ``first_id, first_id + 1, ...`` in table order; segment labels must be the
     layout's four (``tok swap prefill decode``); what the layout has no place for (threads,
     device windows, counters, TTFT events) is left out."""
-    from tracekit.fsio import atomic_open
-
     unknown = sorted(set(log.labels) - set(PUBLISHED_SEG_LABELS))
     if unknown:
         raise ValueError(f"labels {unknown} have no code in the published layout")

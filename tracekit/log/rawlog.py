@@ -28,20 +28,19 @@ what is only warned about: `tracekit.log.validate`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
-from tracekit.errors import LogError, UsageError, one_line
+from tracekit.errors import LogError, one_line
 from tracekit.formats import json_safe
+from tracekit.fsio import atomic_open
 from tracekit.labels import DEFAULT_CAUSE_MAP
-from tracekit.log.archive import read_npz, short
+from tracekit.log.archive import column, json_member, scalar_str, str_list
 
 SCHEMA = "tracekit.rawlog"
 SCHEMA_VERSION = 2
@@ -419,8 +418,6 @@ class RawLog:
             arrays[f"extra.{k}"] = np.asarray(v)
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
-        from tracekit.fsio import atomic_open
-
         with atomic_open(path) as fh:
             np.savez(fh, **arrays)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
         return path
@@ -436,209 +433,12 @@ V1_COLUMNS = frozenset(f"{t}.{c}" for t, cls in TABLES.items() for c in cls.DTYP
 V1_MEMBERS = V1_SCALARS | V1_COLUMNS
 
 
-#: The default longest label, cause, counter name or request id kept whole at load.
-MAX_NAME_CHARS = 1000
-#: environment variable that changes it
-NAME_CHARS_ENV = "TRACEKIT_MAX_LABEL_CHARS"
-
-
-def load(
-    path: str | os.PathLike[str],
-    *,
-    validate: bool = True,
-    max_inflate_mb: float | None = None,
-    max_label_chars: int | None = None,
-) -> RawLog:
-    """Read a raw log (v1 or the published layout). Raises `LogError` naming file and field.
-
-    Reading is bounded by the file: `max_inflate_mb` (default: `tracekit.log.archive`'s limit
-    proportional to the file size) bounds what its arrays may inflate to, and names longer
-    than `max_label_chars` (default `MAX_NAME_CHARS`, or $TRACEKIT_MAX_LABEL_CHARS) are
-    shortened, with a warning, so that no output repeats a huge string per gap."""
-    from tracekit.log.published import from_published
-
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise LogError(path, "file", "does not exist")
-    if os.path.isdir(path):
-        hint = f"`tracekit recover {path}` merges it into one .npz"
-        if not os.path.exists(os.path.join(path, "meta.json")):
-            hint = "expected a raw log .npz"
-        raise LogError(path, "file", f"is a directory (an interrupted run's parts? {hint})")
-    arrays, ignored = read_npz(path, _layout_members, max_inflate_mb=max_inflate_mb)
-    if "schema" in arrays:
-        log = _from_v1(path, arrays)
-    elif "steps" in arrays or "segs" in arrays:
-        log = from_published(path, arrays)
-    else:
-        raise LogError(
-            path, "schema", "no 'schema' array and not the published layout: not a tracekit log"
-        )
-    if ignored:
-        shown = ", ".join(repr(n) for n in ignored[:5]) + (", ..." if len(ignored) > 5 else "")
-        log = replace(
-            log,
-            warnings=(*log.warnings, f"ignored {len(ignored)} unknown archive member(s): {shown}"),
-        )
-    log = _shorten_names(log, _max_name_chars(max_label_chars))
-    if validate:
-        from tracekit.log.validate import validate_log
-
-        log = validate_log(log)
-    return log
-
-
-def _max_name_chars(given: int | None) -> int:
-    what, value = "max_label_chars", given
-    if value is None:
-        env = os.environ.get(NAME_CHARS_ENV, "").strip()
-        if not env:
-            return MAX_NAME_CHARS
-        what = f"${NAME_CHARS_ENV}"
-        try:
-            value = int(env)
-        except ValueError:
-            raise UsageError(f"{what}={env!r}: expected a whole number of characters") from None
-    if value < 1:
-        raise UsageError(f"{what}={value!r}: expected at least 1 character")
-    return value
-
-
-def shorten_name(name: str, max_chars: int) -> str:
-    """`name` if it has at most `max_chars` characters, else its first `max_chars` followed
-    by its length and a hash: deterministic (a label and its cause_map key shorten alike)
-    and distinct for distinct names (two long labels sharing a prefix stay two)."""
-    if len(name) <= max_chars:
-        return name
-    digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
-    return f"{name[:max_chars]}...[{len(name)} chars, sha1 {digest}]"
-
-
-def _shorten_names(log: RawLog, max_chars: int) -> RawLog:
-    """The log with over-long labels, causes, counter names and request ids shortened."""
-    long_fields = [
-        f
-        for f, names in (
-            ("labels", log.labels),
-            ("request_ids", log.request_ids),
-            ("counter_names", log.counter_names),
-            ("cause_map", [*log.cause_map, *log.cause_map.values()]),
-        )
-        if any(len(n) > max_chars for n in names)
-    ]
-    if not long_fields:
-        return log
-
-    def cut(names: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(shorten_name(n, max_chars) for n in names)
-
-    return replace(
-        log,
-        labels=cut(log.labels),
-        request_ids=cut(log.request_ids),
-        counter_names=cut(log.counter_names),
-        cause_map={
-            shorten_name(k, max_chars): shorten_name(v, max_chars) for k, v in log.cause_map.items()
-        },
-        warnings=(
-            *log.warnings,
-            f"{', '.join(long_fields)}: names longer than {max_chars} characters shortened "
-            f"(--max-label-chars or ${NAME_CHARS_ENV} keeps more)",
-        ),
-    )
-
-
-def _layout_members(keys: Collection[str]) -> set[str]:
-    """The archive members a log's layout defines: v1 (with its ``extra.*``) or published."""
-    from tracekit.log.published import PUBLISHED_MEMBERS
-
-    if "schema" in keys:
-        return {k for k in keys if k in V1_MEMBERS or k.startswith("extra.")}
-    return {k for k in keys if k in PUBLISHED_MEMBERS}
-
-
-def _scalar_str(path: str, arrays: dict[str, np.ndarray], key: str) -> str:
-    a = arrays.get(key)
-    if a is None:
-        raise LogError(path, key, "missing")
-    if a.shape != () or a.dtype.kind != "U":
-        raise LogError(path, key, f"expected a string scalar, got {a.dtype} {a.shape}")
-    return str(a[()])
-
-
-def _json(path: str, arrays: dict[str, np.ndarray], key: str, default: Any = None) -> Any:
-    if key not in arrays and default is not None:
-        return default
-    s = _scalar_str(path, arrays, key)
-    try:
-        return _clean_strings(json.loads(s))
-    except json.JSONDecodeError as e:
-        raise LogError(path, key, f"not valid JSON ({e.msg} at char {e.pos})") from None
-    except (ValueError, RecursionError) as e:  # 5000-digit integers, 100,000 nested lists
-        raise LogError(path, key, f"not usable JSON ({short(e)})") from None
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _clean_strings(obj: Any) -> Any:
-    """Strings from a log as valid Unicode: lone surrogates (which no terminal or file can
-    encode) become U+FFFD. Everything else is kept as it is."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-            return obj
-        except UnicodeEncodeError:
-            return _SURROGATE.sub("\ufffd", obj)
-    if isinstance(obj, dict):
-        return {_clean_strings(k): _clean_strings(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean_strings(v) for v in obj]
-    return obj
-
-
-def _str_list(path: str, arrays: dict[str, np.ndarray], key: str) -> tuple[str, ...]:
-    a = arrays.get(key)
-    if a is None:
-        return ()
-    if a.ndim != 1 or (a.size and a.dtype.kind != "U"):
-        raise LogError(path, key, f"expected a 1-D array of strings, got {a.dtype} {a.shape}")
-    return tuple(_clean_strings(str(x)) for x in a)
-
-
-def _column(path: str, arrays: dict[str, np.ndarray], key: str, dtype: Any) -> np.ndarray:
-    a = arrays.get(key)
-    if a is None:
-        raise LogError(path, key, "missing")
-    if a.ndim != 1:
-        raise LogError(path, key, f"expected a 1-D column, got shape {a.shape}")
-    if a.dtype.kind not in "biuf":
-        raise LogError(path, key, f"expected numbers, got dtype {a.dtype}")
-    if np.dtype(dtype).kind in "iu":
-        _check_ints(path, key, a, np.dtype(dtype))
-    return a.astype(dtype, copy=False)
-
-
-def _check_ints(path: str, key: str, a: np.ndarray, dtype: np.dtype, name: str = "") -> None:
-    """Refuse what would not survive the cast to `dtype` unchanged (NaN, 0.5, 1e19, 300 for
-    an int8): numpy would wrap it silently or with a RuntimeWarning, never an error."""
-    what = f"column {name}: " if name else ""
-    if a.dtype.kind == "f" and (not np.all(np.isfinite(a)) or np.any(a != np.round(a))):
-        raise LogError(path, key, f"{what}expected integers, got non-integral floats")
-    info = np.iinfo(dtype)
-    if a.size and (a.max() > info.max or a.min() < info.min):
-        # float 2**63 compares equal to int64 max + 1: compare in float, with margin
-        raise LogError(path, key, f"{what}value out of range for {dtype}")
-    if a.dtype.kind == "f" and a.size and max(abs(float(a.max())), abs(float(a.min()))) >= 2.0**63:
-        raise LogError(path, key, f"{what}value out of range for {dtype}")
-
-
 #: Columns a v1 log may lack (each table's dataclass gives their default).
 OPTIONAL_COLUMNS = frozenset({"emissions.device_step"})
 
 
-def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
-    schema = _scalar_str(path, arrays, "schema")
+def from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
+    schema = scalar_str(path, arrays, "schema")
     if schema != SCHEMA:
         raise LogError(path, "schema", f"is {schema!r}, expected {SCHEMA!r}")
     v = arrays.get("schema_version")
@@ -660,7 +460,7 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
             tables[tname] = cls.empty()  # optional as a whole table
             continue
         cols = {
-            c: _column(path, arrays, f"{tname}.{c}", dt)
+            c: column(path, arrays, f"{tname}.{c}", dt)
             for c, dt in cls.DTYPES.items()
             if f"{tname}.{c}" not in OPTIONAL_COLUMNS or f"{tname}.{c}" in arrays
         }
@@ -672,9 +472,9 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     wall = arrays.get("wall_s")
     if wall is None or wall.shape != () or wall.dtype.kind not in "iuf":
         raise LogError(path, "wall_s", "missing or not a number")
-    cause_map = _json(path, arrays, "cause_map", default=dict(DEFAULT_CAUSE_MAP))
-    config = _json(path, arrays, "config", default={})
-    meta = _json(path, arrays, "meta", default={})
+    cause_map = json_member(path, arrays, "cause_map", default=dict(DEFAULT_CAUSE_MAP))
+    config = json_member(path, arrays, "config", default={})
+    meta = json_member(path, arrays, "meta", default={})
     for key, val in (("cause_map", cause_map), ("config", config), ("meta", meta)):
         if not isinstance(val, dict):
             raise LogError(path, key, f"expected a JSON object, got {type(val).__name__}")
@@ -692,9 +492,9 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         warnings += [one_line(str(w))[:300] for w in noted[:20]]
     return RawLog(
         **tables,  # type: ignore[arg-type]
-        labels=_str_list(path, arrays, "labels"),
-        request_ids=_str_list(path, arrays, "request_ids"),
-        counter_names=_str_list(path, arrays, "counter_names"),
+        labels=str_list(path, arrays, "labels"),
+        request_ids=str_list(path, arrays, "request_ids"),
+        counter_names=str_list(path, arrays, "counter_names"),
         cause_map=cause_map,
         config=config,
         wall_s=float(wall),
@@ -707,7 +507,7 @@ def _from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
 
 def _check_wait_reasons(path: str, arrays: dict[str, np.ndarray]) -> None:
     """A v2 log names its wait-reason codes; they must be the ones this tracekit knows."""
-    names = _str_list(path, arrays, "wait_reasons")
+    names = str_list(path, arrays, "wait_reasons")
     if names and names != WAIT_REASONS[: len(names)]:
         raise LogError(
             path,

@@ -1,6 +1,6 @@
 """Checks a loaded raw log: reject what cannot be analysed, warn about what is odd but usable.
 
-Reading (`tracekit.log.rawlog.load`) and these checks together decide. docs/input-validation.md
+Reading (`tracekit.log.reader.load`) and these checks together decide. docs/input-validation.md
 repeats both lists word for word (a test keeps them in sync).
 
 Rejected (a `LogError` naming file, field and problem; the CLI prints one line, exits 2):
