@@ -30,15 +30,16 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
-from tracekit import __version__
 from tracekit.analysis.compare import FIGURES, Comparison
 from tracekit.analysis.figures import RunAnalysis
 from tracekit.analysis.verdict import Verdict
 from tracekit.formats import json_safe, num
 from tracekit.labels import colour
 from tracekit.render import text
+from tracekit.version import __version__
 
 #: Colours that are not labels: the two sides of the forward-share and TTFT charts.
 _INK = "#333333"
@@ -773,43 +774,13 @@ def worst_stalls_html(name: str, records: Sequence[Mapping[str, Any]], open_: bo
 
 # -- the page ---------------------------------------------------------------------------
 
-_CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:16px;
-color:#222;max-width:1000px}
-.tw{overflow-x:auto;max-width:100%}
-#tk-verdict{background:#f7f9fb;border:1px solid #dde3ea;border-radius:4px;padding:2px 14px 8px}
-ul.verdict{font-size:14px;line-height:1.45} ul.caveats{font-size:13px;color:#7a4b00}
-h3{font-size:14px;margin:10px 0 4px}
-h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
-p.note,.note{color:#666;font-size:12px;margin:4px 0}
-table{border-collapse:collapse;font-size:12px;margin:6px 0 12px}
-th,td{padding:3px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top}
-th:first-child,td:first-child{text-align:left}
-table.worst td:nth-child(n+3),table.steps td:last-child{text-align:left}
-thead th{background:#f6f6f6}
-.sw{display:inline-block;width:10px;height:10px;margin-right:4px;border-radius:2px}
-.bar{display:flex;width:260px;height:12px;background:#f2f2f2;margin-bottom:3px}
-.bar span{display:block;height:12px}
-.chart{width:100%;min-height:260px}
-ul{font-size:12px}
-summary{cursor:pointer;font-weight:600;margin:6px 0}
-code{background:#f4f4f4;padding:0 3px}
-"""
+def _asset(name: str) -> str:
+    """A file of the page's own CSS or JS, shipped beside this module (`assets/`)."""
+    return (resources.files("tracekit.render") / "assets" / name).read_text(encoding="utf-8")
 
-_LOADER = """
-(function(){
-  var figs = JSON.parse(document.getElementById("tk-figures").textContent);
-  var config = JSON.parse(document.getElementById("tk-config").textContent);
-  var ids = Object.keys(figs), done = [];
-  for (var i = 0; i < ids.length; i++) {
-    var f = figs[ids[i]];
-    done.push(Plotly.newPlot(ids[i], f.data, f.layout, config));
-  }
-  Promise.all(done).then(function(){
-    document.body.setAttribute("data-charts", String(ids.length));
-  });
-})();
-"""
+
+_CSS = "\n" + _asset("report.css")  # the page's style sheet
+_LOADER = "\n" + _asset("report.js")  # draws every figure from the JSON in the page
 
 
 def render_report(

@@ -1,0 +1,184 @@
+"""The package's layout is the pipeline: imports point only down the stage order, there are
+no import cycles, no module imports another module's private name, and every reference to
+docs/design.md in a docstring points at a file (and a section) that exists.
+
+The stage order, bottom first (README, "Layout"):
+
+    errors, labels, formats, fsio, allocator, version   small shared modules
+    log          the raw log: model, layouts, reading, validation, parts, merge
+    capture      the recorder, its sinks, signals, device timing
+    attribution  the partitions (ITL, TTFT, client boundary) on one timeline kernel
+    analysis     per-run figures, gaps, compare, verdict, what-if, fleet, export
+    render       text, HTML, Perfetto
+    live         metrics and traces while the engine serves
+    cli          the command line
+
+A module may import its own stage or any stage below it. The check reads the source with
+`ast`, so a function-local import counts like one at the top (where an optional dependency
+needs a local import, it is a third-party module and not checked here).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "tracekit"
+
+STAGES = ("base", "log", "capture", "attribution", "analysis", "render", "live", "cli")
+BASE = {"errors", "labels", "formats", "fsio", "allocator", "version", "__main__"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def stage_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:  # the package itself (its __init__ is the public facade)
+        return "facade"
+    if parts[1] == "__main__":
+        return "cli"
+    if parts[1] in STAGES:
+        return parts[1]
+    if parts[1] in BASE:
+        return "base"
+    raise AssertionError(f"{module}: not in any stage; add it to STAGES or BASE")
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def imports_of(path: pathlib.Path, module: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every tracekit import in `path`."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("tracekit")]
+        elif isinstance(node, ast.ImportFrom):
+            name = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join([*base, name] if name else base)
+            if name.startswith("tracekit"):
+                out.append((name, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def resolve(name: str, taken: list[str]) -> list[str]:
+    """The tracekit modules an import statement loads (`from tracekit.x import y` loads the
+    module tracekit.x.y where y is a submodule)."""
+    mods = [name] if name in MODULES else []
+    mods += [f"{name}.{t}" for t in taken if f"{name}.{t}" in MODULES]
+    return mods or [name]
+
+
+def test_every_module_belongs_to_a_stage():
+    for m in MODULES:
+        stage_of(m)
+
+
+def test_imports_point_only_down_the_pipeline():
+    bad = []
+    for m, path in MODULES.items():
+        here = stage_of(m)
+        for name, taken, line in imports_of(path, m):
+            for target in resolve(name, taken):
+                there = stage_of(target)
+                if here == "facade":
+                    continue  # the facade re-exports from every stage
+                if there == "facade":
+                    bad.append(f"{m}:{line} imports the facade `tracekit` ({taken})")
+                elif STAGES.index(there) > STAGES.index(here):
+                    bad.append(f"{m}:{line} ({here}) imports {target} ({there}): up the pipeline")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_across_modules():
+    bad = []
+    for m, path in MODULES.items():
+        for name, taken, line in imports_of(path, m):
+            if name.split(".")[-1].startswith("_") and name.split(".")[-1] != "__init__":
+                bad.append(f"{m}:{line} imports the private module {name}")
+            for t in taken:
+                if t.startswith("_") and not t.startswith("__") and name != m:
+                    bad.append(f"{m}:{line} imports the private name {name}.{t}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = {
+        m: {t for name, taken, _ in imports_of(p, m) for t in resolve(name, taken) if t != m}
+        for m, p in MODULES.items()
+    }
+    # a package's __init__ re-exports from its modules: an edge into the package is an edge
+    # into what it re-exports, so cycles through a facade are found too
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if t not in graph:
+                continue
+            if state.get(t) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(t) :], t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "\n".join(cycles)
+
+
+DESIGN = ROOT / "docs" / "design.md"
+
+
+def design_sections() -> set[str]:
+    return {ln.lstrip("#").strip() for ln in DESIGN.read_text().splitlines() if ln.startswith("#")}
+
+
+def test_design_md_is_in_the_repo_and_cited_sections_exist():
+    assert DESIGN.is_file()
+    sections = design_sections()
+    cited = []
+    for path in [*PKG.rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]:
+        text = path.read_text()
+        # design.md's "Section", design.md, "Section"
+        for m in re.finditer(r"design\.md(?:'s|,)?\s*(?:\(|,)?\s*\"([^\"]+)\"", text):
+            cited.append((path, m.group(1)))
+    # a citation names a heading or its first words ("The partition" for "The partition
+    # (the heart of it)")
+    missing = [
+        f"{p.relative_to(ROOT)}: {s!r}"
+        for p, s in cited
+        if not any(h == s or h.startswith(s + " ") for h in sections)
+    ]
+    assert cited, "expected docstrings that cite design.md's sections"
+    assert not missing, "cited sections not in docs/design.md:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["Recorder", "RawLog", "load", "partition", "analyze", "ttft_partition", "LogError"],
+)
+def test_public_api_at_the_top(name):
+    import tracekit
+
+    assert name in tracekit.__all__
+    assert getattr(tracekit, name) is not None
