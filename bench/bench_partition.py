@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from synthetic import synthetic_log  # noqa: E402
 
-from tracekit.attribution.itl import partition, partition_reference  # noqa: E402
+from tracekit.attribution.itl import partition
+from tracekit.attribution.reference import partition_reference  # noqa: E402
 
 
 def best_of(fn, n: int = 5) -> float:

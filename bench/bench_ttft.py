@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic import synthetic_log  # noqa: E402
 
 import tracekit  # noqa: E402
-from tracekit.attribution.ttft import ttft_partition, ttft_partition_reference  # noqa: E402
+from tracekit.attribution.reference import ttft_partition_reference
+from tracekit.attribution.ttft import ttft_partition  # noqa: E402
 from tracekit.log.rawlog import Admissions, Evictions, PrefillChunks, Requests, Waits  # noqa: E402
 from tracekit.log.validate import validate_log  # noqa: E402
 

@@ -276,7 +276,8 @@ def test_async_batching_is_refused_and_leaves_nothing_behind(model):
 def test_admissions_equal_the_engines_request_state(batch_run):
     """One admission per request, as many as the engine's request states that left
     PENDING (`lifespan[0]`, stamped inside schedule_batch), at the same time."""
-    from tracekit.attribution.ttft import ttft_partition, ttft_partition_reference
+    from tracekit.attribution.reference import ttft_partition_reference
+    from tracekit.attribution.ttft import ttft_partition
 
     log, results = batch_run["log"], batch_run["results"]
     resets = set(batch_run["resets"])

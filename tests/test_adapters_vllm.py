@@ -231,7 +231,8 @@ def test_a_multiprocess_engine_is_refused_with_the_settings_to_change():
 def test_admissions_equal_the_engines_scheduled_timestamps(vllm_run):
     """One admission per request, as many as vLLM's requests with a `scheduled_ts`
     (RequestOutput.metrics, its first SCHEDULED event), at the same time."""
-    from tracekit.attribution.ttft import ttft_partition, ttft_partition_reference
+    from tracekit.attribution.reference import ttft_partition_reference
+    from tracekit.attribution.ttft import ttft_partition
     from tracekit.log.rawlog import WAIT_REASONS
 
     outputs, log = vllm_run["outputs"], vllm_run["log"]

@@ -51,7 +51,8 @@ import pytest
 from logbuilder import LogBuilder
 
 from tracekit.analysis.figures import analyze
-from tracekit.attribution.itl import FIT_MEASURED_CAPTURED, partition, partition_reference
+from tracekit.attribution.itl import FIT_MEASURED_CAPTURED, partition
+from tracekit.attribution.reference import partition_reference
 
 IMPLS = [partition, partition_reference]
 

@@ -17,7 +17,8 @@ import pytest
 from logbuilder import LogBuilder
 
 import tracekit
-from tracekit.attribution.itl import partition, partition_reference
+from tracekit.attribution.itl import partition
+from tracekit.attribution.reference import partition_reference
 from tracekit.capture.device import FakeClock, FakeDeviceTimer
 from tracekit.capture.recorder import Recorder, active_recorders
 

@@ -11,12 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
-from tracekit.attribution.client import (
-    client_partition,
-    client_partition_reference,
-    itl_conventions,
-)
+from tracekit.attribution.client import client_partition, itl_conventions
 from tracekit.attribution.itl import partition
+from tracekit.attribution.reference import client_partition_reference
 from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcSegments
 
 PROCS = [{"role": "engine_core"}, {"role": "api_server"}, {"role": "worker"}]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from logbuilder import LogBuilder
 
-from tracekit.attribution.itl import partition, partition_reference
+from tracekit.attribution.itl import partition
+from tracekit.attribution.reference import partition_reference
 
 IMPLS = [partition, partition_reference]
 

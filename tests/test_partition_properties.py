@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
-from tracekit.attribution.itl import partition, partition_reference
+from tracekit.attribution.itl import partition
+from tracekit.attribution.reference import partition_reference
 
 EXTRA = ["schedule", "sample", "wait"]  # `wait`: host idle for the device rule
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from logbuilder import LogBuilder
 
-from tracekit.attribution.ttft import PHASES, ttft_partition, ttft_partition_reference
+from tracekit.attribution.reference import ttft_partition_reference
+from tracekit.attribution.ttft import PHASES, ttft_partition
 
 IMPLS = [ttft_partition, ttft_partition_reference]
 

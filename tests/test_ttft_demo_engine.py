@@ -10,7 +10,8 @@ from test_demo_engine import SMALL, _burst, _run
 from demo_engine.config import WorkloadConfig
 from demo_engine.scheduler import Scheduler
 from demo_engine.tokenizer import train_tokenizer
-from tracekit.attribution.ttft import ttft_partition, ttft_partition_reference
+from tracekit.attribution.reference import ttft_partition_reference
+from tracekit.attribution.ttft import ttft_partition
 from tracekit.log.rawlog import WAIT_REASONS
 
 

@@ -8,11 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
-from tracekit.attribution.ttft import (
-    check_ttft_reconciled,
-    ttft_partition,
-    ttft_partition_reference,
-)
+from tracekit.attribution.reference import ttft_partition_reference
+from tracekit.attribution.ttft import check_ttft_reconciled, ttft_partition
 from tracekit.log.rawlog import WAIT_REASONS
 from tracekit.log.validate import validate_log
 

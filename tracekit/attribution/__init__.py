@@ -1,1 +1,6 @@
+"""Attribution: every inter-token gap and every TTFT partitioned exclusively by cause.
 
+`timeline` (the shared kernel: elementary intervals, compensated cumulative sums) <
+`itl` (inter-token gaps) < `ttft` (time to first token) < `client` (the client boundary of
+a merged server run) < `reference` (the three again as slow loops, for the tests).
+"""

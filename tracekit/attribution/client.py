@@ -24,8 +24,9 @@ processing, its chunk's write) inside this gap delayed this chunk all the same: 
 are not filtered by request. Parts sum to the gap (checked; a violation is an error).
 
 `client_partition` is vectorised (a timeline of elementary intervals and cumulative
-sums); `client_partition_reference` does the same with loops over each gap's windows and
-`partition_reference` for the engine part. Tests check they agree.
+sums); `client_partition_reference` (`tracekit.attribution.reference`) does the same with
+loops over each gap's windows and `partition_reference` for the engine part. Tests check
+they agree.
 
 ITL in three conventions (`itl_conventions`), the ones streaming benchmarks disagree on
 when a chunk carries several tokens: *per chunk* (the client gap), *per token* (a chunk's
@@ -99,7 +100,7 @@ class ClientPartition:
 
 
 @dataclass(frozen=True)
-class _Gaps:
+class ClientGaps:
     request: np.ndarray
     a: np.ndarray
     b: np.ndarray
@@ -112,7 +113,7 @@ class _Gaps:
     num_tokens: np.ndarray
 
 
-def client_gaps(log: RawLog) -> _Gaps:
+def client_gaps(log: RawLog) -> ClientGaps:
     """Consecutive chunk pairs per request, each with the engine emission its later chunk
     waited for (by cumulative token count) and when that step's outputs were received."""
     ce, em = log.client_emissions, log.emissions
@@ -150,7 +151,7 @@ def client_gaps(log: RawLog) -> _Gaps:
     a, b = t[pair], t[pair + 1]
     e1 = e[pair + 1]
     x = np.where(np.isnan(e1), a, np.clip(e1, a, b))
-    return _Gaps(
+    return ClientGaps(
         request=r[pair + 1],
         a=a,
         b=b,
@@ -176,7 +177,7 @@ def _cum_by_request(r: np.ndarray, k: np.ndarray) -> np.ndarray:
     return c - base
 
 
-def _engine_log(log: RawLog, g: _Gaps) -> RawLog:
+def engine_part_log(log: RawLog, g: ClientGaps) -> RawLog:
     """The run with one pseudo-request per client gap whose engine part is non-empty,
     emitting at its two ends: `partition` then partitions exactly the engine parts."""
     live = np.flatnonzero(g.x > g.a)
@@ -210,7 +211,7 @@ def _frontend_processes(log: RawLog) -> list[int]:
     return [i for i, p in enumerate(procs) if isinstance(p, dict) and p.get("role") == "api_server"]
 
 
-def _frontend_windows(log: RawLog) -> list[tuple[float, float, int]]:
+def frontend_windows(log: RawLog) -> list[tuple[float, float, int]]:
     """(start, end, precedence rank) of every API server window that owns frontend time."""
     ps = log.proc_segments
     fe = np.isin(ps.process, _frontend_processes(log))
@@ -224,7 +225,7 @@ def _frontend_windows(log: RawLog) -> list[tuple[float, float, int]]:
 def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     """Partition every client gap of a merged server run (see the module docstring)."""
     g = client_gaps(log)
-    eng = partition(_engine_log(log, g), check=check) if (g.x > g.a).any() else None
+    eng = partition(engine_part_log(log, g), check=check) if (g.x > g.a).any() else None
     eng_labels = eng.labels if eng is not None else partition(log, check=False).labels
     labels = (*eng_labels, *FRONTEND_LABELS)
     n, ne = len(g.a), len(eng_labels)
@@ -233,7 +234,7 @@ def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     if eng is not None:
         parts[live[eng.request], :ne] = eng.parts_ms
     # frontend part: one timeline of the API server's windows, owner by precedence
-    wins = _frontend_windows(log)
+    wins = frontend_windows(log)
     nf = len(FRONTEND_PRECEDENCE)
     if wins:
         w = np.array(wins)
@@ -294,56 +295,6 @@ def check_client_reconciled(p: ClientPartition, path: str = "") -> ClientPartiti
             f"({dict(zip(p.labels, p.parts_ms[i].round(6).tolist(), strict=True))})"
         )
     return p
-
-
-def client_partition_reference(log: RawLog) -> ClientPartition:
-    """`client_partition` with plain loops: each gap's frontend part cut at every window
-    boundary inside it, each piece given to the first window (by precedence) covering it."""
-    from tracekit.attribution.itl import partition_reference
-
-    g = client_gaps(log)
-    live = [i for i in range(len(g.a)) if g.x[i] > g.a[i]]
-    if live:
-        eng = partition_reference(_engine_log(log, g))
-        eng_labels, eng_rows = eng.labels, {live[int(q)]: eng.parts_ms[j]
-                                            for j, q in enumerate(eng.request)}  # fmt: skip
-    else:
-        eng_labels, eng_rows = partition(log, check=False).labels, {}
-    labels = (*eng_labels, *FRONTEND_LABELS)
-    ne, nf = len(eng_labels), len(FRONTEND_PRECEDENCE)
-    wins = _frontend_windows(log)
-    rows = []
-    for i in range(len(g.a)):
-        row = [0.0] * len(labels)
-        if i in eng_rows:
-            row[:ne] = eng_rows[i].tolist()
-        x, b = float(g.x[i]), float(g.b[i])
-        e = float(g.e[i]) if not np.isnan(g.e[i]) else b
-        recv = float(g.recv[i]) if not np.isnan(g.recv[i]) else e
-        cuts = sorted({x, b, *(t for s, en, _ in wins for t in (s, en) if x < t < b),
-                       *(t for t in (e, recv) if x < t < b)})  # fmt: skip
-        for lo, hi in zip(cuts[:-1], cuts[1:], strict=False):
-            mid = (lo + hi) / 2
-            owners = [c for s, en, c in wins if s <= mid < en]
-            if owners:
-                col = ne + min(owners)
-            elif e <= mid < recv:
-                col = ne + nf
-            else:
-                col = ne + nf + 1
-            row[col] += (hi - lo) * 1e3
-        rows.append(row)
-    parts = np.array(rows, dtype=np.float64).reshape(len(g.a), len(labels))
-    return ClientPartition(
-        labels=labels,
-        request=g.request,
-        t0_s=g.a,
-        t1_s=g.b,
-        engine_s=g.x,
-        num_tokens=g.num_tokens,
-        gap_ms=(g.b - g.a) * 1e3,
-        parts_ms=parts,
-    )
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -425,7 +376,6 @@ __all__ = [
     "ClientPartition",
     "client_gaps",
     "client_partition",
-    "client_partition_reference",
     "client_summary",
     "itl_conventions",
     "spec_acceptance",

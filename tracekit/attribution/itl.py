@@ -43,12 +43,12 @@ rows* of a request, i.e. consecutive steps that emitted for it; the tokens one s
 emits together arrive at one time and add no gap of their own (as an engine's streaming
 client sees them). `Emissions.num_tokens` still counts every token for throughput.
 
-`partition` is the vectorised implementation: it builds one timeline of elementary
-intervals between every segment and pause boundary, assigns each an owner by precedence,
-and answers "how much of label L lies in [a, b]" for all gaps at once from compensated
-cumulative sums (so a gap's parts carry float rounding of the gap's size, not of the run's
-length). `partition_reference` computes the same thing with plain loops, gap by gap; the
-tests check that they agree.
+`partition` is the vectorised implementation: on the timeline of elementary intervals
+(`tracekit.attribution.timeline`: every segment and pause boundary, each interval owned by
+precedence) it answers "how much of label L lies in [a, b]" for all gaps at once from
+compensated cumulative sums (so a gap's parts carry float rounding of the gap's size, not
+of the run's length). `tracekit.attribution.reference.partition_reference` computes the
+same thing with plain loops, gap by gap; the tests check that they agree.
 """
 
 from __future__ import annotations
@@ -57,8 +57,18 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tracekit.attribution.timeline import (
+    DEVICE_WAIT_LABELS,
+    build_timeline,
+    decode_net_ms,
+    device_windows,
+    host_classes,
+    prefix_sums,
+    segment_causes,
+    segment_classes,
+)
 from tracekit.errors import ReconcileError
-from tracekit.labels import NON_CAUSES, cause_of, partition_labels, precedence
+from tracekit.labels import NON_CAUSES, partition_labels
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 
 #: A gap whose parts miss its length by more than this is a bug (float rounding is ~1e-12).
@@ -132,7 +142,7 @@ class Partition:
 # -- shared pieces (used by both implementations) ----------------------------------------
 
 
-def _emission_order(log: RawLog) -> np.ndarray:
+def emission_order(log: RawLog) -> np.ndarray:
     """Emission rows sorted by request, then time (then row order). Recorders append in
     time order, so the common case is one stable radix sort of the request column."""
     em = log.emissions
@@ -149,7 +159,7 @@ def _emission_order(log: RawLog) -> np.ndarray:
 def gaps_of(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Consecutive emission pairs of each request: (request, t0, t1, step0, step1)."""
     em = log.emissions
-    order = _emission_order(log)
+    order = emission_order(log)
     r, t, s = em.request[order], em.t_s[order], em.step[order]
     same = r[1:] == r[:-1]
     return r[1:][same], t[:-1][same], t[1:][same], s[:-1][same], s[1:][same]
@@ -167,12 +177,6 @@ def _time_ranks(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out[by_t] = rank
         rank = out
     return ts[new], rank
-
-
-def segment_causes(log: RawLog) -> np.ndarray:
-    """Cause name of each segment, as an object array."""
-    names = np.array([cause_of(lb, log.cause_map) for lb in log.labels] or [""], dtype=object)
-    return names[log.segments.label] if len(log.segments) else np.zeros(0, dtype=object)
 
 
 def evicted_windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -329,143 +333,6 @@ def check_reconciled(p: Partition, path: str = "") -> Partition:
 # -- the vectorised partitioner ----------------------------------------------------------
 
 
-def _cumsum2(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Compensated prefix sums: ``hi + lo`` is the exact prefix sum to ~1e-32 relative.
-
-    `np.cumsum` accumulates sequentially, so each prefix is ``fl(prev + v)``; TwoSum recovers
-    each addition's rounding error, and those errors (tiny) are summed separately."""
-    hi = np.empty(len(v) + 1)
-    hi[0] = 0.0
-    np.cumsum(v, out=hi[1:])
-    a, s = hi[:-1], hi[1:]
-    bb = s - a
-    err = (a - (s - bb)) + (v - bb)
-    lo = np.empty_like(hi)
-    lo[0] = 0.0
-    np.cumsum(err, out=lo[1:])
-    return hi, lo
-
-
-class _Timeline:
-    """Elementary intervals between all boundaries, each owned by one class."""
-
-    def __init__(self, bounds: np.ndarray, owner: np.ndarray, graph_rate: np.ndarray) -> None:
-        self.bounds = bounds  # m sorted unique times
-        # owner/rate indexed by k + 1 for the interval [bounds[k], bounds[k+1]); 0 and m are
-        # the open ends before the first and after the last boundary
-        self.owner = owner
-        self.graph_rate = graph_rate
-        self.width = np.diff(bounds)
-        self._cum: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
-
-    def integrals(self, cls: int | None, times: np.ndarray, k: np.ndarray | None = None):
-        """Cumulative time owned by class `cls` (None: graph-rate weighted decode) at `times`.
-
-        Returned as (hi, lo) pairs so differences keep full relative precision."""
-        if k is None:
-            k = np.searchsorted(self.bounds, times, side="right")  # interval index + 1
-        rate = self.graph_rate if cls is None else (self.owner == cls).astype(np.float64)
-        cached = self._cum.get(cls)
-        if cached is None:
-            cached = self._cum[cls] = _cumsum2(self.width * rate[1:-1])  # sums at boundaries
-        hi, lo = cached
-        # C(t) = C(bounds[j]) + (t - bounds[j]) * rate, j = k - 1; before the first boundary
-        # (k = 0) it is measured back from bounds[0], so differences still hold
-        j = np.maximum(k - 1, 0)
-        hv = np.where(k > 0, hi[j], 0.0)
-        lv = lo[j] * (k > 0) + (times - self.bounds[j]) * rate[k]
-        return hv, lv
-
-
-def _coverage(bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray, m: int) -> np.ndarray:
-    """For each elementary interval (m - 1 of them), how many windows cover it."""
-    d = np.bincount(np.searchsorted(bounds, starts), minlength=m + 1)[: m + 1].astype(np.int64)
-    d -= np.bincount(np.searchsorted(bounds, ends), minlength=m + 1)[: m + 1]
-    return np.cumsum(d)[: m - 1]
-
-
-def _classes(causes: np.ndarray, is_device: np.ndarray) -> list[tuple[str, bool]]:
-    """Host timeline classes, highest precedence first (host causes + gc). Device windows
-    are not on the timeline: they own time only in device-bound gaps (rule 6)."""
-    return [(c, False) for c in precedence(set(causes[~is_device].tolist()))]
-
-
-#: Host labels that mean "waiting for the device": the host is idle, not busy, in them.
-WAIT_LABELS = frozenset({"wait", "sync"})
-
-
-def _decode_classes(classes: list[tuple[str, bool]]) -> list[int]:
-    return [i for i, (c, _) in enumerate(classes) if c == "decode"]
-
-
-def _build_timeline(log: RawLog, classes: list, seg_cls: np.ndarray, frac: np.ndarray):
-    sg, gcp = log.segments, log.gc_pauses
-    gc_cls = classes.index(("gc", False))
-    starts = np.concatenate([sg.t_start_s, gcp.t_start_s])
-    ends = np.concatenate([sg.t_end_s, gcp.t_end_s])
-    cls = np.concatenate([seg_cls, np.full(len(gcp), gc_cls)])
-    bounds = np.unique(np.concatenate([starts, ends, [0.0]]))  # never empty
-    m = len(bounds)
-    residual = len(classes)
-    owner = np.full(m + 1, residual, dtype=np.int64)
-    rate = np.zeros(m + 1)
-    inner = owner[1:m]
-    if m >= 2:
-        for c in reversed(range(len(classes))):  # lowest precedence first, higher overwrite
-            sel = cls == c
-            if sel.any():
-                inner[_coverage(bounds, starts[sel], ends[sel], m) > 0] = c
-        # graph rate where decode owns: the mean excess fraction of the decode windows of
-        # the owning kind (device or host) that cover the interval
-        for ci in _decode_classes(classes):
-            dec = seg_cls == ci
-            if not dec.any():
-                continue
-            f = frac[np.maximum(sg.step[dec], 0)] * (sg.step[dec] >= 0)
-            n = _coverage(bounds, sg.t_start_s[dec], sg.t_end_s[dec], m)
-            ws = np.bincount(np.searchsorted(bounds, sg.t_start_s[dec]), f, m + 1)[: m + 1]
-            ws -= np.bincount(np.searchsorted(bounds, sg.t_end_s[dec]), f, m + 1)[: m + 1]
-            fsum = np.cumsum(ws)[: m - 1]
-            own = (inner == ci) & (n > 0)
-            rate[1:m][own] = np.clip(fsum[own] / n[own], 0.0, 1.0)
-    return _Timeline(bounds, owner, rate)
-
-
-def _decode_net_ms(log: RawLog, seg_causes: np.ndarray) -> np.ndarray:
-    """Per step, GC-free decode ms: each decode segment minus its overlap with the GC union.
-    A step with device decode windows is measured by them alone (device time; a host GC
-    pause does not stretch it)."""
-    sg, gcp = log.segments, log.gc_pauses
-    net = np.zeros(len(log.steps))
-    dec = (seg_causes == "decode") & (sg.step >= 0)
-    if not dec.any():
-        return net
-    dev = dec & (sg.is_device == 1)
-    if dev.any():
-        np.add.at(net, sg.step[dev], (sg.t_end_s[dev] - sg.t_start_s[dev]) * 1e3)
-        has_dev = np.zeros(len(log.steps), dtype=bool)
-        has_dev[sg.step[dev]] = True
-        dec &= ~has_dev[np.maximum(sg.step, 0)]
-        if not dec.any():
-            return net
-    a, b = sg.t_start_s[dec], sg.t_end_s[dec]
-    if len(gcp):
-        bounds = np.unique(np.concatenate([gcp.t_start_s, gcp.t_end_s, a, b]))
-        m = len(bounds)
-        cov = _coverage(bounds, gcp.t_start_s, gcp.t_end_s, m) > 0
-        tl = _Timeline(bounds, np.concatenate([[0], cov.astype(np.int64), [0]]), np.zeros(m + 1))
-        h1, l1 = tl.integrals(1, b)
-        h0, l0 = tl.integrals(1, a)
-        gc_in = (h1 - h0) + (l1 - l0)
-    else:
-        gc_in = 0.0
-    seg_ms = ((b - a) - gc_in) * 1e3
-    # bincount adds in row order like np.add.at (the same sums), without its per-row cost;
-    # net is 0.0 on every step this touches (steps with device windows were excluded)
-    net += np.bincount(sg.step[dec], weights=seg_ms, minlength=len(net))
-    return net
-
-
 def _bisect_within(
     values: np.ndarray, lo: np.ndarray, hi: np.ndarray, x: np.ndarray, side: str
 ) -> np.ndarray:
@@ -511,24 +378,6 @@ def _evictions_per_gap(
     return gi[keep], w0[keep], w1[keep]
 
 
-def _device_windows(log: RawLog, causes: np.ndarray):
-    """Device windows made disjoint across the whole run (sorted by start, the earlier start
-    owns an overlap; a window left empty is dropped), so starts and ends both increase:
-    (step, start, end, cause), plus each step's last device end (of its windows as
-    recorded; -inf for a step without device windows)."""
-    sg = log.segments
-    dev = np.flatnonzero((sg.is_device == 1) & (sg.step >= 0))
-    last_end = np.full(len(log.steps), -np.inf)
-    np.maximum.at(last_end, sg.step[dev], sg.t_end_s[dev])
-    o = dev[np.lexsort((sg.t_end_s[dev], sg.step[dev], sg.t_start_s[dev]))]
-    step, a, b, c = sg.step[o], sg.t_start_s[o].copy(), sg.t_end_s[o], causes[o]
-    if len(a) > 1 and np.any(a[1:] < np.maximum.accumulate(b)[:-1]):
-        run_end = np.concatenate([[-np.inf], np.maximum.accumulate(b)[:-1]])
-        a = np.minimum(np.maximum(a, run_end), b)
-    keep = b > a
-    return step[keep], a[keep], b[keep], c[keep], last_end
-
-
 def _device_charges(
     log, causes, frac, tl, classes, to_labels, col, g_dstep, g_t0, g_t1, g_rank0, g_rank1, e_gap
 ):
@@ -542,7 +391,7 @@ def _device_charges(
     cuts are computed on their own."""
     n = len(g_t0)
     n_lab = to_labels.shape[1]
-    step, a, b, c, last_end = _device_windows(log, causes)
+    step, a, b, c, last_end = device_windows(log, causes)
     if len(step) == 0 or n == 0:
         z = np.zeros(0, dtype=np.int64)
         return np.zeros((0, n_lab)), z, z
@@ -554,7 +403,7 @@ def _device_charges(
     active[e_gap] = False  # a gap with an eviction uses the host rules only
     # device-bound: the host was idle just before the read step's device work ended
     n_cls = len(classes)
-    idle_cls = [i for i, (x, _) in enumerate(classes) if x in WAIT_LABELS] + [n_cls]
+    idle_cls = [i for i, (x, _) in enumerate(classes) if x in DEVICE_WAIT_LABELS] + [n_cls]
     k = np.searchsorted(tl.bounds, e_end, side="left")
     owner = tl.owner[np.clip(k, 0, len(tl.owner) - 1)]
     bound = np.isin(owner, idle_cls)
@@ -582,8 +431,8 @@ def _device_charges(
     def charges(x0, x1, w):
         """Changes for window w's piece [x0, x1]: device-bound, the piece owns all of it;
         host-bound, only its host-idle time."""
-        h0, l0 = _cumulative(tl, n_cls, x0)
-        h1, l1 = _cumulative(tl, n_cls, x1)
+        h0, l0 = tl.class_integrals(n_cls, x0)
+        h1, l1 = tl.class_integrals(n_cls, x1)
         v = ((h1 - h0) + (l1 - l0)) * 1e3  # class integrals over the piece, ms
         full = v @ to_labels
         full_len = (x1 - x0) * 1e3
@@ -593,7 +442,7 @@ def _device_charges(
         return dev_bound, host_bound
 
     d_all, h_all = charges(a, b, rows)
-    pd, ph = _prefix(d_all), _prefix(h_all)
+    pd, ph = prefix_sums(d_all), prefix_sums(h_all)
     g = np.flatnonzero(active)
     # gaps with the same (t0, t1, read step end) get the same changes: a batch's requests
     # share their emissions, so this computes one row per distinct gap, not per request
@@ -636,22 +485,6 @@ def _groups(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return o[new], inv
 
 
-def _cumulative(tl: _Timeline, n_cls: int, times: np.ndarray):
-    """Class integrals (every class, residual, graph rate) up to `times`, as (hi, lo)."""
-    k = np.searchsorted(tl.bounds, times, side="right")
-    hl = [tl.integrals(cl, times, k) for cl in [*range(n_cls + 1), None]]
-    return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
-
-
-def _prefix(m: np.ndarray) -> np.ndarray:
-    """Row prefix sums of `m` (a leading zero row), compensated column by column."""
-    out = np.empty((len(m) + 1, m.shape[1]))
-    for j in range(m.shape[1]):
-        hi, lo = _cumsum2(m[:, j])
-        out[:, j] = hi + lo
-    return out
-
-
 def partition(
     log: RawLog,
     *,
@@ -669,26 +502,20 @@ def partition(
     log = drift_corrected(log)
     causes = segment_causes(log)
     is_dev = log.segments.is_device == 1
-    classes = _classes(causes, is_dev)
-    cls_index = {c: i for i, c in enumerate(classes)}
-    # class of each segment through its label (few labels, many segments); device: -1
-    label_cls = np.array(
-        [cls_index.get((cause_of(lb, log.cause_map), False), -1) for lb in log.labels] + [-1],
-        dtype=np.int64,
-    )
-    seg_cls = np.where(is_dev, -1, label_cls[log.segments.label])
+    classes = host_classes(causes, is_dev)
+    seg_cls = segment_classes(log, classes)
     labels = tuple(partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist())))
     col = {lb: i for i, lb in enumerate(labels)}
 
-    net = _decode_net_ms(log, causes)
+    net = decode_net_ms(log, causes)
     base = fit_baseline(log, net, baseline_fit)
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
-    tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac)
 
     # gaps, and each end's rank among the distinct emission times
     em = log.emissions
-    order = _emission_order(log)
+    order = emission_order(log)
     r = em.request[order]
     pair = np.flatnonzero(r[1:] == r[:-1])  # gap k joins sorted rows pair[k], pair[k] + 1
     uniq_t, rank = _time_ranks(em.t_s)
@@ -710,15 +537,10 @@ def partition(
     to_labels[n_cls + 1, col["graph"]] += 1.0
     to_labels[n_cls + 1, col["forward"]] -= 1.0
 
-    def cumulative(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        k = np.searchsorted(tl.bounds, times, side="right")
-        hl = [tl.integrals(c, times, k) for c in [*range(n_cls + 1), None]]
-        return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
-
     def between(h0, l0, h1, l1) -> np.ndarray:
         return (((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3
 
-    hi_u, lo_u = cumulative(uniq_t)
+    hi_u, lo_u = tl.class_integrals(n_cls, uniq_t)
     # between consecutive distinct emission times (most gaps are exactly one such interval)
     per_interval = between(hi_u[:-1], lo_u[:-1], hi_u[1:], lo_u[1:])
     # a zero row after the last interval, for zero-length gaps at the last emission time
@@ -739,8 +561,8 @@ def partition(
     e_gap, w0, w1 = _evictions_per_gap(g_req, g_t0, g_t1, e_req, e_a, e_b)
     context = np.zeros((n, len(labels)), order="F")
     if len(e_gap):
-        h0, l0 = cumulative(w0)
-        h1, l1 = cumulative(w1)
+        h0, l0 = tl.class_integrals(n_cls, w0)
+        h1, l1 = tl.class_integrals(n_cls, w1)
         ran = between(h0, l0, h1, l1)
         np.subtract.at(parts, e_gap, ran)
         # all of it is context, `residual` included (time no engine activity covered while
@@ -806,169 +628,3 @@ def _baseline_warnings(log: RawLog, base: GraphBaseline) -> tuple[str, ...]:
     if eager and base.num_fit_steps == 0:
         return ("eager steps but no captured steps to fit a baseline: graph excess not measured",)
     return ()
-
-
-# -- the reference partitioner (slow, obvious; for tests) --------------------------------
-
-
-def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) -> Partition:
-    """The same partition with plain Python loops, one gap and one slice at a time."""
-    log = drift_corrected(log)
-    causes_arr = segment_causes(log)
-    causes = causes_arr.tolist()
-    sg, gcp, st = log.segments, log.gc_pauses, log.steps
-    is_dev = (sg.is_device == 1).tolist()
-    classes = _classes(causes_arr, sg.is_device == 1)
-    rank = {c: i for i, c in enumerate(classes)}
-    dev_causes = set(causes_arr[sg.is_device == 1].tolist())
-    labels = tuple(partition_labels({c for c, _ in classes} | dev_causes))
-    segs = [
-        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]), is_dev[i])
-        for i in range(len(sg))
-    ]
-    pauses = [(float(a), float(b)) for a, b in zip(gcp.t_start_s, gcp.t_end_s, strict=True)]
-
-    def gc_overlap(a: float, b: float) -> float:
-        # length of [a, b] inside the union of pauses: walk the merged pauses
-        total = 0.0
-        merged: list[list[float]] = []
-        for pa, pb in sorted(pauses):
-            if merged and pa <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], pb)
-            else:
-                merged.append([pa, pb])
-        for pa, pb in merged:
-            total += max(0.0, min(b, pb) - max(a, pa))
-        return total
-
-    net = np.zeros(len(st))
-    steps_on_device = {s for a, b, c, s, d in segs if c == "decode" and d and s >= 0}
-    for a, b, c, s, d in segs:
-        if c != "decode" or s < 0:
-            continue
-        if s in steps_on_device:
-            if d:
-                net[s] += (b - a) * 1e3
-        else:
-            net[s] += ((b - a) - gc_overlap(a, b)) * 1e3
-    base = fit_baseline(log, net, baseline_fit)
-
-    host = [x for x in segs if not x[4]]
-    points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
-
-    def host_owner(t: float) -> tuple[str, float]:
-        """Who owns the instant just after t on the host, and the graph rate there."""
-        if any(pa <= t < pb for pa, pb in pauses):
-            return "gc", 0.0
-        live = [(rank[(c, False)], c, s) for a, b, c, s, d in host if a <= t < b]
-        if not live:
-            return "residual", 0.0
-        best = min(live)[1]
-        if best != "decode":
-            return best, 0.0
-        fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
-        return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
-
-    def host_idle_before(x: float) -> bool:
-        before = [p for p in points if p < x]
-        if not before:
-            return True
-        who, _ = host_owner(max(before))
-        return who == "residual" or who in WAIT_LABELS
-
-    # device windows, disjoint over the run: the earlier start owns an overlap; each step's
-    # device work ends where its last window (as recorded) ends
-    device_segs = sorted((x for x in segs if x[4] and x[3] >= 0), key=lambda x: (x[0], x[3], x[1]))
-    dev_windows: list[tuple[float, float, str, int]] = []
-    busy_until = -np.inf
-    last_end: dict[int, float] = {}
-    for a, b, c, s, _ in device_segs:
-        last_end[s] = max(last_end.get(s, -np.inf), b)
-        if b > max(a, busy_until):
-            dev_windows.append((max(a, busy_until), b, c, s))
-        busy_until = max(busy_until, b)
-
-    def tally(a: float, b: float, pieces=(), idle_only=False) -> dict[str, float]:
-        out = dict.fromkeys(labels, 0.0)
-        cuts = sorted({a, b} | {p for pa, pb, _, _ in pieces for p in (pa, pb) if a < p < b}
-                      | {p for p in points if a < p < b})  # fmt: skip
-        for x, y in zip(cuts[:-1], cuts[1:], strict=True):
-            ms = (y - x) * 1e3
-            dev = [(c, fr) for pa, pb, c, fr in pieces if pa <= x < pb]
-            who, rate = host_owner(x)
-            # device-bound: a device window owns its time; host-bound: only host-idle time
-            if dev and (not idle_only or who == "residual" or who in WAIT_LABELS):
-                who, rate = dev[0][0], dev[0][1]
-            if who == "decode":
-                out["graph"] += ms * rate
-                out["forward"] += ms * (1 - rate)
-            else:
-                out[who] += ms
-        return out
-
-    order = _emission_order(log)
-    em = log.emissions
-    r_sorted = em.request[order]
-    closing = np.flatnonzero(r_sorted[1:] == r_sorted[:-1]) + 1
-    g_dstep = em.device_step[order][closing]
-
-    g_req, g_t0, g_t1, g_s0, g_s1 = gaps_of(log)
-    e_req, e_a, e_b = evicted_windows(log)
-    parts = np.zeros((len(g_req), len(labels)))
-    context = np.zeros_like(parts)
-    n_ev = np.zeros(len(g_req), dtype=np.int64)
-    for i in range(len(g_req)):
-        t0, t1, r = float(g_t0[i]), float(g_t1[i]), int(g_req[i])
-        windows = [
-            (max(a, t0), min(b, t1))
-            for rr, a, b in zip(e_req, e_a, e_b, strict=True)
-            if rr == r and min(b, t1) > max(a, t0)
-        ]
-        n_ev[i] = len(windows)
-        live, cur = [], t0
-        for a, b in sorted(windows):
-            if a > cur:
-                live.append((cur, a))
-            cur = max(cur, b)
-        if cur < t1:
-            live.append((cur, t1))
-        pieces = []
-        idle_only = False
-        ds = int(g_dstep[i])
-        if not windows and ds in last_end and min(last_end[ds], t1) > t0:
-            # rule 6: the windows that ended by the read step's device work, in the gap
-            idle_only = not host_idle_before(min(last_end[ds], t1))  # host-bound
-            pieces = [
-                (
-                    max(a, t0),
-                    min(b, t1),
-                    c,
-                    float(base.eager_excess_frac[s]) if c == "decode" else 0.0,
-                )
-                for a, b, c, s in dev_windows
-                if b <= last_end[ds] and min(b, t1) > max(a, t0)
-            ]
-        for a, b in live:
-            for lb, v in tally(a, b, pieces, idle_only).items():
-                parts[i, labels.index(lb)] += v
-        for a, b in windows:
-            parts[i, labels.index("preempt")] += (b - a) * 1e3
-            for lb, v in tally(a, b).items():
-                context[i, labels.index(lb)] += v
-    gap_ms = (g_t1 - g_t0) * 1e3
-    primary, prim_causes = primary_of(parts, gap_ms, labels)
-    return Partition(
-        labels=labels,
-        request=g_req,
-        t0_s=g_t0,
-        t1_s=g_t1,
-        step0=g_s0,
-        step1=g_s1,
-        gap_ms=gap_ms,
-        parts_ms=parts,
-        context_ms=context,
-        num_evictions=n_ev,
-        primary=primary,
-        causes=prim_causes,
-        baseline=base,
-    )

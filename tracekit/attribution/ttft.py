@@ -32,9 +32,10 @@ Device windows (CUDA events) are not charged: TTFT uses the host rules only, as 
 an eviction does. The primary cause of a TTFT is its largest part other than
 ``prefill_own`` and ``residual``, if it is >= 1 ms and >= 25% of the TTFT.
 
-`ttft_partition` is vectorised (cumulative sums over the same elementary timeline the ITL
-partition builds); `ttft_partition_reference` computes the same with plain loops, one
-request and one elementary interval at a time. Tests check that they agree.
+`ttft_partition` is vectorised (cumulative sums over the elementary timeline of
+`tracekit.attribution.timeline`, the ITL partition's); `ttft_partition_reference`
+(`tracekit.attribution.reference`) computes the same with plain loops, one request and one
+elementary interval at a time. Tests check that they agree.
 """
 
 from __future__ import annotations
@@ -43,27 +44,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracekit.attribution.itl import (
-    RECONCILE_TOL_MS,
-    _build_timeline,
-    _decode_net_ms,
-    evicted_windows,
-    fit_baseline,
+from tracekit.attribution import itl
+from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows, fit_baseline
+from tracekit.attribution.timeline import (
+    Timeline,
+    build_timeline,
+    decode_net_ms,
+    host_classes,
     segment_causes,
+    segment_classes,
 )
-from tracekit.attribution.itl import primary_of as _primary_of
 from tracekit.errors import ReconcileError
-from tracekit.labels import cause_of, precedence
 from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
 #: The phases of a TTFT window, in display order (they sum to the TTFT).
 PHASES: tuple[str, ...] = ("queued", "prefilling", "evicted", "unsplit")
-WAIT_LABELS: tuple[str, ...] = tuple(f"wait_{r}" for r in WAIT_REASONS)
+#: The label of queued time held for each stated reason (`Waits.reason` indexes it).
+WAIT_REASON_LABELS: tuple[str, ...] = tuple(f"wait_{r}" for r in WAIT_REASONS)
 #: The labels every TTFT partition reports, in display order, even when zero.
 TTFT_STANDARD_LABELS: tuple[str, ...] = (
     "preempt",
     "gc",
-    *WAIT_LABELS,
+    *WAIT_REASON_LABELS,
     "tok",
     "prefill_other",
     "decode_other",
@@ -135,7 +137,7 @@ def ttft_labels(log: RawLog) -> tuple[str, ...]:
     return TTFT_STANDARD_LABELS + tuple(sorted(extra))
 
 
-def _windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def ttft_windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(request, arrival, admission or NaN, first token) of every request with a TTFT."""
     rq = log.requests
     a, f = rq.arrival_s, rq.first_token_s
@@ -179,10 +181,10 @@ def prefill_shares(log: RawLog) -> np.ndarray:
 def primary_of(parts_ms: np.ndarray, ttft_ms: np.ndarray, labels: tuple[str, ...]):
     """Primary cause per request: index into the returned causes, or CLEAN (the ITL rule,
     design.md, over the TTFT labels that are causes)."""
-    return _primary_of(parts_ms, ttft_ms, labels, TTFT_NON_CAUSES)
+    return itl.primary_of(parts_ms, ttft_ms, labels, TTFT_NON_CAUSES)
 
 
-def _notes(log: RawLog, is_split: np.ndarray) -> tuple[str, ...]:
+def ttft_notes(log: RawLog, is_split: np.ndarray) -> tuple[str, ...]:
     rq = log.requests
     n_reversed = int((rq.first_token_s < rq.arrival_s).sum())
     out: tuple[str, ...] = ()
@@ -229,27 +231,21 @@ def check_ttft_reconciled(p: TtftPartition, path: str = "") -> TtftPartition:
 # -- the vectorised partitioner -----------------------------------------------------------
 
 
-def _host_setup(log: RawLog):
+def host_timeline(log: RawLog) -> tuple[np.ndarray, list[tuple[str, bool]], Timeline]:
     """(segment causes, host timeline classes by precedence, the timeline): the ITL
     partition's elementary intervals, each owned by one class, with decode's graph rate."""
     causes = segment_causes(log)
-    is_dev = log.segments.is_device == 1
-    classes = [(c, False) for c in precedence(set(causes[~is_dev].tolist()))]
-    index = {c: i for i, (c, _) in enumerate(classes)}
-    label_cls = np.array(
-        [index.get(cause_of(lb, log.cause_map), -1) for lb in log.labels] + [-1], dtype=np.int64
-    )
-    seg_cls = np.where(is_dev, -1, label_cls[log.segments.label])
-    base = fit_baseline(log, _decode_net_ms(log, causes))
-    tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
-    return causes, classes, tl
+    classes = host_classes(causes, log.segments.is_device == 1)
+    seg_cls = segment_classes(log, classes)
+    base = fit_baseline(log, decode_net_ms(log, causes))
+    return causes, classes, build_timeline(log, classes, seg_cls, base.eager_excess_frac)
 
 
 def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
     """Partition every request's TTFT (vectorised). Raises `ReconcileError` if it does not sum."""
     labels = ttft_labels(log)
     col = {lb: i for i, lb in enumerate(labels)}
-    causes, classes, tl = _host_setup(log)
+    causes, classes, tl = host_timeline(log)
     n_cls = len(classes)
     # class integrals (every class, residual, graph-rate) -> labels; prefill stays `prefill`
     # here and is split at the end
@@ -261,14 +257,9 @@ def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
     to_labels[n_cls + 1, col["decode_other"]] -= 1.0
     prefill_cls = next((i for i, (c, _) in enumerate(classes) if c == "prefill"), None)
 
-    def cumulative(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        k = np.searchsorted(tl.bounds, times, side="right")
-        hl = [tl.integrals(c, times, k) for c in [*range(n_cls + 1), None]]
-        return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
-
     def between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        h0, l0 = cumulative(x)
-        h1, l1 = cumulative(y)
+        h0, l0 = tl.class_integrals(n_cls, x)
+        h1, l1 = tl.class_integrals(n_cls, y)
         return (((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3
 
     def prefill_between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -278,7 +269,7 @@ def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
         h1, l1 = tl.integrals(prefill_cls, y)
         return ((h1 - h0) + (l1 - l0)) * 1e3
 
-    req, a, adm, f = _windows(log)
+    req, a, adm, f = ttft_windows(log)
     n = len(req)
     split = np.isfinite(adm)
     row_of = np.full(len(log.requests), -1, dtype=np.int64)
@@ -321,7 +312,7 @@ def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
         np.subtract.at(parts, q_row, ran)
         ran[:, col["residual"]] = 0.0
         np.add.at(context, q_row, ran)
-        wait_col = np.array([col[WAIT_LABELS[r]] for r in q_reason.tolist()], dtype=np.int64)
+        wait_col = np.array([col[WAIT_REASON_LABELS[r]] for r in q_reason.tolist()], dtype=np.int64)
         np.add.at(parts, (q_row, wait_col), (p1 - p0) * 1e3 - gc_ms)
 
     # 4. prefill: own share in the prefilling phase, the rest is others'
@@ -370,7 +361,7 @@ def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
         phases_ms=phases,
         primary=primary,
         causes=prim_causes,
-        notes=_notes(log, split),
+        notes=ttft_notes(log, split),
     )
     return check_ttft_reconciled(p, log.path) if check else p
 
@@ -416,139 +407,6 @@ def _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_betw
         np.subtract.at(val, pi, prefill_between(y0, y1))
     np.add.at(own, r, share[ri] * val)
     return own
-
-
-# -- the reference partitioner (slow, obvious; for tests) ---------------------------------
-
-
-def _add_host(into: dict[str, float], who: str, ms: float, rate: float) -> None:
-    """Context: what the host ran, by label (prefill that ran while held was others')."""
-    if who == "decode":
-        into["graph"] += ms * rate
-        into["decode_other"] += ms * (1 - rate)
-    elif who == "prefill":
-        into["prefill_other"] += ms
-    elif who != "residual":
-        into[who] += ms
-
-
-def ttft_partition_reference(log: RawLog) -> TtftPartition:
-    """The same partition with plain loops, one request and one elementary interval at a time."""
-    labels = ttft_labels(log)
-    causes_arr = segment_causes(log)
-    sg = log.segments
-    host = [
-        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), str(causes_arr[i]), int(sg.step[i]))
-        for i in range(len(sg))
-        if sg.is_device[i] != 1
-    ]
-    order = precedence({c for _, _, c, _ in host})
-    rank = {c: i for i, c in enumerate(order)}
-    base = fit_baseline(log, _decode_net_ms(log, causes_arr))
-    pauses = list(
-        zip(log.gc_pauses.t_start_s.tolist(), log.gc_pauses.t_end_s.tolist(), strict=True)
-    )
-    share = prefill_shares(log)
-    pf = log.prefill_chunks
-    q_req, q0, q1, q_reason = wait_windows(log)
-    e_req, e_a, e_b = evicted_windows(log)
-    req, a_all, adm_all, f_all = _windows(log)
-
-    def owner(x: float) -> tuple[str, float, list[int]]:
-        """Who owns the instant just after x on the host: (cause, graph rate, the steps of
-        the prefill segments covering it)."""
-        if any(pa <= x < pb for pa, pb in pauses):
-            return "gc", 0.0, []
-        live = [(rank[c], c, s) for s0, s1, c, s in host if s0 <= x < s1]
-        if not live:
-            return "residual", 0.0, []
-        best = min(live)[1]
-        if best == "decode":
-            fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for _, c, s in live if c == "decode"]
-            return "decode", min(1.0, max(0.0, sum(fr) / len(fr))), []
-        if best == "prefill":
-            return "prefill", 0.0, [s for _, c, s in live if c == "prefill" and s >= 0]
-        return best, 0.0, []
-
-    n = len(req)
-    parts = np.zeros((n, len(labels)))
-    context = np.zeros_like(parts)
-    phases = np.zeros((n, len(PHASES)))
-    for i in range(n):
-        r, a, adm, f = int(req[i]), float(a_all[i]), float(adm_all[i]), float(f_all[i])
-        is_split = adm == adm  # not NaN
-        evicted = [
-            (float(x), float(y)) for rr, x, y in zip(e_req, e_a, e_b, strict=True) if rr == r
-        ]
-        waits = [
-            (float(x), float(y), WAIT_LABELS[int(k)])
-            for rr, x, y, k in zip(q_req, q0, q1, q_reason, strict=True)
-            if rr == r
-        ]
-        my_share = {
-            int(s): float(share[j])
-            for j, (s, rr) in enumerate(zip(pf.step, pf.request, strict=True))
-            if rr == r
-        }
-        cuts = {a, f} | ({adm} if is_split else set())
-        cuts |= {p for s0, s1, _, _ in host for p in (s0, s1)}
-        cuts |= {p for pa, pb in pauses for p in (pa, pb)}
-        cuts |= {p for x, y in evicted for p in (x, y)}
-        cuts |= {p for x, y, _ in waits for p in (x, y)}
-        pts = sorted(p for p in cuts if a <= p <= f and np.isfinite(p))
-        own_raw = prefill_live = prefill_all = 0.0
-        row = dict.fromkeys(labels, 0.0)
-        ctx = dict.fromkeys(labels, 0.0)
-        for x, y in zip(pts[:-1], pts[1:], strict=True):
-            ms = (y - x) * 1e3
-            who, rate, psteps = owner(x)
-
-            phase = "unsplit" if not is_split else ("queued" if x < adm else "prefilling")
-            if any(ex <= x < ey for ex, ey in evicted):
-                row["preempt"] += ms
-                phases[i, PHASES.index("evicted")] += ms
-                _add_host(ctx, who, ms, rate)
-                continue
-            phases[i, PHASES.index(phase)] += ms
-            held = [lb for wx, wy, lb in waits if wx <= x < wy] if phase == "queued" else []
-            if held and who != "gc":
-                row[held[0]] += ms
-                _add_host(ctx, who, ms, rate)
-                continue
-            if who == "decode":
-                row["graph"] += ms * rate
-                row["decode_other"] += ms * (1 - rate)
-            elif who == "prefill":
-                prefill_all += ms
-                if phase == "prefilling":
-                    prefill_live += ms
-                    own_raw += ms * sum(my_share.get(s, 0.0) for s in psteps)
-            else:
-                row[who] += ms
-        if is_split:
-            own = min(own_raw, prefill_live)
-            row["prefill_own"] += own
-            row["prefill_other"] += prefill_all - own
-        else:
-            row["prefill"] += prefill_all
-        parts[i] = [row[lb] for lb in labels]
-        context[i] = [ctx[lb] for lb in labels]
-    ttft_ms = (f_all - a_all) * 1e3
-    primary, prim_causes = primary_of(parts, ttft_ms, labels)
-    return TtftPartition(
-        labels=labels,
-        request=req,
-        arrival_s=a_all,
-        admit_s=adm_all,
-        first_token_s=f_all,
-        ttft_ms=ttft_ms,
-        parts_ms=parts,
-        context_ms=context,
-        phases_ms=phases,
-        primary=primary,
-        causes=prim_causes,
-        notes=_notes(log, np.isfinite(adm_all)),
-    )
 
 
 # -- per-run figures ------------------------------------------------------------------------
@@ -670,6 +528,5 @@ __all__ = [
     "check_ttft_reconciled",
     "ttft_figures",
     "ttft_partition",
-    "ttft_partition_reference",
     "ttft_records",
 ]

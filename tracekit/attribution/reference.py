@@ -1,0 +1,411 @@
+"""The slow, obvious reference implementations of the three partitions, for tests.
+
+Each computes what its vectorised counterpart computes, with plain Python loops over one
+gap (or request) and one elementary interval at a time, straight from the written rules:
+
+- `partition_reference`: the ITL partition (`tracekit.attribution.itl.partition`,
+  design.md "The partition", docs/gpu.md for device windows);
+- `ttft_partition_reference`: the TTFT partition (`tracekit.attribution.ttft`,
+  docs/ttft.md);
+- `client_partition_reference`: the client-boundary partition
+  (`tracekit.attribution.client`), with `partition_reference` for the engine part.
+
+The tests check that each agrees with its vectorised counterpart. They share with it only
+the inputs both read the same way (segment causes, evicted windows, the graph baseline's
+fit, drift correction, gap and window extraction), never the timeline arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracekit.attribution.client import (
+    FRONTEND_LABELS,
+    FRONTEND_PRECEDENCE,
+    ClientPartition,
+    client_gaps,
+    engine_part_log,
+    frontend_windows,
+)
+from tracekit.attribution.itl import (
+    FIT_ALL_CAPTURED,
+    Partition,
+    drift_corrected,
+    emission_order,
+    evicted_windows,
+    fit_baseline,
+    gaps_of,
+    partition,
+    primary_of,
+)
+from tracekit.attribution.timeline import (
+    DEVICE_WAIT_LABELS,
+    decode_net_ms,
+    host_classes,
+    segment_causes,
+)
+from tracekit.attribution.ttft import (
+    PHASES,
+    WAIT_REASON_LABELS,
+    TtftPartition,
+    prefill_shares,
+    ttft_labels,
+    ttft_notes,
+    ttft_windows,
+    wait_windows,
+)
+from tracekit.attribution.ttft import primary_of as ttft_primary_of
+from tracekit.labels import partition_labels, precedence
+from tracekit.log.rawlog import RawLog
+
+# -- the ITL partition ---------------------------------------------------------------------
+
+
+def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) -> Partition:
+    """The same partition with plain Python loops, one gap and one slice at a time."""
+    log = drift_corrected(log)
+    causes_arr = segment_causes(log)
+    causes = causes_arr.tolist()
+    sg, gcp, st = log.segments, log.gc_pauses, log.steps
+    is_dev = (sg.is_device == 1).tolist()
+    classes = host_classes(causes_arr, sg.is_device == 1)
+    rank = {c: i for i, c in enumerate(classes)}
+    dev_causes = set(causes_arr[sg.is_device == 1].tolist())
+    labels = tuple(partition_labels({c for c, _ in classes} | dev_causes))
+    segs = [
+        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]), is_dev[i])
+        for i in range(len(sg))
+    ]
+    pauses = [(float(a), float(b)) for a, b in zip(gcp.t_start_s, gcp.t_end_s, strict=True)]
+
+    def gc_overlap(a: float, b: float) -> float:
+        # length of [a, b] inside the union of pauses: walk the merged pauses
+        total = 0.0
+        merged: list[list[float]] = []
+        for pa, pb in sorted(pauses):
+            if merged and pa <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], pb)
+            else:
+                merged.append([pa, pb])
+        for pa, pb in merged:
+            total += max(0.0, min(b, pb) - max(a, pa))
+        return total
+
+    net = np.zeros(len(st))
+    steps_on_device = {s for a, b, c, s, d in segs if c == "decode" and d and s >= 0}
+    for a, b, c, s, d in segs:
+        if c != "decode" or s < 0:
+            continue
+        if s in steps_on_device:
+            if d:
+                net[s] += (b - a) * 1e3
+        else:
+            net[s] += ((b - a) - gc_overlap(a, b)) * 1e3
+    base = fit_baseline(log, net, baseline_fit)
+
+    host = [x for x in segs if not x[4]]
+    points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
+
+    def host_owner(t: float) -> tuple[str, float]:
+        """Who owns the instant just after t on the host, and the graph rate there."""
+        if any(pa <= t < pb for pa, pb in pauses):
+            return "gc", 0.0
+        live = [(rank[(c, False)], c, s) for a, b, c, s, d in host if a <= t < b]
+        if not live:
+            return "residual", 0.0
+        best = min(live)[1]
+        if best != "decode":
+            return best, 0.0
+        fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
+        return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
+
+    def host_idle_before(x: float) -> bool:
+        before = [p for p in points if p < x]
+        if not before:
+            return True
+        who, _ = host_owner(max(before))
+        return who == "residual" or who in DEVICE_WAIT_LABELS
+
+    # device windows, disjoint over the run: the earlier start owns an overlap; each step's
+    # device work ends where its last window (as recorded) ends
+    device_segs = sorted((x for x in segs if x[4] and x[3] >= 0), key=lambda x: (x[0], x[3], x[1]))
+    dev_windows: list[tuple[float, float, str, int]] = []
+    busy_until = -np.inf
+    last_end: dict[int, float] = {}
+    for a, b, c, s, _ in device_segs:
+        last_end[s] = max(last_end.get(s, -np.inf), b)
+        if b > max(a, busy_until):
+            dev_windows.append((max(a, busy_until), b, c, s))
+        busy_until = max(busy_until, b)
+
+    def tally(a: float, b: float, pieces=(), idle_only=False) -> dict[str, float]:
+        out = dict.fromkeys(labels, 0.0)
+        cuts = sorted({a, b} | {p for pa, pb, _, _ in pieces for p in (pa, pb) if a < p < b}
+                      | {p for p in points if a < p < b})  # fmt: skip
+        for x, y in zip(cuts[:-1], cuts[1:], strict=True):
+            ms = (y - x) * 1e3
+            dev = [(c, fr) for pa, pb, c, fr in pieces if pa <= x < pb]
+            who, rate = host_owner(x)
+            # device-bound: a device window owns its time; host-bound: only host-idle time
+            if dev and (not idle_only or who == "residual" or who in DEVICE_WAIT_LABELS):
+                who, rate = dev[0][0], dev[0][1]
+            if who == "decode":
+                out["graph"] += ms * rate
+                out["forward"] += ms * (1 - rate)
+            else:
+                out[who] += ms
+        return out
+
+    order = emission_order(log)
+    em = log.emissions
+    r_sorted = em.request[order]
+    closing = np.flatnonzero(r_sorted[1:] == r_sorted[:-1]) + 1
+    g_dstep = em.device_step[order][closing]
+
+    g_req, g_t0, g_t1, g_s0, g_s1 = gaps_of(log)
+    e_req, e_a, e_b = evicted_windows(log)
+    parts = np.zeros((len(g_req), len(labels)))
+    context = np.zeros_like(parts)
+    n_ev = np.zeros(len(g_req), dtype=np.int64)
+    for i in range(len(g_req)):
+        t0, t1, r = float(g_t0[i]), float(g_t1[i]), int(g_req[i])
+        windows = [
+            (max(a, t0), min(b, t1))
+            for rr, a, b in zip(e_req, e_a, e_b, strict=True)
+            if rr == r and min(b, t1) > max(a, t0)
+        ]
+        n_ev[i] = len(windows)
+        live, cur = [], t0
+        for a, b in sorted(windows):
+            if a > cur:
+                live.append((cur, a))
+            cur = max(cur, b)
+        if cur < t1:
+            live.append((cur, t1))
+        pieces = []
+        idle_only = False
+        ds = int(g_dstep[i])
+        if not windows and ds in last_end and min(last_end[ds], t1) > t0:
+            # rule 6: the windows that ended by the read step's device work, in the gap
+            idle_only = not host_idle_before(min(last_end[ds], t1))  # host-bound
+            pieces = [
+                (
+                    max(a, t0),
+                    min(b, t1),
+                    c,
+                    float(base.eager_excess_frac[s]) if c == "decode" else 0.0,
+                )
+                for a, b, c, s in dev_windows
+                if b <= last_end[ds] and min(b, t1) > max(a, t0)
+            ]
+        for a, b in live:
+            for lb, v in tally(a, b, pieces, idle_only).items():
+                parts[i, labels.index(lb)] += v
+        for a, b in windows:
+            parts[i, labels.index("preempt")] += (b - a) * 1e3
+            for lb, v in tally(a, b).items():
+                context[i, labels.index(lb)] += v
+    gap_ms = (g_t1 - g_t0) * 1e3
+    primary, prim_causes = primary_of(parts, gap_ms, labels)
+    return Partition(
+        labels=labels,
+        request=g_req,
+        t0_s=g_t0,
+        t1_s=g_t1,
+        step0=g_s0,
+        step1=g_s1,
+        gap_ms=gap_ms,
+        parts_ms=parts,
+        context_ms=context,
+        num_evictions=n_ev,
+        primary=primary,
+        causes=prim_causes,
+        baseline=base,
+    )
+
+
+# -- the TTFT partition ------------------------------------------------------------------
+
+
+def _add_host(into: dict[str, float], who: str, ms: float, rate: float) -> None:
+    """Context: what the host ran, by label (prefill that ran while held was others')."""
+    if who == "decode":
+        into["graph"] += ms * rate
+        into["decode_other"] += ms * (1 - rate)
+    elif who == "prefill":
+        into["prefill_other"] += ms
+    elif who != "residual":
+        into[who] += ms
+
+
+def ttft_partition_reference(log: RawLog) -> TtftPartition:
+    """The same partition with plain loops, one request and one elementary interval at a time."""
+    labels = ttft_labels(log)
+    causes_arr = segment_causes(log)
+    sg = log.segments
+    host = [
+        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), str(causes_arr[i]), int(sg.step[i]))
+        for i in range(len(sg))
+        if sg.is_device[i] != 1
+    ]
+    order = precedence({c for _, _, c, _ in host})
+    rank = {c: i for i, c in enumerate(order)}
+    base = fit_baseline(log, decode_net_ms(log, causes_arr))
+    pauses = list(
+        zip(log.gc_pauses.t_start_s.tolist(), log.gc_pauses.t_end_s.tolist(), strict=True)
+    )
+    share = prefill_shares(log)
+    pf = log.prefill_chunks
+    q_req, q0, q1, q_reason = wait_windows(log)
+    e_req, e_a, e_b = evicted_windows(log)
+    req, a_all, adm_all, f_all = ttft_windows(log)
+
+    def owner(x: float) -> tuple[str, float, list[int]]:
+        """Who owns the instant just after x on the host: (cause, graph rate, the steps of
+        the prefill segments covering it)."""
+        if any(pa <= x < pb for pa, pb in pauses):
+            return "gc", 0.0, []
+        live = [(rank[c], c, s) for s0, s1, c, s in host if s0 <= x < s1]
+        if not live:
+            return "residual", 0.0, []
+        best = min(live)[1]
+        if best == "decode":
+            fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for _, c, s in live if c == "decode"]
+            return "decode", min(1.0, max(0.0, sum(fr) / len(fr))), []
+        if best == "prefill":
+            return "prefill", 0.0, [s for _, c, s in live if c == "prefill" and s >= 0]
+        return best, 0.0, []
+
+    n = len(req)
+    parts = np.zeros((n, len(labels)))
+    context = np.zeros_like(parts)
+    phases = np.zeros((n, len(PHASES)))
+    for i in range(n):
+        r, a, adm, f = int(req[i]), float(a_all[i]), float(adm_all[i]), float(f_all[i])
+        is_split = adm == adm  # not NaN
+        evicted = [
+            (float(x), float(y)) for rr, x, y in zip(e_req, e_a, e_b, strict=True) if rr == r
+        ]
+        waits = [
+            (float(x), float(y), WAIT_REASON_LABELS[int(k)])
+            for rr, x, y, k in zip(q_req, q0, q1, q_reason, strict=True)
+            if rr == r
+        ]
+        my_share = {
+            int(s): float(share[j])
+            for j, (s, rr) in enumerate(zip(pf.step, pf.request, strict=True))
+            if rr == r
+        }
+        cuts = {a, f} | ({adm} if is_split else set())
+        cuts |= {p for s0, s1, _, _ in host for p in (s0, s1)}
+        cuts |= {p for pa, pb in pauses for p in (pa, pb)}
+        cuts |= {p for x, y in evicted for p in (x, y)}
+        cuts |= {p for x, y, _ in waits for p in (x, y)}
+        pts = sorted(p for p in cuts if a <= p <= f and np.isfinite(p))
+        own_raw = prefill_live = prefill_all = 0.0
+        row = dict.fromkeys(labels, 0.0)
+        ctx = dict.fromkeys(labels, 0.0)
+        for x, y in zip(pts[:-1], pts[1:], strict=True):
+            ms = (y - x) * 1e3
+            who, rate, psteps = owner(x)
+
+            phase = "unsplit" if not is_split else ("queued" if x < adm else "prefilling")
+            if any(ex <= x < ey for ex, ey in evicted):
+                row["preempt"] += ms
+                phases[i, PHASES.index("evicted")] += ms
+                _add_host(ctx, who, ms, rate)
+                continue
+            phases[i, PHASES.index(phase)] += ms
+            held = [lb for wx, wy, lb in waits if wx <= x < wy] if phase == "queued" else []
+            if held and who != "gc":
+                row[held[0]] += ms
+                _add_host(ctx, who, ms, rate)
+                continue
+            if who == "decode":
+                row["graph"] += ms * rate
+                row["decode_other"] += ms * (1 - rate)
+            elif who == "prefill":
+                prefill_all += ms
+                if phase == "prefilling":
+                    prefill_live += ms
+                    own_raw += ms * sum(my_share.get(s, 0.0) for s in psteps)
+            else:
+                row[who] += ms
+        if is_split:
+            own = min(own_raw, prefill_live)
+            row["prefill_own"] += own
+            row["prefill_other"] += prefill_all - own
+        else:
+            row["prefill"] += prefill_all
+        parts[i] = [row[lb] for lb in labels]
+        context[i] = [ctx[lb] for lb in labels]
+    ttft_ms = (f_all - a_all) * 1e3
+    primary, prim_causes = ttft_primary_of(parts, ttft_ms, labels)
+    return TtftPartition(
+        labels=labels,
+        request=req,
+        arrival_s=a_all,
+        admit_s=adm_all,
+        first_token_s=f_all,
+        ttft_ms=ttft_ms,
+        parts_ms=parts,
+        context_ms=context,
+        phases_ms=phases,
+        primary=primary,
+        causes=prim_causes,
+        notes=ttft_notes(log, np.isfinite(adm_all)),
+    )
+
+
+# -- the client-boundary partition --------------------------------------------------------
+
+
+def client_partition_reference(log: RawLog) -> ClientPartition:
+    """`client_partition` with plain loops: each gap's frontend part cut at every window
+    boundary inside it, each piece given to the first window (by precedence) covering it."""
+    g = client_gaps(log)
+    live = [i for i in range(len(g.a)) if g.x[i] > g.a[i]]
+    if live:
+        eng = partition_reference(engine_part_log(log, g))
+        eng_labels, eng_rows = eng.labels, {live[int(q)]: eng.parts_ms[j]
+                                            for j, q in enumerate(eng.request)}  # fmt: skip
+    else:
+        eng_labels, eng_rows = partition(log, check=False).labels, {}
+    labels = (*eng_labels, *FRONTEND_LABELS)
+    ne, nf = len(eng_labels), len(FRONTEND_PRECEDENCE)
+    wins = frontend_windows(log)
+    rows = []
+    for i in range(len(g.a)):
+        row = [0.0] * len(labels)
+        if i in eng_rows:
+            row[:ne] = eng_rows[i].tolist()
+        x, b = float(g.x[i]), float(g.b[i])
+        e = float(g.e[i]) if not np.isnan(g.e[i]) else b
+        recv = float(g.recv[i]) if not np.isnan(g.recv[i]) else e
+        cuts = sorted({x, b, *(t for s, en, _ in wins for t in (s, en) if x < t < b),
+                       *(t for t in (e, recv) if x < t < b)})  # fmt: skip
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=False):
+            mid = (lo + hi) / 2
+            owners = [c for s, en, c in wins if s <= mid < en]
+            if owners:
+                col = ne + min(owners)
+            elif e <= mid < recv:
+                col = ne + nf
+            else:
+                col = ne + nf + 1
+            row[col] += (hi - lo) * 1e3
+        rows.append(row)
+    parts = np.array(rows, dtype=np.float64).reshape(len(g.a), len(labels))
+    return ClientPartition(
+        labels=labels,
+        request=g.request,
+        t0_s=g.a,
+        t1_s=g.b,
+        engine_s=g.x,
+        num_tokens=g.num_tokens,
+        gap_ms=(g.b - g.a) * 1e3,
+        parts_ms=parts,
+    )
+
+
+__all__ = ["client_partition_reference", "partition_reference", "ttft_partition_reference"]

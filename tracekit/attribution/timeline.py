@@ -1,0 +1,211 @@
+"""The elementary timeline the partitions are computed on (design.md, "The partition").
+
+Every segment and GC pause boundary of a run cuts the host clock into elementary
+intervals; each interval is owned by one *class* (a host cause, or ``gc``) by
+`tracekit.labels.precedence`, or by none (``residual``). The ITL partition
+(`tracekit.attribution.itl`), the TTFT partition (`tracekit.attribution.ttft`) and, through
+the ITL partition, the client-boundary partition (`tracekit.attribution.client`) answer
+"how much of class C lies in [a, b]" from the compensated cumulative sums of one
+`Timeline`, so a window's parts carry float rounding of the window's size, not of the
+run's length.
+
+Also here, as the partitions share them: each segment's cause and timeline class, each
+step's GC-free decode time (the graph baseline's input), and the run's device windows made
+disjoint (ITL rule 6).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracekit.labels import cause_of, precedence
+from tracekit.log.rawlog import RawLog
+
+
+def segment_causes(log: RawLog) -> np.ndarray:
+    """Cause name of each segment, as an object array."""
+    names = np.array([cause_of(lb, log.cause_map) for lb in log.labels] or [""], dtype=object)
+    return names[log.segments.label] if len(log.segments) else np.zeros(0, dtype=object)
+
+
+def compensated_cumsum(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Compensated prefix sums: ``hi + lo`` is the exact prefix sum to ~1e-32 relative.
+
+    `np.cumsum` accumulates sequentially, so each prefix is ``fl(prev + v)``; TwoSum recovers
+    each addition's rounding error, and those errors (tiny) are summed separately."""
+    hi = np.empty(len(v) + 1)
+    hi[0] = 0.0
+    np.cumsum(v, out=hi[1:])
+    a, s = hi[:-1], hi[1:]
+    bb = s - a
+    err = (a - (s - bb)) + (v - bb)
+    lo = np.empty_like(hi)
+    lo[0] = 0.0
+    np.cumsum(err, out=lo[1:])
+    return hi, lo
+
+
+class Timeline:
+    """Elementary intervals between all boundaries, each owned by one class."""
+
+    def __init__(self, bounds: np.ndarray, owner: np.ndarray, graph_rate: np.ndarray) -> None:
+        self.bounds = bounds  # m sorted unique times
+        # owner/rate indexed by k + 1 for the interval [bounds[k], bounds[k+1]); 0 and m are
+        # the open ends before the first and after the last boundary
+        self.owner = owner
+        self.graph_rate = graph_rate
+        self.width = np.diff(bounds)
+        self._cum: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
+
+    def integrals(self, cls: int | None, times: np.ndarray, k: np.ndarray | None = None):
+        """Cumulative time owned by class `cls` (None: graph-rate weighted decode) at `times`.
+
+        Returned as (hi, lo) pairs so differences keep full relative precision."""
+        if k is None:
+            k = np.searchsorted(self.bounds, times, side="right")  # interval index + 1
+        rate = self.graph_rate if cls is None else (self.owner == cls).astype(np.float64)
+        cached = self._cum.get(cls)
+        if cached is None:
+            # sums at the boundaries
+            cached = self._cum[cls] = compensated_cumsum(self.width * rate[1:-1])
+        hi, lo = cached
+        # C(t) = C(bounds[j]) + (t - bounds[j]) * rate, j = k - 1; before the first boundary
+        # (k = 0) it is measured back from bounds[0], so differences still hold
+        j = np.maximum(k - 1, 0)
+        hv = np.where(k > 0, hi[j], 0.0)
+        lv = lo[j] * (k > 0) + (times - self.bounds[j]) * rate[k]
+        return hv, lv
+
+    def class_integrals(self, n_cls: int, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Integrals of every class, residual (class `n_cls`) and the graph rate up to
+        `times`, as (hi, lo) matrices with one column each in that order."""
+        k = np.searchsorted(self.bounds, times, side="right")
+        hl = [self.integrals(c, times, k) for c in [*range(n_cls + 1), None]]
+        return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
+
+
+def coverage(bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray, m: int) -> np.ndarray:
+    """For each elementary interval (m - 1 of them), how many windows cover it."""
+    d = np.bincount(np.searchsorted(bounds, starts), minlength=m + 1)[: m + 1].astype(np.int64)
+    d -= np.bincount(np.searchsorted(bounds, ends), minlength=m + 1)[: m + 1]
+    return np.cumsum(d)[: m - 1]
+
+
+def host_classes(causes: np.ndarray, is_device: np.ndarray) -> list[tuple[str, bool]]:
+    """Host timeline classes, highest precedence first (host causes + gc). Device windows
+    are not on the timeline: they own time only in device-bound gaps (rule 6)."""
+    return [(c, False) for c in precedence(set(causes[~is_device].tolist()))]
+
+
+#: Host labels that mean "waiting for the device": the host is idle, not busy, in them.
+DEVICE_WAIT_LABELS = frozenset({"wait", "sync"})
+
+
+def decode_classes(classes: list[tuple[str, bool]]) -> list[int]:
+    return [i for i, (c, _) in enumerate(classes) if c == "decode"]
+
+
+def build_timeline(log: RawLog, classes: list, seg_cls: np.ndarray, frac: np.ndarray):
+    sg, gcp = log.segments, log.gc_pauses
+    gc_cls = classes.index(("gc", False))
+    starts = np.concatenate([sg.t_start_s, gcp.t_start_s])
+    ends = np.concatenate([sg.t_end_s, gcp.t_end_s])
+    cls = np.concatenate([seg_cls, np.full(len(gcp), gc_cls)])
+    bounds = np.unique(np.concatenate([starts, ends, [0.0]]))  # never empty
+    m = len(bounds)
+    residual = len(classes)
+    owner = np.full(m + 1, residual, dtype=np.int64)
+    rate = np.zeros(m + 1)
+    inner = owner[1:m]
+    if m >= 2:
+        for c in reversed(range(len(classes))):  # lowest precedence first, higher overwrite
+            sel = cls == c
+            if sel.any():
+                inner[coverage(bounds, starts[sel], ends[sel], m) > 0] = c
+        # graph rate where decode owns: the mean excess fraction of the decode windows of
+        # the owning kind (device or host) that cover the interval
+        for ci in decode_classes(classes):
+            dec = seg_cls == ci
+            if not dec.any():
+                continue
+            f = frac[np.maximum(sg.step[dec], 0)] * (sg.step[dec] >= 0)
+            n = coverage(bounds, sg.t_start_s[dec], sg.t_end_s[dec], m)
+            ws = np.bincount(np.searchsorted(bounds, sg.t_start_s[dec]), f, m + 1)[: m + 1]
+            ws -= np.bincount(np.searchsorted(bounds, sg.t_end_s[dec]), f, m + 1)[: m + 1]
+            fsum = np.cumsum(ws)[: m - 1]
+            own = (inner == ci) & (n > 0)
+            rate[1:m][own] = np.clip(fsum[own] / n[own], 0.0, 1.0)
+    return Timeline(bounds, owner, rate)
+
+
+def decode_net_ms(log: RawLog, seg_causes: np.ndarray) -> np.ndarray:
+    """Per step, GC-free decode ms: each decode segment minus its overlap with the GC union.
+    A step with device decode windows is measured by them alone (device time; a host GC
+    pause does not stretch it)."""
+    sg, gcp = log.segments, log.gc_pauses
+    net = np.zeros(len(log.steps))
+    dec = (seg_causes == "decode") & (sg.step >= 0)
+    if not dec.any():
+        return net
+    dev = dec & (sg.is_device == 1)
+    if dev.any():
+        np.add.at(net, sg.step[dev], (sg.t_end_s[dev] - sg.t_start_s[dev]) * 1e3)
+        has_dev = np.zeros(len(log.steps), dtype=bool)
+        has_dev[sg.step[dev]] = True
+        dec &= ~has_dev[np.maximum(sg.step, 0)]
+        if not dec.any():
+            return net
+    a, b = sg.t_start_s[dec], sg.t_end_s[dec]
+    if len(gcp):
+        bounds = np.unique(np.concatenate([gcp.t_start_s, gcp.t_end_s, a, b]))
+        m = len(bounds)
+        cov = coverage(bounds, gcp.t_start_s, gcp.t_end_s, m) > 0
+        tl = Timeline(bounds, np.concatenate([[0], cov.astype(np.int64), [0]]), np.zeros(m + 1))
+        h1, l1 = tl.integrals(1, b)
+        h0, l0 = tl.integrals(1, a)
+        gc_in = (h1 - h0) + (l1 - l0)
+    else:
+        gc_in = 0.0
+    seg_ms = ((b - a) - gc_in) * 1e3
+    # bincount adds in row order like np.add.at (the same sums), without its per-row cost;
+    # net is 0.0 on every step this touches (steps with device windows were excluded)
+    net += np.bincount(sg.step[dec], weights=seg_ms, minlength=len(net))
+    return net
+
+
+def device_windows(log: RawLog, causes: np.ndarray):
+    """Device windows made disjoint across the whole run (sorted by start, the earlier start
+    owns an overlap; a window left empty is dropped), so starts and ends both increase:
+    (step, start, end, cause), plus each step's last device end (of its windows as
+    recorded; -inf for a step without device windows)."""
+    sg = log.segments
+    dev = np.flatnonzero((sg.is_device == 1) & (sg.step >= 0))
+    last_end = np.full(len(log.steps), -np.inf)
+    np.maximum.at(last_end, sg.step[dev], sg.t_end_s[dev])
+    o = dev[np.lexsort((sg.t_end_s[dev], sg.step[dev], sg.t_start_s[dev]))]
+    step, a, b, c = sg.step[o], sg.t_start_s[o].copy(), sg.t_end_s[o], causes[o]
+    if len(a) > 1 and np.any(a[1:] < np.maximum.accumulate(b)[:-1]):
+        run_end = np.concatenate([[-np.inf], np.maximum.accumulate(b)[:-1]])
+        a = np.minimum(np.maximum(a, run_end), b)
+    keep = b > a
+    return step[keep], a[keep], b[keep], c[keep], last_end
+
+
+def prefix_sums(m: np.ndarray) -> np.ndarray:
+    """Row prefix sums of `m` (a leading zero row), compensated column by column."""
+    out = np.empty((len(m) + 1, m.shape[1]))
+    for j in range(m.shape[1]):
+        hi, lo = compensated_cumsum(m[:, j])
+        out[:, j] = hi + lo
+    return out
+
+
+def segment_classes(log: RawLog, classes: list[tuple[str, bool]]) -> np.ndarray:
+    """Timeline class of each segment (through its label: few labels, many segments);
+    -1 for device windows and causes without a class."""
+    index = {c: i for i, c in enumerate(classes)}
+    label_cls = np.array(
+        [index.get((cause_of(lb, log.cause_map), False), -1) for lb in log.labels] + [-1],
+        dtype=np.int64,
+    )
+    return np.where(log.segments.is_device == 1, -1, label_cls[log.segments.label])
