@@ -27,6 +27,7 @@ import tracekit  # noqa: E402
 from tracekit.attribution.itl import partition  # noqa: E402
 from tracekit.capture.recorder import active_recorders  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
+from tracekit.live.settler import Settler  # noqa: E402
 from tracekit.log.parts import TABLE_COLS  # noqa: E402
 
 
@@ -275,12 +276,12 @@ def test_a_window_open_longer_than_hold_is_late_and_counted(caplog):
                for r in caplog.records) == 1  # fmt: skip
 
 
-def test_a_failing_export_is_logged_once_and_recording_goes_on(caplog):
-    class Broken(LiveMetrics):
-        def _settle_window(self, *a, **kw):
-            raise RuntimeError("exporter down")
+def test_a_failing_export_is_logged_once_and_recording_goes_on(caplog, monkeypatch):
+    def broken(self, *a, **kw):
+        raise RuntimeError("exporter down")
 
-    live = Broken(hold_s=0.0)
+    monkeypatch.setattr(Settler, "_settle_window", broken)
+    live = LiveMetrics(hold_s=0.0)
     with caplog.at_level(logging.ERROR, logger="tracekit.live"):
         _replay(live, _hand_chunks())
     errors = [r for r in caplog.records if r.name == "tracekit.live"]
@@ -290,19 +291,20 @@ def test_a_failing_export_is_logged_once_and_recording_goes_on(caplog):
     assert live.snapshot()["errors"] == 4
     # and through a recorder, the run is recorded whole
     with caplog.at_level(logging.ERROR, logger="tracekit.live"):
-        log = _hand_run(Broken(hold_s=0.0))
+        log = _hand_run(LiveMetrics(hold_s=0.0))
     assert len(partition(log)) == 24
 
 
-def test_a_stuck_exporter_never_blocks_the_recording():
+def test_a_stuck_exporter_never_blocks_the_recording(monkeypatch):
     release = threading.Event()
+    settle_window = Settler._settle_window
 
-    class Stuck(LiveMetrics):
-        def _settle_window(self, *a, **kw):
-            release.wait()  # an exporter that hangs until released
-            return super()._settle_window(*a, **kw)
+    def stuck(self, *a, **kw):
+        release.wait()  # a settlement that hangs until released
+        return settle_window(self, *a, **kw)
 
-    live = Stuck(hold_s=0.0, close_timeout_s=0.1)
+    monkeypatch.setattr(Settler, "_settle_window", stuck)
+    live = LiveMetrics(hold_s=0.0, close_timeout_s=0.1)
     log = _hand_run(live)  # every step, flush and the stop return while the worker hangs
     assert len(partition(log)) == 24
     assert live.snapshot()["gaps"] == 0 and not live.snapshot()["final"]

@@ -1,5 +1,278 @@
-"""Live mode: the per-cause metrics and spans a sink exports while the engine serves."""
+"""Live mode: every gap partitioned while the engine serves, as Prometheus metrics and
+OpenTelemetry spans (the `live` extra: prometheus-client, opentelemetry-sdk).
 
-from tracekit.live.metrics import LiveMetrics, attach
+    from tracekit.live import LiveMetrics, attach
+    live = LiveMetrics(port=9400, slo_ms=200)      # metrics on :9400/metrics
+    rec = tracekit.Recorder("raw/run.npz")
+    attach(rec, live)                              # open at start, every flush, close at stop
 
-__all__ = ["LiveMetrics", "attach"]
+The package follows what is measured apart from how it is exported:
+`tracekit.live.settler` ingests the flushed batches and settles gaps and TTFTs (which gaps
+are settled when, and how graph/forward settle, are written there);
+`tracekit.live.stats` holds what it measured; `tracekit.live.prometheus` and
+`tracekit.live.otel` export it. `LiveMetrics` here is the recorder sink that ties them:
+``write`` only queues a batch; one background thread settles and exports, so the engine
+never waits on it, nor on a scraper (the HTTP server has threads of its own).
+
+**What agrees with the offline analysis of the same run's raw log.** With no late rows
+and no truncated gaps (both exported), after `close`: ``tracekit_gaps_total`` is the
+log's gap count, ``tracekit_gap_seconds`` has the report's histogram counts, and
+``tracekit_gap_cause_seconds_total{cause}`` is the sum of that label over all gaps, to
+float rounding (graph/forward: see the settler).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tracekit.live.settler import TTFT_BUCKETS_S, Settler, TtftPartitioner
+from tracekit.live.stats import LiveTotals, WorkerStats
+
+log = logging.getLogger("tracekit.live")
+
+
+def _missing_extra(e: ImportError) -> ImportError:
+    return ImportError(
+        f"tracekit.live needs the `live` extra ({e.name} is missing): pip install 'tracekit[live]'"
+    )
+
+
+class LiveMetrics:
+    """A recorder sink that partitions every gap as the run goes and exports it.
+
+    port: serve ``/metrics`` on this port (0: any free one, see `port` after `open`);
+        None: no server (`registry` can still be read, e.g. by the caller's own server).
+    addr: the address the metrics server binds.
+    slo_ms: every settled gap at least this long becomes an OpenTelemetry span (request
+        id, gap, parts, the engine steps it spans), through `tracer_provider` (default:
+        the global one, with whatever exporter the application configured).
+    hold_s: how long after a flush a gap waits to be settled: a window open for longer is
+        late (counted, see `tracekit.live.settler`).
+    tail_window: how many recent gaps (and TTFTs) the sliding p99 is taken over.
+    max_retain_s: a request with no known ``max_new_tokens`` stops pinning the retained
+        rows this long after its last emission; a later gap of it is counted truncated.
+    refit_s: how often (engine clock) the running graph total is re-evaluated over every
+        eager step under the line fitted so far (between, new gaps add their estimates).
+    ttft_partitioner: ``f(window: RawLog, requests: np.ndarray) -> (labels, parts_ms)``,
+        the TTFT partition by cause (``tracekit.attribution.ttft``) of the given requests
+        (indices) over a window holding every row from their arrival on (its requests
+        table has each request's arrival and first token; its emissions table is empty);
+        exported as ``tracekit_ttft_cause_seconds_total{cause}``. None: not exported.
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        addr: str = "127.0.0.1",
+        slo_ms: float | None = None,
+        tracer_provider: Any = None,
+        hold_s: float = 2.0,
+        tail_window: int = 10_000,
+        max_retain_s: float = 300.0,
+        ttft_partitioner: TtftPartitioner | None = None,
+        close_timeout_s: float = 60.0,
+        refit_s: float = 10.0,
+    ) -> None:
+        # the exporters' modules import their optional dependencies at the top: imported
+        # here, so that `import tracekit.live` needs neither
+        try:
+            import prometheus_client  # noqa: F401  (checked first: a cached exporter would not)
+
+            from tracekit.live import prometheus
+        except ImportError as e:
+            raise _missing_extra(e) from None
+        self._spans_out: Any = None
+        if slo_ms is not None:
+            try:
+                from tracekit.live.otel import GapSpanExporter
+
+                self._spans_out = GapSpanExporter(tracer_provider)
+            except ImportError as e:
+                raise _missing_extra(e) from None
+        self._prometheus = prometheus
+        self.registry = prometheus.make_registry(self._read)
+        self.slo_ms = slo_ms
+        self.port = port
+        self._addr = addr
+        self._hold_s = hold_s
+        self._close_timeout_s = close_timeout_s
+        self._settler = Settler(
+            hold_s=hold_s,
+            tail_window=tail_window,
+            max_retain_s=max_retain_s,
+            refit_s=refit_s,
+            slo_ms=slo_ms,
+            ttft_partitioner=ttft_partitioner,
+        )
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._server: Any = None
+        self._lock = threading.Lock()  # guards what a scrape reads
+        self._opened = False
+        self._closed = False
+        self._unix0_s = 0.0
+        self._totals = self._settler.totals.copy()  # the latest settled totals
+        self._worker = WorkerStats()
+        self._written = 0  # batches queued (only `write` counts up)
+        self._consumed = 0  # batches settled (only the worker counts up)
+
+    # -- the sink protocol -------------------------------------------------------------
+    def open(self, meta: Mapping[str, Any]) -> None:
+        """At the recorder's start: the run's clock, cause map; starts the worker (and the
+        metrics server, if a port was given)."""
+        if self._opened:
+            raise RuntimeError("a LiveMetrics sink follows one run; make a new one per run")
+        self._opened = True
+        self._unix0_s = float(meta.get("started_unix_s", 0.0))
+        self._settler.open(meta)
+        self._thread = threading.Thread(target=self._run, name="tracekit-live", daemon=True)
+        self._thread.start()
+        if self.port is not None and self._server is None:
+            self.serve(self.port)
+
+    def write(self, batch: Mapping[str, np.ndarray]) -> None:
+        """One flushed batch: queued for the worker (never blocks, never raises)."""
+        if self._thread is None:  # not opened (or opening failed): nothing would consume it
+            return
+        self._written += 1
+        self._q.put(batch)
+
+    def close(self, final: Mapping[str, Any] | None = None) -> None:
+        """At the recorder's stop: settle every remaining gap with the whole run's graph
+        fit (waits for the worker, at most `close_timeout_s`). The server keeps serving
+        until `shutdown`."""
+        if not self._opened or self._closed:
+            return
+        self._closed = True
+        self._q.put(None)
+        if self._thread is not None:
+            self._thread.join(self._close_timeout_s)
+            if self._thread.is_alive():
+                log.warning(
+                    "tracekit live: still partitioning %d batch(es) after %.0f s at close; "
+                    "the metrics settle when it is done",
+                    self._written - self._consumed,
+                    self._close_timeout_s,
+                )
+
+    def serve(self, port: int = 0) -> int:
+        """Serve ``/metrics`` from this sink's registry (its own threads); returns the port."""
+        self._server = self._prometheus.serve(self.registry, port, self._addr)
+        self.port = int(self._server.server_port)
+        return self.port
+
+    def shutdown(self) -> None:
+        """Stop the metrics server (if any)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    @property
+    def is_final(self) -> bool:
+        """True once `close` has settled every gap (graph/forward use the whole run's fit)."""
+        return self._totals.final
+
+    # -- the worker ----------------------------------------------------------------------
+    def _run(self) -> None:
+        s = self._settler
+        while True:
+            batch = self._q.get()
+            cpu0 = time.thread_time()
+            late0 = s.totals.late_rows
+            try:
+                out = s.settle(final=True) if batch is None else s.add(batch)
+                spans = 0
+                if self._spans_out is not None and out.slow_gaps:
+                    spans = self._spans_out.export(out.slow_gaps, self._unix0_s)
+                with self._lock:
+                    self._totals = s.totals.copy()
+                    self._worker.spans += spans
+                if batch is None:
+                    return
+            except Exception as e:  # recording goes on; said once, then counted
+                with self._lock:
+                    self._worker.errors += 1
+                if self._worker.errors == 1:
+                    log.error(
+                        "tracekit live: exporting failed (%s: %s); recording goes on, later "
+                        "failures are only counted in tracekit_live_errors_total",
+                        type(e).__name__,
+                        e,
+                        exc_info=True,
+                    )
+                with self._lock:
+                    self._totals = s.totals.copy()
+                if batch is None:
+                    return
+            finally:
+                if late0 == 0 and s.totals.late_rows:
+                    log.warning(
+                        "tracekit live: %d row(s) arrived after the gaps they overlap were "
+                        "exported (a window open longer than hold_s=%.1f s); those gaps' live "
+                        "parts miss them: raise hold_s",
+                        s.totals.late_rows,
+                        self._hold_s,
+                    )
+                self._worker.cpu_s += time.thread_time() - cpu0
+                if batch is not None:
+                    self._consumed += 1
+
+    # -- the exported values ------------------------------------------------------------------
+    def _read(self) -> tuple[LiveTotals, WorkerStats]:
+        with self._lock:
+            w = WorkerStats(
+                errors=self._worker.errors,
+                spans=self._worker.spans,
+                backlog_batches=self._written - self._consumed,
+                cpu_s=self._worker.cpu_s,
+            )
+            return self._totals, w
+
+    def snapshot(self) -> dict[str, Any]:
+        """The exported values, consistent with each other (what a scrape sees)."""
+        t, w = self._read()
+        return {
+            "gaps": t.gaps,
+            "gap_sum_s": t.gap_sum_s,
+            "hist": t.hist.copy(),
+            "cause_ms": dict(t.cause_ms),
+            "tail_count": dict(t.tail_count),
+            "tail_ms": dict(t.tail_ms),
+            "itl_window_p99_ms": t.itl_window_p99_ms,
+            "ttft_n": t.ttft_n,
+            "ttft_sum_s": t.ttft_sum_s,
+            "ttft_hist": t.ttft_hist.copy(),
+            "ttft_window_p50_ms": t.ttft_window_p50_ms,
+            "ttft_window_p99_ms": t.ttft_window_p99_ms,
+            "ttft_cause_ms": dict(t.ttft_cause_ms),
+            "late_rows": t.late_rows,
+            "truncated_gaps": t.truncated_gaps,
+            "errors": w.errors,
+            "spans": w.spans,
+            "backlog": w.backlog_batches,
+            "cpu_s": w.cpu_s,
+            "fit_steps": t.fit_steps,
+            "settled_to_s": t.settled_to_s,
+            "final": t.final,
+        }
+
+
+def attach(recorder: Any, sink: Any) -> Any:
+    """Feed `sink` from a `tracekit.Recorder` (before its start): opened at the recorder's
+    start, every flushed batch written off the engine thread, closed at its stop; a sink
+    that raises is logged once and detached, the recording goes on. The same as
+    ``Recorder(..., sinks=[sink])``. Returns `sink`."""
+    recorder.add_sink(sink)
+    return sink
+
+
+__all__ = ["LiveMetrics", "attach", "TTFT_BUCKETS_S"]
