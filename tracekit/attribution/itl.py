@@ -59,6 +59,7 @@ import numpy as np
 
 from tracekit.attribution.timeline import (
     DEVICE_WAIT_LABELS,
+    HostTimeline,
     build_timeline,
     decode_net_ms,
     device_windows,
@@ -111,6 +112,9 @@ class Partition:
     causes: tuple[str, ...]  # the labels that can be a primary cause
     baseline: GraphBaseline
     warnings: tuple[str, ...] = field(default=())
+    #: the host timeline, kept where the TTFT partition of the same log would build the same
+    #: one (no drift-corrected device window, design.md's baseline fit); else None
+    host: HostTimeline | None = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -499,6 +503,7 @@ def partition(
     caller that settles `graph`/`forward` itself, as `tracekit.live` does; the parts are
     linear in it).
     Device windows are first corrected for the measured clock drift (`drift_corrected`)."""
+    given = log
     log = drift_corrected(log)
     causes = segment_causes(log)
     is_dev = log.segments.is_device == 1
@@ -512,6 +517,8 @@ def partition(
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
     tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    same_host = log is given and baseline_fit == FIT_ALL_CAPTURED and excess_frac is None
+    host = HostTimeline(causes, classes, tl, log.segments, log.gc_pauses) if same_host else None
 
     # gaps, and each end's rank among the distinct emission times
     em = log.emissions
@@ -619,6 +626,7 @@ def partition(
         causes=prim_causes,
         baseline=base,
         warnings=_baseline_warnings(log, base),
+        host=host,
     )
     return check_reconciled(p, log.path) if check else p
 

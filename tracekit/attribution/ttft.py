@@ -47,7 +47,7 @@ import numpy as np
 from tracekit.attribution import itl
 from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows, fit_baseline
 from tracekit.attribution.timeline import (
-    Timeline,
+    HostTimeline,
     build_timeline,
     decode_net_ms,
     host_classes,
@@ -231,21 +231,28 @@ def check_ttft_reconciled(p: TtftPartition, path: str = "") -> TtftPartition:
 # -- the vectorised partitioner -----------------------------------------------------------
 
 
-def host_timeline(log: RawLog) -> tuple[np.ndarray, list[tuple[str, bool]], Timeline]:
-    """(segment causes, host timeline classes by precedence, the timeline): the ITL
-    partition's elementary intervals, each owned by one class, with decode's graph rate."""
+def host_timeline(log: RawLog) -> HostTimeline:
+    """The ITL partition's elementary intervals of `log` (no drift correction: device
+    windows are not charged here), each owned by one class, with decode's graph rate."""
     causes = segment_causes(log)
     classes = host_classes(causes, log.segments.is_device == 1)
     seg_cls = segment_classes(log, classes)
     base = fit_baseline(log, decode_net_ms(log, causes))
-    return causes, classes, build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    return HostTimeline(causes, classes, tl, log.segments, log.gc_pauses)
 
 
-def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
-    """Partition every request's TTFT (vectorised). Raises `ReconcileError` if it does not sum."""
+def ttft_partition(
+    log: RawLog, *, check: bool = True, host: HostTimeline | None = None
+) -> TtftPartition:
+    """Partition every request's TTFT (vectorised). Raises `ReconcileError` if it does not sum.
+
+    `host`: the log's host timeline if already built (`tracekit.attribution.itl.Partition.host`);
+    one built from other tables is not used."""
     labels = ttft_labels(log)
     col = {lb: i for i, lb in enumerate(labels)}
-    causes, classes, tl = host_timeline(log)
+    h = host if host is not None and host.matches(log) else host_timeline(log)
+    causes, classes, tl = h.causes, h.classes, h.timeline
     n_cls = len(classes)
     # class integrals (every class, residual, graph-rate) -> labels; prefill stays `prefill`
     # here and is split at the end
