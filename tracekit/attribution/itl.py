@@ -223,9 +223,18 @@ def drift_corrected(log: RawLog) -> RawLog:
     The device timer places windows by chaining elapsed times from a calibration point;
     each chain ends at a fresh calibration (after an idle stretch, and at stop) that shows
     how far the chain had drifted by then (`meta["device_calibration"]["chains"]`). With
-    a steady drift the error grows linearly along the chain, so a window at time t of a
+    a steady drift the error grows linearly along the chain, so a point at time t of a
     chain [start, end] that ended ``m`` ms off is moved back by ``m * (t - start) /
-    (end - start)``. A log without chains (or without device windows) is returned as is."""
+    (end - start)``.
+
+    A window is moved as a whole by one chain: the chain its start lies in, the last that
+    started at or before it, provided the start is no later than that chain's end as the
+    chain placed it (``end + max(m, 0)``). Its end takes the same chain's correction even
+    where the chain placed it past the chain's observed end (the last window before stop
+    or before a re-anchor, with a clock running fast) or past the next chain's start. A
+    window starting before the first chain or after a chain's placed end is left where it
+    is (no chain placed it: the meta keeps the last 1,000 chains). A log without chains
+    (or without device windows) is returned as is."""
     cal = log.meta.get("device_calibration")
     chains = cal.get("chains") if isinstance(cal, dict) else None
     sg = log.segments
@@ -245,15 +254,19 @@ def drift_corrected(log: RawLog) -> RawLog:
     o = np.argsort(c0, kind="stable")
     c0, c1, m_s = c0[o], c1[o], m_s[o]
 
-    def moved(t: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(c0, t, side="right") - 1  # the chain that started last before t
-        kk = np.maximum(k, 0)
-        inside = (k >= 0) & (t <= c1[kk])
-        frac = np.clip((t - c0[kk]) / (c1[kk] - c0[kk]), 0.0, 1.0)
-        return np.where(inside, t - m_s[kk] * frac, t)
-
     a, b = sg.t_start_s.copy(), sg.t_end_s.copy()
-    a[dev], b[dev] = moved(a[dev]), moved(b[dev])
+    wa, wb = a[dev], b[dev]
+    k = np.searchsorted(c0, wa, side="right") - 1  # the chain that started last before wa
+    kk = np.maximum(k, 0)
+    placed_end = c1[kk] + np.maximum(m_s[kk], 0.0)  # the chain's end where it placed it
+    inside = (k >= 0) & (wa <= placed_end)
+    span = c1[kk] - c0[kk]
+    # the same chain for both ends; fractions past 1 (an end placed past the chain's
+    # observed end) extrapolate the same steady drift
+    frac_a = (wa - c0[kk]) / span
+    frac_b = np.maximum((wb - c0[kk]) / span, frac_a)
+    a[dev] = np.where(inside, wa - m_s[kk] * frac_a, wa)
+    b[dev] = np.where(inside, wb - m_s[kk] * frac_b, wb)
     b[dev] = np.maximum(b[dev], a[dev])
     return replace(log, segments=replace(sg, t_start_s=a, t_end_s=b))
 
