@@ -34,7 +34,8 @@ millisecond of it goes to exactly one label:
    host's windows keep their time, and the device windows own only the host-idle time
    inside them (the host waited for the device there; that time is not `residual`). The
    two readings differ only in the host-busy time inside the windows, so moving the windows
-   by ``e`` moves at most ``4e`` per window plus twice that busy time (docs/gpu.md). A gap
+   by ``e`` moves at most ``4e`` per window plus twice that busy time, decode time counted
+   as one label with the graph baseline held (docs/gpu.md). A gap
    that contains an eviction of its request uses the host rules only (its evicted time is
    `preempt` either way).
 
@@ -77,6 +78,12 @@ RECONCILE_TOL_MS = 1e-6
 #: Primary cause thresholds (design.md): the largest cause, if >= 1 ms and >= 25% of the gap.
 PRIMARY_MIN_MS = 1.0
 PRIMARY_MIN_SHARE = 0.25
+#: A part within this of a threshold reaches it. Parts carry float rounding (~1e-12 ms) that
+#: differs between implementations and summation orders; without a tolerance a part that is
+#: exactly 1 ms by the rules (a 1.000 ms gap wholly covered by one cause) could be clean in
+#: one and a cause in the other. Every primary decision (`primary_of`, both partitions,
+#: TTFT and the client boundary) uses it.
+PRIMARY_TOL_MS = 1e-9
 CLEAN = -1
 
 
@@ -321,13 +328,22 @@ def primary_of(
     CLEAN. `non_causes`: labels that are never a cause (`forward`, `residual`)."""
     cause_cols = [i for i, lb in enumerate(labels) if lb not in non_causes]
     causes = tuple(labels[i] for i in cause_cols)
-    if len(gap_ms) == 0:
-        return np.zeros(0, dtype=np.int64), causes
+    if len(gap_ms) == 0 or not cause_cols:
+        return np.full(len(gap_ms), CLEAN, dtype=np.int64), causes
     c = parts_ms[:, cause_cols]
-    best = np.argmax(c, axis=1)
+    # the largest, ties (to within PRIMARY_TOL_MS) to the first in label order
+    top = c.max(axis=1) if c.shape[1] else np.zeros(len(c))
+    best = np.argmax(c >= (top - PRIMARY_TOL_MS)[:, None], axis=1)
     val = c[np.arange(len(c)), best]
-    ok = (val >= PRIMARY_MIN_MS) & (val >= PRIMARY_MIN_SHARE * gap_ms)
-    return np.where(ok, best, CLEAN).astype(np.int64), causes
+    return np.where(reaches_primary(val, gap_ms), best, CLEAN).astype(np.int64), causes
+
+
+def reaches_primary(val_ms: np.ndarray, gap_ms: np.ndarray) -> np.ndarray:
+    """Whether a largest cause of `val_ms` is primary in a window of `gap_ms`: >= 1 ms and
+    >= 25% of the window, each to within `PRIMARY_TOL_MS`."""
+    return (val_ms >= PRIMARY_MIN_MS - PRIMARY_TOL_MS) & (
+        val_ms >= PRIMARY_MIN_SHARE * gap_ms - PRIMARY_TOL_MS
+    )
 
 
 def check_reconciled(p: Partition, path: str = "") -> Partition:

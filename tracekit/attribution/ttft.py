@@ -13,7 +13,9 @@ A request's TTFT window is ``[arrival, first token]`` (`Requests.arrival_s`,
 Every millisecond of the window goes to exactly one label. Precedence, highest first
 (docs/ttft.md numbers these rules; this is the one place the code applies them):
 
-1. evicted time is ``preempt``; what the engine ran meanwhile is *context*, never added;
+1. evicted time is ``preempt``; what the engine ran meanwhile is *context*, never added
+   (partitioned like live time, uncovered time as ``residual``, so it sums to the evicted
+   time, as in the ITL partition);
 2. GC pauses (their union) are ``gc``;
 3. queued time inside a step window where the scheduler stated why it did not admit the
    request (`Waits`) is ``wait_<reason>``; what the engine ran meanwhile is context. A
@@ -297,7 +299,8 @@ def ttft_partition(
     if len(e_row):
         ran = between(w0, w1)
         np.subtract.at(parts, e_row, ran)
-        ran[:, col["residual"]] = 0.0
+        # all of it is context, `residual` included (time no engine activity covered while
+        # the request was evicted), so the context sums to the evicted time, as in ITL
         np.add.at(context, e_row, ran)
         np.add.at(parts[:, col["preempt"]], e_row, (w1 - w0) * 1e3)
     evicted_ms = np.bincount(e_row, (w1 - w0) * 1e3, minlength=n)[:n]
@@ -317,7 +320,8 @@ def ttft_partition(
         gc_ms = ran[:, col["gc"]].copy()
         ran[:, col["gc"]] = 0.0
         np.subtract.at(parts, q_row, ran)
-        ran[:, col["residual"]] = 0.0
+        # context: what ran while it was held, `residual` included (gc is not held time:
+        # it keeps its part), so the context sums to the held time
         np.add.at(context, q_row, ran)
         wait_col = np.array([col[WAIT_REASON_LABELS[r]] for r in q_reason.tolist()], dtype=np.int64)
         np.add.at(parts, (q_row, wait_col), (p1 - p0) * 1e3 - gc_ms)
