@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
 from tracekit.attribution.itl import PRIMARY_TOL_MS, partition
@@ -173,3 +175,62 @@ def test_ttft_context_sums_to_the_evicted_and_held_time(impl):
     close(parts_of(p, i), {"wait_max_num_seqs": 10.0, "preempt": 8.0, "residual": 4.0})
     ctx = {lb: float(v) for lb, v in zip(p.labels, p.context_ms[i], strict=True) if abs(v) > 1e-9}
     close(ctx, {"decode_other": 6.0, "residual": 12.0})
+
+
+# -- the continuity bound of the device rule (docs/gpu.md) ---------------------------------
+
+
+def _union_len(intervals, lo: float, hi: float) -> float:
+    """Length of the union of `intervals` inside [lo, hi]."""
+    total, cur = 0.0, lo
+    for a, z in sorted(intervals):
+        a, z = max(a, cur), min(z, hi)
+        if z > a:
+            total += z - a
+            cur = z
+    return total
+
+
+_HOST = ("schedule", "sample", "tok", "wait")
+
+
+@st.composite
+def _layouts(draw):
+    """One gap [0, 20] read from one captured step: a few host segments and GC pauses, one
+    device decode window, and a move of each of its ends by at most e."""
+    segs = [
+        (draw(st.sampled_from(_HOST)), a, a + draw(st.floats(0.05, 6.0)))
+        for a in draw(st.lists(st.floats(0.0, 18.0), max_size=4))
+    ]
+    gcs = [
+        (a, a + draw(st.floats(0.05, 3.0)))
+        for a in draw(st.lists(st.floats(0.0, 18.0), max_size=2))
+    ]
+    a = draw(st.floats(0.5, 15.0))
+    b = a + draw(st.floats(0.5, 4.5))
+    e = draw(st.floats(0.001, 0.5))
+    da, db = draw(st.floats(-1.0, 1.0)) * e, draw(st.floats(-1.0, 1.0)) * e
+    return segs, gcs, (a, b), (a + da, b + db), e
+
+
+def _device_gap(segs, gcs, window) -> LogBuilder:
+    b = one_gap(0, 20, [(lb, x, min(z, 20.0)) for lb, x, z in segs], device=[("decode", *window)])
+    for x, z in gcs:
+        b.gc(x, min(z, 20.0))
+    return b
+
+
+@settings(max_examples=200, deadline=None)
+@given(_layouts())
+def test_moving_a_device_window_by_e_moves_at_most_4e_plus_twice_the_busy_time(layout):
+    # docs/gpu.md: moving a window's boundaries by at most e (order kept) changes the gap's
+    # parts by at most 4e in total, plus twice the host-busy time (non-wait host segments
+    # and GC pauses) inside the window before or after the move. All steps here run on one
+    # captured size, so the graph baseline does not move and `graph` stays 0.
+    segs, gcs, before, after, e = layout
+    busy_iv = [(x, z) for lb, x, z in segs if lb != "wait"] + list(gcs)
+    busy = max(_union_len(busy_iv, *before), _union_len(busy_iv, *after))
+    p0 = partition(_device_gap(segs, gcs, before).build()).parts_ms[0]
+    p1 = partition(_device_gap(segs, gcs, after).build()).parts_ms[0]
+    moved = float(np.abs(p1 - p0).sum())
+    assert moved <= 4 * e + 2 * busy + 1e-9, (moved, e, busy)
