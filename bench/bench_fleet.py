@@ -7,7 +7,10 @@
    `analyze(load(path))` (load + validate + partition + analyse) against the published
    analysis (bench/published_method.py, its per-gap Python loop) in the same process,
    interleaved A/B pairs; the stages; the allocator's share; a cProfile of where the time
-   goes. Figures of both are compared (they must agree).
+   goes. Figures of both are compared (they must agree). The same against the previous
+   main (a checkout of it, `--base`, /work/base by default: bench/base_main.py imports
+   it into this process beside the working tree's package), interleaved rounds, median
+   and spread; its figures are compared too.
 2. Fleet: gaps/s per core of `tracekit analyze` over many runs with --jobs 1, --jobs 2 and
    --ray (a local Ray started by the command, so its start-up cost is in the figure).
 3. Per-run costs for docs/fleet.md's sizing table: peak memory of one run's analysis
@@ -38,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from base_main import DEFAULT_CHECKOUT, BaseMain  # noqa: E402
 from published_method import published_analysis  # noqa: E402
 from synthetic import synthetic_log  # noqa: E402
 
@@ -72,11 +76,11 @@ def best(fn, n: int) -> tuple[float, float]:
     return min(walls), min(cpus)
 
 
-def spread(xs: list[float]) -> str:
-    return f"{np.median(xs):.1f}x [{min(xs):.1f}-{max(xs):.1f}]"
+def spread(xs: list[float], digits: int = 1) -> str:
+    return f"{np.median(xs):.{digits}f}x [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
 
 
-def one_run(d: str, steps: int) -> None:
+def one_run(d: str, steps: int, base_checkout: str | None) -> None:
     log = synthetic_log(num_steps=steps, batch=BATCH, seed=4)
     files = {
         "published, np.savez (stored)": to_published(log, f"{d}/pub.npz", compressed=False),
@@ -116,6 +120,9 @@ def one_run(d: str, steps: int) -> None:
     print("  speed-up over the published analysis (compressed file, 3 interleaved pairs): "
           f"{spread(r_cpu)} in CPU time, {spread(r_wall)} in wall time")  # fmt: skip
 
+    if base_checkout:
+        against_previous_main(pub, n, base_checkout)
+
     # stages, on the compressed published file
     raw = load(pub, validate=False)
     lg = validate_log(raw)
@@ -153,6 +160,28 @@ def one_run(d: str, steps: int) -> None:
     body = s.getvalue().strip().splitlines()
     start = next(i for i, line in enumerate(body) if "ncalls" in line)
     print("\n".join("  " + line for line in body[start - 2 :]))
+
+
+def against_previous_main(pub: str, n: int, checkout: str) -> None:
+    """tracekit's analyze(load(pub)) against the previous main's, in this process."""
+    base = BaseMain(checkout)
+    ours, theirs = analyze(load(pub)).to_dict(), base.analyze_path(pub).to_dict()
+    common = sorted(set(ours) & set(theirs))
+    differ = [k for k in common if ours[k] != theirs[k]]
+    r_cpu, t_base, t_new = [], [], []
+    for _ in range(7):  # interleaved rounds, best of 5 each
+        tb = best(lambda: base.analyze_path(pub), 5)[1]
+        tn = best(lambda: analyze(load(pub)), 5)[1]
+        r_cpu.append(tb / tn)
+        t_base.append(tb)
+        t_new.append(tn)
+    print(f"against the previous main ({checkout}), analyze(load(compressed published file)), "
+          f"{n:,} gaps, 7 interleaved rounds (best of 5 each, CPU time):")  # fmt: skip
+    print(f"  previous main {np.median(t_base) * 1e3:5.1f} ms, this tree "
+          f"{np.median(t_new) * 1e3:5.1f} ms (medians): {spread(r_cpu, 2)} faster "
+          f"(median [min-max] of the rounds' ratios)")  # fmt: skip
+    print(f"  figures: {len(common)} fields in common, "
+          f"{'all equal' if not differ else 'DIFFER: ' + ', '.join(differ)}")  # fmt: skip
 
 
 def _peak_rss_mb(code: str) -> float:  # peak RSS of a fresh interpreter running `code`
@@ -255,12 +284,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--gaps-per-run", type=int, default=112_000)
     ap.add_argument("--skip-fleet", action="store_true")
+    ap.add_argument("--base", default=DEFAULT_CHECKOUT,
+                    help="checkout of the previous main to time against ('' to skip)")  # fmt: skip
     args = ap.parse_args()
     steps = args.gaps_per_run // BATCH + 1
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start "
           f"(a shared machine: absolute times are taken under that load)")  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
-        one_run(d, steps)
+        one_run(d, steps, args.base or None)
         if not args.skip_fleet:
             fleet(d, args.runs, steps)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")

@@ -3,14 +3,41 @@
 from __future__ import annotations
 
 import gc
+import os
+import secrets
 import signal
 import sys
 import threading
 
 import pytest
+from hypothesis import settings
 
 from tracekit.capture import recorder as hooks
 from tracekit.capture.recorder import active_recorders
+
+# Property tests (hypothesis) are derandomised by default: each test's examples are fixed by
+# its name, so a CI run is reproducible and never fails at random (no example database is
+# replayed either). TRACEKIT_PROPERTY_SEED=random runs them on fresh random examples, with a
+# seed printed in the header (TRACEKIT_PROPERTY_SEED=<that number> reruns the same ones).
+settings.register_profile("fixed", derandomize=True)
+settings.register_profile("random", derandomize=False)
+_seed_env = os.environ.get("TRACEKIT_PROPERTY_SEED", "").strip()
+PROPERTY_SEED = (
+    None if not _seed_env else secrets.randbelow(2**32) if _seed_env == "random" else int(_seed_env)
+)
+settings.load_profile("fixed" if PROPERTY_SEED is None else "random")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if PROPERTY_SEED is not None and config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(PROPERTY_SEED)  # read by hypothesis's plugin
+
+
+def pytest_report_header(config):
+    if PROPERTY_SEED is None:
+        return "property tests: derandomised (TRACEKIT_PROPERTY_SEED=random for a random run)"
+    return f"property tests: random, seed {PROPERTY_SEED} (TRACEKIT_PROPERTY_SEED={PROPERTY_SEED})"
 
 
 def _is_tracekit(cb) -> bool:

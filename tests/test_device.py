@@ -17,7 +17,7 @@ import pytest
 from logbuilder import LogBuilder
 
 import tracekit
-from tracekit.attribution.itl import partition
+from tracekit.attribution.itl import drift_corrected, partition
 from tracekit.attribution.reference import partition_reference
 from tracekit.capture.device import FakeClock, FakeDeviceTimer
 from tracekit.capture.recorder import Recorder, active_recorders
@@ -715,3 +715,72 @@ def test_cuda_event_windows_cover_the_kernels_and_never_synchronise_on_the_hot_p
     assert (starts[1:] >= ends[:-1] - 0.01).all()  # one stream, in order
     assert abs(log.meta["device_clock_drift_ppm"]) < 1000
     assert log.meta["device_calibration"]["start_uncertainty_ms"] < 1.0
+
+
+def _drifting_run_with_reanchors(drift_ppm: float):
+    """Three busy stretches of 10 ms device windows (0.4 s each), 1.5 s idle between them
+    (each idle stretch ends in a re-anchor), stop right after the last window: returns
+    (log, true windows in ms from the log's origin)."""
+    clock = FakeClock(step_ns=1_000)
+    dev = _TruthTimer(clock, lag_ms=0.01, exec_ms=10.0, drift_ppm=drift_ppm)
+    rec = Recorder(clock=clock, gc=False, device_timer=dev)
+    with rec:
+        for idle_ms in (0.0, 1_500.0, 1_500.0):
+            clock.advance(idle_ms)
+            for _ in range(40):
+                with rec.step():
+                    with rec.segment("decode", device=True):
+                        pass
+                    clock.t = max(clock.t, dev.busy_until_ns)  # read the results
+    log = rec.log()
+    truth = (np.array(dev.truth_ns, dtype=float) - log.meta["t0_tick"]) / 1e6
+    return log, truth
+
+
+@pytest.mark.parametrize("drift_ppm", [200.0, -200.0])
+def test_drift_correction_puts_every_boundary_within_1_us_of_the_truth(drift_ppm):
+    # A steady drift of 200 ppm: a window at time t of a chain [c0, c1] that ended m ms off
+    # is placed m * (t - c0) / (c1 - c0) late. Corrected, every boundary is within 1 us of
+    # where the stream really passed it, including a window end that the chain placed past
+    # the chain's observed end (the last window before stop, the last before each
+    # re-anchor): both ends of a window take the correction of the chain its start lies in.
+    log, truth = _drifting_run_with_reanchors(drift_ppm)
+    cal = log.meta["device_calibration"]
+    assert cal["num_reanchors"] == 2
+    placed = np.array(windows(log, device=True))[:, 2:].astype(float)
+    assert np.abs(placed - truth).max() > 0.05  # uncorrected, the drift shows (~80 us)
+    sg = drift_corrected(log).segments
+    dev = np.flatnonzero(sg.is_device == 1)
+    dev = dev[np.argsort(sg.t_start_s[dev], kind="stable")]
+    got = np.column_stack([sg.t_start_s[dev], sg.t_end_s[dev]]) * 1e3  # ms from the origin
+    assert got.shape == truth.shape == (120, 2)
+    err = np.abs(got - truth)
+    assert err.max() <= 1e-3, (err.max(), np.unravel_index(err.argmax(), err.shape))
+
+
+def test_a_window_end_past_its_chain_or_a_reanchor_takes_its_start_chains_correction():
+    # Chains [0, 100] ms found 2 ms late at its end and [100, 200] found 1 ms late (a
+    # re-anchor at 100). Window A 95..101 starts in the first chain: both ends move by
+    # 2 * t / 100: 95 - 1.9 = 93.1 and 101 - 2.02 = 98.98 (not by the second chain's
+    # 1 * 1 / 100 at its end). Window B 101..150 starts in the second: 101 - 0.01 = 100.99,
+    # 150 - 0.5 = 149.5. Window C 205..206 starts after the second chain's placed end (201):
+    # no chain placed it, it stays.
+    import dataclasses
+
+    b = LogBuilder()
+    s = b.step(90, 210, graph=1)
+    b.seg(s, "decode", 95, 101, device=True)
+    b.seg(s, "decode", 101, 150, device=True)
+    b.seg(s, "decode", 205, 206, device=True)
+    b.emit(0, 210, s)
+    log = b.build(wall_ms=300)
+    chains = [
+        {"start_host_s": 0.0, "end_host_s": 0.1, "predicted_minus_observed_ms": 2.0},
+        {"start_host_s": 0.1, "end_host_s": 0.2, "predicted_minus_observed_ms": 1.0},
+    ]
+    log = dataclasses.replace(log, meta={"device_calibration": {"chains": chains}})
+    sg = drift_corrected(log).segments
+    dev = np.flatnonzero(sg.is_device == 1)
+    got = sorted(zip((sg.t_start_s[dev] * 1e3).tolist(), (sg.t_end_s[dev] * 1e3).tolist()))
+    want = [(93.1, 98.98), (100.99, 149.5), (205.0, 206.0)]
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-9)

@@ -95,7 +95,9 @@ def test_queued_behind_kv_then_chunked_prefill(impl):
     }
     _close(_parts(p, i), want)
     assert sum(want.values()) == 34.0
-    _close(_ctx(p, i), {"decode_other": 8.0})
+    # context of the 10 ms held: the decode [11, 19) = 8, and [10, 11) + [19, 20) = 2 that
+    # nothing covered (residual context): it sums to the held time
+    _close(_ctx(p, i), {"decode_other": 8.0, "residual": 2.0})
     # primary: the largest part other than prefill_own/residual is wait_kv_blocks = 10,
     # >= 1 ms and >= 25% of 34 (8.5)
     assert p.primary_names()[i] == "wait_kv_blocks"
@@ -136,7 +138,8 @@ def test_evicted_before_first_token_and_recomputed(impl):
     # [28, 31) 3 residual; [31, 37) 6 prefill_own; [37, 39) 2 residual
     # preempt 16; prefill_own 12; residual 2 + 3 + 1 + 3 + 2 = 11; total 39
     _close(_parts(p, i), {"preempt": 16.0, "prefill_own": 12.0, "residual": 11.0})
-    _close(_ctx(p, i), {"decode_other": 7.0})
+    # context of the 10 ms evicted: [11, 12) + [19, 21) = 3 residual, the decode 7: sums to 10
+    _close(_ctx(p, i), {"decode_other": 7.0, "residual": 3.0})
     # primary: preempt 16 >= 1 ms and >= 25% of 39 (9.75)
     assert p.primary_names()[i] == "preempt"
 
@@ -180,7 +183,8 @@ def test_gc_during_the_queue(impl):
         {"gc": 3.0, "wait_max_num_seqs": 7.0, "residual": 2.0, "prefill_own": 4.0,
          "decode_other": 3.0},
     )  # fmt: skip
-    _close(_ctx(p, i), {"decode_other": 5.0})
+    # held 7 ms: decode 5 and [10, 11) + [19, 20) = 2 residual (the pause is not held time)
+    _close(_ctx(p, i), {"decode_other": 5.0, "residual": 2.0})
     # primary: wait_max_num_seqs 7 >= 25% of 19 (4.75)
     assert p.primary_names()[i] == "wait_max_num_seqs"
 

@@ -103,8 +103,9 @@ def _share(parts: np.ndarray, gap_ms: np.ndarray, labels: tuple[str, ...]) -> di
     return {lb: float(v) for lb, v in zip(labels, s, strict=True)}
 
 
-def _counts(primary: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
-    c = np.bincount(np.where(primary == CLEAN, len(causes), primary), minlength=len(causes) + 1)
+def _counts(prim: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
+    """Gaps by primary cause; `prim` indexes causes, with "clean" as ``len(causes)``."""
+    c = np.bincount(prim, minlength=len(causes) + 1)
     return {name: int(v) for name, v in zip((*causes, "clean"), c, strict=True)}
 
 
@@ -119,7 +120,7 @@ def analyze(
     graph baseline fitted by `baseline_fit`: `tracekit.attribution.itl.BASELINE_FITS`), and the
     TTFT partition's figures (docs/ttft.md)."""
     p = part if part is not None else partition(log, baseline_fit=baseline_fit)
-    tp = ttft_part if ttft_part is not None else ttft_partition(log)
+    tp = ttft_part if ttft_part is not None else ttft_partition(log, host=p.host)
     gap = p.gap_ms
     labels = p.labels
     fwd = p.column("forward")
@@ -196,8 +197,8 @@ def analyze(
         ttft_p99=_pct(ttft, 99.0),
         tail_share=_share(p.parts_ms[tail], gap[tail], labels),
         all_share=_share(p.parts_ms, gap, labels),
-        tail_count=_counts(p.primary[tail], p.causes),
-        all_count=_counts(p.primary, p.causes),
+        tail_count=_counts(prim[tail], p.causes),
+        all_count=_counts(prim, p.causes),
         fwd_share_clean_median=_median(fwd_share[clean & (gap > 0)]),
         fwd_share_tail_median=_median(fwd_share[tail & (gap > 0)]),
         evicted_context_ms={

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.attribution.itl import PRIMARY_MIN_MS, PRIMARY_MIN_SHARE, RECONCILE_TOL_MS, partition
+from tracekit.attribution.itl import RECONCILE_TOL_MS, partition, primary_of
 from tracekit.errors import ReconcileError
 from tracekit.log.rawlog import Emissions, Evictions, RawLog, Requests
 
@@ -85,18 +85,13 @@ class ClientPartition:
         return self.parts_ms[:, n:].sum(axis=1)
 
     def primary_names(self) -> np.ndarray:
-        """Largest part of each gap if >= 1 ms and >= 25% of it (as for engine gaps),
-        'forward' / 'residual' / 'frontend_other' excluded; else 'clean'."""
-        skip = {"forward", "residual", "frontend_other"}
-        cols = [i for i, lb in enumerate(self.labels) if lb not in skip]
-        if not len(self) or not cols:
+        """Largest part of each gap if >= 1 ms and >= 25% of it (as for engine gaps, the same
+        tolerance and ties), 'forward' / 'residual' / 'frontend_other' excluded; else 'clean'."""
+        skip = frozenset({"forward", "residual", "frontend_other"})
+        prim, causes = primary_of(self.parts_ms, self.gap_ms, self.labels, skip)
+        if not causes:
             return np.array(["clean"] * len(self), dtype=object)
-        sub = self.parts_ms[:, cols]
-        best = np.argmax(sub, axis=1)
-        val = sub[np.arange(len(self)), best]
-        ok = (val >= PRIMARY_MIN_MS) & (val >= PRIMARY_MIN_SHARE * self.gap_ms)
-        names = np.array([self.labels[c] for c in cols], dtype=object)[best]
-        return np.where(ok, names, "clean")
+        return np.array([*causes, "clean"], dtype=object)[prim]
 
 
 @dataclass(frozen=True)

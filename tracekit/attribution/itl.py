@@ -34,7 +34,8 @@ millisecond of it goes to exactly one label:
    host's windows keep their time, and the device windows own only the host-idle time
    inside them (the host waited for the device there; that time is not `residual`). The
    two readings differ only in the host-busy time inside the windows, so moving the windows
-   by ``e`` moves at most ``4e`` per window plus twice that busy time (docs/gpu.md). A gap
+   by ``e`` moves at most ``4e`` per window plus twice that busy time, decode time counted
+   as one label with the graph baseline held (docs/gpu.md). A gap
    that contains an eviction of its request uses the host rules only (its evicted time is
    `preempt` either way).
 
@@ -59,6 +60,7 @@ import numpy as np
 
 from tracekit.attribution.timeline import (
     DEVICE_WAIT_LABELS,
+    HostTimeline,
     build_timeline,
     decode_net_ms,
     device_windows,
@@ -76,6 +78,12 @@ RECONCILE_TOL_MS = 1e-6
 #: Primary cause thresholds (design.md): the largest cause, if >= 1 ms and >= 25% of the gap.
 PRIMARY_MIN_MS = 1.0
 PRIMARY_MIN_SHARE = 0.25
+#: A part within this of a threshold reaches it. Parts carry float rounding (~1e-12 ms) that
+#: differs between implementations and summation orders; without a tolerance a part that is
+#: exactly 1 ms by the rules (a 1.000 ms gap wholly covered by one cause) could be clean in
+#: one and a cause in the other. Every primary decision (`primary_of`, both partitions,
+#: TTFT and the client boundary) uses it.
+PRIMARY_TOL_MS = 1e-9
 CLEAN = -1
 
 
@@ -111,6 +119,9 @@ class Partition:
     causes: tuple[str, ...]  # the labels that can be a primary cause
     baseline: GraphBaseline
     warnings: tuple[str, ...] = field(default=())
+    #: the host timeline, kept where the TTFT partition of the same log would build the same
+    #: one (no drift-corrected device window, design.md's baseline fit); else None
+    host: HostTimeline | None = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -219,9 +230,18 @@ def drift_corrected(log: RawLog) -> RawLog:
     The device timer places windows by chaining elapsed times from a calibration point;
     each chain ends at a fresh calibration (after an idle stretch, and at stop) that shows
     how far the chain had drifted by then (`meta["device_calibration"]["chains"]`). With
-    a steady drift the error grows linearly along the chain, so a window at time t of a
+    a steady drift the error grows linearly along the chain, so a point at time t of a
     chain [start, end] that ended ``m`` ms off is moved back by ``m * (t - start) /
-    (end - start)``. A log without chains (or without device windows) is returned as is."""
+    (end - start)``.
+
+    A window is moved as a whole by one chain: the chain its start lies in, the last that
+    started at or before it, provided the start is no later than that chain's end as the
+    chain placed it (``end + max(m, 0)``). Its end takes the same chain's correction even
+    where the chain placed it past the chain's observed end (the last window before stop
+    or before a re-anchor, with a clock running fast) or past the next chain's start. A
+    window starting before the first chain or after a chain's placed end is left where it
+    is (no chain placed it: the meta keeps the last 1,000 chains). A log without chains
+    (or without device windows) is returned as is."""
     cal = log.meta.get("device_calibration")
     chains = cal.get("chains") if isinstance(cal, dict) else None
     sg = log.segments
@@ -241,15 +261,19 @@ def drift_corrected(log: RawLog) -> RawLog:
     o = np.argsort(c0, kind="stable")
     c0, c1, m_s = c0[o], c1[o], m_s[o]
 
-    def moved(t: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(c0, t, side="right") - 1  # the chain that started last before t
-        kk = np.maximum(k, 0)
-        inside = (k >= 0) & (t <= c1[kk])
-        frac = np.clip((t - c0[kk]) / (c1[kk] - c0[kk]), 0.0, 1.0)
-        return np.where(inside, t - m_s[kk] * frac, t)
-
     a, b = sg.t_start_s.copy(), sg.t_end_s.copy()
-    a[dev], b[dev] = moved(a[dev]), moved(b[dev])
+    wa, wb = a[dev], b[dev]
+    k = np.searchsorted(c0, wa, side="right") - 1  # the chain that started last before wa
+    kk = np.maximum(k, 0)
+    placed_end = c1[kk] + np.maximum(m_s[kk], 0.0)  # the chain's end where it placed it
+    inside = (k >= 0) & (wa <= placed_end)
+    span = c1[kk] - c0[kk]
+    # the same chain for both ends; fractions past 1 (an end placed past the chain's
+    # observed end) extrapolate the same steady drift
+    frac_a = (wa - c0[kk]) / span
+    frac_b = np.maximum((wb - c0[kk]) / span, frac_a)
+    a[dev] = np.where(inside, wa - m_s[kk] * frac_a, wa)
+    b[dev] = np.where(inside, wb - m_s[kk] * frac_b, wb)
     b[dev] = np.maximum(b[dev], a[dev])
     return replace(log, segments=replace(sg, t_start_s=a, t_end_s=b))
 
@@ -304,13 +328,22 @@ def primary_of(
     CLEAN. `non_causes`: labels that are never a cause (`forward`, `residual`)."""
     cause_cols = [i for i, lb in enumerate(labels) if lb not in non_causes]
     causes = tuple(labels[i] for i in cause_cols)
-    if len(gap_ms) == 0:
-        return np.zeros(0, dtype=np.int64), causes
+    if len(gap_ms) == 0 or not cause_cols:
+        return np.full(len(gap_ms), CLEAN, dtype=np.int64), causes
     c = parts_ms[:, cause_cols]
-    best = np.argmax(c, axis=1)
+    # the largest, ties (to within PRIMARY_TOL_MS) to the first in label order
+    top = c.max(axis=1) if c.shape[1] else np.zeros(len(c))
+    best = np.argmax(c >= (top - PRIMARY_TOL_MS)[:, None], axis=1)
     val = c[np.arange(len(c)), best]
-    ok = (val >= PRIMARY_MIN_MS) & (val >= PRIMARY_MIN_SHARE * gap_ms)
-    return np.where(ok, best, CLEAN).astype(np.int64), causes
+    return np.where(reaches_primary(val, gap_ms), best, CLEAN).astype(np.int64), causes
+
+
+def reaches_primary(val_ms: np.ndarray, gap_ms: np.ndarray) -> np.ndarray:
+    """Whether a largest cause of `val_ms` is primary in a window of `gap_ms`: >= 1 ms and
+    >= 25% of the window, each to within `PRIMARY_TOL_MS`."""
+    return (val_ms >= PRIMARY_MIN_MS - PRIMARY_TOL_MS) & (
+        val_ms >= PRIMARY_MIN_SHARE * gap_ms - PRIMARY_TOL_MS
+    )
 
 
 def check_reconciled(p: Partition, path: str = "") -> Partition:
@@ -499,6 +532,7 @@ def partition(
     caller that settles `graph`/`forward` itself, as `tracekit.live` does; the parts are
     linear in it).
     Device windows are first corrected for the measured clock drift (`drift_corrected`)."""
+    given = log
     log = drift_corrected(log)
     causes = segment_causes(log)
     is_dev = log.segments.is_device == 1
@@ -512,6 +546,8 @@ def partition(
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
     tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    same_host = log is given and baseline_fit == FIT_ALL_CAPTURED and excess_frac is None
+    host = HostTimeline(causes, classes, tl, log.segments, log.gc_pauses) if same_host else None
 
     # gaps, and each end's rank among the distinct emission times
     em = log.emissions
@@ -619,6 +655,7 @@ def partition(
         causes=prim_causes,
         baseline=base,
         warnings=_baseline_warnings(log, base),
+        host=host,
     )
     return check_reconciled(p, log.path) if check else p
 

@@ -228,13 +228,14 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
 
 
 def _add_host(into: dict[str, float], who: str, ms: float, rate: float) -> None:
-    """Context: what the host ran, by label (prefill that ran while held was others')."""
+    """Context: what the host ran, by label (prefill that ran while held was others'; time
+    nothing covered is `residual`)."""
     if who == "decode":
         into["graph"] += ms * rate
         into["decode_other"] += ms * (1 - rate)
     elif who == "prefill":
         into["prefill_other"] += ms
-    elif who != "residual":
+    else:
         into[who] += ms
 
 

@@ -16,6 +16,8 @@ disjoint (ITL rule 6).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from tracekit.labels import cause_of, precedence
@@ -209,3 +211,21 @@ def segment_classes(log: RawLog, classes: list[tuple[str, bool]]) -> np.ndarray:
         dtype=np.int64,
     )
     return np.where(log.segments.is_device == 1, -1, label_cls[log.segments.label])
+
+
+@dataclass(frozen=True)
+class HostTimeline:
+    """One log's host timeline with what it was built from: each segment's cause, the
+    classes by precedence, and the timeline (decode's graph rate from the design.md
+    baseline fit). The ITL partition keeps the one it built when the TTFT partition would
+    build the same (`tracekit.attribution.itl.Partition.host`), so analysing a run builds it
+    once; `matches` tells whether it belongs to a log's tables."""
+
+    causes: np.ndarray
+    classes: list[tuple[str, bool]]
+    timeline: Timeline
+    segments: object  # the tables it was built from (identity, not equality)
+    gc_pauses: object
+
+    def matches(self, log: RawLog) -> bool:
+        return self.segments is log.segments and self.gc_pauses is log.gc_pauses

@@ -13,7 +13,9 @@ A request's TTFT window is ``[arrival, first token]`` (`Requests.arrival_s`,
 Every millisecond of the window goes to exactly one label. Precedence, highest first
 (docs/ttft.md numbers these rules; this is the one place the code applies them):
 
-1. evicted time is ``preempt``; what the engine ran meanwhile is *context*, never added;
+1. evicted time is ``preempt``; what the engine ran meanwhile is *context*, never added
+   (partitioned like live time, uncovered time as ``residual``, so it sums to the evicted
+   time, as in the ITL partition);
 2. GC pauses (their union) are ``gc``;
 3. queued time inside a step window where the scheduler stated why it did not admit the
    request (`Waits`) is ``wait_<reason>``; what the engine ran meanwhile is context. A
@@ -47,7 +49,7 @@ import numpy as np
 from tracekit.attribution import itl
 from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows, fit_baseline
 from tracekit.attribution.timeline import (
-    Timeline,
+    HostTimeline,
     build_timeline,
     decode_net_ms,
     host_classes,
@@ -231,21 +233,28 @@ def check_ttft_reconciled(p: TtftPartition, path: str = "") -> TtftPartition:
 # -- the vectorised partitioner -----------------------------------------------------------
 
 
-def host_timeline(log: RawLog) -> tuple[np.ndarray, list[tuple[str, bool]], Timeline]:
-    """(segment causes, host timeline classes by precedence, the timeline): the ITL
-    partition's elementary intervals, each owned by one class, with decode's graph rate."""
+def host_timeline(log: RawLog) -> HostTimeline:
+    """The ITL partition's elementary intervals of `log` (no drift correction: device
+    windows are not charged here), each owned by one class, with decode's graph rate."""
     causes = segment_causes(log)
     classes = host_classes(causes, log.segments.is_device == 1)
     seg_cls = segment_classes(log, classes)
     base = fit_baseline(log, decode_net_ms(log, causes))
-    return causes, classes, build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    return HostTimeline(causes, classes, tl, log.segments, log.gc_pauses)
 
 
-def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
-    """Partition every request's TTFT (vectorised). Raises `ReconcileError` if it does not sum."""
+def ttft_partition(
+    log: RawLog, *, check: bool = True, host: HostTimeline | None = None
+) -> TtftPartition:
+    """Partition every request's TTFT (vectorised). Raises `ReconcileError` if it does not sum.
+
+    `host`: the log's host timeline if already built (`tracekit.attribution.itl.Partition.host`);
+    one built from other tables is not used."""
     labels = ttft_labels(log)
     col = {lb: i for i, lb in enumerate(labels)}
-    causes, classes, tl = host_timeline(log)
+    h = host if host is not None and host.matches(log) else host_timeline(log)
+    causes, classes, tl = h.causes, h.classes, h.timeline
     n_cls = len(classes)
     # class integrals (every class, residual, graph-rate) -> labels; prefill stays `prefill`
     # here and is split at the end
@@ -290,7 +299,8 @@ def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
     if len(e_row):
         ran = between(w0, w1)
         np.subtract.at(parts, e_row, ran)
-        ran[:, col["residual"]] = 0.0
+        # all of it is context, `residual` included (time no engine activity covered while
+        # the request was evicted), so the context sums to the evicted time, as in ITL
         np.add.at(context, e_row, ran)
         np.add.at(parts[:, col["preempt"]], e_row, (w1 - w0) * 1e3)
     evicted_ms = np.bincount(e_row, (w1 - w0) * 1e3, minlength=n)[:n]
@@ -310,7 +320,8 @@ def ttft_partition(log: RawLog, *, check: bool = True) -> TtftPartition:
         gc_ms = ran[:, col["gc"]].copy()
         ran[:, col["gc"]] = 0.0
         np.subtract.at(parts, q_row, ran)
-        ran[:, col["residual"]] = 0.0
+        # context: what ran while it was held, `residual` included (gc is not held time:
+        # it keeps its part), so the context sums to the held time
         np.add.at(context, q_row, ran)
         wait_col = np.array([col[WAIT_REASON_LABELS[r]] for r in q_reason.tolist()], dtype=np.int64)
         np.add.at(parts, (q_row, wait_col), (p1 - p0) * 1e3 - gc_ms)
