@@ -1,6 +1,6 @@
 """How cost grows with the input: time and peak memory of merge (2 -> 2,000 process logs),
-trace (4 k -> 40 k API-server windows), TTFT (1 k -> 100 k prefill rows in one step) and
-export + fleet (10 -> 2,000 runs), each at a small and a large size, in this process.
+trace (4 k -> 40 k API-server windows) and export + fleet (10 -> 2,000 runs), each at a
+small and a large size, in this process. (TTFT's prefill join is not measured here yet.)
 
 Prints per surface: size, wall time, peak traced memory (tracemalloc: numpy's arrays
 included), and the growth ratios time(large)/time(small) and mem(large)/mem(small) next to
