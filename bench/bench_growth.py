@@ -1,6 +1,6 @@
 """How cost grows with the input: time and peak memory of merge (2 -> 2,000 process logs),
 trace (4 k -> 40 k API-server windows) and export + fleet (10 -> 2,000 runs), each at a
-small and a large size, in this process. (TTFT's prefill join is not measured here yet.)
+small and a large size, in this process.
 
 Prints per surface: size, wall time, peak traced memory (tracemalloc: numpy's arrays
 included), and the growth ratios time(large)/time(small) and mem(large)/mem(small) next to
@@ -101,24 +101,39 @@ def make_merge(n: int) -> Callable[[], object]:
 
 
 def make_trace(n_windows: int) -> Callable[[], object]:
+    """What `tracekit trace` does with a merged server run whose API server recorded
+    `n_windows` windows of one label, each open for a quarter of the run (streams written
+    to clients concurrently): the engine's events and the process tracks, whose lane layout
+    then needs n/4 lanes (the shape that made the old layout quadratic)."""
     import dataclasses
 
     from tracekit.attribution.itl import partition
+    from tracekit.attribution.ttft import ttft_partition
     from tracekit.log.merge import merge_dir
     from tracekit.log.rawlog import ProcSegments
     from tracekit.render import perfetto
+    from tracekit.render.client import process_events
 
     log = merge_dir(process_dir(2))
+    assert log.meta.get("processes"), "a merged run: trace draws its process tracks"
     labels = (*log.labels, "sse_write")
     t = np.arange(n_windows) * 2e-5
     ps = ProcSegments.from_columns(
         process=np.ones(n_windows, dtype=np.int64),
         label=np.full(n_windows, len(labels) - 1, dtype=np.int64),
-        t_start_s=t, t_end_s=t + 1e-5,
+        t_start_s=t, t_end_s=t + n_windows / 4 * 2e-5,
     )  # fmt: skip
     log = dataclasses.replace(log, labels=labels, proc_segments=ps)
-    part = partition(log)
-    return lambda: perfetto.chrome_trace_events(log, part)
+    part, tp = partition(log), ttft_partition(log)
+
+    def go() -> None:
+        events = perfetto.chrome_trace_events(log, part, ttft=tp)
+        extra = process_events(log)
+        drawn = sum(e.get("name") == "sse_write" for e in extra)
+        assert drawn == n_windows, f"{drawn} of {n_windows} windows drawn"
+        events += extra
+
+    return go
 
 
 # -- export + fleet -----------------------------------------------------------------------
