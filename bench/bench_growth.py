@@ -1,6 +1,6 @@
 """How cost grows with the input: time and peak memory of merge (2 -> 2,000 process logs),
-trace (4 k -> 40 k API-server windows) and export + fleet (10 -> 2,000 runs), each at a
-small and a large size, in this process.
+trace (4 k -> 40 k API-server windows), TTFT (1 k -> 100 k prefill rows in one step) and
+export + fleet (10 -> 2,000 runs), each at a small and a large size, in this process.
 
 Prints per surface: size, wall time, peak traced memory (tracemalloc: numpy's arrays
 included), and the growth ratios time(large)/time(small) and mem(large)/mem(small) next to
@@ -136,6 +136,29 @@ def make_trace(n_windows: int) -> Callable[[], object]:
     return go
 
 
+# -- ttft: prefill rows in one step -------------------------------------------------------
+
+
+def make_ttft(n_rows: int) -> Callable[[], object]:
+    """`ttft_partition` of a run whose one prefill step takes `n_rows` requests (a token
+    each) in `n_rows` prefill segments of 1 ms, request i's first token halfway through
+    segment i: a row-by-segment join would make n_rows^2 pieces."""
+    from logbuilder import LogBuilder
+
+    from tracekit.attribution.ttft import ttft_partition
+    from tracekit.log.validate import validate_log
+
+    b = LogBuilder()
+    b.step(0, 2 * n_rows + 10)
+    for k in range(n_rows):
+        b.seg(0, "prefill", 2 * k + 1, 2 * k + 2)
+        b.admit(k, 0)
+        b.prefill(0, k, 1)
+        b.emit(k, 2 * k + 1.5, 0)
+    log = validate_log(b.build(arrivals_ms=[0] * n_rows))
+    return lambda: ttft_partition(log)
+
+
 # -- export + fleet -----------------------------------------------------------------------
 
 
@@ -167,12 +190,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--only", default="merge,trace,export")
+    ap.add_argument("--only", default="merge,trace,ttft,export")
     a = ap.parse_args()
     only = set(a.only.split(","))
     sizes = {
         "merge": (2, 200 if a.quick else 2000),
         "trace": (4000, 40000),
+        "ttft": (1000, 10000 if a.quick else 100000),
         "export": (10, 100 if a.quick else 2000),
     }
     print(json.dumps({"sizes": sizes, "repeat": a.repeat}))
@@ -180,6 +204,8 @@ def main() -> None:
         report("merge (process logs)", *sizes["merge"], make_merge, a.repeat)
     if "trace" in only:
         report("trace (API-server windows)", *sizes["trace"], make_trace, a.repeat)
+    if "ttft" in only:
+        report("ttft (prefill rows in a step)", *sizes["ttft"], make_ttft, a.repeat)
     if "export" in only:
         report("export + fleet (runs)", *sizes["export"], make_export,
                1 if not a.quick else a.repeat)  # fmt: skip
