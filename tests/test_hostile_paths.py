@@ -411,3 +411,34 @@ def test_fleet_refuses_a_duplicated_run_and_a_fifo(dataset):
 def test_bad_partition_key_names(runs, tmp_path, keys):
     r = cli("export", runs[0], "-o", str(tmp_path / "ds"), "--partition-by", keys)
     assert r.returncode == 2
+
+
+# -- --ray ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "not-an-address"])
+@pytest.mark.parametrize("command", ["export", "fleet"])
+def test_a_bad_ray_address_is_one_line(runs, tmp_path, command, address):
+    pytest.importorskip("ray")
+    args = ["-o", str(tmp_path / "ds")] if command == "export" else ["--by", "rung"]
+    r = cli(command, *runs, *args, "--ray", address)
+    assert r.returncode == 2 and address in r.stderr, r.stderr
+    assert not (tmp_path / "ds").exists() or command == "fleet"
+
+
+def test_a_retyped_column_under_ray_is_the_same_one_line(dataset):
+    pytest.importorskip("ray")
+    f = sorted((dataset / "gaps").rglob("*.parquet"))[0]
+    retype(f, "gap_ms", [str(i) for i in range(pq.read_metadata(f).num_rows)])
+    here = cli("fleet", str(dataset), "--by", "rung")
+    try:  # Ray logs lines of its own to stderr (its auth-token notice): tracekit's compared
+        on_ray = subprocess.run(
+            [*tracekit_cmd(), "fleet", str(dataset), "--by", "rung", "--ray"],
+            capture_output=True, text=True, timeout=CASE_TIMEOUT_S, env=env(),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"fleet --ray: no answer after {CASE_TIMEOUT_S} s (a hang)")
+    assert "Traceback" not in on_ray.stderr and "internal error" not in on_ray.stderr
+    ours = [x for x in on_ray.stderr.splitlines() if x.startswith("tracekit:")]
+    assert here.returncode == on_ray.returncode == 2
+    assert ours == [here.stderr.strip()] and "gap_ms" in ours[0], on_ray.stderr
