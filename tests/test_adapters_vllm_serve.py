@@ -177,8 +177,8 @@ def test_one_clock_is_proved_by_paired_stamps(merged):
 
 def test_every_gap_reconciles_at_both_boundaries(merged):
     from tracekit.attribution.client import client_partition
-    from tracekit.attribution.reference import client_partition_reference
     from tracekit.attribution.itl import partition
+    from tracekit.attribution.reference import client_partition_reference
 
     p = partition(merged)  # check=True raises on a gap whose parts miss its length
     assert len(p) > 0 and p.reconcile_max_err_ms < 1e-6

@@ -781,6 +781,8 @@ def test_a_window_end_past_its_chain_or_a_reanchor_takes_its_start_chains_correc
     log = dataclasses.replace(log, meta={"device_calibration": {"chains": chains}})
     sg = drift_corrected(log).segments
     dev = np.flatnonzero(sg.is_device == 1)
-    got = sorted(zip((sg.t_start_s[dev] * 1e3).tolist(), (sg.t_end_s[dev] * 1e3).tolist()))
+    got = sorted(
+        zip((sg.t_start_s[dev] * 1e3).tolist(), (sg.t_end_s[dev] * 1e3).tolist(), strict=True)
+    )
     want = [(93.1, 98.98), (100.99, 149.5), (205.0, 206.0)]
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-9)

@@ -233,3 +233,34 @@ def test_process_tracks_are_a_valid_trace_even_with_overlapping_windows():
     assert {"client chunks written", "step outputs received"} <= names
     procs = {e["args"]["name"] for e in extra if e.get("name") == "process_name"}
     assert procs == {"api_server (pid ?)", "worker (pid ?)"}
+
+
+def test_window_lanes_by_hand():
+    from tracekit.render.client import window_lanes, window_lanes_reference
+
+    # by start (longest first at a tie): [0, 10) lane 0; [0, 4) lane 1; [2, 3) lane 2;
+    # [4, 6): lane 1 has ended at 4 (lane 2 too; the lowest wins) -> 1; [5, 7): lane 2
+    # (ended at 3); [10, 11): lane 0 ended at 10 -> 0; [12, nan): every lane free -> 0,
+    # and a window without an end never frees its lane: [13, 14) -> 1
+    a = np.array([0, 2, 0, 4, 5, 10, 12, 13], dtype=float)
+    b = np.array([10, 3, 4, 6, 7, 11, np.nan, 14], dtype=float)
+    for impl in (window_lanes, window_lanes_reference):
+        lane_of, n = impl(a, b)
+        assert lane_of.tolist() == [0, 2, 1, 1, 2, 0, 0, 1] and n == 3, impl
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 12)), max_size=60))
+def test_window_lanes_equal_the_reference(windows):
+    """Random windows with ties and zero lengths: the heap layout is the reference's, and no
+    lane holds two windows that overlap."""
+    from tracekit.render.client import window_lanes, window_lanes_reference
+
+    a = np.array([w[0] for w in windows], dtype=float)
+    b = a + np.array([w[1] for w in windows], dtype=float)
+    got, want = window_lanes(a, b), window_lanes_reference(a, b)
+    assert got[1] == want[1] and got[0].tolist() == want[0].tolist()
+    for j in range(got[1]):
+        w = np.flatnonzero(got[0] == j)
+        o = w[np.argsort(a[w], kind="stable")]
+        assert (a[o][1:] >= b[o][:-1]).all()

@@ -267,3 +267,48 @@ def test_first_token_before_arrival_without_admissions_is_left_out_and_said(impl
     p = impl(b.build(arrivals_ms=[0, 20]))
     assert p.request.tolist() == [0]
     assert any("1 request(s) left out: first token before arrival" in n for n in p.notes)
+
+
+def many_rows_many_segments():
+    """One step [0, 50] prefills 20 requests (1 token each: share 1/20) in 20 prefill
+    segments of 1 ms, [2k + 1, 2k + 2) for k = 0..19. Every request arrives and is admitted
+    at 0; request i's first token is at 2i + 1.5, halfway through segment i. Request 19 is
+    evicted over [10, 20.5]. 20 x 20 pieces is more than the row-by-segment join takes."""
+    b = LogBuilder()
+    b.step(0, 50)
+    for k in range(20):
+        b.seg(0, "prefill", 2 * k + 1, 2 * k + 2)
+    for i in range(20):
+        b.admit(i, 0)
+        b.prefill(0, i, 1)
+        b.emit(i, 2 * i + 1.5, 0)
+    b.evict(19, 10, 20.5)
+    return b.build(arrivals_ms=[0] * 20)
+
+
+@pytest.mark.parametrize("join_factor", [8, 10**6])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_many_prefill_rows_and_segments_in_one_step(impl, join_factor, monkeypatch):
+    import tracekit.attribution.ttft as ttft
+
+    monkeypatch.setattr(ttft, "_JOIN_FACTOR", join_factor)  # 8: no join; 10**6: the join
+    p = impl(many_rows_many_segments())
+    for i in (0, 1, 7, 18):
+        r = _row(p, i)
+        # rule 4: [0, 2i + 1.5] holds segments 0..i-1 whole and half of segment i: i + 0.5
+        # ms of prefill, 1/20 of it own; the rest of the window is residual:
+        # 2i + 1.5 - (i + 0.5) = i + 1
+        own = (i + 0.5) / 20
+        want = {"prefill_own": own, "prefill_other": i + 0.5 - own, "residual": i + 1.0}
+        _close(_parts(p, r), want)
+    r = _row(p, 19)
+    # rule 1: [10, 20.5] is preempt, 10.5 ms; the segments inside it, [11, 12) .. [19, 20),
+    # 5 ms, ran meanwhile (context: others' prefill). Prefill in [0, 39.5] outside it:
+    # 19.5 - 5 = 14.5, own 14.5 / 20 = 0.725; residual 39.5 - 10.5 - 14.5 = 14.5
+    _close(
+        _parts(p, r),
+        {"preempt": 10.5, "prefill_own": 0.725, "prefill_other": 14.5 - 0.725, "residual": 14.5},
+    )
+    # context sums to the evicted time (docs/ttft.md rule 1): the 5 ms of others' prefill,
+    # and the 10.5 - 5 = 5.5 ms nothing covered as residual context
+    _close(_ctx(p, r), {"prefill_other": 5.0, "residual": 5.5})

@@ -3,6 +3,8 @@ reconcile (parts and phases sum to every TTFT)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -88,6 +90,17 @@ def _agree(seed: int) -> None:
 @given(st.integers(0, 2**32 - 1))
 def test_vectorised_equals_reference_and_reconciles(seed):
     _agree(seed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_prefill_without_the_row_by_segment_join_equals_reference(seed):
+    """Every step through the prefix-sum path of the prefill join (no piece per row and
+    segment): still the reference's partition."""
+    import tracekit.attribution.ttft as ttft
+
+    with mock.patch.object(ttft, "_JOIN_FACTOR", 0):
+        _agree(seed)
 
 
 def test_random_logs_exercise_every_rule():

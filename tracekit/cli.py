@@ -159,7 +159,7 @@ def _load(path: str, **limits: Any) -> Any:
     from tracekit.log.reader import load
 
     if is_process_dir(path):
-        return merge_dir(path)
+        return merge_dir(path, **limits)
     return load(path, **limits)
 
 
@@ -365,6 +365,7 @@ def gaps(
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
               help="table: list this many of the slowest requests.")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@_read_limits
 def ttft(
     run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int,
     output: str | None,
@@ -381,10 +382,9 @@ def ttft(
     published layout) is unsplit: the output says so.
     """
     from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
-    from tracekit.log.reader import load
     from tracekit.render import text
 
-    log = load(run)
+    log = _load(run, **_limits())
     _warn(log.path, log.warnings)
     p = ttft_partition(log)
     _warn(log.path, [f"TTFT: {n}" for n in p.notes])
@@ -449,7 +449,10 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
 
     if not os.path.isdir(parts_dir):
         _fail(f"{parts_dir}: not a parts folder (expected RUN.npz.parts/ left by a recorder)")
-    out = do_recover(parts_dir, output, remove_parts=not keep_parts, force=force)
+    out = do_recover(
+        parts_dir, output, remove_parts=not keep_parts, force=force,
+        max_inflate_mb=_limits().get("max_inflate_mb"),
+    )  # fmt: skip
     log = load(out, **_limits())
     click.echo(f"recovered {one_line(out)}: {len(log.steps)} steps, {len(log.emissions)} emissions")
 
@@ -457,7 +460,9 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
 @main.command()
 @click.argument("directory", type=click.Path())
 @click.option("-o", "--output", type=click.Path(), required=True, help="The merged RUN.npz.")
-def merge(directory: str, output: str) -> None:
+@click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
+@_read_limits
+def merge(directory: str, output: str, force: bool) -> None:
     """Join the per-process logs of one server run (DIRECTORY/ROLE-PID.npz, or the parts of
     a killed process, read in place and never removed) into one RUN.npz: the engine core's
     clock and steps, the API server's client-boundary emissions and windows, the workers'
@@ -466,7 +471,7 @@ def merge(directory: str, output: str) -> None:
     accept DIRECTORY itself."""
     from tracekit.log.merge import save_merged
 
-    log = save_merged(directory, output)
+    log = save_merged(directory, output, force=force, **_limits())
     _warn(directory, log.warnings)
     for p in log.meta["processes"]:
         c = p.get("clock_fit")
@@ -478,12 +483,6 @@ def merge(directory: str, output: str) -> None:
         )  # fmt: skip
         state = "recovered from parts" if p["recovered"] else "complete"
         click.echo(f"{p['role']:<12} pid {p['pid']:<7} {state:<21} {how}")
-    for c in log.meta["clock_pairs"]:
-        if c["method"] == "through the engine core":
-            click.echo(
-                f"{c['a']} vs {c['b']}: offset {c['offset_s']:+.6f} s, uncertainty "
-                f"{c['uncertainty_s'] * 1e6:.1f} us ({c['method']})"
-            )
     click.echo(
         f"wrote {output}: {len(log.steps)} steps, {len(log.emissions)} engine emissions, "
         f"{len(log.client_emissions)} client chunks, {len(log.request_ids)} requests"
@@ -738,6 +737,7 @@ def _ray_mapper(ray_address: str | None, jobs: int = 1):
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Export runs in this many processes.")  # fmt: skip
 @_ray_option
+@_read_limits
 def export_cmd(
     runs: tuple[str, ...], output: str, partition_by: str, jobs: int, ray_address: str | None
 ) -> None:
@@ -755,9 +755,19 @@ def export_cmd(
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     keys = [k.strip() for k in partition_by.split(",") if k.strip()]
-    meta = export(paths, output, keys, mapper=_ray_mapper(ray_address, jobs))
-    part = f", partitioned by {', '.join(keys)}" if keys else ""
-    click.echo(f"wrote {output}: {len(meta['runs'])} runs, {meta['gaps']:,} gaps{part}", err=True)
+    meta = export(paths, output, keys, mapper=_ray_mapper(ray_address, jobs), limits=_limits())
+    used, absent = meta["partition_by"], meta["partition_by_absent"]
+    if absent:
+        click.echo(
+            f"tracekit: warning: --partition-by {one_line(', '.join(absent))}: no run has this "
+            "config key; the dataset is not partitioned by it",
+            err=True,
+        )
+    part = f", partitioned by {one_line(', '.join(used))}" if used else ""
+    click.echo(
+        f"wrote {one_line(output)}: {len(meta['runs'])} runs, {meta['gaps']:,} gaps{part}",
+        err=True,
+    )
 
 
 @main.command("fleet")
@@ -789,6 +799,7 @@ def export_cmd(
 )
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @_ray_option
+@_read_limits
 def fleet_cmd(
     source: tuple[str, ...], by: str, fmt: str, memory_mb: float, sketch_points: int,
     output: str | None, ray_address: str | None,
@@ -815,7 +826,7 @@ def fleet_cmd(
     if len(paths) == 1 and os.path.isdir(paths[0]):
         r = rollup(paths[0], by, mapper=mapper, **opts)
     else:
-        r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, **opts)
+        r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, limits=_limits(), **opts)
     if fmt == "jsonl":
         body = "".join(json.dumps(rec) + "\n" for rec in r.to_records())
     else:

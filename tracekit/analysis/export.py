@@ -51,7 +51,10 @@ RUNS_DIR = "runs"
 NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
 
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9._+-]+$")
-_SAFE_COLUMN = re.compile(r"[^A-Za-z0-9_]+")
+#: A label kept as it is in a column name: letters and digits, single `_` between them.
+_PLAIN_COLUMN = re.compile(r"[A-Za-z0-9]+(?:_[A-Za-z0-9]+)*")
+#: Longest escaped partition value (a directory name holds 255 bytes; `KEY=` comes first).
+MAX_PARTITION_VALUE_BYTES = 200
 
 
 class DatasetError(TracekitError):
@@ -62,8 +65,19 @@ class DatasetError(TracekitError):
 
 
 def column_name(text: str) -> str:
-    """A label or cause as a column-name fragment: letters, digits and `_` only."""
-    return _SAFE_COLUMN.sub("_", text).strip("_") or "x"
+    """A label or cause as a column-name fragment: letters, digits and `_` only, one to one
+    (two labels never share a column, so the parts still sum to `gap_ms`). A plain name
+    (`preempt`, `wait_kv_blocks`) is itself; any other (`a-b`, `a.b`, `é`, `a__b`, ``)
+    is ``__`` followed by each of its UTF-8 bytes: a letter or digit as it is, any other
+    byte as ``_`` and two hex digits (`a-b` -> `__a_2db`, `a.b` -> `__a_2eb`). A plain
+    name never holds ``__``, so the two forms never meet."""
+    if _PLAIN_COLUMN.fullmatch(text):
+        return text
+    out = ["__"]
+    for b in text.encode("utf-8", "surrogatepass"):
+        c = chr(b)
+        out.append(c if c.isascii() and c.isalnum() else f"_{b:02x}")
+    return "".join(out)
 
 
 def partition_value(config: Mapping[str, Any], key: str) -> str:
@@ -75,9 +89,18 @@ def partition_value(config: Mapping[str, Any], key: str) -> str:
     if v is None:
         return NULL_PARTITION
     text = v if isinstance(v, str) else json.dumps(v, sort_keys=True, separators=(",", ":"))
-    if text and _SAFE_VALUE.match(text):
-        return text
-    return urllib.parse.quote(text, safe="") or NULL_PARTITION
+    if text and _SAFE_VALUE.match(text) and text != NULL_PARTITION:
+        out = text
+    else:  # non-ASCII as its UTF-8 bytes, %XX (readers decode it back)
+        out = urllib.parse.quote(text.encode("utf-8", "surrogatepass"), safe="")
+    if not out:
+        return NULL_PARTITION
+    if len(out) > MAX_PARTITION_VALUE_BYTES:
+        raise DatasetError(
+            f"--partition-by {key}: the value {text[:40]!r}... is {len(out)} bytes as a "
+            f"directory name (at most {MAX_PARTITION_VALUE_BYTES}): partition by a shorter key"
+        )
+    return out
 
 
 def run_row(analysis: Any, run_id: str) -> dict[str, Any]:
@@ -160,29 +183,47 @@ class ExportedRun:
 
 
 def run_ids(paths: Sequence[str]) -> list[str]:
-    """A unique id per run: its file name without `.npz`; repeats get `-2`, `-3`, ..."""
-    seen: dict[str, int] = {}
-    out = []
+    """A unique id per run: its file name without `.npz`; a repeat (`x/a.npz` and
+    `y/a.npz`) gets `-2`, `-3`, ..., never an id another run has (`a-2.npz`), nor one that
+    differs from another only by case (one file on a case-insensitive filesystem)."""
+    stems = []
     for p in paths:
         stem = os.path.basename(os.path.normpath(p))
         stem = stem[: -len(".npz")] if stem.endswith(".npz") else stem
-        stem = stem or "run"
-        k = seen.get(stem, 0) + 1
-        seen[stem] = k
-        out.append(stem if k == 1 else f"{stem}-{k}")
+        stems.append(stem or "run")
+    taken = {st.casefold() for st in stems}
+    seen: set[str] = set()
+    out = []
+    for stem in stems:
+        rid, k = stem, 1
+        if rid.casefold() in seen:
+            while rid.casefold() in taken:
+                k += 1
+                rid = f"{stem}-{k}"
+            taken.add(rid.casefold())
+        seen.add(rid.casefold())
+        out.append(rid)
     return out
 
 
-def export_one(path: str, run_id: str, root: str, keys: Sequence[str]) -> ExportedRun:
-    """Load, partition and analyse one run; write its gaps and runs files under `root`."""
+def export_one(
+    path: str, run_id: str, root: str, keys: Sequence[str], limits: Mapping[str, Any] | None = None
+) -> ExportedRun:
+    """Load, partition and analyse one run; write its gaps and runs files under `root`.
+    `limits`: `load`'s bounds on reading the log (``max_inflate_mb``, ...)."""
     from tracekit.allocator import keep_freed_memory
     from tracekit.analysis.figures import analyze
     from tracekit.attribution.itl import partition
     from tracekit.log.reader import load
 
     keep_freed_memory()
-    log = load(path)
+    log = load(path, **dict(limits or {}))
     part = partition(log)
+    if "clean" in part.causes:  # `primary` says `clean` for a gap without a cause
+        raise DatasetError(
+            f"{path}: a label maps to the cause 'clean', the name the gaps table gives a gap "
+            "without a cause: rename that label when recording"
+        )
     analysis = analyze(log, part)
     hive = [f"{k}={partition_value(log.config, k)}" for k in keys]
     fname = f"{urllib.parse.quote(run_id, safe='')}.parquet"
@@ -190,9 +231,13 @@ def export_one(path: str, run_id: str, root: str, keys: Sequence[str]) -> Export
     runs_rel = os.path.join(RUNS_DIR, *hive, fname)
     gcols = gap_columns(log, part, run_id)
     row = run_row(analysis, run_id)
-    for k in keys:  # partition keys live in the directory names only
-        gcols.pop(k, None)
-        row.pop(k, None)
+    for k in keys:  # partition keys live in the directory names only: never a column's
+        if k in gcols or k in row:
+            raise DatasetError(
+                f"--partition-by {k}: a column of the {'gaps' if k in gcols else 'runs'} "
+                "table has this name (readers would see two columns of one name): partition "
+                "by a config key that is not a figure"
+            )
     _write(os.path.join(root, gaps_rel), _table(gcols))
     _write(os.path.join(root, runs_rel), _table({k: [v] for k, v in row.items()}))
     return ExportedRun(
@@ -204,6 +249,37 @@ def export_one(path: str, run_id: str, root: str, keys: Sequence[str]) -> Export
         gap_columns=tuple(gcols),
         run_columns=tuple(row),
     )
+
+
+def _absent_keys(paths: Sequence[str], keys: Sequence[str], limits: Mapping[str, Any]) -> list[str]:
+    """The keys no run's config has. Reads each log's config only (its `config` member)."""
+    from tracekit.analysis.compare import config_value
+
+    absent = list(keys)
+    for p in paths:
+        cfg = _config_of(p, limits)
+        absent = [k for k in absent if config_value(cfg, k) is None]
+        if not absent:
+            break
+    return absent
+
+
+def _config_of(path: str, limits: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A log's config: its `config` member alone where it has one (v1), else the loaded
+    log's (the published layout keeps it elsewhere)."""
+    from tracekit.log.archive import read_npz
+    from tracekit.log.reader import load
+
+    z, _ = read_npz(path, lambda names: [n for n in names if n == "config"],
+                    max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+    if "config" in z:
+        try:
+            cfg = json.loads(str(z["config"]))
+        except (ValueError, RecursionError):
+            cfg = None
+        if isinstance(cfg, dict):
+            return cfg
+    return load(path, **dict(limits)).config
 
 
 def _table(cols: Mapping[str, Any]):
@@ -286,13 +362,31 @@ def export(
     keys: Sequence[str] = (),
     *,
     mapper: Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]] | None = None,
+    limits: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Export runs to a dataset at `root`. `mapper(fn, arg_tuples)` runs `export_one` over
-    the runs (in order; a process pool or Ray); default: one by one here. Returns the
-    dataset's metadata (also written to `root/_tracekit_dataset.json`)."""
+    the runs (in order; a process pool or Ray); default: one by one here. `limits`: `load`'s
+    bounds on reading each log. Returns the dataset's metadata (also written to
+    `root/_tracekit_dataset.json`).
+
+    A run without a partition key is filed under the hive null. A key that *no* run has is
+    left out of the layout (and listed as ``partition_by_absent`` in the metadata): a level
+    that is null everywhere gives readers no type to infer (pyarrow, pandas and Ray Data
+    refuse such a dataset)."""
+    if len(set(keys)) != len(keys):
+        raise DatasetError(f"--partition-by {','.join(keys)}: a key appears twice")
     for k in keys:
-        if not k or "/" in k or "=" in k or k in _RESERVED:
-            raise DatasetError(f"--partition-by {k!r}: not usable as a partition key name")
+        if (
+            not k
+            or "/" in k
+            or "=" in k
+            or "\\" in k
+            or k.startswith((".", "_"))
+            or not k.isprintable()
+            or len(k.encode("utf-8", "surrogatepass")) > 100
+            or k in _RESERVED
+        ):
+            raise DatasetError(f"--partition-by {k[:60]!r}: not usable as a partition key name")
     if os.path.exists(root) and not os.path.isdir(root):
         raise DatasetError(f"{root}: exists and is not a directory")
     meta_path = os.path.join(root, DATASET_META)
@@ -303,9 +397,12 @@ def export(
             f"{root}: already holds a tracekit dataset (export into a new folder, or delete it)"
         )
     ids = run_ids(paths)
-    args = [(p, r, root, tuple(keys)) for p, r in zip(paths, ids, strict=True)]
+    lim = dict(limits or {})
     created = not os.path.exists(root)
     try:
+        absent = _absent_keys(paths, keys, lim) if keys else []
+        used = tuple(k for k in keys if k not in absent)
+        args = [(p, r, root, used, lim) for p, r in zip(paths, ids, strict=True)]
         done = [export_one(*a) for a in args] if mapper is None else list(mapper(export_one, args))
         gap_cols = _unify(root, [d.gaps_file for d in done], [d.gap_columns for d in done])
         _unify(root, [d.runs_file for d in done], [d.run_columns for d in done])
@@ -316,7 +413,8 @@ def export(
     meta = {
         "format": DATASET_FORMAT,
         "version": DATASET_VERSION,
-        "partition_by": list(keys),
+        "partition_by": list(used),
+        "partition_by_absent": list(absent),
         "labels": [c[len("part_") : -len("_ms")] for c in gap_cols if c.startswith("part_")],
         "runs": [{"run": d.run, "path": d.path, "gaps": d.gaps} for d in done],
         "gaps": int(sum(d.gaps for d in done)),

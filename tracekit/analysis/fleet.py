@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from typing import Any
 import numpy as np
 
 from tracekit.analysis.export import DATASET_META, GAPS_DIR, RUNS_DIR, DatasetError
+from tracekit.errors import LogError
+from tracekit.log.archive import describe_non_regular, open_regular
 
 #: Pooled percentiles: (name, q), numpy's linear percentiles.
 POOLED = (("itl_p50", 50.0), ("itl_p90", 90.0), ("itl_p99", 99.0), ("itl_p999", 99.9))
@@ -204,6 +207,13 @@ def _files(root: str, table: str) -> list[str]:
     for d, dirs, names in os.walk(base):
         dirs[:] = sorted(x for x in dirs if not x.startswith((".", "_")))
         out += [os.path.join(d, n) for n in names if n.endswith(".parquet")]
+    for f in out:  # a FIFO or device is refused before pyarrow opens it (and waits)
+        try:
+            mode = os.stat(f).st_mode
+        except OSError as e:
+            raise DatasetError(f"{f}: cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(mode):
+            raise DatasetError(f"{f}: is {describe_non_regular(mode)}, not a regular file")
     if not out:
         raise DatasetError(f"{base}: no .parquet files")
     return sorted(out)
@@ -219,9 +229,16 @@ def _runs_table(root: str):
                        partition_base_dir=os.path.join(root, RUNS_DIR)).to_table()  # fmt: skip
     except Exception as e:
         raise DatasetError(f"{root}/{RUNS_DIR}: unreadable ({str(e).splitlines()[0]})") from None
+    _check_runs_schema(t.schema, f"{root}/{RUNS_DIR}")
     df = t.to_pandas()
-    if "run" not in df.columns:
-        raise DatasetError(f"{root}/{RUNS_DIR}: no 'run' column")
+    dup = df["run"][df["run"].duplicated()]
+    if len(dup):
+        raise DatasetError(
+            f"{root}/{RUNS_DIR}: run {str(dup.iloc[0])[:80]!r} appears in more than one row "
+            "(each run is one row of the runs table)"
+        )
+    if "gaps" in df.columns and len(df) and int(df["gaps"].min()) < 0:
+        raise DatasetError(f"{root}/{RUNS_DIR}: column 'gaps' holds a negative count")
     order = _meta_order(root)
     if order:
         pos = {r: i for i, r in enumerate(order)}
@@ -234,20 +251,75 @@ def _runs_table(root: str):
     return df.reset_index(drop=True)
 
 
-def _meta_order(root: str) -> list[str]:
+def _is_string(t: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
+
+
+def _check_runs_schema(schema: Any, where: str) -> None:
+    """The runs table's columns the rollup trusts: `run` strings, `gaps` integers."""
+    import pyarrow as pa
+
+    if "run" not in schema.names:
+        raise DatasetError(f"{where}: no 'run' column")
+    if not _is_string(schema.field("run").type):
+        raise DatasetError(f"{where}: column 'run' is {schema.field('run').type}, not strings")
+    if "gaps" in schema.names and not pa.types.is_integer(schema.field("gaps").type):
+        raise DatasetError(
+            f"{where}: column 'gaps' is {schema.field('gaps').type}, not an integer count"
+        )
+
+
+def _check_gaps_schema(path: str, columns: Sequence[str]) -> None:
+    """A gaps file holds the columns the rollup reads, of the types `export` writes:
+    `run` and `primary` strings, `gap_ms` and every `part_LABEL_ms` floats. Read from the
+    file's footer, before any row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
-        with open(os.path.join(root, DATASET_META), encoding="utf-8") as fh:
-            return [r["run"] for r in json.load(fh)["runs"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        schema = pq.read_schema(path)
+    except Exception as e:
+        raise DatasetError(f"{path}: unreadable gaps file ({str(e).splitlines()[0]})") from None
+    for c in columns:
+        if c not in schema.names:
+            raise DatasetError(f"{path}: no column {c!r} (every gaps file of a dataset has it)")
+        t = schema.field(c).type
+        ok = _is_string(t) if c in ("run", "primary") else pa.types.is_floating(t)
+        if not ok:
+            want = "strings" if c in ("run", "primary") else "floats (ms)"
+            raise DatasetError(f"{path}: column {c!r} is {t}, not {want}")
+
+
+def _meta(root: str) -> dict[str, Any]:
+    """The dataset's `_tracekit_dataset.json` ({} if absent or unreadable: the tables are
+    what is trusted). A FIFO is refused, never waited on; at most 64 MB are read."""
+    path = os.path.join(root, DATASET_META)
+    if not os.path.lexists(path):
+        return {}
+    try:
+        with open_regular(path) as fh:
+            meta = json.loads(fh.read(64 << 20))
+    except LogError:
+        raise
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _meta_order(root: str) -> list[str]:
+    runs = _meta(root).get("runs")
+    if not isinstance(runs, list):
         return []
+    return [str(r["run"]) for r in runs if isinstance(r, dict) and "run" in r]
 
 
 def _partition_keys(root: str) -> list[str]:
-    try:
-        with open(os.path.join(root, DATASET_META), encoding="utf-8") as fh:
-            return list(json.load(fh)["partition_by"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+    keys = _meta(root).get("partition_by")
+    return [str(k) for k in keys] if isinstance(keys, list) else []
 
 
 def _group_of_run(df: Any, by: str) -> list[str]:
@@ -305,6 +377,7 @@ def _spread(values: np.ndarray) -> tuple[float, float, float, int]:
 def _read_gaps(path: str, columns: Sequence[str]):
     import pyarrow.parquet as pq
 
+    _check_gaps_schema(path, columns)
     try:
         f = pq.ParquetFile(path, read_dictionary=[c for c in ("run", "primary") if c in columns])
         return f.read(columns=list(columns))
@@ -509,7 +582,12 @@ def rollup(
 def _labels(gaps_file: str) -> list[str]:
     import pyarrow.parquet as pq
 
-    names = pq.read_schema(gaps_file).names
+    try:
+        names = pq.read_schema(gaps_file).names
+    except Exception as e:
+        raise DatasetError(
+            f"{gaps_file}: unreadable gaps file ({str(e).splitlines()[0]})"
+        ) from None
     return [c[len("part_") : -len("_ms")] for c in names if c.startswith("part_") and
             c.endswith("_ms")]  # fmt: skip
 
@@ -525,7 +603,8 @@ def rollup_logs(
     both inputs give the same numbers by construction), which is removed afterwards."""
     from tracekit.analysis.export import export
 
+    limits = kwargs.pop("limits", None)
     with tempfile.TemporaryDirectory(prefix="tracekit-fleet-") as tmp:
         root = os.path.join(tmp, "dataset")
-        export(paths, root, (), mapper=export_mapper)
+        export(paths, root, (), mapper=export_mapper, limits=limits)
         return rollup(root, by, **kwargs)

@@ -43,6 +43,7 @@ elementary interval at a time. Tests check that they agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows, fit_base
 from tracekit.attribution.timeline import (
     HostTimeline,
     build_timeline,
+    compensated_cumsum,
     decode_net_ms,
     host_classes,
     segment_causes,
@@ -327,7 +329,12 @@ def ttft_partition(
         np.add.at(parts, (q_row, wait_col), (p1 - p0) * 1e3 - gc_ms)
 
     # 4. prefill: own share in the prefilling phase, the rest is others'
-    own = _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_between)
+    def prefill_at(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if prefill_cls is None:
+            return np.zeros(len(times)), np.zeros(len(times))
+        return tl.integrals(prefill_cls, times)
+
+    own = _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_at)
     # the phase's prefill time: prefill between admission and first token, less evicted
     live_prefill = np.zeros(n)
     live_prefill[split] = prefill_between(adm[split], f[split])
@@ -377,9 +384,62 @@ def ttft_partition(
     return check_ttft_reconciled(p, log.path) if check else p
 
 
-def _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_between):
+def _rank_keys(
+    group: np.ndarray, t: np.ndarray, u: np.ndarray, side: Literal["left", "right"]
+) -> np.ndarray:
+    """Integer keys that sort as (group, time): ``group * (len(u) + 1) + rank``, the rank
+    being ``np.searchsorted(u, t, side)`` (u: the sorted times of the data). Comparing a
+    query's key with the data's keys compares times within the query's group only."""
+    return group.astype(np.int64) * (len(u) + 1) + np.searchsorted(u, t, side=side)
+
+
+def _expand(first: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(query index, data index) of every pair: query i with data first[i] .. + count[i]."""
+    count = np.maximum(count, 0)
+    qi = np.repeat(np.arange(len(first)), count)
+    start = np.cumsum(count) - count  # where each query's pairs begin
+    di = np.repeat(first, count) + (np.arange(count.sum()) - np.repeat(start, count))
+    return qi, di
+
+
+def _meeting(owner, x0, x1, e_row, w0, w1) -> tuple[np.ndarray, np.ndarray]:
+    """(query, eviction) pairs where the query window [x0, x1] of TTFT row `owner` meets one
+    of that row's evicted windows (sorted by row then start, disjoint per row: as
+    `evicted_windows` gives them)."""
+    u = np.unique(np.concatenate([w0, w1]))
+    first = np.searchsorted(
+        _rank_keys(e_row, w1, u, "left"), _rank_keys(owner, x0, u, "right"), side="left"
+    )  # the row's first eviction ending after x0
+    last = np.searchsorted(
+        _rank_keys(e_row, w0, u, "left"), _rank_keys(owner, x1, u, "left"), side="left"
+    )  # past the row's last eviction starting before x1
+    return _expand(first, last - first)
+
+
+#: `_own_prefill` joins a step's prefill rows with its prefill segments piece by piece while
+#: the pieces number at most this many times the rows and segments.
+_JOIN_FACTOR = 8
+
+
+def _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_at):
     """Per TTFT row: sum over its prefill rows of the step's share times the prefill time of
-    that step's prefill segments inside [admission, first token], less evicted time."""
+    that step's prefill segments inside [admission, first token], less evicted time.
+
+    A step of P prefill rows and S prefill segments joined row by segment makes P x S
+    pieces; that join is kept only for steps where P x S <= _JOIN_FACTOR x (P + S) (one
+    segment, or up to 16 of each: what engines record), so its memory stays a fixed multiple
+    of the input. In the
+    other steps each row gets its share of H(first token) - H(admission), with H(t) the
+    prefill time of the step's segments before t summed over the segments: with F(t) the
+    cumulative prefill time (`prefill_at`),
+
+        H(t) = sum_{s1 <= t} F(s1) - sum_{s0 <= t} F(s0) + F(t) * (#{s0 <= t} - #{s1 <= t})
+
+    over the step's segments [s0, s1), each segment giving F(min(s1, t)) - F(min(s0, t)).
+    F is taken relative to its value at the step's first segment start and summed with
+    compensation. Both give the same time; the join also the same rounding as summing the
+    pieces one by one (the reference does). Cost: O((P + S) log S) time and O(P + S)
+    memory, plus one pair per (row or piece, eviction of its request that it meets)."""
     n = len(adm)
     own = np.zeros(n)
     pf, sg = log.prefill_chunks, log.segments
@@ -389,34 +449,117 @@ def _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_betw
     rows = row_of[pf.request]
     keep = rows >= 0
     keep[keep] = split[rows[keep]]
-    rows, steps, share = rows[keep], pf.step[keep], share[keep]
     pseg = np.flatnonzero((causes == "prefill") & (sg.is_device != 1) & (sg.step >= 0))
-    pseg = pseg[np.argsort(sg.step[pseg], kind="stable")]
-    if len(rows) == 0 or len(pseg) == 0:
+    if not keep.any() or len(pseg) == 0:
         return own
-    seg_step = sg.step[pseg]
-    first = np.searchsorted(seg_step, steps, side="left")
-    cnt = np.searchsorted(seg_step, steps, side="right") - first
-    ri = np.repeat(np.arange(len(rows)), cnt)
-    si = pseg[np.repeat(first, cnt) + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))]
-    r = rows[ri]
-    x0 = np.maximum(sg.t_start_s[si], adm[r])
-    x1 = np.minimum(sg.t_end_s[si], f[r])
-    ok = x1 > x0
-    ri, r, x0, x1 = ri[ok], r[ok], x0[ok], x1[ok]
-    val = prefill_between(x0, x1)
-    if len(e_row) and len(ri):
-        # evicted overlap of each piece: join pieces with their request's evicted windows
-        o = np.argsort(e_row, kind="stable")
-        er, ea, eb = e_row[o], w0[o], w1[o]
-        lo = np.searchsorted(er, r, side="left")
-        c = np.searchsorted(er, r, side="right") - lo
-        pi = np.repeat(np.arange(len(r)), c)
-        ei = np.repeat(lo, c) + (np.arange(c.sum()) - np.repeat(np.cumsum(c) - c, c))
-        y0 = np.maximum(x0[pi], ea[ei])
-        y1 = np.maximum(np.minimum(x1[pi], eb[ei]), y0)
-        np.subtract.at(val, pi, prefill_between(y0, y1))
-    np.add.at(own, r, share[ri] * val)
+    # the steps with prefill segments, each a group; a prefill row of another step gets 0
+    pseg = pseg[np.argsort(sg.step[pseg], kind="stable")]
+    seg_steps, seg_group = np.unique(sg.step[pseg], return_inverse=True)
+    pf_idx = np.flatnonzero(keep)  # prefill rows, in row order (the order of the sums)
+    row_group = np.searchsorted(seg_steps, pf.step[pf_idx])
+    has = row_group < len(seg_steps)
+    has[has] = seg_steps[row_group[has]] == pf.step[pf_idx][has]
+    pf_idx, row_group = pf_idx[has], row_group[has]
+    if len(pf_idx) == 0:
+        return own
+    rows, share = rows[pf_idx], share[pf_idx]
+    if len(e_row):
+        oe = np.lexsort((w0, e_row))
+        e_row, w0, w1 = e_row[oe], w0[oe], w1[oe]
+
+    def between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        h0, l0 = prefill_at(x)
+        h1, l1 = prefill_at(y)
+        return ((h1 - h0) + (l1 - l0)) * 1e3
+
+    n_seg = np.bincount(seg_group, minlength=len(seg_steps))
+    n_row = np.bincount(row_group, minlength=len(seg_steps))
+    joined = (n_seg * n_row <= _JOIN_FACTOR * (n_seg + n_row))[row_group]
+    order_parts: list[np.ndarray] = []  # prefill row of each contribution
+    parts: list[np.ndarray] = []  # its share of prefill time, ms
+    owners: list[np.ndarray] = []  # its TTFT row
+
+    # steps with a small join: one piece per (row, segment), evicted time taken off each
+    j = np.flatnonzero(joined)
+    if len(j):
+        g_first = np.searchsorted(seg_group, np.arange(len(seg_steps)), side="left")
+        ri, si = _expand(g_first[row_group[j]], n_seg[row_group[j]])
+        si = pseg[si]
+        r = rows[j][ri]
+        x0 = np.maximum(sg.t_start_s[si], adm[r])
+        x1 = np.minimum(sg.t_end_s[si], f[r])
+        ok = x1 > x0
+        ri, r, x0, x1 = ri[ok], r[ok], x0[ok], x1[ok]
+        val = between(x0, x1)
+        if len(e_row) and len(ri):
+            pi, ei = _meeting(r, x0, x1, e_row, w0, w1)
+            y0 = np.maximum(x0[pi], w0[ei])
+            y1 = np.maximum(np.minimum(x1[pi], w1[ei]), y0)
+            np.subtract.at(val, pi, between(y0, y1))
+        order_parts.append(pf_idx[j][ri])
+        parts.append(share[j][ri] * val)
+        owners.append(r)
+
+    # the other steps: H(first token) - H(admission) per row
+    j = np.flatnonzero(~joined)
+    if len(j):
+        # groups renumbered over these steps only
+        big = np.unique(row_group[j])
+        m = np.isin(seg_group, big)
+        gseg = np.searchsorted(big, seg_group[m])
+        s0, s1 = sg.t_start_s[pseg[m]], sg.t_end_s[pseg[m]]
+        rg, r = np.searchsorted(big, row_group[j]), rows[j]
+        u = np.unique(np.concatenate([s0, s1]))
+        o0, o1 = np.lexsort((s0, gseg)), np.lexsort((s1, gseg))
+        key0 = _rank_keys(gseg[o0], s0[o0], u, "right")
+        key1 = _rank_keys(gseg[o1], s1[o1], u, "right")
+        g_lo = np.searchsorted(gseg[o0], np.arange(len(big)), side="left")
+        span_lo = s0[o0][g_lo]  # the step's first segment start: F is measured from here
+        span_hi = np.full(len(big), -np.inf)
+        np.maximum.at(span_hi, gseg, s1)
+        ref_hi, ref_lo = prefill_at(span_lo)
+
+        def rel(t: np.ndarray, g: np.ndarray) -> np.ndarray:
+            hi, lo = prefill_at(t)  # F(t) - F(span_lo of g), to full precision
+            return (hi - ref_hi[g]) + (lo - ref_lo[g])
+
+        c0_hi, c0_lo = compensated_cumsum(rel(s0[o0], gseg[o0]))
+        c1_hi, c1_lo = compensated_cumsum(rel(s1[o1], gseg[o1]))
+
+        def h(g: np.ndarray, t: np.ndarray) -> np.ndarray:
+            """H of group g at t (s): the prefill time of its segments before t."""
+            k = _rank_keys(g, t, u, "right")
+            k0 = np.searchsorted(key0, k, side="right")
+            k1 = np.searchsorted(key1, k, side="right")
+            b = g_lo[g]
+            a1 = (c1_hi[k1] - c1_hi[b]) + (c1_lo[k1] - c1_lo[b])
+            a0 = (c0_hi[k0] - c0_hi[b]) + (c0_lo[k0] - c0_lo[b])
+            open_ = k0 - k1  # segments started by t and not yet ended
+            return (a1 - a0) + np.where(open_ != 0, rel(t, g) * open_, 0.0)
+
+        def held(g: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+            """Group g's prefill time inside [x, y], ms (0 where y <= x)."""
+            out = np.zeros(len(x))
+            ok = y > x
+            if ok.any():
+                out[ok] = (h(g[ok], y[ok]) - h(g[ok], x[ok])) * 1e3
+            return out
+
+        val = held(rg, adm[r], f[r])
+        if len(e_row):
+            lo = np.maximum(adm[r], span_lo[rg])
+            hi = np.minimum(f[r], span_hi[rg])
+            pi, ei = _meeting(r, lo, hi, e_row, w0, w1)
+            y0 = np.maximum(adm[r[pi]], w0[ei])
+            y1 = np.minimum(f[r[pi]], w1[ei])
+            np.subtract.at(val, pi, held(rg[pi], y0, y1))
+        order_parts.append(pf_idx[j])
+        parts.append(share[j] * val)
+        owners.append(r)
+
+    # summed per TTFT row in prefill-row order (each prefill row's pieces in segment order)
+    o = np.argsort(np.concatenate(order_parts), kind="stable")
+    np.add.at(own, np.concatenate(owners)[o], np.concatenate(parts)[o])
     return own
 
 

@@ -66,6 +66,22 @@ def inflate_limit_bytes(file_size: int, max_inflate_mb: float | None = None) -> 
     return max(file_size, by_size)
 
 
+class InflateLimitError(LogError):
+    """An archive whose arrays would inflate beyond the reading limit (`_check_inflate`)."""
+
+
+def describe_non_regular(mode: int) -> str:
+    """What a file that is not a regular one is, for an error message ("a FIFO ...")."""
+    return (
+        "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+        else "a character device" if stat.S_ISCHR(mode)
+        else "a block device" if stat.S_ISBLK(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a directory" if stat.S_ISDIR(mode)
+        else "not a regular file"
+    )  # fmt: skip
+
+
 def open_regular(path: str):
     """`path` opened for reading in binary, if it is a regular file (following symlinks);
     a FIFO, a device or a socket is refused without reading a byte. The file is opened
@@ -78,16 +94,11 @@ def open_regular(path: str):
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = (
-            "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a character device" if stat.S_ISCHR(mode)
-            else "a block device" if stat.S_ISBLK(mode)
-            else "a socket" if stat.S_ISSOCK(mode)
-            else "a directory" if stat.S_ISDIR(mode)
-            else "not a regular file"
-        )  # fmt: skip
         raise LogError(
-            path, "file", f"is {kind}, not a regular file: a raw log is read from a .npz file"
+            path,
+            "file",
+            f"is {describe_non_regular(mode)}, not a regular file: a raw log is read from a "
+            ".npz file",
         )
     if hasattr(os, "set_blocking"):
         os.set_blocking(fd, True)
@@ -144,7 +155,7 @@ def _check_inflate(
     total = sum(i.file_size for i in infos)
     if total > limit:
         biggest = max(infos, key=lambda i: i.file_size)
-        raise LogError(
+        raise InflateLimitError(
             path,
             "file",
             f"its arrays would inflate to {total / 1e6:.1f} MB from a {size / 1e6:.1f} MB file "

@@ -38,22 +38,29 @@ the engine boundary, evictions, requests) and adds the client boundary: `client_
 the run's clock), `deliveries` (each step's outputs, built and received),
 ``meta["processes"]`` (per process: identity, file, recovered or not, and the clock
 offset, correction and uncertainty against the engine core) and ``meta["clock_pairs"]``
-(every pair of processes, the others through the engine core).
+(each process against the engine core: one entry a process, so the merge and its output
+stay linear in processes; two others' offset is the difference of theirs).
+
+The merged log is validated before it is returned: a merge never writes (and `analyze
+DIR` never analyses) a log that `tracekit check` would reject.
 """
 
 from __future__ import annotations
 
-import glob
+import math
 import os
+import stat
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from tracekit.errors import LogError
+from tracekit.log.archive import describe_non_regular
 from tracekit.log.parts import PARTS_SUFFIX, merge_parts
 from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcSegments, RawLog, Requests
 from tracekit.log.reader import load
+from tracekit.log.validate import validate_log
 
 FRONT_SEP = "\x1f"
 SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"
@@ -116,20 +123,48 @@ class ClockFit:
 # -- reading a directory ------------------------------------------------------------------
 
 
-def process_logs(directory: str) -> list[ProcessLog]:
-    """Every process log in `directory`: a whole ``.npz``, else its parts (read in place)."""
+def _entries(directory: str) -> tuple[list[str], list[str]]:
+    """(whole logs, parts folders) of `directory`, by name (never a glob pattern built from
+    its path, which may hold ``[`` or ``*``). A ``.npz`` that is not a regular file (a FIFO,
+    a device) is refused before a byte is read; a ``.parts`` that is not a folder is
+    skipped."""
+    done, parts = [], []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise LogError(directory, "directory", f"cannot be listed ({e.strerror})") from None
+    for n in names:
+        p = os.path.join(directory, n)
+        if n.endswith(".npz"):
+            try:
+                mode = os.stat(p).st_mode
+            except OSError as e:
+                raise LogError(p, "file", f"cannot be read ({e.strerror})") from None
+            if stat.S_ISDIR(mode):
+                continue
+            if not stat.S_ISREG(mode):
+                raise LogError(p, "file", f"is {describe_non_regular(mode)}, not a regular file")
+            done.append(p)
+        elif n.endswith(PARTS_SUFFIX) and os.path.isdir(p):
+            parts.append(p)
+    return done, parts
+
+
+def process_logs(directory: str, **limits: Any) -> list[ProcessLog]:
+    """Every process log in `directory`: a whole ``.npz``, else its parts (read in place).
+    `limits`: `load`'s bounds on reading (``max_inflate_mb``, ``max_label_chars``)."""
     if not os.path.isdir(directory):
         raise LogError(directory, "directory", "does not exist or is not a directory")
-    done = sorted(p for p in glob.glob(os.path.join(directory, "*.npz")) if os.path.isfile(p))
-    parts = sorted(p for p in glob.glob(os.path.join(directory, "*" + PARTS_SUFFIX)))
+    done, parts = _entries(directory)
     out = []
     for p in done:
-        out.append(_process_log(p, load(p), recovered=False))
+        out.append(_process_log(p, load(p, **limits), recovered=False))
     have = set(done)
     for d in parts:
-        if d[: -len(PARTS_SUFFIX)] in have or not os.path.isdir(d):
+        if d[: -len(PARTS_SUFFIX)] in have:
             continue  # stopped cleanly after all (the .npz is the whole run)
-        out.append(_process_log(d, merge_parts(d), recovered=True))
+        log = merge_parts(d, max_inflate_mb=limits.get("max_inflate_mb"))
+        out.append(_process_log(d, log, recovered=True))
     if not out:
         raise LogError(
             directory, "directory", "holds no process logs (ROLE-PID.npz or ROLE-PID.npz.parts/)"
@@ -146,8 +181,27 @@ def _process_log(path: str, log: RawLog, recovered: bool) -> ProcessLog:
             f"missing or not one of {CORE}, {FRONTEND}, {WORKER}: not a per-process log "
             "(record the server with TRACEKIT_VLLM_DIR set, see docs/adapters.md)",
         )
-    if "t0_tick" not in log.meta:
+    pid = ident.get("pid", 0)
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 2**63:
+        raise LogError(path, "config.process.pid", f"{str(pid)[:40]!r} is not a process id")
+    for k in ("boot_id", "clock", "host", "name"):
+        if not isinstance(ident.get(k, ""), str):
+            raise LogError(path, f"config.process.{k}", "not a string")
+    t0 = log.meta.get("t0_tick")
+    if t0 is None:
         raise LogError(path, "meta.t0_tick", "missing: the merge needs each recorder's start tick")
+    if isinstance(t0, bool) or not isinstance(t0, int) or not abs(t0) < 2**63:
+        raise LogError(path, "meta.t0_tick", f"{str(t0)[:40]!r} is not an integer tick")
+    spt = log.meta.get("seconds_per_tick", 1e-9)
+    if (
+        isinstance(spt, bool)
+        or not isinstance(spt, (int, float))
+        or not math.isfinite(spt)
+        or not 0 < spt < 1e3
+    ):
+        raise LogError(
+            path, "meta.seconds_per_tick", f"{str(spt)[:40]!r} is not a positive number of seconds"
+        )
     return ProcessLog(path, log, dict(ident), recovered)
 
 
@@ -155,7 +209,11 @@ def is_process_dir(path: str) -> bool:
     """True for a directory of per-process logs (what `merge_dir` reads)."""
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, "meta.json")):
         return False
-    return bool(glob.glob(os.path.join(path, "*.npz")) or glob.glob(os.path.join(path, "*.parts")))
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(n.endswith((".npz", PARTS_SUFFIX)) for n in names)
 
 
 # -- clocks -------------------------------------------------------------------------------
@@ -179,25 +237,64 @@ def _counter(log: RawLog, name: str) -> tuple[np.ndarray, np.ndarray]:
     return log.counters.t_s[m], log.counters.value[m]
 
 
-def frontend_bounds(core: ProcessLog, fe: ProcessLog, offset_s: float):
+@dataclass(frozen=True)
+class CoreIndex:
+    """What every other process's clock fit reads from the engine core, computed once per
+    merge (so the merge is linear in the number of processes, not in processes x core rows):
+    its built outputs sorted by key, its added requests by engine id, its steps' forward
+    windows."""
+
+    out_t: np.ndarray  # ``serve.out`` times, in the order of `out_v`
+    out_v: np.ndarray  # ``serve.out`` keys, sorted
+    added: dict[str, float]  # engine id -> ``serve.added`` time
+    forward: np.ndarray  # (n, 2): per step, its forward windows' [first start, last end]
+
+    @classmethod
+    def of(cls, core: ProcessLog) -> CoreIndex:
+        c_t, c_v = _counter(core.log, OUT)
+        o = np.argsort(c_v, kind="stable")
+        a_t, a_v = _counter(core.log, ADDED)
+        ids = core.log.request_ids
+        added = {}
+        for t, v in zip(a_t.tolist(), a_v.tolist(), strict=True):
+            if 0 <= v < len(ids) and v == int(v):
+                added[ids[int(v)]] = t
+        fwd = _windows(core.log, ("prefill", "decode", "verify"), steps_only=True)
+        return cls(c_t[o], c_v[o], added, fwd)
+
+
+def _match_sorted(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (into sorted `keys`, into `values`) of the values found among the keys: the
+    first of equal keys, each value once (as `np.intersect1d` pairs them)."""
+    if not len(keys) or not len(values):
+        z = np.zeros(0, dtype=np.int64)
+        return z, z
+    uv, first = np.unique(values, return_index=True)
+    k = np.searchsorted(keys, uv, side="left")
+    ok = k < len(keys)
+    ok[ok] = keys[k[ok]] == uv[ok]
+    return k[ok], first[ok]
+
+
+def frontend_bounds(core: ProcessLog, fe: ProcessLog, offset_s: float,
+                    index: CoreIndex | None = None):  # fmt: skip
     """Paired-stamp bounds on the API server's correction, at the API server's times:
     (t_lo, lo, t_hi, hi) with ``theta >= lo`` at t_lo and ``theta <= hi`` at t_hi."""
+    ix = index or CoreIndex.of(core)
     # outputs built (core) -> received (frontend), keyed by vLLM's outputs timestamp
-    c_t, c_v = _counter(core.log, OUT)
     f_t, f_v = _counter(fe.log, RECV)
-    common, ci, fi = np.intersect1d(c_v, f_v, return_indices=True)
+    ci, fi = _match_sorted(ix.out_v, f_v)
     t_lo = f_t[fi]
-    lo = c_t[ci] - (f_t[fi] + offset_s)
+    lo = ix.out_t[ci] - (f_t[fi] + offset_s)
     # request sent (frontend) -> added (core), keyed by the engine id
     s_t, s_v = _counter(fe.log, SENT)
-    a_t, a_v = _counter(core.log, ADDED)
-    core_ids = core.log.request_ids
-    added = {core_ids[int(v)]: t for t, v in zip(a_t, a_v, strict=True)}
+    names = fe.log.request_ids
     t_hi, hi = [], []
-    for t, v in zip(s_t, s_v, strict=True):
-        name = fe.log.request_ids[int(v)]
-        engine_id = name.split(FRONT_SEP, 1)[-1]
-        ta = added.get(engine_id)
+    for t, v in zip(s_t.tolist(), s_v.tolist(), strict=True):
+        if not (0 <= v < len(names) and v == int(v)):
+            continue  # not a request index of this log: no pair
+        engine_id = names[int(v)].split(FRONT_SEP, 1)[-1]
+        ta = ix.added.get(engine_id)
         if ta is not None:
             t_hi.append(t)
             hi.append(ta - (t + offset_s))
@@ -224,10 +321,11 @@ def _windows(log: RawLog, labels: tuple[str, ...], steps_only: bool) -> np.ndarr
     return np.column_stack([seg.t_start_s[m], seg.t_end_s[m]])
 
 
-def worker_bounds(core: ProcessLog, wk: ProcessLog, offset_s: float):
+def worker_bounds(core: ProcessLog, wk: ProcessLog, offset_s: float,
+                  index: CoreIndex | None = None):  # fmt: skip
     """Paired-stamp bounds on a worker's correction: the engine core's n-th forward window
     (from ``execute_model`` to its wait returning) contains the worker's n-th."""
-    c = _windows(core.log, ("prefill", "decode", "verify"), steps_only=True)
+    c = (index or CoreIndex.of(core)).forward
     w_prep = _windows(wk.log, ("prepare",), steps_only=False)
     w_fwd = _windows(wk.log, ("forward",), steps_only=False)
     if not len(c) or not len(w_fwd):
@@ -302,9 +400,10 @@ def estimate_offset(t_lo, lo, t_hi, hi, *, bins: int = 8) -> tuple[float, float,
 # -- the merge ----------------------------------------------------------------------------
 
 
-def merge_dir(directory: str) -> RawLog:
-    """The run recorded in `directory` (see the module docstring)."""
-    return merge_logs(process_logs(directory), path=directory)
+def merge_dir(directory: str, **limits: Any) -> RawLog:
+    """The run recorded in `directory` (see the module docstring), validated. `limits`:
+    `load`'s bounds on reading each process log."""
+    return merge_logs(process_logs(directory, **limits), path=directory)
 
 
 def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
@@ -318,7 +417,8 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
         )
     core = cores[0]
     others = [p for p in procs if p is not core]
-    fits = [_fit(core, p) for p in others]
+    core_index = CoreIndex.of(core)
+    fits = [_fit(core, p, core_index) for p in others]
     # one request identity: the client's name for every engine id the API server knew
     client_of: dict[str, str] = {}
     for p in others:
@@ -327,14 +427,20 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
                 client, sep, engine_id = name.partition(FRONT_SEP)
                 if sep:
                     client_of[engine_id] = client
-    req_ids = [client_of.get(r, r) for r in core.log.request_ids]
-    index = {r: i for i, r in enumerate(req_ids)}
+    engine_pos = {r: i for i, r in enumerate(core.log.request_ids)}
+    req_ids, renamed = _unique_names([client_of.get(r, r) for r in core.log.request_ids])
+    taken = set(req_ids)
+    by_client: dict[str, int] = {}  # a client name (not an engine id) -> its merged index
+    for i, r in enumerate(core.log.request_ids):
+        by_client.setdefault(client_of.get(r, r), i)
     labels = list(core.log.labels)
+    label_pos = {x: i for i, x in enumerate(labels)}
 
     def label_id(name: str) -> int:
-        if name not in labels:
+        if name not in label_pos:
+            label_pos[name] = len(labels)
             labels.append(name)
-        return labels.index(name)
+        return label_pos[name]
 
     extra_req: list[str] = []
     seg_rows: list[np.ndarray] = []
@@ -371,14 +477,23 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
             )
         if p.role != FRONTEND:
             continue
-        # client-boundary emissions: the request's merged index
-        names = [r.partition(FRONT_SEP)[0] for r in lg.request_ids]
-        ridx = np.empty(len(names), dtype=np.int64)
-        for i, nm in enumerate(names):
-            j = index.get(nm)
+        # client-boundary emissions: the request's merged index (through its engine id when
+        # the engine core knew it, else by its client name; a new name gets a new row)
+        ridx = np.empty(len(lg.request_ids), dtype=np.int64)
+        for i, full in enumerate(lg.request_ids):
+            nm, sep, engine_id = full.partition(FRONT_SEP)
+            j = engine_pos.get(engine_id) if sep else None
             if j is None:
-                j = index[nm] = len(req_ids) + len(extra_req)
-                extra_req.append(nm)
+                j = by_client.get(nm)
+            if j is None:
+                j = by_client[nm] = len(req_ids) + len(extra_req)
+                new, k = nm, 1
+                while new in taken:  # an engine id that happens to read like this name
+                    k += 1
+                    new = f"{nm}~{k}"
+                    renamed += 1
+                taken.add(new)
+                extra_req.append(new)
             ridx[i] = j
         em = lg.emissions
         if len(em):
@@ -390,15 +505,13 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
                 )
             )
         # deliveries: outputs built in a core step, received here
-        c_t, c_v = _counter(core.log, OUT)
         f_t, f_v = _counter(lg, RECV)
-        _, ci, fi = np.intersect1d(c_v, f_v, return_indices=True)
+        ci, fi = _match_sorted(core_index.out_v, f_v)
         if len(ci):
             st = core.log.steps
-            step = np.searchsorted(st.t_start_s, c_t[ci], side="right") - 1
-            dl_rows.append(
-                np.column_stack([step, c_t[ci], fit.apply(f_t[fi]), np.full(len(ci), k)])
-            )
+            c_t = core_index.out_t[ci]
+            step = np.searchsorted(st.t_start_s, c_t, side="right") - 1
+            dl_rows.append(np.column_stack([step, c_t, fit.apply(f_t[fi]), np.full(len(ci), k)]))
     log = core.log
     requests = log.requests
     if extra_req:
@@ -416,6 +529,11 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
     meta["merged_from"] = os.path.abspath(path) if path != "<memory>" else path
     meta["interrupted"] = any(p.recovered for p in procs)
     warnings = list(log.warnings)
+    if renamed:
+        warnings.append(
+            f"{renamed} request name(s) were taken by another request (two engine ids with one "
+            "client name, or a name that reads like an engine id): the later ones get ~2, ~3, ..."
+        )
     for p in procs:
         if p.recovered:
             warnings.append(
@@ -429,7 +547,7 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
                 f"violate causality with the clock used ({fit.method})"
             )
     meta["warnings"] = warnings
-    return replace(
+    merged = replace(
         log,
         requests=requests,
         request_ids=tuple(req_ids + extra_req),
@@ -441,33 +559,47 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
         path=path,
         warnings=tuple(warnings),
     )
+    # what the processes' logs say together must make a valid log (a tick far from the
+    # others, ids that collide): refused here, never written or analysed
+    return validate_log(merged)
+
+
+def _unique_names(names: list[str]) -> tuple[list[str], int]:
+    """`names` with each repeat renamed ``NAME~2``, ``NAME~3``, ... (never a name already
+    used), and how many were renamed."""
+    taken = set(names)
+    seen: set[str] = set()
+    out, renamed = [], 0
+    for nm in names:
+        if nm in seen:
+            k = 1
+            new = nm
+            while new in taken:
+                k += 1
+                new = f"{nm}~{k}"
+            taken.add(new)
+            renamed += 1
+            nm = new
+        seen.add(nm)
+        out.append(nm)
+    return out, renamed
 
 
 def clock_pairs(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> list:
-    """Every pair of processes: how far the second's clock is from the first's at the
-    run's start (``t_first = t_second + offset_s``, seconds since each recorder started)
-    and the uncertainty. Against the engine core: the fit itself; between two other
-    processes: through the engine core (offsets subtract, uncertainties add)."""
+    """Each other process against the engine core: how far its clock is from the core's at
+    the run's start (``t_core = t_other + offset_s``, seconds since each recorder started)
+    and the uncertainty. One entry a process (the merge stays linear in processes): the
+    offset between two other processes is the difference of theirs, its uncertainty the
+    sum."""
 
     def name(p: ProcessLog) -> str:
         return f"{p.role}-{p.identity.get('pid', '?')}"
 
-    out = [
+    return [
         {"a": name(core), "b": name(p), "offset_s": f.offset_s + f.correction_s,
          "drift_ppm": f.drift * 1e6, "uncertainty_s": f.uncertainty_s, "method": f.method}
         for p, f in zip(others, fits, strict=True)
     ]  # fmt: skip
-    for i in range(len(others)):
-        for j in range(i + 1, len(others)):
-            fi, fj = fits[i], fits[j]
-            out.append({
-                "a": name(others[i]), "b": name(others[j]),
-                "offset_s": (fj.offset_s + fj.correction_s) - (fi.offset_s + fi.correction_s),
-                "drift_ppm": (fj.drift - fi.drift) * 1e6,
-                "uncertainty_s": fi.uncertainty_s + fj.uncertainty_s,
-                "method": "through the engine core",
-            })  # fmt: skip
-    return out
 
 
 def _ready_times(lg: RawLog, t_sent: np.ndarray) -> np.ndarray:
@@ -496,13 +628,13 @@ def _cols(rows: list[np.ndarray], cls: Any) -> dict[str, np.ndarray]:
     return {k: a[:, i] for i, k in enumerate(names)}
 
 
-def _fit(core: ProcessLog, p: ProcessLog) -> ClockFit:
+def _fit(core: ProcessLog, p: ProcessLog, index: CoreIndex) -> ClockFit:
     offset_s = p.t0_s - core.t0_s
     shared = one_clock(core.identity, p.identity)
     if p.role == FRONTEND:
-        bounds = frontend_bounds(core, p, offset_s)
+        bounds = frontend_bounds(core, p, offset_s, index)
     else:
-        bounds = worker_bounds(core, p, offset_s)
+        bounds = worker_bounds(core, p, offset_s, index)
     if not shared and not (len(bounds[1]) and len(bounds[3])):
         # nothing to estimate from: the start ticks are all there is; say so
         return ClockFit(offset_s, 0.0, 0.0, float("inf"), (-np.inf, np.inf), 0, 0,
@@ -510,21 +642,29 @@ def _fit(core: ProcessLog, p: ProcessLog) -> ClockFit:
     return fit_clock(*bounds, offset_s=offset_s, shared=shared)
 
 
-def save_merged(directory: str, out: str) -> RawLog:
-    log = merge_dir(directory)
+def save_merged(directory: str, out: str, *, force: bool = False, **limits: Any) -> RawLog:
+    """Merge `directory` into `out`. An existing `out` is refused unless `force` (it may be
+    one of the directory's own logs, or a part of one); nothing is written unless the
+    merged log is valid."""
+    if os.path.lexists(out) and not force:
+        raise LogError(
+            out, "output", "already exists (it may be one of the logs being merged); write "
+            "elsewhere with -o NEW.npz, or pass --force to replace it",
+        )  # fmt: skip
+    if _inside_parts(directory, out):
+        raise LogError(
+            out, "output", f"is inside a parts folder of {directory}: the next read of that "
+            "folder would take it for a part; write it elsewhere",
+        )  # fmt: skip
+    log = merge_dir(directory, **limits)
     log.save(out)
     return log.with_path(out)
 
 
-__all__ = [
-    "ClockFit",
-    "ProcessLog",
-    "estimate_offset",
-    "fit_clock",
-    "is_process_dir",
-    "merge_dir",
-    "merge_logs",
-    "one_clock",
-    "process_logs",
-    "save_merged",
-]
+def _inside_parts(directory: str, out: str) -> bool:
+    """`out` would land inside one of `directory`'s parts folders."""
+    d = os.path.realpath(directory)
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(out)))
+    if not parent.startswith(d + os.sep):
+        return False
+    return any(x.endswith(PARTS_SUFFIX) for x in os.path.relpath(parent, d).split(os.sep))

@@ -28,7 +28,7 @@ import numpy as np
 from tracekit.errors import LogError, TracekitError
 from tracekit.fsio import atomic_open, atomic_write
 from tracekit.labels import DEFAULT_CAUSE_MAP
-from tracekit.log.archive import read_npz
+from tracekit.log.archive import InflateLimitError, open_regular, read_npz
 from tracekit.log.rawlog import (
     MODE_UNKNOWN,
     Admissions,
@@ -108,10 +108,10 @@ def write_part(parts_dir: str, number: int, chunk: Mapping[str, np.ndarray]) -> 
 
 def lock_owner(parts_dir: str) -> int | None:
     """The pid of the process recording into `parts_dir`, if it is still running."""
-    try:
-        with open(os.path.join(parts_dir, LOCK_NAME), "rb") as fh:
+    try:  # a FIFO or device named `lock` is no recorder's lock (and is never read)
+        with open_regular(os.path.join(parts_dir, LOCK_NAME)) as fh:
             pid = int(fh.read(32).strip() or b"0")
-    except (OSError, ValueError):
+    except (OSError, ValueError, LogError):
         return None
     if pid <= 0:
         return None
@@ -127,10 +127,11 @@ def lock_owner(parts_dir: str) -> int | None:
 def read_meta(parts_dir: str) -> dict[str, Any]:
     """The folder's ``meta.json``, checked: each bad value is a one-line `LogError`."""
     meta_path = os.path.join(parts_dir, "meta.json")
+    with open_regular(meta_path) as fh:  # a FIFO is refused, never waited on
+        raw = fh.read(1 << 24)
     try:
-        with open(meta_path, "rb") as fh:
-            meta = json.loads(fh.read(1 << 24))
-    except (OSError, ValueError, RecursionError) as e:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise LogError(parts_dir, "meta.json", f"unreadable ({e})") from None
     if not isinstance(meta, dict) or not _is_int(meta.get("t0_tick")):
         raise LogError(parts_dir, "meta.json", "not a recorder's meta (no integer t0_tick)")
@@ -160,8 +161,14 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and abs(x) < 2**63
 
 
-def merge_parts(parts_dir: str, *, final: Mapping[str, Any] | None = None) -> RawLog:
-    """Read a parts folder into one `RawLog`. `final` overrides meta known only at stop.
+def merge_parts(
+    parts_dir: str,
+    *,
+    final: Mapping[str, Any] | None = None,
+    max_inflate_mb: float | None = None,
+) -> RawLog:
+    """Read a parts folder into one `RawLog`. `final` overrides meta known only at stop;
+    `max_inflate_mb` bounds each part's arrays (`tracekit.log.archive.read_npz`).
 
     A part that cannot be read (damaged on disk) ends the run at the flush before it, with
     a warning; a readable part whose contents contradict the run (request ids that overlap
@@ -172,7 +179,11 @@ def merge_parts(parts_dir: str, *, final: Mapping[str, Any] | None = None) -> Ra
     parts: list[dict[str, Any]] = []
     for i, p in enumerate(paths):
         try:  # read the whole part before using any of it (bounded: tracekit.log.archive)
-            z, _ = read_npz(p, lambda names: [n for n in names if n in PART_KEYS])
+            z, _ = read_npz(
+                p, lambda names: [n for n in names if n in PART_KEYS], max_inflate_mb=max_inflate_mb
+            )
+        except InflateLimitError:  # over the limit the user set: an error, not a damaged part
+            raise
         except Exception as e:
             damaged: BaseException = e
         else:  # readable: contents that contradict the run are a LogError naming the field
@@ -442,7 +453,12 @@ def _pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) ->
 
 
 def recover(
-    parts_dir: str, out: str | None = None, *, remove_parts: bool = False, force: bool = False
+    parts_dir: str,
+    out: str | None = None,
+    *,
+    remove_parts: bool = False,
+    force: bool = False,
+    max_inflate_mb: float | None = None,
 ) -> str:
     """Merge an interrupted run's parts into the one `.npz` a clean stop writes.
 
@@ -468,7 +484,7 @@ def recover(
             f"{out}: already exists (maybe the complete log of this run); write the "
             "recovered log elsewhere with -o NEW.npz, or pass --force to replace it"
         )
-    log = validate_log(merge_parts(parts_dir))
+    log = validate_log(merge_parts(parts_dir, max_inflate_mb=max_inflate_mb))
     log.save(out)
     if remove_parts:
         shutil.rmtree(parts_dir, ignore_errors=True)
