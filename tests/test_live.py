@@ -211,7 +211,9 @@ def test_tail_counts_follow_the_sliding_p99_batch_by_batch():
     #   at 360: + 70, 80         p99 = 70 + 0.93 * 10 = 79.3  -> tail: gap 8 (80, clean)
     #   at 550: + 90, 100        p99 = 90 + 0.91 * 10 = 99.1  -> tail: gap 10 (100, tok)
     assert s["gaps"] == 10
-    assert s["tail_count"] == {"tok": 2, "clean": 2}
+    # every primary cause's count is there from the start, at 0 unless counted
+    assert {k: v for k, v in s["tail_count"].items() if v} == {"tok": 2, "clean": 2}
+    assert s["tail_count"]["gc"] == 0
     assert s["itl_window_p99_ms"] == pytest.approx(99.1)
     assert sum(s["tail_ms"].values()) == pytest.approx(40 + 60 + 80 + 100)
     assert s["tail_ms"]["tok"] == pytest.approx(20 + 10 + 60)
@@ -355,6 +357,15 @@ def test_importing_tracekit_imports_no_live_dependency():
 # -- a demo engine run, scraped over HTTP --------------------------------------------------
 
 
+#: The constant labels every series carries (run, engine, model, process): dropped from
+#: the keys below, checked by `_scrape` to be there.
+CONST = ("run", "engine", "model", "process")
+
+
+def _le(x: float) -> str:
+    return "+Inf" if x == float("inf") else repr(float(x))
+
+
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:
     from urllib.request import urlopen
 
@@ -365,7 +376,11 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float]:
     out = {}
     for fam in text_string_to_metric_families(body):
         for smp in fam.samples:
-            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+            if not smp.name.startswith("tracekit_"):
+                continue
+            assert set(CONST) <= set(smp.labels), smp
+            labels = {k: v for k, v in smp.labels.items() if k not in CONST}
+            out[(smp.name, tuple(sorted(labels.items())))] = smp.value
     return out
 
 
@@ -427,15 +442,23 @@ def test_demo_run_metrics_agree_with_analyze_over_http(tmp_path):
     assert after[("tracekit_live_late_rows_total", ())] == 0
     assert after[("tracekit_live_errors_total", ())] == 0
     assert after[("tracekit_gaps_total", ())] == a["gaps"] == len(recs) > 0
+    # the counter holds decode (graph + forward, settled for good); the gauge splits it
     for lb in a["labels"]:
         offline_s = sum(g["parts"][lb] for g in recs) / 1e3
-        live_s = after.get(("tracekit_gap_cause_seconds_total", (("cause", lb),)), 0.0)
+        if lb in ("graph", "forward"):
+            live_s = after[("tracekit_gap_decode_split_seconds", (("cause", lb),))]
+        else:
+            live_s = after[("tracekit_gap_cause_seconds_total", (("cause", lb),))]
         assert live_s == pytest.approx(offline_s, rel=1e-9, abs=1e-12), lb
-    # histogram buckets: the report's bins, cumulated
-    cum = np.cumsum([b["count"] for b in a["hist"]])
-    for b, c in zip(a["hist"][:-1], cum[:-1], strict=True):
-        le = repr(b["hi_ms"] / 1e3)
-        assert after[("tracekit_gap_seconds_bucket", (("le", le),))] == c
+    decode_s = sum(g["parts"]["graph"] + g["parts"]["forward"] for g in recs) / 1e3
+    live_decode = after[("tracekit_gap_cause_seconds_total", (("cause", "decode"),))]
+    assert live_decode == pytest.approx(decode_s, rel=1e-9)
+    # histogram buckets: le="X" counts the gaps <= X seconds (Prometheus' rule), to 10 s
+    les = sorted(float(dict(k[1])["le"]) for k in after if k[0] == "tracekit_gap_seconds_bucket")
+    assert les[-2] >= 10 and les[-1] == float("inf")
+    for le in les:
+        want = sum(g["gap_ms"] / 1e3 <= le for g in recs)
+        assert after[("tracekit_gap_seconds_bucket", (("le", _le(le)),))] == want, le
     assert after[("tracekit_gap_seconds_count", ())] == a["gaps"]
     # TTFT: every request with a first token, and (all in the window) the same p50/p99
     assert after[("tracekit_ttft_seconds_count", ())] == a["requests"]
