@@ -454,6 +454,14 @@ _mode_opt = click.option(
     "settled (a window open longer arrives late).",
 )
 @click.option(
+    "--lead-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --metrics-port: serve the metrics (every series at 0) this long before the "
+    "run starts, so that a scraper's first sample is 0 and increase() over the run is exact.",
+)
+@click.option(
     "--linger-s",
     type=click.FloatRange(min=0),
     default=0.0,
@@ -483,12 +491,15 @@ def run_cmd(
     slo_ms: float | None,
     otlp_endpoint: str | None,
     hold_s: float,
+    lead_s: float,
     linger_s: float,
 ) -> None:
     """Run one rung of the fix ladder with one seed; writes OUT/<rung>__s<seed>.npz."""
     _check_pacing(rate, load, duration, steps)
-    if metrics_port is None and (slo_ms is not None or otlp_endpoint or linger_s):
-        raise click.UsageError("--slo-ms, --otlp-endpoint and --linger-s go with --metrics-port")
+    if metrics_port is None and (slo_ms is not None or otlp_endpoint or linger_s or lead_s):
+        raise click.UsageError(
+            "--slo-ms, --otlp-endpoint, --lead-s and --linger-s go with --metrics-port"
+        )
     if otlp_endpoint and slo_ms is None:
         raise click.UsageError("--otlp-endpoint sends the spans of gaps >= --slo-ms: give both")
     try:
@@ -526,6 +537,7 @@ def run_cmd(
             metrics_port, bind=bind, slo_ms=slo_ms, otlp_endpoint=otlp_endpoint,
             hold_s=hold_s, const_labels=labels,
         )  # fmt: skip
+        time.sleep(lead_s)
     path, stats = run_one(
         rung,
         seed,
