@@ -263,6 +263,53 @@ def test_running_graph_fit_moves_then_settles_at_close(refit_s):
     assert s["final"] and s["cause_ms"]["graph"] == pytest.approx(30, abs=1e-9)
 
 
+def test_a_window_open_across_flushes_holds_its_gaps_back():
+    # one request "a" (arrival 0, 20 tokens): step k runs [100k, 100k + 10] with a 10 ms
+    # decode and emits at 100k + 10; flushes every 300 ms at a step's end; hold 0. A tok
+    # window on another thread opens at 150 and closes at 950: it is open at the flushes
+    # at 310, 610 and 910, so its row comes three flushes late. The flushes say so
+    # (open_tick), so no gap it overlaps is settled before its row is in: nothing is late
+    clk = FakeClock()
+    rec = tracekit.Recorder(
+        None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=0.3, gc=False,
+        handle_signals=False,
+    )  # fmt: skip
+    live = attach(rec, LiveMetrics(hold_s=0.0))
+    opened, release = threading.Event(), threading.Event()
+
+    def tokenizer():
+        with rec.segment("tok"):
+            opened.set()
+            release.wait()
+
+    side = threading.Thread(target=tokenizer)
+    with rec:
+        rec.request("a", max_new_tokens=20, arrival_tick=0)
+        for k in range(20):
+            if k == 2:
+                clk.now = 150
+                side.start()
+                opened.wait()
+            if k == 10:  # after step 9 (and the flush at its end, 910)
+                clk.now = 950
+                release.set()
+                side.join()
+            clk.now = 100 * k
+            with rec.step():
+                with rec.segment("decode"):
+                    clk.now = 100 * k + 10
+                rec.emit(["a"])
+                rec.step_info(num_decode=1, graph_size=1)
+        clk.now = 2000
+    s = live.snapshot()
+    assert s["late_rows"] == 0 and s["final"] and s["gaps"] == 19
+    # tok owns all of [150, 950] (inside the gaps [10, 1910]), over decode (precedence)
+    assert s["cause_ms"]["tok"] == pytest.approx(800, abs=1e-9)
+    p = partition(rec.log())
+    for j, lb in enumerate(p.labels):
+        assert s["cause_ms"][lb] == pytest.approx(p.parts_ms[:, j].sum(), abs=1e-9), lb
+
+
 def test_a_window_open_longer_than_hold_is_late_and_counted(caplog):
     live = LiveMetrics(hold_s=0.5)
     with caplog.at_level(logging.WARNING, logger="tracekit.live"):

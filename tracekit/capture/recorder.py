@@ -93,8 +93,11 @@ class _Segment:
         rec = self._rec
         try:
             t1 = rec._clock()
-            t0 = rec._tls_stack().pop()
-            rec._append_segment(self._label, t0, t1, 0)
+            stack = rec._tls_stack()
+            try:  # popped once its row is in: a flush sees the window open or its row
+                rec._append_segment(self._label, stack[-1], t1, 0)
+            finally:
+                stack.pop()
         finally:
             if rec._nvtx is not None:
                 rec._nvtx.pop_range(domain=NVTX_DOMAIN)
@@ -800,12 +803,25 @@ class Recorder:
                     dict(self.config),
                     now,
                     stop_tick,
+                    self._earliest_open_tick(),
                 )
                 if self._dispatcher is not None:
                     self._dispatcher.submit(flush)
                     self._num_flushes += 1
         finally:
             signals.IN_FLUSH[0] -= 1
+
+    def _earliest_open_tick(self) -> int | None:
+        """The start of the earliest segment still open on any thread (None: none)."""
+        out = None
+        for st in self._stacks:  # other threads' stacks, read without their help:
+            try:  # a window closing meanwhile pops its entry (then it is in this flush)
+                t = st[0] if st else None
+            except IndexError:
+                t = None
+            if t is not None and (out is None or t < out):
+                out = t
+        return out
 
     # -- fork ------------------------------------------------------------------------
     def _in_child(self) -> None:

@@ -109,6 +109,7 @@ class FlushedBatch:
     request_ids_start: int | None
     request_ids: list[str]
     flush_tick: int | None
+    open_tick: int | None
     t0_tick: int | None
     is_stop: bool
 
@@ -136,6 +137,7 @@ def read_batch(batch: Mapping[str, Any]) -> FlushedBatch:
         request_ids_start=int(batch["request_ids_start"]) if "request_ids_start" in batch else None,
         request_ids=[str(x) for x in batch.get("request_ids", [])],
         flush_tick=int(batch["flush_tick"]) if "flush_tick" in batch else None,
+        open_tick=int(batch["open_tick"]) if "open_tick" in batch else None,
         t0_tick=int(batch["t0_tick"]) if "t0_tick" in batch else None,
         is_stop="stop_tick" in batch,
     )
@@ -222,8 +224,11 @@ class _RunningLine:
 class Settler:
     """Settles a run's gaps and TTFTs from its flushed batches, as the run goes.
 
-    hold_s: how long after a flush a gap waits to be settled (a window open for longer is
-        late). tail_window: how many recent gaps (and TTFTs) the sliding p99 is taken over.
+    hold_s: how long after a flush a gap waits to be settled; and a gap a window still
+        open at the flush may overlap (the batch's ``open_tick``) waits for that window's
+        row, for at most `max_open_s`: only a window open longer, or one recorded after the
+        fact (`Recorder.add_segment`) more than `hold_s` late, is late.
+    tail_window: how many recent gaps (and TTFTs) the sliding p99 is taken over.
     max_retain_s: a request with no known ``max_new_tokens`` stops pinning the retained
         rows this long after its last emission; a later gap of it is counted truncated.
     refit_s: how often (engine clock) the running graph total is re-evaluated over every
@@ -242,6 +247,7 @@ class Settler:
         ttft_partitioner: TtftPartitioner | None = None,
         gap_buckets_s: tuple[float, ...] = GAP_BUCKETS_S,
         ttft_buckets_s: tuple[float, ...] = TTFT_BUCKETS_S,
+        max_open_s: float = 60.0,
     ) -> None:
         for name, b in (("gap_buckets_s", gap_buckets_s), ("ttft_buckets_s", ttft_buckets_s)):
             if (
@@ -253,6 +259,7 @@ class Settler:
         self.gap_buckets_s = tuple(float(x) for x in gap_buckets_s)
         self.ttft_buckets_s = tuple(float(x) for x in ttft_buckets_s)
         self.hold_s = hold_s
+        self._max_open_s = max_open_s
         self.slo_ms = slo_ms
         self._max_retain_s = max_retain_s
         self._refit_s = refit_s
@@ -262,7 +269,7 @@ class Settler:
         # the run's clock and vocabularies
         self._t0_tick = 0
         self._spt = 1e-9
-        self._hold_ticks = self._retain_ticks = self._refit_ticks = 0
+        self._hold_ticks = self._retain_ticks = self._refit_ticks = self._max_open_ticks = 0
         self._cause_map: dict[str, str] = dict(DEFAULT_CAUSE_MAP)
         self._labels: list[str] = []
         self._req_ids: list[str] = []
@@ -281,6 +288,7 @@ class Settler:
         self._settled_to_tick = -_NO_TICK  # gaps closing at or before this tick are settled
         self._horizon_tick = -_NO_TICK  # rows ending before this tick were dropped
         self._flush_tick = -_NO_TICK
+        self._open_tick: int | None = None  # the latest flush's earliest open window
         # per request (by index): its last settled emission (carried into the next window):
         # tick, step, token count, device step
         self._carry_tick = _Grow(np.int64, UNKNOWN_TICK)
@@ -324,6 +332,7 @@ class Settler:
         self._spt = float(meta.get("seconds_per_tick", 1e-9))
         self._cause_map = {**DEFAULT_CAUSE_MAP, **dict(meta.get("cause_map") or {})}
         self._hold_ticks = int(self.hold_s / self._spt)
+        self._max_open_ticks = int(self._max_open_s / self._spt)
         self._retain_ticks = int(self._max_retain_s / self._spt)
         self._refit_ticks = int(self._refit_s / self._spt)
 
@@ -389,6 +398,7 @@ class Settler:
             np.minimum.at(self._first_tick.ensure(n_req), em[:, 0], em[:, 1])
         if b.flush_tick is not None:
             self._flush_tick = b.flush_tick
+            self._open_tick = b.open_tick
 
     # -- TTFT -------------------------------------------------------------------------------
     def _settle_ttft(self, w_tick: int) -> None:
@@ -432,6 +442,10 @@ class Settler:
         graph/forward split on the whole run's fit, when `final`)."""
         out = Settlement()
         w_tick = _NO_TICK if final else self._flush_tick - self._hold_ticks
+        if not final and self._open_tick is not None:
+            # a window open at the flush (its row is still to come) holds back every gap
+            # it may overlap, for at most `max_open_s`; one open longer arrives late
+            w_tick = min(w_tick, max(self._open_tick, self._flush_tick - self._max_open_ticks))
         if w_tick <= self._settled_to_tick:
             return out
         pend = self._pending
