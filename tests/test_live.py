@@ -100,12 +100,14 @@ def _hand_run(live: LiveMetrics, *, check_between=None) -> tracekit.RawLog:
 META = {"t0_tick": 0, "seconds_per_tick": 1e-3, "started_unix_s": 0.0, "cause_map": {}}
 
 
-def _chunk(rows: list[tuple[str, tuple]], flush_tick: int, *, stop: bool = False) -> dict:
+def _chunk(
+    rows: list[tuple[str, tuple]], flush_tick: int, *, stop: bool = False, labels=("decode", "tok")
+) -> dict:
     c: dict = {}
     for k in TABLE_COLS:
         sel = [r for t, r in rows if t == k]
         c[k] = np.array(sel, dtype=np.float64 if k == "counters" else np.int64).reshape(-1)
-    c["labels"] = np.array(["decode", "tok"])
+    c["labels"] = np.array(list(labels))
     c["counter_names"] = np.array([], dtype=str)
     c["request_ids"] = (
         np.array(["a"]) if any(t == "requests" for t, _ in rows) else np.array([], dtype=str)
@@ -120,18 +122,18 @@ def _chunk(rows: list[tuple[str, tuple]], flush_tick: int, *, stop: bool = False
     return c
 
 
-def _split(done: list[tuple[int, str, tuple]], flushes: list[int]) -> list[dict]:
+def _split(done: list[tuple[int, str, tuple]], flushes: list[int], **kw) -> list[dict]:
     """Rows (completed at tick, table, row) cut into the chunks of `flushes` (the last is
     the stop)."""
     out, prev = [], -1
     for i, f in enumerate(flushes):
         rows = [(k, r) for t, k, r in done if prev < t <= f]
-        out.append(_chunk(rows, f, stop=i == len(flushes) - 1))
+        out.append(_chunk(rows, f, stop=i == len(flushes) - 1, **kw))
         prev = f
     return out
 
 
-def _hand_chunks() -> list[dict]:
+def _hand_chunks(**kw) -> list[dict]:
     done = [(0, "requests", (0, 0, -1, 25))]
     for k, d in enumerate(D):
         e = 100 * k + 2 + d
@@ -140,7 +142,7 @@ def _hand_chunks() -> list[dict]:
         done.append((e, "emissions", (0, e, k, 1, k)))
         done.append((e, "steps", (100 * k, e, 1, 0, graph, 0, 0)))
     done.append((1050, "segments", (-1, 1, *TOK, 1, 0)))  # tok (label 1), another thread
-    return _split(done, [1014, 2106, 2500])
+    return _split(done, [1014, 2106, 2500], **kw)
 
 
 def _replay(live, chunks: list[dict], between=None) -> None:
@@ -626,6 +628,52 @@ def test_spans_above_the_slo_match_tracekit_gaps_min_ms(tmp_path):
             assert got == pytest.approx(v, abs=1e-9), lb
         both = at["tracekit.part.graph_ms"] + at["tracekit.part.forward_ms"]
         assert both == pytest.approx(g["parts"]["graph"] + g["parts"]["forward"], abs=1e-9)
+    # one trace per request: a request's gap spans share a trace id, no two requests do
+    traces: dict[str, set[int]] = {}
+    for sp in spans:
+        traces.setdefault(sp.attributes["tracekit.request_id"], set()).add(sp.context.trace_id)
+    assert all(len(v) == 1 for v in traces.values())
+    assert len(set.union(*traces.values())) == len(traces)
+    # exemplars in an OpenMetrics scrape: on the gap buckets, naming spans the exporter holds
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    body = openmetrics(live.registry).decode()
+    ex = [
+        smp
+        for f in text_string_to_metric_families(body)
+        if f.name == "tracekit_gap_seconds"
+        for smp in f.samples
+        if smp.exemplar is not None
+    ]
+    ids = {(f"{sp.context.trace_id:032x}", f"{sp.context.span_id:016x}"): sp for sp in spans}
+    assert ex
+    for smp in ex:
+        sp = ids[(smp.exemplar.labels["trace_id"], smp.exemplar.labels["span_id"])]
+        assert smp.exemplar.value == pytest.approx(sp.attributes["tracekit.gap_ms"] / 1e3)
+        le = float(smp.labels["le"])  # the bucket the gap falls in: <= le, > the one below
+        assert smp.exemplar.value <= le
+
+
+def test_spans_are_on_the_wall_clock_whatever_the_recorder_counts():
+    # the hand-built run on a fake clock: 2.5 s of engine time pass in far less wall time;
+    # every gap (~100 ms) is above a 50 ms SLO, and its span lies within the wall time the
+    # run took (engine time mapped onto the wall clock at each flush), not 2.5 s ahead
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    live = LiveMetrics(hold_s=1.2, slo_ms=50.0, tracer_provider=provider)
+    before = time.time()
+    _hand_run(live)
+    after = time.time()
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 24
+    for sp in spans:
+        assert before <= sp.start_time / 1e9 <= sp.end_time / 1e9 <= after
 
 
 # -- property: random runs, live == offline -------------------------------------------------
@@ -738,3 +786,65 @@ def test_random_runs_with_device_windows_resolved_late_still_agree(steps):
     log, snap = _random_run(steps, device=True)
     assert (log.segments.is_device == 1).any()
     _assert_live_equals_offline(log, snap)
+
+
+# -- what a scraper and a trace viewer see ---------------------------------------------------
+
+
+def test_an_engine_label_named_like_a_derived_part_stays_its_own_cause():
+    # the hand-built run with its side-thread window labelled "graph" instead of "tok": the
+    # window's 800 ms are the cause engine_graph; graph and forward are the decode split
+    # of the hand-built test (30 and 78 ms), never added to it
+    live = LiveMetrics(hold_s=1.2)
+    _replay(live, _hand_chunks(labels=("decode", "graph")))
+    s = live.snapshot()
+    assert s["cause_ms"]["engine_graph"] == pytest.approx(800, abs=1e-9)
+    assert s["cause_ms"]["graph"] == pytest.approx(30, abs=1e-9)
+    assert s["cause_ms"]["forward"] == pytest.approx(78, abs=1e-9)
+
+
+def test_any_label_string_keeps_the_scrape_valid():
+    from urllib.request import Request, urlopen
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
+    from prometheus_client.parser import text_string_to_metric_families as text
+
+    bad = "t\udcffk"  # a lone surrogate (a byte-decoded name), as a label and a run name
+    live = LiveMetrics(hold_s=1.2, const_labels={"run": "r\udcff", "engine": 'e"\\n'})
+    _replay(live, _hand_chunks(labels=("decode", bad)))
+    port = live.serve(0)
+    try:
+        for accept, parse in (("text/plain", text), ("application/openmetrics-text", om)):
+            req = Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
+            with urlopen(req, timeout=10) as r:
+                assert r.status == 200
+                body = r.read().decode("utf-8")  # valid UTF-8
+            fams = list(parse(body))
+            causes = {
+                smp.labels["cause"]
+                for f in fams
+                if f.name == "tracekit_gap_cause_seconds"
+                for smp in f.samples
+            }
+            assert "t\\udcffk" in causes  # the surrogate, escaped
+    finally:
+        live.shutdown()
+
+
+def test_every_labelled_series_is_there_at_zero_before_the_first_gap():
+    live = LiveMetrics(const_labels={"run": "r1"})
+    s = live.snapshot()
+    # every primary cause (never forward or residual, design.md) and clean
+    assert set(s["tail_count"]) == {"preempt", "gc", "tok", "prefill", "graph", "clean"}
+    assert all(v == 0 for v in s["tail_count"].values())
+    from prometheus_client import generate_latest
+
+    live.open(META)
+    try:
+        body = generate_latest(live.registry).decode()
+    finally:
+        live.close({})
+    for cause in ("preempt", "gc", "tok", "prefill", "decode", "residual"):
+        assert f'tracekit_gap_cause_seconds_total{{cause="{cause}",run="r1"}} 0.0' in body
+    assert 'tracekit_ttft_cause_seconds_total{cause="wait_kv_blocks",run="r1"} 0.0' in body
+    assert 'tracekit_tail_gaps_total{primary_cause="clean",run="r1"} 0.0' in body

@@ -91,6 +91,9 @@ _EM = {c: i for i, c in enumerate(TABLE_COLS["emissions"])}
 _EV = {c: i for i, c in enumerate(TABLE_COLS["events"])}
 _RQ = {c: i for i, c in enumerate(TABLE_COLS["requests"])}
 _NO_TICK = np.iinfo(np.int64).max
+#: Parts the partition derives (decode's split, time no window covers): an engine label of
+#: that name becomes the cause ``engine_<name>``, so that the two never add up.
+DERIVED_CAUSES = frozenset({"graph", "forward", "residual", "decode_other", "prefill_own"})
 #: The tables only the TTFT partition reads.
 TTFT_TABLES = ("admissions", "prefill_chunks", "waits")
 
@@ -319,7 +322,9 @@ class Settler:
             hist=np.zeros(len(HIST_EDGES_MS) - 1, dtype=np.int64),
             gap_le=np.zeros(len(self.gap_buckets_s) + 1, dtype=np.int64),
             cause_ms=dict.fromkeys(STANDARD_LABELS, 0.0),
-            tail_count=dict.fromkeys([*STANDARD_LABELS, "clean"], 0),
+            tail_count=dict.fromkeys(
+                [lb for lb in STANDARD_LABELS if lb not in ("forward", "residual")] + ["clean"], 0
+            ),
             tail_ms=dict.fromkeys(STANDARD_LABELS, 0.0),
             ttft_hist=np.zeros(len(self.ttft_buckets_s) + 1, dtype=np.int64),
         )
@@ -360,6 +365,10 @@ class Settler:
             self._t0_tick = b.t0_tick
         if b.labels is not None:
             self._labels = b.labels
+            for lb in b.labels:  # an engine label named like a derived part: its own cause
+                cause = cause_of(lb, self._cause_map)
+                if cause in DERIVED_CAUSES:
+                    self._cause_map[lb] = f"engine_{cause}"
         start = b.request_ids_start if b.request_ids_start is not None else len(self._req_ids)
         self._req_ids[start : start + len(b.request_ids)] = b.request_ids
         n_req = len(self._req_ids)
