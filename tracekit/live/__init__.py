@@ -295,6 +295,10 @@ class LiveMetrics:
                 if batch is not None:
                     self._consumed += 1
 
+    def retained(self) -> dict[str, int]:
+        """How many rows the settler holds now (read it once the worker is idle)."""
+        return self._settler.retained()
+
     # -- the exported values ------------------------------------------------------------------
     def _wall_view(self, out: Any, ids: list[tuple[str, str]]) -> WallView:
         """The wall-clock values after a settlement: the settled-to time, and the latest

@@ -352,6 +352,16 @@ class Settler:
         """Engine-clock seconds since the run's start, computed as the raw log's merge does."""
         return (ticks - self._t0_tick).astype(np.float64) * self._spt
 
+    def retained(self) -> dict[str, int]:
+        """How many rows the settler holds (what bounds its memory)."""
+        return {
+            "segments": len(self._segs),
+            "steps": len(self._steps),
+            "pending_emissions": len(self._pending),
+            "ttft_rows": sum(len(v) for v in self._ttft_rows.values()),
+            "inflight": len(self._inflight),
+        }
+
     def add(self, batch: Mapping[str, Any]) -> Settlement:
         """Ingest one flushed batch and settle what it makes settleable."""
         b = read_batch(batch)
