@@ -848,3 +848,50 @@ def test_every_labelled_series_is_there_at_zero_before_the_first_gap():
         assert f'tracekit_gap_cause_seconds_total{{cause="{cause}",run="r1"}} 0.0' in body
     assert 'tracekit_ttft_cause_seconds_total{cause="wait_kv_blocks",run="r1"} 0.0' in body
     assert 'tracekit_tail_gaps_total{primary_cause="clean",run="r1"} 0.0' in body
+
+
+def _has_otlp_http() -> bool:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: F401
+            OTLPSpanExporter,
+        )
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_otlp_http(), reason="opentelemetry-exporter-otlp-proto-http "
+                    "is not installed (the live extra installs it)")  # fmt: skip
+def test_otlp_endpoint_sends_the_slow_gaps_spans_over_http():
+    import http.server
+
+    got: list[tuple[str, str, int]] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the handler's protocol)
+            n = int(self.headers["Content-Length"])
+            got.append((self.path, self.headers["Content-Type"], len(self.rfile.read(n))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_port}/v1/traces"
+        live = LiveMetrics(hold_s=1.2, slo_ms=50.0, otlp_endpoint=url)
+        _hand_run(live)
+        live.shutdown()  # flushes the spans the sink's own provider batched
+    finally:
+        srv.shutdown()
+    assert live.snapshot()["spans"] == 24
+    assert got and all(p == "/v1/traces" and ct == "application/x-protobuf" for p, ct, _ in got)
+
+
+@pytest.mark.skipif(_has_otlp_http(), reason="the OTLP exporter is installed")
+def test_otlp_endpoint_without_its_exporter_says_how_to_install_it():
+    with pytest.raises(ImportError, match=r"pip install 'tracekit\[live\]'"):
+        LiveMetrics(slo_ms=50.0, otlp_endpoint="http://127.0.0.1:4318/v1/traces")

@@ -110,17 +110,20 @@ class LiveMetrics:
         except ImportError as e:
             raise _missing_extra(e) from None
         self._spans_out: Any = None
+        self._own_provider: Any = None  # a provider made here (OTLP): this sink's to shut down
         if slo_ms is not None:
             try:
                 from tracekit.live import otel
             except ImportError as e:
                 raise _missing_extra(e) from None
-            if otlp_endpoint is not None and tracer_provider is None:
+            if otlp_endpoint is not None:
+                if tracer_provider is not None:
+                    raise ValueError("otlp_endpoint or tracer_provider: give one")
                 tracer_provider = otel.otlp_provider(otlp_endpoint, {"service.name": "tracekit"})
+                self._own_provider = tracer_provider
             self._spans_out = otel.GapSpanExporter(tracer_provider)
         elif otlp_endpoint is not None:
             raise ValueError("otlp_endpoint: spans are sent only with an slo_ms")
-        self._tracer_provider = tracer_provider
         self._settler = Settler(
             hold_s=hold_s,
             tail_window=tail_window,
@@ -221,7 +224,10 @@ class LiveMetrics:
         return self.port
 
     def shutdown(self) -> None:
-        """Stop the metrics server (if any)."""
+        """Stop the metrics server (if any), and send the spans still batched for OTLP."""
+        if self._own_provider is not None:
+            self._own_provider.shutdown()
+            self._own_provider = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
