@@ -510,7 +510,8 @@ def test_demo_run_metrics_agree_with_analyze_over_http(tmp_path):
         assert after[("tracekit_gap_seconds_bucket", (("le", _le(le)),))] == want, le
     assert after[("tracekit_gap_seconds_count", ())] == a["gaps"]
     # TTFT: every request with a first token, and (all in the window) the same p50/p99
-    assert after[("tracekit_ttft_seconds_count", ())] == a["requests"]
+    # (a request that arrived but had no first token by the stop has no TTFT either way)
+    assert after[("tracekit_ttft_seconds_count", ())] == a["ttft"]["requests"]
     assert after[("tracekit_ttft_window_p50_seconds", ())] == pytest.approx(a["ttft_p50"] / 1e3)
     assert after[("tracekit_ttft_window_p99_seconds", ())] == pytest.approx(a["ttft_p99"] / 1e3)
     # scrapes during the run saw a count that only grows toward the final one, and (a 5 s
@@ -895,3 +896,18 @@ def test_otlp_endpoint_sends_the_slow_gaps_spans_over_http():
 def test_otlp_endpoint_without_its_exporter_says_how_to_install_it():
     with pytest.raises(ImportError, match=r"pip install 'tracekit\[live\]'"):
         LiveMetrics(slo_ms=50.0, otlp_endpoint="http://127.0.0.1:4318/v1/traces")
+
+
+def test_a_failing_ttft_partition_costs_its_causes_only(caplog):
+    def broken(window, requests):
+        raise RuntimeError("ttft down")
+
+    live = LiveMetrics(hold_s=1.2, ttft_partitioner=broken)
+    with caplog.at_level(logging.ERROR, logger="tracekit.live"):
+        _hand_run(live)
+    s = live.snapshot()
+    # the hand-built run's 24 gaps and its one TTFT (10 ms) are all there; its one TTFT
+    # settlement failed: one error, said once, no TTFT causes
+    assert s["gaps"] == 24 and s["ttft_n"] == 1 and s["final"]
+    assert s["errors"] == 1 and s["ttft_cause_ms"] == {}
+    assert sum("ttft down" in r.getMessage() for r in caplog.records) == 1

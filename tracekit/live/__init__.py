@@ -239,6 +239,18 @@ class LiveMetrics:
         return self._totals.final
 
     # -- the worker ----------------------------------------------------------------------
+    def _count_error(self, e: Exception) -> None:
+        with self._lock:
+            self._worker.errors += 1
+        if self._worker.errors == 1:
+            log.error(
+                "tracekit live: exporting failed (%s: %s); recording goes on, later "
+                "failures are only counted in tracekit_live_errors_total",
+                type(e).__name__,
+                e,
+                exc_info=e,
+            )
+
     def to_unix_s(self, engine_s: np.ndarray) -> np.ndarray:
         """Engine-clock seconds as Unix seconds: interpolated between the flushes' wall
         times (past the last one, a second is a second)."""
@@ -261,6 +273,8 @@ class LiveMetrics:
             late0 = s.totals.late_rows
             try:
                 out = s.settle(final=True) if batch is None else s.add(batch)
+                for e in out.errors:
+                    self._count_error(e)
                 if batch is not None and s.flush_s > self._clock_pts[-1][0]:
                     self._clock_pts.append((s.flush_s, unix_s))
                 ids: list[tuple[str, str]] = []
@@ -274,16 +288,7 @@ class LiveMetrics:
                 if batch is None:
                     return
             except Exception as e:  # recording goes on; said once, then counted
-                with self._lock:
-                    self._worker.errors += 1
-                if self._worker.errors == 1:
-                    log.error(
-                        "tracekit live: exporting failed (%s: %s); recording goes on, later "
-                        "failures are only counted in tracekit_live_errors_total",
-                        type(e).__name__,
-                        e,
-                        exc_info=True,
-                    )
+                self._count_error(e)
                 with self._lock:
                     self._totals = s.totals.copy()
                 if batch is None:

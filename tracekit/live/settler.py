@@ -261,6 +261,12 @@ class Settler:
                 raise ValueError(f"{name}: {b!r} is not an increasing list of finite seconds > 0")
         self.gap_buckets_s = tuple(float(x) for x in gap_buckets_s)
         self.ttft_buckets_s = tuple(float(x) for x in ttft_buckets_s)
+        for name, v, ok in (("hold_s", hold_s, hold_s >= 0), ("refit_s", refit_s, refit_s >= 0),
+                            ("max_retain_s", max_retain_s, max_retain_s > 0),
+                            ("max_open_s", max_open_s, max_open_s >= 0),
+                            ("tail_window", tail_window, tail_window >= 1)):  # fmt: skip
+            if not (ok and math.isfinite(v)):
+                raise ValueError(f"{name}: {v!r} is out of range")
         self.hold_s = hold_s
         self._max_open_s = max_open_s
         self.slo_ms = slo_ms
@@ -420,7 +426,7 @@ class Settler:
             self._open_tick = b.open_tick
 
     # -- TTFT -------------------------------------------------------------------------------
-    def _settle_ttft(self, w_tick: int) -> None:
+    def _settle_ttft(self, w_tick: int, out: Settlement) -> None:
         """The requests whose first token came by w_tick (and whose arrival is known): held
         like the gaps, so a TTFT partition sees every window of their wait."""
         n_req = len(self._req_ids)
@@ -442,7 +448,10 @@ class Settler:
         if self._ttft_partitioner is not None:
             lo = int(arr[new].min())  # every row from the earliest of their arrivals on
             win = self._window(self._pending[:0], lo=lo, ttft_requests=new)[0]
-            parts = self._ttft_partitioner(win, new)
+            try:  # a failing TTFT partition costs its causes, never the gaps or the counts
+                parts = self._ttft_partitioner(win, new)
+            except Exception as e:
+                out.errors.append(e)
             self._drop_ttft_rows()
         t = self.totals
         t.ttft_n += len(new)
@@ -474,7 +483,7 @@ class Settler:
         steps_done = self._steps_to_settle(w_tick)
         if len(new_em) or steps_done:
             self._settle_window(new_em, w_tick, final, out)
-        self._settle_ttft(w_tick)
+        self._settle_ttft(w_tick, out)
         self._settled_to_tick = w_tick
         if not final:
             self.totals.settled_to_s = float(self.secs(np.array([w_tick]))[0])

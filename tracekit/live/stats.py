@@ -43,6 +43,7 @@ class Settlement:
     num_gaps: int = 0
     slow_gaps: list[SlowGap] = field(default_factory=list)
     is_final: bool = False
+    errors: list[Exception] = field(default_factory=list)  # what failed but did not stop it
 
 
 @dataclass(slots=True)
