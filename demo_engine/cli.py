@@ -583,7 +583,27 @@ def run_cmd(
     type=click.IntRange(1, 65535),
     default=None,
     help="Each run serves live Prometheus metrics on this port while it goes (runs are "
-    "sequential; the counters restart with each run). See docs/live.md.",
+    "sequential; each is its own series, label run). See docs/live.md.",
+)
+@click.option(
+    "--bind",
+    default="127.0.0.1",
+    show_default=True,
+    help="With --metrics-port: the address each run's metrics server listens on.",
+)
+@click.option(
+    "--lead-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --metrics-port: each run serves its series at 0 this long first.",
+)
+@click.option(
+    "--linger-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --metrics-port: each run keeps its final values scrapeable this long.",
 )
 def ladder_cmd(
     seeds: str,
@@ -597,6 +617,9 @@ def ladder_cmd(
     rungs: str,
     preemption_mode: str,
     metrics_port: int | None,
+    bind: str,
+    lead_s: float,
+    linger_s: float,
 ) -> None:
     """Every rung x every seed, each in a fresh interpreter, all with one workload."""
     _check_pacing(rate, load, duration, steps)
@@ -649,7 +672,8 @@ def ladder_cmd(
             *("--preemption-mode", preemption_mode, "--quiet"),
         ]
         if metrics_port is not None:
-            cmd += ["--metrics-port", str(metrics_port)]
+            cmd += ["--metrics-port", str(metrics_port), "--bind", bind]
+            cmd += ["--lead-s", repr(lead_s), "--linger-s", repr(linger_s)]
         click.echo(f"[{i}/{len(runs)}] {rung} s{seed} ...", err=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         elapsed = time.monotonic() - t_start
