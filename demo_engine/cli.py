@@ -246,7 +246,7 @@ def live_sink(
         )
         live.serve(port)
     except ImportError as e:
-        raise click.UsageError(f"--metrics-port: {e}") from None
+        raise click.UsageError(f"live metrics: {e}") from None
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     except OSError as e:

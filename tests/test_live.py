@@ -911,3 +911,30 @@ def test_a_failing_ttft_partition_costs_its_causes_only(caplog):
     assert s["gaps"] == 24 and s["ttft_n"] == 1 and s["final"]
     assert s["errors"] == 1 and s["ttft_cause_ms"] == {}
     assert sum("ttft down" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_wait_longer_than_max_retain_is_counted_without_its_causes():
+    # the hand-built run plus request "b" (index 1): arrives at 0 and has its first token
+    # only at step 20's end (2006 ms). With max_retain_s 0.5, at the second flush (2106,
+    # settled to 2106 - 1200 = 906) b's arrival is older than 906 - 500: it pins no rows,
+    # and the rows of its wait's start are dropped. Its TTFT (2006 ms) is counted, never
+    # partitioned: the causes are a's TTFT alone (10 ms)
+    done = [(0, "requests", (0, 0, -1, 25)), (0, "requests", (1, 0, -1, 1))]
+    for k, d in enumerate(D):
+        e = 100 * k + 2 + d
+        graph = 0 if 10 <= k < 15 else 1
+        done.append((e, "segments", (k, 0, 100 * k + 2, e, 0, 0)))
+        done.append((e, "emissions", (0, e, k, 1, k)))
+        if k == 20:
+            done.append((e, "emissions", (1, e, k, 1, k)))
+        done.append((e, "steps", (100 * k, e, 1, 0, graph, 0, 0)))
+    chunks = _split(done, [1014, 2106, 2500])
+    for c in chunks:
+        if len(c["requests"]):
+            c["request_ids"] = np.array(["a", "b"])
+    live = LiveMetrics(hold_s=1.2, max_retain_s=0.5)
+    _replay(live, chunks)
+    s = live.snapshot()
+    assert s["ttft_n"] == 2 and s["truncated_ttfts"] == 1 and s["errors"] == 0
+    assert s["ttft_sum_s"] == pytest.approx((10 + 2006) / 1e3)
+    assert sum(s["ttft_cause_ms"].values()) == pytest.approx(10.0)

@@ -355,6 +355,7 @@ class LiveMetrics:
             "ttft_cause_ms": dict(t.ttft_cause_ms),
             "late_rows": t.late_rows,
             "truncated_gaps": t.truncated_gaps,
+            "truncated_ttfts": t.truncated_ttfts,
             "errors": w.errors,
             "spans": w.spans,
             "backlog": w.backlog_batches,

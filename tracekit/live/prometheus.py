@@ -204,6 +204,8 @@ class LiveCollector:
              "Rows that arrived after the gaps they overlap were exported (raise hold_s)."),
             ("tracekit_live_truncated_gaps", s.truncated_gaps,
              "Gaps settled after rows they needed were dropped (a request quiet > max_retain_s)."),
+            ("tracekit_live_truncated_ttfts", s.truncated_ttfts,
+             "TTFTs counted without their causes (a wait longer than max_retain_s)."),
             ("tracekit_live_errors", w.errors, "Settlements that failed (logged once)."),
             ("tracekit_live_spans", w.spans, "OpenTelemetry spans sent for gaps above the SLO."),
             ("tracekit_live_cpu_seconds", w.cpu_s,

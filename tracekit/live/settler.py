@@ -445,13 +445,18 @@ class Settler:
         # bucket i counts the TTFTs <= bound i (in seconds, as a scraper compares them)
         which = np.searchsorted(self.ttft_buckets_s, ttft_ms / 1e3, side="left")
         parts = None
-        if self._ttft_partitioner is not None:
-            lo = int(arr[new].min())  # every row from the earliest of their arrivals on
-            win = self._window(self._pending[:0], lo=lo, ttft_requests=new)[0]
+        # a request that waited longer than max_retain_s lost the rows of its wait's start:
+        # counted, never partitioned
+        whole = new[arr[new] >= self._horizon_tick]
+        self.totals.truncated_ttfts += len(new) - len(whole)
+        if self._ttft_partitioner is not None and len(whole):
+            lo = int(arr[whole].min())  # every row from the earliest of their arrivals on
+            win = self._window(self._pending[:0], lo=lo, ttft_requests=whole)[0]
             try:  # a failing TTFT partition costs its causes, never the gaps or the counts
-                parts = self._ttft_partitioner(win, new)
+                parts = self._ttft_partitioner(win, whole)
             except Exception as e:
                 out.errors.append(e)
+        if self._ttft_partitioner is not None:
             self._drop_ttft_rows()
         t = self.totals
         t.ttft_n += len(new)
@@ -624,10 +629,13 @@ class Settler:
         }
 
     def _drop_ttft_rows(self) -> None:
-        """Keep the admissions and waits of the requests whose TTFT is still open."""
+        """Keep the admissions and waits of the requests whose TTFT is still open and
+        whose rows since arrival are all retained."""
+        o = self._ttft_open
+        o = o[self._arrival_tick.ensure(len(self._req_ids))[o] >= self._horizon_tick]
         for k in ("admissions", "waits"):
             rows = self._ttft_rows[k]
-            self._ttft_rows[k] = rows[np.isin(rows[:, 1 if k == "waits" else 0], self._ttft_open)]
+            self._ttft_rows[k] = rows[np.isin(rows[:, 1 if k == "waits" else 0], o)]
 
     def _requests_table(self, which: np.ndarray) -> Requests:
         """Every request so far: arrival (NaN: unknown, or not in `which`) and first token
@@ -864,7 +872,12 @@ class Settler:
         if i < len(self._steps):
             bounds.append(int(self._steps[i, _ST["t0"]]))
         if self._ttft_partitioner is not None and len(self._ttft_open):
-            bounds.append(int(self._arrival_tick.ensure(n_req)[self._ttft_open].min()))
+            # the requests waiting for a first token pin the rows from their arrival on,
+            # for at most max_retain_s (an aborted request never gets one)
+            a = self._arrival_tick.ensure(n_req)[self._ttft_open]
+            a = a[a >= w_tick - self._retain_ticks]
+            if len(a):
+                bounds.append(int(a.min()))
         H = min(bounds)
         if H <= self._horizon_tick:
             return

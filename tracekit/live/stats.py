@@ -75,6 +75,7 @@ class LiveTotals:
     ttft_cause_ms: dict[str, float] = field(default_factory=dict)
     late_rows: int = 0
     truncated_gaps: int = 0
+    truncated_ttfts: int = 0
     fit_steps: int = 0
     settled_to_s: float = math.nan
     final: bool = False
@@ -98,6 +99,7 @@ class LiveTotals:
             ttft_cause_ms=dict(self.ttft_cause_ms),
             late_rows=self.late_rows,
             truncated_gaps=self.truncated_gaps,
+            truncated_ttfts=self.truncated_ttfts,
             fit_steps=self.fit_steps,
             settled_to_s=self.settled_to_s,
             final=self.final,
