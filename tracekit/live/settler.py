@@ -450,8 +450,8 @@ class Settler:
         whole = new[arr[new] >= self._horizon_tick]
         self.totals.truncated_ttfts += len(new) - len(whole)
         if self._ttft_partitioner is not None and len(whole):
-            lo = int(arr[whole].min())  # every row from the earliest of their arrivals on
-            win = self._window(self._pending[:0], lo=lo, ttft_requests=whole)[0]
+            lo_tick = int(arr[whole].min())  # every row from the earliest of their arrivals on
+            win = self._window(self._pending[:0], lo_tick=lo_tick, ttft_requests=whole)[0]
             try:  # a failing TTFT partition costs its causes, never the gaps or the counts
                 parts = self._ttft_partitioner(win, whole)
             except Exception as e:
@@ -512,7 +512,11 @@ class Settler:
         return int(np.searchsorted(np.cumsum(ends > w_tick), 0, side="right")) if len(ends) else 0
 
     def _window(
-        self, new_em: np.ndarray, *, lo: int | None = None, ttft_requests: np.ndarray | None = None
+        self,
+        new_em: np.ndarray,
+        *,
+        lo_tick: int | None = None,
+        ttft_requests: np.ndarray | None = None,
     ) -> tuple[RawLog, int, np.ndarray]:
         """The rows that settling `new_em` needs, as a RawLog (steps re-based to `step_lo`),
         and the window's emissions (the involved requests' carried rows, then `new_em`).
@@ -531,17 +535,17 @@ class Settler:
             ]
         )[c_t != UNKNOWN_TICK]
         em = np.concatenate([carried, new_em]) if len(carried) else new_em
-        lo_t = [int(em[:, _EM["t"]].min())] if len(em) else []
+        starts = [int(em[:, _EM["t"]].min())] if len(em) else []
         first_unsettled = self._num_settled_steps - self._step_base
         if first_unsettled < len(self._steps):
-            lo_t.append(int(self._steps[first_unsettled, _ST["t0"]]))
-        if lo is None:
-            lo = min(lo_t) if lo_t else self._settled_to_tick
+            starts.append(int(self._steps[first_unsettled, _ST["t0"]]))
+        if lo_tick is None:
+            lo_tick = min(starts) if starts else self._settled_to_tick
         if len(em):
             if len(carried):
                 self.totals.truncated_gaps += int((carried[:, _EM["t"]] < self._horizon_tick).sum())
-        segs = self._segs[self._segs[:, _SG["t1"]] >= lo]
-        gcs = self._gcs[self._gcs[:, 1] >= lo]
+        segs = self._segs[self._segs[:, _SG["t1"]] >= lo_tick]
+        gcs = self._gcs[self._gcs[:, _GC["t1"]] >= lo_tick]
         # steps: every one a row refers to (the emitting ones too: a span lists the steps
         # its gap overlaps), from the first unsettled one on
         refs = [segs[:, _SG["step"]], em[:, _EM["step"]], em[:, _EM["device_step"]]]
@@ -878,13 +882,13 @@ class Settler:
             a = a[a >= w_tick - self._retain_ticks]
             if len(a):
                 bounds.append(int(a.min()))
-        H = min(bounds)
-        if H <= self._horizon_tick:
+        h_tick = min(bounds)
+        if h_tick <= self._horizon_tick:
             return
-        self._horizon_tick = H
-        self._segs = self._segs[self._segs[:, _SG["t1"]] >= H]
-        self._gcs = self._gcs[self._gcs[:, _GC["t1"]] >= H]
-        self._events = _drop_closed_evictions(self._events, H)
+        self._horizon_tick = h_tick
+        self._segs = self._segs[self._segs[:, _SG["t1"]] >= h_tick]
+        self._gcs = self._gcs[self._gcs[:, _GC["t1"]] >= h_tick]
+        self._events = _drop_closed_evictions(self._events, h_tick)
         # steps: keep every one a retained row or a live carry may still name
         keep = [self._num_settled_steps]
         s = self._segs[:, _SG["step"]]
