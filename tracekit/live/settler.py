@@ -50,10 +50,7 @@ from tracekit.attribution.itl import CLEAN, fit_baseline, partition, primary_of
 from tracekit.attribution.ttft import TTFT_STANDARD_LABELS, ttft_partition
 from tracekit.labels import DEFAULT_CAUSE_MAP, STANDARD_LABELS, cause_of
 from tracekit.live.stats import LiveTotals, Settlement, SlowGap
-
-# _pair_evictions: the raw log's own pairing of eviction rows (log.parts keeps it private
-# until the flush contract module publishes it)
-from tracekit.log.parts import TABLE_COLS, UNKNOWN_TICK, _pair_evictions
+from tracekit.log.parts import TABLE_COLS, UNKNOWN_TICK, pair_evictions
 from tracekit.log.rawlog import (
     GRAPH_EAGER,
     Admissions,
@@ -597,7 +594,7 @@ class Settler:
                 num_tokens=em[:, 3].copy(),
                 device_step=np.where(em[:, 4] >= step_lo, em[:, 4] - step_lo, -1),
             ),
-            evictions=_pair_evictions(self._events, secs),
+            evictions=pair_evictions(self._events, secs),
             # the partition never reads the requests: built only for a TTFT partitioner
             requests=self._requests_table(ttft_requests)
             if ttft_requests is not None
