@@ -138,8 +138,10 @@ def long_run(num_steps: int) -> None:
     for (k0, c0), (k1, c1) in zip(marks, marks[1:], strict=False):
         print(f"  steps {k0:7d}-{k1:7d}: worker CPU {c1 - c0:.3f} s "
               f"({100 * (c1 - c0) / ((k1 - k0) * 0.02):.2f}% of their engine clock)")  # fmt: skip
-    print(f"  retained at the end: {len(live._segs)} segments, {len(live._steps)} steps, "
-          f"{len(live._inflight)} requests in flight; late rows {s['late_rows']}")  # fmt: skip
+    r = live.retained()
+    print(f"  retained at the end: {r['segments']} segments, {r['steps']} steps, "
+          f"{r['ttft_rows']} TTFT rows, {r['inflight']} requests in flight; "
+          f"late rows {s['late_rows']}")  # fmt: skip
 
 
 def main() -> None:

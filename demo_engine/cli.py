@@ -92,6 +92,7 @@ def run_one(
     is_async_scheduling: bool = False,
     nvtx: bool = False,
     metrics_port: int | None = None,
+    live: Any = None,
 ) -> tuple[str, Any]:
     """Run one rung with one seed; returns (log path, engine RunStats).
 
@@ -105,7 +106,8 @@ def run_one(
     recorder times device work with CUDA events. `is_async_scheduling` (torch only)
     schedules step N+1 while the device runs step N. `metrics_port`: serve live per-cause
     metrics (`tracekit.live`) on this port from before the run until the process exits
-    (the run's final values stay scrapeable)."""
+    (the run's final values stay scrapeable); `live`: a `tracekit.live.LiveMetrics` sink
+    of the caller's to attach instead (see `live_sink`)."""
     limit_blas_threads(1)
     from tracekit import Recorder
 
@@ -183,7 +185,9 @@ def run_one(
         nvtx=nvtx,
         clock=clock,
     )
-    if metrics_port is not None:
+    if live is not None:
+        rec.add_sink(live)
+    elif metrics_port is not None:
         _serve_live_metrics(rec, metrics_port, quiet=quiet)
     engine = Engine(cfg, rec, tokenizer, runner=runner)
     with rec:
@@ -214,20 +218,45 @@ def run_one(
 
 def _serve_live_metrics(rec: Any, port: int, *, quiet: bool) -> Any:
     """A `tracekit.live.LiveMetrics` sink on `rec`, serving /metrics on `port`."""
-    try:
-        from tracekit.live import LiveMetrics, attach
+    from tracekit.live import attach
 
-        live = LiveMetrics()
+    return attach(rec, live_sink(port))
+
+
+def live_sink(
+    port: int,
+    *,
+    bind: str = "127.0.0.1",
+    slo_ms: float | None = None,
+    otlp_endpoint: str | None = None,
+    hold_s: float = 2.0,
+    const_labels: dict[str, str] | None = None,
+) -> Any:
+    """A `tracekit.live.LiveMetrics` sink serving /metrics on `bind`:`port` (0: any free
+    port); the chosen address is always printed (stderr), --quiet or not."""
+    try:
+        from tracekit.live import LiveMetrics
+
+        live = LiveMetrics(
+            addr=bind,
+            slo_ms=slo_ms,
+            otlp_endpoint=otlp_endpoint,
+            hold_s=hold_s,
+            const_labels=const_labels,
+        )
         live.serve(port)
     except ImportError as e:
-        raise click.UsageError(f"--metrics-port: {e}") from None
+        raise click.UsageError(f"live metrics: {e}") from None
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     except OSError as e:
         raise click.UsageError(
-            f"--metrics-port {port}: cannot listen there ({e.strerror}); pick a free port"
+            f"--metrics-port {port} --bind {bind}: cannot listen there ({e.strerror}); "
+            "pick a free port or another address"
         ) from None
-    if not quiet:
-        click.echo(f"metrics: http://127.0.0.1:{live.port}/metrics", err=True)
-    return attach(rec, live)
+    host = f"[{bind}]" if ":" in bind else bind
+    click.echo(f"metrics: http://{host}:{live.port}/metrics", err=True)
+    return live
 
 
 def regime_misses(rung: str, stats: Any) -> list[str]:
@@ -393,8 +422,53 @@ _mode_opt = click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
-    help="Serve live per-cause ITL/TTFT Prometheus metrics on 127.0.0.1:PORT/metrics while "
-    "the run goes (0: any free port; needs the live extra). See docs/live.md.",
+    help="Serve live per-cause ITL/TTFT Prometheus metrics on BIND:PORT/metrics while "
+    "the run goes (0: any free port, printed; needs the live extra). See docs/live.md.",
+)
+@click.option(
+    "--bind",
+    default="127.0.0.1",
+    show_default=True,
+    help="With --metrics-port: the address the metrics server listens on.",
+)
+@click.option(
+    "--slo-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="With --metrics-port: every gap >= this (ms) becomes an OpenTelemetry "
+    "span (and an exemplar on its histogram bucket).",
+)
+@click.option(
+    "--otlp-endpoint",
+    default=None,
+    help="With --slo-ms: send the spans to this OTLP/HTTP collector "
+    "(e.g. http://127.0.0.1:4318/v1/traces).",
+)
+@click.option(
+    "--hold",
+    "hold_s",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="With --metrics-port: seconds a gap waits after a flush before it is "
+    "settled (a window open longer arrives late).",
+)
+@click.option(
+    "--lead-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --metrics-port: serve the metrics (every series at 0) this long before the "
+    "run starts, so that a scraper's first sample is 0 and increase() over the run is exact.",
+)
+@click.option(
+    "--linger-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --metrics-port: keep serving the final values (tracekit_live_final "
+    "1) this long after the run (at least two scrape intervals to be sure one "
+    "scrape sees them).",
 )
 def run_cmd(
     rung: str,
@@ -413,9 +487,21 @@ def run_cmd(
     async_scheduling: bool,
     nvtx: bool,
     metrics_port: int | None,
+    bind: str,
+    slo_ms: float | None,
+    otlp_endpoint: str | None,
+    hold_s: float,
+    lead_s: float,
+    linger_s: float,
 ) -> None:
     """Run one rung of the fix ladder with one seed; writes OUT/<rung>__s<seed>.npz."""
     _check_pacing(rate, load, duration, steps)
+    if metrics_port is None and (slo_ms is not None or otlp_endpoint or linger_s or lead_s):
+        raise click.UsageError(
+            "--slo-ms, --otlp-endpoint, --lead-s and --linger-s go with --metrics-port"
+        )
+    if otlp_endpoint and slo_ms is None:
+        raise click.UsageError("--otlp-endpoint sends the spans of gaps >= --slo-ms: give both")
     try:
         rung = find_rung(rung)
     except ValueError as e:
@@ -439,6 +525,19 @@ def run_cmd(
 
             if not torch.cuda.is_available():
                 raise click.UsageError("--device cuda: torch sees no CUDA device here")
+    live = None
+    if metrics_port is not None:
+        labels = {
+            "run": f"{rung_slug(rung)}__s{seed}",
+            "engine": "tracekit-demo",
+            "model": f"demo-{backend}",
+            "process": str(os.getpid()),
+        }
+        live = live_sink(
+            metrics_port, bind=bind, slo_ms=slo_ms, otlp_endpoint=otlp_endpoint,
+            hold_s=hold_s, const_labels=labels,
+        )  # fmt: skip
+        time.sleep(lead_s)
     path, stats = run_one(
         rung,
         seed,
@@ -455,9 +554,17 @@ def run_cmd(
         device=device,
         is_async_scheduling=async_scheduling,
         nvtx=nvtx,
-        metrics_port=metrics_port,
+        live=live,
     )
     click.echo(_summary(path, rung, stats))
+    if live is not None and linger_s > 0:
+        sys.stdout.flush()
+        state = "final" if live.is_final else "last settled (the close timed out)"
+        click.echo(
+            f"metrics: {state} values at http://{bind}:{live.port}/metrics for {linger_s:g} s",
+            err=True,
+        )
+        time.sleep(linger_s)
 
 
 @demo.command("ladder")
@@ -476,7 +583,27 @@ def run_cmd(
     type=click.IntRange(1, 65535),
     default=None,
     help="Each run serves live Prometheus metrics on this port while it goes (runs are "
-    "sequential; the counters restart with each run). See docs/live.md.",
+    "sequential; each is its own series, label run). See docs/live.md.",
+)
+@click.option(
+    "--bind",
+    default="127.0.0.1",
+    show_default=True,
+    help="With --metrics-port: the address each run's metrics server listens on.",
+)
+@click.option(
+    "--lead-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --metrics-port: each run serves its series at 0 this long first.",
+)
+@click.option(
+    "--linger-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --metrics-port: each run keeps its final values scrapeable this long.",
 )
 def ladder_cmd(
     seeds: str,
@@ -490,6 +617,9 @@ def ladder_cmd(
     rungs: str,
     preemption_mode: str,
     metrics_port: int | None,
+    bind: str,
+    lead_s: float,
+    linger_s: float,
 ) -> None:
     """Every rung x every seed, each in a fresh interpreter, all with one workload."""
     _check_pacing(rate, load, duration, steps)
@@ -542,7 +672,8 @@ def ladder_cmd(
             *("--preemption-mode", preemption_mode, "--quiet"),
         ]
         if metrics_port is not None:
-            cmd += ["--metrics-port", str(metrics_port)]
+            cmd += ["--metrics-port", str(metrics_port), "--bind", bind]
+            cmd += ["--lead-s", repr(lead_s), "--linger-s", repr(linger_s)]
         click.echo(f"[{i}/{len(runs)}] {rung} s{seed} ...", err=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         elapsed = time.monotonic() - t_start

@@ -100,12 +100,14 @@ def _hand_run(live: LiveMetrics, *, check_between=None) -> tracekit.RawLog:
 META = {"t0_tick": 0, "seconds_per_tick": 1e-3, "started_unix_s": 0.0, "cause_map": {}}
 
 
-def _chunk(rows: list[tuple[str, tuple]], flush_tick: int, *, stop: bool = False) -> dict:
+def _chunk(
+    rows: list[tuple[str, tuple]], flush_tick: int, *, stop: bool = False, labels=("decode", "tok")
+) -> dict:
     c: dict = {}
     for k in TABLE_COLS:
         sel = [r for t, r in rows if t == k]
         c[k] = np.array(sel, dtype=np.float64 if k == "counters" else np.int64).reshape(-1)
-    c["labels"] = np.array(["decode", "tok"])
+    c["labels"] = np.array(list(labels))
     c["counter_names"] = np.array([], dtype=str)
     c["request_ids"] = (
         np.array(["a"]) if any(t == "requests" for t, _ in rows) else np.array([], dtype=str)
@@ -120,18 +122,18 @@ def _chunk(rows: list[tuple[str, tuple]], flush_tick: int, *, stop: bool = False
     return c
 
 
-def _split(done: list[tuple[int, str, tuple]], flushes: list[int]) -> list[dict]:
+def _split(done: list[tuple[int, str, tuple]], flushes: list[int], **kw) -> list[dict]:
     """Rows (completed at tick, table, row) cut into the chunks of `flushes` (the last is
     the stop)."""
     out, prev = [], -1
     for i, f in enumerate(flushes):
         rows = [(k, r) for t, k, r in done if prev < t <= f]
-        out.append(_chunk(rows, f, stop=i == len(flushes) - 1))
+        out.append(_chunk(rows, f, stop=i == len(flushes) - 1, **kw))
         prev = f
     return out
 
 
-def _hand_chunks() -> list[dict]:
+def _hand_chunks(**kw) -> list[dict]:
     done = [(0, "requests", (0, 0, -1, 25))]
     for k, d in enumerate(D):
         e = 100 * k + 2 + d
@@ -140,7 +142,7 @@ def _hand_chunks() -> list[dict]:
         done.append((e, "emissions", (0, e, k, 1, k)))
         done.append((e, "steps", (100 * k, e, 1, 0, graph, 0, 0)))
     done.append((1050, "segments", (-1, 1, *TOK, 1, 0)))  # tok (label 1), another thread
-    return _split(done, [1014, 2106, 2500])
+    return _split(done, [1014, 2106, 2500], **kw)
 
 
 def _replay(live, chunks: list[dict], between=None) -> None:
@@ -211,7 +213,9 @@ def test_tail_counts_follow_the_sliding_p99_batch_by_batch():
     #   at 360: + 70, 80         p99 = 70 + 0.93 * 10 = 79.3  -> tail: gap 8 (80, clean)
     #   at 550: + 90, 100        p99 = 90 + 0.91 * 10 = 99.1  -> tail: gap 10 (100, tok)
     assert s["gaps"] == 10
-    assert s["tail_count"] == {"tok": 2, "clean": 2}
+    # every primary cause's count is there from the start, at 0 unless counted
+    assert {k: v for k, v in s["tail_count"].items() if v} == {"tok": 2, "clean": 2}
+    assert s["tail_count"]["gc"] == 0
     assert s["itl_window_p99_ms"] == pytest.approx(99.1)
     assert sum(s["tail_ms"].values()) == pytest.approx(40 + 60 + 80 + 100)
     assert s["tail_ms"]["tok"] == pytest.approx(20 + 10 + 60)
@@ -259,6 +263,53 @@ def test_running_graph_fit_moves_then_settles_at_close(refit_s):
     assert seen["cause_ms"]["graph"] + seen["cause_ms"]["forward"] == pytest.approx(108)
     s = live.snapshot()
     assert s["final"] and s["cause_ms"]["graph"] == pytest.approx(30, abs=1e-9)
+
+
+def test_a_window_open_across_flushes_holds_its_gaps_back():
+    # one request "a" (arrival 0, 20 tokens): step k runs [100k, 100k + 10] with a 10 ms
+    # decode and emits at 100k + 10; flushes every 300 ms at a step's end; hold 0. A tok
+    # window on another thread opens at 150 and closes at 950: it is open at the flushes
+    # at 310, 610 and 910, so its row comes three flushes late. The flushes say so
+    # (open_tick), so no gap it overlaps is settled before its row is in: nothing is late
+    clk = FakeClock()
+    rec = tracekit.Recorder(
+        None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=0.3, gc=False,
+        handle_signals=False,
+    )  # fmt: skip
+    live = attach(rec, LiveMetrics(hold_s=0.0))
+    opened, release = threading.Event(), threading.Event()
+
+    def tokenizer():
+        with rec.segment("tok"):
+            opened.set()
+            release.wait()
+
+    side = threading.Thread(target=tokenizer)
+    with rec:
+        rec.request("a", max_new_tokens=20, arrival_tick=0)
+        for k in range(20):
+            if k == 2:
+                clk.now = 150
+                side.start()
+                opened.wait()
+            if k == 10:  # after step 9 (and the flush at its end, 910)
+                clk.now = 950
+                release.set()
+                side.join()
+            clk.now = 100 * k
+            with rec.step():
+                with rec.segment("decode"):
+                    clk.now = 100 * k + 10
+                rec.emit(["a"])
+                rec.step_info(num_decode=1, graph_size=1)
+        clk.now = 2000
+    s = live.snapshot()
+    assert s["late_rows"] == 0 and s["final"] and s["gaps"] == 19
+    # tok owns all of [150, 950] (inside the gaps [10, 1910]), over decode (precedence)
+    assert s["cause_ms"]["tok"] == pytest.approx(800, abs=1e-9)
+    p = partition(rec.log())
+    for j, lb in enumerate(p.labels):
+        assert s["cause_ms"][lb] == pytest.approx(p.parts_ms[:, j].sum(), abs=1e-9), lb
 
 
 def test_a_window_open_longer_than_hold_is_late_and_counted(caplog):
@@ -355,6 +406,15 @@ def test_importing_tracekit_imports_no_live_dependency():
 # -- a demo engine run, scraped over HTTP --------------------------------------------------
 
 
+#: The constant labels every series carries (run, engine, model, process): dropped from
+#: the keys below, checked by `_scrape` to be there.
+CONST = ("run", "engine", "model", "process")
+
+
+def _le(x: float) -> str:
+    return "+Inf" if x == float("inf") else repr(float(x))
+
+
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:
     from urllib.request import urlopen
 
@@ -365,7 +425,11 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float]:
     out = {}
     for fam in text_string_to_metric_families(body):
         for smp in fam.samples:
-            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+            if not smp.name.startswith("tracekit_"):
+                continue
+            assert set(CONST) <= set(smp.labels), smp
+            labels = {k: v for k, v in smp.labels.items() if k not in CONST}
+            out[(smp.name, tuple(sorted(labels.items())))] = smp.value
     return out
 
 
@@ -427,18 +491,27 @@ def test_demo_run_metrics_agree_with_analyze_over_http(tmp_path):
     assert after[("tracekit_live_late_rows_total", ())] == 0
     assert after[("tracekit_live_errors_total", ())] == 0
     assert after[("tracekit_gaps_total", ())] == a["gaps"] == len(recs) > 0
+    # the counter holds decode (graph + forward, settled for good); the gauge splits it
     for lb in a["labels"]:
         offline_s = sum(g["parts"][lb] for g in recs) / 1e3
-        live_s = after.get(("tracekit_gap_cause_seconds_total", (("cause", lb),)), 0.0)
+        if lb in ("graph", "forward"):
+            live_s = after[("tracekit_gap_decode_split_seconds", (("cause", lb),))]
+        else:
+            live_s = after[("tracekit_gap_cause_seconds_total", (("cause", lb),))]
         assert live_s == pytest.approx(offline_s, rel=1e-9, abs=1e-12), lb
-    # histogram buckets: the report's bins, cumulated
-    cum = np.cumsum([b["count"] for b in a["hist"]])
-    for b, c in zip(a["hist"][:-1], cum[:-1], strict=True):
-        le = repr(b["hi_ms"] / 1e3)
-        assert after[("tracekit_gap_seconds_bucket", (("le", le),))] == c
+    decode_s = sum(g["parts"]["graph"] + g["parts"]["forward"] for g in recs) / 1e3
+    live_decode = after[("tracekit_gap_cause_seconds_total", (("cause", "decode"),))]
+    assert live_decode == pytest.approx(decode_s, rel=1e-9)
+    # histogram buckets: le="X" counts the gaps <= X seconds (Prometheus' rule), to 10 s
+    les = sorted(float(dict(k[1])["le"]) for k in after if k[0] == "tracekit_gap_seconds_bucket")
+    assert les[-2] >= 10 and les[-1] == float("inf")
+    for le in les:
+        want = sum(g["gap_ms"] / 1e3 <= le for g in recs)
+        assert after[("tracekit_gap_seconds_bucket", (("le", _le(le)),))] == want, le
     assert after[("tracekit_gap_seconds_count", ())] == a["gaps"]
     # TTFT: every request with a first token, and (all in the window) the same p50/p99
-    assert after[("tracekit_ttft_seconds_count", ())] == a["requests"]
+    # (a request that arrived but had no first token by the stop has no TTFT either way)
+    assert after[("tracekit_ttft_seconds_count", ())] == a["ttft"]["requests"]
     assert after[("tracekit_ttft_window_p50_seconds", ())] == pytest.approx(a["ttft_p50"] / 1e3)
     assert after[("tracekit_ttft_window_p99_seconds", ())] == pytest.approx(a["ttft_p99"] / 1e3)
     # scrapes during the run saw a count that only grows toward the final one, and (a 5 s
@@ -556,6 +629,52 @@ def test_spans_above_the_slo_match_tracekit_gaps_min_ms(tmp_path):
             assert got == pytest.approx(v, abs=1e-9), lb
         both = at["tracekit.part.graph_ms"] + at["tracekit.part.forward_ms"]
         assert both == pytest.approx(g["parts"]["graph"] + g["parts"]["forward"], abs=1e-9)
+    # one trace per request: a request's gap spans share a trace id, no two requests do
+    traces: dict[str, set[int]] = {}
+    for sp in spans:
+        traces.setdefault(sp.attributes["tracekit.request_id"], set()).add(sp.context.trace_id)
+    assert all(len(v) == 1 for v in traces.values())
+    assert len(set.union(*traces.values())) == len(traces)
+    # exemplars in an OpenMetrics scrape: on the gap buckets, naming spans the exporter holds
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    body = openmetrics(live.registry).decode()
+    ex = [
+        smp
+        for f in text_string_to_metric_families(body)
+        if f.name == "tracekit_gap_seconds"
+        for smp in f.samples
+        if smp.exemplar is not None
+    ]
+    ids = {(f"{sp.context.trace_id:032x}", f"{sp.context.span_id:016x}"): sp for sp in spans}
+    assert ex
+    for smp in ex:
+        sp = ids[(smp.exemplar.labels["trace_id"], smp.exemplar.labels["span_id"])]
+        assert smp.exemplar.value == pytest.approx(sp.attributes["tracekit.gap_ms"] / 1e3)
+        le = float(smp.labels["le"])  # the bucket the gap falls in: <= le, > the one below
+        assert smp.exemplar.value <= le
+
+
+def test_spans_are_on_the_wall_clock_whatever_the_recorder_counts():
+    # the hand-built run on a fake clock: 2.5 s of engine time pass in far less wall time;
+    # every gap (~100 ms) is above a 50 ms SLO, and its span lies within the wall time the
+    # run took (engine time mapped onto the wall clock at each flush), not 2.5 s ahead
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    live = LiveMetrics(hold_s=1.2, slo_ms=50.0, tracer_provider=provider)
+    before = time.time()
+    _hand_run(live)
+    after = time.time()
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 24
+    for sp in spans:
+        assert before <= sp.start_time / 1e9 <= sp.end_time / 1e9 <= after
 
 
 # -- property: random runs, live == offline -------------------------------------------------
@@ -668,3 +787,154 @@ def test_random_runs_with_device_windows_resolved_late_still_agree(steps):
     log, snap = _random_run(steps, device=True)
     assert (log.segments.is_device == 1).any()
     _assert_live_equals_offline(log, snap)
+
+
+# -- what a scraper and a trace viewer see ---------------------------------------------------
+
+
+def test_an_engine_label_named_like_a_derived_part_stays_its_own_cause():
+    # the hand-built run with its side-thread window labelled "graph" instead of "tok": the
+    # window's 800 ms are the cause engine_graph; graph and forward are the decode split
+    # of the hand-built test (30 and 78 ms), never added to it
+    live = LiveMetrics(hold_s=1.2)
+    _replay(live, _hand_chunks(labels=("decode", "graph")))
+    s = live.snapshot()
+    assert s["cause_ms"]["engine_graph"] == pytest.approx(800, abs=1e-9)
+    assert s["cause_ms"]["graph"] == pytest.approx(30, abs=1e-9)
+    assert s["cause_ms"]["forward"] == pytest.approx(78, abs=1e-9)
+
+
+def test_any_label_string_keeps_the_scrape_valid():
+    from urllib.request import Request, urlopen
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om
+    from prometheus_client.parser import text_string_to_metric_families as text
+
+    bad = "t\udcffk"  # a lone surrogate (a byte-decoded name), as a label and a run name
+    live = LiveMetrics(hold_s=1.2, const_labels={"run": "r\udcff", "engine": 'e"\\n'})
+    _replay(live, _hand_chunks(labels=("decode", bad)))
+    port = live.serve(0)
+    try:
+        for accept, parse in (("text/plain", text), ("application/openmetrics-text", om)):
+            req = Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
+            with urlopen(req, timeout=10) as r:
+                assert r.status == 200
+                body = r.read().decode("utf-8")  # valid UTF-8
+            fams = list(parse(body))
+            causes = {
+                smp.labels["cause"]
+                for f in fams
+                if f.name == "tracekit_gap_cause_seconds"
+                for smp in f.samples
+            }
+            assert "t\\udcffk" in causes  # the surrogate, escaped
+    finally:
+        live.shutdown()
+
+
+def test_every_labelled_series_is_there_at_zero_before_the_first_gap():
+    live = LiveMetrics(const_labels={"run": "r1"})
+    s = live.snapshot()
+    # every primary cause (never forward or residual, design.md) and clean
+    assert set(s["tail_count"]) == {"preempt", "gc", "tok", "prefill", "graph", "clean"}
+    assert all(v == 0 for v in s["tail_count"].values())
+    from prometheus_client import generate_latest
+
+    live.open(META)
+    try:
+        body = generate_latest(live.registry).decode()
+    finally:
+        live.close({})
+    for cause in ("preempt", "gc", "tok", "prefill", "decode", "residual"):
+        assert f'tracekit_gap_cause_seconds_total{{cause="{cause}",run="r1"}} 0.0' in body
+    assert 'tracekit_ttft_cause_seconds_total{cause="wait_kv_blocks",run="r1"} 0.0' in body
+    assert 'tracekit_tail_gaps_total{primary_cause="clean",run="r1"} 0.0' in body
+
+
+def _has_otlp_http() -> bool:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: F401
+            OTLPSpanExporter,
+        )
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_otlp_http(), reason="opentelemetry-exporter-otlp-proto-http "
+                    "is not installed (the live extra installs it)")  # fmt: skip
+def test_otlp_endpoint_sends_the_slow_gaps_spans_over_http():
+    import http.server
+
+    got: list[tuple[str, str, int]] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the handler's protocol)
+            n = int(self.headers["Content-Length"])
+            got.append((self.path, self.headers["Content-Type"], len(self.rfile.read(n))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_port}/v1/traces"
+        live = LiveMetrics(hold_s=1.2, slo_ms=50.0, otlp_endpoint=url)
+        _hand_run(live)
+        live.shutdown()  # flushes the spans the sink's own provider batched
+    finally:
+        srv.shutdown()
+    assert live.snapshot()["spans"] == 24
+    assert got and all(p == "/v1/traces" and ct == "application/x-protobuf" for p, ct, _ in got)
+
+
+@pytest.mark.skipif(_has_otlp_http(), reason="the OTLP exporter is installed")
+def test_otlp_endpoint_without_its_exporter_says_how_to_install_it():
+    with pytest.raises(ImportError, match=r"pip install 'tracekit\[live\]'"):
+        LiveMetrics(slo_ms=50.0, otlp_endpoint="http://127.0.0.1:4318/v1/traces")
+
+
+def test_a_failing_ttft_partition_costs_its_causes_only(caplog):
+    def broken(window, requests):
+        raise RuntimeError("ttft down")
+
+    live = LiveMetrics(hold_s=1.2, ttft_partitioner=broken)
+    with caplog.at_level(logging.ERROR, logger="tracekit.live"):
+        _hand_run(live)
+    s = live.snapshot()
+    # the hand-built run's 24 gaps and its one TTFT (10 ms) are all there; its one TTFT
+    # settlement failed: one error, said once, no TTFT causes
+    assert s["gaps"] == 24 and s["ttft_n"] == 1 and s["final"]
+    assert s["errors"] == 1 and s["ttft_cause_ms"] == {}
+    assert sum("ttft down" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_wait_longer_than_max_retain_is_counted_without_its_causes():
+    # the hand-built run plus request "b" (index 1): arrives at 0 and has its first token
+    # only at step 20's end (2006 ms). With max_retain_s 0.5, at the second flush (2106,
+    # settled to 2106 - 1200 = 906) b's arrival is older than 906 - 500: it pins no rows,
+    # and the rows of its wait's start are dropped. Its TTFT (2006 ms) is counted, never
+    # partitioned: the causes are a's TTFT alone (10 ms)
+    done = [(0, "requests", (0, 0, -1, 25)), (0, "requests", (1, 0, -1, 1))]
+    for k, d in enumerate(D):
+        e = 100 * k + 2 + d
+        graph = 0 if 10 <= k < 15 else 1
+        done.append((e, "segments", (k, 0, 100 * k + 2, e, 0, 0)))
+        done.append((e, "emissions", (0, e, k, 1, k)))
+        if k == 20:
+            done.append((e, "emissions", (1, e, k, 1, k)))
+        done.append((e, "steps", (100 * k, e, 1, 0, graph, 0, 0)))
+    chunks = _split(done, [1014, 2106, 2500])
+    for c in chunks:
+        if len(c["requests"]):
+            c["request_ids"] = np.array(["a", "b"])
+    live = LiveMetrics(hold_s=1.2, max_retain_s=0.5)
+    _replay(live, chunks)
+    s = live.snapshot()
+    assert s["ttft_n"] == 2 and s["truncated_ttfts"] == 1 and s["errors"] == 0
+    assert s["ttft_sum_s"] == pytest.approx((10 + 2006) / 1e3)
+    assert sum(s["ttft_cause_ms"].values()) == pytest.approx(10.0)

@@ -27,6 +27,7 @@ pytest.importorskip("prometheus_client")
 from engine_adapters.tiny_model import build_tiny_llama, tiny_prompts  # noqa: E402
 from engine_adapters.transformers_cb import instrument_transformers  # noqa: E402
 from tracekit.attribution.itl import partition  # noqa: E402
+from tracekit.attribution.ttft import ttft_partition  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
 
 
@@ -59,3 +60,13 @@ def test_transformers_cb_run_live_totals_equal_the_offline_partition(tmp_path):
     for j, lb in enumerate(p.labels):
         off = float(p.parts_ms[:, j].sum())
         assert s["cause_ms"].get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
+    # TTFT by cause: the offline partition's, every label (decode_other and graph as their
+    # sum: the graph baseline is the whole run's offline)
+    t = ttft_partition(log)
+    assert s["ttft_n"] == len(t) > 0
+    got = dict(s["ttft_cause_ms"])
+    got["decode"] = got.pop("decode_other", 0.0) + got.pop("graph", 0.0)
+    want = {lb: float(t.parts_ms[:, j].sum()) for j, lb in enumerate(t.labels)}
+    want["decode"] = want.pop("decode_other") + want.pop("graph")
+    for lb, v in want.items():
+        assert got.get(lb, 0.0) == pytest.approx(v, rel=1e-9, abs=1e-9), lb

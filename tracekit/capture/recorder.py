@@ -93,8 +93,11 @@ class _Segment:
         rec = self._rec
         try:
             t1 = rec._clock()
-            t0 = rec._tls_stack().pop()
-            rec._append_segment(self._label, t0, t1, 0)
+            stack = rec._tls_stack()
+            try:  # popped once its row is in: a flush sees the window open or its row
+                rec._append_segment(self._label, stack[-1], t1, 0)
+            finally:
+                stack.pop()
         finally:
             if rec._nvtx is not None:
                 rec._nvtx.pop_range(domain=NVTX_DOMAIN)
@@ -783,9 +786,13 @@ class Recorder:
         signals.IN_FLUSH[0] += 1  # from the swap until the hand-over: see tracekit.capture.signals
         try:
             with self._lock:  # hand-overs in swap order: chunks name request ids in order
+                # the flush's tick and what is open then, before the swap: a row that lands
+                # in the next buffer (a collection triggered by the swap itself) starts
+                # after `now`, or is announced open
+                now = self._clock()
+                open_tick = self._earliest_open_tick()
                 buf = self._buf
                 self._new_buffers()
-                now = self._clock()
                 self._last_flush = now
                 if self._pid != os.getpid():  # a forked child: the run is the parent's
                     return
@@ -800,12 +807,26 @@ class Recorder:
                     dict(self.config),
                     now,
                     stop_tick,
+                    open_tick,
                 )
                 if self._dispatcher is not None:
                     self._dispatcher.submit(flush)
                     self._num_flushes += 1
         finally:
             signals.IN_FLUSH[0] -= 1
+
+    def _earliest_open_tick(self) -> int | None:
+        """The start of the earliest window still open: a segment on any thread, or a
+        collection under way on another thread (None: none)."""
+        out = self._gc_t0 if signals.IN_GC[0] else None
+        for st in self._stacks:  # other threads' stacks, read without their help:
+            try:  # a window closing meanwhile pops its entry (then it is in this flush)
+                t = st[0] if st else None
+            except IndexError:
+                t = None
+            if t is not None and (out is None or t < out):
+                out = t
+        return out
 
     # -- fork ------------------------------------------------------------------------
     def _in_child(self) -> None:

@@ -88,6 +88,9 @@ class Flush(NamedTuple):
     config: dict[str, Any]
     flush_tick: int
     stop_tick: int | None
+    # the earliest start of a window still open at the flush (a segment on any thread):
+    # its row comes in a later chunk, so no gap after this tick is final yet (None: none)
+    open_tick: int | None = None
 
 
 def build_chunk(flushes: list[Flush], t0_tick: int, seconds_per_tick: float) -> dict[str, Any]:
@@ -113,6 +116,8 @@ def build_chunk(flushes: list[Flush], t0_tick: int, seconds_per_tick: float) -> 
     chunk["seconds_per_tick"] = np.array(seconds_per_tick)
     if last.stop_tick is not None:
         chunk["stop_tick"] = np.array(last.stop_tick, dtype=np.int64)
+    if last.open_tick is not None:
+        chunk["open_tick"] = np.array(last.open_tick, dtype=np.int64)
     return chunk
 
 

@@ -24,16 +24,25 @@ float rounding (graph/forward: see the settler).
 from __future__ import annotations
 
 import logging
+import math
+import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from tracekit.live.settler import TTFT_BUCKETS_S, Settler, TtftPartitioner
-from tracekit.live.stats import LiveTotals, WorkerStats
+from tracekit.live.settler import (
+    GAP_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    Settler,
+    TtftPartitioner,
+    ttft_by_cause,
+)
+from tracekit.live.stats import GapExemplar, LiveTotals, WallView, WorkerStats
 
 log = logging.getLogger("tracekit.live")
 
@@ -60,11 +69,18 @@ class LiveMetrics:
         rows this long after its last emission; a later gap of it is counted truncated.
     refit_s: how often (engine clock) the running graph total is re-evaluated over every
         eager step under the line fitted so far (between, new gaps add their estimates).
+    otlp_endpoint: send the spans to this OTLP/HTTP collector (a tracer provider of its
+        own; needs opentelemetry-exporter-otlp-proto-http, in the `live` extra).
+    const_labels: labels on every series (default: ``run`` (the config's ``run``, else
+        the start time and pid), ``engine`` and ``model`` (the config's, when strings),
+        ``process`` (the pid)); given, they replace the defaults.
+    gap_buckets_s / ttft_buckets_s: the histograms' bucket bounds, seconds (``le``: <=).
     ttft_partitioner: ``f(window: RawLog, requests: np.ndarray) -> (labels, parts_ms)``,
         the TTFT partition by cause (``tracekit.attribution.ttft``) of the given requests
         (indices) over a window holding every row from their arrival on (its requests
         table has each request's arrival and first token; its emissions table is empty);
-        exported as ``tracekit_ttft_cause_seconds_total{cause}``. None: not exported.
+        exported as ``tracekit_ttft_cause_seconds_total{cause}``. Default: the offline
+        partition itself (`tracekit.live.settler.ttft_by_cause`); None: not exported.
     """
 
     def __init__(
@@ -77,9 +93,13 @@ class LiveMetrics:
         hold_s: float = 2.0,
         tail_window: int = 10_000,
         max_retain_s: float = 300.0,
-        ttft_partitioner: TtftPartitioner | None = None,
+        ttft_partitioner: TtftPartitioner | None = ttft_by_cause,
         close_timeout_s: float = 60.0,
         refit_s: float = 10.0,
+        otlp_endpoint: str | None = None,
+        const_labels: Mapping[str, str] | None = None,
+        gap_buckets_s: tuple[float, ...] = GAP_BUCKETS_S,
+        ttft_buckets_s: tuple[float, ...] = TTFT_BUCKETS_S,
     ) -> None:
         # the exporters' modules import their optional dependencies at the top: imported
         # here, so that `import tracekit.live` needs neither
@@ -90,20 +110,20 @@ class LiveMetrics:
         except ImportError as e:
             raise _missing_extra(e) from None
         self._spans_out: Any = None
+        self._own_provider: Any = None  # a provider made here (OTLP): this sink's to shut down
         if slo_ms is not None:
             try:
-                from tracekit.live.otel import GapSpanExporter
-
-                self._spans_out = GapSpanExporter(tracer_provider)
+                from tracekit.live import otel
             except ImportError as e:
                 raise _missing_extra(e) from None
-        self._prometheus = prometheus
-        self.registry = prometheus.make_registry(self._read)
-        self.slo_ms = slo_ms
-        self.port = port
-        self._addr = addr
-        self._hold_s = hold_s
-        self._close_timeout_s = close_timeout_s
+            if otlp_endpoint is not None:
+                if tracer_provider is not None:
+                    raise ValueError("otlp_endpoint or tracer_provider: give one")
+                tracer_provider = otel.otlp_provider(otlp_endpoint, {"service.name": "tracekit"})
+                self._own_provider = tracer_provider
+            self._spans_out = otel.GapSpanExporter(tracer_provider)
+        elif otlp_endpoint is not None:
+            raise ValueError("otlp_endpoint: spans are sent only with an slo_ms")
         self._settler = Settler(
             hold_s=hold_s,
             tail_window=tail_window,
@@ -111,7 +131,22 @@ class LiveMetrics:
             refit_s=refit_s,
             slo_ms=slo_ms,
             ttft_partitioner=ttft_partitioner,
+            gap_buckets_s=gap_buckets_s,
+            ttft_buckets_s=ttft_buckets_s,
         )
+        self._prometheus = prometheus
+        self._const_labels = dict(const_labels) if const_labels is not None else None
+        self.registry, self._collector = prometheus.make_registry(
+            self._read,
+            const_labels=self._const_labels,
+            gap_buckets_s=self._settler.gap_buckets_s,
+            ttft_buckets_s=self._settler.ttft_buckets_s,
+        )
+        self.slo_ms = slo_ms
+        self.port = port
+        self._addr = addr
+        self._hold_s = hold_s
+        self._close_timeout_s = close_timeout_s
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._server: Any = None
@@ -121,6 +156,10 @@ class LiveMetrics:
         self._unix0_s = 0.0
         self._totals = self._settler.totals.copy()  # the latest settled totals
         self._worker = WorkerStats()
+        self._wall = WallView()
+        # (engine-clock s, Unix s) at the start and at each flush: the engine clock on the
+        # wall clock, whatever the recorder's timer counts (CPU time, a fake clock)
+        self._clock_pts: deque[tuple[float, float]] = deque(maxlen=4096)
         self._written = 0  # batches queued (only `write` counts up)
         self._consumed = 0  # batches settled (only the worker counts up)
 
@@ -131,8 +170,23 @@ class LiveMetrics:
         if self._opened:
             raise RuntimeError("a LiveMetrics sink follows one run; make a new one per run")
         self._opened = True
-        self._unix0_s = float(meta.get("started_unix_s", 0.0))
+        self._unix0_s = float(meta.get("started_unix_s", time.time()))
+        self._clock_pts.append((0.0, self._unix0_s))
         self._settler.open(meta)
+        pid = str(meta.get("pid", os.getpid()))
+        run_key = f"{self._unix0_s!r}-{pid}"
+        if self._const_labels is None:
+            cfg = meta.get("config") or {}
+            pick = {k: cfg.get(k) for k in ("run", "engine", "model")}
+            self._const_labels = {
+                "run": str(pick["run"]) if isinstance(pick["run"], str) else run_key,
+                "engine": pick["engine"] if isinstance(pick["engine"], str) else "",
+                "model": pick["model"] if isinstance(pick["model"], str) else "",
+                "process": pid,
+            }
+            self._collector.set_const_labels(self._const_labels)
+        if self._spans_out is not None:
+            self._spans_out.run_key = f"{self._const_labels.get('run', '')}-{run_key}"
         self._thread = threading.Thread(target=self._run, name="tracekit-live", daemon=True)
         self._thread.start()
         if self.port is not None and self._server is None:
@@ -143,7 +197,7 @@ class LiveMetrics:
         if self._thread is None:  # not opened (or opening failed): nothing would consume it
             return
         self._written += 1
-        self._q.put(batch)
+        self._q.put((batch, time.time()))
 
     def close(self, final: Mapping[str, Any] | None = None) -> None:
         """At the recorder's stop: settle every remaining gap with the whole run's graph
@@ -170,7 +224,10 @@ class LiveMetrics:
         return self.port
 
     def shutdown(self) -> None:
-        """Stop the metrics server (if any)."""
+        """Stop the metrics server (if any), and send the spans still batched for OTLP."""
+        if self._own_provider is not None:
+            self._own_provider.shutdown()
+            self._own_provider = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -182,33 +239,56 @@ class LiveMetrics:
         return self._totals.final
 
     # -- the worker ----------------------------------------------------------------------
+    def _count_error(self, e: Exception) -> None:
+        with self._lock:
+            self._worker.errors += 1
+        if self._worker.errors == 1:
+            log.error(
+                "tracekit live: exporting failed (%s: %s); recording goes on, later "
+                "failures are only counted in tracekit_live_errors_total",
+                type(e).__name__,
+                e,
+                exc_info=e,
+            )
+
+    def to_unix_s(self, engine_s: np.ndarray) -> np.ndarray:
+        """Engine-clock seconds as Unix seconds: interpolated between the flushes' wall
+        times (past the last one, a second is a second)."""
+        e = np.array([p[0] for p in self._clock_pts])
+        u = np.array([p[1] for p in self._clock_pts])
+        x = np.asarray(engine_s, dtype=np.float64)
+        out = np.interp(x, e, u)
+        past = x > e[-1]
+        out[past] = u[-1] + (x[past] - e[-1])
+        before = x < e[0]
+        out[before] = u[0] + (x[before] - e[0])
+        return out
+
     def _run(self) -> None:
         s = self._settler
         while True:
-            batch = self._q.get()
+            item = self._q.get()
+            batch, unix_s = item if item is not None else (None, time.time())
             cpu0 = time.thread_time()
             late0 = s.totals.late_rows
             try:
                 out = s.settle(final=True) if batch is None else s.add(batch)
-                spans = 0
+                for e in out.errors:
+                    self._count_error(e)
+                if batch is not None and s.flush_s > self._clock_pts[-1][0]:
+                    self._clock_pts.append((s.flush_s, unix_s))
+                ids: list[tuple[str, str]] = []
                 if self._spans_out is not None and out.slow_gaps:
-                    spans = self._spans_out.export(out.slow_gaps, self._unix0_s)
+                    ids = self._spans_out.export(out.slow_gaps, self.to_unix_s)
+                wall = self._wall_view(out, ids)
                 with self._lock:
                     self._totals = s.totals.copy()
-                    self._worker.spans += spans
+                    self._worker.spans += len(ids)
+                    self._wall = wall
                 if batch is None:
                     return
             except Exception as e:  # recording goes on; said once, then counted
-                with self._lock:
-                    self._worker.errors += 1
-                if self._worker.errors == 1:
-                    log.error(
-                        "tracekit live: exporting failed (%s: %s); recording goes on, later "
-                        "failures are only counted in tracekit_live_errors_total",
-                        type(e).__name__,
-                        e,
-                        exc_info=True,
-                    )
+                self._count_error(e)
                 with self._lock:
                     self._totals = s.totals.copy()
                 if batch is None:
@@ -226,8 +306,27 @@ class LiveMetrics:
                 if batch is not None:
                     self._consumed += 1
 
+    def retained(self) -> dict[str, int]:
+        """How many rows the settler holds now (read it once the worker is idle)."""
+        return self._settler.retained()
+
     # -- the exported values ------------------------------------------------------------------
-    def _read(self) -> tuple[LiveTotals, WorkerStats]:
+    def _wall_view(self, out: Any, ids: list[tuple[str, str]]) -> WallView:
+        """The wall-clock values after a settlement: the settled-to time, and the latest
+        slow gap's span per gap bucket (OpenMetrics exemplars)."""
+        t = self._settler.totals
+        to = self._settler.flush_s if t.final else t.settled_to_s
+        ex = dict(self._wall.exemplars)
+        if ids:
+            g = out.slow_gaps
+            t1 = self.to_unix_s(np.array([x.t1_s for x in g]))
+            b = np.searchsorted(self._settler.gap_buckets_s, [x.gap_ms / 1e3 for x in g], "left")
+            for i, (tid, sid) in enumerate(ids):
+                ex[int(b[i])] = GapExemplar(tid, sid, g[i].gap_ms / 1e3, float(t1[i]))
+        unix = float(self.to_unix_s(np.array([to]))[0]) if math.isfinite(to) else math.nan
+        return WallView(settled_to_unix_s=unix, exemplars=ex)
+
+    def _read(self) -> tuple[LiveTotals, WorkerStats, WallView]:
         with self._lock:
             w = WorkerStats(
                 errors=self._worker.errors,
@@ -235,11 +334,11 @@ class LiveMetrics:
                 backlog_batches=self._written - self._consumed,
                 cpu_s=self._worker.cpu_s,
             )
-            return self._totals, w
+            return self._totals, w, self._wall
 
     def snapshot(self) -> dict[str, Any]:
         """The exported values, consistent with each other (what a scrape sees)."""
-        t, w = self._read()
+        t, w, _ = self._read()
         return {
             "gaps": t.gaps,
             "gap_sum_s": t.gap_sum_s,
@@ -256,6 +355,7 @@ class LiveMetrics:
             "ttft_cause_ms": dict(t.ttft_cause_ms),
             "late_rows": t.late_rows,
             "truncated_gaps": t.truncated_gaps,
+            "truncated_ttfts": t.truncated_ttfts,
             "errors": w.errors,
             "spans": w.spans,
             "backlog": w.backlog_batches,
@@ -275,4 +375,4 @@ def attach(recorder: Any, sink: Any) -> Any:
     return sink
 
 
-__all__ = ["LiveMetrics", "attach", "TTFT_BUCKETS_S"]
+__all__ = ["LiveMetrics", "attach", "GAP_BUCKETS_S", "TTFT_BUCKETS_S"]

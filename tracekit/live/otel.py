@@ -1,9 +1,17 @@
 """The OpenTelemetry exporter of live mode: one span per slow gap
-(`tracekit.live.stats.SlowGap`). Needs ``opentelemetry-api`` (the `live` extra)."""
+(`tracekit.live.stats.SlowGap`), on the wall clock, in one trace per request. Needs
+``opentelemetry-api`` (the `live` extra; ``opentelemetry-exporter-otlp-proto-http`` for
+`otlp_provider`)."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from tracekit.live.stats import SlowGap
 
@@ -27,19 +35,57 @@ class SpanAttributes:
 SPAN_NAME = "tracekit.gap"
 
 
+def otlp_provider(endpoint: str, resource: dict[str, str] | None = None) -> Any:
+    """A tracer provider that sends spans to an OTLP/HTTP collector at `endpoint` (for
+    example ``http://127.0.0.1:4318/v1/traces``), batched off the caller's thread."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    try:  # the OTLP exporter: the `live` extra installs it, a bare SDK may lack it
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as e:
+        raise ImportError(
+            f"OTLP export needs opentelemetry-exporter-otlp-proto-http ({e.name} is "
+            "missing): pip install 'tracekit[live]'"
+        ) from None
+    provider = TracerProvider(resource=Resource.create(resource or {}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    return provider
+
+
 class GapSpanExporter:
-    """Sends one span per slow gap through `tracer_provider` (default: the global one)."""
+    """Sends one span per slow gap through `tracer_provider` (default: the global one).
 
-    def __init__(self, tracer_provider: Any = None) -> None:
-        from opentelemetry import trace
+    Every gap span of one request is in one trace: its trace id is derived from `run_key`
+    and the request id (so a request's gaps group together in a trace view), and its
+    parent is that trace's root id (a span this exporter never sends: the request's own
+    span, where an engine exports one with the same ids)."""
 
+    def __init__(self, tracer_provider: Any = None, *, run_key: str = "") -> None:
         provider = tracer_provider or trace.get_tracer_provider()
         self._tracer = provider.get_tracer("tracekit.live")
+        self.run_key = run_key
 
-    def export(self, gaps: list[SlowGap], unix0_s: float) -> int:
-        """Spans for `gaps` (engine-clock seconds + `unix0_s` = Unix time); returns how many."""
+    def request_context(self, request_id: str) -> Any:
+        h = hashlib.blake2b(f"{self.run_key}\0{request_id}".encode(errors="backslashreplace"))
+        d = h.digest()
+        trace_id = int.from_bytes(d[:16], "big") or 1
+        span_id = int.from_bytes(d[16:24], "big") or 1
+        ctx = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(1))
+        return trace.set_span_in_context(NonRecordingSpan(ctx))
+
+    def export(
+        self, gaps: list[SlowGap], to_unix_s: Callable[[np.ndarray], np.ndarray]
+    ) -> list[tuple[str, str]]:
+        """Spans for `gaps`; `to_unix_s` maps engine-clock seconds to Unix seconds.
+        Returns each span's (trace id, span id) in hex."""
         A = SpanAttributes
-        for g in gaps:
+        out: list[tuple[str, str]] = []
+        if not gaps:
+            return out
+        t = to_unix_s(np.array([x for g in gaps for x in (g.t0_s, g.t1_s)]))
+        for i, g in enumerate(gaps):
             attrs: dict[str, Any] = {
                 A.REQUEST_ID: g.request_id,
                 A.GAP_MS: g.gap_ms,
@@ -54,7 +100,14 @@ class GapSpanExporter:
             }
             for lb, v in g.parts_ms.items():
                 attrs[f"{A.PART_PREFIX}{lb}_ms"] = v
-            start_ns = int((unix0_s + g.t0_s) * 1e9)
-            span = self._tracer.start_span(SPAN_NAME, start_time=start_ns, attributes=attrs)
-            span.end(end_time=max(start_ns, int((unix0_s + g.t1_s) * 1e9)))
-        return len(gaps)
+            start_ns = int(t[2 * i] * 1e9)
+            span = self._tracer.start_span(
+                SPAN_NAME,
+                context=self.request_context(g.request_id),
+                start_time=start_ns,
+                attributes=attrs,
+            )
+            span.end(end_time=max(start_ns, int(t[2 * i + 1] * 1e9)))
+            sc = span.get_span_context()
+            out.append((f"{sc.trace_id:032x}", f"{sc.span_id:016x}"))
+        return out

@@ -1,29 +1,46 @@
 """The Prometheus exporter of live mode: a collector that turns the settler's totals
 (`tracekit.live.stats.LiveTotals`) into metric families at each scrape, and the HTTP
-server that serves them. Needs ``prometheus_client`` (the `live` extra)."""
+server that serves them (plain text, or OpenMetrics with exemplars when the scraper asks
+for it). Needs ``prometheus_client`` (the `live` extra).
+
+Conventions: every series carries the constant labels (run, engine, model, process by
+default); a bucket ``le="X"`` counts the values <= X; every labelled series a run can
+have from the start (each standard cause, each primary cause and ``clean``) is there at 0
+from the first scrape; what is a counter only ever goes up. The graph/forward split of
+decode time moves while the graph baseline is refitted, so it is a gauge
+(``tracekit_gap_decode_split_seconds``); the counter holds ``decode`` (their sum), which
+is settled for good. TTFT's ``graph`` and ``decode_other`` are exported as their sum,
+``decode``, for the same reason.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Exemplar
 
-from tracekit.analysis.figures import HIST_EDGES_MS
-from tracekit.live.settler import TTFT_BUCKETS_S
-from tracekit.live.stats import LiveTotals, WorkerStats
+from tracekit.live.stats import LiveTotals, WallView, WorkerStats
 
-Reader = Callable[[], tuple[LiveTotals, WorkerStats]]
+Reader = Callable[[], tuple[LiveTotals, WorkerStats, WallView]]
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+#: Decode's parts (the graph baseline's split), exported as a gauge, never as a counter.
+DECODE_SPLIT = ("graph", "forward")
+#: TTFT parts exported as one counter, ``decode`` (others' decoding, however it splits).
+TTFT_DECODE_PARTS = ("decode_other", "graph")
 
 
-def make_registry(read: Reader) -> CollectorRegistry:
-    """A registry of its own holding one `LiveCollector` over `read`."""
+def make_registry(read: Reader, **collector: Any) -> tuple[CollectorRegistry, LiveCollector]:
+    """A registry of its own holding one `LiveCollector` over `read` (both returned)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LiveCollector(read))
-    return registry
+    col = LiveCollector(read, **collector)
+    registry.register(col)
+    return registry, col
 
 
 def serve(registry: CollectorRegistry, port: int, addr: str) -> Any:
@@ -32,112 +49,181 @@ def serve(registry: CollectorRegistry, port: int, addr: str) -> Any:
     return server
 
 
-class LiveCollector:
-    """Builds the metric families from one consistent read of the totals at each scrape."""
+def safe_label(v: Any) -> str:
+    """A label value that encodes as UTF-8 whatever it holds (a lone surrogate from a
+    byte-decoded name comes out as its escape, so the scrape stays valid)."""
+    return str(v).encode("utf-8", "backslashreplace").decode("utf-8")
 
-    def __init__(self, read: Reader) -> None:
+
+class LiveCollector:
+    """Builds the metric families from one consistent read of the totals at each scrape.
+
+    const_labels: added to every series (names must be Prometheus label names).
+    gap_buckets_s / ttft_buckets_s: the settler's bucket bounds (its counts are per bucket).
+    """
+
+    def __init__(
+        self,
+        read: Reader,
+        *,
+        const_labels: Mapping[str, str] | None = None,
+        gap_buckets_s: tuple[float, ...],
+        ttft_buckets_s: tuple[float, ...],
+    ) -> None:
         self.read = read
+        self.const: dict[str, str] | None = None
+        if const_labels is not None:
+            self.set_const_labels(const_labels)
+        self.gap_buckets_s = gap_buckets_s
+        self.ttft_buckets_s = ttft_buckets_s
+
+    def set_const_labels(self, labels: Mapping[str, str]) -> None:
+        for k in labels:
+            if not _LABEL_NAME.fullmatch(str(k)) or str(k).startswith("__"):
+                raise ValueError(f"const_labels: {k!r} is not a Prometheus label name")
+            if k in ("cause", "primary_cause", "le"):
+                raise ValueError(f"const_labels: {k!r} is a label tracekit's series use")
+        self.const = {str(k): safe_label(v) for k, v in labels.items()}
 
     def describe(self) -> list[Any]:
         return []
 
+    # -- families with the constant labels ------------------------------------------------
+    def _fam(self, cls: Any, name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+        return cls(name, doc, labels=[*(self.const or {}), *labels])
+
+    def _add(self, fam: Any, values: tuple[str, ...], *a: Any, **kw: Any) -> None:
+        const = list((self.const or {}).values())
+        fam.add_metric([*const, *(safe_label(v) for v in values)], *a, **kw)
+
+    def _one(self, cls: Any, name: str, doc: str, value: float) -> Any:
+        f = self._fam(cls, name, doc)
+        self._add(f, (), value)
+        return f
+
+    def _hist(self, name, doc, bounds, counts, sum_s, exemplars=None) -> Any:
+        f = self._fam(HistogramMetricFamily, name, doc)
+        cum = np.cumsum(counts).tolist()
+        buckets: list[Any] = []
+        for i, (b, n) in enumerate(zip([*bounds, math.inf], cum, strict=True)):
+            le = "+Inf" if math.isinf(b) else repr(float(b))
+            ex = (exemplars or {}).get(i)
+            if ex is None:
+                buckets.append((le, n))
+            else:
+                labels = {"trace_id": ex.trace_id, "span_id": ex.span_id}
+                buckets.append((le, n, Exemplar(labels, ex.gap_s, ex.unix_s)))
+        self._add(f, (), buckets=buckets, sum_value=sum_s)
+        return f
+
     def collect(self) -> Iterator[Any]:
-        s, w = self.read()
-        yield CounterMetricFamily(
-            "tracekit_gaps", "Inter-token gaps settled (consecutive emissions of one request).",
-            value=s.gaps,
-        )  # fmt: skip
-        cum = np.cumsum(s.hist).tolist()
-        edges = HIST_EDGES_MS[1:]
-        buckets = [
-            (_le(hi / 1e3), c) for hi, c in zip(edges, cum, strict=True) if math.isfinite(hi)
-        ]
-        buckets.append(("+Inf", cum[-1]))
-        yield HistogramMetricFamily(
+        if self.const is None:  # the run has not started: its labels are not known yet
+            return
+        s, w, v = self.read()
+        yield self._one(CounterMetricFamily, "tracekit_gaps",
+                        "Inter-token gaps settled (consecutive emissions of one request).",
+                        s.gaps)  # fmt: skip
+        yield self._hist(
             "tracekit_gap_seconds",
-            "Inter-token gaps, seconds; bucket le=X counts gaps < X (the report's [lo, hi) bins).",
-            buckets=buckets,
-            sum_value=s.gap_sum_s,
-        )
-        c = CounterMetricFamily(
+            "Inter-token gaps, seconds; exemplars: a slow gap's span (trace_id, span_id).",
+            self.gap_buckets_s, s.gap_le, s.gap_sum_s, v.exemplars,
+        )  # fmt: skip
+        c = self._fam(
+            CounterMetricFamily,
             "tracekit_gap_cause_seconds",
-            "Gap time by cause (the exclusive partition), seconds; graph/forward use the "
-            "graph baseline fitted so far (exact once the run has closed).",
-            labels=["cause"],
+            "Gap time by cause (the exclusive partition), seconds; decode is graph + forward "
+            "(their split: tracekit_gap_decode_split_seconds).",
+            ("cause",),
         )
-        for lb, v in sorted(s.cause_ms.items()):
-            c.add_metric([lb], v / 1e3)
+        for lb, ms in sorted(s.cause_ms.items()):
+            if lb not in DECODE_SPLIT:
+                self._add(c, (lb,), ms / 1e3)
+        self._add(c, ("decode",), s.decode_ms / 1e3)
         yield c
-        t = CounterMetricFamily(
+        g = self._fam(
+            GaugeMetricFamily,
+            "tracekit_gap_decode_split_seconds",
+            "Decode time of the settled gaps split by the graph baseline fitted so far "
+            "(graph: excess of eager steps; forward: the rest), seconds; moves at each refit, "
+            "final once tracekit_live_final is 1.",
+            ("cause",),
+        )
+        for lb in DECODE_SPLIT:
+            self._add(g, (lb,), s.cause_ms.get(lb, 0.0) / 1e3)
+        yield g
+        t = self._fam(
+            CounterMetricFamily,
             "tracekit_tail_gaps",
             "Gaps at or above the sliding window's p99, by primary cause ('clean' included).",
-            labels=["primary_cause"],
+            ("primary_cause",),
         )
-        for lb, v in sorted(s.tail_count.items()):
-            t.add_metric([lb], v)
+        for lb, n in sorted(s.tail_count.items()):
+            self._add(t, (lb,), n)
         yield t
-        tm = CounterMetricFamily(
+        tm = self._fam(
+            CounterMetricFamily,
             "tracekit_tail_gap_cause_seconds",
-            "Time of the gaps at or above the sliding window's p99, by cause, seconds.",
-            labels=["cause"],
+            "Time of the gaps at or above the sliding window's p99, by cause, seconds "
+            "(graph/forward under the fit at the time each gap was settled).",
+            ("cause",),
         )
-        for lb, v in sorted(s.tail_ms.items()):
-            tm.add_metric([lb], v / 1e3)
+        for lb, ms in sorted(s.tail_ms.items()):
+            self._add(tm, (lb,), ms / 1e3)
         yield tm
-        yield _gauge_ms("tracekit_itl_window_p99_seconds",
+        yield self._one(GaugeMetricFamily, "tracekit_itl_window_p99_seconds",
                         "p99 of the sliding window of recent gaps, seconds.",
-                        s.itl_window_p99_ms)  # fmt: skip
-        tc = np.cumsum(s.ttft_hist).tolist()
-        tb = [(_le(b), v) for b, v in zip(TTFT_BUCKETS_S, tc, strict=False)]
-        tb.append(("+Inf", tc[-1]))
-        yield HistogramMetricFamily(
+                        s.itl_window_p99_ms / 1e3)  # fmt: skip
+        yield self._hist(
             "tracekit_ttft_seconds",
             "Time to first token (first emission - arrival) per request, seconds.",
-            buckets=tb,
-            sum_value=s.ttft_sum_s,
-        )
-        yield _gauge_ms("tracekit_ttft_window_p50_seconds",
+            self.ttft_buckets_s, s.ttft_hist, s.ttft_sum_s,
+        )  # fmt: skip
+        yield self._one(GaugeMetricFamily, "tracekit_ttft_window_p50_seconds",
                         "Median TTFT over the sliding window of recent requests, seconds.",
-                        s.ttft_window_p50_ms)  # fmt: skip
-        yield _gauge_ms("tracekit_ttft_window_p99_seconds",
+                        s.ttft_window_p50_ms / 1e3)  # fmt: skip
+        yield self._one(GaugeMetricFamily, "tracekit_ttft_window_p99_seconds",
                         "p99 TTFT over the sliding window of recent requests, seconds.",
-                        s.ttft_window_p99_ms)  # fmt: skip
+                        s.ttft_window_p99_ms / 1e3)  # fmt: skip
         if s.ttft_cause_ms:
-            tt = CounterMetricFamily(
-                "tracekit_ttft_cause_seconds", "TTFT time by cause, seconds.", labels=["cause"]
+            tt = self._fam(
+                CounterMetricFamily,
+                "tracekit_ttft_cause_seconds",
+                "TTFT time by cause, seconds (decode: others' decoding, graph included).",
+                ("cause",),
             )
-            for lb, v in sorted(s.ttft_cause_ms.items()):
-                tt.add_metric([lb], v / 1e3)
+            dec = 0.0
+            for lb, ms in sorted(s.ttft_cause_ms.items()):
+                if lb in TTFT_DECODE_PARTS:
+                    dec += ms
+                else:
+                    self._add(tt, (lb,), ms / 1e3)
+            self._add(tt, ("decode",), dec / 1e3)
             yield tt
         for name, value, doc in (
             ("tracekit_live_late_rows", s.late_rows,
              "Rows that arrived after the gaps they overlap were exported (raise hold_s)."),
             ("tracekit_live_truncated_gaps", s.truncated_gaps,
              "Gaps settled after rows they needed were dropped (a request quiet > max_retain_s)."),
+            ("tracekit_live_truncated_ttfts", s.truncated_ttfts,
+             "TTFTs counted without their causes (a wait longer than max_retain_s)."),
             ("tracekit_live_errors", w.errors, "Settlements that failed (logged once)."),
             ("tracekit_live_spans", w.spans, "OpenTelemetry spans sent for gaps above the SLO."),
             ("tracekit_live_cpu_seconds", w.cpu_s,
              "CPU time the live worker thread spent partitioning and exporting."),
         ):  # fmt: skip
-            yield CounterMetricFamily(name, doc, value=value)
-        yield GaugeMetricFamily(
-            "tracekit_live_backlog_chunks",
-            "Flushed batches not yet partitioned.",
-            value=w.backlog_batches,
+            yield self._one(CounterMetricFamily, name, doc, value)
+        yield self._one(GaugeMetricFamily, "tracekit_live_backlog_batches",
+                        "Flushed batches not yet settled.", w.backlog_batches)  # fmt: skip
+        yield self._one(
+            GaugeMetricFamily,
+            "tracekit_live_settled_to_timestamp_seconds",
+            "Unix time up to which every gap is settled (the engine clock mapped onto the "
+            "wall clock at each flush).",
+            v.settled_to_unix_s,
         )
-        yield _gauge_ms("tracekit_live_settled_to_seconds",
-                        "Engine clock up to which every gap is settled, seconds.",
-                        s.settled_to_s * 1e3)  # fmt: skip
-        yield GaugeMetricFamily(
+        yield self._one(
+            GaugeMetricFamily,
             "tracekit_live_final",
             "1 once the run has closed: every gap settled, graph/forward on the whole run's fit.",
-            value=1.0 if s.final else 0.0,
+            1.0 if s.final else 0.0,
         )
-
-
-def _le(x: float) -> str:
-    return repr(float(x))
-
-
-def _gauge_ms(name: str, doc: str, ms: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=ms / 1e3)

@@ -47,26 +47,34 @@ import numpy as np
 
 from tracekit.analysis.figures import HIST_EDGES_MS
 from tracekit.attribution.itl import CLEAN, fit_baseline, partition, primary_of
+from tracekit.attribution.ttft import TTFT_STANDARD_LABELS, ttft_partition
 from tracekit.labels import DEFAULT_CAUSE_MAP, STANDARD_LABELS, cause_of
 from tracekit.live.stats import LiveTotals, Settlement, SlowGap
-
-# _pair_evictions: the raw log's own pairing of eviction rows (log.parts keeps it private
-# until the flush contract module publishes it)
-from tracekit.log.parts import TABLE_COLS, UNKNOWN_TICK, _pair_evictions
+from tracekit.log.parts import TABLE_COLS, UNKNOWN_TICK, pair_evictions
 from tracekit.log.rawlog import (
     GRAPH_EAGER,
+    Admissions,
     Counters,
     Emissions,
     Evictions,
     GcPauses,
+    PrefillChunks,
     RawLog,
     Requests,
     Segments,
     Steps,
+    Waits,
 )
 
-#: TTFT histogram buckets, seconds (upper bounds; +Inf added).
-TTFT_BUCKETS_S: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: Gap histogram buckets, seconds: upper bounds, each counting the gaps <= it (Prometheus'
+#: `le`); +Inf added. A single gap can reach seconds (a long prefill chunk, a preemption).
+GAP_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10,
+)  # fmt: skip
+#: TTFT histogram buckets, seconds (upper bounds, counting TTFTs <= each; +Inf added).
+TTFT_BUCKETS_S: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120,
+)  # fmt: skip
 #: A slow gap lists at most this many of the steps it overlaps (the first and last halves).
 MAX_SPAN_STEPS = 64
 
@@ -80,6 +88,11 @@ _EM = {c: i for i, c in enumerate(TABLE_COLS["emissions"])}
 _EV = {c: i for i, c in enumerate(TABLE_COLS["events"])}
 _RQ = {c: i for i, c in enumerate(TABLE_COLS["requests"])}
 _NO_TICK = np.iinfo(np.int64).max
+#: Parts the partition derives (decode's split, time no window covers): an engine label of
+#: that name becomes the cause ``engine_<name>``, so that the two never add up.
+DERIVED_CAUSES = frozenset({"graph", "forward", "residual", "decode_other", "prefill_own"})
+#: The tables only the TTFT partition reads.
+TTFT_TABLES = ("admissions", "prefill_chunks", "waits")
 
 
 @dataclass(slots=True)
@@ -96,8 +109,18 @@ class FlushedBatch:
     request_ids_start: int | None
     request_ids: list[str]
     flush_tick: int | None
+    open_tick: int | None
     t0_tick: int | None
     is_stop: bool
+
+
+def ttft_by_cause(window: RawLog, requests: np.ndarray) -> tuple[tuple[str, ...], np.ndarray]:
+    """The TTFT partition by cause (`tracekit.attribution.ttft.ttft_partition`) of
+    `requests` over a settler's window: the default TTFT partitioner of live mode."""
+    p = ttft_partition(window)
+    row_of = {int(r): i for i, r in enumerate(p.request.tolist())}
+    rows = [row_of[int(r)] for r in requests.tolist() if int(r) in row_of]
+    return p.labels, p.parts_ms[rows]
 
 
 def read_batch(batch: Mapping[str, Any]) -> FlushedBatch:
@@ -114,6 +137,7 @@ def read_batch(batch: Mapping[str, Any]) -> FlushedBatch:
         request_ids_start=int(batch["request_ids_start"]) if "request_ids_start" in batch else None,
         request_ids=[str(x) for x in batch.get("request_ids", [])],
         flush_tick=int(batch["flush_tick"]) if "flush_tick" in batch else None,
+        open_tick=int(batch["open_tick"]) if "open_tick" in batch else None,
         t0_tick=int(batch["t0_tick"]) if "t0_tick" in batch else None,
         is_stop="stop_tick" in batch,
     )
@@ -200,8 +224,11 @@ class _RunningLine:
 class Settler:
     """Settles a run's gaps and TTFTs from its flushed batches, as the run goes.
 
-    hold_s: how long after a flush a gap waits to be settled (a window open for longer is
-        late). tail_window: how many recent gaps (and TTFTs) the sliding p99 is taken over.
+    hold_s: how long after a flush a gap waits to be settled; and a gap a window still
+        open at the flush may overlap (the batch's ``open_tick``) waits for that window's
+        row, for at most `max_open_s`: only a window open longer, or one recorded after the
+        fact (`Recorder.add_segment`) more than `hold_s` late, is late.
+    tail_window: how many recent gaps (and TTFTs) the sliding p99 is taken over.
     max_retain_s: a request with no known ``max_new_tokens`` stops pinning the retained
         rows this long after its last emission; a later gap of it is counted truncated.
     refit_s: how often (engine clock) the running graph total is re-evaluated over every
@@ -218,8 +245,27 @@ class Settler:
         refit_s: float = 10.0,
         slo_ms: float | None = None,
         ttft_partitioner: TtftPartitioner | None = None,
+        gap_buckets_s: tuple[float, ...] = GAP_BUCKETS_S,
+        ttft_buckets_s: tuple[float, ...] = TTFT_BUCKETS_S,
+        max_open_s: float = 60.0,
     ) -> None:
+        for name, b in (("gap_buckets_s", gap_buckets_s), ("ttft_buckets_s", ttft_buckets_s)):
+            if (
+                not b
+                or any(not (x > 0 and math.isfinite(x)) for x in b)
+                or list(b) != sorted(set(b))
+            ):
+                raise ValueError(f"{name}: {b!r} is not an increasing list of finite seconds > 0")
+        self.gap_buckets_s = tuple(float(x) for x in gap_buckets_s)
+        self.ttft_buckets_s = tuple(float(x) for x in ttft_buckets_s)
+        for name, v, ok in (("hold_s", hold_s, hold_s >= 0), ("refit_s", refit_s, refit_s >= 0),
+                            ("max_retain_s", max_retain_s, max_retain_s > 0),
+                            ("max_open_s", max_open_s, max_open_s >= 0),
+                            ("tail_window", tail_window, tail_window >= 1)):  # fmt: skip
+            if not (ok and math.isfinite(v)):
+                raise ValueError(f"{name}: {v!r} is out of range")
         self.hold_s = hold_s
+        self._max_open_s = max_open_s
         self.slo_ms = slo_ms
         self._max_retain_s = max_retain_s
         self._refit_s = refit_s
@@ -229,7 +275,7 @@ class Settler:
         # the run's clock and vocabularies
         self._t0_tick = 0
         self._spt = 1e-9
-        self._hold_ticks = self._retain_ticks = self._refit_ticks = 0
+        self._hold_ticks = self._retain_ticks = self._refit_ticks = self._max_open_ticks = 0
         self._cause_map: dict[str, str] = dict(DEFAULT_CAUSE_MAP)
         self._labels: list[str] = []
         self._req_ids: list[str] = []
@@ -238,12 +284,17 @@ class Settler:
         self._segs = np.zeros((0, cols["segments"]), dtype=np.int64)
         self._gcs = np.zeros((0, cols["gc_pauses"]), dtype=np.int64)
         self._events = np.zeros((0, cols["events"]), dtype=np.int64)
+        # the TTFT partition's rows (admissions, prefill chunks, waits) of the requests whose
+        # TTFT is not settled yet (prefill chunks: of every retained step, a step's token
+        # total splits its prefill time)
+        self._ttft_rows = {k: np.zeros((0, cols[k]), dtype=np.int64) for k in TTFT_TABLES}
         self._pending = np.zeros((0, cols["emissions"]), dtype=np.int64)  # unsettled emissions
         self._steps = np.zeros((0, cols["steps"]), dtype=np.int64)
         self._step_base = 0  # global index of self._steps[0]
         self._settled_to_tick = -_NO_TICK  # gaps closing at or before this tick are settled
         self._horizon_tick = -_NO_TICK  # rows ending before this tick were dropped
         self._flush_tick = -_NO_TICK
+        self._open_tick: int | None = None  # the latest flush's earliest open window
         # per request (by index): its last settled emission (carried into the next window):
         # tick, step, token count, device step
         self._carry_tick = _Grow(np.int64, UNKNOWN_TICK)
@@ -272,10 +323,16 @@ class Settler:
         self._graph_ms = 0.0  # sum_s frac_s * w_s with the fit so far
         self.totals = LiveTotals(
             hist=np.zeros(len(HIST_EDGES_MS) - 1, dtype=np.int64),
+            gap_le=np.zeros(len(self.gap_buckets_s) + 1, dtype=np.int64),
             cause_ms=dict.fromkeys(STANDARD_LABELS, 0.0),
+            tail_count=dict.fromkeys(
+                [lb for lb in STANDARD_LABELS if lb not in ("forward", "residual")] + ["clean"], 0
+            ),
             tail_ms=dict.fromkeys(STANDARD_LABELS, 0.0),
-            ttft_hist=np.zeros(len(TTFT_BUCKETS_S) + 1, dtype=np.int64),
+            ttft_hist=np.zeros(len(self.ttft_buckets_s) + 1, dtype=np.int64),
         )
+        if ttft_partitioner is ttft_by_cause:  # its standard labels, at 0 from the start
+            self.totals.ttft_cause_ms = dict.fromkeys(TTFT_STANDARD_LABELS, 0.0)
 
     def open(self, meta: Mapping[str, Any]) -> None:
         """The run's clock and cause map (the recorder's start meta)."""
@@ -283,12 +340,30 @@ class Settler:
         self._spt = float(meta.get("seconds_per_tick", 1e-9))
         self._cause_map = {**DEFAULT_CAUSE_MAP, **dict(meta.get("cause_map") or {})}
         self._hold_ticks = int(self.hold_s / self._spt)
+        self._max_open_ticks = int(self._max_open_s / self._spt)
         self._retain_ticks = int(self._max_retain_s / self._spt)
         self._refit_ticks = int(self._refit_s / self._spt)
+
+    @property
+    def flush_s(self) -> float:
+        """The latest flush, engine-clock seconds (NaN: none yet)."""
+        if self._flush_tick == -_NO_TICK:
+            return math.nan
+        return float(self.secs(np.array([self._flush_tick]))[0])
 
     def secs(self, ticks: np.ndarray) -> np.ndarray:
         """Engine-clock seconds since the run's start, computed as the raw log's merge does."""
         return (ticks - self._t0_tick).astype(np.float64) * self._spt
+
+    def retained(self) -> dict[str, int]:
+        """How many rows the settler holds (what bounds its memory)."""
+        return {
+            "segments": len(self._segs),
+            "steps": len(self._steps),
+            "pending_emissions": len(self._pending),
+            "ttft_rows": sum(len(v) for v in self._ttft_rows.values()),
+            "inflight": len(self._inflight),
+        }
 
     def add(self, batch: Mapping[str, Any]) -> Settlement:
         """Ingest one flushed batch and settle what it makes settleable."""
@@ -303,6 +378,10 @@ class Settler:
             self._t0_tick = b.t0_tick
         if b.labels is not None:
             self._labels = b.labels
+            for lb in b.labels:  # an engine label named like a derived part: its own cause
+                cause = cause_of(lb, self._cause_map)
+                if cause in DERIVED_CAUSES:
+                    self._cause_map[lb] = f"engine_{cause}"
         start = b.request_ids_start if b.request_ids_start is not None else len(self._req_ids)
         self._req_ids[start : start + len(b.request_ids)] = b.request_ids
         n_req = len(self._req_ids)
@@ -331,6 +410,9 @@ class Settler:
             self._ttft_open = np.union1d(self._ttft_open, fresh)
             self._max_new.ensure(n_req)[rq[:, 0]] = rq[:, 3]
             self._prompt.ensure(n_req)[rq[:, 0]] = rq[:, 2]
+        for k in TTFT_TABLES:
+            if k in rows and len(rows[k]):
+                self._ttft_rows[k] = np.concatenate([self._ttft_rows[k], rows[k]])
         em = rows.get("emissions")
         if em is not None and len(em):
             self._pending = np.concatenate([self._pending, em])
@@ -338,9 +420,10 @@ class Settler:
             np.minimum.at(self._first_tick.ensure(n_req), em[:, 0], em[:, 1])
         if b.flush_tick is not None:
             self._flush_tick = b.flush_tick
+            self._open_tick = b.open_tick
 
     # -- TTFT -------------------------------------------------------------------------------
-    def _settle_ttft(self, w_tick: int) -> None:
+    def _settle_ttft(self, w_tick: int, out: Settlement) -> None:
         """The requests whose first token came by w_tick (and whose arrival is known): held
         like the gaps, so a TTFT partition sees every window of their wait."""
         n_req = len(self._req_ids)
@@ -356,12 +439,22 @@ class Settler:
         ttft_ms = (self.secs(first[new]) - self.secs(arr[new])) * 1e3
         self._ttft_ring.extend(ttft_ms)
         window = self._ttft_ring.values()
-        which = np.searchsorted(np.array(TTFT_BUCKETS_S) * 1e3, ttft_ms, side="left")
+        # bucket i counts the TTFTs <= bound i (in seconds, as a scraper compares them)
+        which = np.searchsorted(self.ttft_buckets_s, ttft_ms / 1e3, side="left")
         parts = None
+        # a request that waited longer than max_retain_s lost the rows of its wait's start:
+        # counted, never partitioned
+        whole = new[arr[new] >= self._horizon_tick]
+        self.totals.truncated_ttfts += len(new) - len(whole)
+        if self._ttft_partitioner is not None and len(whole):
+            lo_tick = int(arr[whole].min())  # every row from the earliest of their arrivals on
+            win = self._window(self._pending[:0], lo_tick=lo_tick, ttft_requests=whole)[0]
+            try:  # a failing TTFT partition costs its causes, never the gaps or the counts
+                parts = self._ttft_partitioner(win, whole)
+            except Exception as e:
+                out.errors.append(e)
         if self._ttft_partitioner is not None:
-            lo = int(arr[new].min())  # every row from the earliest of their arrivals on
-            win = self._window(self._pending[:0], lo=lo, with_requests=True)[0]
-            parts = self._ttft_partitioner(win, new)
+            self._drop_ttft_rows()
         t = self.totals
         t.ttft_n += len(new)
         t.ttft_sum_s += float(ttft_ms.sum()) / 1e3
@@ -379,6 +472,10 @@ class Settler:
         graph/forward split on the whole run's fit, when `final`)."""
         out = Settlement()
         w_tick = _NO_TICK if final else self._flush_tick - self._hold_ticks
+        if not final and self._open_tick is not None:
+            # a window open at the flush (its row is still to come) holds back every gap
+            # it may overlap, for at most `max_open_s`; one open longer arrives late
+            w_tick = min(w_tick, max(self._open_tick, self._flush_tick - self._max_open_ticks))
         if w_tick <= self._settled_to_tick:
             return out
         pend = self._pending
@@ -388,7 +485,7 @@ class Settler:
         steps_done = self._steps_to_settle(w_tick)
         if len(new_em) or steps_done:
             self._settle_window(new_em, w_tick, final, out)
-        self._settle_ttft(w_tick)
+        self._settle_ttft(w_tick, out)
         self._settled_to_tick = w_tick
         if not final:
             self.totals.settled_to_s = float(self.secs(np.array([w_tick]))[0])
@@ -412,10 +509,16 @@ class Settler:
         return int(np.searchsorted(np.cumsum(ends > w_tick), 0, side="right")) if len(ends) else 0
 
     def _window(
-        self, new_em: np.ndarray, *, lo: int | None = None, with_requests: bool = False
+        self,
+        new_em: np.ndarray,
+        *,
+        lo_tick: int | None = None,
+        ttft_requests: np.ndarray | None = None,
     ) -> tuple[RawLog, int, np.ndarray]:
         """The rows that settling `new_em` needs, as a RawLog (steps re-based to `step_lo`),
-        and the window's emissions (the involved requests' carried rows, then `new_em`)."""
+        and the window's emissions (the involved requests' carried rows, then `new_em`).
+        With `ttft_requests`: their requests table rows (every other request's arrival NaN)
+        and the TTFT tables, for the TTFT partition of these requests."""
         req = np.unique(new_em[:, _EM["request"]])
         n = len(self._req_ids)
         c_t = self._carry_tick.ensure(n)[req]
@@ -429,20 +532,23 @@ class Settler:
             ]
         )[c_t != UNKNOWN_TICK]
         em = np.concatenate([carried, new_em]) if len(carried) else new_em
-        lo_t = [int(em[:, _EM["t"]].min())] if len(em) else []
+        starts = [int(em[:, _EM["t"]].min())] if len(em) else []
         first_unsettled = self._num_settled_steps - self._step_base
         if first_unsettled < len(self._steps):
-            lo_t.append(int(self._steps[first_unsettled, _ST["t0"]]))
-        if lo is None:
-            lo = min(lo_t) if lo_t else self._settled_to_tick
+            starts.append(int(self._steps[first_unsettled, _ST["t0"]]))
+        if lo_tick is None:
+            lo_tick = min(starts) if starts else self._settled_to_tick
         if len(em):
             if len(carried):
                 self.totals.truncated_gaps += int((carried[:, _EM["t"]] < self._horizon_tick).sum())
-        segs = self._segs[self._segs[:, _SG["t1"]] >= lo]
-        gcs = self._gcs[self._gcs[:, 1] >= lo]
+        segs = self._segs[self._segs[:, _SG["t1"]] >= lo_tick]
+        gcs = self._gcs[self._gcs[:, _GC["t1"]] >= lo_tick]
         # steps: every one a row refers to (the emitting ones too: a span lists the steps
         # its gap overlaps), from the first unsettled one on
         refs = [segs[:, _SG["step"]], em[:, _EM["step"]], em[:, _EM["device_step"]]]
+        tt = self._ttft_rows
+        if ttft_requests is not None:
+            refs += [tt["prefill_chunks"][:, 0], tt["waits"][:, 0]]
         ref = np.concatenate(refs)
         ref = ref[ref >= self._step_base]
         step_lo = min(
@@ -488,23 +594,60 @@ class Settler:
                 num_tokens=em[:, 3].copy(),
                 device_step=np.where(em[:, 4] >= step_lo, em[:, 4] - step_lo, -1),
             ),
-            evictions=_pair_evictions(self._events, secs),
+            evictions=pair_evictions(self._events, secs),
             # the partition never reads the requests: built only for a TTFT partitioner
-            requests=self._requests_table() if with_requests else Requests.empty(),
+            requests=self._requests_table(ttft_requests)
+            if ttft_requests is not None
+            else Requests.empty(),
             counters=Counters.empty(),
+            **(self._ttft_tables(step_lo, step_hi) if ttft_requests is not None else {}),
             labels=tuple(self._labels),
-            request_ids=tuple(self._req_ids) if with_requests else (),
+            request_ids=tuple(self._req_ids) if ttft_requests is not None else (),
             cause_map=self._cause_map,
             path="<live window>",
         )
         return window, step_lo, em
 
-    def _requests_table(self) -> Requests:
-        """Every request so far: arrival and first token (NaN: not yet), prompt, max new."""
+    def _ttft_tables(self, step_lo: int, step_hi: int) -> dict[str, Any]:
+        """The retained TTFT rows as the window's tables (steps re-based to `step_lo`); a
+        request's first admission only (what the raw log keeps)."""
+        tt = self._ttft_rows
+        ad = tt["admissions"]
+        if len(ad):
+            ad = ad[np.lexsort((ad[:, 1], ad[:, 0]))]
+            ad = ad[np.r_[True, ad[1:, 0] != ad[:-1, 0]]]
+        pf, wt = tt["prefill_chunks"], tt["waits"]
+        pf = pf[(pf[:, 0] >= step_lo) & (pf[:, 0] < step_hi)]
+        wt = wt[(wt[:, 0] >= step_lo) & (wt[:, 0] < step_hi)]
+        return {
+            "admissions": Admissions(request=ad[:, 0].copy(), t_s=self.secs(ad[:, 1])),
+            "prefill_chunks": PrefillChunks(
+                step=pf[:, 0] - step_lo, request=pf[:, 1].copy(), num_tokens=pf[:, 2].copy()
+            ),
+            "waits": Waits(
+                step=wt[:, 0] - step_lo, request=wt[:, 1].copy(), reason=wt[:, 2].copy()
+            ),
+        }
+
+    def _drop_ttft_rows(self) -> None:
+        """Keep the admissions and waits of the requests whose TTFT is still open and
+        whose rows since arrival are all retained."""
+        o = self._ttft_open
+        o = o[self._arrival_tick.ensure(len(self._req_ids))[o] >= self._horizon_tick]
+        for k in ("admissions", "waits"):
+            rows = self._ttft_rows[k]
+            self._ttft_rows[k] = rows[np.isin(rows[:, 1 if k == "waits" else 0], o)]
+
+    def _requests_table(self, which: np.ndarray) -> Requests:
+        """Every request so far: arrival (NaN: unknown, or not in `which`) and first token
+        (NaN: not yet), prompt, max new tokens."""
         n = len(self._req_ids)
         arr, first = self._arrival_tick.ensure(n)[:n], self._first_tick.ensure(n)[:n]
+        arrival_s = np.full(n, np.nan)
+        ok = which[arr[which] != UNKNOWN_TICK]
+        arrival_s[ok] = self.secs(arr[ok])
         return Requests(
-            arrival_s=np.where(arr != UNKNOWN_TICK, self.secs(arr), np.nan),
+            arrival_s=arrival_s,
             prompt_tokens=self._prompt.ensure(n)[:n].copy(),
             max_new_tokens=self._max_new.ensure(n)[:n].copy(),
             first_token_s=np.where(first != _NO_TICK, self.secs(first), np.nan),
@@ -574,12 +717,14 @@ class Settler:
             np.where(primary == CLEAN, len(causes), primary)
         ]
         which = np.searchsorted(np.array(HIST_EDGES_MS), p.gap_ms, side="right") - 1
+        le = np.searchsorted(self.gap_buckets_s, p.gap_ms / 1e3, side="left")
         sums = p.parts_ms.sum(axis=0)
         tail_sums = parts[tail].sum(axis=0)
         t = self.totals
         t.gaps += len(p)
         t.gap_sum_s += float(p.gap_ms.sum()) / 1e3
         np.add.at(t.hist, which, 1)
+        np.add.at(t.gap_le, le, 1)
         for j, lb in enumerate(p.labels):
             if j not in (gcol, fcol):
                 t.cause_ms[lb] = t.cause_ms.get(lb, 0.0) + float(sums[j])
@@ -728,14 +873,19 @@ class Settler:
         if i < len(self._steps):
             bounds.append(int(self._steps[i, _ST["t0"]]))
         if self._ttft_partitioner is not None and len(self._ttft_open):
-            bounds.append(int(self._arrival_tick.ensure(n_req)[self._ttft_open].min()))
-        H = min(bounds)
-        if H <= self._horizon_tick:
+            # the requests waiting for a first token pin the rows from their arrival on,
+            # for at most max_retain_s (an aborted request never gets one)
+            a = self._arrival_tick.ensure(n_req)[self._ttft_open]
+            a = a[a >= w_tick - self._retain_ticks]
+            if len(a):
+                bounds.append(int(a.min()))
+        h_tick = min(bounds)
+        if h_tick <= self._horizon_tick:
             return
-        self._horizon_tick = H
-        self._segs = self._segs[self._segs[:, _SG["t1"]] >= H]
-        self._gcs = self._gcs[self._gcs[:, _GC["t1"]] >= H]
-        self._events = _drop_closed_evictions(self._events, H)
+        self._horizon_tick = h_tick
+        self._segs = self._segs[self._segs[:, _SG["t1"]] >= h_tick]
+        self._gcs = self._gcs[self._gcs[:, _GC["t1"]] >= h_tick]
+        self._events = _drop_closed_evictions(self._events, h_tick)
         # steps: keep every one a retained row or a live carry may still name
         keep = [self._num_settled_steps]
         s = self._segs[:, _SG["step"]]
@@ -748,9 +898,16 @@ class Settler:
             a = self._pending[:, _EM[col]]
             if len(a[a >= 0]):
                 keep.append(int(a[a >= 0].min()))
+        # and every step an open TTFT's rows name (a prefill chunk of another request in
+        # such a step: its token total splits the step's prefill time)
+        pf, wt = self._ttft_rows["prefill_chunks"], self._ttft_rows["waits"]
+        for a in (pf[np.isin(pf[:, 1], self._ttft_open), 0], wt[:, 0]):
+            if len(a):
+                keep.append(int(a.min()))
         first = max(self._step_base, min(keep))
         self._steps = self._steps[first - self._step_base :]
         self._step_base = first
+        self._ttft_rows["prefill_chunks"] = pf[pf[:, 0] >= first]
 
 
 def _drop_closed_evictions(ev: np.ndarray, horizon: int) -> np.ndarray:

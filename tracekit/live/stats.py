@@ -43,6 +43,7 @@ class Settlement:
     num_gaps: int = 0
     slow_gaps: list[SlowGap] = field(default_factory=list)
     is_final: bool = False
+    errors: list[Exception] = field(default_factory=list)  # what failed but did not stop it
 
 
 @dataclass(slots=True)
@@ -50,6 +51,8 @@ class LiveTotals:
     """Every total settled so far, consistent with each other (what a scrape shows).
 
     hist: the report's gap bins ``[lo, hi)`` (`tracekit.analysis.figures.HIST_EDGES_MS`).
+    gap_le: per bucket of the settler's ``gap_buckets_s`` (then +Inf), the gaps above the
+    bucket before it and <= its bound (not cumulated); ttft_hist: the same for TTFTs.
     cause_ms: gap time by label, graph/forward under the fit so far (exact once final);
     decode_ms: graph + forward (fit-free). tail_*: the gaps at or above the sliding p99.
     settled_to_s: engine-clock seconds up to which every gap is settled (NaN: none yet).
@@ -58,6 +61,7 @@ class LiveTotals:
     gaps: int = 0
     gap_sum_s: float = 0.0
     hist: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    gap_le: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     cause_ms: dict[str, float] = field(default_factory=dict)
     decode_ms: float = 0.0
     tail_count: dict[str, int] = field(default_factory=dict)
@@ -71,6 +75,7 @@ class LiveTotals:
     ttft_cause_ms: dict[str, float] = field(default_factory=dict)
     late_rows: int = 0
     truncated_gaps: int = 0
+    truncated_ttfts: int = 0
     fit_steps: int = 0
     settled_to_s: float = math.nan
     final: bool = False
@@ -80,6 +85,7 @@ class LiveTotals:
             gaps=self.gaps,
             gap_sum_s=self.gap_sum_s,
             hist=self.hist.copy(),
+            gap_le=self.gap_le.copy(),
             cause_ms=dict(self.cause_ms),
             decode_ms=self.decode_ms,
             tail_count=dict(self.tail_count),
@@ -93,6 +99,7 @@ class LiveTotals:
             ttft_cause_ms=dict(self.ttft_cause_ms),
             late_rows=self.late_rows,
             truncated_gaps=self.truncated_gaps,
+            truncated_ttfts=self.truncated_ttfts,
             fit_steps=self.fit_steps,
             settled_to_s=self.settled_to_s,
             final=self.final,
@@ -107,3 +114,21 @@ class WorkerStats:
     spans: int = 0
     backlog_batches: int = 0
     cpu_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GapExemplar:
+    """A slow gap's span, standing for the histogram bucket its gap falls in."""
+
+    trace_id: str  # 32 hex digits
+    span_id: str  # 16 hex digits
+    gap_s: float
+    unix_s: float  # when the gap closed, Unix seconds
+
+
+@dataclass(slots=True)
+class WallView:
+    """The engine clock on the wall clock, and what the exporters show with it."""
+
+    settled_to_unix_s: float = float("nan")  # every gap closing by then is settled
+    exemplars: dict[int, GapExemplar] = field(default_factory=dict)  # by gap bucket

@@ -357,7 +357,7 @@ def merge_chunks(
         head = np.ones(len(r), dtype=bool)
         head[1:] = r[1:] != r[:-1]
         first[r[head]] = emissions.t_s[order][head]
-    evictions = _pair_evictions(table("events"), secs)
+    evictions = pair_evictions(table("events"), secs)
     ct = table("counters", np.float64)
     counters = Counters(
         name=ct[:, 0].astype(np.int64), t_s=(ct[:, 1] - t0) * scale, value=ct[:, 2].copy()
@@ -420,7 +420,7 @@ def _ttft_tables(
     return admissions, prefill, waits
 
 
-def _pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) -> Evictions:
+def pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) -> Evictions:
     """Pair each eviction with the next readmission of the same request (NaN: none)."""
     if len(ev) == 0:
         return Evictions.empty()

@@ -1,0 +1,190 @@
+"""Live mode through a real Prometheus server (Debian's `prometheus` package): the server,
+started here on loopback with a 1 s scrape interval, scrapes a real `tracekit demo run
+--metrics-port`; after the run, what Prometheus answers over its HTTP API is compared
+with the offline `tracekit gaps` / `tracekit ttft` of the run's log.
+
+Expected values come from the offline partition of the same log (docs/partition.md,
+docs/ttft.md); the rules checked here are Prometheus' own: `increase()` over the run of a
+counter that starts at 0 and never decreases is its final value; `resets()` is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlencode
+from urllib.request import urlopen
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+pytest.importorskip("opentelemetry.sdk")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None,
+    reason="no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it)",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urlopen(url, timeout=10) as r:
+        return json.loads(r.read().decode())
+
+
+class Prom:
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+
+    def query(self, expr: str, at: float) -> list[dict]:
+        out = _get(f"{self.base}/api/v1/query?" + urlencode({"query": expr, "time": repr(at)}))
+        assert out["status"] == "success", (expr, out)
+        return out["data"]["result"]
+
+    def one(self, expr: str, at: float) -> float:
+        res = self.query(expr, at)
+        assert len(res) == 1, (expr, res)
+        return float(res[0]["value"][1])
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    target, web = _free_port(), _free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
+        "scrape_configs:\n  - job_name: tracekit\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{target}']\n"
+    )
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{web}", "--enable-feature=exemplar-storage"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"),
+    )  # fmt: skip
+    try:
+        for _ in range(300):
+            try:
+                with urlopen(f"http://127.0.0.1:{web}/-/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail(
+                "prometheus never became ready: " + (tmp_path / "prometheus.log").read_text()
+            )
+        yield Prom(web), target
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _cli(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "tracekit", *args], capture_output=True,
+                       text=True, env=env, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def _dashboard_exprs() -> list[str]:
+    d = json.loads((ROOT / "dashboards" / "tracekit-live.json").read_text())
+    return [t["expr"] for p in d["panels"] for t in p["targets"]]
+
+
+def test_prometheus_sees_the_offline_partition_of_a_real_demo_run(prometheus, tmp_path):
+    prom, port = prometheus
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-m", "demo_engine.cli", "run", "--rung", "baseline", "--seed", "2",
+         "--rate", "12", "--duration", "8", "--out", str(tmp_path), "--quiet",
+         "--metrics-port", str(port), "--slo-ms", "40", "--lead-s", "3", "--linger-s", "4"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert f"127.0.0.1:{port}/metrics" in run.stderr  # the address, --quiet notwithstanding
+    path = str(tmp_path / "baseline__s2.npz")
+    gaps = [json.loads(x) for x in _cli("gaps", path).splitlines() if x.strip()]
+    ttft = [json.loads(x) for x in _cli("ttft", path, "--format", "jsonl").splitlines() if x]
+    a = json.loads(_cli("analyze", path, "--format", "jsonl").splitlines()[0])
+    assert a["gaps"] == len(gaps) > 0 and len(ttft) > 0
+
+    sel = '{job="tracekit",run="baseline__s2"}'
+    now = time.time()
+    # the last scrape of the run (the lingering final values): queries are evaluated there,
+    # so increase() has nothing to extrapolate past its last sample; and (--lead-s) the
+    # first scrapes saw every series at 0, before the run began
+    last = prom.one(f"max(max_over_time(timestamp(tracekit_live_final{sel})[5m:1s]))", now)
+    first = prom.one(f"min(min_over_time(timestamp(tracekit_gaps_total{sel})[5m:1s]))", last)
+    span = f"[{int(last - first) + 5}s]"
+    assert prom.one(f"max_over_time(tracekit_live_final{sel}{span})", last) == 1
+    assert prom.one(f"tracekit_live_late_rows_total{sel}", last) == 0
+    assert prom.one(f"tracekit_live_errors_total{sel}", last) == 0
+
+    def increase(metric: str, **labels: str) -> float:
+        lab = ",".join([sel[1:-1], *(f'{k}="{v}"' for k, v in labels.items())])
+        return prom.one(f"increase({metric}{{{lab}}}{span})", last)
+
+    assert increase("tracekit_gaps_total") == pytest.approx(len(gaps), rel=0.01)
+    # every cause counter over the run = the offline per-gap parts summed (decode: graph
+    # + forward; their split is a gauge, final at close)
+    labels = a["labels"]
+    for lb in labels:
+        off = sum(g["parts"][lb] for g in gaps) / 1e3
+        if lb in ("graph", "forward"):
+            got = prom.one(f'tracekit_gap_decode_split_seconds{{{sel[1:-1]},cause="{lb}"}}', last)
+        else:
+            got = increase("tracekit_gap_cause_seconds_total", cause=lb)
+        assert got == pytest.approx(off, rel=0.01, abs=1e-6), lb
+    dec = sum(g["parts"]["graph"] + g["parts"]["forward"] for g in gaps) / 1e3
+    assert increase("tracekit_gap_cause_seconds_total", cause="decode") == pytest.approx(
+        dec, rel=0.01
+    )
+    # TTFT by cause (decode_other + graph exported as decode)
+    tl = set().union(*(r["parts"] for r in ttft))
+    for lb in sorted(tl - {"graph", "decode_other"}):
+        off = sum(r["parts"][lb] for r in ttft) / 1e3
+        got = increase("tracekit_ttft_cause_seconds_total", cause=lb)
+        assert got == pytest.approx(off, rel=0.01, abs=1e-6), lb
+    off = sum(r["parts"]["graph"] + r["parts"]["decode_other"] for r in ttft) / 1e3
+    assert increase("tracekit_ttft_cause_seconds_total", cause="decode") == pytest.approx(
+        off, rel=0.01, abs=1e-6
+    )
+    assert increase("tracekit_ttft_seconds_count") == pytest.approx(len(ttft), rel=0.01)
+
+    # no series ever decreased: no counter or bucket reset in the whole run
+    names = _get(f"{prom.base}/api/v1/label/__name__/values")["data"]
+    monotone = [n for n in names if n.startswith("tracekit_") and n.endswith(
+        ("_total", "_bucket", "_count", "_sum"))]  # fmt: skip
+    assert "tracekit_gap_cause_seconds_total" in monotone and len(monotone) >= 12
+    for m in monotone:
+        res = prom.query(f"resets({m}{sel}{span})", last)
+        assert res and all(float(r["value"][1]) == 0 for r in res), (m, res)
+
+    # every query of the shipped dashboard returns data, mid-run (rates are not 0/0 there)
+    mid = (first + last) / 2
+    for expr in _dashboard_exprs():
+        q = expr.replace("$__rate_interval", "4s").replace('run=~"$run"', 'run=~".*"')
+        assert prom.query(q, mid), expr
+
+    # exemplars: slow gaps' spans on the gap histogram's buckets
+    ex = _get(f"{prom.base}/api/v1/query_exemplars?" + urlencode(
+        {"query": f"tracekit_gap_seconds_bucket{sel}", "start": repr(first - 5), "end": repr(last)}
+    ))  # fmt: skip
+    assert ex["status"] == "success"
+    found = [e for series in ex["data"] for e in series["exemplars"]]
+    assert found and all(len(e["labels"]["trace_id"]) == 32 for e in found)
+    assert all(float(e["value"]) >= 0.040 for e in found)  # only gaps >= the SLO
