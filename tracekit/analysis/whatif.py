@@ -1,0 +1,612 @@
+"""What to fix first: a run's figures with one cause (or one family of causes) removed
+(docs/whatif.md).
+
+Two models, each number tagged with the one it comes from:
+
+- **first order** (`FIRST`): every gap and every TTFT loses the time its partition gave the
+  removed labels; the figures are recomputed over all gaps. A removed stall does not move
+  anything else.
+- **second order** (`SECOND`): the recorded step schedule replayed without the removed
+  time, with the same batches: an instant of the engine's timeline goes only where every
+  window running then goes (a stall hidden under a longer one stays), a victim's evicted
+  gap becomes one gap per step it missed, its readmission prefill and the waits behind
+  preempted requests go.
+
+Pure: a `RawLog` and its partitions in, a `WhatIf` out. Only the public attributes of
+`Partition` and `TtftPartition` are read. `first_order_reference` and
+`replay_removed_reference` are the slow, obvious versions the tests hold the fast ones to.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tracekit.analysis.compare import Spread
+from tracekit.attribution.itl import Partition, evicted_windows, segment_causes
+from tracekit.attribution.ttft import TtftPartition, prefill_shares, wait_windows
+from tracekit.errors import TracekitError
+from tracekit.labels import NON_CAUSES
+from tracekit.log.rawlog import WAIT_REASONS, RawLog
+
+FIRST = "first"
+SECOND = "second"
+MODELS = (FIRST, SECOND)
+
+#: The figures a what-if predicts: (name, "itl" | "ttft", percentile; 100 is the max).
+FIGURES: tuple[tuple[str, str, float], ...] = (
+    ("itl_p50_ms", "itl", 50.0),
+    ("itl_p99_ms", "itl", 99.0),
+    ("itl_p999_ms", "itl", 99.9),
+    ("itl_max_ms", "itl", 100.0),
+    ("ttft_p50_ms", "ttft", 50.0),
+    ("ttft_p90_ms", "ttft", 90.0),
+    ("ttft_p99_ms", "ttft", 99.0),
+)
+FIGURE_NAMES: tuple[str, ...] = tuple(f[0] for f in FIGURES)
+
+#: Cause families (docs/whatif.md): family -> (ITL labels, TTFT labels). A family is removed
+#: as a whole; labels a run lacks are simply absent from it.
+_HOST_LABELS: tuple[str, ...] = (
+    *("gc", "tok", "graph", "sample", "detokenize", "prepare", "update", "draft"),
+    *("sse_write", "api_server"),
+)
+FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "host": (_HOST_LABELS, (*_HOST_LABELS, "wait_tokenizing")),
+    "scheduling": (
+        ("prefill", "schedule"),
+        ("prefill_other", "schedule", "wait_max_num_seqs", "wait_token_budget"),
+    ),
+    "memory": (("preempt",), ("preempt", "wait_kv_blocks", "wait_preempted_first")),
+    "os": (("os",), ("os",)),
+}
+#: TTFT parts that are a request's own state (not engine time): removing one removes the
+#: request's time in that state, and the engine time inside it is not removed again.
+_STATE_TTFT = frozenset({"preempt", *(f"wait_{r}" for r in WAIT_REASONS)})
+#: TTFT labels never removed by themselves: the request's own prefill, uncovered time, an
+#: unsplit request's prefill (own and others' mixed), and others' decoding (the forward pass
+#: a batch runs anyway, not a stall a fix removes).
+_TTFT_NON_CAUSES = frozenset({"prefill_own", "residual", "prefill", "decode_other"})
+
+ASSUMPTIONS: dict[str, tuple[str, ...]] = {
+    FIRST: (
+        "a removed stall does not shift later arrivals or schedules: every other gap keeps "
+        "its length and the batches stay as recorded",
+        "the time the partition gave the cause goes, even where another window overlapped it "
+        "(a stall hidden under a longer one counts as removable)",
+        "an evicted gap keeps its live remainder as one gap: the victim's tokens that would "
+        "have come during its eviction are not added",
+    ),
+    SECOND: (
+        "the recorded steps replay in order with the same batches; an instant goes only "
+        "where every window running then goes (a hidden stall stays)",
+        "arrivals do not move: a TTFT loses only removable time after its arrival",
+        "removing preemption: each victim emits at every step it missed, its readmission "
+        "prefill and the waits behind preempted requests go; what a policy that avoids "
+        "preemption does instead (holding new requests back) is not predicted",
+    ),
+}
+
+
+class WhatIfError(TracekitError):
+    """A removal that names no cause of the run."""
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What is taken out: ITL partition labels and TTFT partition labels."""
+
+    name: str  # the cause, or the family's name
+    kind: str  # "cause" | "family"
+    itl_labels: tuple[str, ...]
+    ttft_labels: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One removal under one model: the run's figures without it."""
+
+    removal: Removal
+    model: str  # FIRST | SECOND
+    figures: Mapping[str, float]  # FIGURE_NAMES -> ms
+    removed_ms: float  # ITL time taken out, summed over the run's gaps
+    num_gaps: int  # gaps the figures are over (second order: victims' split gaps added)
+
+    def change_ms(self, measured: Mapping[str, float]) -> dict[str, float]:
+        return {k: self.figures[k] - measured[k] for k in FIGURE_NAMES}
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """Every removal of one run, by both models."""
+
+    path: str
+    config: Mapping[str, Any]
+    measured: Mapping[str, float]  # FIGURE_NAMES -> ms, the run as recorded
+    num_gaps: int
+    predictions: tuple[Prediction, ...]
+    assumptions: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(ASSUMPTIONS))
+
+    def get(self, name: str, model: str) -> Prediction | None:
+        for p in self.predictions:
+            if p.removal.name == name and p.model == model:
+                return p
+        return None
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per (removal, model), for `--format jsonl`."""
+        out = []
+        for p in self.predictions:
+            rec: dict[str, Any] = {
+                "run": os.path.basename(self.path),
+                "path": self.path,
+                "removal": p.removal.name,
+                "kind": p.removal.kind,
+                "model": p.model,
+                "itl_labels": list(p.removal.itl_labels),
+                "ttft_labels": list(p.removal.ttft_labels),
+                "removed_ms": _finite(p.removed_ms),
+                "gaps": p.num_gaps,
+            }
+            change = p.change_ms(self.measured)
+            for k in FIGURE_NAMES:
+                rec[k] = _finite(p.figures[k])
+                rec[f"measured_{k}"] = _finite(self.measured[k])
+                rec[f"change_{k}"] = _finite(change[k])
+            rec["assumptions"] = list(self.assumptions[p.model])
+            out.append(rec)
+        return out
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+# -- removals -----------------------------------------------------------------------------
+
+
+def removals(part: Partition, tpart: TtftPartition) -> list[Removal]:
+    """Every cause of the run (ITL causes first, then TTFT-only ones), then every family
+    with a label in the run."""
+    itl = [lb for lb in part.labels if lb not in NON_CAUSES]
+    tt = set(tpart.labels)
+    out = []
+    for c in itl:
+        ttl = tuple(x for x in (c, "prefill_other" if c == "prefill" else "") if x in tt)
+        out.append(Removal(c, "cause", (c,), ttl))
+    for c in tpart.labels:
+        if c not in _TTFT_NON_CAUSES and c not in itl and c != "prefill_other":
+            out.append(Removal(c, "cause", (), (c,)))
+    for fam, (fi, ft) in FAMILIES.items():
+        il = tuple(lb for lb in fi if lb in part.labels)
+        tl = tuple(lb for lb in ft if lb in tt)
+        if il or tl:
+            out.append(Removal(fam, "family", il, tl))
+    return out
+
+
+def find_removal(part: Partition, tpart: TtftPartition, name: str) -> Removal:
+    """The removal named `name` (a cause or a family), or a one-line error listing them."""
+    rs = removals(part, tpart)
+    for r in rs:
+        if r.name == name:
+            return r
+    raise WhatIfError(f"no cause or family {name!r} in this run; there are: "
+                      + ", ".join(r.name for r in rs))  # fmt: skip
+
+
+def _second_ttft_labels(r: Removal) -> tuple[str, ...]:
+    """Second order: removing preemption also removes the waits behind preempted requests."""
+    if "preempt" in r.itl_labels and "wait_preempted_first" not in r.ttft_labels:
+        return (*r.ttft_labels, "wait_preempted_first")
+    return r.ttft_labels
+
+
+# -- figures ------------------------------------------------------------------------------
+
+
+def _figures(gap_ms: np.ndarray, ttft_ms: np.ndarray) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for which, a in (("itl", gap_ms), ("ttft", ttft_ms)):
+        names = [(n, q) for n, w, q in FIGURES if w == which]
+        if len(a):
+            vals = np.percentile(a, [q for _, q in names])
+        else:
+            vals = [math.nan] * len(names)
+        out.update({n: float(v) for (n, _), v in zip(names, vals, strict=True)})
+    return out
+
+
+def _cols(labels: Sequence[str], want: Iterable[str]) -> list[int]:
+    return [labels.index(lb) for lb in want if lb in labels]
+
+
+def _owned(parts_ms: np.ndarray, labels: Sequence[str], want: Iterable[str]) -> np.ndarray:
+    idx = _cols(labels, want)
+    out = np.zeros(parts_ms.shape[0])
+    for j in idx:  # column by column (the partition stores its parts column-major)
+        out += parts_ms[:, j]
+    return out
+
+
+def first_order(part: Partition, tpart: TtftPartition, r: Removal) -> Prediction:
+    """docs/whatif.md, "First order": every gap and TTFT less the time it gave `r`."""
+    own = _owned(part.parts_ms, part.labels, r.itl_labels)
+    gap = np.maximum(part.gap_ms - own, 0.0)
+    ttft = np.maximum(tpart.ttft_ms - _owned(tpart.parts_ms, tpart.labels, r.ttft_labels), 0.0)
+    return Prediction(r, FIRST, _figures(gap, ttft), float(own.sum()), len(gap))
+
+
+def _percentile_reference(values: list[float], q: float) -> float:
+    """numpy's default (linear) percentile, written out."""
+    if not values:
+        return math.nan
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def first_order_reference(part: Partition, tpart: TtftPartition, r: Removal) -> Prediction:
+    """`first_order` with plain loops, one gap and one label at a time."""
+    gaps, removed = [], 0.0
+    for i in range(len(part.gap_ms)):
+        own = 0.0
+        for j, lb in enumerate(part.labels):
+            if lb in r.itl_labels:
+                own += float(part.parts_ms[i, j])
+        removed += own
+        gaps.append(max(float(part.gap_ms[i]) - own, 0.0))
+    ttfts = []
+    for i in range(len(tpart.ttft_ms)):
+        own = sum(
+            float(tpart.parts_ms[i, j]) for j, lb in enumerate(tpart.labels) if lb in r.ttft_labels
+        )
+        ttfts.append(max(float(tpart.ttft_ms[i]) - own, 0.0))
+    figs = {}
+    for name, which, q in FIGURES:
+        figs[name] = _percentile_reference(gaps if which == "itl" else ttfts, q)
+    return Prediction(r, FIRST, figs, removed, len(gaps))
+
+
+# -- second order: the replayed timeline ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The windows of the engine's timeline, each with its removable fraction."""
+
+    start_s: np.ndarray
+    end_s: np.ndarray
+    frac: np.ndarray  # removable fraction under the removal, in [0, 1]
+    kind: np.ndarray  # 0 host segment, 1 device segment, 2 GC pause
+
+
+def _readmit_prefill_share(log: RawLog) -> np.ndarray:
+    """Per step: the share of its prefill tokens that re-prefill a request after one of its
+    evictions (a victim's recompute on readmission)."""
+    pf, ev = log.prefill_chunks, log.evictions
+    out = np.zeros(len(log.steps))
+    if len(pf) == 0 or len(ev) == 0:
+        return out
+    first_ev = np.full(len(log.requests), np.inf)
+    np.minimum.at(first_ev, ev.request, ev.t_evict_s)
+    is_readmit = log.steps.t_start_s[pf.step] >= first_ev[pf.request]
+    np.add.at(out, pf.step[is_readmit], prefill_shares(log)[is_readmit])
+    return np.minimum(out, 1.0)
+
+
+def removable_windows(log: RawLog, part: Partition, itl_labels: Sequence[str]) -> Windows:
+    rm = set(itl_labels)
+    sg = log.segments
+    causes = segment_causes(log)
+    frac = np.array([1.0 if c in rm else 0.0 for c in causes.tolist()], dtype=np.float64)
+    if len(sg):
+        step = np.clip(sg.step, 0, max(len(log.steps) - 1, 0))
+        if "graph" in rm and len(part.baseline.eager_excess_frac):
+            dec = causes == "decode"
+            frac[dec] = part.baseline.eager_excess_frac[step[dec]]
+        if "preempt" in rm and "prefill" not in rm:
+            pre = causes == "prefill"
+            frac[pre] = _readmit_prefill_share(log)[step[pre]]
+    gc = log.gc_pauses
+    return Windows(
+        start_s=np.concatenate([sg.t_start_s, gc.t_start_s]),
+        end_s=np.concatenate([sg.t_end_s, gc.t_end_s]),
+        frac=np.concatenate([frac, np.full(len(gc), 1.0 if "gc" in rm else 0.0)]),
+        kind=np.concatenate([np.where(sg.is_device == 1, 1, 0), np.full(len(gc), 2)]).astype(
+            np.int64
+        ),
+    )
+
+
+def replay_removed(w: Windows, is_gc_removed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`(bounds_s, R_s)`: the removable time from the first boundary to each boundary
+    (docs/whatif.md, "The removable rate of an instant"); `R(x)` is linear between them."""
+    ok = w.end_s > w.start_s
+    s, e, f, k = w.start_s[ok], w.end_s[ok], w.frac[ok], w.kind[ok]
+    if not len(s):
+        return np.zeros(1), np.zeros(1)
+    bounds = np.unique(np.concatenate([s, e]))
+    m = len(bounds) - 1
+    a = np.searchsorted(bounds, s)
+    b = np.searchsorted(bounds, e)
+
+    def cover(sel: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
+        d = np.zeros(m + 1)
+        wt = np.ones(int(sel.sum())) if weight is None else weight[sel]
+        np.add.at(d, a[sel], wt)
+        np.add.at(d, b[sel], -wt)
+        return np.cumsum(d)[:m]
+
+    zero, one = f <= 0.0, f >= 1.0
+    part_f = ~zero & ~one
+    host, dev, gcw = k == 0, k == 1, k == 2
+    n_gc = cover(gcw)
+    # every window but the pauses, split by host/device: f == 0, f == 1, fractional
+    n0_dev, n1_dev = cover(dev & zero), cover(dev & one)
+    nf_dev, sf_dev = cover(dev & part_f), cover(dev & part_f, f)
+    n0_host, n1_host = cover(host & zero), cover(host & one)
+    nf_host, sf_host = cover(host & part_f), cover(host & part_f, f)
+
+    def rate(n0, n1, nf, sf) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fr = np.where(nf > 0.5, sf / np.maximum(nf, 1.0), 1.0)
+        covered = (n0 + n1 + nf) > 0.5
+        return np.where(covered & (n0 < 0.5), fr, 0.0)
+
+    in_gc = n_gc > 0.5
+    if is_gc_removed:
+        # a pause stops the interpreter: only device windows hold its time
+        r_gc = np.where(
+            n0_dev > 0.5, 0.0, np.where(nf_dev > 0.5, sf_dev / np.maximum(nf_dev, 1), 1.0)
+        )
+        r_live = rate(n0_dev + n0_host, n1_dev + n1_host, nf_dev + nf_host, sf_dev + sf_host)
+        r = np.where(in_gc, r_gc, r_live)
+    else:
+        r = rate(n0_dev + n0_host + n_gc, n1_dev + n1_host, nf_dev + nf_host, sf_dev + sf_host)
+    return bounds, np.concatenate([[0.0], np.cumsum(r * np.diff(bounds))])
+
+
+def replay_removed_reference(w: Windows, is_gc_removed: bool, x_s: Sequence[float]) -> list[float]:
+    """`R(x)` for each x, by walking every elementary interval and every window."""
+    ws = [
+        (float(a), float(b), float(f), int(k))
+        for a, b, f, k in zip(w.start_s, w.end_s, w.frac, w.kind, strict=True)
+        if b > a
+    ]
+    cuts = sorted({t for a, b, _, _ in ws for t in (a, b)})
+    pieces = []  # (lo, hi, rate)
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        mid = (lo + hi) / 2
+        on = [(f, k) for a, b, f, k in ws if a <= mid < b]
+        in_gc = any(k == 2 for _, k in on)
+        if is_gc_removed and in_gc:
+            held = [f for f, k in on if k == 1]
+            rate = 1.0 if not held else (0.0 if min(held) <= 0 else _mean_or_one(held))
+        else:
+            fs = [f for f, _ in on]
+            rate = 0.0 if not fs or min(fs) <= 0 else _mean_or_one(fs)
+        pieces.append((lo, hi, rate))
+    out = []
+    for x in x_s:
+        out.append(sum(max(0.0, min(hi, x) - lo) * rt for lo, hi, rt in pieces if x > lo))
+    return out
+
+
+def _mean_or_one(fs: list[float]) -> float:
+    """The rate where every covering window is removable: the mean of the fractional ones."""
+    frac = [f for f in fs if f < 1.0]
+    return sum(frac) / len(frac) if frac else 1.0
+
+
+def _at(bounds: np.ndarray, cum: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return np.interp(x, bounds, cum)
+
+
+def _victim_gaps(
+    log: RawLog, part: Partition, bounds: np.ndarray, cum: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Preemption removed: (rows of the evicted gaps, the replayed gaps that replace them):
+    each evicted gap split at the end of every step that ended while its request was out."""
+    rq, a, b = evicted_windows(log)
+    ends = np.sort(log.steps.t_end_s)
+    rows = np.flatnonzero(part.num_evictions > 0)
+    if not len(rows):
+        return rows, np.zeros(0)
+    cuts: list[list[float]] = [[] for _ in rows]
+    pos = {int(g): i for i, g in enumerate(rows)}
+    for ri, ai, bi in zip(rq.tolist(), a.tolist(), b.tolist(), strict=True):  # one per eviction
+        lo = int(np.searchsorted(part.request, ri, "left"))
+        hi = int(np.searchsorted(part.request, ri, "right"))
+        g = lo + int(np.searchsorted(part.t1_s[lo:hi], ai, "right"))
+        if g >= hi or g not in pos or not part.t0_s[g] <= ai < part.t1_s[g]:
+            continue
+        x0, x1 = max(ai, part.t0_s[g]), min(bi, part.t1_s[g])
+        cuts[pos[g]] += ends[
+            np.searchsorted(ends, x0, "right") : np.searchsorted(ends, x1, "left")
+        ].tolist()
+    out = []
+    for i, g in enumerate(rows.tolist()):
+        x = np.array([part.t0_s[g], *sorted(set(cuts[i])), part.t1_s[g]])
+        out.append(np.diff(x - _at(bounds, cum, x)) * 1e3)
+    return rows, np.maximum(np.concatenate(out), 0.0)
+
+
+def _state_windows(log: RawLog, labels: Iterable[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(request, start, end) of the evictions and waits whose TTFT label is in `labels`."""
+    want = set(labels)
+    rs, ss, es = [], [], []
+    if "preempt" in want:
+        r, a, b = evicted_windows(log)
+        rs.append(r)
+        ss.append(a)
+        es.append(b)
+    wr, wa, wb, reason = wait_windows(log)
+    if len(wr):
+        names = np.array([f"wait_{x}" for x in WAIT_REASONS], dtype=object)[reason]
+        sel = np.isin(names, list(want))
+        rs.append(wr[sel])
+        ss.append(wa[sel])
+        es.append(wb[sel])
+    if not rs:
+        z = np.zeros(0)
+        return z.astype(np.int64), z, z
+    return np.concatenate(rs).astype(np.int64), np.concatenate(ss), np.concatenate(es)
+
+
+def second_order(log: RawLog, part: Partition, tpart: TtftPartition, r: Removal) -> Prediction:
+    """docs/whatif.md, "Second order": the recorded schedule replayed without `r`."""
+    w = removable_windows(log, part, r.itl_labels)
+    bounds, cum = replay_removed(w, "gc" in r.itl_labels)
+    removed_ms = (_at(bounds, cum, part.t1_s) - _at(bounds, cum, part.t0_s)) * 1e3
+    gap = np.maximum(part.gap_ms - removed_ms, 0.0)
+    if "preempt" in r.itl_labels:
+        rows, split = _victim_gaps(log, part, bounds, cum)
+        keep = np.ones(len(gap), bool)
+        keep[rows] = False
+        gap = np.concatenate([gap[keep], split])
+    # TTFT: the request's own state parts go whole; the engine time after arrival, outside
+    # those states, goes where it is removable
+    tl = _second_ttft_labels(r)
+    state = [lb for lb in tl if lb in _STATE_TTFT]
+    engine = (_at(bounds, cum, tpart.first_token_s) - _at(bounds, cum, tpart.arrival_s)) * 1e3
+    if state:
+        sr, sa, sb = _state_windows(log, state)
+        row_of = np.full(len(log.requests), -1)
+        row_of[tpart.request] = np.arange(len(tpart))
+        rr = row_of[sr] if len(sr) else np.zeros(0, np.int64)
+        ok = rr >= 0
+        rr, sa, sb = rr[ok], sa[ok], sb[ok]
+        x0 = np.maximum(sa, tpart.arrival_s[rr])
+        x1 = np.minimum(sb, tpart.first_token_s[rr])
+        inside = x1 > x0
+        held = np.zeros(len(tpart))
+        d = (_at(bounds, cum, x1[inside]) - _at(bounds, cum, x0[inside])) * 1e3
+        np.add.at(held, rr[inside], d)
+        engine = engine - held
+    if "prefill" in r.itl_labels:
+        # the timeline lost every prefill window, the request's own prefill with them: that
+        # stays in its TTFT (and an unsplit request's prefill, own and others' mixed, too)
+        engine = engine - _owned(tpart.parts_ms, tpart.labels, ("prefill_own", "prefill"))
+    ttft = tpart.ttft_ms - _owned(tpart.parts_ms, tpart.labels, state) - np.maximum(engine, 0.0)
+    return Prediction(
+        r, SECOND, _figures(gap, np.maximum(ttft, 0.0)), float(removed_ms.sum()), len(gap)
+    )
+
+
+# -- one run, every removal -----------------------------------------------------------------
+
+
+def whatif(
+    log: RawLog, part: Partition, tpart: TtftPartition, names: Sequence[str] | None = None
+) -> WhatIf:
+    """Every removal of the run (or those named), by both models."""
+    rs = removals(part, tpart) if names is None else [find_removal(part, tpart, n) for n in names]
+    preds = []
+    for r in rs:
+        preds.append(first_order(part, tpart, r))
+        preds.append(second_order(log, part, tpart, r))
+    return WhatIf(
+        path=log.path,
+        config=dict(log.config),
+        measured=_figures(part.gap_ms, tpart.ttft_ms),
+        num_gaps=len(part),
+        predictions=tuple(preds),
+    )
+
+
+def ranked(w: WhatIf, model: str = SECOND, figure: str = "itl_p999_ms") -> list[Prediction]:
+    """The removals of one run by predicted gain in `figure`, largest first."""
+    ps = [p for p in w.predictions if p.model == model and math.isfinite(p.figures[figure])]
+    return sorted(ps, key=lambda p: (p.figures[figure] - w.measured[figure], p.removal.name))
+
+
+# -- checked against a ladder ----------------------------------------------------------------
+
+#: The figures the ladder check reports.
+LADDER_FIGURES = ("itl_p99_ms", "itl_p999_ms", "ttft_p50_ms")
+
+
+@dataclass(frozen=True)
+class LadderCheck:
+    """Group `to_key`'s fix, predicted from group `from_key`'s runs, against `to_key`'s."""
+
+    from_key: str
+    to_key: str
+    fixes: str
+    figure: str
+    model: str
+    predicted: Spread  # across the `from` group's runs
+    measured: Spread  # across the `to` group's runs
+
+    @property
+    def error_ms(self) -> float:
+        return self.predicted.median - self.measured.median
+
+    @property
+    def error_frac(self) -> float:
+        m = self.measured.median
+        return self.error_ms / m if m else math.nan
+
+    @property
+    def is_outside_spread(self) -> bool:
+        """The median prediction lies outside the measured runs' [min-max]."""
+        return not (self.measured.lo <= self.predicted.median <= self.measured.hi)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "from": self.from_key,
+            "to": self.to_key,
+            "fixes": self.fixes,
+            "figure": self.figure,
+            "model": self.model,
+            "predicted": self.predicted.to_dict(),
+            "measured": self.measured.to_dict(),
+            "error_ms": _finite(self.error_ms),
+            "error_frac": _finite(self.error_frac),
+            "outside_spread": self.is_outside_spread,
+        }
+
+
+def fixes_of(config: Mapping[str, Any]) -> str | None:
+    """The removal a run's config says its rung makes (`fixes`), or None."""
+    f = config.get("fixes")
+    return f if isinstance(f, str) and f else None
+
+
+def ladder_checks(groups: Sequence[tuple[str, Sequence[WhatIf]]]) -> list[LadderCheck]:
+    """For each group k+1 whose runs name what they fix, the prediction from group k's runs
+    of removing it, against group k+1's measured runs, per model and figure."""
+    out = []
+    for (k0, prev), (k1, cur) in zip(groups, groups[1:], strict=False):
+        fx = {fixes_of(w.config) for w in cur} - {None}
+        if len(fx) != 1 or not prev:
+            continue
+        (name,) = fx
+        assert name is not None
+        for fig in LADDER_FIGURES:
+            measured = Spread.of([w.measured[fig] for w in cur])
+            for model in MODELS:
+                preds = [w.get(name, model) for w in prev]
+                vals = [p.figures[fig] for p in preds if p is not None]
+                if not vals:
+                    continue
+                out.append(LadderCheck(k0, k1, name, fig, model, Spread.of(vals), measured))
+    return out
+
+
+def family_of(name: str) -> str | None:
+    """The family a removal belongs to (a family is its own)."""
+    if name in FAMILIES:
+        return name
+    for fam, (il, tl) in FAMILIES.items():
+        if name in il or name in tl:
+            return fam
+    return None
