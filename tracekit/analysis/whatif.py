@@ -610,3 +610,112 @@ def family_of(name: str) -> str | None:
         if name in il or name in tl:
             return fam
     return None
+
+
+# -- what to fix first -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FixFirst:
+    """One removal's predicted gain across the runs of a group, and how far the same model
+    was off on a ladder for causes of the same family."""
+
+    name: str
+    kind: str
+    model: str
+    figure: str
+    measured: Spread  # the figure as recorded, across runs
+    predicted: Spread  # the figure with the removal, across runs
+    gain_frac: Spread  # per run: (measured - predicted) / measured
+    ladder_error_frac: Spread | None  # the model's ladder errors for the same family
+    family: str | None
+
+
+def fix_first(
+    runs: Sequence[WhatIf],
+    checks: Sequence[LadderCheck] = (),
+    *,
+    model: str = SECOND,
+    figure: str = "itl_p999_ms",
+    kind: str = "cause",
+) -> list[FixFirst]:
+    """The removals of `kind` ranked by median predicted gain in `figure` across `runs`
+    (largest first), each with the ladder's error for its family by the same model."""
+    names: list[str] = []
+    for w in runs:
+        for p in w.predictions:
+            if p.removal.kind == kind and p.model == model and p.removal.name not in names:
+                names.append(p.removal.name)
+    out = []
+    for name in names:
+        meas, pred, gain = [], [], []
+        for w in runs:
+            got = w.get(name, model)
+            m = w.measured[figure]
+            if got is None or not math.isfinite(m):
+                continue
+            meas.append(m)
+            pred.append(got.figures[figure])
+            gain.append((m - got.figures[figure]) / m if m else 0.0)
+        if not gain:
+            continue
+        fam = family_of(name)
+        errs = [
+            c.error_frac
+            for c in checks
+            if c.model == model and c.figure == figure and family_of(c.fixes) == fam
+        ]
+        out.append(
+            FixFirst(
+                name,
+                kind,
+                model,
+                figure,
+                Spread.of(meas),
+                Spread.of(pred),
+                Spread.of(gain),
+                Spread.of(errs) if errs and fam is not None else None,
+                fam,
+            )  # fmt: skip
+        )
+    return sorted(out, key=lambda f: (-f.gain_frac.median, f.name))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.0f}%" if math.isfinite(x) else "-"
+
+
+def _ms(x: float) -> str:
+    if not math.isfinite(x):
+        return "-"
+    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.1f}"
+
+
+def fix_first_sentence(ranked_fixes: Sequence[FixFirst], group: str | None = None) -> str:
+    """The verdict's opening: what to fix first and what it buys, with its uncertainty."""
+    if not ranked_fixes or ranked_fixes[0].gain_frac.median <= 0:
+        return "What to fix first: no removable cause lowers p99.9 in these runs (what-if)."
+    f = ranked_fixes[0]
+    where = f" in {group}" if group else ""
+    n = f.gain_frac.num_runs
+    spread = (
+        f", {_pct(-f.gain_frac.hi)} to {_pct(-f.gain_frac.lo)} across {n} runs" if n > 1 else ""
+    )
+    s = (
+        f"What to fix first{where}: {f.name}. Without it p99.9 would be "
+        f"{_ms(f.predicted.median)} ms instead of {_ms(f.measured.median)} "
+        f"({_pct(-f.gain_frac.median)}{spread}; {f.model}-order model)."
+    )
+    if f.ladder_error_frac is not None:
+        e = f.ladder_error_frac
+        rng = f", {_pct(e.lo)} to {_pct(e.hi)}" if e.num_runs > 1 else ""
+        s += (
+            f" On this ladder that model's p99.9 predictions for {f.family} causes were off by "
+            f"{_pct(e.median)} ({e.num_runs} rung{'s' if e.num_runs != 1 else ''}{rng})."
+        )
+    else:
+        s += " No ladder rung in these runs fixes a cause of its family, so the error is unchecked."
+    if len(ranked_fixes) > 1 and ranked_fixes[1].gain_frac.median > 0:
+        g = ranked_fixes[1]
+        s += f" Next: {g.name} ({_pct(-g.gain_frac.median)})."
+    return s
