@@ -170,29 +170,39 @@ def _finite(x: float) -> float | None:
 # -- removals -----------------------------------------------------------------------------
 
 
-def removals(part: Partition, tpart: TtftPartition) -> list[Removal]:
+def removals(part: Partition, tpart: TtftPartition, *, only_present: bool = True) -> list[Removal]:
     """Every cause of the run (ITL causes first, then TTFT-only ones), then every family
-    with a label in the run."""
+    with a label in the run. `only_present`: leave out causes with no time in any gap or
+    TTFT (and families made only of those)."""
     itl = [lb for lb in part.labels if lb not in NON_CAUSES]
     tt = set(tpart.labels)
+    has: set[str] = set()
+    if only_present:
+        for labels, m in ((part.labels, part.parts_ms), (tpart.labels, tpart.parts_ms)):
+            if m.shape[0]:
+                has |= {lb for lb, v in zip(labels, (m > 0).any(axis=0), strict=True) if v}
+    else:
+        has = set(part.labels) | tt
     out = []
     for c in itl:
         ttl = tuple(x for x in (c, "prefill_other" if c == "prefill" else "") if x in tt)
-        out.append(Removal(c, "cause", (c,), ttl))
+        r = Removal(c, "cause", (c,), ttl)
+        if c in has or any(x in has for x in _second_ttft_labels(r)):
+            out.append(r)
     for c in tpart.labels:
-        if c not in _TTFT_NON_CAUSES and c not in itl and c != "prefill_other":
+        if c not in _TTFT_NON_CAUSES and c not in itl and c != "prefill_other" and c in has:
             out.append(Removal(c, "cause", (), (c,)))
     for fam, (fi, ft) in FAMILIES.items():
         il = tuple(lb for lb in fi if lb in part.labels)
         tl = tuple(lb for lb in ft if lb in tt)
-        if il or tl:
+        if any(x in has for x in (*il, *tl)):
             out.append(Removal(fam, "family", il, tl))
     return out
 
 
 def find_removal(part: Partition, tpart: TtftPartition, name: str) -> Removal:
     """The removal named `name` (a cause or a family), or a one-line error listing them."""
-    rs = removals(part, tpart)
+    rs = removals(part, tpart, only_present=False)
     for r in rs:
         if r.name == name:
             return r
