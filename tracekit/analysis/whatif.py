@@ -180,7 +180,11 @@ def removals(part: Partition, tpart: TtftPartition, *, only_present: bool = True
     if only_present:
         for labels, m in ((part.labels, part.parts_ms), (tpart.labels, tpart.parts_ms)):
             if m.shape[0]:
-                has |= {lb for lb, v in zip(labels, (m > 0).any(axis=0), strict=True) if v}
+                has |= {
+                    lb
+                    for lb, v in zip(labels, np.asarray((m > 0).any(axis=0)).tolist(), strict=True)
+                    if v
+                }
     else:
         has = set(part.labels) | tt
     out = []
