@@ -225,24 +225,30 @@ def test_records_are_json_and_name_their_model_and_assumptions():
 
 
 def test_ladder_check_error_and_spread():
-    # group a: two runs whose second-order prediction of removing gc gives p99.9 10 and 20
-    # (median 15); group b (fixes gc) measures 30 and 40: error 15 - 35 = -20, outside
-    # [30, 40].
-    def wi(measured_p999, pred_p999, fixes=None):
+    # group a: runs of seeds 1 and 2 whose prediction of removing gc gives p99.9 10 and 20
+    # (median 15); group b (fixes gc) measures 30 (seed 1) and 40 (seed 2): error
+    # 15 - 35 = -20 ms, -20/35 of the measured median, outside [30, 40]. By seed:
+    # (10 - 30)/30 = -2/3 and (20 - 40)/40 = -1/2: median -7/12.
+    def wi(seed, measured_p999, pred_p999, fixes=None):
         m = {k: 1.0 for k in W.FIGURE_NAMES} | {"itl_p999_ms": measured_p999}
         r = W.Removal("gc", "cause", ("gc",), ("gc",))
         preds = tuple(
             W.Prediction(r, model, m | {"itl_p999_ms": pred_p999}, 0.0, 1) for model in W.MODELS
         )
-        return W.WhatIf("x", {"fixes": fixes} if fixes else {}, m, 1, preds)
+        cfg = {"seed": seed} | ({"fixes": fixes} if fixes else {})
+        return W.WhatIf("x", cfg, m, 1, preds)
 
-    checks = W.ladder_checks(
-        [("a", [wi(50, 10), wi(60, 20)]), ("b", [wi(30, 0, "gc"), wi(40, 0, "gc")])]
-    )
+    a = [wi(1, 50, 10), wi(2, 60, 20)]
+    checks = W.ladder_checks([("a", a), ("b", [wi(1, 30, 0, "gc"), wi(2, 40, 0, "gc")])])
     c = next(c for c in checks if c.figure == "itl_p999_ms" and c.model == W.SECOND)
     assert (c.predicted.median, c.measured.median) == (15.0, 35.0)
     assert c.error_ms == pytest.approx(-20.0)
+    assert c.error_frac == pytest.approx(-20 / 35)
     assert c.is_outside_spread
+    assert c.paired_error_frac.median == pytest.approx(-7 / 12)
+    assert (c.paired_error_frac.lo, c.paired_error_frac.hi) == pytest.approx((-2 / 3, -1 / 2))
+    # a group whose runs name no fix is not checked
+    assert W.ladder_checks([("a", a), ("b", [wi(1, 30, 0)])]) == []
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -272,3 +278,104 @@ def test_fast_equals_reference(log, seed):
         second = W.second_order(log, p, t, r)
         if len(p) and "preempt" not in r.itl_labels:  # (victims' gaps are split, not shrunk)
             assert second.figures["itl_max_ms"] <= float(p.gap_ms.max()) + 1e-9
+
+
+# -- the CLI: whatif, and the what-if in compare and report ----------------------------------
+
+
+def _gc_batch_log(with_gc: bool, config: dict):
+    """test_gc_pause_over_a_whole_batch's run (without its late request), with or without
+    the pause: without it the middle step is [10,20] and every later time 50 ms earlier."""
+    b = LogBuilder()
+    s0 = b.step(0, 10, n_decode=3)
+    b.seg(s0, "decode", 0, 10)
+    end = 70 if with_gc else 20
+    s1 = b.step(10, end, n_decode=3)
+    b.seg(s1, "decode", 10, 20)
+    if with_gc:
+        b.gc(20, 70)
+    s2 = b.step(end, end + 10, n_decode=3)
+    b.seg(s2, "decode", end, end + 10)
+    for r in range(3):
+        b.emit(r, 10, s0)
+        b.emit(r, end, s1)
+        b.emit(r, end + 10, s2)
+    return b.build(config=config)
+
+
+@pytest.fixture
+def ladder(tmp_path):
+    """Two rungs x two seeds: `base` has a 50 ms GC pause over a whole batch; `+no gc`
+    (config fixes: gc) is the same run without it."""
+    paths = []
+    for seed in (1, 2):
+        for i, (rung, gc) in enumerate((("base", True), ("+no gc", False))):
+            cfg = {"rung": rung, "rung_index": i, "seed": seed} | ({} if gc else {"fixes": "gc"})
+            paths.append(str(_gc_batch_log(gc, cfg).save(tmp_path / f"r{i}s{seed}.npz")))
+    return paths
+
+
+def test_cli_whatif_table_jsonl_and_help(ladder):
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    runner = CliRunner()
+    h = runner.invoke(main, ["whatif", "--help"])
+    assert h.exit_code == 0 and "First order" in h.output and "Second order" in h.output
+    r = runner.invoke(main, ["whatif", ladder[0]])
+    assert r.exit_code == 0, r.output
+    assert "(as measured)" in r.stdout and "ASSUMPTIONS" in r.stdout
+    # the measured p99.9 of gaps 10,10,10,60,60,60 is 60; without gc every gap is 10: -83%
+    row = next(x for x in r.stdout.splitlines() if x.startswith("gc ") and " second " in x)
+    assert "10.0 (-83%)" in row
+    j = runner.invoke(main, ["whatif", ladder[0], "--format", "jsonl", "--remove", "gc"])
+    recs = [json.loads(x) for x in j.stdout.splitlines()]
+    assert [(x["removal"], x["model"]) for x in recs] == [("gc", "first"), ("gc", "second")]
+    assert recs[1]["itl_p999_ms"] == pytest.approx(10.0)
+    assert recs[1]["change_itl_p999_ms"] == pytest.approx(-50.0)
+    bad = runner.invoke(main, ["whatif", ladder[0], "--remove", "nosuch"])
+    assert bad.exit_code == 2
+    assert "no cause or family 'nosuch'" in bad.output and len(bad.output.splitlines()) == 1
+
+
+def test_cli_compare_checks_each_rung_against_the_prediction(ladder):
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    runner = CliRunner()
+    r = runner.invoke(main, ["compare", *ladder, "--order-by", "rung_index"])
+    assert r.exit_code == 0, r.output
+    assert "WHAT-IF AGAINST THE LADDER" in r.stdout
+    # predicted from base (every gap 10 without gc) against +no gc's runs (every gap 10)
+    row = next(x for x in r.stdout.splitlines() if x.startswith("base -> +no gc") and "p99.9" in x)
+    assert "10.0 [10.0-10.0]" in row and "yes" in row
+    verdict = r.stdout.split("VERDICT")[1].splitlines()[1]
+    assert verdict.startswith("- What to fix first in base: gc.")
+    assert "10 ms instead of 60 (-83%" in verdict
+    j = runner.invoke(main, ["compare", *ladder, "--order-by", "rung_index", "--format", "jsonl"])
+    recs = [json.loads(x) for x in j.stdout.splitlines()]
+    assert recs[0]["whatif_check"] == []
+    checks = recs[1]["whatif_check"]
+    assert {(c["figure"], c["model"]) for c in checks} == {
+        (f, m) for f in W.LADDER_FIGURES for m in W.MODELS
+    }
+    assert all(
+        c["error_ms"] == pytest.approx(0.0, abs=1e-9) for c in checks if "itl" in c["figure"]
+    )
+
+
+def test_report_opens_its_verdict_with_what_to_fix_first(ladder, tmp_path):
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    out = tmp_path / "r.html"
+    r = CliRunner().invoke(main, ["report", *ladder, "--order-by", "rung_index", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    page = out.read_text()
+    first = page.split("<ul class=verdict><li>")[1]
+    assert first.startswith("What to fix first in base: gc.")
+    assert '<section id="tk-whatif">' in page
+    assert page.index('id="tk-verdict"') < page.index('id="tk-whatif"') < page.index("<h2>Runs")

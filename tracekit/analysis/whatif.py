@@ -559,6 +559,9 @@ class LadderCheck:
     model: str
     predicted: Spread  # across the `from` group's runs
     measured: Spread  # across the `to` group's runs
+    #: per seed present in both groups (config `seed`: the same workload), the prediction's
+    #: error as a fraction of that seed's measured value; None without common seeds
+    paired_error_frac: Spread | None = None
 
     @property
     def error_ms(self) -> float:
@@ -571,8 +574,11 @@ class LadderCheck:
 
     @property
     def is_outside_spread(self) -> bool:
-        """The median prediction lies outside the measured runs' [min-max]."""
-        return not (self.measured.lo <= self.predicted.median <= self.measured.hi)
+        """The median prediction lies outside the measured runs' [min-max] (by more than
+        float rounding: a replayed time carries the rounding of the run's clock)."""
+        tol = 1e-9 * max(1.0, abs(self.measured.hi))
+        lo, hi = self.measured.lo - tol, self.measured.hi + tol
+        return not (lo <= self.predicted.median <= hi)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -586,6 +592,9 @@ class LadderCheck:
             "error_ms": _finite(self.error_ms),
             "error_frac": _finite(self.error_frac),
             "outside_spread": self.is_outside_spread,
+            "paired_error_frac": self.paired_error_frac.to_dict()
+            if self.paired_error_frac is not None
+            else None,
         }
 
 
@@ -607,13 +616,27 @@ def ladder_checks(groups: Sequence[tuple[str, Sequence[WhatIf]]]) -> list[Ladder
         assert name is not None
         for fig in LADDER_FIGURES:
             measured = Spread.of([w.measured[fig] for w in cur])
+            by_seed = {_seed(w): w.measured[fig] for w in cur if _seed(w) is not None}
             for model in MODELS:
-                preds = [w.get(name, model) for w in prev]
-                vals = [p.figures[fig] for p in preds if p is not None]
+                vals, errs = [], []
+                for w in prev:
+                    p = w.get(name, model)
+                    if p is None:
+                        continue
+                    vals.append(p.figures[fig])
+                    m = by_seed.get(_seed(w))
+                    if m is not None and m and math.isfinite(m):
+                        errs.append((p.figures[fig] - m) / m)
                 if not vals:
                     continue
-                out.append(LadderCheck(k0, k1, name, fig, model, Spread.of(vals), measured))
+                paired = Spread.of(errs) if errs else None
+                out.append(LadderCheck(k0, k1, name, fig, model, Spread.of(vals), measured, paired))
     return out
+
+
+def _seed(w: WhatIf) -> str | None:
+    s = w.config.get("seed")
+    return None if s is None else str(s)
 
 
 def family_of(name: str) -> str | None:

@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Sequence
 
+from tracekit.analysis.compare import Spread
 from tracekit.analysis.whatif import (
     ASSUMPTIONS,
     FIGURE_NAMES,
@@ -86,7 +87,8 @@ def whatif_table(runs: Sequence[WhatIf], models: Sequence[str] = MODELS, *, md=F
 def ladder_rows(checks: Sequence[LadderCheck]) -> tuple[list[str], list[list[str]]]:
     """Per rung, figure and model: predicted (from the rung before) vs measured, median
     [min-max] across runs, the error, and whether it lies outside the measured spread."""
-    head = ["rung", "fixes", "figure", "model", "predicted", "measured", "error", "in spread"]
+    head = ["rung", "fixes", "figure", "model", "predicted", "measured", "error",
+            "error by seed", "in spread"]  # fmt: skip
     rows = []
     for c in checks:
         nd = 0 if abs(c.measured.median) >= 100 else 1
@@ -98,9 +100,15 @@ def ladder_rows(checks: Sequence[LadderCheck]) -> tuple[list[str], list[list[str
         rows.append([
             f"{c.from_key} -> {c.to_key}", c.fixes, HEADERS.get(c.figure, c.figure), c.model,
             text.spread_cell(c.predicted, nd), text.spread_cell(c.measured, nd), err,
-            "no: MISS" if c.is_outside_spread else "yes",
+            _pct_spread(c.paired_error_frac), "no: MISS" if c.is_outside_spread else "yes",
         ])  # fmt: skip
     return head, rows
+
+
+def _pct_spread(s: Spread | None) -> str:
+    if s is None or not s.num_runs:
+        return "-"
+    return f"{100 * s.median:+.0f}% [{100 * s.lo:+.0f} to {100 * s.hi:+.0f}]"
 
 
 def ladder_table(checks: Sequence[LadderCheck], *, md: bool = False) -> str:
@@ -110,11 +118,12 @@ def ladder_table(checks: Sequence[LadderCheck], *, md: bool = False) -> str:
     title = (
         "WHAT-IF AGAINST THE LADDER  (each rung's fix predicted from the rung before it; "
         "median [min-max] across runs; MISS: the median prediction lies outside the measured "
-        "runs' [min-max])"
+        "runs' [min-max]; error by seed: the prediction from seed s against seed s's run, "
+        "the same workload)"
     )
     if md:
-        return f"**{text.md_text(title)}**\n\n" + text.markdown_table(rows, head, "llllrrrl")
-    return title + "\n" + text.table(rows, head, "llllrrrl")
+        return f"**{text.md_text(title)}**\n\n" + text.markdown_table(rows, head, "llllrrrrl")
+    return title + "\n" + text.table(rows, head, "llllrrrrl")
 
 
 def _e(x: object) -> str:
