@@ -16,6 +16,7 @@ from logbuilder import LogBuilder
 from test_partition_properties import random_logs
 
 from tracekit.analysis import whatif as W
+from tracekit.analysis.compare import Spread
 from tracekit.attribution.itl import partition
 from tracekit.attribution.ttft import ttft_partition
 
@@ -379,3 +380,29 @@ def test_report_opens_its_verdict_with_what_to_fix_first(ladder, tmp_path):
     assert first.startswith("What to fix first in base: gc.")
     assert '<section id="tk-whatif">' in page
     assert page.index('id="tk-verdict"') < page.index('id="tk-whatif"') < page.index("<h2>Runs")
+
+
+def test_fix_first_ranks_by_gain_and_quotes_the_ladder_error_of_the_cause_or_its_family():
+    # one run at p99.9 100 ms: without tok 40 (gain 60%), without gc 90 (10%). The ladder
+    # checked gc (error +20%) and nothing else: tok, a host cause like gc, gets gc's error
+    # as "host causes"; gc gets its own.
+    m = {k: 1.0 for k in W.FIGURE_NAMES} | {"itl_p999_ms": 100.0}
+
+    def pred(name, v):
+        r = W.Removal(name, "cause", (name,), (name,))
+        return W.Prediction(r, W.SECOND, m | {"itl_p999_ms": v}, 0.0, 1)
+
+    w = W.WhatIf("x", {}, m, 1, (pred("tok", 40.0), pred("gc", 90.0)))
+    check = W.LadderCheck(
+        "a", "b", "gc", "itl_p999_ms", W.SECOND, Spread.of([120.0]), Spread.of([100.0])
+    )
+    tok, gc = W.fix_first([w], [check])
+    assert (tok.name, tok.gain_frac.median, tok.ladder_basis) == ("tok", 0.6, "host causes")
+    assert gc.ladder_basis == "gc" and gc.ladder_error_frac.median == pytest.approx(0.2)
+    s = W.fix_first_sentence([tok, gc], "base")
+    assert s.startswith("What to fix first in base: tok. Without it p99.9 would be 40 ms ")
+    assert "instead of 100 (-60%; second-order model)" in s
+    assert "predictions for host causes were off by +20% (1 rung)" in s
+    assert s.endswith("Next: gc (-10%).")
+    # nothing that lowers p99.9: said so
+    assert "no removable cause" in W.fix_first_sentence([])

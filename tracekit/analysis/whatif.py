@@ -664,8 +664,11 @@ class FixFirst:
     measured: Spread  # the figure as recorded, across runs
     predicted: Spread  # the figure with the removal, across runs
     gain_frac: Spread  # per run: (measured - predicted) / measured
-    ladder_error_frac: Spread | None  # the model's ladder errors for the same family
+    ladder_error_frac: Spread | None  # the model's ladder errors (see `ladder_basis`)
     family: str | None
+    #: what the ladder errors are of: rungs that fix this very cause (its name), else rungs
+    #: that fix a cause of its family ("<family> causes"); "" without any
+    ladder_basis: str = ""
 
 
 def fix_first(
@@ -697,23 +700,24 @@ def fix_first(
         if not gain:
             continue
         fam = family_of(name)
-        errs = [
-            c.error_frac
-            for c in checks
-            if c.model == model and c.figure == figure and family_of(c.fixes) == fam
-        ]
+        mine = [c for c in checks if c.model == model and c.figure == figure]
+        errs, basis = [c.error_frac for c in mine if c.fixes == name], name
+        if not errs and fam is not None:
+            errs = [c.error_frac for c in mine if family_of(c.fixes) == fam]
+            basis = f"{fam} causes"
         out.append(
             FixFirst(
-                name,
-                kind,
-                model,
-                figure,
-                Spread.of(meas),
-                Spread.of(pred),
-                Spread.of(gain),
-                Spread.of(errs) if errs and fam is not None else None,
-                fam,
-            )  # fmt: skip
+                name=name,
+                kind=kind,
+                model=model,
+                figure=figure,
+                measured=Spread.of(meas),
+                predicted=Spread.of(pred),
+                gain_frac=Spread.of(gain),
+                ladder_error_frac=Spread.of(errs) if errs else None,
+                family=fam,
+                ladder_basis=basis if errs else "",
+            )
         )
     return sorted(out, key=lambda f: (-f.gain_frac.median, f.name))
 
@@ -747,11 +751,11 @@ def fix_first_sentence(ranked_fixes: Sequence[FixFirst], group: str | None = Non
         e = f.ladder_error_frac
         rng = f", {_pct(e.lo)} to {_pct(e.hi)}" if e.num_runs > 1 else ""
         s += (
-            f" On this ladder that model's p99.9 predictions for {f.family} causes were off by "
+            f" On this ladder that model's p99.9 predictions for {f.ladder_basis} were off by "
             f"{_pct(e.median)} ({e.num_runs} rung{'s' if e.num_runs != 1 else ''}{rng})."
         )
     else:
-        s += " No ladder rung in these runs fixes a cause of its family, so the error is unchecked."
+        s += " No rung in these runs fixes it or a cause of its family: the error is unchecked."
     if len(ranked_fixes) > 1 and ranked_fixes[1].gain_frac.median > 0:
         g = ranked_fixes[1]
         s += f" Next: {g.name} ({_pct(-g.gain_frac.median)})."

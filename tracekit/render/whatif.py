@@ -71,6 +71,8 @@ def whatif_table(runs: Sequence[WhatIf], models: Sequence[str] = MODELS, *, md=F
         name = os.path.basename(w.path)
         head, rows = run_rows(w, models)
         title = f"WHAT-IF  {name}  ({w.num_gaps} gaps; ms, change against the run as measured)"
+        if not w.predictions:
+            title += "\n(no cause has time in this run's gaps or TTFTs: nothing to remove)"
         if md:
             out.append(f"**{text.md_text(title)}**\n\n" + text.markdown_table(
                 rows, head, "lll" + "r" * len(FIGURE_NAMES)))  # fmt: skip
@@ -108,6 +110,8 @@ def ladder_rows(checks: Sequence[LadderCheck]) -> tuple[list[str], list[list[str
 def _pct_spread(s: Spread | None) -> str:
     if s is None or not s.num_runs:
         return "-"
+    if s.num_runs == 1:
+        return f"{100 * s.median:+.0f}%"
     return f"{100 * s.median:+.0f}% [{100 * s.lo:+.0f} to {100 * s.hi:+.0f}]"
 
 
@@ -150,14 +154,15 @@ def whatif_html(
             text.spread_cell(f.predicted, 0),
             f"{100 * f.gain_frac.median:.0f}% [{100 * f.gain_frac.lo:.0f}-"
             f"{100 * f.gain_frac.hi:.0f}%]",
-            f"{100 * le.median:+.0f}% [{100 * le.lo:+.0f} to {100 * le.hi:+.0f}%]" if le else "-",
+            f"{_pct_spread(le)} ({f.ladder_basis}, {le.num_runs} rung"
+            f"{'s' if le.num_runs != 1 else ''})" if le else "-",
         ])  # fmt: skip
     parts = [
         '<section id="tk-whatif"><h2>What to fix first (what-if)</h2>',
         f"<p class=note>Each cause's time taken out of {_e(group)}'s runs (docs/whatif.md): "
         "p99.9 by the second-order model (the recorded steps replayed without it), median "
         "[min-max] across runs; the ladder error is that model's p99.9 error on the rungs "
-        "below that fix a cause of the same family.</p>",
+        "that fix this cause, or else a cause of its family.</p>",
         _html_table(head, rows),
     ]
     if checks:
