@@ -22,8 +22,15 @@ from tracekit.attribution.ttft import ttft_partition
 
 
 def run(log):
+    """The what-if of every removal; on these small logs also checks that the second-order
+    model equals its slow reference."""
     p, t = partition(log), ttft_partition(log)
-    return W.whatif(log, p, t), p, t
+    w = W.whatif(log, p, t)
+    for r in W.removals(p, t):
+        ref = W.second_order_reference(log, p, t, r).figures
+        fast = w.get(r.name, W.SECOND).figures
+        assert fast == pytest.approx(ref, abs=1e-9, nan_ok=True), r.name
+    return w, p, t
 
 
 def fig(w, name, model):
@@ -277,6 +284,12 @@ def test_fast_equals_reference(log, seed):
         # removable time is never more than the time that passed
         assert (np.diff(got[np.argsort(xs)]) <= np.diff(np.sort(xs)) + 1e-12).all()
         second = W.second_order(log, p, t, r)
+        second_ref = W.second_order_reference(log, p, t, r)
+        assert second.num_gaps == second_ref.num_gaps
+        assert second.removed_ms == pytest.approx(second_ref.removed_ms, abs=1e-6)
+        for k in W.FIGURE_NAMES:
+            a, b_ = second.figures[k], second_ref.figures[k]
+            assert (np.isnan(a) and np.isnan(b_)) or a == pytest.approx(b_, abs=1e-6), k
         if len(p) and "preempt" not in r.itl_labels:  # (victims' gaps are split, not shrunk)
             assert second.figures["itl_max_ms"] <= float(p.gap_ms.max()) + 1e-9
 

@@ -13,8 +13,9 @@ Two models, each number tagged with the one it comes from:
   preempted requests go.
 
 Pure: a `RawLog` and its partitions in, a `WhatIf` out. Only the public attributes of
-`Partition` and `TtftPartition` are read. `first_order_reference` and
-`replay_removed_reference` are the slow, obvious versions the tests hold the fast ones to.
+`Partition` and `TtftPartition` are read. `first_order_reference`,
+`replay_removed_reference` and `second_order_reference` are the slow, obvious versions the
+tests hold the fast ones to.
 """
 
 from __future__ import annotations
@@ -513,6 +514,57 @@ def second_order(log: RawLog, part: Partition, tpart: TtftPartition, r: Removal)
     return Prediction(
         r, SECOND, _figures(gap, np.maximum(ttft, 0.0)), float(removed_ms.sum()), len(gap)
     )
+
+
+def second_order_reference(
+    log: RawLog, part: Partition, tpart: TtftPartition, r: Removal
+) -> Prediction:
+    """`second_order` with plain loops: R(x) by `replay_removed_reference`, each victim's
+    missed steps found by walking every step, each TTFT's states by walking every eviction
+    and wait row."""
+    w = removable_windows(log, part, r.itl_labels)
+    is_gc = "gc" in r.itl_labels
+
+    def rem(x: float) -> float:
+        return replay_removed_reference(w, is_gc, [x])[0]
+
+    ends = [float(t) for t in log.steps.t_end_s]
+    evs = list(zip(*(a.tolist() for a in evicted_windows(log)), strict=True))
+    gaps: list[float] = []
+    removed = 0.0
+    for i in range(len(part)):
+        t0, t1 = float(part.t0_s[i]), float(part.t1_s[i])
+        removed += (rem(t1) - rem(t0)) * 1e3
+        pts = [t0, t1]
+        if "preempt" in r.itl_labels and part.num_evictions[i] > 0:
+            cuts = set()
+            for rq, a, b in evs:
+                if rq == int(part.request[i]) and t0 <= a < t1:
+                    cuts |= {e for e in ends if max(a, t0) < e < min(b, t1)}
+            pts = [t0, *sorted(cuts), t1]
+        for x, y in zip(pts, pts[1:], strict=False):
+            gaps.append(max(0.0, ((y - rem(y)) - (x - rem(x))) * 1e3))
+    labels = _second_ttft_labels(r)
+    state = [lb for lb in labels if lb in _STATE_TTFT]
+    z = np.zeros(0)
+    sr, sa, sb = _state_windows(log, state) if state else (z.astype(np.int64), z, z)
+    ttfts = []
+    for i in range(len(tpart)):
+        a, f = float(tpart.arrival_s[i]), float(tpart.first_token_s[i])
+        engine = (rem(f) - rem(a)) * 1e3
+        for rq, x0, x1 in zip(sr.tolist(), sa.tolist(), sb.tolist(), strict=True):
+            lo, hi = max(float(x0), a), min(float(x1), f)
+            if rq == int(tpart.request[i]) and hi > lo:
+                engine -= (rem(hi) - rem(lo)) * 1e3
+        own = {lb: float(tpart.parts_ms[i, j]) for j, lb in enumerate(tpart.labels)}
+        if "prefill" in r.itl_labels:
+            engine -= own.get("prefill_own", 0.0) + own.get("prefill", 0.0)
+        held = sum(own.get(lb, 0.0) for lb in state)
+        ttfts.append(max(0.0, float(tpart.ttft_ms[i]) - held - max(engine, 0.0)))
+    figs = {}
+    for name, which, q in FIGURES:
+        figs[name] = _percentile_reference(gaps if which == "itl" else ttfts, q)
+    return Prediction(r, SECOND, figs, removed, len(gaps))
 
 
 # -- one run, every removal -----------------------------------------------------------------
