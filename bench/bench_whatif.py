@@ -71,6 +71,23 @@ def main() -> None:
     print(f"per removal: first order {1e3 * per['first']:.1f} ms, second order "
           f"{1e3 * per['second']:.1f} ms")  # fmt: skip
 
+    # what the what-if adds to `compare` / `report`: their worker partitions once and
+    # analyses and what-ifs from that partition
+    from tracekit.analysis.figures import analyze
+
+    def with_whatif():
+        p_, t_ = partition(log), ttft_partition(log)
+        analyze(log, p_, t_)
+        W.whatif(log, p_, t_)
+
+    plain, both = [], []
+    for _ in range(3):  # interleaved A/B pairs
+        plain.append(timed(lambda: analyze(log)))
+        both.append(timed(with_whatif))
+    ra = sorted(b / a for a, b in zip(plain, both, strict=True))
+    print(f"compare's per-run work with the what-if: {ra[1]:.2f}x without it "
+          f"[{ra[0]:.2f}-{ra[-1]:.2f}] (3 interleaved pairs)")  # fmt: skip
+
     small = synthetic_log(num_steps=60, batch=32, seed=1)
     sp, st = partition(small), ttft_partition(small)
     r = W.find_removal(sp, st, "host")
@@ -80,10 +97,14 @@ def main() -> None:
     xs = list(sp.t1_s)
     t_rref = timed(lambda: W.replay_removed_reference(w, True, xs))
     t_rfast = min(timed(lambda: W.replay_removed(w, True)) for _ in range(5))
-    print(
-        f"references on {len(sp):,} gaps: first order {t_ref / t_fast:,.0f}x slower, "
-        f"replayed timeline {t_rref / t_rfast:,.0f}x slower than the vectorised ones"
-    )
+    tiny = synthetic_log(num_steps=12, batch=8, seed=2)
+    tp_, tt_ = partition(tiny), ttft_partition(tiny)
+    rp = W.find_removal(tp_, tt_, "memory")
+    t_sref = timed(lambda: W.second_order_reference(tiny, tp_, tt_, rp))
+    t_sfast = min(timed(lambda: W.second_order(tiny, tp_, tt_, rp)) for _ in range(5))
+    print(f"references on {len(sp):,} gaps: first order {t_ref / t_fast:,.0f}x slower, "
+          f"replayed timeline {t_rref / t_rfast:,.0f}x slower than the vectorised ones; "
+          f"the whole second order on {len(tp_)} gaps {t_sref / t_sfast:,.0f}x slower")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -354,10 +354,10 @@ def replay_removed(w: Windows, is_gc_removed: bool) -> tuple[np.ndarray, np.ndar
     b = np.searchsorted(bounds, e)
 
     def cover(sel: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
-        d = np.zeros(m + 1)
-        wt = np.ones(int(sel.sum())) if weight is None else weight[sel]
-        np.add.at(d, a[sel], wt)
-        np.add.at(d, b[sel], -wt)
+        """How many of the selected windows (or the sum of their weights) cover each
+        elementary interval: +1 where one starts, -1 where it ends, summed."""
+        wt = None if weight is None else weight[sel]
+        d = np.bincount(a[sel], wt, minlength=m + 1) - np.bincount(b[sel], wt, minlength=m + 1)
         return np.cumsum(d)[:m]
 
     zero, one = f <= 0.0, f >= 1.0
@@ -447,11 +447,13 @@ def _victim_gaps(
         cuts[pos[g]] += ends[
             np.searchsorted(ends, x0, "right") : np.searchsorted(ends, x1, "left")
         ].tolist()
-    out = []
-    for i, g in enumerate(rows.tolist()):
-        x = np.array([part.t0_s[g], *sorted(set(cuts[i])), part.t1_s[g]])
-        out.append(np.diff(x - _at(bounds, cum, x)) * 1e3)
-    return rows, np.maximum(np.concatenate(out), 0.0)
+    # every victim gap's points in one array: t0, its cuts, t1; replayed in one pass
+    pts = [np.array([part.t0_s[g], *sorted(set(cuts[i])), part.t1_s[g]]) for i, g in
+           enumerate(rows.tolist())]  # fmt: skip
+    x = np.concatenate(pts)
+    last = np.cumsum([len(p) for p in pts]) - 1  # each gap's t1: no gap starts there
+    d = np.diff(x - _at(bounds, cum, x)) * 1e3
+    return rows, np.maximum(np.delete(d, last[:-1]), 0.0)
 
 
 def _state_windows(log: RawLog, labels: Iterable[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
