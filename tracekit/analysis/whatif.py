@@ -318,17 +318,21 @@ def _readmit_prefill_share(log: RawLog) -> np.ndarray:
 
 
 def removable_windows(log: RawLog, part: Partition, itl_labels: Sequence[str]) -> Windows:
+    """Every segment and GC pause of the log with its removable fraction when `itl_labels`
+    are removed (docs/whatif.md, "The removable rate of an instant")."""
     rm = set(itl_labels)
     sg = log.segments
     causes = segment_causes(log)
-    frac = np.array([1.0 if c in rm else 0.0 for c in causes.tolist()], dtype=np.float64)
+    frac = np.isin(causes, list(rm)).astype(np.float64) if len(sg) else np.zeros(0)
     if len(sg):
-        step = np.clip(sg.step, 0, max(len(log.steps) - 1, 0))
+        # a window outside every step (another thread's, step -1) has no step to scale by
+        in_step = (sg.step >= 0) & (sg.step < len(log.steps))
+        step = np.where(in_step, sg.step, 0)
         if "graph" in rm and len(part.baseline.eager_excess_frac):
-            dec = causes == "decode"
+            dec = (causes == "decode") & in_step
             frac[dec] = part.baseline.eager_excess_frac[step[dec]]
         if "preempt" in rm and "prefill" not in rm:
-            pre = causes == "prefill"
+            pre = (causes == "prefill") & in_step
             frac[pre] = _readmit_prefill_share(log)[step[pre]]
     gc = log.gc_pauses
     return Windows(
