@@ -836,12 +836,24 @@ def whatif(
     stays), a preempted request emits at every step it missed and its readmission prefill
     goes. Rows are sorted by the second-order p99.9 gain; the assumptions follow the table.
     Time no instrument covered (residual) is never removed.
+
+    Families: host (gc, tok, graph and engine host labels such as sample, detokenize),
+    scheduling (prefill, schedule; in TTFT others' prefill and waits for a batch slot or
+    token budget), memory (preempt; in TTFT waits for KV blocks or behind preempted
+    requests), os (labels an engine's cause map maps to os).
+
+    \b
+    Examples:
+      tracekit whatif raw/baseline__s1.npz
+      tracekit whatif raw/*.npz --remove preempt --remove host --format jsonl
     """
     from tracekit.render.whatif import whatif_table
 
     paths = _expand(runs)
     one = functools.partial(_whatif_one, names=list(names) or None, **_limits())
     results = _map_with_progress(one, paths, jobs, "analysing")
+    for w in results:
+        _warn(w.path, w.warnings)
     if fmt == "jsonl":
         body = "".join(json.dumps(r) + "\n" for w in results for r in w.to_records())
     else:

@@ -132,6 +132,7 @@ class WhatIf:
     num_gaps: int
     predictions: tuple[Prediction, ...]
     assumptions: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(ASSUMPTIONS))
+    warnings: tuple[str, ...] = ()  # the log's and its partition's, as `analyze` reports them
 
     def get(self, name: str, model: str) -> Prediction | None:
         for p in self.predictions:
@@ -591,6 +592,7 @@ def whatif(
         measured=_figures(part.gap_ms, tpart.ttft_ms),
         num_gaps=len(part),
         predictions=tuple(preds),
+        warnings=tuple(log.warnings) + tuple(part.warnings),
     )
 
 
