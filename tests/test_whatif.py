@@ -257,6 +257,13 @@ def test_ladder_check_error_and_spread():
     assert (c.paired_error_frac.lo, c.paired_error_frac.hi) == pytest.approx((-2 / 3, -1 / 2))
     # a group whose runs name no fix is not checked
     assert W.ladder_checks([("a", a), ("b", [wi(1, 30, 0)])]) == []
+    # a fix of a standard cause the runs before it had no time in: predicted unchanged
+    # (p99.9 50 and 60: median 55, against 30 and 40 measured)
+    c = W.ladder_checks([("a", a), ("b", [wi(1, 30, 0, "preempt"), wi(2, 40, 0, "preempt")])])
+    c = next(x for x in c if x.figure == "itl_p999_ms" and x.model == W.FIRST)
+    assert (c.fixes, c.predicted.median, c.measured.median) == ("preempt", 55.0, 35.0)
+    # a name no run knows is not checked
+    assert W.ladder_checks([("a", a), ("b", [wi(1, 30, 0, "nosuch")])]) == []
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -30,9 +30,14 @@ import numpy as np
 
 from tracekit.analysis.compare import Spread
 from tracekit.attribution.itl import Partition, evicted_windows, segment_causes
-from tracekit.attribution.ttft import TtftPartition, prefill_shares, wait_windows
+from tracekit.attribution.ttft import (
+    TTFT_STANDARD_LABELS,
+    TtftPartition,
+    prefill_shares,
+    wait_windows,
+)
 from tracekit.errors import TracekitError
-from tracekit.labels import NON_CAUSES
+from tracekit.labels import NON_CAUSES, STANDARD_LABELS
 from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
 FIRST = "first"
@@ -681,17 +686,24 @@ def ladder_checks(groups: Sequence[tuple[str, Sequence[WhatIf]]]) -> list[Ladder
                 vals, errs = [], []
                 for w in prev:
                     p = w.get(name, model)
-                    if p is None:
+                    if p is None and not _always_known(name):
                         continue
-                    vals.append(p.figures[fig])
+                    # a standard cause with no time in the run: removing it changes nothing
+                    v = w.measured[fig] if p is None else p.figures[fig]
+                    vals.append(v)
                     m = by_seed.get(_seed(w))
                     if m is not None and m and math.isfinite(m):
-                        errs.append((p.figures[fig] - m) / m)
+                        errs.append((v - m) / m)
                 if not vals:
                     continue
                 paired = Spread.of(errs) if errs else None
                 out.append(LadderCheck(k0, k1, name, fig, model, Spread.of(vals), measured, paired))
     return out
+
+
+def _always_known(name: str) -> bool:
+    """A name every run has, with or without time: a standard label, a TTFT label, a family."""
+    return name in STANDARD_LABELS or name in TTFT_STANDARD_LABELS or name in FAMILIES
 
 
 def _seed(w: WhatIf) -> str | None:
