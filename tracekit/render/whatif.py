@@ -137,7 +137,11 @@ def _e(x: object) -> str:
 def _html_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     th = "".join(f"<th>{_e(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<div class=tw><table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table></div>"
+    # cells stay on one line: a wide table scrolls inside its box instead of wrapping ranges
+    return (
+        '<div class=tw><table style="white-space:nowrap">'
+        f"<thead><tr>{th}</tr></thead><tbody>{body}</tbody></table></div>"
+    )
 
 
 def whatif_html(
