@@ -634,26 +634,9 @@ def _run_span_s(log: Any) -> tuple[float, float]:
     return (float(t.min()), float(t.max())) if len(t) else (0.0, 0.0)
 
 
-def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
-    from tracekit.allocator import keep_freed_memory
-    from tracekit.analysis.figures import analyze
-    from tracekit.analysis.gaps import itl_series, worst_stalls
-    from tracekit.attribution.itl import partition
-    from tracekit.render.html import ReportRun
-
-    keep_freed_memory()
-    log = _load(path, **limits)
-    part = partition(log)
-    return ReportRun(
-        analysis=analyze(log, part),
-        worst_stalls=worst_stalls(log, part, n_worst),
-        series=itl_series(log, part),
-    )
-
-
 def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any]:
-    """`report`'s worker: `_report_one`'s run and its what-if (docs/whatif.md), from one
-    partition."""
+    """`report`'s worker: a run's figures, worst stalls and ITL series for the page, and
+    its what-if (docs/whatif.md), all from one partition."""
     from tracekit.allocator import keep_freed_memory
     from tracekit.analysis.figures import analyze
     from tracekit.analysis.gaps import itl_series, worst_stalls
