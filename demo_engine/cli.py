@@ -28,7 +28,15 @@ import click
 import numpy as np
 
 from ._blas import limit_blas_threads, set_thread_env
-from .config import RUNG_NAMES, EngineConfig, WorkloadConfig, find_rung, rung_config, rung_slug
+from .config import (
+    RUNG_FIXES,
+    RUNG_NAMES,
+    EngineConfig,
+    WorkloadConfig,
+    find_rung,
+    rung_config,
+    rung_slug,
+)
 
 #: Arrivals per step relative to the batch capacity (48 / 288 mean output tokens = 0.167
 #: requests per step). The KV pool (1,000 blocks of 16) holds fewer requests than the batch
@@ -143,6 +151,7 @@ def run_one(
     config = {
         "rung": rung,
         "rung_index": RUNG_NAMES.index(rung),  # ladder order, for compare --order-by
+        "fixes": RUNG_FIXES[rung],  # the cause this rung removes (docs/whatif.md)
         "seed": seed,
         "clock": wl.clock,
         "steps": steps if rate is None else None,

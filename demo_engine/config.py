@@ -161,19 +161,25 @@ class WorkloadConfig:
 class Rung:
     name: str
     changes: dict[str, Any] = field(default_factory=dict)
+    #: the cause (a partition label, or a cause family of docs/whatif.md) this rung's fix
+    #: removes; written into each run's config as `fixes`, where `tracekit compare` checks
+    #: the what-if prediction of removing it against the rung's measured runs
+    fixes: str | None = None
 
 
 #: The fix ladder, in order. Each rung keeps every fix above it (see `rung_config`).
 RUNGS: tuple[Rung, ...] = (
     Rung("baseline"),
-    Rung("+gc.freeze", {"is_gc_freeze": True}),
-    Rung("+compact history", {"is_compact_history": True}),
-    Rung("+graphs to 48", {"captured_graph_sizes": FULL_GRAPH_SIZES}),
-    Rung("+budget 256", {"max_num_batched_tokens": 256}),
-    Rung("+tokenize off-loop", {"is_tokenize_off_loop": True}),
-    Rung("+admit watermark", {"admit_free_frac": 0.10}),
+    Rung("+gc.freeze", {"is_gc_freeze": True}, fixes="gc"),
+    Rung("+compact history", {"is_compact_history": True}, fixes="gc"),
+    Rung("+graphs to 48", {"captured_graph_sizes": FULL_GRAPH_SIZES}, fixes="graph"),
+    Rung("+budget 256", {"max_num_batched_tokens": 256}, fixes="prefill"),
+    Rung("+tokenize off-loop", {"is_tokenize_off_loop": True}, fixes="tok"),
+    Rung("+admit watermark", {"admit_free_frac": 0.10}, fixes="preempt"),
 )
 RUNG_NAMES: tuple[str, ...] = tuple(r.name for r in RUNGS)
+#: Rung name -> the cause its fix removes (None for the baseline).
+RUNG_FIXES: dict[str, str | None] = {r.name: r.fixes for r in RUNGS}
 
 
 def rung_slug(name: str) -> str:

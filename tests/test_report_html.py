@@ -106,6 +106,7 @@ def test_report_renders_in_headless_chromium(report_path):
         d.querySelectorAll('.point, .bars path, .trace').length]),
       verdict: Array.from(document.querySelectorAll('#tk-verdict ul.verdict li'))
         .map(li => li.textContent),
+      whatifRows: document.querySelectorAll('#tk-whatif table tbody tr').length,
       timePoints: document.querySelectorAll('#tk-itl-time .scatterlayer .point').length,
       stallRows: Array.from(document.querySelectorAll('table.worst > tbody > tr'))
         .map(tr => tr.children[3].textContent),
@@ -128,11 +129,14 @@ def test_report_renders_in_headless_chromium(report_path):
     ]  # fmt: skip
     for div, svgs, marks in drawn:
         assert svgs >= 1 and marks >= 1, (div, svgs, marks)
-    # the verdict: the first group's diagnosis, then what the second group changed
-    assert len(got["verdict"]) == 2
-    assert got["verdict"][0].startswith("baseline: ") and "of tail time" in got["verdict"][0]
+    # the verdict: what to fix first (docs/whatif.md), the first group's diagnosis, then what
+    # the second group changed; the what-if section's tables under it
+    assert len(got["verdict"]) == 3
+    assert got["verdict"][0].startswith("What to fix first in baseline: ")
+    assert got["verdict"][1].startswith("baseline: ") and "of tail time" in got["verdict"][1]
     # (the two synthetic groups' p99.9 may print alike: "left median p99.9 at ...")
-    assert got["verdict"][1].startswith("+fix ") and "median p99.9" in got["verdict"][1]
+    assert got["verdict"][2].startswith("+fix ") and "median p99.9" in got["verdict"][2]
+    assert got["whatifRows"] > 0
     assert got["timePoints"] > 100  # every gap of the first run is a point (a 2 s run)
     # worst stalls: one row per event; at least one event hit several requests at once
     hits = [int(t.split(":")[0]) for t in got["stallRows"]]

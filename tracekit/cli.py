@@ -11,7 +11,7 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, NoReturn
 
@@ -520,22 +520,36 @@ def compare(
     median tail-time share by label; then the verdict in words (what owns the first group's
     tail, what each group changed) and its caveats (runs that disagree, a cause the first
     group lacks, runs that missed the regime their engine asked for). Runs are the unit of
-    evidence: gaps are never pooled across runs."""
+    evidence: gaps are never pooled across runs.
+
+    The verdict opens with what to fix first (`tracekit whatif`: the first group's cause
+    whose removal lowers p99.9 most). Where runs name the cause their rung fixes (config
+    `fixes`, as the demo ladder writes it), each rung's measured p99, p99.9 and TTFT p50 are
+    set against the prediction from the rung before it, by both what-if models, with each
+    model's error and where it misses the measured runs' [min-max]."""
     from tracekit.analysis.compare import compare as do_compare
     from tracekit.analysis.verdict import verdict
     from tracekit.render import text
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    one = functools.partial(_analyze_one, **_limits())
-    results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
+    one = functools.partial(_analyze_whatif_one, **_limits())
+    pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
+    results = [a for a, _ in pairs]
+    whatifs = {a.path: w for a, w in pairs}  # the what-if of each run (docs/whatif.md)
     for a in results:
         _warn(a.path, a.warnings)
     cmp = do_compare(results, by=by, order_by=order_by)
+    checks = _ladder_whatif(cmp, whatifs)
     if fmt == "jsonl":
-        body = "".join(json.dumps(r) + "\n" for r in cmp.to_records())
+        records = cmp.to_records()
+        for rec in records:  # each rung's fix, predicted from the rung before it
+            rec["whatif_check"] = [c.to_dict() for c in checks if c.to_key == rec["group"]]
+        body = "".join(json.dumps(r) + "\n" for r in records)
     else:
-        v = verdict(cmp)
+        from tracekit.render.whatif import ladder_table
+
+        v, _ = _fix_first_verdict(verdict(cmp), cmp, whatifs, checks)
         is_md = fmt == "markdown"
         # sentences that quote group keys from the logs: literal text in either format
         inert = text.md_text if is_md else one_line
@@ -546,6 +560,8 @@ def compare(
         tables = text.comparison_markdown(cmp) if is_md else text.comparison(cmp)
         if ttft_tables := text.ttft_comparison(cmp, markdown=is_md):
             tables += "\n\n" + ttft_tables
+        if ladder := ladder_table(checks, md=is_md):
+            tables += "\n\n" + ladder
         body = tables + "\n" + "\n".join(lines) + "\n"
     _emit(body, output)
 
@@ -617,21 +633,23 @@ def _run_span_s(log: Any) -> tuple[float, float]:
     return (float(t.min()), float(t.max())) if len(t) else (0.0, 0.0)
 
 
-def _report_one(path: str, n_worst: int, **limits: Any) -> Any:
+def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any]:
+    """`report`'s worker: a run's figures, worst stalls and ITL series for the page, and
+    its what-if (docs/whatif.md), all from one partition."""
     from tracekit.allocator import keep_freed_memory
     from tracekit.analysis.figures import analyze
     from tracekit.analysis.gaps import itl_series, worst_stalls
-    from tracekit.attribution.itl import partition
+    from tracekit.analysis.whatif import whatif as do_whatif
     from tracekit.render.html import ReportRun
 
     keep_freed_memory()
-    log = _load(path, **limits)
-    part = partition(log)
-    return ReportRun(
-        analysis=analyze(log, part),
+    log, part, tpart = _whatif_parts(path, **limits)
+    run = ReportRun(
+        analysis=analyze(log, part, tpart),
         worst_stalls=worst_stalls(log, part, n_worst),
         series=itl_series(log, part),
     )
+    return run, do_whatif(log, part, tpart)
 
 
 @main.command()
@@ -668,20 +686,29 @@ def report(
     from tracekit.analysis.compare import order_runs
     from tracekit.analysis.verdict import verdict
     from tracekit.render.html import render_report
+    from tracekit.render.whatif import whatif_html
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     out_dir = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(out_dir):
         _fail(f"-o {output}: the directory {out_dir} does not exist (create it first)")
-    one = functools.partial(_report_one, n_worst=n_worst, **_limits())
-    results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
+    one = functools.partial(_report_whatif_one, n_worst=n_worst, **_limits())
+    pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
+    results = [r for r, _ in pairs]
+    whatifs = {r.analysis.path: w for r, w in pairs}
     for r in results:
         _warn(r.analysis.path, r.analysis.warnings)
     cmp = do_compare([r.analysis for r in results], by=by, order_by=order_by)
     order = order_runs([r.analysis for r in results], order_by)
     results = sorted(results, key=lambda r: order.index(r.analysis))
-    page = render_report(results, cmp, verdict(cmp), title=title)
+    checks = _ladder_whatif(cmp, whatifs)
+    v, fixes = _fix_first_verdict(verdict(cmp), cmp, whatifs, checks)
+    first = cmp.groups[0] if cmp.groups else None
+    section = (
+        whatif_html(fixes, first.key, [whatifs[p] for p in first.paths], checks) if first else ""
+    )
+    page = render_report(results, cmp, v, title=title, whatif_section=section)
     with open(output, "w", encoding="utf-8") as fh:
         fh.write(page)
     click.echo(
@@ -704,6 +731,117 @@ def _open_in_browser(path: str) -> None:
         click.echo(f"opened {url}", err=True)
     else:
         click.echo(f"no browser available here; open {url}", err=True)
+
+
+# -- whatif (docs/whatif.md) ---------------------------------------------------------------
+
+
+def _whatif_parts(path: str, **limits: Any) -> tuple[Any, Any, Any]:
+    """A log, its ITL partition and its TTFT partition."""
+    from tracekit.attribution.itl import partition
+    from tracekit.attribution.ttft import ttft_partition
+
+    log = _load(path, **limits)
+    return log, partition(log), ttft_partition(log)
+
+
+def _whatif_one(path: str, names: Sequence[str] | None = None, **limits: Any) -> Any:
+    from tracekit.allocator import keep_freed_memory
+    from tracekit.analysis.whatif import whatif as do_whatif
+
+    keep_freed_memory()
+    log, part, tpart = _whatif_parts(path, **limits)
+    return do_whatif(log, part, tpart, names)
+
+
+def _analyze_whatif_one(path: str, **limits: Any) -> tuple[Any, Any]:
+    """`compare`'s worker: a run's figures and its what-if, from one partition."""
+    from tracekit.allocator import keep_freed_memory
+    from tracekit.analysis.figures import analyze
+    from tracekit.analysis.whatif import whatif as do_whatif
+
+    keep_freed_memory()
+    log, part, tpart = _whatif_parts(path, **limits)
+    return analyze(log, part, tpart), do_whatif(log, part, tpart)
+
+
+def _ladder_whatif(cmp: Any, whatifs: Mapping[str, Any]) -> list[Any]:
+    """The what-if checked against the ladder: groups in the comparison's order."""
+    from tracekit.analysis.whatif import ladder_checks
+
+    return ladder_checks([(g.key, [whatifs[p] for p in g.paths]) for g in cmp.groups])
+
+
+def _fix_first_verdict(v: Any, cmp: Any, whatifs: Mapping[str, Any], checks: Any) -> Any:
+    """The verdict, opening with what to fix first in the first group (docs/whatif.md)."""
+    import dataclasses
+
+    from tracekit.analysis.whatif import fix_first, fix_first_sentence
+
+    if not cmp.groups:
+        return v, []
+    g = cmp.groups[0]
+    fixes = fix_first([whatifs[p] for p in g.paths], checks)
+    group = g.key if len(cmp.groups) > 1 else None
+    return dataclasses.replace(v, findings=(fix_first_sentence(fixes, group), *v.findings)), fixes
+
+
+@main.command()
+@click.argument("runs", nargs=-1, type=click.Path())
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "markdown", "jsonl"]), default="table",
+    show_default=True,
+    help="table: terminal; markdown: a PR or doc; jsonl: one object per run, removal and model.",
+)  # fmt: skip
+@click.option(
+    "--model", type=click.Choice(["both", "first", "second"]), default="both",
+    show_default=True, help="Which model's rows to print (jsonl always has both).",
+)  # fmt: skip
+@click.option("--remove", "names", multiple=True, metavar="CAUSE",
+              help="Only this cause or family (repeatable); default: all of them.")  # fmt: skip
+@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Analyse runs in this many processes.")  # fmt: skip
+@_read_limits
+def whatif(
+    runs: tuple[str, ...], fmt: str, model: str, names: tuple[str, ...], output: str | None,
+    jobs: int,
+) -> None:  # fmt: skip
+    """What to fix first: each RUN's ITL p50/p99/p99.9/max and TTFT p50/p90/p99 with one
+    cause's time removed, for every cause of the run and every cause family (host overhead,
+    scheduling, memory pressure, OS), against the run as measured.
+
+    Two models (docs/whatif.md), each row names its own. First order: every gap and TTFT
+    loses the time its partition gave the cause; nothing else moves. Second order: the
+    recorded steps replayed in order with the same batches, without the cause's time: an
+    instant goes only where everything running then goes (a stall hidden under a longer one
+    stays), a preempted request emits at every step it missed and its readmission prefill
+    goes. Rows are sorted by the second-order p99.9 gain; the assumptions follow the table.
+    Time no instrument covered (residual) is never removed.
+
+    Families: host (gc, tok, graph and engine host labels such as sample, detokenize),
+    scheduling (prefill, schedule; in TTFT others' prefill and waits for a batch slot or
+    token budget), memory (preempt; in TTFT waits for KV blocks or behind preempted
+    requests), os (labels an engine's cause map maps to os).
+
+    \b
+    Examples:
+      tracekit whatif raw/baseline__s1.npz
+      tracekit whatif raw/*.npz --remove preempt --remove host --format jsonl
+    """
+    from tracekit.render.whatif import whatif_table
+
+    paths = _expand(runs)
+    one = functools.partial(_whatif_one, names=list(names) or None, **_limits())
+    results = _map_with_progress(one, paths, jobs, "analysing")
+    for w in results:
+        _warn(w.path, w.warnings)
+    if fmt == "jsonl":
+        body = "".join(json.dumps(r) + "\n" for w in results for r in w.to_records())
+    else:
+        models = ("first", "second") if model == "both" else (model,)
+        body = whatif_table(results, models, md=fmt == "markdown")
+    _emit(body, output)
 
 
 # -- export and fleet (Parquet datasets, fleet rollups) ------------------------------------

@@ -791,9 +791,11 @@ def render_report(
     *,
     title: str = "tracekit report",
     plotly_js: str | None = None,
+    whatif_section: str = "",
 ) -> str:
     """The whole page as one string, runs in the order given. Without `verdict` the page
-    has no verdict section. `plotly_js` overrides the inlined bundle (tests)."""
+    has no verdict section. `whatif_section` (`tracekit.render.whatif.whatif_html`) goes
+    right after the verdict. `plotly_js` overrides the inlined bundle (tests)."""
     if plotly_js is None:
         from plotly.offline import get_plotlyjs
 
@@ -823,6 +825,8 @@ def render_report(
     )
     if verdict is not None:
         sections.append(verdict_html(verdict))
+    if whatif_section:
+        sections.append(whatif_section)
     sections.append("<h2>Runs</h2><div class=tw>" + run_table(analyses, names) + "</div>")
     sections.append(
         "<p class=note>Share of tail time by label, per run (each row sums to 100%):</p>"
