@@ -364,3 +364,18 @@ def test_moving_a_device_window_by_e_moves_at_most_4e_plus_twice_the_loop_thread
         p1 = impl(_device_gap(segs, gcs, after).build()).parts_ms[0]
         moved = float(np.abs(p1 - p0).sum())
         assert moved <= 4 * e + 2 * busy + 1e-9, (impl.__name__, moved, e, busy)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_large_thread_number_is_just_a_thread(impl):
+    # thread numbers up to 2**31 - 1 are valid: the loop thread 2**31 - 1 recorded the step;
+    # thread 5's tok 9.0..9.6 spans the finish at 9.3 and is another thread's: as in
+    # test_the_loop_thread_is_the_one_that_recorded_the_emissions_step, forward 8.2, tok
+    # 0.3 (after the finish), residual 0.5, schedule 1.
+    import dataclasses
+
+    log = _loop_on_thread_1(0)
+    sg = log.segments
+    th = np.where(sg.thread == 1, 2**31 - 1, 5)
+    log = dataclasses.replace(log, segments=dataclasses.replace(sg, thread=th))
+    close(parts_of(impl(log)), {"schedule": 1.0, "forward": 8.2, "tok": 0.3, "residual": 0.5})

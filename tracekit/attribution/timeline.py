@@ -113,7 +113,10 @@ def loop_threads(log: RawLog, emission_steps: np.ndarray) -> np.ndarray:
     sg = log.segments
     own = sg.step >= 0
     n_steps = len(log.steps)
-    fallback = int(np.argmax(np.bincount(sg.thread[own]))) if own.any() else 0
+    fallback = 0
+    if own.any():  # thread numbers may be large (up to 2**31 - 1): count the distinct ones
+        ids, counts = np.unique(sg.thread[own], return_counts=True)
+        fallback = int(ids[np.argmax(counts)])  # the first (lowest) of the most common
     per_step = np.full(n_steps + 1, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(per_step, sg.step[own], sg.thread[own])
     per_step[per_step == np.iinfo(np.int64).max] = fallback
