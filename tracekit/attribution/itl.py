@@ -599,7 +599,8 @@ def partition(
     parts = np.empty((n, len(labels)), order="F")
     pick = a_idx
     for j in range(len(labels)):
-        np.take(per_interval[:, j], pick, out=parts[:, j])
+        # mode="clip": `pick` is in range by construction, and "raise" buffers `out`
+        np.take(per_interval[:, j], pick, out=parts[:, j], mode="clip")
     many = np.flatnonzero(~one)
     if len(many):
         a, b = a_idx[many], b_idx[many]
