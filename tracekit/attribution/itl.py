@@ -486,6 +486,8 @@ def _device_charges(
     u = g[first]  # one representative gap per distinct key
     ulo, uhi, ut0, ut1 = lo[u], hi[u], g_t0[u], g_t1[u]
     out = np.zeros((len(u), n_lab))
+    # one pass over the timeline and the windows per loop thread: one in a usual engine, a
+    # pool's size where steps run on a thread pool
     for thread in np.unique(g_thread[u]).tolist():
         mine = np.flatnonzero(g_thread[u] == thread)
         busy = thread_busy(log, tl.bounds, thread)
