@@ -26,18 +26,21 @@ millisecond of it goes to exactly one label:
    gap's path are those that ended no later than that step's device work (one in-order
    stream: that step's and every step queued before it, such as another request's
    prefill-only step in an engine that runs prefill and decode batches apart); work queued
-   behind it is not. If the host was idle just before the read step's device work ended
-   (no host window other than a `wait`/`sync` and no GC pause covers that instant: the
-   host waited for the device), the gap is *device-bound* and those windows own their time
-   ahead of every host window and GC pause; the host work they hid (launches, the CPU
-   preparing the next step) is charged nothing. Otherwise the gap is *host-bound*: the
-   host's windows keep their time, and the device windows own only the host-idle time
-   inside them (the host waited for the device there; that time is not `residual`). The
-   two readings differ only in the host-busy time inside the windows, so moving the windows
-   by ``e`` moves at most ``4e`` per window plus twice that busy time, decode time counted
-   as one label with the graph baseline held (docs/gpu.md). A gap
-   that contains an eviction of its request uses the host rules only (its evicted time is
-   `preempt` either way).
+   behind it is not. The *loop thread* made the emission (the thread that recorded the
+   emission's step, `tracekit.attribution.timeline.loop_threads`); its *own work* is its host
+   segments other than `wait`/`sync`. If its own work does not cover the instant just before
+   the read step's device work ended (the loop thread waited for the device), the gap is
+   *device-bound* and those windows own their time ahead of every host window and GC
+   pause; what they hid (launches, the CPU preparing the next step, a GC pause or another
+   thread's work during the wait) is charged nothing, and time after the finish goes by the
+   host rules. Otherwise the gap is *host-bound*: wherever the loop thread's own work
+   covers the windows, the host rules hold; the rest of the windows' time is the device's
+   (the loop thread waited for the device there; a GC pause or another thread's work there
+   is hidden as well). The two readings differ only in the loop thread's own work inside
+   the windows, so moving the windows by ``e`` moves at most ``4e`` per window plus twice
+   that work, decode time counted as one label with the graph baseline held (docs/gpu.md).
+   A gap that contains an eviction of its request uses the host rules only (its evicted
+   time is `preempt` either way).
 
 Multi-token emissions (speculative decoding): a gap is between consecutive *emission
 rows* of a request, i.e. consecutive steps that emitted for it; the tokens one step
@@ -59,15 +62,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tracekit.attribution.timeline import (
-    DEVICE_WAIT_LABELS,
     HostTimeline,
+    Timeline,
     build_timeline,
     decode_net_ms,
     device_windows,
     host_classes,
+    loop_threads,
     prefix_sums,
     segment_causes,
     segment_classes,
+    thread_busy,
 )
 from tracekit.errors import ReconcileError
 from tracekit.labels import NON_CAUSES, partition_labels
@@ -412,11 +417,12 @@ def _evictions_per_gap(
 
 
 def _device_charges(
-    log, causes, frac, tl, classes, to_labels, col, g_dstep, g_t0, g_t1, g_rank0, g_rank1, e_gap
-):
+    log, causes, frac, tl, classes, to_labels, col, g_dstep, g_thread, g_t0, g_t1, g_rank0,
+    g_rank1, e_gap,
+):  # fmt: skip
     """What device windows take from the host labels and own (rule 6): rows of changes to
-    add to parts (each row sums to 0), one per distinct (t0, t1, read step end); the gaps
-    they touch; and for each of those gaps, its row.
+    add to parts (each row sums to 0), one per distinct (t0, t1, read step, loop thread);
+    the gaps they touch; and for each of those gaps, its row.
 
     Memory is linear in windows + gaps: a gap's eligible windows are one run of the sorted
     disjoint windows (from the first ending after t0 to the last ending by the read step's
@@ -434,12 +440,6 @@ def _device_charges(
     e_end = np.minimum(read_end, g_t1)  # where the read step's device work ended (in the gap)
     active = np.isfinite(read_end) & (e_end > g_t0)
     active[e_gap] = False  # a gap with an eviction uses the host rules only
-    # device-bound: the host was idle just before the read step's device work ended
-    n_cls = len(classes)
-    idle_cls = [i for i, (x, _) in enumerate(classes) if x in DEVICE_WAIT_LABELS] + [n_cls]
-    k = np.searchsorted(tl.bounds, e_end, side="left")
-    owner = tl.owner[np.clip(k, 0, len(tl.owner) - 1)]
-    bound = np.isin(owner, idle_cls)
     # eligible windows of gap g: indices [lo, hi)
     lo = np.searchsorted(b, g_t0, side="right")  # first window ending after t0
     hi = np.minimum(
@@ -447,6 +447,9 @@ def _device_charges(
         np.searchsorted(a, g_t1, side="left"),  # ... starting before t1
     )
     active &= hi > lo
+    n_cls = len(classes)
+    # the interval just before the read step's device work ended (owner index)
+    k_end = np.searchsorted(tl.bounds, e_end, side="left")
 
     # the label each window's time goes to: its cause; decode splits forward/graph
     lab = np.zeros((len(step), n_lab))
@@ -457,41 +460,53 @@ def _device_charges(
     lab[rows[~is_dec], np.array([col[x] for x in names.tolist()], dtype=np.int64)[inv]] = 1.0
     lab[rows[is_dec], col["forward"]] = 1.0 - fr[is_dec]
     lab[rows[is_dec], col["graph"]] += fr[is_dec]
-    idle_mask = np.zeros(n_cls + 2)
-    idle_mask[idle_cls] = 1.0
-    to_idle = to_labels * idle_mask[:, None]
 
-    def charges(x0, x1, w):
-        """Changes for window w's piece [x0, x1]: device-bound, the piece owns all of it;
-        host-bound, only its host-idle time."""
+    def device_bound(x0, x1, w):
+        """Changes for window w's piece [x0, x1] in a device-bound gap: it owns all of it."""
         h0, l0 = tl.class_integrals(n_cls, x0)
         h1, l1 = tl.class_integrals(n_cls, x1)
-        v = ((h1 - h0) + (l1 - l0)) * 1e3  # class integrals over the piece, ms
-        full = v @ to_labels
-        full_len = (x1 - x0) * 1e3
-        idle = v @ idle_mask
-        dev_bound = full_len[:, None] * lab[w] - full
-        host_bound = idle[:, None] * lab[w] - v @ to_idle
-        return dev_bound, host_bound
+        full = (((h1 - h0) + (l1 - l0)) * 1e3) @ to_labels
+        return (x1 - x0)[:, None] * 1e3 * lab[w] - full
 
-    d_all, h_all = charges(a, b, rows)
-    pd, ph = prefix_sums(d_all), prefix_sums(h_all)
+    def host_bound(free, x0, x1, w):
+        """... in a host-bound gap: it owns the piece's time outside the loop thread's own
+        work (`free`: the timeline with that work taken out)."""
+        h0, l0 = free.class_integrals(n_cls, x0)
+        h1, l1 = free.class_integrals(n_cls, x1)
+        v = ((h1 - h0) + (l1 - l0)) * 1e3
+        return v[:, : n_cls + 1].sum(axis=1)[:, None] * lab[w] - v @ to_labels
+
+    pd = prefix_sums(device_bound(a, b, rows))
     g = np.flatnonzero(active)
-    # gaps with the same (t0, t1, read step end) get the same changes: a batch's requests
-    # share their emissions, so this computes one row per distinct gap, not per request
-    # (key: the ranks of t0 and t1 among the emission times, and the read step)
-    first, inv = _groups(g_rank0[g], g_rank1[g], g_dstep[g])
+    # gaps with the same (t0, t1, read step, loop thread) get the same changes: a batch's
+    # requests share their emissions, so this computes one row per distinct gap, not per
+    # request (key: the ranks of t0 and t1 among the emission times, the read step, the
+    # thread)
+    first, inv = _groups(g_rank0[g], g_rank1[g], g_dstep[g], g_thread[g])
     u = g[first]  # one representative gap per distinct key
-    ulo, uhi, ub, ut0, ut1 = lo[u], hi[u], bound[u], g_t0[u], g_t1[u]
-    out = np.where(ub[:, None], pd[uhi] - pd[ulo], ph[uhi] - ph[ulo])
-    # the windows a gap cuts: take back the parts outside [t0, t1]
-    for sel, x0, x1, w in (
-        (a[ulo] < ut0, a[ulo], ut0, ulo),
-        (b[uhi - 1] > ut1, ut1, b[uhi - 1], uhi - 1),
-    ):
-        if sel.any():
-            d_cut, h_cut = charges(x0[sel], x1[sel], w[sel])
-            out[sel] -= np.where(ub[sel][:, None], d_cut, h_cut)
+    ulo, uhi, ut0, ut1 = lo[u], hi[u], g_t0[u], g_t1[u]
+    out = np.zeros((len(u), n_lab))
+    # one pass over the timeline and the windows per loop thread: one in a usual engine, a
+    # pool's size where steps run on a thread pool
+    for thread in np.unique(g_thread[u]).tolist():
+        mine = np.flatnonzero(g_thread[u] == thread)
+        busy = thread_busy(log, tl.bounds, thread)
+        # device-bound: the loop thread's own work did not cover the finish
+        dev = ~busy[k_end[u[mine]]]
+        free = Timeline(tl.bounds, np.where(busy, -2, tl.owner), np.where(busy, 0.0, tl.graph_rate))
+        ph = prefix_sums(host_bound(free, a, b, rows))
+        lo_m, hi_m = ulo[mine], uhi[mine]
+        rows_m = np.where(dev[:, None], pd[hi_m] - pd[lo_m], ph[hi_m] - ph[lo_m])
+        # the windows a gap cuts: take back the parts outside [t0, t1]
+        for sel, x0, x1, w in (
+            (a[lo_m] < ut0[mine], a[lo_m], ut0[mine], lo_m),
+            (b[hi_m - 1] > ut1[mine], ut1[mine], b[hi_m - 1], hi_m - 1),
+        ):
+            if sel.any():
+                d_cut = device_bound(x0[sel], x1[sel], w[sel])
+                h_cut = host_bound(free, x0[sel], x1[sel], w[sel])
+                rows_m[sel] -= np.where(dev[sel][:, None], d_cut, h_cut)
+        out[mine] = rows_m
     return out, g, inv
 
 
@@ -586,7 +601,8 @@ def partition(
     parts = np.empty((n, len(labels)), order="F")
     pick = a_idx
     for j in range(len(labels)):
-        np.take(per_interval[:, j], pick, out=parts[:, j])
+        # mode="clip": `pick` is in range by construction, and "raise" buffers `out`
+        np.take(per_interval[:, j], pick, out=parts[:, j], mode="clip")
     many = np.flatnonzero(~one)
     if len(many):
         a, b = a_idx[many], b_idx[many]
@@ -609,9 +625,10 @@ def partition(
     # device windows on the gap's critical path (rule 6)
     if is_dev.any():
         g_dstep = em.device_step[order][pair + 1]
+        g_thread = loop_threads(log, g_s1)
         u_change, d_gap, inv = _device_charges(
             log, causes, base.eager_excess_frac, tl, classes, to_labels, col,
-            g_dstep, g_t0, g_t1, a_idx, b_idx, e_gap,
+            g_dstep, g_thread, g_t0, g_t1, a_idx, b_idx, e_gap,
         )  # fmt: skip
         moved = np.any(u_change != 0.0, axis=1)[inv]  # host-bound gaps often keep all
         d_gap, inv = d_gap[moved], inv[moved]

@@ -76,6 +76,7 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
         (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]), is_dev[i])
         for i in range(len(sg))
     ]
+    threads = sg.thread.tolist()
     pauses = [(float(a), float(b)) for a, b in zip(gcp.t_start_s, gcp.t_end_s, strict=True)]
 
     def gc_overlap(a: float, b: float) -> float:
@@ -119,12 +120,30 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
         fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
         return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
 
-    def host_idle_before(x: float) -> bool:
+    # the loop thread of each emission: the thread whose segments carry its step (the
+    # lowest if several); else the thread most step segments belong to (lowest on a tie)
+    step_threads: dict[int, list[int]] = {}
+    for (_, _, _, s, _), th in zip(segs, threads, strict=True):
+        if s >= 0:
+            step_threads.setdefault(s, []).append(th)
+    counts = [th for ths in step_threads.values() for th in ths]
+    run_thread = min(set(counts), key=lambda th: (-counts.count(th), th)) if counts else 0
+
+    def loop_thread(step: int) -> int:
+        return min(step_threads[step]) if step in step_threads else run_thread
+
+    def loop_busy(x: float, thread: int) -> bool:
+        """Whether the loop thread's own work (a host segment of it other than a wait)
+        covers the instant just after x."""
+        return any(
+            a <= x < b and th == thread and c not in DEVICE_WAIT_LABELS
+            for (a, b, c, _, d), th in zip(segs, threads, strict=True)
+            if not d
+        )
+
+    def loop_busy_before(x: float, thread: int) -> bool:
         before = [p for p in points if p < x]
-        if not before:
-            return True
-        who, _ = host_owner(max(before))
-        return who == "residual" or who in DEVICE_WAIT_LABELS
+        return bool(before) and loop_busy(max(before), thread)
 
     # device windows, disjoint over the run: the earlier start owns an overlap; each step's
     # device work ends where its last window (as recorded) ends
@@ -138,7 +157,10 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
             dev_windows.append((max(a, busy_until), b, c, s))
         busy_until = max(busy_until, b)
 
-    def tally(a: float, b: float, pieces=(), idle_only=False) -> dict[str, float]:
+    def tally(a: float, b: float, pieces=(), thread=None) -> dict[str, float]:
+        """Each instant's owner by the host rules, except where a device piece covers it:
+        there the piece owns it, unless `thread` (host-bound: the loop thread) is given and
+        its own work covers the instant."""
         out = dict.fromkeys(labels, 0.0)
         cuts = sorted({a, b} | {p for pa, pb, _, _ in pieces for p in (pa, pb) if a < p < b}
                       | {p for p in points if a < p < b})  # fmt: skip
@@ -146,8 +168,10 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
             ms = (y - x) * 1e3
             dev = [(c, fr) for pa, pb, c, fr in pieces if pa <= x < pb]
             who, rate = host_owner(x)
-            # device-bound: a device window owns its time; host-bound: only host-idle time
-            if dev and (not idle_only or who == "residual" or who in DEVICE_WAIT_LABELS):
+            # device-bound: a device window owns its time; host-bound: only the time
+            # outside the loop thread's own work (a GC pause or another thread's work
+            # there interrupted a wait for the device)
+            if dev and (thread is None or not loop_busy(x, thread)):
                 who, rate = dev[0][0], dev[0][1]
             if who == "decode":
                 out["graph"] += ms * rate
@@ -183,11 +207,13 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
         if cur < t1:
             live.append((cur, t1))
         pieces = []
-        idle_only = False
+        bound_by: int | None = None  # host-bound: the loop thread
         ds = int(g_dstep[i])
         if not windows and ds in last_end and min(last_end[ds], t1) > t0:
-            # rule 6: the windows that ended by the read step's device work, in the gap
-            idle_only = not host_idle_before(min(last_end[ds], t1))  # host-bound
+            # rule 6: the windows that ended by the read step's device work, in the gap;
+            # host-bound if the loop thread's own work covers the instant before the finish
+            th = loop_thread(int(g_s1[i]))
+            bound_by = th if loop_busy_before(min(last_end[ds], t1), th) else None
             pieces = [
                 (
                     max(a, t0),
@@ -199,7 +225,7 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
                 if b <= last_end[ds] and min(b, t1) > max(a, t0)
             ]
         for a, b in live:
-            for lb, v in tally(a, b, pieces, idle_only).items():
+            for lb, v in tally(a, b, pieces, bound_by).items():
                 parts[i, labels.index(lb)] += v
         for a, b in windows:
             parts[i, labels.index("preempt")] += (b - a) * 1e3

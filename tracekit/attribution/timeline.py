@@ -103,6 +103,43 @@ def host_classes(causes: np.ndarray, is_device: np.ndarray) -> list[tuple[str, b
 DEVICE_WAIT_LABELS = frozenset({"wait", "sync"})
 
 
+def loop_threads(log: RawLog, emission_steps: np.ndarray) -> np.ndarray:
+    """The thread that made each emission (ITL rule 6): the thread that recorded the
+    emission's step, i.e. whose segments carry that step's index (the recorder gives a step
+    index only to the loop thread's windows; the lowest such thread, if a hand-built log
+    has several). An emission outside a step, or in a step with no segment, is the run's
+    loop thread's: the thread most segments with a step index belong to (the lowest on a
+    tie; thread 0, the thread that started, if none has)."""
+    sg = log.segments
+    own = sg.step >= 0
+    n_steps = len(log.steps)
+    fallback = 0
+    if own.any():  # thread numbers may be large (up to 2**31 - 1): count the distinct ones
+        ids, counts = np.unique(sg.thread[own], return_counts=True)
+        fallback = int(ids[np.argmax(counts)])  # the first (lowest) of the most common
+    per_step = np.full(n_steps + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(per_step, sg.step[own], sg.thread[own])
+    per_step[per_step == np.iinfo(np.int64).max] = fallback
+    s = np.asarray(emission_steps, dtype=np.int64)
+    return per_step[np.where((s >= 0) & (s < n_steps), s, n_steps)]
+
+
+def thread_busy(log: RawLog, bounds: np.ndarray, thread: int) -> np.ndarray:
+    """For each interval of a timeline on `bounds` (indexed as `Timeline.owner`: k + 1 for
+    [bounds[k], bounds[k+1]), the open ends at 0 and m), whether a host segment of `thread`
+    other than a `wait`/`sync` covers it: that thread's own work (ITL rule 6). Every segment
+    boundary must be one of `bounds`."""
+    sg = log.segments
+    mine = (sg.is_device == 0) & (sg.thread == thread)
+    is_wait = [cause_of(lb, log.cause_map) in DEVICE_WAIT_LABELS for lb in log.labels]
+    mine &= ~np.array([*is_wait, False], dtype=bool)[sg.label]
+    m = len(bounds)
+    busy = np.zeros(m + 1, dtype=bool)
+    if m >= 2 and mine.any():
+        busy[1:m] = coverage(bounds, sg.t_start_s[mine], sg.t_end_s[mine], m) > 0
+    return busy
+
+
 def decode_classes(classes: list[tuple[str, bool]]) -> list[int]:
     return [i for i, (c, _) in enumerate(classes) if c == "decode"]
 

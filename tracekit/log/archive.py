@@ -288,11 +288,16 @@ def check_ints(path: str, key: str, a: np.ndarray, dtype: np.dtype, name: str = 
     """Refuse what would not survive the cast to `dtype` unchanged (NaN, 0.5, 1e19, 300 for
     an int8): numpy would wrap it silently or with a RuntimeWarning, never an error."""
     what = f"column {name}: " if name else ""
-    if a.dtype.kind == "f" and (not np.all(np.isfinite(a)) or np.any(a != np.round(a))):
+    if not a.size:
+        return
+    hi, lo = a.max(), a.min()  # each once: NaN propagates to both, an inf shows in one
+    if a.dtype.kind == "f" and (
+        not (np.isfinite(hi) and np.isfinite(lo)) or np.any(a != np.round(a))
+    ):
         raise LogError(path, key, f"{what}expected integers, got non-integral floats")
     info = np.iinfo(dtype)
-    if a.size and (a.max() > info.max or a.min() < info.min):
+    if hi > info.max or lo < info.min:
         # float 2**63 compares equal to int64 max + 1: compare in float, with margin
         raise LogError(path, key, f"{what}value out of range for {dtype}")
-    if a.dtype.kind == "f" and a.size and max(abs(float(a.max())), abs(float(a.min()))) >= 2.0**63:
+    if a.dtype.kind == "f" and max(abs(float(hi)), abs(float(lo))) >= 2.0**63:
         raise LogError(path, key, f"{what}value out of range for {dtype}")

@@ -98,17 +98,33 @@ def from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     if np.any(req_ids_num[order][1:] == req_ids_num[order][:-1]):  # sorted: neighbours
         raise LogError(path, "requests", "column request id: duplicate ids")
 
+    sorted_ids = req_ids_num[order]
+    lo_id = int(sorted_ids[0]) if len(order) else 0
+    span = int(sorted_ids[-1]) - lo_id + 1 if len(order) else 0
+    # ids are usually dense (first_id, first_id + 1, ...): a lookup table, one gather per
+    # row, instead of a binary search
+    lut = None
+    if 0 < span <= 4 * len(order) + 1024:
+        lut = np.full(span, -1, dtype=np.int64)
+        lut[sorted_ids - lo_id] = order
+
     def to_index(key: str, ids: np.ndarray) -> np.ndarray:
         ids = _int_col(path, key, ids, "request id")
-        pos = np.searchsorted(req_ids_num[order], ids)
-        pos = np.clip(pos, 0, max(len(order) - 1, 0))
         if len(order) == 0 and len(ids):
             raise LogError(path, key, "refers to requests but the requests array is empty")
-        known = req_ids_num[order][pos] == ids if len(ids) else np.ones(0, bool)
+        if lut is not None:
+            # compared before subtracting: a difference of extreme ids would wrap
+            inside = (ids >= lo_id) & (ids <= lo_id + span - 1)
+            idx = lut[np.where(inside, ids - lo_id, 0)]
+            known = inside & (idx >= 0)
+        else:
+            pos = np.clip(np.searchsorted(sorted_ids, ids), 0, max(len(order) - 1, 0))
+            known = sorted_ids[pos] == ids if len(ids) else np.ones(0, bool)
+            idx = order[pos]
         if not np.all(known):
             bad = ids[~known][:3].tolist()
             raise LogError(path, key, f"unknown request id(s) {bad} (not in requests)")
-        return order[pos]
+        return idx
 
     emissions = Emissions(
         request=to_index("emissions", em[:, 0]),
