@@ -57,6 +57,7 @@ from tracekit.log.reader import load
 
 FRONT_SEP = "\x1f"
 SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"
+HANDLER = "serve.handler"
 CORE, FRONTEND, WORKER = "engine_core", "api_server", "worker"
 SHARED_CLOCK = "clock_gettime(CLOCK_MONOTONIC)"
 #: Paired-stamp bounds may miss 0 by float rounding of the tick conversions.
@@ -319,16 +320,8 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
     core = cores[0]
     others = [p for p in procs if p is not core]
     fits = [_fit(core, p) for p in others]
-    # one request identity: the client's name for every engine id the API server knew
-    client_of: dict[str, str] = {}
-    for p in others:
-        if p.role == FRONTEND:
-            for name in p.log.request_ids:
-                client, sep, engine_id = name.partition(FRONT_SEP)
-                if sep:
-                    client_of[engine_id] = client
-    req_ids = [client_of.get(r, r) for r in core.log.request_ids]
-    index = {r: i for i, r in enumerate(req_ids)}
+    ident = join_requests(core, others, fits)
+    req_ids = ident.names
     labels = list(core.log.labels)
 
     def label_id(name: str) -> int:
@@ -336,7 +329,6 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
             labels.append(name)
         return labels.index(name)
 
-    extra_req: list[str] = []
     seg_rows: list[np.ndarray] = []
     ce_rows: list[np.ndarray] = []
     dl_rows: list[np.ndarray] = []
@@ -372,14 +364,7 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
         if p.role != FRONTEND:
             continue
         # client-boundary emissions: the request's merged index
-        names = [r.partition(FRONT_SEP)[0] for r in lg.request_ids]
-        ridx = np.empty(len(names), dtype=np.int64)
-        for i, nm in enumerate(names):
-            j = index.get(nm)
-            if j is None:
-                j = index[nm] = len(req_ids) + len(extra_req)
-                extra_req.append(nm)
-            ridx[i] = j
+        ridx = ident.index[k - 1]
         em = lg.emissions
         if len(em):
             t_sent = fit.apply(em.t_s)
@@ -400,15 +385,7 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
                 np.column_stack([step, c_t[ci], fit.apply(f_t[fi]), np.full(len(ci), k)])
             )
     log = core.log
-    requests = log.requests
-    if extra_req:
-        n = len(extra_req)
-        requests = Requests(
-            arrival_s=np.concatenate([requests.arrival_s, np.full(n, np.nan)]),
-            prompt_tokens=np.concatenate([requests.prompt_tokens, np.full(n, -1)]),
-            max_new_tokens=np.concatenate([requests.max_new_tokens, np.full(n, -1)]),
-            first_token_s=np.concatenate([requests.first_token_s, np.full(n, np.nan)]),
-        )
+    requests = ident.requests
     meta = dict(log.meta)
     meta["process"] = {k: v for k, v in core.identity.items()}
     meta["processes"] = processes
@@ -432,7 +409,7 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
     return replace(
         log,
         requests=requests,
-        request_ids=tuple(req_ids + extra_req),
+        request_ids=tuple(req_ids),
         labels=tuple(labels),
         proc_segments=ProcSegments.from_columns(**_cols(seg_rows, ProcSegments)),
         client_emissions=ClientEmissions.from_columns(**_cols(ce_rows, ClientEmissions)),
@@ -441,6 +418,116 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
         path=path,
         warnings=tuple(warnings),
     )
+
+
+@dataclass(frozen=True)
+class RequestJoin:
+    """The run's requests: the engine core's, each named as its client knew it, with its
+    stages on the run's clock; `index[k]` maps the (k+1)-th other process's request rows
+    to the run's (an API server's only; -1 elsewhere)."""
+
+    names: list[str]
+    requests: Requests
+    index: list[np.ndarray]
+
+
+def join_requests(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> RequestJoin:
+    """One request identity over every API server (see the module docstring).
+
+    Each API server records a request as ``CLIENT<US>ENGINE``; the engine id is unique in
+    the run (vLLM adds a random suffix), the client id need not be (a client may send one
+    ``X-Request-Id`` twice). Requests are joined by engine id; the run names each by its
+    client id, and a client id used by several requests gets ``~2``, ``~3``, ... on the
+    later ones, in order of arrival. Arrival is the API server's (the first byte of the
+    HTTP request), with `handler_s` (its handler ran, counter ``serve.handler``) and
+    `engine_s` (the engine core added it, counter ``serve.added``)."""
+    core_ids = list(core.log.request_ids)
+    core_index = {r: i for i, r in enumerate(core_ids)}
+    rq = core.log.requests
+    n_core = len(core_ids)
+    arrival = rq.arrival_s.astype(np.float64).copy()
+    handler = np.full(n_core, np.nan)
+    engine = np.full(n_core, np.nan)
+    a_t, a_v = _counter(core.log, ADDED)
+    ok = (a_v >= 0) & (a_v < n_core)
+    engine[a_v[ok].astype(np.int64)] = a_t[ok]
+    client = list(core_ids)
+    extra: list[tuple[str, float, float]] = []  # requests the engine core never recorded
+    index: list[np.ndarray] = []
+    known = np.zeros(n_core, dtype=bool)
+    for p, fit in zip(others, fits, strict=True):
+        lg = p.log
+        ridx = np.full(len(lg.request_ids), -1, dtype=np.int64)
+        index.append(ridx)
+        if p.role != FRONTEND:
+            continue
+        h_t, h_v = _counter(lg, HANDLER)
+        h_of = {int(v): float(t) for t, v in zip(fit.apply(h_t), h_v, strict=True)}
+        arr = fit.apply(lg.requests.arrival_s) if len(lg.requests) else np.zeros(0)
+        for i, name in enumerate(lg.request_ids):
+            cl, sep, engine_id = name.partition(FRONT_SEP)
+            a = float(arr[i]) if i < len(arr) else float("nan")
+            h = h_of.get(i, float("nan"))
+            j = core_index.get(engine_id) if sep else None
+            if j is None:
+                ridx[i] = n_core + len(extra)
+                extra.append((cl, a, h))
+                continue
+            ridx[i] = j
+            client[j] = cl
+            known[j] = True
+            if np.isfinite(a):
+                arrival[j] = a
+            handler[j] = h
+    n = n_core + len(extra)
+    if extra:
+        client += [e[0] for e in extra]
+        arrival = np.concatenate([arrival, [e[1] for e in extra]])
+        handler = np.concatenate([handler, [e[2] for e in extra]])
+        engine = np.concatenate([engine, np.full(len(extra), np.nan)])
+    # a stage before the HTTP arrival means the handler or core stamp belongs elsewhere:
+    # keep only what follows arrival
+    handler[~(handler >= arrival)] = np.nan
+    fe = np.concatenate([known, np.ones(len(extra), dtype=bool)])
+    engine[~fe | ~(engine >= arrival)] = np.nan
+    names = distinct_names(client, arrival)
+    pad = len(extra)
+    requests = Requests(
+        arrival_s=arrival,
+        prompt_tokens=np.concatenate([rq.prompt_tokens, np.full(pad, -1)]),
+        max_new_tokens=np.concatenate([rq.max_new_tokens, np.full(pad, -1)]),
+        first_token_s=np.concatenate([rq.first_token_s, np.full(pad, np.nan)]),
+        handler_s=handler,
+        engine_s=engine,
+    )
+    assert len(names) == n
+    return RequestJoin(names, requests, index)
+
+
+#: Joins a repeated client id to the number of its use (``cmpl-x-0~2``: the second).
+REPEAT_SEP = "~"
+
+
+def distinct_names(names: list[str], arrival: np.ndarray) -> list[str]:
+    """`names` with every repeat but the earliest arrival's suffixed ``~K`` (K >= 2)."""
+    out = list(names)
+    groups: dict[str, list[int]] = {}
+    for i, nm in enumerate(names):
+        groups.setdefault(nm, []).append(i)
+    taken = set(names)
+    for nm, rows in groups.items():
+        if len(rows) < 2:
+            continue
+        key = np.nan_to_num(arrival[rows], nan=np.inf)
+        order = [rows[j] for j in np.argsort(key, kind="stable")]
+        k = 2
+        for i in order[1:]:
+            while f"{nm}{REPEAT_SEP}{k}" in taken:
+                k += 1
+            out[i] = f"{nm}{REPEAT_SEP}{k}"
+            taken.add(out[i])
+            k += 1
+    return out
 
 
 def clock_pairs(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> list:

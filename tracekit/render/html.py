@@ -774,6 +774,7 @@ def worst_stalls_html(name: str, records: Sequence[Mapping[str, Any]], open_: bo
 
 # -- the page ---------------------------------------------------------------------------
 
+
 def _asset(name: str) -> str:
     """A file of the page's own CSS or JS, shipped beside this module (`assets/`)."""
     return (resources.files("tracekit.render") / "assets" / name).read_text(encoding="utf-8")
