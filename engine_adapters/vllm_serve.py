@@ -101,6 +101,7 @@ def register() -> None:
     _install_core_hooks()
     _install_worker_hooks()
     _install_frontend_hooks()
+    _install_shutdown_grace()
 
 
 def installed_hooks() -> int:
@@ -155,8 +156,10 @@ def process_identity(role: str) -> dict[str, Any]:
     }
 
 
-def recorder_for(role: str) -> Any:
-    """This process's recorder (started on first use), writing ``DIR/ROLE-PID.npz``."""
+def recorder_for(role: str, **identity: Any) -> Any:
+    """This process's recorder (started on first use), writing ``DIR/ROLE-PID.npz``;
+    `identity`: more of who recorded it (``dp_rank``, ``tp_rank``, ``rank``), kept in its
+    ``config["process"]`` for the merge."""
     rec = _rec.get(role)
     if rec is not None:
         return rec
@@ -176,7 +179,11 @@ def recorder_for(role: str) -> Any:
             flush_s = float(os.environ.get(ENV_FLUSH_S, DEFAULT_FLUSH_S))
             rec = tracekit.Recorder(
                 os.path.join(out_dir, f"{role}-{os.getpid()}.npz"),
-                config={"engine": "vllm", "vllm": version, "process": process_identity(role)},
+                config={
+                    "engine": "vllm",
+                    "vllm": version,
+                    "process": {**process_identity(role), **identity},
+                },
                 flush_interval_s=flush_s,
                 handle_signals=False,  # vLLM's own handlers decide how each process ends
             )
@@ -287,7 +294,7 @@ def _install_core_hooks() -> None:
 
     def make(run_busy_loop: Callable[..., Any]) -> Callable[..., Any]:
         def run_busy_loop_recorded(self: Any) -> Any:
-            rec = recorder_for("engine_core")
+            rec = recorder_for("engine_core", dp_rank=int(getattr(self, "engine_index", 0)))
             adapter = ServeCoreAdapter(rec, self).install()
             try:
                 return run_busy_loop(self)
@@ -308,11 +315,13 @@ def _install_worker_hooks() -> None:
 
     def make(busy_loop: Callable[..., Any]) -> Callable[..., Any]:
         def worker_busy_loop_recorded(self: Any) -> Any:
-            rec = recorder_for("worker")
+            ranks = worker_ranks(self)
+            rec = recorder_for("worker", **ranks)
             runner = getattr(getattr(self.worker, "worker", None), "model_runner", None)
             patches = Patches()
             if runner is not None:
-                _instrument_runner(rec, runner, patches)
+                _instrument_runner(rec, runner, patches, injector(ranks.get("tp_rank")))
+            _instrument_collectives(rec, patches)
             try:
                 return busy_loop(self)
             finally:
@@ -324,7 +333,105 @@ def _install_worker_hooks() -> None:
     _class_patches.wrap(WorkerProc, "worker_busy_loop", make)
 
 
-def _instrument_runner(rec: Any, runner: Any, p: Patches) -> None:
+def worker_ranks(proc: Any) -> dict[str, int]:
+    """A worker process's ranks: global (``rank``), tensor parallel (``tp_rank``) and data
+    parallel (``dp_rank``), where vLLM knows them."""
+    out: dict[str, int] = {}
+    if isinstance(getattr(proc, "rank", None), int):
+        out["rank"] = int(proc.rank)
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        out["tp_rank"] = int(get_tensor_model_parallel_rank())
+    except Exception:  # groups not initialised in this vLLM layout: rank unknown
+        pass
+    cfg = getattr(getattr(proc.worker, "worker", None), "vllm_config", None)
+    dp = getattr(getattr(cfg, "parallel_config", None), "data_parallel_rank", None)
+    if isinstance(dp, int):
+        out["dp_rank"] = dp
+    return out
+
+
+#: Collective calls of the tensor-parallel group recorded on each worker, as ``collective``
+#: windows (entered, left): ranks enter each one in the same order, so the n-th window of
+#: every rank is one collective (the merge reads the skew between ranks from them).
+COLLECTIVES = ("all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter")
+
+
+def _instrument_collectives(rec: Any, p: Patches) -> None:
+    """Wrap the tensor-parallel group's device communicator (one instance per worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # groups not initialised in this vLLM layout: no collectives
+        return
+    comm = getattr(group, "device_communicator", None)
+    if comm is None or getattr(group, "world_size", 1) < 2:
+        return
+
+    def make(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            t0 = rec.now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.add_segment("collective", t0, rec.now())
+
+        return collective
+
+    for name in COLLECTIVES:
+        if callable(getattr(comm, name, None)):
+            p.wrap(comm, name, make)
+
+
+#: Test-only: ``rank=R,every=N,ms=M[,kinds=sleep+gc]`` makes the worker of tensor-parallel
+#: rank R stall at the start of every N-th forward pass: a sleep of M ms, or a full
+#: garbage collection over a heap built to last about M ms (alternating when both kinds are
+#: named), recorded as an ``injected`` window (the GC's own pause is recorded as any GC).
+ENV_TEST_INJECT = "TRACEKIT_VLLM_TEST_INJECT"
+
+
+def injector(tp_rank: int | None) -> Callable[[Any], None] | None:
+    """The stall `ENV_TEST_INJECT` asks of this rank (called with the recorder before each
+    forward pass), or None."""
+    spec = os.environ.get(ENV_TEST_INJECT)
+    if not spec or tp_rank is None:
+        return None
+    try:
+        kv = dict(item.split("=", 1) for item in spec.split(","))
+        rank, every, ms = int(kv["rank"]), int(kv["every"]), float(kv["ms"])
+        kinds = kv.get("kinds", "sleep").split("+")
+    except (KeyError, ValueError) as e:
+        raise RuntimeError(
+            f"{ENV_TEST_INJECT}={spec!r}: expected rank=R,every=N,ms=M[,kinds=sleep+gc] ({e})"
+        ) from None
+    if rank != tp_rank or every < 1:
+        return None
+    count = [0]
+
+    def inject(rec: Any) -> None:
+        count[0] += 1
+        if count[0] % every:
+            return
+        kind = kinds[(count[0] // every - 1) % len(kinds)]
+        t0 = rec.now()
+        if kind == "gc":
+            import gc
+
+            junk = [[i] for i in range(int(ms * 20_000))]  # ~M ms to traverse on a CPU
+            gc.collect()
+            del junk
+        else:
+            time.sleep(ms / 1e3)
+        rec.add_segment("injected", t0, rec.now())
+
+    return inject
+
+
+def _instrument_runner(
+    rec: Any, runner: Any, p: Patches, inject: Callable[[Any], None] | None = None
+) -> None:
     fwd_t0: list[int | None] = [None]
 
     def wrap_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
@@ -346,6 +453,8 @@ def _instrument_runner(rec: Any, runner: Any, p: Patches) -> None:
         def model_forward(*args: Any, **kwargs: Any) -> Any:
             if fwd_t0[0] is None:
                 fwd_t0[0] = rec.now()
+                if inject is not None:
+                    inject(rec)
             return forward(*args, **kwargs)
 
         return model_forward
@@ -431,6 +540,35 @@ def client_name(external_id: str, parent: Any, index: int) -> str:
     """A request's name at the client boundary: vLLM's external id, ``#INDEX`` for the
     siblings of parallel sampling (as the in-process adapter names them)."""
     return external_id if parent is None else f"{external_id}#{index}"
+
+
+ENV_API_GRACE_S = "TRACEKIT_VLLM_API_SHUTDOWN_S"
+DEFAULT_API_GRACE_S = 5.0
+
+
+def _install_shutdown_grace() -> None:
+    """With several API servers, the launching process stops them with SIGTERM and, under
+    vLLM's default ``--shutdown-timeout 0``, SIGKILLs them at once: no exit hook runs and
+    their logs stay parts. While recording, the launcher gives them up to
+    ``TRACEKIT_VLLM_API_SHUTDOWN_S`` seconds (default 5) to exit on their SIGTERM (uvicorn
+    stops serving, the recorder writes its log); one that is still alive is killed as
+    before."""
+    try:
+        from vllm.v1.utils import APIServerProcessManager
+    except ImportError:  # another vLLM layout: API servers stop as vLLM decides
+        return
+    try:
+        grace = float(os.environ.get(ENV_API_GRACE_S, DEFAULT_API_GRACE_S))
+    except ValueError:
+        grace = DEFAULT_API_GRACE_S
+
+    def make(shutdown: Callable[..., Any]) -> Callable[..., Any]:
+        def shutdown_with_grace(self: Any, timeout: float | None = None) -> Any:
+            return shutdown(self, timeout=max(timeout or 0.0, grace))
+
+        return shutdown_with_grace
+
+    _class_patches.wrap(APIServerProcessManager, "shutdown", make)
 
 
 def _install_frontend_hooks() -> None:

@@ -478,16 +478,19 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
 @main.command()
 @click.argument("directory", type=click.Path())
 @click.option("-o", "--output", type=click.Path(), required=True, help="The merged RUN.npz.")
-def merge(directory: str, output: str) -> None:
+@click.option("--engine", type=click.IntRange(min=0), default=None, metavar="RANK",
+              help="Data parallel: the rank of the engine core whose run to merge.")  # fmt: skip
+def merge(directory: str, output: str, engine: int | None) -> None:
     """Join the per-process logs of one server run (DIRECTORY/ROLE-PID.npz, or the parts of
     a killed process, read in place and never removed) into one RUN.npz: the engine core's
     clock and steps, the API server's client-boundary emissions and windows, the workers'
     windows, requests named as the client knows them. Prints each process's clock offset
     against the engine core and its uncertainty. `analyze`, `report` and `trace` also
-    accept DIRECTORY itself."""
+    accept DIRECTORY itself. A data-parallel server has one engine core per rank: merge
+    each rank's run with --engine RANK (its steps, workers and requests)."""
     from tracekit.log.merge import save_merged
 
-    log = save_merged(directory, output)
+    log = save_merged(directory, output, engine=engine)
     _warn(directory, log.warnings)
     for p in log.meta["processes"]:
         c = p.get("clock_fit")

@@ -303,24 +303,56 @@ def estimate_offset(t_lo, lo, t_hi, hi, *, bins: int = 8) -> tuple[float, float,
 # -- the merge ----------------------------------------------------------------------------
 
 
-def merge_dir(directory: str) -> RawLog:
-    """The run recorded in `directory` (see the module docstring)."""
-    return merge_logs(process_logs(directory), path=directory)
+def merge_dir(directory: str, *, engine: int | None = None) -> RawLog:
+    """The run recorded in `directory` (see the module docstring); `engine`: the data
+    parallel rank whose run to build when the server ran several engine cores."""
+    return merge_logs(process_logs(directory), path=directory, engine=engine)
 
 
-def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
-    cores = [p for p in procs if p.role == CORE]
-    if len(cores) != 1:
+def dp_rank(p: ProcessLog) -> int | None:
+    """The data-parallel rank a process recorded (engine cores and workers), else None."""
+    r = p.identity.get("dp_rank")
+    return int(r) if isinstance(r, int) and not isinstance(r, bool) else None
+
+
+def merge_logs(
+    procs: list[ProcessLog], *, path: str = "<memory>", engine: int | None = None
+) -> RawLog:
+    """One run from the logs of a server's processes. A data-parallel server has one
+    engine core per DP rank, each with its own steps and workers: its run is that engine
+    core's (`engine`: the DP rank), with its workers, the API servers, and the requests
+    that engine core served (the others' are left out, never charged to its steps)."""
+    cores = sorted((p for p in procs if p.role == CORE), key=lambda p: (dp_rank(p) or 0, p.path))
+    if not cores:
+        raise LogError(path, "engine_core", "found no engine core log; the merge needs one")
+    ranks = [dp_rank(p) if dp_rank(p) is not None else i for i, p in enumerate(cores)]
+    if engine is None and len(cores) > 1:
         raise LogError(
             path,
             "engine_core",
-            f"found {len(cores)} engine core logs; the merge needs exactly one "
-            "(one engine core per server; data parallel runs are not merged)",
+            f"found {len(cores)} engine cores (data parallel, ranks "
+            f"{', '.join(map(str, ranks))}): each has its own steps; merge one engine's run "
+            "with --engine RANK (tracekit merge DIR --engine 0 -o RUN0.npz)",
         )
-    core = cores[0]
-    others = [p for p in procs if p is not core]
+    if engine is not None and engine not in ranks:
+        raise LogError(
+            path, "engine", f"no engine core with data-parallel rank {engine} (ranks there: "
+            f"{', '.join(map(str, ranks))})"
+        )  # fmt: skip
+    core = cores[ranks.index(engine) if engine is not None else 0]
+    mine = dp_rank(core)
+    elsewhere: set[str] = set()  # engine ids another engine core served
+    for c in cores:
+        if c is not core:
+            elsewhere.update(c.log.request_ids)
+    others = [
+        p
+        for p in procs
+        if p.role != CORE
+        and not (p.role == WORKER and len(cores) > 1 and dp_rank(p) not in (None, mine))
+    ]
     fits = [_fit(core, p) for p in others]
-    ident = join_requests(core, others, fits)
+    ident = join_requests(core, others, fits, elsewhere)
     req_ids = ident.names
     labels = list(core.log.labels)
 
@@ -369,11 +401,10 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
         if len(em):
             t_sent = fit.apply(em.t_s)
             ready = _ready_times(lg, em.t_s)
-            ce_rows.append(
-                np.column_stack(
-                    [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
-                )
+            rows = np.column_stack(
+                [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
             )
+            ce_rows.append(rows[rows[:, 0] >= 0])  # another engine core's requests: not here
         # deliveries: outputs built in a core step, received here
         c_t, c_v = _counter(core.log, OUT)
         f_t, f_v = _counter(lg, RECV)
@@ -386,7 +417,14 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
             )
     log = core.log
     requests = ident.requests
+    segments = log.segments
+    tp = tp_waits(core, others, fits)
+    tp_report: dict[str, Any] = {}
+    if tp:
+        segments, tp_report = carve_tp_waits(log, tp, label_id)
     meta = dict(log.meta)
+    if tp_report:
+        meta["tensor_parallel"] = tp_report
     meta["process"] = {k: v for k, v in core.identity.items()}
     meta["processes"] = processes
     meta["clock_pairs"] = clock_pairs(core, others, fits)
@@ -409,6 +447,7 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
     return replace(
         log,
         requests=requests,
+        segments=segments,
         request_ids=tuple(req_ids),
         labels=tuple(labels),
         proc_segments=ProcSegments.from_columns(**_cols(seg_rows, ProcSegments)),
@@ -418,6 +457,166 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
         path=path,
         warnings=tuple(warnings),
     )
+
+
+#: What a tensor-parallel rank did while the others waited for it at a collective, first
+#: match wins: its GC, a stall injected by a test, its own segments (by recorded label),
+#: and ``other`` where it recorded nothing.
+RANK_PRECEDENCE = ("gc", "injected", "prefill", "prepare", "forward", "sample", "draft")
+
+
+def tp_rank(p: ProcessLog) -> int | None:
+    r = p.identity.get("tp_rank")
+    return int(r) if isinstance(r, int) and not isinstance(r, bool) else None
+
+
+def tp_waits(
+    core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]
+) -> list[tuple[int, float, float, str]]:
+    """A tensor-parallel step's wait on its slowest rank, as (rank, start, end, cause) on
+    the run's clock: at each collective (the n-th ``collective`` window of every rank is
+    one call), the ranks that entered first wait from the first entry until the last rank
+    enters; that window is charged to what the last rank was doing then (`RANK_PRECEDENCE`:
+    its GC pauses, an injected stall, its recorded segments, else ``other``). Ranks that
+    recorded no collective (one worker, no tensor parallelism): nothing."""
+    ranks: dict[int, tuple[ProcessLog, ClockFit]] = {}
+    for p, fit in zip(others, fits, strict=True):
+        r = tp_rank(p)
+        if p.role == WORKER and r is not None and r not in ranks:
+            ranks[r] = (p, fit)
+    if len(ranks) < 2:
+        return []
+    enters: dict[int, np.ndarray] = {}
+    for r, (p, fit) in ranks.items():
+        w = _windows(p.log, ("collective",), steps_only=False)
+        enters[r] = np.sort(fit.apply(w[:, 0])) if len(w) else np.zeros(0)
+    n = min(len(e) for e in enters.values())
+    if n == 0:
+        return []
+    order = sorted(ranks)
+    mat = np.stack([enters[r][:n] for r in order])  # (ranks, collectives)
+    first = mat.min(axis=0)
+    last_i = mat.argmax(axis=0)
+    last = mat.max(axis=0)
+    out: list[tuple[int, float, float, str]] = []
+    timelines = {r: _rank_timeline(*ranks[r]) for r in order}
+    for c in np.flatnonzero(last > first).tolist():
+        r = order[int(last_i[c])]
+        for a, b, cause in _owned(timelines[r], float(first[c]), float(last[c])):
+            out.append((r, a, b, cause))
+    return out
+
+
+def _rank_timeline(p: ProcessLog, fit: ClockFit) -> list[tuple[float, float, int, str]]:
+    """One rank's windows on the run's clock as (start, end, precedence index), the
+    precedence of `RANK_PRECEDENCE` (GC pauses first); labels not named there after them."""
+    lg = p.log
+    rows: list[tuple[float, float, int, str]] = []
+    gc = lg.gc_pauses
+    for a, b in zip(fit.apply(gc.t_start_s).tolist(), fit.apply(gc.t_end_s).tolist(), strict=True):
+        rows.append((a, b, 0, "gc"))
+    sg = lg.segments
+    names = list(lg.labels)
+    for lab, a, b in zip(sg.label.tolist(), fit.apply(sg.t_start_s).tolist(),
+                         fit.apply(sg.t_end_s).tolist(), strict=True):  # fmt: skip
+        name = names[lab] if 0 <= lab < len(names) else "?"
+        if name == "collective":
+            continue  # waiting itself is not what it was doing
+        rank = RANK_PRECEDENCE.index(name) if name in RANK_PRECEDENCE else len(RANK_PRECEDENCE)
+        rows.append((a, b, rank, name))
+    rows.sort()
+    return rows
+
+
+def _owned(timeline: list[tuple[float, float, int, str]], lo: float, hi: float):
+    """[lo, hi] cut where the timeline's windows start and end, each piece named by the
+    first window (by precedence) covering it, else ``other``; adjacent equal pieces
+    joined."""
+    inside = [w for w in timeline if w[0] < hi and w[1] > lo]
+    cuts = sorted({lo, hi, *(t for a, b, _, _ in inside for t in (a, b) if lo < t < hi)})
+    pieces: list[tuple[float, float, str]] = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=False):
+        mid = (a + b) / 2
+        owners = [(k, name) for s, e, k, name in inside if s <= mid < e]
+        name = min(owners)[1] if owners else "other"
+        if pieces and pieces[-1][2] == name and pieces[-1][1] == a:
+            pieces[-1] = (pieces[-1][0], b, name)
+        else:
+            pieces.append((a, b, name))
+    return pieces
+
+
+#: Engine-core windows that a wait on a tensor-parallel rank is carved out of (the
+#: engine core waited there for the workers' forward pass).
+FORWARD_LABELS = ("prefill", "decode", "verify")
+
+
+def tp_label(rank: int, cause: str) -> str:
+    """The partition label of time a step waited on tensor-parallel rank `rank`'s `cause`."""
+    return f"rank{rank}:{cause}"
+
+
+def carve_tp_waits(log: RawLog, waits, label_id) -> tuple[Any, dict[str, Any]]:
+    """The engine core's segments with each wait on a rank (`tp_waits`) carved out of the
+    step's forward windows it lies in and recorded as its own segment ``rankR:CAUSE`` of
+    that step: exclusive (the forward windows are split around it), and only where the
+    engine core waited (outside a forward window, a wait did not hold the step)."""
+    from tracekit.log.rawlog import Segments
+
+    sg = log.segments
+    fwd_ids = {log.labels.index(x) for x in FORWARD_LABELS if x in log.labels}
+    cols = {k: v.tolist() for k, v in sg.columns().items()}
+    fwd = [i for i, lab in enumerate(cols["label"]) if lab in fwd_ids and cols["step"][i] >= 0]
+    fwd.sort(key=lambda i: cols["t_start_s"][i])
+    starts = np.array([cols["t_start_s"][i] for i in fwd])
+    # per forward window, the wait pieces inside it
+    cut: dict[int, list[tuple[float, float, str]]] = {}
+    per_rank: dict[str, float] = {}
+    for r, a, b, cause in waits:
+        j = int(np.searchsorted(starts, a, side="right")) - 1
+        # a piece may span adjacent forward windows (prefill then decode of one step)
+        while 0 <= j < len(fwd):
+            i = fwd[j]
+            s0, s1 = cols["t_start_s"][i], cols["t_end_s"][i]
+            if s0 >= b:
+                break
+            lo, hi = max(a, s0), min(b, s1)
+            if hi > lo:
+                cut.setdefault(i, []).append((lo, hi, tp_label(r, cause)))
+                per_rank[tp_label(r, cause)] = per_rank.get(tp_label(r, cause), 0.0) + hi - lo
+            j += 1
+    out: dict[str, list[Any]] = {k: [] for k in cols}
+    for i in range(len(sg)):
+        pieces = cut.get(i)
+        if not pieces:
+            for col in cols:
+                out[col].append(cols[col][i])
+            continue
+        pieces.sort()
+        cur = cols["t_start_s"][i]
+        for lo, hi, name in pieces:
+            lo = max(lo, cur)
+            if hi <= lo:
+                continue
+            if lo > cur:
+                _append(out, cols, i, cur, lo, cols["label"][i])
+            _append(out, cols, i, lo, hi, label_id(name))
+            cur = hi
+        if cols["t_end_s"][i] > cur:
+            _append(out, cols, i, cur, cols["t_end_s"][i], cols["label"][i])
+    report = {
+        "ranks": sorted({int(r) for r, *_ in waits}),
+        "waits": len(waits),
+        "charged_s": dict(sorted(per_rank.items())),
+    }
+    return Segments.from_columns(**out), report
+
+
+def _append(out: dict[str, list[Any]], cols: dict[str, list[Any]], i: int, a: float,
+            b: float, label: int) -> None:  # fmt: skip
+    for col in cols:
+        out[col].append(cols[col][i])
+    out["label"][-1], out["t_start_s"][-1], out["t_end_s"][-1] = label, a, b
 
 
 @dataclass(frozen=True)
@@ -431,7 +630,12 @@ class RequestJoin:
     index: list[np.ndarray]
 
 
-def join_requests(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> RequestJoin:
+def join_requests(
+    core: ProcessLog,
+    others: list[ProcessLog],
+    fits: list[ClockFit],
+    elsewhere: set[str] | frozenset[str] = frozenset(),
+) -> RequestJoin:
     """One request identity over every API server (see the module docstring).
 
     Each API server records a request as ``CLIENT<US>ENGINE``; the engine id is unique in
@@ -469,6 +673,8 @@ def join_requests(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFi
             a = float(arr[i]) if i < len(arr) else float("nan")
             h = h_of.get(i, float("nan"))
             j = core_index.get(engine_id) if sep else None
+            if j is None and engine_id in elsewhere:
+                continue  # another engine core served it: not this run's (index -1)
             if j is None:
                 ridx[i] = n_core + len(extra)
                 extra.append((cl, a, h))
@@ -597,8 +803,8 @@ def _fit(core: ProcessLog, p: ProcessLog) -> ClockFit:
     return fit_clock(*bounds, offset_s=offset_s, shared=shared)
 
 
-def save_merged(directory: str, out: str) -> RawLog:
-    log = merge_dir(directory)
+def save_merged(directory: str, out: str, *, engine: int | None = None) -> RawLog:
+    log = merge_dir(directory, engine=engine)
     log.save(out)
     return log.with_path(out)
 
