@@ -162,7 +162,9 @@ CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 
 
 async def _stream(client: Any, url: str, body: dict[str, Any],
-                  headers: dict[str, str] | None) -> Stream:  # fmt: skip
+                  headers: dict[str, str] | None, delay_s: float = 0.0) -> Stream:  # fmt: skip
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
     chat = "messages" in body
     s = Stream(n=int(body.get("n", 1)), chat=chat)
     path = CHAT_PATH if chat else COMPLETIONS_PATH
@@ -197,9 +199,12 @@ def stream_load(
     server: Server,
     bodies: list[dict[str, Any]],
     headers: list[dict[str, str] | None] | None = None,
+    stagger_s: float = 0.0,
 ) -> list[Stream]:
     """Send every body at once as a stream (a body with ``messages`` to the chat endpoint,
-    else to completions), each with its `headers`; the streams as the client saw them."""
+    else to completions), each with its `headers`; the streams as the client saw them.
+    `stagger_s`: the k-th stream starts k * stagger_s later (several API servers share one
+    listening socket, and one that wakes for a burst accepts all of it)."""
     import httpx
 
     hdrs = headers if headers is not None else [None] * len(bodies)
@@ -207,7 +212,8 @@ def stream_load(
     async def main() -> list[Stream]:
         limits = httpx.Limits(max_connections=len(bodies) + 2)
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            jobs = (_stream(client, server.url, b, h) for b, h in zip(bodies, hdrs, strict=True))
+            jobs = (_stream(client, server.url, b, h, k * stagger_s)
+                    for k, (b, h) in enumerate(zip(bodies, hdrs, strict=True)))  # fmt: skip
             return list(await asyncio.gather(*jobs))
 
     return asyncio.run(main())

@@ -346,7 +346,11 @@ def worker_ranks(proc: Any) -> dict[str, int]:
     except Exception:  # groups not initialised in this vLLM layout: rank unknown
         pass
     cfg = getattr(getattr(proc.worker, "worker", None), "vllm_config", None)
-    dp = getattr(getattr(cfg, "parallel_config", None), "data_parallel_rank", None)
+    par = getattr(cfg, "parallel_config", None)
+    # an independent (non-MoE) DP engine keeps its rank as data_parallel_index only
+    dp = getattr(par, "data_parallel_index", None)
+    if not isinstance(dp, int):
+        dp = getattr(par, "data_parallel_rank", None)
     if isinstance(dp, int):
         out["dp_rank"] = dp
     return out
@@ -387,7 +391,7 @@ def _instrument_collectives(rec: Any, p: Patches) -> None:
 
 #: Test-only: ``rank=R,every=N,ms=M[,kinds=sleep+gc]`` makes the worker of tensor-parallel
 #: rank R stall at the start of every N-th forward pass: a sleep of M ms, or a full
-#: garbage collection over a heap built to last about M ms (alternating when both kinds are
+#: garbage collection over a heap of M * 2000 objects (alternating when both kinds are
 #: named), recorded as an ``injected`` window (the GC's own pause is recorded as any GC).
 ENV_TEST_INJECT = "TRACEKIT_VLLM_TEST_INJECT"
 
@@ -419,7 +423,7 @@ def injector(tp_rank: int | None) -> Callable[[Any], None] | None:
         if kind == "gc":
             import gc
 
-            junk = [[i] for i in range(int(ms * 20_000))]  # ~M ms to traverse on a CPU
+            junk = [[i] for i in range(int(ms * 2_000))]  # a heap for the collection to walk
             gc.collect()
             del junk
         else:

@@ -38,7 +38,7 @@ def _require_plugin():
         pytest.skip("tracekit's vLLM plugin entry point is not installed: pip install -e .")
 
 
-def _serve(base, args, env=None, cli=False, n=N_STREAMS):
+def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0):
     from engine_adapters import serve_harness as sh
     from engine_adapters.tiny_model import build_tiny_llama
 
@@ -50,7 +50,7 @@ def _serve(base, args, env=None, cli=False, n=N_STREAMS):
     try:
         bodies = [sh.completion_body(model, f"the quick brown fox {i} jumps", MAX_TOKENS)
                   for i in range(n)]  # fmt: skip
-        streams = sh.stream_load(server, bodies)
+        streams = sh.stream_load(server, bodies, stagger_s=stagger_s)
         time.sleep(1.0)  # > the flush interval: everything recorded reaches disk
     finally:
         rc = server.stop(signal.SIGTERM)
@@ -61,7 +61,9 @@ def _serve(base, args, env=None, cli=False, n=N_STREAMS):
 def scaled(tmp_path_factory):
     _require_plugin()
     base = tmp_path_factory.mktemp("scale")
-    return _serve(base, ["--api-server-count", "2", "--data-parallel-size", "2"], cli=True)
+    return _serve(
+        base, ["--api-server-count", "2", "--data-parallel-size", "2"], cli=True, stagger_s=0.15
+    )
 
 
 @pytest.fixture(scope="module")
