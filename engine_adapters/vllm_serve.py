@@ -24,7 +24,11 @@ names an output directory. Then it installs class-level wrappers that start a
 - **worker** (``WorkerProc.worker_busy_loop``): the model runner's windows, outside any
   step: ``prepare`` (``execute_model`` up to the forward), ``forward`` (``_model_forward``
   to the end of ``execute_model``), ``sample`` (``sample_tokens``) and, with speculative
-  decoding, ``draft`` (``propose_draft_token_ids``, the proposer).
+  decoding, ``draft`` (``propose_draft_token_ids``, the proposer); with tensor
+  parallelism, ``collective`` (each call of the TP group's device communicator, entered to
+  left: `COLLECTIVES`). Its ranks (``rank``, ``tp_rank``, ``dp_rank``) are in its
+  ``config["process"]``; the merge charges a step's wait on its slowest rank to that
+  rank's own causes (docs/adapters.md).
 - **API server** (``AsyncLLM``, the completion and chat streams), started at its first
   HTTP request: arrival at the HTTP request's first byte (`RECEIPT_KEY` in the ASGI scope),
   counter ``serve.handler`` (value: request index) when its handler ran (requests

@@ -43,6 +43,7 @@ offset, correction and uncertainty against the engine core) and ``meta["clock_pa
 
 from __future__ import annotations
 
+import bisect
 import glob
 import os
 from dataclasses import dataclass, replace
@@ -500,9 +501,16 @@ def tp_waits(
     last = mat.max(axis=0)
     out: list[tuple[int, float, float, str]] = []
     timelines = {r: _rank_timeline(*ranks[r]) for r in order}
+    starts = {r: [w[0] for w in tl] for r, tl in timelines.items()}
+    longest = {r: max((w[1] - w[0] for w in tl), default=0.0) for r, tl in timelines.items()}
     for c in np.flatnonzero(last > first).tolist():
         r = order[int(last_i[c])]
-        for a, b, cause in _owned(timelines[r], float(first[c]), float(last[c])):
+        lo, hi = float(first[c]), float(last[c])
+        # only the windows that can overlap [lo, hi] (sorted by start; none is longer
+        # than the longest): a run's collectives stay linear in its length
+        i0 = bisect.bisect_left(starts[r], lo - longest[r])
+        i1 = bisect.bisect_left(starts[r], hi)
+        for a, b, cause in _owned(timelines[r][i0:i1], lo, hi):
             out.append((r, a, b, cause))
     return out
 
