@@ -280,7 +280,8 @@ def test_gaps_boundary_client_and_the_client_id(served, merged):
     assert len(out["engine"]) == int(np.sum(em.request == merged.request_ids.index(s.name(0)))) - 1
     r = subprocess.run([*cli, "--request", "cmpl-nope"], capture_output=True, text=True,
                        timeout=300)  # fmt: skip
-    assert r.returncode == 2 and "cmpl-nope" in r.stderr and len(r.stderr.splitlines()) == 1
+    errors = [x for x in r.stderr.splitlines() if x.startswith("tracekit: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "'cmpl-nope'" in errors[0]
 
 
 def test_preemptions_equal_vllm_metrics_counter(served, merged):
