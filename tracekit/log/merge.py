@@ -475,10 +475,13 @@ def tp_waits(
     core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]
 ) -> list[tuple[int, float, float, str]]:
     """A tensor-parallel step's wait on its slowest rank, as (rank, start, end, cause) on
-    the run's clock: at each collective (the n-th ``collective`` window of every rank is
-    one call), the ranks that entered first wait from the first entry until the last rank
-    enters; that window is charged to what the last rank was doing then (`RANK_PRECEDENCE`:
-    its GC pauses, an injected stall, its recorded segments, else ``other``). Ranks that
+    the run's clock. At each collective (the n-th ``collective`` window of every rank is
+    one call) the ranks that entered first wait from the first entry until the last rank
+    enters: the last rank was late by that much. Its lateness goes first to the stalls it
+    had since it last left a collective within the same forward call (`STALLS`: its GC
+    pauses, a test's injected stall; at most their length, in that order), the rest to
+    what it was doing during the wait (its recorded segments by `RANK_PRECEDENCE`, else
+    ``other``). The pieces are laid out in that order from the first entry. Ranks that
     recorded no collective (one worker, no tensor parallelism): nothing."""
     ranks: dict[int, tuple[ProcessLog, ClockFit]] = {}
     for p, fit in zip(others, fits, strict=True):
@@ -487,32 +490,61 @@ def tp_waits(
             ranks[r] = (p, fit)
     if len(ranks) < 2:
         return []
-    enters: dict[int, np.ndarray] = {}
+    calls: dict[int, np.ndarray] = {}
     for r, (p, fit) in ranks.items():
         w = _windows(p.log, ("collective",), steps_only=False)
-        enters[r] = np.sort(fit.apply(w[:, 0])) if len(w) else np.zeros(0)
-    n = min(len(e) for e in enters.values())
+        w = np.column_stack([fit.apply(w[:, 0]), fit.apply(w[:, 1])]) if len(w) else w
+        calls[r] = w[np.argsort(w[:, 0], kind="stable")] if len(w) else np.zeros((0, 2))
+    n = min(len(c) for c in calls.values())
     if n == 0:
         return []
     order = sorted(ranks)
-    mat = np.stack([enters[r][:n] for r in order])  # (ranks, collectives)
-    first = mat.min(axis=0)
-    last_i = mat.argmax(axis=0)
-    last = mat.max(axis=0)
+    mat = np.stack([calls[r][:n, 0] for r in order])  # (ranks, collectives): entries
+    first, last_i, last = mat.min(axis=0), mat.argmax(axis=0), mat.max(axis=0)
     out: list[tuple[int, float, float, str]] = []
     timelines = {r: _rank_timeline(*ranks[r]) for r in order}
     starts = {r: [w[0] for w in tl] for r, tl in timelines.items()}
     longest = {r: max((w[1] - w[0] for w in tl), default=0.0) for r, tl in timelines.items()}
+    calls_started = {r: [w[0] for w in tl if w[3] == "prepare" or w[3] == "forward"]
+                     for r, tl in timelines.items()}  # fmt: skip
     for c in np.flatnonzero(last > first).tolist():
         r = order[int(last_i[c])]
         lo, hi = float(first[c]), float(last[c])
-        # only the windows that can overlap [lo, hi] (sorted by start; none is longer
-        # than the longest): a run's collectives stay linear in its length
-        i0 = bisect.bisect_left(starts[r], lo - longest[r])
-        i1 = bisect.bisect_left(starts[r], hi)
-        for a, b, cause in _owned(timelines[r][i0:i1], lo, hi):
-            out.append((r, a, b, cause))
+        # since the rank last left a collective, within the forward call it is in
+        prev = float(calls[r][c - 1, 1]) if c > 0 else -np.inf
+        k = bisect.bisect_right(calls_started[r], hi) - 1
+        since = max(prev, calls_started[r][k] if k >= 0 else -np.inf)
+        since = min(since, lo)
+
+        def near(a: float, b: float, r: int = r) -> list[tuple[float, float, int, str]]:
+            # only the windows that can overlap [a, b]: linear in the run's collectives
+            i0 = bisect.bisect_left(starts[r], a - longest[r])
+            i1 = bisect.bisect_left(starts[r], b)
+            return timelines[r][i0:i1]
+
+        stall: dict[str, float] = {}
+        for a, b, cause in _owned(near(since, hi), since, hi):
+            if cause in STALLS:
+                stall[cause] = stall.get(cause, 0.0) + (b - a)
+        left, t = hi - lo, lo
+        for cause in STALLS:
+            take = min(stall.get(cause, 0.0), left)
+            if take > 0:
+                out.append((r, t, t + take, cause))
+                t, left = t + take, left - take
+        if left > 0:  # the rest: what it was doing meanwhile, in proportion
+            rest = [x for x in _owned(near(lo, hi), lo, hi) if x[2] not in STALLS]
+            total = sum(b - a for a, b, _ in rest)
+            for a, b, cause in rest if total > 0 else [(lo, hi, "other")]:
+                d = left * (b - a) / total if total > 0 else left
+                out.append((r, t, t + d, cause))
+                t += d
     return out
+
+
+#: A rank's stalls: what a rank had that the others did not (its lateness goes to them
+#: first).
+STALLS = ("gc", "injected")
 
 
 def _rank_timeline(p: ProcessLog, fit: ClockFit) -> list[tuple[float, float, int, str]]:
