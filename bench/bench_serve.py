@@ -21,8 +21,10 @@ round reads ``utime + stime`` of every process of the server (the API server and
 descendants: engine core, worker, from ``/proc/PID/stat``) before and after, and divides
 each role's CPU by the round's tokens. Per ABBA pair the ratio with / without per role,
 and their median with the spread: CPU time is what the plugin adds to each process,
-less sensitive than throughput to the other work on the machine (a process that waits
-costs no CPU).
+less sensitive than throughput to the other work on the machine. Caveat, read in vLLM:
+the engine core and the workers poll their shared-memory queues for a while before they
+block, so their CPU time grows with the wall time they wait, not only with their work; the
+API server blocks in its event loop, so its figure is the cleanest.
 """
 
 from __future__ import annotations
