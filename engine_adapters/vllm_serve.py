@@ -24,10 +24,16 @@ names an output directory. Then it installs class-level wrappers that start a
 - **worker** (``WorkerProc.worker_busy_loop``): the model runner's windows, outside any
   step: ``prepare`` (``execute_model`` up to the forward), ``forward`` (``_model_forward``
   to the end of ``execute_model``), ``sample`` (``sample_tokens``) and, with speculative
-  decoding, ``draft`` (``propose_draft_token_ids``, the proposer).
-- **API server** (``AsyncLLM`` and the ``/v1/completions`` stream), started at its first
-  request: arrival at HTTP (requests named ``CLIENT_ID<US>ENGINE_ID``, see `FRONT_SEP`;
-  CLIENT_ID is vLLM's external id, ``cmpl-...-PROMPT``, with ``#INDEX`` for the siblings of
+  decoding, ``draft`` (``propose_draft_token_ids``, the proposer); with tensor
+  parallelism, ``collective`` (each call of the TP group's device communicator, entered to
+  left: `COLLECTIVES`). Its ranks (``rank``, ``tp_rank``, ``dp_rank``) are in its
+  ``config["process"]``; the merge charges a step's wait on its slowest rank to that
+  rank's own causes (docs/adapters.md).
+- **API server** (``AsyncLLM``, the completion and chat streams), started at its first
+  HTTP request: arrival at the HTTP request's first byte (`RECEIPT_KEY` in the ASGI scope),
+  counter ``serve.handler`` (value: request index) when its handler ran (requests
+  named ``CLIENT_ID<US>ENGINE_ID``, see `FRONT_SEP`; CLIENT_ID is vLLM's external id,
+  ``cmpl-...-PROMPT`` or ``chatcmpl-...``, with ``#INDEX`` for the siblings of
   ``n > 1``), ``tokenize`` (``BaseRenderer.tokenize_prompts_async``: a window that awaits
   vLLM's tokenizer thread, so not event-loop time), ``input``
   (``InputProcessor.process_inputs``), counter ``serve.sent`` (value:
@@ -43,10 +49,9 @@ while idle (a background thread), so what was recorded reaches disk within that 
 The API server stops its recorder at exit (SIGTERM / SIGINT of the server end in a normal
 exit there). With vLLM's default ``--shutdown-timeout 0`` the engine core
 and workers are SIGKILLed, so no exit hook runs there: their parts stay on disk and
-``tracekit merge`` recovers them (without removing them). Only the OpenAI
-``/v1/completions`` stream is recorded at the client boundary; a server started with
-tracekit refuses nothing, and ``/v1/chat/completions`` streams still record everything
-up to the API server's output processing.
+``tracekit merge`` recovers them (without removing them). The OpenAI
+``/v1/completions`` and ``/v1/chat/completions`` streams are recorded at the client
+boundary; a server started with tracekit refuses nothing.
 """
 
 from __future__ import annotations
@@ -71,15 +76,14 @@ DEFAULT_FLUSH_S = 0.5
 FRONT_SEP = "\x1f"
 #: Counter names of the paired stamps (see the module docstring).
 SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"
+#: Counter (value: the API server's request index) stamped when the request's handler ran.
+HANDLER = "serve.handler"
 ROLES = ("api_server", "engine_core", "worker")
 
 _lock = threading.Lock()
 _registered = [False]
 _class_patches = Patches()
 _rec: dict[str, Any] = {}  # role -> the process's Recorder
-_arrival: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "tracekit_arrival_tick", default=None
-)
 _INDEX = re.compile(r'"index":\s*(\d+)')
 #: Set by the SSE generator of a request; the server's ``send`` appends the tick each body
 #: write returned at (the same task runs both).
@@ -101,6 +105,7 @@ def register() -> None:
     _install_core_hooks()
     _install_worker_hooks()
     _install_frontend_hooks()
+    _install_shutdown_grace()
 
 
 def installed_hooks() -> int:
@@ -155,8 +160,10 @@ def process_identity(role: str) -> dict[str, Any]:
     }
 
 
-def recorder_for(role: str) -> Any:
-    """This process's recorder (started on first use), writing ``DIR/ROLE-PID.npz``."""
+def recorder_for(role: str, **identity: Any) -> Any:
+    """This process's recorder (started on first use), writing ``DIR/ROLE-PID.npz``;
+    `identity`: more of who recorded it (``dp_rank``, ``tp_rank``, ``rank``), kept in its
+    ``config["process"]`` for the merge."""
     rec = _rec.get(role)
     if rec is not None:
         return rec
@@ -176,7 +183,11 @@ def recorder_for(role: str) -> Any:
             flush_s = float(os.environ.get(ENV_FLUSH_S, DEFAULT_FLUSH_S))
             rec = tracekit.Recorder(
                 os.path.join(out_dir, f"{role}-{os.getpid()}.npz"),
-                config={"engine": "vllm", "vllm": version, "process": process_identity(role)},
+                config={
+                    "engine": "vllm",
+                    "vllm": version,
+                    "process": {**process_identity(role), **identity},
+                },
                 flush_interval_s=flush_s,
                 handle_signals=False,  # vLLM's own handlers decide how each process ends
             )
@@ -287,7 +298,7 @@ def _install_core_hooks() -> None:
 
     def make(run_busy_loop: Callable[..., Any]) -> Callable[..., Any]:
         def run_busy_loop_recorded(self: Any) -> Any:
-            rec = recorder_for("engine_core")
+            rec = recorder_for("engine_core", dp_rank=int(getattr(self, "engine_index", 0)))
             adapter = ServeCoreAdapter(rec, self).install()
             try:
                 return run_busy_loop(self)
@@ -308,11 +319,13 @@ def _install_worker_hooks() -> None:
 
     def make(busy_loop: Callable[..., Any]) -> Callable[..., Any]:
         def worker_busy_loop_recorded(self: Any) -> Any:
-            rec = recorder_for("worker")
+            ranks = worker_ranks(self)
+            rec = recorder_for("worker", **ranks)
             runner = getattr(getattr(self.worker, "worker", None), "model_runner", None)
             patches = Patches()
             if runner is not None:
-                _instrument_runner(rec, runner, patches)
+                _instrument_runner(rec, runner, patches, injector(ranks.get("tp_rank")))
+            _instrument_collectives(rec, patches)
             try:
                 return busy_loop(self)
             finally:
@@ -324,7 +337,109 @@ def _install_worker_hooks() -> None:
     _class_patches.wrap(WorkerProc, "worker_busy_loop", make)
 
 
-def _instrument_runner(rec: Any, runner: Any, p: Patches) -> None:
+def worker_ranks(proc: Any) -> dict[str, int]:
+    """A worker process's ranks: global (``rank``), tensor parallel (``tp_rank``) and data
+    parallel (``dp_rank``), where vLLM knows them."""
+    out: dict[str, int] = {}
+    if isinstance(getattr(proc, "rank", None), int):
+        out["rank"] = int(proc.rank)
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        out["tp_rank"] = int(get_tensor_model_parallel_rank())
+    except Exception:  # groups not initialised in this vLLM layout: rank unknown
+        pass
+    cfg = getattr(getattr(proc.worker, "worker", None), "vllm_config", None)
+    par = getattr(cfg, "parallel_config", None)
+    # an independent (non-MoE) DP engine keeps its rank as data_parallel_index only
+    dp = getattr(par, "data_parallel_index", None)
+    if not isinstance(dp, int):
+        dp = getattr(par, "data_parallel_rank", None)
+    if isinstance(dp, int):
+        out["dp_rank"] = dp
+    return out
+
+
+#: Collective calls of the tensor-parallel group recorded on each worker, as ``collective``
+#: windows (entered, left): ranks enter each one in the same order, so the n-th window of
+#: every rank is one collective (the merge reads the skew between ranks from them).
+COLLECTIVES = ("all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter")
+
+
+def _instrument_collectives(rec: Any, p: Patches) -> None:
+    """Wrap the tensor-parallel group's device communicator (one instance per worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # groups not initialised in this vLLM layout: no collectives
+        return
+    comm = getattr(group, "device_communicator", None)
+    if comm is None or getattr(group, "world_size", 1) < 2:
+        return
+
+    def make(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            t0 = rec.now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.add_segment("collective", t0, rec.now())
+
+        return collective
+
+    for name in COLLECTIVES:
+        if callable(getattr(comm, name, None)):
+            p.wrap(comm, name, make)
+
+
+#: Test-only: ``rank=R,every=N,ms=M[,kinds=sleep+gc]`` makes the worker of tensor-parallel
+#: rank R stall at the start of every N-th forward pass: a sleep of M ms, or a full
+#: garbage collection over a heap of M * 2000 objects (alternating when both kinds are
+#: named), recorded as an ``injected`` window (the GC's own pause is recorded as any GC).
+ENV_TEST_INJECT = "TRACEKIT_VLLM_TEST_INJECT"
+
+
+def injector(tp_rank: int | None) -> Callable[[Any], None] | None:
+    """The stall `ENV_TEST_INJECT` asks of this rank (called with the recorder before each
+    forward pass), or None."""
+    spec = os.environ.get(ENV_TEST_INJECT)
+    if not spec or tp_rank is None:
+        return None
+    try:
+        kv = dict(item.split("=", 1) for item in spec.split(","))
+        rank, every, ms = int(kv["rank"]), int(kv["every"]), float(kv["ms"])
+        kinds = kv.get("kinds", "sleep").split("+")
+    except (KeyError, ValueError) as e:
+        raise RuntimeError(
+            f"{ENV_TEST_INJECT}={spec!r}: expected rank=R,every=N,ms=M[,kinds=sleep+gc] ({e})"
+        ) from None
+    if rank != tp_rank or every < 1:
+        return None
+    count = [0]
+
+    def inject(rec: Any) -> None:
+        count[0] += 1
+        if count[0] % every:
+            return
+        kind = kinds[(count[0] // every - 1) % len(kinds)]
+        t0 = rec.now()
+        if kind == "gc":
+            import gc
+
+            junk = [[i] for i in range(int(ms * 2_000))]  # a heap for the collection to walk
+            gc.collect()
+            del junk
+        else:
+            time.sleep(ms / 1e3)
+        rec.add_segment("injected", t0, rec.now())
+
+    return inject
+
+
+def _instrument_runner(
+    rec: Any, runner: Any, p: Patches, inject: Callable[[Any], None] | None = None
+) -> None:
     fwd_t0: list[int | None] = [None]
 
     def wrap_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
@@ -346,6 +461,8 @@ def _instrument_runner(rec: Any, runner: Any, p: Patches) -> None:
         def model_forward(*args: Any, **kwargs: Any) -> Any:
             if fwd_t0[0] is None:
                 fwd_t0[0] = rec.now()
+                if inject is not None:
+                    inject(rec)
             return forward(*args, **kwargs)
 
         return model_forward
@@ -384,17 +501,82 @@ class _Frontend:
     """The API server's bookkeeping between hooks (all on its event loop thread)."""
 
     def __init__(self) -> None:
-        self.key: dict[str, str] = {}  # client name -> recorder request name
+        self.key: dict[str, str] = {}  # client name -> recorder request name (the latest)
         self.index: dict[str, int] = {}  # engine (internal) id -> recorder request index
 
 
 _front = _Frontend()
 
 
+class _Http:
+    """One HTTP request: when its first byte was read, when its handler started, and the
+    recorder names of the engine requests it made (client name -> ``CLIENT<US>ENGINE``),
+    so two requests with one ``X-Request-Id`` keep their own chunks."""
+
+    __slots__ = ("receipt", "handler", "keys")
+
+    def __init__(self, receipt: int, handler: int) -> None:
+        self.receipt, self.handler = receipt, handler
+        self.keys: dict[str, str] = {}
+
+
+#: One slot per HTTP request, set where uvicorn starts the request's ASGI task: vLLM runs
+#: the handler in a task of its own (cancellation on disconnect) and the response stream in
+#: another, both copying the request task's context, so the handler fills the slot and the
+#: stream reads the same one.
+_http: contextvars.ContextVar[list[_Http | None] | None] = contextvars.ContextVar(
+    "tracekit_http_request", default=None
+)
+
+
+def _current_http() -> _Http | None:
+    slot = _http.get()
+    return slot[0] if slot else None
+
+
+#: The ASGI scope key holding the tick of the HTTP request's first byte.
+RECEIPT_KEY = "tracekit.receipt_tick"
+
+
+def _key_of(name: str) -> str | None:
+    http = _current_http()
+    key = http.keys.get(name) if http is not None else None
+    return key if key is not None else _front.key.get(name)
+
+
 def client_name(external_id: str, parent: Any, index: int) -> str:
     """A request's name at the client boundary: vLLM's external id, ``#INDEX`` for the
     siblings of parallel sampling (as the in-process adapter names them)."""
     return external_id if parent is None else f"{external_id}#{index}"
+
+
+ENV_API_GRACE_S = "TRACEKIT_VLLM_API_SHUTDOWN_S"
+DEFAULT_API_GRACE_S = 5.0
+
+
+def _install_shutdown_grace() -> None:
+    """With several API servers, the launching process stops them with SIGTERM and, under
+    vLLM's default ``--shutdown-timeout 0``, SIGKILLs them at once: no exit hook runs and
+    their logs stay parts. While recording, the launcher gives them up to
+    ``TRACEKIT_VLLM_API_SHUTDOWN_S`` seconds (default 5) to exit on their SIGTERM (uvicorn
+    stops serving, the recorder writes its log); one that is still alive is killed as
+    before."""
+    try:
+        from vllm.v1.utils import APIServerProcessManager
+    except ImportError:  # another vLLM layout: API servers stop as vLLM decides
+        return
+    try:
+        grace = float(os.environ.get(ENV_API_GRACE_S, DEFAULT_API_GRACE_S))
+    except ValueError:
+        grace = DEFAULT_API_GRACE_S
+
+    def make(shutdown: Callable[..., Any]) -> Callable[..., Any]:
+        def shutdown_with_grace(self: Any, timeout: float | None = None) -> Any:
+            return shutdown(self, timeout=max(timeout or 0.0, grace))
+
+        return shutdown_with_grace
+
+    _class_patches.wrap(APIServerProcessManager, "shutdown", make)
 
 
 def _install_frontend_hooks() -> None:
@@ -406,11 +588,19 @@ def _install_frontend_hooks() -> None:
     p = _class_patches
 
     def wrap_create(create: Callable[..., Any]) -> Callable[..., Any]:
-        async def create_completion(self: Any, *args: Any, **kwargs: Any) -> Any:
-            _arrival.set(recorder_for("api_server").now())
-            return await create(self, *args, **kwargs)
+        async def create_handler(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            now = recorder_for("api_server").now()
+            raw = args[0] if args else kwargs.get("raw_request")
+            scope = getattr(raw, "scope", None)
+            receipt = scope.get(RECEIPT_KEY) if isinstance(scope, dict) else None
+            slot = _http.get()
+            if slot is None:  # no ASGI task of ours above (called directly)
+                slot = [None]
+                _http.set(slot)
+            slot[0] = _Http(now if receipt is None else int(receipt), now)
+            return await create(self, request, *args, **kwargs)
 
-        return create_completion
+        return create_handler
 
     def wrap_add(add: Callable[..., Any]) -> Callable[..., Any]:
         def add_request(self: Any, request: Any, prompt: Any, parent_req: Any = None,
@@ -424,12 +614,17 @@ def _install_frontend_hooks() -> None:
             max_tokens = getattr(params, "max_tokens", None)
             prompt_ids = getattr(request, "prompt_token_ids", None)
             _front.key[name] = key
-            _front.index[request.request_id] = rec.request(
+            http = _current_http()
+            idx = rec.request(
                 key,
                 prompt_tokens=-1 if prompt_ids is None else len(prompt_ids),
                 max_new_tokens=-1 if max_tokens is None else int(max_tokens),
-                arrival_tick=_arrival.get() or rec.now(),
+                arrival_tick=rec.now() if http is None else http.receipt,
             )
+            if http is not None:
+                http.keys[name] = key
+                rec.counter(HANDLER, float(idx), at_tick=http.handler)
+            _front.index[request.request_id] = idx
             return out
 
         return add_request
@@ -464,6 +659,13 @@ def _install_frontend_hooks() -> None:
 
     p.wrap(OpenAIServingCompletion, "create_completion", wrap_create)
     p.wrap(OpenAIServingCompletion, "completion_stream_generator", _wrap_stream)
+    try:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    except ImportError:  # another vLLM layout: chat streams are then not recorded
+        OpenAIServingChat = None  # noqa: N806
+    if OpenAIServingChat is not None:
+        p.wrap(OpenAIServingChat, "create_chat_completion", wrap_create)
+        p.wrap(OpenAIServingChat, "chat_completion_stream_generator", _wrap_chat_stream)
     p.wrap(OutputProcessor, "add_request", wrap_add)
     p.wrap(OutputProcessor, "process_outputs", wrap_timed("output"))
     p.wrap(InputProcessor, "process_inputs", wrap_timed("input"))
@@ -505,12 +707,66 @@ def _install_write_hooks(p: Patches) -> None:
 
         return send_stamped
 
+    def wrap_run_asgi(run_asgi: Callable[..., Any]) -> Callable[..., Any]:
+        async def run_asgi_slotted(self: Any, app: Any) -> Any:
+            _http.set([None])  # this request's slot (the task runs in a fresh context)
+            return await run_asgi(self, app)
+
+        return run_asgi_slotted
+
     for mod in ("uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl"):
         try:
             cycle = __import__(mod, fromlist=["RequestResponseCycle"]).RequestResponseCycle
         except ImportError:  # that HTTP implementation is not installed
             continue
         p.wrap(cycle, "send", wrap_send)
+        p.wrap(cycle, "run_asgi", wrap_run_asgi)
+    _install_receipt_hooks(p)
+
+
+def _install_receipt_hooks(p: Patches) -> None:
+    """Stamp each HTTP request's first byte into its ASGI scope (`RECEIPT_KEY`): httptools
+    calls ``on_message_begin`` as it parses a message's first byte; with h11, the first
+    ``data_received`` of a request (no response in progress) carries its first byte."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # httptools not installed: uvicorn uses h11
+        HttpToolsProtocol = None  # noqa: N806
+    if HttpToolsProtocol is not None:
+
+        def wrap_begin(begin: Callable[..., Any]) -> Callable[..., Any]:
+            def on_message_begin(self: Any) -> Any:
+                t = recorder_for("api_server").now()
+                out = begin(self)
+                scope = getattr(self, "scope", None)
+                if isinstance(scope, dict):
+                    scope[RECEIPT_KEY] = t
+                return out
+
+            return on_message_begin
+
+        p.wrap(HttpToolsProtocol, "on_message_begin", wrap_begin)
+    try:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+    except ImportError:  # pragma: no cover - uvicorn depends on h11
+        return
+
+    def wrap_received(received: Callable[..., Any]) -> Callable[..., Any]:
+        def data_received(self: Any, data: Any) -> Any:
+            t = recorder_for("api_server").now()
+            cycle = getattr(self, "cycle", None)
+            if cycle is None or getattr(cycle, "response_complete", True):
+                self._tracekit_first_byte = t  # these bytes start a new request
+            before = getattr(self, "scope", None)
+            out = received(self, data)
+            scope = getattr(self, "scope", None)
+            if scope is not before and isinstance(scope, dict):
+                scope[RECEIPT_KEY] = getattr(self, "_tracekit_first_byte", t)
+            return out
+
+        return data_received
+
+    p.wrap(H11Protocol, "data_received", wrap_received)
 
 
 def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
@@ -555,7 +811,7 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                 if not queue:
                     continue
                 name, k = queue.popleft()
-                key = _front.key.get(name)
+                key = _key_of(name)
                 if key is None:
                     continue
                 rec.add_segment("sse_write", t_ready, t_sent)
@@ -564,6 +820,57 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
             await gen.aclose()
 
     return completion_stream_generator
+
+
+def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``/v1/chat/completions`` SSE generator. Its first chunk per choice carries only
+    the role; every later chunk of a choice carries the tokens that choice's outputs
+    brought since its previous chunk (a reasoning or tool parser may hold tokens back, and
+    they arrive with a later chunk), so a chunk's tokens are counted, not mirrored."""
+
+    async def chat_completion_stream_generator(self: Any, request: Any, result_generator: Any,
+                                               *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        rec = recorder_for("api_server")
+        n = 1 if getattr(request, "n", None) is None else int(request.n)
+        seen: dict[int, int] = defaultdict(int)  # tokens of each choice's outputs so far
+        sent: dict[int, int] = defaultdict(int)  # ... that chunks carried
+        names: dict[int, str] = {}
+
+        async def observed() -> AsyncIterator[Any]:
+            async for res in result_generator:
+                for output in res.outputs:
+                    i = output.index
+                    seen[i] += len(output.token_ids)
+                    names[i] = res.request_id if n == 1 else f"{res.request_id}#{i}"
+                yield res
+
+        gen = stream(self, request, observed(), *args, **kwargs)
+        writes: list[int] = []
+        _writes.set(writes)
+        try:
+            async for chunk in gen:
+                t_ready = rec.now()
+                m = _INDEX.search(chunk) if '"choices":[{' in chunk else None
+                writes.clear()
+                yield chunk  # the server writes it before asking for the next one
+                if m is None or '"delta":{"role":' in chunk:
+                    continue
+                i = int(m.group(1))
+                k = seen[i] - sent[i]
+                name = names.get(i)
+                if k <= 0 or name is None:
+                    continue
+                sent[i] = seen[i]
+                t_sent = writes[-1] if writes else rec.now()
+                key = _key_of(name)
+                if key is None:
+                    continue
+                rec.add_segment("sse_write", t_ready, t_sent)
+                rec.emit((key,), (k,), at_tick=t_sent)
+        finally:
+            await gen.aclose()
+
+    return chat_completion_stream_generator
 
 
 __all__ = [

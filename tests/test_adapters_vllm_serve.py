@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.adapters, pytest.mark.slow]
 
 MAX_TOKENS = 40
 N_SIBLINGS = 3
+N_CHAT = 2
+#: Two concurrent completions sent with one X-Request-Id (vLLM accepts it), told apart by
+#: their lengths.
+DUP_ID, DUP_TOKENS = "dup-1", (12, 20)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +45,11 @@ def served(tmp_path_factory):
     base = tmp_path_factory.mktemp("serve")
     model = build_tiny_llama(str(base / "model"))
     rec_dir = str(base / "rec")
+    template = base / "chat.jinja"
+    template.write_text(sh.CHAT_TEMPLATE)
     server = sh.start_server(model, record_dir=rec_dir, log_path=str(base / "server.log"),
-                             extra_args=[*sh.PREEMPTING_ARGS, *sh.NGRAM_ARGS])  # fmt: skip
+                             extra_args=[*sh.PREEMPTING_ARGS, *sh.NGRAM_ARGS,
+                                         "--chat-template", str(template)])  # fmt: skip
     try:
         bodies = [
             sh.completion_body(
@@ -55,7 +62,11 @@ def served(tmp_path_factory):
                 model, "a b c", MAX_TOKENS // 2, n=N_SIBLINGS, temperature=0.8, seed=1
             )  # fmt: skip
         )
-        streams = sh.stream_load(server, bodies)
+        bodies += [sh.chat_body(model, f"a lazy dog {i} sleeps", MAX_TOKENS // 2)
+                   for i in range(N_CHAT)]  # fmt: skip
+        bodies += [sh.completion_body(model, "the dog", k) for k in DUP_TOKENS]
+        headers = [None] * (len(bodies) - 2) + [{"X-Request-Id": DUP_ID}] * 2
+        streams = sh.stream_load(server, bodies, headers)
         preemptions = sh.metric(server, "vllm:num_preemptions_total")
         spec = {k: sh.metric(server, f"vllm:spec_decode_num_{k}_tokens_total")
                 for k in ("draft", "accepted")}  # fmt: skip
@@ -75,11 +86,14 @@ def merged(served):
     return merge_dir(served["dir"])
 
 
-def _client_chunks(served):
-    """name -> arrival times (s, perf_counter) of its chunks, as the client saw them."""
+def _client_chunks(served, *, chat: bool | None = None):
+    """name -> arrival times (s, perf_counter) of its chunks, as the client saw them (the
+    two streams that share one X-Request-Id left out: their names are the same)."""
     out = collections.defaultdict(list)
     for s in served["streams"]:
         assert s.status == 200
+        if s.id == f"cmpl-{DUP_ID}" or (chat is not None and s.chat != chat):
+            continue
         for i, t in zip(s.index, s.t_ns, strict=True):
             out[s.name(i)].append(t * 1e-9)
     return out
@@ -108,8 +122,13 @@ def test_chunk_counts_equal_client_boundary_emissions(served, merged):
     client = _client_chunks(served)
     ce = merged.client_emissions
     recorded = collections.Counter(merged.request_ids[i] for i in ce.request)
-    assert {k: len(v) for k, v in client.items()} == dict(recorded)
-    assert len(client) == 5 + N_SIBLINGS  # siblings named ID-0#INDEX, not vLLM's internal ids
+    dup = {f"cmpl-{DUP_ID}-0", f"cmpl-{DUP_ID}-0~2"}
+    assert {k: len(v) for k, v in client.items()} == {
+        k: v for k, v in recorded.items() if k not in dup
+    }
+    # siblings named ID-0#INDEX, chats chatcmpl-ID, not vLLM's internal ids
+    assert len(client) == 5 + N_SIBLINGS + N_CHAT
+    assert sum(k.startswith("chatcmpl-") for k in recorded) == N_CHAT
 
 
 def test_every_token_reached_the_log_of_both_boundaries(served, merged):
@@ -120,8 +139,13 @@ def test_every_token_reached_the_log_of_both_boundaries(served, merged):
     engine_tok = np.bincount(em.request, em.num_tokens, minlength=len(merged.request_ids))
     pairs = zip(served["streams"], served["bodies"], strict=True)
     expect = {s.name(i): b["max_tokens"] for s, b in pairs for i in range(s.n)}
+    dup = f"cmpl-{DUP_ID}-0"
+    del expect[dup]
     got_client = {n: int(c) for n, c in zip(merged.request_ids, client_tok, strict=True)}
     got_engine = {n: int(c) for n, c in zip(merged.request_ids, engine_tok, strict=True)}
+    # one X-Request-Id, two requests: each kept its own tokens at both boundaries
+    for got in (got_client, got_engine):
+        assert sorted((got.pop(dup), got.pop(dup + "~2"))) == sorted(DUP_TOKENS)
     assert got_client == expect
     assert got_engine == expect
 
@@ -151,6 +175,113 @@ def test_client_gaps_agree_with_tracekit_frontend_gaps(served, merged):
           f"write -> client arrival ms: median {np.median(lat_ms):.4f}, "
           f"min {lat_ms.min():.4f}")  # fmt: skip
     assert np.median(d_ms) < 1.0
+
+
+def _gap_diffs_ms(merged, client):
+    ce = merged.client_emissions
+    diffs = []
+    for name, ts in client.items():
+        mine = ce.request == merged.request_ids.index(name)
+        t_rec = np.sort(ce.t_s[mine])
+        assert len(t_rec) == len(ts)
+        diffs.append(np.diff(np.asarray(ts)) - np.diff(t_rec))
+    return np.abs(np.concatenate(diffs)) * 1e3
+
+
+def test_chat_streams_are_recorded_at_the_client_boundary(served, merged):
+    chat = _client_chunks(served, chat=True)
+    assert len(chat) == N_CHAT and all(len(v) > 1 for v in chat.values())
+    d_ms = _gap_diffs_ms(merged, chat)
+    print(f"chat: |client gap - tracekit gap| ms: median {np.median(d_ms):.4f}, "
+          f"max {d_ms.max():.3f} over {len(d_ms)} gaps")  # fmt: skip
+    assert np.median(d_ms) < 1.0
+    # the role-only first chunk is not a token chunk: tokens equal max_tokens
+    ce = merged.client_emissions
+    for name in chat:
+        mine = ce.request == merged.request_ids.index(name)
+        assert int(ce.num_tokens[mine].sum()) == MAX_TOKENS // 2
+
+
+def test_arrival_is_the_http_receipt_after_the_client_sent(served, merged):
+    from tracekit.attribution.ttft import ttft_partition
+
+    t0_s = merged.meta["t0_tick"] * merged.meta["seconds_per_tick"]
+    rq = merged.requests
+    sent, recv, handler = [], [], []
+    for s in served["streams"]:
+        if s.id == f"cmpl-{DUP_ID}":
+            continue
+        for i in range(s.n):
+            j = merged.request_ids.index(s.name(i))
+            t_send = s.t_send_ns * 1e-9 - t0_s  # the client's send on the run's clock
+            # causality on one clock: sent, read by the server, handled, in the engine core,
+            # first token
+            assert t_send <= rq.arrival_s[j] <= rq.handler_s[j] <= rq.engine_s[j]
+            assert rq.engine_s[j] <= rq.first_token_s[j]
+            sent.append(t_send)
+            recv.append(rq.arrival_s[j])
+            handler.append(rq.handler_s[j])
+    lag = (np.array(recv) - np.array(sent)) * 1e3
+    http = (np.array(handler) - np.array(recv)) * 1e3
+    print(f"client send -> HTTP receipt ms: median {np.median(lag):.3f}, max {lag.max():.3f}; "
+          f"receipt -> handler ms: median {np.median(http):.3f}, max {http.max():.3f}")  # fmt: skip
+    tp = ttft_partition(merged)  # reconciles or raises
+    col = tp.labels.index("http")
+    for r, part in zip(tp.request.tolist(), tp.parts_ms[:, col].tolist(), strict=True):
+        expect = (rq.handler_s[r] - rq.arrival_s[r]) * 1e3
+        assert abs(part - expect) < 1e-6
+        front = tp.parts_ms[tp.request.tolist().index(r), tp.labels.index("frontend")]
+        assert abs(front - (rq.engine_s[r] - rq.handler_s[r]) * 1e3) < 1e-6
+    assert tp.parts_ms[:, col].sum() > 0
+
+
+def test_one_request_id_twice_stays_two_requests(served, merged, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    dup = f"cmpl-{DUP_ID}-0"
+    assert dup in merged.request_ids and dup + "~2" in merged.request_ids
+    cli = [sys.executable, "-m", "tracekit"]
+    run = str(tmp_path / "run.npz")
+    for args in (["merge", served["dir"], "-o", run], ["check", run],
+                 ["analyze", run, "--format", "jsonl"]):  # fmt: skip
+        r = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    # the id the client saw (cmpl-dup-1) selects both requests' client gaps
+    r = subprocess.run([*cli, "gaps", served["dir"], "--boundary", "client", "--request",
+                        f"cmpl-{DUP_ID}", "--format", "jsonl"], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in r.stdout.splitlines()]
+    ce = merged.client_emissions
+    chunks = {n: int(np.sum(ce.request == merged.request_ids.index(n))) for n in (dup, dup + "~2")}
+    assert collections.Counter(x["request"] for x in recs) == {n: c - 1 for n, c in chunks.items()}
+    for x in recs:
+        assert abs(sum(x["parts"].values()) - x["gap_ms"]) < 1e-6
+
+
+def test_gaps_boundary_client_and_the_client_id(served, merged):
+    import json
+    import subprocess
+    import sys
+
+    s = next(x for x in served["streams"] if x.n == 1 and not x.chat)
+    cli = [sys.executable, "-m", "tracekit", "gaps", served["dir"], "--format", "jsonl"]
+    out = {}
+    for boundary in ("engine", "client"):
+        r = subprocess.run([*cli, "--boundary", boundary, "--request", s.id],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        out[boundary] = [json.loads(x) for x in r.stdout.splitlines()]
+    assert {x["request"] for x in out["client"]} == {s.name(0)}
+    assert len(out["client"]) == len(s.t_ns) - 1  # one gap between each two chunks
+    em = merged.emissions
+    assert len(out["engine"]) == int(np.sum(em.request == merged.request_ids.index(s.name(0)))) - 1
+    r = subprocess.run([*cli, "--request", "cmpl-nope"], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    errors = [x for x in r.stderr.splitlines() if x.startswith("tracekit: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "'cmpl-nope'" in errors[0]
 
 
 def test_preemptions_equal_vllm_metrics_counter(served, merged):
@@ -183,7 +314,7 @@ def test_every_gap_reconciles_at_both_boundaries(merged):
     p = partition(merged)  # check=True raises on a gap whose parts miss its length
     assert len(p) > 0 and p.reconcile_max_err_ms < 1e-6
     cp = client_partition(merged)  # the same check at the client boundary
-    assert len(cp) == len(merged.client_emissions) - (5 + N_SIBLINGS)
+    assert len(cp) == len(merged.client_emissions) - len(merged.request_ids)
     assert cp.reconcile_err_ms.max() < 1e-6
     ref = client_partition_reference(merged)
     assert np.allclose(cp.parts_ms, ref.parts_ms, atol=1e-6)

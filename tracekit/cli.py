@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import click
 
-from tracekit.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TracekitError, one_line
+from tracekit.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, LogError, TracekitError, one_line
 
 #: Modules only some commands need -> the extra that installs them.
 OPTIONAL_MODULES = {"torch": "gpu", "nvtx": "gpu", "tokenizers": "demo"}
@@ -302,28 +302,49 @@ def _emit(body: str, output: str | None) -> None:
     "otherwise), csv: every selected gap; parquet: -o FILE.",
 )  # fmt: skip
 @click.option("--min-ms", type=float, default=None, help="Only gaps at least this long (ms).")
-@click.option("--request", "request_id", default=None, help="Only this request's gaps (its id).")
+@click.option("--request", "request_id", default=None,
+              help="Only this request's gaps: its id in the run, or the id its client saw "
+              "(every choice and every request that reused it).")  # fmt: skip
+@click.option("--boundary", type=click.Choice(["engine", "client"]), default="engine",
+              show_default=True,
+              help="engine: gaps between the engine's emissions of a request; client: gaps "
+              "between the chunks a server streamed (a merged server run only).")  # fmt: skip
 @click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
               help="table: show this many of the longest gaps (0: all).")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
 @_read_limits
 def gaps(
-    run: str, fmt: str | None, min_ms: float | None, request_id: str | None, top: int,
-    output: str | None,
+    run: str, fmt: str | None, min_ms: float | None, request_id: str | None, boundary: str,
+    top: int, output: str | None,
 ):  # fmt: skip
     """One record per gap of RUN: request, t0_s, t1_s (seconds from engine start), gap_ms,
-    parts and context (ms by label; parts sum to gap_ms) and the primary cause."""
-    from tracekit.analysis.gaps import gap_records
+    parts and context (ms by label; parts sum to gap_ms) and the primary cause. With
+    --boundary client, the gaps between a server's streamed chunks (engine labels, then
+    the API server's), with each chunk's tokens and the engine/frontend split."""
+    from tracekit.analysis.gaps import client_gap_records, gap_records
     from tracekit.attribution.itl import partition
 
     if fmt is None:
         fmt = "table" if output is None and sys.stdout.isatty() else "jsonl"
     log = _load(run, **_limits())
     _warn(log.path, log.warnings)
-    part = partition(log)
-    records = gap_records(log, part, min_ms=min_ms, request_id=request_id)
+    if boundary == "client":
+        if not len(log.client_emissions):
+            raise LogError(
+                log.path, "client_emissions", "empty: --boundary client needs a merged server "
+                "run (tracekit merge DIR, see docs/adapters.md)"
+            )  # fmt: skip
+        from tracekit.attribution.client import client_partition
+
+        cpart = client_partition(log)
+        gap_ms = cpart.gap_ms
+        records = client_gap_records(log, cpart, min_ms=min_ms, request_id=request_id)
+    else:
+        part = partition(log)
+        gap_ms = part.gap_ms
+        records = gap_records(log, part, min_ms=min_ms, request_id=request_id)
     if not records:
-        longest = f"{float(part.gap_ms.max()):.1f} ms" if len(part) else "none: no gaps"
+        longest = f"{float(gap_ms.max()):.1f} ms" if len(gap_ms) else "none: no gaps"
         what = f" of request {request_id!r}" if request_id is not None else ""
         above = f" at least {min_ms:g} ms long" if min_ms is not None else ""
         click.echo(
@@ -461,17 +482,20 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
 @click.argument("directory", type=click.Path())
 @click.option("-o", "--output", type=click.Path(), required=True, help="The merged RUN.npz.")
 @click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
+@click.option("--engine", type=click.IntRange(min=0), default=None, metavar="RANK",
+              help="Data parallel: the rank of the engine core whose run to merge.")  # fmt: skip
 @_read_limits
-def merge(directory: str, output: str, force: bool) -> None:
+def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     """Join the per-process logs of one server run (DIRECTORY/ROLE-PID.npz, or the parts of
     a killed process, read in place and never removed) into one RUN.npz: the engine core's
     clock and steps, the API server's client-boundary emissions and windows, the workers'
     windows, requests named as the client knows them. Prints each process's clock offset
     against the engine core and its uncertainty. `analyze`, `report` and `trace` also
-    accept DIRECTORY itself."""
+    accept DIRECTORY itself. A data-parallel server has one engine core per rank: merge
+    each rank's run with --engine RANK (its steps, workers and requests)."""
     from tracekit.log.merge import save_merged
 
-    log = save_merged(directory, output, force=force, **_limits())
+    log = save_merged(directory, output, force=force, engine=engine, **_limits())
     _warn(directory, log.warnings)
     for p in log.meta["processes"]:
         c = p.get("clock_fit")

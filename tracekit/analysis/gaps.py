@@ -28,11 +28,7 @@ def gap_records(
         sel &= p.gap_ms >= min_ms
     ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
     if request_id is not None:
-        if request_id not in ids:
-            from tracekit.errors import LogError
-
-            raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
-        sel &= p.request == ids.index(request_id)
+        sel &= np.isin(p.request, requests_named(log, request_id))
     rows = np.flatnonzero(sel) if index is None else np.asarray(index)[sel[np.asarray(index)]]
     prim = p.primary_names()
     out = []
@@ -50,6 +46,77 @@ def gap_records(
                 "primary": str(prim[i]),
                 "step0": int(p.step0[i]),
                 "step1": int(p.step1[i]),
+            }
+        )
+    return out
+
+
+def _client_base(name: str) -> str:
+    """A run's request name less what tracekit added to the client's id: ``~K`` (the K-th
+    request with that id) and ``#K`` (the K-th choice of ``n > 1``)."""
+    for sep in ("~", "#"):
+        head, found, tail = name.rpartition(sep)
+        if found and head and tail.isdigit():
+            name = head
+    return name
+
+
+def requests_named(log: RawLog, request_id: str) -> np.ndarray:
+    """The indices of the requests `request_id` names: the request with exactly that id;
+    else every request the client knew by it: its choices (``#K``), the later requests that
+    reused it (``~K``), and a completion's prompts (vLLM names them ``ID-PROMPT``: the
+    client sees ``cmpl-X``, the run ``cmpl-X-0``). Raises LogError when none matches."""
+    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    if request_id in ids:
+        return np.array([ids.index(request_id)], dtype=np.int64)
+    out = []
+    for i, name in enumerate(ids):
+        base = _client_base(name)
+        head, dash, tail = base.rpartition("-")
+        if base == request_id or (dash and head == request_id and tail.isdigit()):
+            out.append(i)
+    if not out:
+        from tracekit.errors import LogError
+
+        raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
+    return np.array(out, dtype=np.int64)
+
+
+def client_gap_records(
+    log: RawLog,
+    cp: Any = None,
+    *,
+    min_ms: float | None = None,
+    request_id: str | None = None,
+) -> list[dict[str, Any]]:
+    """One dict per client-boundary gap of a server run (`tracekit.attribution.client`):
+    request, t0_s, t1_s (the two chunk writes, run clock), gap_ms, parts (ms by label, sum
+    to gap_ms; engine labels, then the frontend's), primary, tokens (the later chunk's),
+    engine_ms and frontend_ms."""
+    from tracekit.attribution.client import client_partition
+
+    p = cp if cp is not None else client_partition(log)
+    sel = np.ones(len(p), dtype=bool)
+    if min_ms is not None:
+        sel &= p.gap_ms >= min_ms
+    if request_id is not None:
+        sel &= np.isin(p.request, requests_named(log, request_id))
+    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    prim = p.primary_names()
+    eng, front = p.engine_ms(), p.frontend_ms()
+    out = []
+    for i in np.flatnonzero(sel).tolist():
+        out.append(
+            {
+                "request": ids[int(p.request[i])],
+                "t0_s": float(p.t0_s[i]),
+                "t1_s": float(p.t1_s[i]),
+                "gap_ms": float(p.gap_ms[i]),
+                "parts": {lb: float(v) for lb, v in zip(p.labels, p.parts_ms[i], strict=True)},
+                "primary": str(prim[i]),
+                "tokens": int(p.num_tokens[i]),
+                "engine_ms": float(eng[i]),
+                "frontend_ms": float(front[i]),
             }
         )
     return out

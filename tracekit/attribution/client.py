@@ -36,7 +36,7 @@ boundary's gaps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -106,6 +106,7 @@ class ClientGaps:
     step1: np.ndarray
     dstep1: np.ndarray
     num_tokens: np.ndarray
+    process: np.ndarray  # the API server that wrote the later chunk (meta["processes"])
 
 
 def client_gaps(log: RawLog) -> ClientGaps:
@@ -114,6 +115,7 @@ def client_gaps(log: RawLog) -> ClientGaps:
     ce, em = log.client_emissions, log.emissions
     order = np.lexsort((ce.t_s, ce.request))
     r, t, k = ce.request[order], ce.t_s[order], ce.num_tokens[order]
+    proc = ce.process[order]
     # cumulative tokens per request at each chunk, and at each engine emission
     c_cum = _cum_by_request(r, k)
     eo = np.lexsort((em.t_s, em.request))
@@ -136,11 +138,16 @@ def client_gaps(log: RawLog) -> ClientGaps:
     recv = np.full(len(r), np.nan)
     dl = log.deliveries
     if len(dl) and ok.any():
-        d_order = np.argsort(dl.step, kind="stable")
-        ds, dr = dl.step[d_order], dl.t_recv_s[d_order]
-        p = np.searchsorted(ds, step)
+        # the step's outputs as the API server that wrote the chunk received them (each
+        # API server gets its own requests' outputs of a step)
+        big_p = float(max(int(dl.process.max(initial=0)), int(proc.max(initial=0))) + 1)
+        dkey = dl.step.astype(np.float64) * big_p + dl.process
+        d_order = np.argsort(dkey, kind="stable")
+        ds, dr = dkey[d_order], dl.t_recv_s[d_order]
+        want = step.astype(np.float64) * big_p + proc
+        p = np.searchsorted(ds, want)
         hit = (p < len(ds)) & ok
-        hit[hit] = ds[p[hit]] == step[hit]
+        hit[hit] = ds[p[hit]] == want[hit]
         recv[hit] = dr[p[hit]]
     pair = np.flatnonzero(r[1:] == r[:-1])
     a, b = t[pair], t[pair + 1]
@@ -157,6 +164,7 @@ def client_gaps(log: RawLog) -> ClientGaps:
         step1=step[pair + 1],
         dstep1=dstep[pair + 1],
         num_tokens=k[pair + 1],
+        process=proc[pair + 1],
     )
 
 
@@ -206,10 +214,12 @@ def _frontend_processes(log: RawLog) -> list[int]:
     return [i for i, p in enumerate(procs) if isinstance(p, dict) and p.get("role") == "api_server"]
 
 
-def frontend_windows(log: RawLog) -> list[tuple[float, float, int]]:
-    """(start, end, precedence rank) of every API server window that owns frontend time."""
+def frontend_windows(log: RawLog, process: int | None = None) -> list[tuple[float, float, int]]:
+    """(start, end, precedence rank) of every API server window that owns frontend time;
+    `process`: that API server's only (each API server's event loop delays only the
+    chunks it writes)."""
     ps = log.proc_segments
-    fe = np.isin(ps.process, _frontend_processes(log))
+    fe = np.isin(ps.process, _frontend_processes(log) if process is None else [process])
     rank = {lb: FRONTEND_PRECEDENCE.index(FRONTEND_WINDOW[lb]) for lb in FRONTEND_WINDOW}
     lab = np.array([rank.get(x, -1) for x in log.labels] + [-1], dtype=np.int64)
     r = lab[ps.label] if len(ps) else np.zeros(0, dtype=np.int64)
@@ -228,9 +238,32 @@ def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     live = np.flatnonzero(g.x > g.a)
     if eng is not None:
         parts[live[eng.request], :ne] = eng.parts_ms
-    # frontend part: one timeline of the API server's windows, owner by precedence
-    wins = frontend_windows(log)
+    # frontend part: per API server, one timeline of its windows, owner by precedence,
+    # for the gaps whose later chunk it wrote
     nf = len(FRONTEND_PRECEDENCE)
+    for proc in np.unique(g.process).tolist():
+        rows = np.flatnonzero(g.process == proc)
+        parts[rows, ne:] = _frontend_parts(log, g, rows, int(proc), nf)
+    out = ClientPartition(
+        labels=labels,
+        request=g.request,
+        t0_s=g.a,
+        t1_s=g.b,
+        engine_s=g.x,
+        num_tokens=g.num_tokens,
+        gap_ms=(g.b - g.a) * 1e3,
+        parts_ms=parts,
+    )
+    return check_client_reconciled(out, log.path) if check else out
+
+
+def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: int,
+                    nf: int) -> np.ndarray:  # fmt: skip
+    """The frontend columns (FRONTEND_LABELS, ms) of gaps `rows`, all written by `process`."""
+    g = replace(gaps, **{f.name: getattr(gaps, f.name)[rows] for f in fields(gaps)})
+    parts = np.zeros((len(rows), len(FRONTEND_LABELS)))
+    ne = 0
+    wins = frontend_windows(log, process)
     if wins:
         w = np.array(wins)
         bounds = np.unique(w[:, :2].ravel())
@@ -265,17 +298,7 @@ def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     parts[:, ne + nf] = np.maximum(hop, 0.0) * 1e3
     front = (g.b - g.x) * 1e3
     parts[:, ne + nf + 1] = np.maximum(front - parts[:, ne : ne + nf + 1].sum(axis=1), 0.0)
-    out = ClientPartition(
-        labels=labels,
-        request=g.request,
-        t0_s=g.a,
-        t1_s=g.b,
-        engine_s=g.x,
-        num_tokens=g.num_tokens,
-        gap_ms=(g.b - g.a) * 1e3,
-        parts_ms=parts,
-    )
-    return check_client_reconciled(out, log.path) if check else out
+    return parts
 
 
 def check_client_reconciled(p: ClientPartition, path: str = "") -> ClientPartition:

@@ -48,6 +48,7 @@ from tracekit.attribution.ttft import (
     PHASES,
     WAIT_REASON_LABELS,
     TtftPartition,
+    pre_engine_windows,
     prefill_shares,
     ttft_labels,
     ttft_notes,
@@ -286,6 +287,7 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
     q_req, q0, q1, q_reason = wait_windows(log)
     e_req, e_a, e_b = evicted_windows(log)
     req, a_all, adm_all, f_all = ttft_windows(log)
+    h_all, e_all = pre_engine_windows(log, req, a_all, f_all)
 
     def owner(x: float) -> tuple[str, float, list[int]]:
         """Who owns the instant just after x on the host: (cause, graph rate, the steps of
@@ -323,6 +325,14 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
             for j, (s, rr) in enumerate(zip(pf.step, pf.request, strict=True))
             if rr == r
         }
+        # rule 0: before the engine core had the request
+        h, e = float(h_all[i]), float(e_all[i])
+        row = dict.fromkeys(labels, 0.0)
+        if "http" in row:
+            row["http"] += (h - a) * 1e3
+            row["frontend"] += (e - h) * 1e3
+        phases[i, PHASES.index("queued" if is_split else "unsplit")] += (e - a) * 1e3
+        a = e
         cuts = {a, f} | ({adm} if is_split else set())
         cuts |= {p for s0, s1, _, _ in host for p in (s0, s1)}
         cuts |= {p for pa, pb in pauses for p in (pa, pb)}
@@ -330,7 +340,6 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
         cuts |= {p for x, y, _ in waits for p in (x, y)}
         pts = sorted(p for p in cuts if a <= p <= f and np.isfinite(p))
         own_raw = prefill_live = prefill_all = 0.0
-        row = dict.fromkeys(labels, 0.0)
         ctx = dict.fromkeys(labels, 0.0)
         for x, y in zip(pts[:-1], pts[1:], strict=True):
             ms = (y - x) * 1e3
@@ -400,9 +409,13 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
         eng_labels, eng_rows = partition(log, check=False).labels, {}
     labels = (*eng_labels, *FRONTEND_LABELS)
     ne, nf = len(eng_labels), len(FRONTEND_PRECEDENCE)
-    wins = frontend_windows(log)
+    wins_of: dict[int, list[tuple[float, float, int]]] = {}
     rows = []
     for i in range(len(g.a)):
+        proc = int(g.process[i])
+        if proc not in wins_of:  # only the API server that wrote the chunk
+            wins_of[proc] = frontend_windows(log, proc)
+        wins = wins_of[proc]
         row = [0.0] * len(labels)
         if i in eng_rows:
             row[:ne] = eng_rows[i].tolist()

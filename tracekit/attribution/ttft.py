@@ -13,6 +13,11 @@ A request's TTFT window is ``[arrival, first token]`` (`Requests.arrival_s`,
 Every millisecond of the window goes to exactly one label. Precedence, highest first
 (docs/ttft.md numbers these rules; this is the one place the code applies them):
 
+0. in a server run, before the engine core had the request: from arrival (the first byte
+   of the HTTP request) to the server's handler starting is ``http``, from there to the
+   engine core adding it is ``frontend`` (`Requests.handler_s`, `Requests.engine_s`; a
+   stage not recorded lasts 0). The rules below apply from the engine core's add on. This
+   time counts in the ``queued`` phase (the request was not admitted yet);
 1. evicted time is ``preempt``; what the engine ran meanwhile is *context*, never added
    (partitioned like live time, uncovered time as ``residual``, so it sums to the evicted
    time, as in the ITL partition);
@@ -78,6 +83,11 @@ TTFT_STANDARD_LABELS: tuple[str, ...] = (
     "prefill",
     "residual",
 )
+#: A server run's parts before the engine had the request (rule 0, docs/ttft.md): ``http``
+#: from the first byte of the HTTP request to its handler starting (reading and parsing the
+#: request, waiting for the server's event loop), ``frontend`` from there to the engine core
+#: adding it (tokenisation, input processing, the hop to the engine core).
+PRE_ENGINE_LABELS: tuple[str, ...] = ("http", "frontend")
 #: Parts that are not causes of a late first token: the request's own prefill, and time no
 #: instrument covered.
 TTFT_NON_CAUSES = frozenset({"prefill_own", "residual"})
@@ -135,10 +145,29 @@ class TtftPartition:
 
 
 def ttft_labels(log: RawLog) -> tuple[str, ...]:
-    """The standard TTFT labels, then any other host cause of the log (sorted)."""
+    """The standard TTFT labels, then any other host cause of the log (sorted); a server
+    run that stamped the stages before the engine had its requests starts with
+    `PRE_ENGINE_LABELS`."""
     causes = set(segment_causes(log)[log.segments.is_device != 1].tolist())
     extra = causes - {"gc", "preempt", "tok", "prefill", "decode"} - set(TTFT_STANDARD_LABELS)
-    return TTFT_STANDARD_LABELS + tuple(sorted(extra))
+    extra -= set(PRE_ENGINE_LABELS)
+    rq = log.requests
+    pre = PRE_ENGINE_LABELS if (np.isfinite(rq.handler_s) | np.isfinite(rq.engine_s)).any() else ()
+    return pre + TTFT_STANDARD_LABELS + tuple(sorted(extra))
+
+
+def pre_engine_windows(
+    log: RawLog, req: np.ndarray, a: np.ndarray, f: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(handler, engine) per TTFT row: when the server's handler started and when the
+    engine core added the request, each clipped into ``[previous stage, first token]``; a
+    stage not recorded takes the previous stage's time (so it lasts 0)."""
+    rq = log.requests
+    h = rq.handler_s[req] if len(req) else np.zeros(0)
+    e = rq.engine_s[req] if len(req) else np.zeros(0)
+    h = np.clip(np.where(np.isfinite(h), h, a), a, f)
+    e = np.clip(np.where(np.isfinite(e), e, h), h, f)
+    return h, e
 
 
 def ttft_windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -286,7 +315,13 @@ def ttft_partition(
     row_of = np.full(len(log.requests), -1, dtype=np.int64)
     row_of[req] = np.arange(n)
     ttft_ms = (f - a) * 1e3
-    parts = between(a, f) if n else np.zeros((0, len(labels)))
+    # 0. before the engine had the request: http, then frontend; the rules below apply
+    # from the engine core's add on
+    handler_s, e = pre_engine_windows(log, req, a, f)
+    parts = between(e, f) if n else np.zeros((0, len(labels)))
+    if "http" in col and n:
+        parts[:, col["http"]] += (handler_s - a) * 1e3
+        parts[:, col["frontend"]] += (e - handler_s) * 1e3
     context = np.zeros_like(parts)
     phases = np.zeros((n, len(PHASES)))
 
@@ -295,7 +330,7 @@ def ttft_partition(
     e_row = row_of[e_req] if len(e_req) else e_req
     keep = e_row >= 0
     e_row, e_a, e_b = e_row[keep], e_a[keep], e_b[keep]
-    w0, w1 = np.maximum(e_a, a[e_row]), np.minimum(e_b, f[e_row])
+    w0, w1 = np.maximum(e_a, e[e_row]), np.minimum(e_b, f[e_row])
     keep = w1 > w0
     e_row, w0, w1 = e_row[keep], w0[keep], w1[keep]
     if len(e_row):
@@ -314,7 +349,7 @@ def ttft_partition(
     q_row, q0, q1, q_reason = q_row[keep], q0[keep], q1[keep], q_reason[keep]
     keep = split[q_row]
     q_row, q0, q1, q_reason = q_row[keep], q0[keep], q1[keep], q_reason[keep]
-    p0, p1 = np.maximum(q0, a[q_row]), np.minimum(q1, adm[q_row])
+    p0, p1 = np.maximum(q0, e[q_row]), np.minimum(q1, adm[q_row])
     keep = p1 > p0
     q_row, p0, p1, q_reason = q_row[keep], p0[keep], p1[keep], q_reason[keep]
     if len(q_row):

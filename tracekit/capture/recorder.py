@@ -743,11 +743,12 @@ class Recorder:
             raise RuntimeError(f"rec.{what}() describes a step: call it inside rec.step()")
         return self._step_no
 
-    def counter(self, name: str, value: float) -> None:
-        """Sample an engine counter (batch size, free KV blocks...) now."""
+    def counter(self, name: str, value: float, *, at_tick: int | None = None) -> None:
+        """Sample an engine counter (batch size, free KV blocks...) now (or at `at_tick` of
+        this recorder's clock, for a stamp taken before the recorder could be reached)."""
         if not self.enabled:
             return
-        t = self._clock()
+        t = self._clock() if at_tick is None else at_tick
         idx = self._counter_index.get(name)
         if idx is None:
             with self._lock:

@@ -47,6 +47,7 @@ DIR` never analyses) a log that `tracekit check` would reject.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import stat
@@ -64,6 +65,7 @@ from tracekit.log.validate import validate_log
 
 FRONT_SEP = "\x1f"
 SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"
+HANDLER = "serve.handler"
 CORE, FRONTEND, WORKER = "engine_core", "api_server", "worker"
 SHARED_CLOCK = "clock_gettime(CLOCK_MONOTONIC)"
 #: Paired-stamp bounds may miss 0 by float rounding of the tick conversions.
@@ -400,39 +402,60 @@ def estimate_offset(t_lo, lo, t_hi, hi, *, bins: int = 8) -> tuple[float, float,
 # -- the merge ----------------------------------------------------------------------------
 
 
-def merge_dir(directory: str, **limits: Any) -> RawLog:
-    """The run recorded in `directory` (see the module docstring), validated. `limits`:
-    `load`'s bounds on reading each process log."""
-    return merge_logs(process_logs(directory, **limits), path=directory)
+def merge_dir(directory: str, *, engine: int | None = None, **limits: Any) -> RawLog:
+    """The run recorded in `directory` (see the module docstring), validated; `engine`: the
+    data parallel rank whose run to build when the server ran several engine cores.
+    `limits`: `load`'s bounds on reading each process log."""
+    return merge_logs(process_logs(directory, **limits), path=directory, engine=engine)
 
 
-def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
-    cores = [p for p in procs if p.role == CORE]
-    if len(cores) != 1:
+def dp_rank(p: ProcessLog) -> int | None:
+    """The data-parallel rank a process recorded (engine cores and workers), else None."""
+    r = p.identity.get("dp_rank")
+    return int(r) if isinstance(r, int) and not isinstance(r, bool) else None
+
+
+def merge_logs(
+    procs: list[ProcessLog], *, path: str = "<memory>", engine: int | None = None
+) -> RawLog:
+    """One run from the logs of a server's processes. A data-parallel server has one
+    engine core per DP rank, each with its own steps and workers: its run is that engine
+    core's (`engine`: the DP rank), with its workers, the API servers, and the requests
+    that engine core served (the others' are left out, never charged to its steps)."""
+    cores = sorted((p for p in procs if p.role == CORE), key=lambda p: (dp_rank(p) or 0, p.path))
+    if not cores:
+        raise LogError(path, "engine_core", "found no engine core log; the merge needs one")
+    ranks = [dp_rank(p) if dp_rank(p) is not None else i for i, p in enumerate(cores)]
+    if engine is None and len(cores) > 1:
         raise LogError(
             path,
             "engine_core",
-            f"found {len(cores)} engine core logs; the merge needs exactly one "
-            "(one engine core per server; data parallel runs are not merged)",
+            f"found {len(cores)} engine cores (data parallel, ranks "
+            f"{', '.join(map(str, ranks))}): each has its own steps; merge one engine's run "
+            "with --engine RANK (tracekit merge DIR --engine 0 -o RUN0.npz)",
         )
-    core = cores[0]
-    others = [p for p in procs if p is not core]
+    if engine is not None and engine not in ranks:
+        raise LogError(
+            path, "engine", f"no engine core with data-parallel rank {engine} (ranks there: "
+            f"{', '.join(map(str, ranks))})"
+        )  # fmt: skip
+    core = cores[ranks.index(engine) if engine is not None else 0]
+    mine = dp_rank(core)
+    elsewhere: set[str] = set()  # engine ids another engine core served
+    for c in cores:
+        if c is not core:
+            elsewhere.update(c.log.request_ids)
+    others = [
+        p
+        for p in procs
+        if p.role != CORE
+        and not (p.role == WORKER and len(cores) > 1 and dp_rank(p) not in (None, mine))
+    ]
     core_index = CoreIndex.of(core)
     fits = [_fit(core, p, core_index) for p in others]
-    # one request identity: the client's name for every engine id the API server knew
-    client_of: dict[str, str] = {}
-    for p in others:
-        if p.role == FRONTEND:
-            for name in p.log.request_ids:
-                client, sep, engine_id = name.partition(FRONT_SEP)
-                if sep:
-                    client_of[engine_id] = client
-    engine_pos = {r: i for i, r in enumerate(core.log.request_ids)}
-    req_ids, renamed = _unique_names([client_of.get(r, r) for r in core.log.request_ids])
-    taken = set(req_ids)
-    by_client: dict[str, int] = {}  # a client name (not an engine id) -> its merged index
-    for i, r in enumerate(core.log.request_ids):
-        by_client.setdefault(client_of.get(r, r), i)
+    ident = join_requests(core, others, fits, elsewhere)
+    req_ids = ident.names
+    renamed = ident.renamed
     labels = list(core.log.labels)
     label_pos = {x: i for i, x in enumerate(labels)}
 
@@ -442,7 +465,6 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
             labels.append(name)
         return label_pos[name]
 
-    extra_req: list[str] = []
     seg_rows: list[np.ndarray] = []
     ce_rows: list[np.ndarray] = []
     dl_rows: list[np.ndarray] = []
@@ -477,33 +499,16 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
             )
         if p.role != FRONTEND:
             continue
-        # client-boundary emissions: the request's merged index (through its engine id when
-        # the engine core knew it, else by its client name; a new name gets a new row)
-        ridx = np.empty(len(lg.request_ids), dtype=np.int64)
-        for i, full in enumerate(lg.request_ids):
-            nm, sep, engine_id = full.partition(FRONT_SEP)
-            j = engine_pos.get(engine_id) if sep else None
-            if j is None:
-                j = by_client.get(nm)
-            if j is None:
-                j = by_client[nm] = len(req_ids) + len(extra_req)
-                new, k = nm, 1
-                while new in taken:  # an engine id that happens to read like this name
-                    k += 1
-                    new = f"{nm}~{k}"
-                    renamed += 1
-                taken.add(new)
-                extra_req.append(new)
-            ridx[i] = j
+        # client-boundary emissions: the request's merged index
+        ridx = ident.index[k - 1]
         em = lg.emissions
         if len(em):
             t_sent = fit.apply(em.t_s)
             ready = _ready_times(lg, em.t_s)
-            ce_rows.append(
-                np.column_stack(
-                    [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
-                )
+            rows = np.column_stack(
+                [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
             )
+            ce_rows.append(rows[rows[:, 0] >= 0])  # another engine core's requests: not here
         # deliveries: outputs built in a core step, received here
         f_t, f_v = _counter(lg, RECV)
         ci, fi = _match_sorted(core_index.out_v, f_v)
@@ -513,16 +518,15 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
             step = np.searchsorted(st.t_start_s, c_t, side="right") - 1
             dl_rows.append(np.column_stack([step, c_t, fit.apply(f_t[fi]), np.full(len(ci), k)]))
     log = core.log
-    requests = log.requests
-    if extra_req:
-        n = len(extra_req)
-        requests = Requests(
-            arrival_s=np.concatenate([requests.arrival_s, np.full(n, np.nan)]),
-            prompt_tokens=np.concatenate([requests.prompt_tokens, np.full(n, -1)]),
-            max_new_tokens=np.concatenate([requests.max_new_tokens, np.full(n, -1)]),
-            first_token_s=np.concatenate([requests.first_token_s, np.full(n, np.nan)]),
-        )
+    requests = ident.requests
+    segments = log.segments
+    tp = tp_waits(core, others, fits)
+    tp_report: dict[str, Any] = {}
+    if tp:
+        segments, tp_report = carve_tp_waits(log, tp, label_id)
     meta = dict(log.meta)
+    if tp_report:
+        meta["tensor_parallel"] = tp_report
     meta["process"] = {k: v for k, v in core.identity.items()}
     meta["processes"] = processes
     meta["clock_pairs"] = clock_pairs(core, others, fits)
@@ -550,7 +554,8 @@ def merge_logs(procs: list[ProcessLog], *, path: str = "<memory>") -> RawLog:
     merged = replace(
         log,
         requests=requests,
-        request_ids=tuple(req_ids + extra_req),
+        segments=segments,
+        request_ids=tuple(req_ids),
         labels=tuple(labels),
         proc_segments=ProcSegments.from_columns(**_cols(seg_rows, ProcSegments)),
         client_emissions=ClientEmissions.from_columns(**_cols(ce_rows, ClientEmissions)),
@@ -583,6 +588,324 @@ def _unique_names(names: list[str]) -> tuple[list[str], int]:
         seen.add(nm)
         out.append(nm)
     return out, renamed
+
+
+#: What a tensor-parallel rank did while the others waited for it at a collective, first
+#: match wins: its GC, a stall injected by a test, its own segments (by recorded label),
+#: and ``other`` where it recorded nothing.
+RANK_PRECEDENCE = ("gc", "injected", "prefill", "prepare", "forward", "sample", "draft")
+
+
+def tp_rank(p: ProcessLog) -> int | None:
+    r = p.identity.get("tp_rank")
+    return int(r) if isinstance(r, int) and not isinstance(r, bool) else None
+
+
+def tp_waits(
+    core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]
+) -> list[tuple[int, float, float, str]]:
+    """A tensor-parallel step's wait on its slowest rank, as (rank, start, end, cause) on
+    the run's clock. At each collective (the n-th ``collective`` window of every rank is
+    one call) the ranks that entered first wait from the first entry until the last rank
+    enters: the last rank was late by that much. Its lateness goes first to the stalls it
+    had since it last left a collective within the same forward call (`STALLS`: its GC
+    pauses, a test's injected stall; at most their length, in that order), the rest to
+    what it was doing during the wait (its recorded segments by `RANK_PRECEDENCE`, else
+    ``other``). The pieces are laid out in that order from the first entry. Ranks that
+    recorded no collective (one worker, no tensor parallelism): nothing."""
+    ranks: dict[int, tuple[ProcessLog, ClockFit]] = {}
+    for p, fit in zip(others, fits, strict=True):
+        r = tp_rank(p)
+        if p.role == WORKER and r is not None and r not in ranks:
+            ranks[r] = (p, fit)
+    if len(ranks) < 2:
+        return []
+    calls: dict[int, np.ndarray] = {}
+    for r, (p, fit) in ranks.items():
+        w = _windows(p.log, ("collective",), steps_only=False)
+        w = np.column_stack([fit.apply(w[:, 0]), fit.apply(w[:, 1])]) if len(w) else w
+        calls[r] = w[np.argsort(w[:, 0], kind="stable")] if len(w) else np.zeros((0, 2))
+    n = min(len(c) for c in calls.values())
+    if n == 0:
+        return []
+    order = sorted(ranks)
+    mat = np.stack([calls[r][:n, 0] for r in order])  # (ranks, collectives): entries
+    first, last_i, last = mat.min(axis=0), mat.argmax(axis=0), mat.max(axis=0)
+    out: list[tuple[int, float, float, str]] = []
+    timelines = {r: _rank_timeline(*ranks[r]) for r in order}
+    starts = {r: [w[0] for w in tl] for r, tl in timelines.items()}
+    longest = {r: max((w[1] - w[0] for w in tl), default=0.0) for r, tl in timelines.items()}
+    calls_started = {r: [w[0] for w in tl if w[3] == "prepare" or w[3] == "forward"]
+                     for r, tl in timelines.items()}  # fmt: skip
+    for c in np.flatnonzero(last > first).tolist():
+        r = order[int(last_i[c])]
+        lo, hi = float(first[c]), float(last[c])
+        # since the rank last left a collective, within the forward call it is in
+        prev = float(calls[r][c - 1, 1]) if c > 0 else -np.inf
+        k = bisect.bisect_right(calls_started[r], hi) - 1
+        since = max(prev, calls_started[r][k] if k >= 0 else -np.inf)
+        since = min(since, lo)
+
+        def near(a: float, b: float, r: int = r) -> list[tuple[float, float, int, str]]:
+            # only the windows that can overlap [a, b]: linear in the run's collectives
+            i0 = bisect.bisect_left(starts[r], a - longest[r])
+            i1 = bisect.bisect_left(starts[r], b)
+            return timelines[r][i0:i1]
+
+        stall: dict[str, float] = {}
+        for a, b, cause in _owned(near(since, hi), since, hi):
+            if cause in STALLS:
+                stall[cause] = stall.get(cause, 0.0) + (b - a)
+        left, t = hi - lo, lo
+        for cause in STALLS:
+            take = min(stall.get(cause, 0.0), left)
+            if take > 0:
+                out.append((r, t, t + take, cause))
+                t, left = t + take, left - take
+        if left > 0:  # the rest: what it was doing meanwhile, in proportion
+            rest = [x for x in _owned(near(lo, hi), lo, hi) if x[2] not in STALLS]
+            total = sum(b - a for a, b, _ in rest)
+            for a, b, cause in rest if total > 0 else [(lo, hi, "other")]:
+                d = left * (b - a) / total if total > 0 else left
+                out.append((r, t, t + d, cause))
+                t += d
+    return out
+
+
+#: A rank's stalls: what a rank had that the others did not (its lateness goes to them
+#: first).
+STALLS = ("gc", "injected")
+
+
+def _rank_timeline(p: ProcessLog, fit: ClockFit) -> list[tuple[float, float, int, str]]:
+    """One rank's windows on the run's clock as (start, end, precedence index), the
+    precedence of `RANK_PRECEDENCE` (GC pauses first); labels not named there after them."""
+    lg = p.log
+    rows: list[tuple[float, float, int, str]] = []
+    gc = lg.gc_pauses
+    for a, b in zip(fit.apply(gc.t_start_s).tolist(), fit.apply(gc.t_end_s).tolist(), strict=True):
+        rows.append((a, b, 0, "gc"))
+    sg = lg.segments
+    names = list(lg.labels)
+    for lab, a, b in zip(sg.label.tolist(), fit.apply(sg.t_start_s).tolist(),
+                         fit.apply(sg.t_end_s).tolist(), strict=True):  # fmt: skip
+        name = names[lab] if 0 <= lab < len(names) else "?"
+        if name == "collective":
+            continue  # waiting itself is not what it was doing
+        rank = RANK_PRECEDENCE.index(name) if name in RANK_PRECEDENCE else len(RANK_PRECEDENCE)
+        rows.append((a, b, rank, name))
+    rows.sort()
+    return rows
+
+
+def _owned(timeline: list[tuple[float, float, int, str]], lo: float, hi: float):
+    """[lo, hi] cut where the timeline's windows start and end, each piece named by the
+    first window (by precedence) covering it, else ``other``; adjacent equal pieces
+    joined."""
+    inside = [w for w in timeline if w[0] < hi and w[1] > lo]
+    cuts = sorted({lo, hi, *(t for a, b, _, _ in inside for t in (a, b) if lo < t < hi)})
+    pieces: list[tuple[float, float, str]] = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=False):
+        mid = (a + b) / 2
+        owners = [(k, name) for s, e, k, name in inside if s <= mid < e]
+        name = min(owners)[1] if owners else "other"
+        if pieces and pieces[-1][2] == name and pieces[-1][1] == a:
+            pieces[-1] = (pieces[-1][0], b, name)
+        else:
+            pieces.append((a, b, name))
+    return pieces
+
+
+#: Engine-core windows that a wait on a tensor-parallel rank is carved out of (the
+#: engine core waited there for the workers' forward pass).
+FORWARD_LABELS = ("prefill", "decode", "verify")
+
+
+def tp_label(rank: int, cause: str) -> str:
+    """The partition label of time a step waited on tensor-parallel rank `rank`'s `cause`."""
+    return f"rank{rank}:{cause}"
+
+
+def carve_tp_waits(log: RawLog, waits, label_id) -> tuple[Any, dict[str, Any]]:
+    """The engine core's segments with each wait on a rank (`tp_waits`) carved out of the
+    step's forward windows it lies in and recorded as its own segment ``rankR:CAUSE`` of
+    that step: exclusive (the forward windows are split around it), and only where the
+    engine core waited (outside a forward window, a wait did not hold the step)."""
+    from tracekit.log.rawlog import Segments
+
+    sg = log.segments
+    fwd_ids = {log.labels.index(x) for x in FORWARD_LABELS if x in log.labels}
+    cols = {k: v.tolist() for k, v in sg.columns().items()}
+    fwd = [i for i, lab in enumerate(cols["label"]) if lab in fwd_ids and cols["step"][i] >= 0]
+    fwd.sort(key=lambda i: cols["t_start_s"][i])
+    starts = np.array([cols["t_start_s"][i] for i in fwd])
+    # per forward window, the wait pieces inside it
+    cut: dict[int, list[tuple[float, float, str]]] = {}
+    per_rank: dict[str, float] = {}
+    for r, a, b, cause in waits:
+        j = int(np.searchsorted(starts, a, side="right")) - 1
+        # a piece may span adjacent forward windows (prefill then decode of one step)
+        while 0 <= j < len(fwd):
+            i = fwd[j]
+            s0, s1 = cols["t_start_s"][i], cols["t_end_s"][i]
+            if s0 >= b:
+                break
+            lo, hi = max(a, s0), min(b, s1)
+            if hi > lo:
+                cut.setdefault(i, []).append((lo, hi, tp_label(r, cause)))
+                per_rank[tp_label(r, cause)] = per_rank.get(tp_label(r, cause), 0.0) + hi - lo
+            j += 1
+    out: dict[str, list[Any]] = {k: [] for k in cols}
+    for i in range(len(sg)):
+        pieces = cut.get(i)
+        if not pieces:
+            for col in cols:
+                out[col].append(cols[col][i])
+            continue
+        pieces.sort()
+        cur = cols["t_start_s"][i]
+        for lo, hi, name in pieces:
+            lo = max(lo, cur)
+            if hi <= lo:
+                continue
+            if lo > cur:
+                _append(out, cols, i, cur, lo, cols["label"][i])
+            _append(out, cols, i, lo, hi, label_id(name))
+            cur = hi
+        if cols["t_end_s"][i] > cur:
+            _append(out, cols, i, cur, cols["t_end_s"][i], cols["label"][i])
+    report = {
+        "ranks": sorted({int(r) for r, *_ in waits}),
+        "waits": len(waits),
+        "charged_s": dict(sorted(per_rank.items())),
+    }
+    return Segments.from_columns(**out), report
+
+
+def _append(out: dict[str, list[Any]], cols: dict[str, list[Any]], i: int, a: float,
+            b: float, label: int) -> None:  # fmt: skip
+    for col in cols:
+        out[col].append(cols[col][i])
+    out["label"][-1], out["t_start_s"][-1], out["t_end_s"][-1] = label, a, b
+
+
+@dataclass(frozen=True)
+class RequestJoin:
+    """The run's requests: the engine core's, each named as its client knew it, with its
+    stages on the run's clock; `index[k]` maps the (k+1)-th other process's request rows
+    to the run's (an API server's only; -1 elsewhere)."""
+
+    names: list[str]
+    requests: Requests
+    index: list[np.ndarray]
+    renamed: int = 0  # requests whose client id another request had: named ~2, ~3, ...
+
+
+def join_requests(
+    core: ProcessLog,
+    others: list[ProcessLog],
+    fits: list[ClockFit],
+    elsewhere: set[str] | frozenset[str] = frozenset(),
+) -> RequestJoin:
+    """One request identity over every API server (see the module docstring).
+
+    Each API server records a request as ``CLIENT<US>ENGINE``; the engine id is unique in
+    the run (vLLM adds a random suffix), the client id need not be (a client may send one
+    ``X-Request-Id`` twice). Requests are joined by engine id; the run names each by its
+    client id, and a client id used by several requests gets ``~2``, ``~3``, ... on the
+    later ones, in order of arrival. Arrival is the API server's (the first byte of the
+    HTTP request), with `handler_s` (its handler ran, counter ``serve.handler``) and
+    `engine_s` (the engine core added it, counter ``serve.added``)."""
+    core_ids = list(core.log.request_ids)
+    core_index = {r: i for i, r in enumerate(core_ids)}
+    rq = core.log.requests
+    n_core = len(core_ids)
+    arrival = rq.arrival_s.astype(np.float64).copy()
+    handler = np.full(n_core, np.nan)
+    engine = np.full(n_core, np.nan)
+    a_t, a_v = _counter(core.log, ADDED)
+    ok = (a_v >= 0) & (a_v < n_core)
+    engine[a_v[ok].astype(np.int64)] = a_t[ok]
+    client = list(core_ids)
+    extra: list[tuple[str, float, float]] = []  # requests the engine core never recorded
+    index: list[np.ndarray] = []
+    known = np.zeros(n_core, dtype=bool)
+    for p, fit in zip(others, fits, strict=True):
+        lg = p.log
+        ridx = np.full(len(lg.request_ids), -1, dtype=np.int64)
+        index.append(ridx)
+        if p.role != FRONTEND:
+            continue
+        h_t, h_v = _counter(lg, HANDLER)
+        h_of = {int(v): float(t) for t, v in zip(fit.apply(h_t), h_v, strict=True)}
+        arr = fit.apply(lg.requests.arrival_s) if len(lg.requests) else np.zeros(0)
+        for i, name in enumerate(lg.request_ids):
+            cl, sep, engine_id = name.partition(FRONT_SEP)
+            a = float(arr[i]) if i < len(arr) else float("nan")
+            h = h_of.get(i, float("nan"))
+            j = core_index.get(engine_id) if sep else None
+            if j is None and engine_id in elsewhere:
+                continue  # another engine core served it: not this run's (index -1)
+            if j is None:
+                ridx[i] = n_core + len(extra)
+                extra.append((cl, a, h))
+                continue
+            ridx[i] = j
+            client[j] = cl
+            known[j] = True
+            if np.isfinite(a):
+                arrival[j] = a
+            handler[j] = h
+    n = n_core + len(extra)
+    if extra:
+        client += [e[0] for e in extra]
+        arrival = np.concatenate([arrival, [e[1] for e in extra]])
+        handler = np.concatenate([handler, [e[2] for e in extra]])
+        engine = np.concatenate([engine, np.full(len(extra), np.nan)])
+    # a stage before the HTTP arrival means the handler or core stamp belongs elsewhere:
+    # keep only what follows arrival
+    handler[~(handler >= arrival)] = np.nan
+    fe = np.concatenate([known, np.ones(len(extra), dtype=bool)])
+    engine[~fe | ~(engine >= arrival)] = np.nan
+    names = distinct_names(client, arrival)
+    pad = len(extra)
+    requests = Requests(
+        arrival_s=arrival,
+        prompt_tokens=np.concatenate([rq.prompt_tokens, np.full(pad, -1)]),
+        max_new_tokens=np.concatenate([rq.max_new_tokens, np.full(pad, -1)]),
+        first_token_s=np.concatenate([rq.first_token_s, np.full(pad, np.nan)]),
+        handler_s=handler,
+        engine_s=engine,
+    )
+    assert len(names) == n
+    renamed = sum(1 for a, b in zip(names, client, strict=True) if a != b)
+    return RequestJoin(names, requests, index, renamed)
+
+
+#: Joins a repeated client id to the number of its use (``cmpl-x-0~2``: the second).
+REPEAT_SEP = "~"
+
+
+def distinct_names(names: list[str], arrival: np.ndarray) -> list[str]:
+    """`names` with every repeat but the earliest arrival's suffixed ``~K`` (K >= 2)."""
+    out = list(names)
+    groups: dict[str, list[int]] = {}
+    for i, nm in enumerate(names):
+        groups.setdefault(nm, []).append(i)
+    taken = set(names)
+    for nm, rows in groups.items():
+        if len(rows) < 2:
+            continue
+        key = np.nan_to_num(arrival[rows], nan=np.inf)
+        order = [rows[j] for j in np.argsort(key, kind="stable")]
+        k = 2
+        for i in order[1:]:
+            while f"{nm}{REPEAT_SEP}{k}" in taken:
+                k += 1
+            out[i] = f"{nm}{REPEAT_SEP}{k}"
+            taken.add(out[i])
+            k += 1
+    return out
 
 
 def clock_pairs(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> list:
@@ -642,10 +965,12 @@ def _fit(core: ProcessLog, p: ProcessLog, index: CoreIndex) -> ClockFit:
     return fit_clock(*bounds, offset_s=offset_s, shared=shared)
 
 
-def save_merged(directory: str, out: str, *, force: bool = False, **limits: Any) -> RawLog:
+def save_merged(
+    directory: str, out: str, *, force: bool = False, engine: int | None = None, **limits: Any
+) -> RawLog:
     """Merge `directory` into `out`. An existing `out` is refused unless `force` (it may be
     one of the directory's own logs, or a part of one); nothing is written unless the
-    merged log is valid."""
+    merged log is valid. `engine`: the data parallel rank whose run to merge."""
     if os.path.lexists(out) and not force:
         raise LogError(
             out, "output", "already exists (it may be one of the logs being merged); write "
@@ -656,7 +981,7 @@ def save_merged(directory: str, out: str, *, force: bool = False, **limits: Any)
             out, "output", f"is inside a parts folder of {directory}: the next read of that "
             "folder would take it for a part; write it elsewhere",
         )  # fmt: skip
-    log = merge_dir(directory, **limits)
+    log = merge_dir(directory, engine=engine, **limits)
     log.save(out)
     return log.with_path(out)
 

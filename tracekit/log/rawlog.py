@@ -89,7 +89,8 @@ class _Table:
 
     @classmethod
     def from_columns(cls, **cols):
-        return cls(**{k: np.asarray(cols[k], dtype=d) for k, d in cls.DTYPES.items()})
+        """The table from named columns; a column with a dataclass default may be left out."""
+        return cls(**{k: np.asarray(cols[k], dtype=d) for k, d in cls.DTYPES.items() if k in cols})
 
     @classmethod
     def from_rows(cls, rows: Any, *, time: Any = None, **fill: Any):
@@ -214,18 +215,33 @@ class Evictions(_Table):
 
 @dataclass(frozen=True)
 class Requests(_Table):
-    """One row per request. NaN arrival or first token: not recorded."""
+    """One row per request. NaN arrival or first token: not recorded.
+
+    A server run (`tracekit.log.merge`) stamps arrival where the request reached the server
+    (the first byte of the HTTP request) and, optionally, two later stages before the engine
+    had it: `handler_s` (the server's request handler started: body read and parsed) and
+    `engine_s` (the engine core added it to its scheduler). NaN: no such stage (every
+    single-process log; such logs load without these columns)."""
 
     arrival_s: np.ndarray
     prompt_tokens: np.ndarray  # -1: unknown
     max_new_tokens: np.ndarray  # -1: unknown
     first_token_s: np.ndarray
+    handler_s: np.ndarray = None  # type: ignore[assignment]  # default: NaN
+    engine_s: np.ndarray = None  # type: ignore[assignment]  # default: NaN
     DTYPES = {
         "arrival_s": np.float64,
         "prompt_tokens": np.int64,
         "max_new_tokens": np.int64,
         "first_token_s": np.float64,
+        "handler_s": np.float64,
+        "engine_s": np.float64,
     }
+
+    def __post_init__(self) -> None:
+        for name in ("handler_s", "engine_s"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.full(len(self.arrival_s), np.nan))
 
 
 @dataclass(frozen=True)
@@ -413,7 +429,10 @@ class RawLog:
             if tname in SERVER_TABLES and not len(getattr(self, tname)):
                 continue  # only a merged server run has them: other logs stay as they were
             for cname, col in getattr(self, tname).columns().items():
-                arrays[f"{tname}.{cname}"] = col
+                key = f"{tname}.{cname}"
+                if key in NAN_DEFAULT_COLUMNS and np.isnan(col).all():
+                    continue  # a log without these stages stays as it was
+                arrays[key] = col
         for k, v in self.extras.items():
             arrays[f"extra.{k}"] = np.asarray(v)
         d = os.path.dirname(os.path.abspath(path))
@@ -433,8 +452,10 @@ V1_COLUMNS = frozenset(f"{t}.{c}" for t, cls in TABLES.items() for c in cls.DTYP
 V1_MEMBERS = V1_SCALARS | V1_COLUMNS
 
 
+#: Optional columns left out of a saved log when they hold no value (all NaN).
+NAN_DEFAULT_COLUMNS = frozenset({"requests.handler_s", "requests.engine_s"})
 #: Columns a v1 log may lack (each table's dataclass gives their default).
-OPTIONAL_COLUMNS = frozenset({"emissions.device_step"})
+OPTIONAL_COLUMNS = frozenset({"emissions.device_step", "requests.handler_s", "requests.engine_s"})
 
 
 def from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:

@@ -149,6 +149,8 @@ def validate_log(log: RawLog) -> RawLog:
     _finite_times(log, "evictions", "t_readmit_s", allow_nan=True)
     _finite_times(log, "requests", "arrival_s", allow_nan=True)
     _finite_times(log, "requests", "first_token_s", allow_nan=True)
+    _finite_times(log, "requests", "handler_s", allow_nan=True)
+    _finite_times(log, "requests", "engine_s", allow_nan=True)
     _ordered(log, "steps", "t_start_s", "t_end_s")
     _ordered(log, "segments", "t_start_s", "t_end_s")
     _ordered(log, "gc_pauses", "t_start_s", "t_end_s")

@@ -203,7 +203,11 @@ def process_events(log: Any, window_s: tuple[float, float] | None = None) -> lis
         if k == 0 or not isinstance(p, dict):
             continue  # the engine core: the trace's engine process
         pid = PID_PROCESS_BASE + k
-        name = f"{p.get('role', '?')} (pid {p.get('pid', '?')})"
+        ranks = ", ".join(
+            f"{what} {p[key]}" for key, what in (("dp_rank", "dp rank"), ("tp_rank", "tp rank"))
+            if isinstance(p.get(key), int)
+        )  # fmt: skip
+        name = f"{p.get('role', '?')} (pid {p.get('pid', '?')}{', ' + ranks if ranks else ''})"
         out.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}})
         out.append(
             {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": 2 + k}}

@@ -1,0 +1,258 @@
+"""`vllm serve` scaled out, recorded by tracekit's plugin, against a real streaming client.
+
+Two servers of the tiny local model (2 KV heads), each started once for the module:
+
+- ``vllm serve --api-server-count 2 --data-parallel-size 2``: two API server processes
+  (one listening socket, SO_REUSEPORT spreads the connections), two engine cores (DP
+  ranks 0 and 1) with a worker each. 12 completions stream at once.
+- ``--tensor-parallel-size 2`` (gloo): two workers, ranks 0 and 1, and a test-only hook
+  (``TRACEKIT_VLLM_TEST_INJECT``) that stalls rank 1 at the start of every 6th forward
+  pass, alternately with a 40 ms sleep and a full garbage collection.
+
+Both are stopped with SIGTERM (vLLM's default --shutdown-timeout 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.adapters, pytest.mark.slow]
+
+MAX_TOKENS = 24
+N_STREAMS = 12
+
+
+def _require_plugin():
+    pytest.importorskip("vllm")
+    pytest.importorskip("httpx")
+    from importlib.metadata import entry_points
+
+    if not any(e.value.startswith("engine_adapters.vllm_serve") for e in
+               entry_points(group="vllm.general_plugins")):  # fmt: skip
+        pytest.skip("tracekit's vLLM plugin entry point is not installed: pip install -e .")
+
+
+def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0):
+    from engine_adapters import serve_harness as sh
+    from engine_adapters.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(str(base.parent / "model"))
+    rec_dir = str(base / "rec")
+    server = sh.start_server(model, record_dir=rec_dir, log_path=str(base / "server.log"),
+                             extra_args=["--max-model-len", "256", *args], cli=cli,
+                             env_extra=env)  # fmt: skip
+    try:
+        bodies = [sh.completion_body(model, f"the quick brown fox {i} jumps", MAX_TOKENS)
+                  for i in range(n)]  # fmt: skip
+        streams = sh.stream_load(server, bodies, stagger_s=stagger_s)
+        time.sleep(1.0)  # > the flush interval: everything recorded reaches disk
+    finally:
+        rc = server.stop(signal.SIGTERM)
+    return {"dir": rec_dir, "streams": streams, "rc": rc, "log": server.log_path}
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory):
+    _require_plugin()
+    base = tmp_path_factory.mktemp("scale")
+    return _serve(
+        base, ["--api-server-count", "2", "--data-parallel-size", "2"], cli=True, stagger_s=0.15
+    )
+
+
+@pytest.fixture(scope="module")
+def scaled_runs(scaled):
+    from tracekit.log.merge import merge_dir
+
+    return [merge_dir(scaled["dir"], engine=k) for k in (0, 1)]
+
+
+def test_every_api_server_left_a_whole_log_after_sigterm(scaled):
+    names = sorted(os.listdir(scaled["dir"]))
+    api = [n for n in names if n.startswith("api_server-")]
+    assert len(api) == 2, names
+    assert all(n.endswith(".npz") for n in api), names  # whole, not parts
+    assert sum(n.startswith("engine_core-") for n in names) == 2, names
+
+
+def test_data_parallel_runs_are_merged_per_engine_core(scaled, scaled_runs):
+    from tracekit.errors import LogError
+    from tracekit.log.merge import merge_dir
+
+    with pytest.raises(LogError, match="--engine"):
+        merge_dir(scaled["dir"])
+    # every request is in exactly one engine core's run, with all its tokens there
+    seen = collections.Counter()
+    for run in scaled_runs:
+        core = run.meta["process"]
+        assert core["role"] == "engine_core"
+        ce, em = run.client_emissions, run.emissions
+        for j, name in enumerate(run.request_ids):
+            if np.any(em.request == j):
+                seen[name] += 1
+                assert int(em.num_tokens[em.request == j].sum()) == MAX_TOKENS
+                assert int(ce.num_tokens[ce.request == j].sum()) == MAX_TOKENS
+        # its worker is its own DP rank's
+        ranks = {p.get("dp_rank") for p in run.meta["processes"] if p["role"] == "worker"}
+        assert ranks == {core["dp_rank"]}
+    client = {s.name(0) for s in scaled["streams"]}
+    assert dict(seen) == dict.fromkeys(client, 1)
+    assert all(len(r.steps) for r in scaled_runs), "both engine cores served requests"
+
+
+def test_chunk_counts_equal_per_request_and_each_joined_to_its_api_server(scaled, scaled_runs):
+    client = {s.name(0): len(s.t_ns) for s in scaled["streams"]}
+    got: dict[str, int] = {}
+    servers: dict[str, set[int]] = collections.defaultdict(set)
+    for run in scaled_runs:
+        ce = run.client_emissions
+        for j in np.unique(ce.request).tolist():
+            name = run.request_ids[j]
+            got[name] = int(np.sum(ce.request == j))
+            pid = run.meta["processes"][int(ce.process[ce.request == j][0])]["pid"]
+            servers[name].update(int(run.meta["processes"][int(k)]["pid"])
+                                 for k in ce.process[ce.request == j])  # fmt: skip
+            assert len(servers[name]) == 1 and pid in servers[name]
+    assert got == client
+    used = set().union(*servers.values())
+    assert len(used) == 2, "both API servers were meant to serve streams"
+
+
+def test_each_api_servers_windows_are_charged_only_to_its_own_gaps(scaled_runs):
+    from dataclasses import replace
+
+    from tracekit.attribution.client import client_partition
+    from tracekit.attribution.reference import client_partition_reference
+
+    for run in scaled_runs:
+        cp = client_partition(run)
+        assert cp.reconcile_err_ms.max() < 1e-6
+        ref = client_partition_reference(run)
+        assert np.allclose(cp.parts_ms, ref.parts_ms, atol=1e-6)
+        procs = run.meta["processes"]
+        api = [k for k, p in enumerate(procs) if p["role"] == "api_server"]
+        ce = run.client_emissions
+        for k in api:
+            # drop the other API server's windows: this one's gaps keep every part
+            ps = run.proc_segments
+            keep = ~np.isin(ps.process, [x for x in api if x != k])
+            alone = replace(run, proc_segments=ps.take(np.flatnonzero(keep)))
+            cp_alone = client_partition(alone)
+            mine = np.isin(cp.request, np.unique(ce.request[ce.process == k]))
+            assert np.allclose(cp.parts_ms[mine], cp_alone.parts_ms[mine], atol=1e-9)
+
+
+# -- tensor parallel ----------------------------------------------------------------------
+
+INJECT_EVERY, INJECT_MS = 6, 40
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    _require_plugin()
+    base = tmp_path_factory.mktemp("tp")
+    env = {"TRACEKIT_VLLM_TEST_INJECT": f"rank=1,every={INJECT_EVERY},ms={INJECT_MS},"
+           "kinds=sleep+gc"}  # fmt: skip
+    return _serve(base, ["--tensor-parallel-size", "2"], env=env, n=6)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tp):
+    from tracekit.log.merge import merge_dir
+
+    return merge_dir(tp["dir"])
+
+
+def _rank_worker(run, rank):
+    k = next(i for i, p in enumerate(run.meta["processes"])
+             if p["role"] == "worker" and p.get("tp_rank") == rank)  # fmt: skip
+    return k
+
+
+def test_each_rank_recorded_its_forward_collectives_and_gc(tp, tp_run):
+    ps = tp_run.proc_segments
+    for rank in (0, 1):
+        k = _rank_worker(tp_run, rank)
+        labels = {tp_run.labels[i] for i in ps.label[ps.process == k]}
+        assert {"prepare", "forward", "collective"} <= labels, (rank, labels)
+    k1 = _rank_worker(tp_run, 1)
+    assert "gc" in {tp_run.labels[i] for i in ps.label[ps.process == k1]}
+    assert "injected" in {tp_run.labels[i] for i in ps.label[ps.process == k1]}
+
+
+def _injected(run, kind_label):
+    """The injected windows on rank 1 (run clock), split by what rank 1 did then: a GC
+    pause (the gc kind) or not (the sleep kind)."""
+    ps = run.proc_segments
+    k1 = _rank_worker(run, 1)
+    lab = run.labels
+    mine = ps.process == k1
+    inj = np.flatnonzero(mine & (ps.label == lab.index("injected")))
+    gc = np.flatnonzero(mine & (ps.label == lab.index("gc")))
+    out = []
+    for i in inj.tolist():
+        a, b = ps.t_start_s[i], ps.t_end_s[i]
+        gc_in = sum(max(0.0, min(b, ps.t_end_s[g]) - max(a, ps.t_start_s[g])) for g in gc)
+        is_gc = gc_in > 0.5 * (b - a)
+        if (kind_label == "gc") == is_gc:
+            out.append((a, b, gc_in if is_gc else b - a))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["injected", "gc"])
+def test_a_stall_on_rank_1_is_charged_to_rank_1_in_every_gap_of_its_step(tp_run, kind):
+    from tracekit.attribution.itl import partition
+
+    p = partition(tp_run)  # reconciles or raises
+    assert p.reconcile_max_err_ms < 1e-6
+    label = f"rank1:{kind}"
+    assert label in p.labels, p.labels
+    col = p.column(label)
+    windows = _injected(tp_run, "gc" if kind == "gc" else "sleep")
+    assert windows, f"no {kind} stall was injected"
+    checked = 0
+    for a, b, ms in windows:
+        # every gap that contains the stall's step carries it
+        hit = np.flatnonzero((p.t0_s <= a) & (p.t1_s >= b))
+        for i in hit.tolist():
+            assert abs(col[i] - ms * 1e3) < 1.0, (col[i], ms * 1e3)
+            checked += 1
+    assert checked >= 2
+    print(f"{label}: {checked} gaps, injected {np.mean([w[2] for w in windows]) * 1e3:.1f} ms")
+
+
+def test_rank_waits_are_exclusive_and_reported(tp_run):
+    rep = tp_run.meta["tensor_parallel"]
+    assert rep["ranks"] == [0, 1] or rep["ranks"] == [1]
+    sg = tp_run.segments
+    # the carved segments never overlap the engine core's forward windows of their step
+    rank_ids = [i for i, lb in enumerate(tp_run.labels) if lb.startswith("rank")]
+    fwd_ids = [tp_run.labels.index(x) for x in ("prefill", "decode") if x in tp_run.labels]
+    r = np.isin(sg.label, rank_ids)
+    f = np.isin(sg.label, fwd_ids)
+    for i in np.flatnonzero(r).tolist():
+        same = f & (sg.step == sg.step[i])
+        ov = np.minimum(sg.t_end_s[same], sg.t_end_s[i]) - np.maximum(
+            sg.t_start_s[same], sg.t_start_s[i]
+        )
+        assert np.all(ov <= 1e-12)
+
+
+def test_trace_has_a_track_per_rank(tp, tmp_path):
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "t.json")
+    r = subprocess.run([sys.executable, "-m", "tracekit", "trace", tp["dir"], "-o", out],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    from tracekit.render.perfetto import read_trace
+
+    names = {e["args"]["name"] for e in read_trace(out) if e.get("name") == "process_name"}
+    assert any("tp rank 0" in n for n in names) and any("tp rank 1" in n for n in names), names
