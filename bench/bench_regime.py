@@ -27,7 +27,7 @@ Exit code 1 if a check fails. Milliseconds are never compared across conditions 
 machine is slower); only within a condition. `--jobs 2` runs two runs at a time (each in
 its own process, on the CPU clock); the default is one.
 
-    python bench/bench_regime.py [--seeds 1,2,3] [--steps 900] [--out /tmp/regime]
+    python bench/bench_regime.py [--seeds 1,2,3] [--steps 700] [--out /tmp/regime]
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def checks(runs: dict[str, list], finished: dict, seeds: list[int]) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--steps", type=int, default=900)
+    ap.add_argument("--steps", type=int, default=700)
     ap.add_argument("--conditions", default="plain,contended", help=", ".join(CONDITIONS))
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     ap.add_argument("--out", default=None, help="keep the logs here (default: a temp dir)")

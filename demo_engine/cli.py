@@ -1,7 +1,7 @@
 """`demo`: run the demonstrator engine, one rung or the whole fix ladder.
 
-    tracekit demo run --rung baseline --seed 1 --steps 640 --out raw/
-    tracekit demo ladder --seeds 1,2,3 --steps 640 --out raw/
+    tracekit demo run --rung baseline --seed 1 --steps 700 --out raw/
+    tracekit demo ladder --seeds 1,2,3 --steps 700 --out raw/
 
 Each run writes `OUT/<rung-slug>__s<seed>.npz`. Arrivals are paced in engine steps
 (`--load F`: F times the requests per step the engine retires with its batch full, in
@@ -38,7 +38,7 @@ from .config import RUNG_NAMES, EngineConfig, WorkloadConfig, find_rung, rung_co
 #: and the queue draining before the next. 1.8 is the overload sidebar: the queue grows
 #: through the run (reports/demo-engine-ladder.md).
 DEFAULT_LOAD = 0.5
-DEFAULT_STEPS = 640
+DEFAULT_STEPS = 700
 #: What the ladder's story needs from its baseline run: a KV pool under pressure
 #: (preemptions) and batches above the largest captured size (eager steps). Written into
 #: the run's config, where `tracekit compare` and `report` check it too.

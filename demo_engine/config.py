@@ -30,7 +30,7 @@ class EngineConfig:
     model_seed: int = 0  # random weights; fixed so every run has the same model
     # KV pool and scheduling
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int = 600  # sized to the demo's short requests (see workload.py)
+    num_kv_blocks: int = 580  # sized to the demo's short requests (see workload.py)
     max_num_seqs: int = 48  # running requests (decoding or prefilling) at most
     max_num_batched_tokens: int = 2048  # per-step token budget: decode rows + prefill chunks
     max_prompt_tokens: int = 2048  # prompts are truncated to this after tokenising

@@ -155,8 +155,8 @@ def step_capacity_req(max_num_seqs: int, cfg: WorkloadConfig) -> float:
 
 
 #: The step-paced workload of `tracekit demo` (the reference post's main regime, scaled to
-#: runs of ~640 steps): a flat base rate carrying a tenth of the arrivals, and the rest in
-#: bursts of 30 steps every 320 steps from step 20 (two bursts in a 640-step run). The
+#: runs of ~700 steps): a flat base rate carrying a tenth of the arrivals, and the rest in
+#: bursts of 30 steps every 360 steps from step 20 (two bursts in a 700-step run). The
 #: engine is below its capacity on average; a burst fills the KV pool for a while
 #: (preemptions, batches past the largest captured size) and the queue drains before the
 #: next one. Outputs are shorter than the post's (~106 tokens on average, at most 350,
@@ -166,7 +166,7 @@ def step_capacity_req(max_num_seqs: int, cfg: WorkloadConfig) -> float:
 STEP_WORKLOAD: dict[str, float] = {
     "swell_frac": 0.0,
     "burst_frac": 0.9,
-    "burst_period_steps": 320.0,
+    "burst_period_steps": 360.0,
     "burst_width_steps": 30.0,
     "burst_start_steps": 20.0,
     "output_tokens_exp_mean": 90.0,

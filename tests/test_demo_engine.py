@@ -529,6 +529,42 @@ def test_off_loop_tokenizer_keeps_tok_off_the_loop(tokenizer, tmp_path):
     assert eng.off_loop is None  # the worker was stopped
 
 
+def test_off_loop_on_the_step_clock_admits_every_prompt_the_step_after_it_arrived(
+    tokenizer, tmp_path
+):
+    # arrivals at steps 0, 3, 3 and 7, 4 output tokens each, a pool and budget with room.
+    # Each prompt goes to the worker in its arrival step and is back at the next step's
+    # intake, so it is first scheduled exactly one step later: request 0 at step 1 (its
+    # tokens at steps 1-4), requests 1 and 2 at step 4 (tokens 4-7), request 3 at step 8.
+    # At step 4 the engine is busy with request 0 when it collects 1 and 2: a `tok` wait.
+    cfg = SMALL.replace(
+        is_tokenize_off_loop=True, num_kv_blocks=200, max_num_seqs=8, max_num_batched_tokens=512
+    )
+    arrive = (0, 3, 3, 7)
+    reqs = [TraceRequest(i, float(s), f"word {i} " * 20, 4, False) for i, s in enumerate(arrive)]
+    path = tmp_path / "run.npz"
+    admitted: dict[int, float] = {}
+    with tracekit.Recorder(path, config={"rung": "t", "seed": 0}) as rec:
+        eng = Engine(cfg, rec, tokenizer)
+        orig = eng.scheduler.schedule
+
+        def spy():  # the step clock when each request is first scheduled
+            out = orig()
+            admitted.update({r.rid: eng._step_clock for r in out.admitted})
+            return out
+
+        eng.scheduler.schedule = spy  # type: ignore[method-assign]
+        try:
+            eng.startup()
+            stats = eng.serve(reqs, 40, clock="steps", is_drain=True)
+        finally:
+            eng.close()
+    assert admitted == {0: 1.0, 1: 4.0, 2: 4.0, 3: 8.0}
+    assert stats.num_finished == 4
+    log = tracekit.load(path)
+    assert "tok" in {log.labels[i] for i in np.unique(log.segments.label)}
+
+
 def test_cli_run_writes_a_named_log(tmp_path):
     from click.testing import CliRunner
 

@@ -197,3 +197,15 @@ def test_a_rung_that_does_not_cut_p999_names_what_holds_the_tail():
         "+gc.freeze: raised median p99.9 from 500 to 510 ms (the runs' ranges overlap); "
         "gc 10% -> 0% of tail time; prefill holds 60% of tail time."
     )
+
+
+def test_a_fallen_cause_that_still_holds_the_tail_is_named_as_its_holder():
+    # prefill fell 70% -> 60% (the only fall), p99.9 overlapping 500 -> 490: prefill is
+    # both the cause that fell and the one that holds the most of the later tail
+    base = group("baseline", (500, 450, 560), 30, {"prefill": 0.70, "forward": 0.30})
+    fix = group("+budget", (490, 440, 550), 30, {"prefill": 0.60, "forward": 0.40})
+    v = verdict(cmp(base, fix, WM))
+    assert v.findings[1] == (
+        "+budget: cut median p99.9 from 500 to 490 ms (the runs' ranges overlap); "
+        "prefill 70% -> 60% of tail time; prefill holds 60% of tail time."
+    )

@@ -12,8 +12,8 @@ number in a sentence is a figure of the comparison (medians across the runs of a
   alone move only because the tail shrank around them). A change whose [min-max]
   ranges across runs overlap is marked as such: the runs do not separate the two groups.
   A change that does not cut median p99.9 with ranges apart also names the cause that
-  holds the most of the later group's tail time (when it holds MIN_NAMED_SHARE and is not
-  the cause that fell): what hides the fix's effect on the tail. A change that raised
+  holds the most of the later group's tail time (when it holds MIN_NAMED_SHARE, even if it
+  is the cause that fell): what hides the fix's effect on the tail. A change that raised
   TTFT p50 says so, in a comparison of any length: a fix that cuts the tail can make
   requests wait to start.
 - The last group is set against the first: median p99.9 (how many times lower or
@@ -127,7 +127,7 @@ def change(prev: GroupSummary, g: GroupSummary, *, with_ttft: bool = False) -> s
         )
     if is_overlap or not b.median < a.median:  # not a clear cut: what holds the tail
         held = [(c, v) for c, v in _causes_by_share(g.tail_share) if v >= MIN_NAMED_SHARE]
-        if held and held[0][0] != (lb if drop >= MIN_NAMED_SHARE else ""):
+        if held:
             words += f"; {_cause_name(held[0][0])} holds {held[0][1]:.0%} of tail time"
     ta, tb = prev.figures["ttft_p50"].median, g.figures["ttft_p50"].median
     is_ttft_rise = math.isfinite(ta) and math.isfinite(tb) and _ms(ta) != _ms(tb) and tb > ta
