@@ -31,8 +31,8 @@ import numpy as np
 from ._blas import limit_blas_threads, set_thread_env
 from .config import RUNG_NAMES, EngineConfig, WorkloadConfig, find_rung, rung_config, rung_slug
 
-#: Mean arrivals per step relative to the batch capacity (48 / 106 mean output tokens =
-#: 0.45 requests per step), in the bursts of `demo_engine.workload.STEP_WORKLOAD`: the
+#: Mean arrivals per step relative to the batch capacity (48 / 102 mean output tokens =
+#: 0.47 requests per step), in the bursts of `demo_engine.workload.STEP_WORKLOAD`: the
 #: reference post's main regime, below capacity on average, a burst overloading the engine
 #: for a while (the KV pool runs dry: preemptions, batches past the largest captured size)
 #: and the queue draining before the next. 1.8 is the overload sidebar: the queue grows

@@ -159,7 +159,7 @@ def step_capacity_req(max_num_seqs: int, cfg: WorkloadConfig) -> float:
 #: bursts of 30 steps every 360 steps from step 20 (two bursts in a 700-step run). The
 #: engine is below its capacity on average; a burst fills the KV pool for a while
 #: (preemptions, batches past the largest captured size) and the queue drains before the
-#: next one. Outputs are shorter than the post's (~106 tokens on average, at most 350,
+#: next one. Outputs are shorter than the post's (~102 tokens on average, at most 300,
 #: against ~300), so that a request's life is a small part of a run: the queue drains
 #: between two bursts and most requests finish within the run. `--load` scales the mean
 #: rate of the same shape (1.8: the post's overload sidebar, where the queue only grows).
@@ -170,7 +170,7 @@ STEP_WORKLOAD: dict[str, float] = {
     "burst_width_steps": 30.0,
     "burst_start_steps": 20.0,
     "output_tokens_exp_mean": 90.0,
-    "output_tokens_max": 350,
+    "output_tokens_max": 300,
 }
 
 
