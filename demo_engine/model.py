@@ -7,9 +7,9 @@ arrays and back. `NumpyModelRunner` implements it on the CPU.
 Emulated "CUDA graphs": a decode batch of n rows is padded to the smallest captured size
 >= n and each layer's dense projections run as one batched numpy call over the padded
 rows; above the largest captured size the batch runs eagerly: unpadded, with each layer's
-attention projections (qkv and output) called once per sequence (the small per-sequence
-calls stand in for the kernel launches a graph replay saves), and the MLP and the
-unembedding batched, as on the captured path. So an eager step costs somewhat more than
+attention output projection called once per sequence (the small per-sequence calls stand
+in for the kernel launches a graph replay saves), and the rest batched, as on the
+captured path. So an eager step costs somewhat more than
 a captured step of its size (the per-sequence calls outweigh the padding they save):
 graph misses are small and frequent, as in the reference post. What differs is batched
 vs per-sequence numpy, not graph replay vs kernel launches. Attention is ragged (each
@@ -172,7 +172,7 @@ class NumpyModelRunner:
         is_eager: bool = False,
     ) -> np.ndarray:
         """Forward `len(rows)` rows padded to `num_padded` rows; returns logits (n, vocab).
-        `is_eager`: the attention projections run once per row instead of once per batch."""
+        `is_eager`: the attention output projection runs once per row, not once per batch."""
         n = len(rows)
         d = self.config.d_model
         x = np.zeros((num_padded, d), np.float32)
@@ -186,7 +186,7 @@ class NumpyModelRunner:
             return np.concatenate([fn(a[i : i + 1]) for i in range(len(a))])
 
         for li, L in enumerate(self.layers):
-            qkv = dense(lambda a, L=L: _layernorm(a, L.ln1) @ L.w_qkv, x)  # (P, 3d)
+            qkv = _layernorm(x, L.ln1) @ L.w_qkv  # (P, 3d)
             self.kv[li, 0][new_slots] = qkv[:n, d : 2 * d]
             self.kv[li, 1][new_slots] = qkv[:n, 2 * d :]
             for i, r in enumerate(rows):  # ragged attention, each sequence its own context
@@ -204,7 +204,7 @@ class NumpyModelRunner:
             if graph_size < n:
                 raise ValueError(f"graph size {graph_size} < {n} rows")
             logits = self._decode_rows(tokens, positions, rows, graph_size)
-        else:  # eager: unpadded, the attention projections once per sequence
+        else:  # eager: unpadded, the attention output projection once per sequence
             logits = self._decode_rows(tokens, positions, rows, n, is_eager=True)
         return self._sample(logits)
 

@@ -309,9 +309,9 @@ def test_padded_and_eager_decode_agree_and_eager_projects_per_sequence(monkeypat
         return orig(tokens, positions, rws, num_padded, is_eager=is_eager)
 
     monkeypatch.setattr(r, "_decode_rows", spy)
-    # the qkv and output projections: one matmul per layer per batch (captured) or per
-    # sequence (eager); counted on their weights, which nothing else multiplies by
-    proj = {id(L.w_qkv) for L in r.layers} | {id(L.w_o) for L in r.layers}
+    # the attention output projection: one matmul per layer per batch (captured) or per
+    # sequence (eager); counted on its weight, which nothing else multiplies by
+    proj = {id(L.w_o) for L in r.layers}
     n_proj = [0]
 
     class Counting(np.ndarray):
@@ -320,17 +320,17 @@ def test_padded_and_eager_decode_agree_and_eager_projects_per_sequence(monkeypat
             return np.asarray(other) @ np.asarray(self)
 
     for L in r.layers:
-        L.w_qkv, L.w_o = L.w_qkv.view(Counting), L.w_o.view(Counting)
-    assert len(proj) == 2 * cfg.num_layers
+        L.w_o = L.w_o.view(Counting)
+    assert len(proj) == cfg.num_layers
     kv0 = r.kv.copy()
     padded = r.decode(rows, r.graph_size_for(5))
     assert calls == [(8, False)]  # one batched call, padded to 8
-    assert n_proj[0] == 2 * cfg.num_layers  # qkv and output, once per layer
+    assert n_proj[0] == cfg.num_layers  # once per layer
     r.kv[:] = kv0
     n_proj[0] = 0
     eager = r.decode(rows, 0)
     assert calls[1:] == [(5, True)]  # eager: unpadded, one call
-    assert n_proj[0] == 2 * cfg.num_layers * 5  # ... projecting each sequence on its own
+    assert n_proj[0] == cfg.num_layers * 5  # ... projecting each sequence on its own
     np.testing.assert_array_equal(padded.token_ids, eager.token_ids)
     np.testing.assert_allclose(padded.topk_logprobs, eager.topk_logprobs, atol=1e-4)
     assert padded.topk_ids.shape == (5, cfg.num_topk_logprobs)
