@@ -1,34 +1,33 @@
-"""The demo ladder's regime on a slowed engine and on a contended machine.
+"""The demo ladder's regime, checked over every rung and seed, plainly and on a busy machine.
 
-The story the ladder tells needs a regime: a KV pool under pressure (preemptions) and
-batches above the largest captured size (eager steps) at baseline, so that preemption and
-prefill own the baseline tail and the admission watermark has something to cut. Arrivals
-are paced in engine steps, which should make that regime independent of the machine's
-speed. This script checks it under three conditions, each running `baseline` and
-`+admit watermark` for every seed (short runs, fresh interpreters):
+The ladder's story (reports/demo-engine-ladder.md) is the reference post's main regime:
+arrivals below the engine's capacity on average, bursts that fill the KV pool for a while
+(transient overload), the queue draining between them. Arrivals are paced in engine
+steps and the recorder counts the engine's CPU time, so the schedule, and so the regime,
+should not depend on the machine's speed or load. This script runs the whole ladder
+(every rung x every seed, fresh interpreters) under each condition:
 
     plain        the machine as it is
-    slow x4      every model call stretched 4x (`--compute-slowdown 4`: a slower machine)
-    contended    the same runs while busy processes (one per core) compete for the CPUs
+    contended    the same runs while two busy processes compete for the CPUs
+    slow x4      (on request) every model call stretched 4x (`--compute-slowdown 4`)
 
 and prints, per condition, the checks with their figures:
 
-- every baseline run has preemptions > 0 and eager steps > 0;
-- the baseline tail share of preempt + prefill is >= FLOOR in every run. FLOOR = 0.5:
-  "preemption and prefill own the baseline tail" means they hold the majority of tail
-  time, more than every other cause (gc, tok, graph, forward, residual) together;
-- the watermark's median p99.9 across seeds is >= 3x lower than the baseline's.
-
-The contended condition also runs every seed and rung a second time, under the same busy
-processes, with the recorder on wall time (`--timer wall`), and reports (never as a check)
-what the CPU clock leaves out there: each run's wall p50 against its CPU-clock p50, the
-baseline tail share of preempt + prefill and of forward + residual (where the OS's time
-slices to other processes land on wall time), and the watermark's p99.9 cut on wall time.
+- every run: >= 90% of the requests that arrived finished within the run;
+- every baseline run: TTFT p50 < 1 s, preemptions > 0, graph < 5% of all gap time;
+- baseline: the median (across seeds) forward share of a clean gap >= 90%;
+- the watermark raises TTFT p50 against the rung before it in every seed (its cost: the
+  waiting moves from the middle of answers to before they start), and cuts median p99.9
+  >= 5x against baseline;
+- from `+compact history` on, GC's tail share is 0 in every run;
+- each rung after baseline lowers median p99.9 against the rung before it, or the
+  verdict (`tracekit.verdict`) names the cause that holds the tail and hides it.
 
 Exit code 1 if a check fails. Milliseconds are never compared across conditions (a busy
-machine is slower); only within a condition, baseline against watermark.
+machine is slower); only within a condition. `--jobs 2` runs two runs at a time (each in
+its own process, on the CPU clock); the default is one.
 
-    python bench/bench_regime.py [--seeds 1,2] [--steps 600] [--out /tmp/regime]
+    python bench/bench_regime.py [--seeds 1,2,3] [--steps 700] [--out /tmp/regime]
 """
 
 from __future__ import annotations
@@ -36,145 +35,186 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-FLOOR = 0.5  # baseline tail share of preempt + prefill (see the module docstring)
-MIN_P999_RATIO = 3.0  # baseline median p99.9 / watermark median p99.9
-RUNGS = ("baseline", "+admit watermark")
-CONDITIONS = ("plain", "slow x4", "contended")
+from demo_engine.config import RUNG_NAMES  # noqa: E402
+
+MIN_FINISHED = 0.90  # share of arrivals that finish within the run
+MAX_BASE_TTFT_P50_MS = 1000.0
+MAX_BASE_GRAPH_SHARE = 0.05  # of all gap time
+MIN_BASE_FWD_CLEAN = 0.90  # median forward share of a clean gap
+MIN_P999_RATIO = 5.0  # baseline median p99.9 / watermark median p99.9
+CONDITIONS = ("plain", "contended", "slow x4")
+NUM_BUSY = 2
 
 _BUSY = "import time\nt = time.time() + {s}\nwhile time.time() < t:\n    pass\n"
+_SUMMARY = re.compile(r"(\d+) arrived, (\d+) finished")
 
 
-def run(rung: str, seed: int, steps: int, out: str, slowdown: float, timer: str = "cpu") -> str:
+#: Runs a command and prints, last on stderr, the CPU seconds it and its children used.
+_CPU_WRAP = (
+    "import resource, subprocess, sys\n"
+    "r = subprocess.run(sys.argv[1:])\n"
+    "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+    "print(f'cpu_s {u.ru_utime + u.ru_stime:.3f}', file=sys.stderr)\n"
+    "sys.exit(r.returncode)\n"
+)
+
+
+def run(rung: str, seed: int, steps: int, out: str, slowdown: float) -> dict:
+    """One run in a fresh interpreter: its log path, arrivals, finished requests, and the
+    CPU seconds the run used (its tokenizer worker included)."""
     cmd = [sys.executable, "-m", "demo_engine.cli", "run", "--rung", rung, "--seed", str(seed)]
     cmd += ["--steps", str(steps), "--compute-slowdown", str(slowdown), "--out", out, "--quiet"]
-    cmd += ["--timer", timer]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CPU_WRAP, *cmd], env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{rung} s{seed} failed:\n{proc.stderr[-2000:]}")
     print("   ", proc.stdout.strip().replace("\n", "\n    "), flush=True)
-    return proc.stdout.split(":")[0]
+    m = _SUMMARY.search(proc.stdout)
+    cpu = re.search(r"cpu_s ([0-9.]+)", proc.stderr)
+    if m is None or cpu is None:
+        raise SystemExit(f"{rung} s{seed}: no 'arrived, finished' in its summary line")
+    return {
+        "path": proc.stdout.split(":")[0],
+        "arrived": int(m.group(1)),
+        "finished": int(m.group(2)),
+        "cpu_s": float(cpu.group(1)),
+    }
 
 
-def condition(name: str, seeds: list[int], steps: int, out: str) -> dict:
-    import numpy as np
-
+def condition(name: str, seeds: list[int], steps: int, out: str, jobs: int) -> dict:
     import tracekit
     from tracekit.analysis.figures import analyze
 
     busy: list[subprocess.Popen] = []
-    if name == "contended":  # one busy process per core, for longer than the runs take
+    if name == "contended":  # busy processes, for longer than the runs take
         busy = [
-            subprocess.Popen([sys.executable, "-c", _BUSY.format(s=3600)])
-            for _ in range(os.cpu_count() or 1)
+            subprocess.Popen([sys.executable, "-c", _BUSY.format(s=3600)]) for _ in range(NUM_BUSY)
         ]
     slowdown = 4.0 if name == "slow x4" else 1.0
     t0 = time.monotonic()
-    wall_runs: dict[str, list] = {}
+    todo = [(r, s) for s in seeds for r in RUNG_NAMES]
     try:
-        runs = {
-            r: [analyze(tracekit.load(run(r, s, steps, out, slowdown))) for s in seeds]
-            for r in RUNGS
-        }
-        if busy:  # the same runs, the same busy processes, the recorder on wall time
-            print("    (the same runs with --timer wall)", flush=True)
-            wall_runs = {
-                r: [
-                    analyze(tracekit.load(run(r, s, steps, out + "-wall", slowdown, "wall")))
-                    for s in seeds
-                ]
-                for r in RUNGS
-            }
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            done = list(pool.map(lambda rs: run(rs[0], rs[1], steps, out, slowdown), todo))
     finally:
         for p in busy:
             p.kill()
             p.wait()
-    base, wm = runs["baseline"], runs["+admit watermark"]
-    share = [a.tail_share.get("preempt", 0.0) + a.tail_share.get("prefill", 0.0) for a in base]
-    p999_base = float(np.median([a.itl_p999 for a in base]))
-    p999_wm = float(np.median([a.itl_p999 for a in wm]))
-    ratio = p999_base / p999_wm if p999_wm > 0 else float("inf")
-    checks = {
-        "baseline preemptions > 0 in every run": (
-            all(a.preemptions > 0 for a in base),
-            [a.preemptions for a in base],
-        ),
-        "baseline eager steps > 0 in every run": (
-            all(a.eager_steps > 0 for a in base),
-            [a.eager_steps for a in base],
-        ),
-        f"baseline tail share preempt+prefill >= {FLOOR:.0%}": (
-            min(share) >= FLOOR,
-            [round(x, 3) for x in share],
-        ),
-        f"watermark median p99.9 >= {MIN_P999_RATIO:g}x lower": (
-            ratio >= MIN_P999_RATIO,
-            f"{p999_base:.0f} -> {p999_wm:.0f} ms ({ratio:.1f}x)",
-        ),
-    }
+    runs: dict[str, list] = {r: [] for r in RUNG_NAMES}
+    finished: dict[tuple[str, int], float] = {}
+    for (rung, seed), d in zip(todo, done, strict=True):
+        runs[rung].append(analyze(tracekit.load(d["path"])))
+        finished[(rung, seed)] = d["finished"] / d["arrived"] if d["arrived"] else 0.0
+    cpu = [d["cpu_s"] for (_, seed), d in zip(todo, done, strict=True) if seed in seeds[:2]]
     return {
         "condition": name,
         "wall_s": round(time.monotonic() - t0, 1),
         "load_avg_1min": os.getloadavg()[0],
-        "checks": {k: {"ok": ok, "figures": fig} for k, (ok, fig) in checks.items()},
-        "reported": _wall_figures(runs, wall_runs) if wall_runs else {},
+        "checks": checks(runs, finished, seeds),
+        # what the README's first command (seeds 1,2: two seeds x every rung) costs in CPU
+        # time: about its wall time on two idle cores, where it runs one run at a time
+        "reported": {
+            f"CPU s of the runs of the first two seeds ({len(cpu)} runs)": round(sum(cpu), 1)
+        },
     }
 
 
-def _wall_figures(cpu: dict[str, list], wall: dict[str, list]) -> dict[str, object]:
-    """What the wall clock shows of the same contended runs (figures, not checks)."""
+def checks(runs: dict[str, list], finished: dict, seeds: list[int]) -> dict[str, dict]:
+    """Every check of the module docstring: {name: {"ok": bool, "figures": ...}}."""
     import numpy as np
 
-    def shares(runs: list, *labels: str) -> list[float]:
-        return [round(sum(a.tail_share.get(lb, 0.0) for lb in labels), 3) for a in runs]
+    from tracekit.analysis.compare import compare
+    from tracekit.analysis.verdict import verdict
 
-    base, wm = wall["baseline"], wall["+admit watermark"]
-    p999_base = float(np.median([a.itl_p999 for a in base]))
-    p999_wm = float(np.median([a.itl_p999 for a in wm]))
-    ratio = p999_base / p999_wm if p999_wm > 0 else float("inf")
-    p50_ratio = [
-        round(w.itl_p50 / c.itl_p50, 2)
-        for r in RUNGS
-        for w, c in zip(wall[r], cpu[r], strict=True)
-        if c.itl_p50 > 0
-    ]
-    return {
-        "wall p50 / cpu p50, every run (baseline seeds, then watermark seeds)": p50_ratio,
-        "wall: baseline tail share preempt+prefill": shares(base, "preempt", "prefill"),
-        "wall: baseline tail share forward+residual": shares(base, "forward", "residual"),
-        "cpu:  baseline tail share forward+residual": shares(
-            cpu["baseline"], "forward", "residual"
-        ),
-        "wall: median p99.9 baseline -> watermark": (
-            f"{p999_base:.0f} -> {p999_wm:.0f} ms ({ratio:.1f}x)"
-        ),
-        "wall: watermark p99.9 per run": [round(a.itl_p999, 1) for a in wm],
-        "wall: watermark tail share forward+residual": shares(wm, "forward", "residual"),
-    }
+    def med(rung: str, field: str) -> float:
+        return float(np.median([getattr(a, field) for a in runs[rung]]))
+
+    base, wm, before_wm = runs[RUNG_NAMES[0]], runs[RUNG_NAMES[-1]], runs[RUNG_NAMES[-2]]
+    out: dict[str, tuple[bool, object]] = {}
+    worst = min(finished.items(), key=lambda kv: kv[1])
+    out[f"every run: >= {MIN_FINISHED:.0%} of arrivals finish"] = (
+        worst[1] >= MIN_FINISHED,
+        f"lowest {worst[1]:.1%} ({worst[0][0]} s{worst[0][1]})",
+    )
+    out[f"baseline TTFT p50 < {MAX_BASE_TTFT_P50_MS:.0f} ms"] = (
+        all(a.ttft_p50 < MAX_BASE_TTFT_P50_MS for a in base),
+        [round(a.ttft_p50, 1) for a in base],
+    )
+    out["baseline preemptions > 0"] = (
+        all(a.preemptions > 0 for a in base),
+        [a.preemptions for a in base],
+    )
+    graph = [a.all_share.get("graph", 0.0) for a in base]
+    out[f"baseline graph < {MAX_BASE_GRAPH_SHARE:.0%} of all gap time"] = (
+        max(graph) < MAX_BASE_GRAPH_SHARE,
+        [f"{g:.1%}" for g in graph],
+    )
+    fwd = med(RUNG_NAMES[0], "fwd_share_clean_median")
+    out[f"baseline median forward share of a clean gap >= {MIN_BASE_FWD_CLEAN:.0%}"] = (
+        fwd >= MIN_BASE_FWD_CLEAN,
+        f"{fwd:.1%} (runs {[f'{a.fwd_share_clean_median:.1%}' for a in base]})",
+    )
+    rises = [(b.ttft_p50, w.ttft_p50) for b, w in zip(before_wm, wm, strict=True)]
+    out["watermark raises TTFT p50 against the rung before, every seed"] = (
+        all(w > b for b, w in rises),
+        ", ".join(f"s{s} {b:.0f} -> {w:.0f} ms" for s, (b, w) in zip(seeds, rises, strict=True)),
+    )
+    p_base, p_wm = med(RUNG_NAMES[0], "itl_p999"), med(RUNG_NAMES[-1], "itl_p999")
+    ratio = p_base / p_wm if p_wm > 0 else float("inf")
+    out[f"watermark cuts median p99.9 >= {MIN_P999_RATIO:g}x against baseline"] = (
+        ratio >= MIN_P999_RATIO,
+        f"{p_base:.0f} -> {p_wm:.0f} ms ({ratio:.1f}x)",
+    )
+    after = RUNG_NAMES[RUNG_NAMES.index("+compact history") :]
+    gc_tail = [a.tail_share.get("gc", 0.0) for r in after for a in runs[r]]
+    out["gc tail share 0 from +compact history on"] = (
+        max(gc_tail) < 0.0005,  # 0.0% as printed
+        f"largest {max(gc_tail):.2%}",
+    )
+    every = [a for r in RUNG_NAMES for a in runs[r]]
+    findings = verdict(compare(every, "rung", order_by="rung_index")).findings
+    moves, ok = [], True
+    for i, rung in enumerate(RUNG_NAMES[1:], 1):
+        a, b = med(RUNG_NAMES[i - 1], "itl_p999"), med(rung, "itl_p999")
+        said = next(f for f in findings if f.startswith(f"{rung}:"))
+        held = re.search(r"; ([a-z ()]+) holds \d+% of tail time", said)
+        ok &= f"{rung}: cut median p99.9" in said or held is not None  # as the verdict says
+        moves.append(f"{rung} {a:.0f} -> {b:.0f}" + (f" ({held.group(1)} holds)" if held else ""))
+    out["each rung lowers median p99.9, or the verdict names what holds the tail"] = (ok, moves)
+    return {k: {"ok": v, "figures": f} for k, (v, f) in out.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", default="1,2")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--conditions", default="plain,contended", help=", ".join(CONDITIONS))
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     ap.add_argument("--out", default=None, help="keep the logs here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    names = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONDITIONS]
+    if bad or args.jobs < 1:
+        ap.error(f"unknown condition {bad} (known: {', '.join(CONDITIONS)})" if bad else "--jobs")
     results, ok = [], True
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.conditions.split(","):
+        for name in names:
             out = os.path.join(args.out or tmp, name.replace(" ", "-"))
-            print(f"[{name}] {len(seeds)} seeds x {RUNGS}, {args.steps} steps", flush=True)
-            res = condition(name, seeds, args.steps, out)
+            print(f"[{name}] {len(seeds)} seeds x {len(RUNG_NAMES)} rungs, {args.steps} steps")
+            res = condition(name, seeds, args.steps, out, args.jobs)
             results.append(res)
             for k, c in res["checks"].items():
                 ok &= c["ok"]

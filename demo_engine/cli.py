@@ -1,10 +1,11 @@
 """`demo`: run the demonstrator engine, one rung or the whole fix ladder.
 
-    tracekit demo run --rung baseline --seed 1 --steps 800 --out raw/
-    tracekit demo ladder --seeds 1,2,3 --steps 800 --out raw/
+    tracekit demo run --rung baseline --seed 1 --steps 700 --out raw/
+    tracekit demo ladder --seeds 1,2,3 --steps 700 --out raw/
 
 Each run writes `OUT/<rung-slug>__s<seed>.npz`. Arrivals are paced in engine steps
-(`--load F`: F times the requests per step the engine retires with its batch full), so
+(`--load F`: F times the requests per step the engine retires with its batch full, in
+the bursts of `demo_engine.workload.STEP_WORKLOAD`), so
 the scheduler sees the same pressure on a slow, fast or busy machine; only the
 milliseconds differ. Times are this process's CPU time (`--timer cpu`), so the time the OS
 gives other processes lands in no gap; `--timer wall` records wall time. `--rate R
@@ -38,18 +39,14 @@ from .config import (
     rung_slug,
 )
 
-#: Arrivals per step relative to the batch capacity (48 / 288 mean output tokens = 0.167
-#: requests per step). The KV pool (1,000 blocks of 16) holds fewer requests than the batch
-#: limit once their contexts grow, so it runs dry before the batch is full. At 1.3 the pool
-#: filled only late in a 600-step run: 22-39 preemptions at baseline, 8-13% of its tail
-#: time, and the admission watermark had little left to cut once the tokenizer was off the
-#: loop. At 1.8 (0.30 per step) the pool first runs dry (under 10 free blocks) at step
-#: 150-250 and is dry for over a third of a 600-step run: 68-77 preemptions and 28-44% of
-#: baseline tail time, with batches of 33-48 (past the largest captured size, 32). The
-#: engine is overloaded (its waiting queue grows), like the published post's sidebar runs
-#: (reports/demo-engine-ladder.md).
-DEFAULT_LOAD = 1.8
-DEFAULT_STEPS = 800
+#: Mean arrivals per step relative to the batch capacity (48 / 102 mean output tokens =
+#: 0.47 requests per step), in the bursts of `demo_engine.workload.STEP_WORKLOAD`: the
+#: reference post's main regime, below capacity on average, a burst overloading the engine
+#: for a while (the KV pool runs dry: preemptions, batches past the largest captured size)
+#: and the queue draining before the next. 1.8 is the overload sidebar: the queue grows
+#: through the run (reports/demo-engine-ladder.md).
+DEFAULT_LOAD = 0.5
+DEFAULT_STEPS = 700
 #: What the ladder's story needs from its baseline run: a KV pool under pressure
 #: (preemptions) and batches above the largest captured size (eager steps). Written into
 #: the run's config, where `tracekit compare` and `report` check it too.
@@ -122,15 +119,14 @@ def run_one(
     from .engine import Engine
     from .model import SlowedRunner
     from .tokenizer import train_tokenizer
-    from .workload import make_trace, step_capacity_req
+    from .workload import make_trace, step_workload
 
     rung = find_rung(rung)
     cfg = rung_config(rung).replace(
         preemption_mode=preemption_mode, is_async_scheduling=is_async_scheduling
     )
     if rate is None:  # the step clock: the same pressure on any machine
-        per_step = load * step_capacity_req(cfg.max_num_seqs, WorkloadConfig())
-        wl = WorkloadConfig(clock="steps", rate_req_step=per_step)
+        wl = step_workload(load, cfg.max_num_seqs)
         span: float = steps
         hint = "raise --load or --steps"
     else:

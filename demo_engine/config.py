@@ -30,7 +30,7 @@ class EngineConfig:
     model_seed: int = 0  # random weights; fixed so every run has the same model
     # KV pool and scheduling
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int = 1000
+    num_kv_blocks: int = 580  # sized to the demo's short requests (see workload.py)
     max_num_seqs: int = 48  # running requests (decoding or prefilling) at most
     max_num_batched_tokens: int = 2048  # per-step token budget: decode rows + prefill chunks
     max_prompt_tokens: int = 2048  # prompts are truncated to this after tokenising
@@ -119,6 +119,15 @@ class WorkloadConfig:
     swell_period_s: float = 15.0
     swell_period_steps: float = 500.0
     swell_frac: float = 0.6  # rate(t) = rate * (1 + swell_frac * sin(2 pi t / period))
+    # bursts: this share of all arrivals comes in a window of `burst_width` at the start of
+    # every `burst_period` (in units of `clock`); the rest follows the swell
+    burst_frac: float = 0.0
+    burst_period_steps: float = 400.0
+    burst_width_steps: float = 40.0
+    burst_period_s: float = 20.0
+    burst_width_s: float = 2.0
+    burst_start_steps: float = 0.0  # when the first burst begins
+    burst_start_s: float = 0.0
     prompt_chars_mean: float = 1000.0
     doc_frac: float = 0.02  # share of requests that paste a document (one in 50)
     doc_chars_min: int = 150_000
@@ -134,6 +143,21 @@ class WorkloadConfig:
         return self.rate_req_step if self.clock == "steps" else self.rate_req_s
 
     @property
+    def burst_period(self) -> float:
+        """The bursts' period in units of `clock`."""
+        return self.burst_period_steps if self.clock == "steps" else self.burst_period_s
+
+    @property
+    def burst_width(self) -> float:
+        """How long each burst lasts, in units of `clock`."""
+        return self.burst_width_steps if self.clock == "steps" else self.burst_width_s
+
+    @property
+    def burst_start(self) -> float:
+        """When the first burst begins, in units of `clock`."""
+        return self.burst_start_steps if self.clock == "steps" else self.burst_start_s
+
+    @property
     def swell_period(self) -> float:
         """The swell's period in units of `clock`."""
         return self.swell_period_steps if self.clock == "steps" else self.swell_period_s
@@ -146,6 +170,18 @@ class WorkloadConfig:
                 raise ValueError(f"WorkloadConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.swell_frac < 1:
             raise ValueError("WorkloadConfig: swell_frac must be in [0, 1)")
+        if not 0 <= self.burst_frac <= 1:
+            raise ValueError(f"WorkloadConfig.burst_frac must be in [0, 1], got {self.burst_frac}")
+        for unit in ("steps", "s"):
+            period = getattr(self, f"burst_period_{unit}")
+            width = getattr(self, f"burst_width_{unit}")
+            if getattr(self, f"burst_start_{unit}") < 0:
+                raise ValueError(f"WorkloadConfig.burst_start_{unit} must be >= 0")
+            if not 0 < width <= period:
+                raise ValueError(
+                    f"WorkloadConfig: 0 < burst_width_{unit} <= burst_period_{unit}, "
+                    f"got {width} and {period}"
+                )
         if not 0 <= self.doc_frac <= 1 or not 0 < self.doc_chars_min <= self.doc_chars_max:
             raise ValueError("WorkloadConfig: doc_frac in [0, 1], 0 < doc_chars_min <= max")
         if not 0 < self.output_tokens_min <= self.output_tokens_max:

@@ -161,8 +161,25 @@ class Engine:
         """Now on the workload's clock: engine-clock ticks, or engine steps."""
         return self._step_clock if self._is_step_clock else self.rec.now()
 
-    def _intake(self) -> None:
-        """Requests whose arrival time has passed: tokenise (on the loop or off it)."""
+    def _intake(self, *, in_step: bool = True) -> None:
+        """Requests whose arrival time has passed: tokenise (on the loop or off it).
+
+        Off the loop on the step clock, the worker keeps up with the loop (a tokenizer on
+        its own core, the reference post's advice): what was handed to it in one step is
+        back by the next step's intake, which waits for it if need be (inside `tok`: on
+        the CPU clock the wait costs nothing, on wall time it is the loop waiting for the
+        tokenizer), so every prompt is schedulable one step after it arrived, whatever the
+        machine's load. On the seconds clock results are taken whenever they are ready."""
+        if self.off_loop is not None and self._is_step_clock and self.off_loop.num_pending:
+            if in_step:
+                with self._seg_tok:
+                    ready = self.off_loop.wait_all()
+            else:
+                ready = self.off_loop.wait_all()
+            for index, ids in ready:
+                if index >= 0:
+                    self._tokenizing.discard(index)
+                    self._add_request(index, ids)
         now = self._now()
         due = self._due
         while self._next_arrival < len(due) and due[self._next_arrival] <= now:
@@ -181,7 +198,7 @@ class Engine:
                 with self._seg_tok:
                     ids = self.tokenizer.encode(tr.text).ids[: self.config.max_prompt_tokens]
                 self._add_request(tr.index, ids)
-        if self.off_loop is not None and self.off_loop.num_pending:
+        if self.off_loop is not None and self.off_loop.num_pending and not self._is_step_clock:
             for index, ids in self.off_loop.poll():
                 if index >= 0:
                     self._tokenizing.discard(index)
@@ -404,7 +421,7 @@ class Engine:
             elif is_drain and self._next_arrival == len(due) and not is_tokenizing:
                 break
             elif is_tokenizing:
-                self._intake()  # collect finished tokenisations outside any step
+                self._intake(in_step=False)  # collect finished tokenisations outside any step
                 if not sched.has_work:
                     time.sleep(self.config.idle_sleep_s)
             elif self._is_step_clock:

@@ -5,10 +5,14 @@ prefill a chunk, decode a batch on a captured size or eagerly, copy KV blocks ou
 arrays and back. `NumpyModelRunner` implements it on the CPU.
 
 Emulated "CUDA graphs": a decode batch of n rows is padded to the smallest captured size
->= n and run as one batched numpy call (dense layers and the unembedding over the padded
-rows); above the largest captured size each sequence runs eagerly, one at a time, through
-the same code with a batch of one. What differs is batched vs per-sequence numpy, not
-graph replay vs kernel launches (as in the reference post). Attention is ragged (each
+>= n and each layer's dense projections run as one batched numpy call over the padded
+rows; above the largest captured size the batch runs eagerly: unpadded, with each layer's
+attention output projection called once per sequence (the small per-sequence calls stand
+in for the kernel launches a graph replay saves), and the rest batched, as on the
+captured path. So an eager step costs somewhat more than
+a captured step of its size (the per-sequence calls outweigh the padding they save):
+graph misses are small and frequent, as in the reference post. What differs is batched
+vs per-sequence numpy, not graph replay vs kernel launches. Attention is ragged (each
 sequence has its own context) and runs per sequence on both paths, reading its KV from
 the paged pool through its block table, like paged attention.
 """
@@ -159,24 +163,37 @@ class NumpyModelRunner:
         return np.einsum("hn,nhd->hd", p, v).reshape(-1)
 
     def _decode_rows(
-        self, tokens: np.ndarray, positions: np.ndarray, rows: Sequence[DecodeRow], num_padded: int
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        rows: Sequence[DecodeRow],
+        num_padded: int,
+        *,
+        is_eager: bool = False,
     ) -> np.ndarray:
-        """Forward `len(rows)` rows padded to `num_padded` rows; returns logits (n, vocab)."""
+        """Forward `len(rows)` rows padded to `num_padded` rows; returns logits (n, vocab).
+        `is_eager`: the attention output projection runs once per row, not once per batch."""
         n = len(rows)
         d = self.config.d_model
         x = np.zeros((num_padded, d), np.float32)
         x[:n] = self.embed[tokens] + self.pos[positions]
         new_slots = np.fromiter((r.slots[r.position] for r in rows), np.int64, n)
         attn = np.zeros((num_padded, d), np.float32)
+
+        def dense(fn: Any, a: np.ndarray) -> np.ndarray:
+            if not is_eager:
+                return fn(a)  # one call over the (padded) batch
+            return np.concatenate([fn(a[i : i + 1]) for i in range(len(a))])
+
         for li, L in enumerate(self.layers):
-            qkv = _layernorm(x, L.ln1) @ L.w_qkv  # (P, 3d): one call over the padded batch
+            qkv = _layernorm(x, L.ln1) @ L.w_qkv  # (P, 3d)
             self.kv[li, 0][new_slots] = qkv[:n, d : 2 * d]
             self.kv[li, 1][new_slots] = qkv[:n, 2 * d :]
             for i, r in enumerate(rows):  # ragged attention, each sequence its own context
                 attn[i] = self._attend_one(li, qkv[i, :d], r.slots)
-            x = x + attn @ L.w_o
+            x = x + dense(lambda a, L=L: a @ L.w_o, attn)
             x = x + _gelu(_layernorm(x, L.ln2) @ L.w_up) @ L.w_down
-        logits = _layernorm(x, self.ln_f) @ self.unembed  # (P, vocab)
+        logits = _layernorm(x, self.ln_f) @ self.unembed  # (P, vocab), batched on both paths
         return logits[:n]
 
     def decode(self, rows: Sequence[DecodeRow], graph_size: int) -> Samples:
@@ -187,13 +204,8 @@ class NumpyModelRunner:
             if graph_size < n:
                 raise ValueError(f"graph size {graph_size} < {n} rows")
             logits = self._decode_rows(tokens, positions, rows, graph_size)
-        else:  # eager: each sequence on its own, batch of one
-            logits = np.concatenate(
-                [
-                    self._decode_rows(tokens[i : i + 1], positions[i : i + 1], rows[i : i + 1], 1)
-                    for i in range(n)
-                ]
-            )
+        else:  # eager: unpadded, the attention output projection once per sequence
+            logits = self._decode_rows(tokens, positions, rows, n, is_eager=True)
         return self._sample(logits)
 
     def prefill(

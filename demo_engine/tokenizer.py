@@ -82,6 +82,15 @@ class OffLoopTokenizer:
             out.append((key, array("i", raw).tolist()))
         return out
 
+    def wait_all(self, timeout_s: float = 60.0) -> list[tuple[int, list[int]]]:
+        """Every pending result, waiting for each as long as it takes (up to `timeout_s`)."""
+        out = []
+        while self.num_pending:
+            key, raw = self._outbox.get(timeout=timeout_s)
+            self.num_pending -= 1
+            out.append((key, array("i", raw).tolist()))
+        return out
+
     def close(self) -> None:
         if self._proc.is_alive():
             self._inbox.put(None)

@@ -14,6 +14,7 @@ logs and code do, which is what makes them slow to tokenise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -81,14 +82,25 @@ class TraceRequest:
 
 
 def rate_at(t: float, cfg: WorkloadConfig) -> float:
-    """The instantaneous arrival rate at `t` (requests per unit of the workload's clock)."""
-    return cfg.rate * (1.0 + cfg.swell_frac * math.sin(2 * math.pi * t / cfg.swell_period))
+    """The instantaneous arrival rate at `t` (requests per unit of the workload's clock):
+    a share `1 - burst_frac` of the mean rate on the swell, and `burst_frac` of it
+    concentrated into the first `burst_width` of every `burst_period` from `burst_start`
+    on (so over a whole number of periods the mean rate is `cfg.rate`)."""
+    swell = 1.0 + cfg.swell_frac * math.sin(2 * math.pi * t / cfg.swell_period)
+    since = t - cfg.burst_start
+    is_burst = since >= 0 and (since % cfg.burst_period) < cfg.burst_width
+    burst = cfg.burst_period / cfg.burst_width if is_burst else 0.0
+    return cfg.rate * ((1.0 - cfg.burst_frac) * swell + cfg.burst_frac * burst)
 
 
 def cumulative_arrivals(t: np.ndarray, cfg: WorkloadConfig) -> np.ndarray:
     """Expected arrivals in [0, t]: the integral of `rate_at`."""
     w = 2 * math.pi / cfg.swell_period
-    return cfg.rate * (t + cfg.swell_frac * (1.0 - np.cos(w * t)) / w)
+    swell = t + cfg.swell_frac * (1.0 - np.cos(w * t)) / w
+    period, width = cfg.burst_period, cfg.burst_width
+    since = np.maximum(np.asarray(t, dtype=np.float64) - cfg.burst_start, 0.0)
+    in_burst = np.floor(since / period) * width + np.minimum(np.mod(since, period), width)
+    return cfg.rate * ((1.0 - cfg.burst_frac) * swell + cfg.burst_frac * in_burst * period / width)
 
 
 def make_trace(seed: int, span: float, cfg: WorkloadConfig) -> list[TraceRequest]:
@@ -135,11 +147,38 @@ def step_capacity_req(max_num_seqs: int, cfg: WorkloadConfig) -> float:
     """Requests per engine step the engine retires with its batch full: `max_num_seqs`
     requests decode one token each per step, and an average request needs
     `mean_output_tokens` decode steps (its prefill is one or a few steps more). The demo's
-    KV pool holds fewer requests than the batch limit once their contexts grow, so a load
-    past 1 of this keeps the pool full (preemptions) while the batch still runs
-    above the largest captured size (eager steps), on any machine; the demo's default
-    load is 1.8 (`demo_engine.cli.DEFAULT_LOAD`)."""
+    KV pool holds fewer requests than the batch limit once their contexts grow, so it runs
+    dry below this: the demo's default load, 0.5 of it with bursts (`STEP_WORKLOAD`,
+    `demo_engine.cli.DEFAULT_LOAD`), fills the pool during a burst only; 1.8 keeps it
+    full (the overload sidebar)."""
     return max_num_seqs / mean_output_tokens(cfg)
+
+
+#: The step-paced workload of `tracekit demo` (the reference post's main regime, scaled to
+#: runs of ~700 steps): a flat base rate carrying a tenth of the arrivals, and the rest in
+#: bursts of 30 steps every 360 steps from step 20 (two bursts in a 700-step run). The
+#: engine is below its capacity on average; a burst fills the KV pool for a while
+#: (preemptions, batches past the largest captured size) and the queue drains before the
+#: next one. Outputs are shorter than the post's (~102 tokens on average, at most 300,
+#: against ~300), so that a request's life is a small part of a run: the queue drains
+#: between two bursts and most requests finish within the run. `--load` scales the mean
+#: rate of the same shape (1.8: the post's overload sidebar, where the queue only grows).
+STEP_WORKLOAD: dict[str, float] = {
+    "swell_frac": 0.0,
+    "burst_frac": 0.9,
+    "burst_period_steps": 360.0,
+    "burst_width_steps": 30.0,
+    "burst_start_steps": 20.0,
+    "output_tokens_exp_mean": 90.0,
+    "output_tokens_max": 300,
+}
+
+
+def step_workload(load: float, max_num_seqs: int) -> WorkloadConfig:
+    """`STEP_WORKLOAD` paced in engine steps at `load` times the engine's batch capacity
+    (`step_capacity_req`)."""
+    shape = WorkloadConfig(clock="steps", **STEP_WORKLOAD)  # type: ignore[arg-type]
+    return dataclasses.replace(shape, rate_req_step=load * step_capacity_req(max_num_seqs, shape))
 
 
 def training_corpus(cfg: WorkloadConfig, num_lines: int = 2000) -> list[str]:

@@ -28,7 +28,15 @@ from demo_engine.engine import Engine
 from demo_engine.model import DecodeRow, NumpyModelRunner
 from demo_engine.scheduler import Request, Scheduler, Status
 from demo_engine.tokenizer import train_tokenizer
-from demo_engine.workload import TraceRequest, make_trace, mean_output_tokens
+from demo_engine.workload import (
+    STEP_WORKLOAD,
+    TraceRequest,
+    cumulative_arrivals,
+    make_trace,
+    mean_output_tokens,
+    rate_at,
+    step_workload,
+)
 from tracekit.capture.recorder import active_recorders
 
 SMALL = EngineConfig(
@@ -123,6 +131,36 @@ def test_workload_is_deterministic_and_shaped():
     assert docs and all(150_000 <= len(t.text) <= 400_000 for t in docs)
     prompts = [len(t.text) for t in a if not t.is_doc]
     assert 800 < np.mean(prompts) < 1200
+
+
+def test_bursts_carry_their_share_of_arrivals_in_their_windows():
+    # burst_frac 0.9 of a mean 0.5 per step in windows of 30 every 320 from step 20: over
+    # 640 steps 320 arrivals expected, 0.9 * 320 = 288 of them in [20, 50) and [340, 370)
+    # (144 each, 4.8 per step), the other 32 spread evenly (0.05 per step, no swell)
+    cfg = WorkloadConfig(
+        clock="steps", rate_req_step=0.5, swell_frac=0.0, burst_frac=0.9,
+        burst_period_steps=320, burst_width_steps=30, burst_start_steps=20, doc_frac=0.0,
+    )  # fmt: skip
+    assert rate_at(25.0, cfg) == pytest.approx(0.05 + 0.45 * 320 / 30)
+    assert rate_at(10.0, cfg) == pytest.approx(0.05) == rate_at(100.0, cfg)
+    assert float(cumulative_arrivals(np.array([640.0]), cfg)[0]) == pytest.approx(320.0)
+    arr = np.array([t.arrival for t in make_trace(1, 640.0, cfg)])
+    assert len(arr) in (319, 320, 321)  # stratified: the expected count, give or take one
+    in_burst = ((arr >= 20) & (arr < 50)) | ((arr >= 340) & (arr < 370))
+    # each window also holds the base rate's 0.05 * 60 = 3
+    assert abs(in_burst.sum() - (288 + 3)) <= 2
+    with pytest.raises(ValueError, match="burst_width_steps"):
+        WorkloadConfig(burst_width_steps=500, burst_period_steps=400)
+    with pytest.raises(ValueError, match="burst_frac"):
+        WorkloadConfig(burst_frac=1.5)
+
+
+def test_step_workload_scales_the_rate_to_the_batch_capacity():
+    wl = step_workload(0.5, 48)
+    assert wl.clock == "steps" and wl.burst_frac == STEP_WORKLOAD["burst_frac"]
+    # 0.5 x 48 rows / the mean output length of that shape
+    assert wl.rate_req_step == pytest.approx(0.5 * 48 / mean_output_tokens(wl))
+    assert step_workload(1.8, 48).rate_req_step == pytest.approx(wl.rate_req_step * 3.6)
 
 
 # -- block manager ---------------------------------------------------------------------------------
@@ -252,7 +290,7 @@ def test_graph_padding_sizes_and_eager_above_largest():
     assert (r48.graph_size_for(33), r48.graph_size_for(48)) == (40, 48)
 
 
-def test_padded_and_eager_decode_agree_and_eager_runs_per_sequence(monkeypatch):
+def test_padded_and_eager_decode_agree_and_eager_projects_per_sequence(monkeypatch):
     cfg = SMALL.replace(captured_graph_sizes=(1, 2, 4, 8))
     r = NumpyModelRunner(cfg, 512)
     rng = np.random.default_rng(1)
@@ -263,20 +301,36 @@ def test_padded_and_eager_decode_agree_and_eager_runs_per_sequence(monkeypatch):
             zip(rng.integers(0, 512, 5), rng.integers(3, 60, 5), strict=True)
         )
     ]
-    calls: list[int] = []
+    calls: list[tuple[int, bool]] = []
     orig = r._decode_rows
 
-    def spy(tokens, positions, rws, num_padded):
-        calls.append(num_padded)
-        return orig(tokens, positions, rws, num_padded)
+    def spy(tokens, positions, rws, num_padded, *, is_eager=False):
+        calls.append((num_padded, is_eager))
+        return orig(tokens, positions, rws, num_padded, is_eager=is_eager)
 
     monkeypatch.setattr(r, "_decode_rows", spy)
+    # the attention output projection: one matmul per layer per batch (captured) or per
+    # sequence (eager); counted on its weight, which nothing else multiplies by
+    proj = {id(L.w_o) for L in r.layers}
+    n_proj = [0]
+
+    class Counting(np.ndarray):
+        def __rmatmul__(self, other):
+            n_proj[0] += 1
+            return np.asarray(other) @ np.asarray(self)
+
+    for L in r.layers:
+        L.w_o = L.w_o.view(Counting)
+    assert len(proj) == cfg.num_layers
     kv0 = r.kv.copy()
     padded = r.decode(rows, r.graph_size_for(5))
-    assert calls == [8]  # one batched call, padded to 8
+    assert calls == [(8, False)]  # one batched call, padded to 8
+    assert n_proj[0] == cfg.num_layers  # once per layer
     r.kv[:] = kv0
+    n_proj[0] = 0
     eager = r.decode(rows, 0)
-    assert calls[1:] == [1] * 5  # eager: one call per sequence
+    assert calls[1:] == [(5, True)]  # eager: unpadded, one call
+    assert n_proj[0] == cfg.num_layers * 5  # ... projecting each sequence on its own
     np.testing.assert_array_equal(padded.token_ids, eager.token_ids)
     np.testing.assert_allclose(padded.topk_logprobs, eager.topk_logprobs, atol=1e-4)
     assert padded.topk_ids.shape == (5, cfg.num_topk_logprobs)
@@ -473,6 +527,42 @@ def test_off_loop_tokenizer_keeps_tok_off_the_loop(tokenizer, tmp_path):
     assert stats.num_finished == 4 and len(log.requests) == 4
     assert "tok" not in {log.labels[i] for i in np.unique(log.segments.label)}
     assert eng.off_loop is None  # the worker was stopped
+
+
+def test_off_loop_on_the_step_clock_admits_every_prompt_the_step_after_it_arrived(
+    tokenizer, tmp_path
+):
+    # arrivals at steps 0, 3, 3 and 7, 4 output tokens each, a pool and budget with room.
+    # Each prompt goes to the worker in its arrival step and is back at the next step's
+    # intake, so it is first scheduled exactly one step later: request 0 at step 1 (its
+    # tokens at steps 1-4), requests 1 and 2 at step 4 (tokens 4-7), request 3 at step 8.
+    # At step 4 the engine is busy with request 0 when it collects 1 and 2: a `tok` wait.
+    cfg = SMALL.replace(
+        is_tokenize_off_loop=True, num_kv_blocks=200, max_num_seqs=8, max_num_batched_tokens=512
+    )
+    arrive = (0, 3, 3, 7)
+    reqs = [TraceRequest(i, float(s), f"word {i} " * 20, 4, False) for i, s in enumerate(arrive)]
+    path = tmp_path / "run.npz"
+    admitted: dict[int, float] = {}
+    with tracekit.Recorder(path, config={"rung": "t", "seed": 0}) as rec:
+        eng = Engine(cfg, rec, tokenizer)
+        orig = eng.scheduler.schedule
+
+        def spy():  # the step clock when each request is first scheduled
+            out = orig()
+            admitted.update({r.rid: eng._step_clock for r in out.admitted})
+            return out
+
+        eng.scheduler.schedule = spy  # type: ignore[method-assign]
+        try:
+            eng.startup()
+            stats = eng.serve(reqs, 40, clock="steps", is_drain=True)
+        finally:
+            eng.close()
+    assert admitted == {0: 1.0, 1: 4.0, 2: 4.0, 3: 8.0}
+    assert stats.num_finished == 4
+    log = tracekit.load(path)
+    assert "tok" in {log.labels[i] for i in np.unique(log.segments.label)}
 
 
 def test_cli_run_writes_a_named_log(tmp_path):

@@ -67,9 +67,18 @@ def test_two_groups_diagnosis_then_change_with_ttft():
 def test_three_groups_mark_overlaps_and_end_to_end():
     mid = group("+gc.freeze", (900, 600, 1000), 30, SHARE_BASE, pre=100, eager=500)
     v = verdict(cmp(BASE, mid, WM))
-    # [549-1117] and [600-1000] overlap; no cause fell by 5 points (same shares)
+    # [549-1117] and [600-1000] overlap; no cause fell by 5 points (same shares), so the
+    # cause holding the most of +gc.freeze's tail is named (preemption, 46%); TTFT p50
+    # rose 26 -> 30, which a change names in any comparison
     assert v.findings[1] == (
-        "+gc.freeze: cut median p99.9 from 986 to 900 ms (the runs' ranges overlap)."
+        "+gc.freeze: cut median p99.9 from 986 to 900 ms (the runs' ranges overlap); "
+        "preemption holds 46% of tail time; TTFT p50 rose 26 -> 30 ms."
+    )
+    # 900 -> 56, ranges [600-1000] and [50-70] apart: a clear cut names no holder; TTFT
+    # p50 rose 30 -> 62
+    assert v.findings[2] == (
+        "+admit watermark: cut median p99.9 from 900 to 56 ms; preemption 46% -> 2% of "
+        "tail time; TTFT p50 rose 30 -> 62 ms."
     )
     # first against last: 986 / 56 = 17.6x lower
     assert v.findings[3] == (
@@ -170,7 +179,33 @@ def test_a_change_too_small_to_print_names_no_direction():
     same = group("+same", (430.3, 420, 440), 9.49, SHARE_BASE, pre=100, eager=500)
     base = group("baseline", (429.9, 420, 440), 9.51, SHARE_BASE, pre=100, eager=500)
     v = verdict(cmp(base, same))
+    # not a clear cut: the holder of the tail is named (preemption 46%)
     assert v.findings[1] == (
         "+same: left median p99.9 at 430 ms (the runs' ranges overlap); "
-        "TTFT p50 unchanged at 9.5 ms."
+        "preemption holds 46% of tail time; TTFT p50 unchanged at 9.5 ms."
+    )
+
+
+def test_a_rung_that_does_not_cut_p999_names_what_holds_the_tail():
+    # gc fell 10% -> 0% (the largest fall), p99.9 rose 500 -> 510 with ranges overlapping:
+    # the fallen cause is named, then the holder of the later tail (prefill 60%); TTFT
+    # p50 fell 30 -> 28, so no TTFT clause in a three-group comparison
+    base = group("baseline", (500, 450, 560), 30, {"prefill": 0.55, "gc": 0.10, "forward": 0.35})
+    fix = group("+gc.freeze", (510, 460, 570), 28, {"prefill": 0.60, "gc": 0.0, "forward": 0.40})
+    v = verdict(cmp(base, fix, WM))
+    assert v.findings[1] == (
+        "+gc.freeze: raised median p99.9 from 500 to 510 ms (the runs' ranges overlap); "
+        "gc 10% -> 0% of tail time; prefill holds 60% of tail time."
+    )
+
+
+def test_a_fallen_cause_that_still_holds_the_tail_is_named_as_its_holder():
+    # prefill fell 70% -> 60% (the only fall), p99.9 overlapping 500 -> 490: prefill is
+    # both the cause that fell and the one that holds the most of the later tail
+    base = group("baseline", (500, 450, 560), 30, {"prefill": 0.70, "forward": 0.30})
+    fix = group("+budget", (490, 440, 550), 30, {"prefill": 0.60, "forward": 0.40})
+    v = verdict(cmp(base, fix, WM))
+    assert v.findings[1] == (
+        "+budget: cut median p99.9 from 500 to 490 ms (the runs' ranges overlap); "
+        "prefill 70% -> 60% of tail time; prefill holds 60% of tail time."
     )

@@ -11,6 +11,11 @@ number in a sentence is a figure of the comparison (medians across the runs of a
   (a fix's signature is its cause going to zero, while the shares of the causes it left
   alone move only because the tail shrank around them). A change whose [min-max]
   ranges across runs overlap is marked as such: the runs do not separate the two groups.
+  A change that does not cut median p99.9 with ranges apart also names the cause that
+  holds the most of the later group's tail time (when it holds MIN_NAMED_SHARE, even if it
+  is the cause that fell): what hides the fix's effect on the tail. A change that raised
+  TTFT p50 says so, in a comparison of any length: a fix that cuts the tail can make
+  requests wait to start.
 - The last group is set against the first: median p99.9 (how many times lower or
   higher) and TTFT p50, since a fix that cuts the tail can make requests wait to start.
 
@@ -112,14 +117,21 @@ def change(prev: GroupSummary, g: GroupSummary, *, with_ttft: bool = False) -> s
     else:
         verb = "cut" if b.median < a.median else "raised"
         words = f"{verb} median p99.9 from {_ms(a.median)} to {_ms(b.median)} ms"
-    if _overlap(a, b) and (a.num_runs > 1 or b.num_runs > 1):
+    is_overlap = _overlap(a, b) and (a.num_runs > 1 or b.num_runs > 1)
+    if is_overlap:
         words += " (the runs' ranges overlap)"
     if drop >= MIN_NAMED_SHARE:
         words += (
             f"; {_cause_name(lb)} {prev.tail_share.get(lb, 0.0):.0%} -> "
             f"{g.tail_share.get(lb, 0.0):.0%} of tail time"
         )
-    return f"{g.key}: {words}{_ttft(prev, g) if with_ttft else ''}."
+    if is_overlap or not b.median < a.median:  # not a clear cut: what holds the tail
+        held = [(c, v) for c, v in _causes_by_share(g.tail_share) if v >= MIN_NAMED_SHARE]
+        if held:
+            words += f"; {_cause_name(held[0][0])} holds {held[0][1]:.0%} of tail time"
+    ta, tb = prev.figures["ttft_p50"].median, g.figures["ttft_p50"].median
+    is_ttft_rise = math.isfinite(ta) and math.isfinite(tb) and _ms(ta) != _ms(tb) and tb > ta
+    return f"{g.key}: {words}{_ttft(prev, g) if with_ttft or is_ttft_rise else ''}."
 
 
 def end_to_end(first: GroupSummary, last: GroupSummary) -> str:
