@@ -27,7 +27,7 @@ import tracekit  # noqa: E402
 from tracekit.attribution.itl import partition  # noqa: E402
 from tracekit.capture.recorder import active_recorders  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
-from tracekit.log.parts import TABLE_COLS  # noqa: E402
+from tracekit.log.flush import TABLES as TABLE_COLS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import pytest
 import tracekit
 from tracekit.attribution.ttft import ttft_partition
 from tracekit.errors import LogError
-from tracekit.log.parts import merge_chunks, parse_chunk
+from tracekit.log.parts import merge_flushed, parse_flushed
 from tracekit.log.rawlog import SCHEMA_VERSION, WAIT_REASONS
 
 
@@ -130,7 +130,7 @@ def test_parts_written_before_the_ttft_tables_still_merge():
         {k: v for k, v in c.items() if k not in ("admissions", "prefill_chunks", "waits")}
         for c in keep.chunks
     ]
-    log = merge_chunks(keep.meta, [parse_chunk(c, "old") for c in old], final={})
+    log = merge_flushed(keep.meta, [parse_flushed(c, "old") for c in old], final={})
     assert len(log.emissions) == 1 and len(log.steps) == 1
     assert len(log.admissions) == len(log.prefill_chunks) == len(log.waits) == 0
 

@@ -45,9 +45,9 @@ import numpy as np
 
 from tracekit.capture import signals
 from tracekit.capture.device import DeviceTimer
-from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, _call
+from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, call_sink
 from tracekit.labels import DEFAULT_CAUSE_MAP, colour
-from tracekit.log.parts import EVENT_COLS, EVICT, READMIT, TABLE_COLS, UNKNOWN_TICK
+from tracekit.log.flush import DTYPES, EVICT, READMIT, TABLES, UNKNOWN_TICK
 from tracekit.log.rawlog import MODES, WAIT_REASON_CODES, RawLog
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -231,7 +231,7 @@ class Recorder:
         self._device = device_timer if enabled else None
         self._clock = clock
         self._seconds_per_tick = seconds_per_tick
-        self._flush_ticks = int(flush_interval_s / seconds_per_tick)
+        self._flush_interval_ticks = int(flush_interval_s / seconds_per_tick)
         self._flush_interval_s = flush_interval_s
         self._handle_signals = handle_signals
         self._lock = threading.RLock()
@@ -253,18 +253,18 @@ class Recorder:
         self._step_no = -1  # index of the open (or last) step
         self._in_step = False
         self._loop_ident = -1
-        self._step_t0 = 0
+        self._step_t0_tick = 0
         self._step_attrs: dict[str, int] = {}
         self._step_evictions = 0
         self._step_readmissions = 0
         self._step_emit_rows = 0
-        self._gc_t0 = 0
+        self._gc_t0_tick = 0
         self._stacks: list[list[int]] = []  # every thread's segment stack
         # where the rows go: the run's own sink (parts on disk, or memory), then the others
         self._own: PartsSink | MemorySink = MemorySink()  # chosen at start, from `out`
         self._sinks: list[Sink] = list(sinks)
         self._dispatcher: Dispatcher | None = None
-        self._last_flush = 0
+        self._last_flush_tick = 0
         self._num_flushes = 0  # handed to the dispatcher
         self._t0_tick = 0
         self._pid = -1  # the process that started the run
@@ -287,7 +287,7 @@ class Recorder:
                 ) from e
             self._nvtx = nvtx
         self._t0_tick = self._clock()
-        self._last_flush = self._t0_tick
+        self._last_flush_tick = self._t0_tick
         self._pid = os.getpid()
         self._thread_id()  # the starting thread is thread 0
         meta = {
@@ -308,7 +308,7 @@ class Recorder:
         self._meta = meta
         self._own = MemorySink() if self.out is None else PartsSink(self.out)
         self._own.open(meta)  # the run's own output: refusing a path in use raises here
-        self._sinks = [s for s in self._sinks if _call(s, "open", meta)]
+        self._sinks = [s for s in self._sinks if call_sink(s, "open", meta)]
         self._dispatcher = Dispatcher(
             [self._own, *self._sinks],
             t0_tick=self._t0_tick,
@@ -365,7 +365,7 @@ class Recorder:
         attached = self._dispatcher.sinks if self._dispatcher is not None else []
         for sink in self._sinks:  # a sink detached after a failure is not called again
             if sink in attached:
-                _call(sink, "close", final)
+                call_sink(sink, "close", final)
         try:
             self._own.close(final)
         finally:
@@ -478,7 +478,7 @@ class Recorder:
             self._in_step = True
         self._step_attrs = {}
         self._step_evictions = self._step_readmissions = self._step_emit_rows = 0
-        self._step_t0 = self._clock()
+        self._step_t0_tick = self._clock()
 
     def _end_step(self) -> None:
         t1 = self._clock()
@@ -486,7 +486,7 @@ class Recorder:
         n_dec = a.get("num_decode", self._step_emit_rows)
         graph = a.get("graph_size", n_dec if n_dec > 0 else -1)
         row = (
-            self._step_t0,
+            self._step_t0_tick,
             t1,
             n_dec,
             a.get("num_prefill_tokens", 0),
@@ -500,7 +500,7 @@ class Recorder:
         dev = self._device
         if dev is not None and dev._pending:  # lazily: only what has finished, no sync
             dev.poll(self._append_device_window)
-        if t1 - self._last_flush >= self._flush_ticks:
+        if t1 - self._last_flush_tick >= self._flush_interval_ticks:
             self._flush()
 
     # -- segments --------------------------------------------------------------------
@@ -597,7 +597,7 @@ class Recorder:
     def _flush_if_idle(self, now: int) -> None:
         """Keep the flush interval while no step runs (an idle engine still takes
         arrivals): flush only between steps, so a part never splits an open step."""
-        if self._in_step or now - self._last_flush < self._flush_ticks:
+        if self._in_step or now - self._last_flush_tick < self._flush_interval_ticks:
             return
         with self._lock:
             if not self._in_step and self._running:
@@ -760,19 +760,22 @@ class Recorder:
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             signals.IN_GC[0] = True  # first, before any call: see tracekit.capture.signals
-            self._gc_t0 = self._clock()
+            self._gc_t0_tick = self._clock()
         else:
             try:
                 t1 = self._clock()
                 with self._lock:
-                    self._buf["gc_pauses"].extend((self._gc_t0, t1, info.get("generation", -1)))
+                    self._buf["gc_pauses"].extend(
+                        (self._gc_t0_tick, t1, info.get("generation", -1))
+                    )
             finally:
                 signals.IN_GC[0] = False
 
     # -- buffers ---------------------------------------------------------------------
     def _new_buffers(self) -> None:
-        self._buf: dict[str, array] = {k: array("q") for k in TABLE_COLS}
-        self._buf["counters"] = array("d")
+        self._buf: dict[str, array] = {
+            k: array("d" if DTYPES[k] is np.float64 else "q") for k in TABLES
+        }
 
     def _flush(self, *, stop_tick: int | None = None, poll_device: bool = True) -> None:
         """Hand the completed rows to the sinks' dispatcher (a swap of buffers; no disk
@@ -786,7 +789,7 @@ class Recorder:
                 buf = self._buf
                 self._new_buffers()
                 now = self._clock()
-                self._last_flush = now
+                self._last_flush_tick = now
                 if self._pid != os.getpid():  # a forked child: the run is the parent's
                     return
                 start = self._req_flushed
@@ -865,6 +868,6 @@ def _after_fork_child() -> None:
 signals.on_fork(_before_fork, _after_fork_parent, _after_fork_child)
 
 
-__all__ = ["Recorder", "active_recorders", "EVENT_COLS", "UNKNOWN_TICK"]
+__all__ = ["Recorder", "active_recorders", "UNKNOWN_TICK"]
 
 signals.defer_in(Recorder._on_gc.__code__)

@@ -7,7 +7,7 @@ OpenTelemetry spans (the `live` extra: prometheus-client, opentelemetry-sdk).
     attach(rec, live)                              # open at start, every flush, close at stop
 
 `LiveMetrics` is a recorder sink: ``open(meta)`` at start, ``write(chunk)`` once per flush
-(the flat rows the recorder flushed, see `tracekit.log.parts.TABLE_COLS`), ``close(final)`` at
+(the rows the recorder flushed, a `tracekit.log.flush.FlushedRows`), ``close(final)`` at
 stop. ``write`` only queues the chunk; one background thread partitions and exports, so
 the engine never waits on it, nor on a scraper (the HTTP server has threads of its own).
 
@@ -64,6 +64,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,15 @@ import numpy as np
 from tracekit.analysis.figures import HIST_EDGES_MS
 from tracekit.attribution.itl import CLEAN, fit_baseline, partition, primary_of
 from tracekit.labels import DEFAULT_CAUSE_MAP, STANDARD_LABELS, cause_of
-from tracekit.log.parts import TABLE_COLS, UNKNOWN_TICK, _pair_evictions
+from tracekit.log.flush import (
+    EVICT,
+    TABLES,
+    UNKNOWN_TICK,
+    FlushedRows,
+    column_index,
+    pair_evictions,
+    to_table,
+)
 from tracekit.log.rawlog import (
     GRAPH_EAGER,
     Counters,
@@ -88,9 +97,12 @@ log = logging.getLogger("tracekit.live")
 #: TTFT histogram buckets, seconds (upper bounds; +Inf added).
 TTFT_BUCKETS_S: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-_ST = {c: i for i, c in enumerate(TABLE_COLS["steps"])}
-_SG = {c: i for i, c in enumerate(TABLE_COLS["segments"])}
-_EM = {c: i for i, c in enumerate(TABLE_COLS["emissions"])}
+# column positions in the retained rows (the flush's layout, by name)
+_ST = {c: i for i, c in enumerate(TABLES["steps"])}
+_SG = {c: i for i, c in enumerate(TABLES["segments"])}
+_GC = {c: i for i, c in enumerate(TABLES["gc_pauses"])}
+_EM = {c: i for i, c in enumerate(TABLES["emissions"])}
+_RQ = {c: i for i, c in enumerate(TABLES["requests"])}
 _NO_TICK = np.iinfo(np.int64).max
 #: A span lists at most this many of the steps its gap overlaps (the first and last halves).
 MAX_SPAN_STEPS = 64
@@ -256,7 +268,7 @@ class LiveMetrics:
         self._labels: list[str] = []
         self._req_ids: list[str] = []
         # retained rows (ticks), see _prune
-        cols = {k: len(c) for k, c in TABLE_COLS.items()}
+        cols = {k: len(c) for k, c in TABLES.items()}
         self._segs = np.zeros((0, cols["segments"]), dtype=np.int64)
         self._gcs = np.zeros((0, cols["gc_pauses"]), dtype=np.int64)
         self._events = np.zeros((0, cols["events"]), dtype=np.int64)
@@ -412,29 +424,26 @@ class LiveMetrics:
                     self._consumed += 1
 
     def _ingest(self, chunk: Mapping[str, np.ndarray]) -> None:
-        rows = {
-            k: np.asarray(chunk[k]).reshape(-1, len(cols))
-            for k, cols in TABLE_COLS.items()
-            if k in chunk and k != "counters"
-        }
-        if "t0_tick" in chunk and not self._t0:
-            self._t0 = int(chunk["t0_tick"])
-        self._labels = [str(x) for x in chunk.get("labels", self._labels)]
-        start = int(chunk.get("request_ids_start", len(self._req_ids)))
-        new_ids = [str(x) for x in chunk.get("request_ids", [])]
+        flushed = FlushedRows.of(chunk)
+        rows = {k: flushed.table(k) for k in TABLES if k in flushed and k != "counters"}
+        if "t0_tick" in flushed and not self._t0:
+            self._t0 = int(flushed["t0_tick"])
+        self._labels = flushed.strings("labels") if "labels" in flushed else self._labels
+        start = int(flushed.scalar("request_ids_start", len(self._req_ids)) or 0)
+        new_ids = flushed.strings("request_ids")
         self._req_ids[start : start + len(new_ids)] = new_ids
         n_req = len(self._req_ids)
 
         # a row that starts before what is settled was open longer than hold_s: late
         late = 0
-        for k, start_col in (("segments", "t0"), ("gc_pauses", "t0"), ("emissions", "t"),
-                             ("events", "t")):  # fmt: skip
+        for k, start_col in (("segments", "t0_tick"), ("gc_pauses", "t0_tick"),
+                             ("emissions", "t_tick"), ("events", "t_tick")):  # fmt: skip
             if k in rows and len(rows[k]):
-                col = TABLE_COLS[k].index(start_col)
+                col = column_index(k, start_col)
                 late += int((rows[k][:, col] < self._settled_to).sum())
         st = rows.get("steps")
         if st is not None and len(st):
-            late += int((st[:, 0] < self._settled_to).sum())
+            late += int((st[:, _ST["t0_tick"]] < self._settled_to).sum())
             self._steps = np.concatenate([self._steps, st])
         if late:
             with self._lock:
@@ -453,18 +462,20 @@ class LiveMetrics:
         rq = rows.get("requests")
         if rq is not None and len(rq):
             arr = self._arrival.ensure(n_req)
-            known = rq[:, 1] != UNKNOWN_TICK
-            fresh = rq[known, 0][arr[rq[known, 0]] == UNKNOWN_TICK]
-            arr[rq[known, 0]] = rq[known, 1]
+            req, arrival = rq[:, _RQ["request"]], rq[:, _RQ["arrival_tick"]]
+            known = arrival != UNKNOWN_TICK
+            fresh = req[known][arr[req[known]] == UNKNOWN_TICK]
+            arr[req[known]] = arrival[known]
             self._ttft_open = np.union1d(self._ttft_open, fresh)
-            self._max_new.ensure(n_req)[rq[:, 0]] = rq[:, 3]
-            self._prompt.ensure(n_req)[rq[:, 0]] = rq[:, 2]
+            self._max_new.ensure(n_req)[req] = rq[:, _RQ["max_new_tokens"]]
+            self._prompt.ensure(n_req)[req] = rq[:, _RQ["prompt_tokens"]]
         em = rows.get("emissions")
         if em is not None and len(em):
             self._pending = np.concatenate([self._pending, em])
-            np.add.at(self._tokens.ensure(n_req), em[:, 0], em[:, 3])
-            np.minimum.at(self._first.ensure(n_req), em[:, 0], em[:, 1])
-        self._flush_tick = int(chunk.get("flush_tick", self._settled_to))
+            req = em[:, _EM["request"]]
+            np.add.at(self._tokens.ensure(n_req), req, em[:, _EM["num_tokens"]])
+            np.minimum.at(self._first.ensure(n_req), req, em[:, _EM["t_tick"]])
+        self._flush_tick = int(flushed.scalar("flush_tick", self._settled_to) or 0)
 
     def _secs(self, ticks: np.ndarray) -> np.ndarray:
         """Engine-clock seconds, computed exactly as the raw log's merge does."""
@@ -510,7 +521,7 @@ class LiveMetrics:
         if W <= self._settled_to:
             return
         pend = self._pending
-        take = pend[:, _EM["t"]] <= W
+        take = pend[:, _EM["t_tick"]] <= W
         new_em = pend[take]
         self._pending = pend[~take]
         steps_done = self._steps_to_settle(W)
@@ -529,7 +540,7 @@ class LiveMetrics:
     def _steps_to_settle(self, W: int) -> int:
         """How many retained steps, from the first unsettled one, ended by W."""
         i = self._num_settled_steps - self._step_base
-        ends = self._steps[i:, _ST["t1"]]
+        ends = self._steps[i:, _ST["t1_tick"]]
         return int(np.searchsorted(np.cumsum(ends > W), 0, side="right")) if len(ends) else 0
 
     def _window(
@@ -550,19 +561,20 @@ class LiveMetrics:
             ]
         )[c_t != UNKNOWN_TICK]
         em = np.concatenate([carried, new_em]) if len(carried) else new_em
-        lo_t = [int(em[:, _EM["t"]].min())] if len(em) else []
+        lo_t = [int(em[:, _EM["t_tick"]].min())] if len(em) else []
         first_unsettled = self._num_settled_steps - self._step_base
         if first_unsettled < len(self._steps):
-            lo_t.append(int(self._steps[first_unsettled, _ST["t0"]]))
+            lo_t.append(int(self._steps[first_unsettled, _ST["t0_tick"]]))
         if lo is None:
             lo = min(lo_t) if lo_t else self._settled_to
         if len(em):
-            truncated = int((carried[:, _EM["t"]] < self._horizon).sum()) if len(carried) else 0
+            carried_t = carried[:, _EM["t_tick"]]
+            truncated = int((carried_t < self._horizon).sum()) if len(carried) else 0
             if truncated:
                 with self._lock:
                     self._truncated += truncated
-        segs = self._segs[self._segs[:, _SG["t1"]] >= lo]
-        gcs = self._gcs[self._gcs[:, 1] >= lo]
+        segs = self._segs[self._segs[:, _SG["t1_tick"]] >= lo]
+        gcs = self._gcs[self._gcs[:, _GC["t1_tick"]] >= lo]
         # steps: every one a row refers to (the emitting ones too: a span lists the steps
         # its gap overlaps), from the first unsettled one on
         refs = [segs[:, _SG["step"]], em[:, _EM["step"]], em[:, _EM["device_step"]]]
@@ -573,9 +585,9 @@ class LiveMetrics:
         )
         step_lo = max(step_lo, self._step_base)
         step_hi = max(int(ref.max()) + 1 if len(ref) else 0, self._step_base + len(self._steps))
-        st = np.zeros((step_hi - step_lo, len(TABLE_COLS["steps"])), dtype=np.int64)
+        st = np.zeros((step_hi - step_lo, len(TABLES["steps"])), dtype=np.int64)
         st[:, _ST["graph_size"]] = -1  # a step not yet ended: no decode known
-        st[:, _ST["t0"]] = st[:, _ST["t1"]] = self._t0
+        st[:, _ST["t0_tick"]] = st[:, _ST["t1_tick"]] = self._t0
         known = self._steps[step_lo - self._step_base :]
         st[: len(known)] = known
 
@@ -584,34 +596,20 @@ class LiveMetrics:
 
         secs = self._secs
         window = RawLog(
-            steps=Steps(
-                t_start_s=secs(st[:, 0]),
-                t_end_s=secs(st[:, 1]),
-                num_decode=st[:, 2].copy(),
-                num_prefill_tokens=st[:, 3].copy(),
-                graph_size=st[:, 4].copy(),
-                num_preempted=st[:, 5].copy(),
-                num_swapped_in=st[:, 6].copy(),
+            steps=to_table(Steps, "steps", st, secs),
+            segments=replace(
+                to_table(Segments, "segments", segs, secs),
+                step=rebase(segs[:, _SG["step"]]),
             ),
-            segments=Segments(
-                step=rebase(segs[:, 0]),
-                label=segs[:, 1].copy(),
-                t_start_s=secs(segs[:, 2]),
-                t_end_s=secs(segs[:, 3]),
-                thread=segs[:, 4].copy(),
-                is_device=segs[:, 5].astype(np.int8),
+            gc_pauses=to_table(GcPauses, "gc_pauses", gcs, secs),
+            emissions=replace(
+                to_table(Emissions, "emissions", em, secs),
+                # step: global, only reported (step0/step1), never indexed
+                device_step=np.where(
+                    em[:, _EM["device_step"]] >= step_lo, em[:, _EM["device_step"]] - step_lo, -1
+                ),
             ),
-            gc_pauses=GcPauses(
-                t_start_s=secs(gcs[:, 0]), t_end_s=secs(gcs[:, 1]), generation=gcs[:, 2].copy()
-            ),
-            emissions=Emissions(
-                request=em[:, 0].copy(),
-                t_s=secs(em[:, 1]),
-                step=em[:, 2].copy(),  # global: only reported (step0/step1), never indexed
-                num_tokens=em[:, 3].copy(),
-                device_step=np.where(em[:, 4] >= step_lo, em[:, 4] - step_lo, -1),
-            ),
-            evictions=_pair_evictions(self._events, secs),
+            evictions=pair_evictions(self._events, secs),
             # the partition never reads the requests: built only for a TTFT partitioner
             requests=self._requests_table() if with_requests else Requests.empty(),
             counters=Counters.empty(),
@@ -721,7 +719,7 @@ class LiveMetrics:
 
         # carry each request's last settled emission into the next window
         if len(new_em):
-            o = np.lexsort((new_em[:, _EM["t"]], new_em[:, _EM["request"]]))
+            o = np.lexsort((new_em[:, _EM["t_tick"]], new_em[:, _EM["request"]]))
             last = o[np.r_[new_em[o, 0][1:] != new_em[o, 0][:-1], True]]
             r = new_em[last, 0]
             n = int(r.max()) + 1
@@ -795,7 +793,7 @@ class LiveMetrics:
             segments=Segments.empty(),
             gc_pauses=GcPauses.empty(),
             emissions=Emissions.empty(),
-            evictions=_pair_evictions(self._events[:0], self._secs),
+            evictions=pair_evictions(self._events[:0], self._secs),
             requests=Requests.empty(),
         )
         base = fit_baseline(stub, self._st_net.ensure(n)[:n])
@@ -847,18 +845,18 @@ class LiveMetrics:
         if len(live):
             bounds.append(int(carry[live].min()))
         if len(self._pending):
-            bounds.append(int(self._pending[:, _EM["t"]].min()))
+            bounds.append(int(self._pending[:, _EM["t_tick"]].min()))
         i = self._num_settled_steps - self._step_base
         if i < len(self._steps):
-            bounds.append(int(self._steps[i, _ST["t0"]]))
+            bounds.append(int(self._steps[i, _ST["t0_tick"]]))
         if self._ttft_partitioner is not None and len(self._ttft_open):
             bounds.append(int(self._arrival.ensure(n_req)[self._ttft_open].min()))
         H = min(bounds)
         if H <= self._horizon:
             return
         self._horizon = H
-        self._segs = self._segs[self._segs[:, _SG["t1"]] >= H]
-        self._gcs = self._gcs[self._gcs[:, 1] >= H]
+        self._segs = self._segs[self._segs[:, _SG["t1_tick"]] >= H]
+        self._gcs = self._gcs[self._gcs[:, _GC["t1_tick"]] >= H]
         self._events = _drop_closed_evictions(self._events, H)
         # steps: keep every one a retained row or a live carry may still name
         keep = [self._num_settled_steps]
@@ -915,12 +913,13 @@ def _drop_closed_evictions(ev: np.ndarray, horizon: int) -> np.ndarray:
     """Event rows without the eviction/readmission pairs that ended before `horizon`."""
     if not len(ev):
         return ev
-    order = np.lexsort((np.arange(len(ev)), ev[:, 2], ev[:, 0]))
+    req, kinds, ts = (ev[:, column_index("events", c)] for c in ("request", "kind", "t_tick"))
+    order = np.lexsort((np.arange(len(ev)), ts, req))
     drop = np.zeros(len(ev), dtype=bool)
     open_at: dict[int, int] = {}
     for i in order.tolist():  # per eviction event: a few per second at most
-        r, kind, t = int(ev[i, 0]), int(ev[i, 1]), int(ev[i, 2])
-        if kind == 0:
+        r, kind, t = int(req[i]), int(kinds[i]), int(ts[i])
+        if kind == EVICT:
             open_at[r] = i
         elif r in open_at:
             j = open_at.pop(r)
