@@ -54,12 +54,21 @@ tests check that they agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from tracekit.errors import ReconcileError
-from tracekit.labels import NON_CAUSES, cause_of, partition_labels, precedence
-from tracekit.log.rawlog import GRAPH_EAGER, RawLog
+from tracekit.labels import (
+    NON_CAUSES,
+    OS_BLOCKED,
+    OS_LABELS,
+    OS_RUNQUEUE,
+    cause_of,
+    partition_labels,
+    precedence,
+)
+from tracekit.log.rawlog import GRAPH_EAGER, OS_STEP_END, OS_STEP_START, RawLog
 
 #: A gap whose parts miss its length by more than this is a bug (float rounding is ~1e-12).
 RECONCILE_TOL_MS = 1e-6
@@ -356,7 +365,7 @@ class _Timeline:
         self.owner = owner
         self.graph_rate = graph_rate
         self.width = np.diff(bounds)
-        self._cum: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
+        self._cum: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 
     def integrals(self, cls: int | None, times: np.ndarray, k: np.ndarray | None = None):
         """Cumulative time owned by class `cls` (None: graph-rate weighted decode) at `times`.
@@ -374,6 +383,17 @@ class _Timeline:
         j = np.maximum(k - 1, 0)
         hv = np.where(k > 0, hi[j], 0.0)
         lv = lo[j] * (k > 0) + (times - self.bounds[j]) * rate[k]
+        return hv, lv
+
+    def weighted(self, key: Any, w: np.ndarray, times: np.ndarray, k: np.ndarray):
+        """Like `integrals`, of any rate `w` (indexed like `owner`); cached under `key`."""
+        cached = self._cum.get(key)
+        if cached is None:
+            cached = self._cum[key] = _cumsum2(self.width * w[1:-1])
+        hi, lo = cached
+        j = np.maximum(k - 1, 0)
+        hv = np.where(k > 0, hi[j], 0.0)
+        lv = lo[j] * (k > 0) + (times - self.bounds[j]) * w[k]
         return hv, lv
 
 
@@ -394,17 +414,98 @@ def _classes(causes: np.ndarray, is_device: np.ndarray) -> list[tuple[str, bool]
 WAIT_LABELS = frozenset({"wait", "sync"})
 
 
+@dataclass(frozen=True)
+class OsIntervals:
+    """What the OS did to the engine's loop thread between consecutive samples (step starts
+    and ends): interval ``[t0_s, t1_s]`` held `runqueue_s` of run-queue wait and `offcpu_s`
+    of other off-CPU time (blocked: I/O, locks, sleeps, page faults), both within it."""
+
+    t0_s: np.ndarray
+    t1_s: np.ndarray
+    runqueue_s: np.ndarray
+    offcpu_s: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.t0_s)
+
+
+def os_intervals(log: RawLog) -> OsIntervals:
+    """The loop thread's OS intervals (docs/partition.md, "OS evidence"): consecutive step
+    samples of the thread that recorded them, in time order. An interval is used only
+    where both samples have CPU time and run-queue wait (not -1) and the counters did not
+    go back; its run-queue wait is at most its length, its off-CPU time is what is left
+    after CPU time and run-queue wait (never negative)."""
+    os_ = log.os_samples
+    step_rows = (os_.kind == OS_STEP_START) | (os_.kind == OS_STEP_END)
+    if not step_rows.any():
+        z = np.zeros(0)
+        return OsIntervals(z, z, z, z)
+    threads, counts = np.unique(os_.thread[step_rows], return_counts=True)
+    loop = threads[np.argmax(counts)]  # the thread that ran the steps
+    sel = np.flatnonzero(step_rows & (os_.thread == loop))
+    sel = sel[np.argsort(os_.t_s[sel], kind="stable")]
+    t, cpu, runq = os_.t_s[sel], os_.cpu_ns[sel], os_.runqueue_ns[sel]
+    t0, t1 = t[:-1], t[1:]
+    d_cpu, d_runq = np.diff(cpu), np.diff(runq)
+    ok = (cpu[:-1] >= 0) & (cpu[1:] >= 0) & (runq[:-1] >= 0) & (runq[1:] >= 0)
+    ok &= (d_cpu >= 0) & (d_runq >= 0) & (t1 > t0)
+    width = np.where(ok, t1 - t0, 0.0)
+    rq = np.minimum(d_runq * 1e-9, width)
+    off = np.maximum(width - d_cpu * 1e-9 - rq, 0.0)
+    return OsIntervals(t0[ok], t1[ok], rq[ok], off[ok])
+
+
+def _os_rates(tl: _Timeline, osi: OsIntervals, wait_cls: list[int]):
+    """Per elementary interval of `tl` (indexed like its owner): the share of each instant
+    that is `os_runqueue` and `os_blocked`. Off-CPU time first goes to the interval's
+    explicit waits (`WAIT_LABELS`: their time is off-CPU by what they are); what is left is
+    spread over the rest of the interval."""
+    m = len(tl.bounds)
+    run = np.zeros(m + 1)
+    blk = np.zeros(m + 1)
+    if m < 2 or not len(osi):
+        return run, blk
+    left = tl.bounds[:-1]
+    j = np.searchsorted(osi.t0_s, left, side="right") - 1
+    inside = (j >= 0) & (left < osi.t1_s[np.maximum(j, 0)])
+    jj = np.maximum(j, 0)
+    width = osi.t1_s - osi.t0_s
+    is_wait = np.isin(tl.owner, wait_cls)
+    # the waits' time in each OS interval
+    k0 = np.searchsorted(tl.bounds, osi.t0_s, side="right")
+    k1 = np.searchsorted(tl.bounds, osi.t1_s, side="right")
+    w_rate = is_wait.astype(np.float64)
+    h0, l0 = tl.weighted("os_wait", w_rate, osi.t0_s, k0)
+    h1, l1 = tl.weighted("os_wait", w_rate, osi.t1_s, k1)
+    wait_s = np.clip((h1 - h0) + (l1 - l0), 0.0, width)
+    rest = width - wait_s
+    unexplained = np.maximum(osi.offcpu_s - wait_s, 0.0)
+    b_rate = np.divide(unexplained, rest, out=np.zeros(len(rest)), where=rest > 0)
+    r_rate = np.divide(osi.runqueue_s, width, out=np.zeros(len(width)), where=width > 0)
+    b_rate = np.minimum(b_rate, 1.0 - r_rate)
+    run[1:m] = np.where(inside, r_rate[jj], 0.0)
+    blk[1:m] = np.where(inside & ~is_wait[1:m], b_rate[jj], 0.0)
+    return run, blk
+
+
 def _decode_classes(classes: list[tuple[str, bool]]) -> list[int]:
     return [i for i, (c, _) in enumerate(classes) if c == "decode"]
 
 
-def _build_timeline(log: RawLog, classes: list, seg_cls: np.ndarray, frac: np.ndarray):
+def _build_timeline(
+    log: RawLog,
+    classes: list,
+    seg_cls: np.ndarray,
+    frac: np.ndarray,
+    extra_bounds: np.ndarray | None = None,
+):
     sg, gcp = log.segments, log.gc_pauses
     gc_cls = classes.index(("gc", False))
     starts = np.concatenate([sg.t_start_s, gcp.t_start_s])
     ends = np.concatenate([sg.t_end_s, gcp.t_end_s])
     cls = np.concatenate([seg_cls, np.full(len(gcp), gc_cls)])
-    bounds = np.unique(np.concatenate([starts, ends, [0.0]]))  # never empty
+    more = [] if extra_bounds is None else [extra_bounds]
+    bounds = np.unique(np.concatenate([starts, ends, [0.0], *more]))  # never empty
     m = len(bounds)
     residual = len(classes)
     owner = np.full(m + 1, residual, dtype=np.int64)
@@ -677,14 +778,19 @@ def partition(
         dtype=np.int64,
     )
     seg_cls = np.where(is_dev, -1, label_cls[log.segments.label])
-    labels = tuple(partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist())))
+    osi = os_intervals(log)
+    os_causes = set(OS_LABELS) if len(osi) else set()
+    labels = tuple(
+        partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist()) | os_causes)
+    )
     col = {lb: i for i, lb in enumerate(labels)}
 
     net = _decode_net_ms(log, causes)
     base = fit_baseline(log, net, baseline_fit)
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
-    tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    os_bounds = np.concatenate([osi.t0_s, osi.t1_s]) if len(osi) else None
+    tl = _build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds)
 
     # gaps, and each end's rank among the distinct emission times
     em = log.emissions
@@ -769,6 +875,39 @@ def partition(
         prim_dev = np.full(len(u_change), CLEAN, dtype=np.int64)
         prim_dev[has] = primary_of(parts[rep[has]], (g_t1 - g_t0)[rep[has]] * 1e3, labels)[0]
 
+    os_gap = np.zeros(0, dtype=np.int64)
+    if len(osi) and n:
+        wait_cls = [i for i, (x, _) in enumerate(classes) if x in WAIT_LABELS]
+        run_rate, blk_rate = _os_rates(tl, osi, wait_cls)
+
+        def os_loss(t_a: np.ndarray, t_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Per row, what the OS shares take from each label in [t_a, t_b]."""
+            ka = np.searchsorted(tl.bounds, t_a, side="right")
+            kb = np.searchsorted(tl.bounds, t_b, side="right")
+            out = []
+            for name, w in (("run", run_rate), ("blk", blk_rate)):
+                cols = []
+                for c in [*range(n_cls + 1), None]:
+                    own = tl.graph_rate if c is None else (tl.owner == c).astype(np.float64)
+                    h0, l0 = tl.weighted((name, c), w * own, t_a, ka)
+                    h1, l1 = tl.weighted((name, c), w * own, t_b, kb)
+                    cols.append((h1 - h0) + (l1 - l0))
+                out.append((np.column_stack(cols) @ to_labels) * 1e3)
+            return out[0], out[1]
+
+        loss_run, loss_blk = os_loss(g_t0, g_t1)
+        if len(e_gap):  # evicted time is all preempt: the OS takes no share of it
+            ev_run, ev_blk = os_loss(w0, w1)
+            np.subtract.at(loss_run, e_gap, ev_run)
+            np.subtract.at(loss_blk, e_gap, ev_blk)
+        if len(d_gap):  # the device's critical path charged these: the host's OS does not
+            loss_run[d_gap] = 0.0
+            loss_blk[d_gap] = 0.0
+        os_gap = np.flatnonzero(np.any(loss_run != 0.0, axis=1) | np.any(loss_blk != 0.0, axis=1))
+        parts -= loss_run + loss_blk
+        parts[:, col[OS_RUNQUEUE]] += loss_run.sum(axis=1)
+        parts[:, col[OS_BLOCKED]] += loss_blk.sum(axis=1)
+
     gap_ms = (g_t1 - g_t0) * 1e3
     # the primary cause of a one-interval gap with no eviction is its interval's
     widths_ms = np.append((uniq_t[1:] - uniq_t[:-1]) * 1e3, 0.0)
@@ -776,6 +915,7 @@ def partition(
     primary = np.take(prim_u, a_idx) if n else prim_u[:0]
     redo_mask = ~one
     redo_mask[e_gap] = True
+    redo_mask[os_gap] = True
     if len(d_gap):
         primary[d_gap] = prim_dev[inv]
         redo_mask[d_gap] = False
@@ -821,7 +961,9 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
     classes = _classes(causes_arr, sg.is_device == 1)
     rank = {c: i for i, c in enumerate(classes)}
     dev_causes = set(causes_arr[sg.is_device == 1].tolist())
-    labels = tuple(partition_labels({c for c, _ in classes} | dev_causes))
+    osi = os_intervals(log)
+    os_causes = set(OS_LABELS) if len(osi) else set()
+    labels = tuple(partition_labels({c for c, _ in classes} | dev_causes | os_causes))
     segs = [
         (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]), is_dev[i])
         for i in range(len(sg))
@@ -855,6 +997,11 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
 
     host = [x for x in segs if not x[4]]
     points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
+    os_list = [
+        (float(a), float(b), float(rq), float(off))
+        for a, b, rq, off in zip(osi.t0_s, osi.t1_s, osi.runqueue_s, osi.offcpu_s, strict=True)
+    ]
+    os_points = sorted({p for a, b, _, _ in os_list for p in (a, b)})
 
     def host_owner(t: float) -> tuple[str, float]:
         """Who owns the instant just after t on the host, and the graph rate there."""
@@ -868,6 +1015,22 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
             return best, 0.0
         fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
         return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
+
+    def os_shares(x: float, who: str) -> tuple[float, float]:
+        """The run-queue and blocked shares of the instant just after x, owned by `who`."""
+        for a, b, rq, off in os_list:
+            if a <= x < b:
+                cuts = sorted({a, b} | {p for p in points if a < p < b})
+                wait = sum(
+                    y - z
+                    for z, y in zip(cuts[:-1], cuts[1:], strict=True)
+                    if host_owner(z)[0] in WAIT_LABELS
+                )
+                r_share = rq / (b - a)
+                if who in WAIT_LABELS or b - a - wait <= 0:
+                    return r_share, 0.0
+                return r_share, min(max(off - wait, 0.0) / (b - a - wait), 1.0 - r_share)
+        return 0.0, 0.0
 
     def host_idle_before(x: float) -> bool:
         before = [p for p in points if p < x]
@@ -888,10 +1051,11 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
             dev_windows.append((max(a, busy_until), b, c, s))
         busy_until = max(busy_until, b)
 
-    def tally(a: float, b: float, pieces=(), idle_only=False) -> dict[str, float]:
+    def tally(a: float, b: float, pieces=(), idle_only=False, use_os=False) -> dict[str, float]:
         out = dict.fromkeys(labels, 0.0)
         cuts = sorted({a, b} | {p for pa, pb, _, _ in pieces for p in (pa, pb) if a < p < b}
-                      | {p for p in points if a < p < b})  # fmt: skip
+                      | {p for p in points if a < p < b}
+                      | {p for p in os_points if a < p < b})  # fmt: skip
         for x, y in zip(cuts[:-1], cuts[1:], strict=True):
             ms = (y - x) * 1e3
             dev = [(c, fr) for pa, pb, c, fr in pieces if pa <= x < pb]
@@ -899,6 +1063,12 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
             # device-bound: a device window owns its time; host-bound: only host-idle time
             if dev and (not idle_only or who == "residual" or who in WAIT_LABELS):
                 who, rate = dev[0][0], dev[0][1]
+                out["<device>"] = 1.0  # this gap's parts come from the device's path
+            if use_os and os_list:
+                r_share, b_share = os_shares(x, who)
+                out[OS_RUNQUEUE] += ms * r_share
+                out[OS_BLOCKED] += ms * b_share
+                ms *= 1.0 - r_share - b_share
             if who == "decode":
                 out["graph"] += ms * rate
                 out["forward"] += ms * (1 - rate)
@@ -948,9 +1118,13 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
                 for a, b, c, s in dev_windows
                 if b <= last_end[ds] and min(b, t1) > max(a, t0)
             ]
-        for a, b in live:
-            for lb, v in tally(a, b, pieces, idle_only).items():
-                parts[i, labels.index(lb)] += v
+        tallies = [tally(a, b, pieces, idle_only, use_os=True) for a, b in live]
+        if any("<device>" in t for t in tallies):  # the device's path: no OS share
+            tallies = [tally(a, b, pieces, idle_only) for a, b in live]
+        for tl_ in tallies:
+            for lb, v in tl_.items():
+                if lb != "<device>":
+                    parts[i, labels.index(lb)] += v
         for a, b in windows:
             parts[i, labels.index("preempt")] += (b - a) * 1e3
             for lb, v in tally(a, b).items():

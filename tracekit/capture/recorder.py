@@ -45,12 +45,16 @@ import numpy as np
 
 from tracekit.capture import signals
 from tracekit.capture.device import DeviceTimer
+from tracekit.capture.osstats import ThreadStats, unavailable_reason
 from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, call_sink
 from tracekit.labels import DEFAULT_CAUSE_MAP, colour
 from tracekit.log.flush import DTYPES, EVICT, READMIT, TABLES, UNKNOWN_TICK
-from tracekit.log.rawlog import MODES, WAIT_REASON_CODES, RawLog
+from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Clocks that count wall time: OS waits lie on them (`os_evidence` defaults on with them).
+WALL_CLOCKS = (time.perf_counter_ns, time.monotonic_ns)
 
 _NULL_CM = contextlib.nullcontext()
 NVTX_DOMAIN = "tracekit"
@@ -195,6 +199,12 @@ class Recorder:
     sinks: more `tracekit.capture.sinks.Sink`s to receive every flushed chunk (a live Chrome trace,
         live metrics); one that raises is logged and detached, the run goes on.
     cause_map: segment label -> cause, on top of the defaults (`swap` -> `preempt`, ...).
+    os_evidence: read the loop thread's CPU time, run-queue wait, context switches and
+        major faults at every step's start and end (`tracekit.capture.osstats`; about
+        1.5 µs a sample on Linux, see bench/bench_os.py), so the partition can name time the
+        OS took (`os_runqueue`, `os_blocked`). None (the default): on where the platform
+        has the counters and the clock is wall time (the default clock), else off; the
+        log's ``meta["os_evidence"]`` says which, and why not.
     handle_signals: turn SIGTERM into a clean stop, and keep it and Ctrl-C (SIGINT, still
         a KeyboardInterrupt) from being lost in a GC pause or a flush (re-sent once those
         end); installed at start and restored at stop, main thread only
@@ -219,6 +229,7 @@ class Recorder:
         handle_signals: bool = True,
         device_timer: DeviceTimer | None = None,
         sinks: Iterable[Sink] = (),
+        os_evidence: bool | None = None,
     ) -> None:
         self.out = None if out is None else os.fspath(out)
         self.config: dict[str, Any] = dict(config or {})
@@ -234,6 +245,8 @@ class Recorder:
         self._flush_interval_ticks = int(flush_interval_s / seconds_per_tick)
         self._flush_interval_s = flush_interval_s
         self._handle_signals = handle_signals
+        self._want_os = os_evidence
+        self._os: ThreadStats | None = None
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._running = False
@@ -301,6 +314,7 @@ class Recorder:
             "cause_map": self.cause_map,
             "source": "tracekit",
         }
+        meta["os_evidence"] = self._open_os_evidence()
         if self._device is not None:
             meta["device_calibration"] = self._device.attach(
                 self._clock, self._seconds_per_tick, self._t0_tick
@@ -324,6 +338,31 @@ class Recorder:
         self._running = True
         _ACTIVE.add(self)
         return self
+
+    def _open_os_evidence(self) -> dict[str, Any]:
+        """Start the OS reader if asked for (or by default where it means something)."""
+        why = unavailable_reason()
+        if self._want_os is False:
+            why = "switched off (Recorder(os_evidence=False))"
+        elif why is None and self._want_os is None and self._clock not in WALL_CLOCKS:
+            why = (
+                "the recorder's clock is not wall time (OS waits would not lie on it); "
+                "pass os_evidence=True to record anyway"
+            )
+        if why is None:
+            self._os = ThreadStats.open()
+        if self._os is None:
+            return {"recorded": False, "reason": why or "unavailable"}
+        return {"recorded": True, "at": "step boundaries, loop thread", **self._os.describe()}
+
+    def _os_sample(self, kind: int, t: int) -> None:
+        """One `os_samples` row for the calling thread, at tick `t`."""
+        reader = self._os
+        if reader is None:  # stop() closed it meanwhile, from another thread
+            return
+        row = (self._thread_id(), kind, t, *reader.read())
+        with self._lock:
+            self._buf["os_samples"].extend(row)
 
     def add_sink(self, sink: Sink) -> None:
         """Send every flushed chunk to `sink` too (before `start()`)."""
@@ -351,6 +390,9 @@ class Recorder:
                 signals.release()
                 self._signals = False
             signals.cancel_at_exit(self.stop)
+            if self._os is not None:
+                self._os.close()
+                self._os = None
         try:
             self._flush(stop_tick=stop_tick)
         finally:
@@ -479,9 +521,13 @@ class Recorder:
         self._step_attrs = {}
         self._step_evictions = self._step_readmissions = self._step_emit_rows = 0
         self._step_t0_tick = self._clock()
+        if self._os is not None:
+            self._os_sample(OS_STEP_START, self._step_t0_tick)
 
     def _end_step(self) -> None:
         t1 = self._clock()
+        if self._os is not None:
+            self._os_sample(OS_STEP_END, t1)
         a = self._step_attrs
         n_dec = a.get("num_decode", self._step_emit_rows)
         graph = a.get("graph_size", n_dec if n_dec > 0 else -1)
@@ -820,6 +866,7 @@ class Recorder:
         self._stopped = True
         self._dispatcher = None
         self._signals = False
+        self._os = None  # the parent's schedstat fds name the parent's threads
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         signals.cancel_at_exit(self.stop)

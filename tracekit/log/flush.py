@@ -47,13 +47,18 @@ TABLES: dict[str, tuple[str, ...]] = {
     "admissions": ("request", "t_tick"),  # the first time the scheduler took the request
     "prefill_chunks": ("step", "request", "num_tokens"),  # a prompt chunk computed in a step
     "waits": ("step", "request", "reason"),  # why a waiting request was not admitted
+    # the OS's account of a recording thread (totals since it started; -1: not available)
+    "os_samples": (
+        "thread", "kind", "t_tick", "cpu_ns", "runqueue_ns", "num_voluntary_switches",
+        "num_involuntary_switches", "num_major_faults",
+    ),
 }  # fmt: skip
 #: Each table's dtype (every column of a table shares it).
 DTYPES: dict[str, type[np.generic]] = {
     k: (np.float64 if k == "counters" else np.int64) for k in TABLES
 }
 #: Tables added after the first parts format: a part written before them lacks them.
-OPTIONAL_TABLES = frozenset({"admissions", "prefill_chunks", "waits"})
+OPTIONAL_TABLES = frozenset({"admissions", "prefill_chunks", "waits", "os_samples"})
 #: The scalar and vocabulary arrays beside the tables.
 VOCAB_KEYS = ("labels", "counter_names", "request_ids")
 SCALAR_KEYS = (

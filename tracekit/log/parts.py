@@ -45,6 +45,7 @@ from tracekit.log.rawlog import (
     Counters,
     Emissions,
     GcPauses,
+    OsSamples,
     PrefillChunks,
     RawLog,
     Requests,
@@ -331,6 +332,7 @@ def merge_flushed(
         to_table(Waits, "waits", table("waits"), secs),
         secs,
     )
+    os_samples = to_table(OsSamples, "os_samples", table("os_samples"), secs)
     if wall_ticks is None:  # an interrupted run: its wall time is what was flushed
         wall_ticks = last_tick - t0
     out_meta = {k: v for k, v in meta.items() if k not in ("config", "cause_map", "schema")}
@@ -354,6 +356,7 @@ def merge_flushed(
         admissions=admissions,
         prefill_chunks=prefill_chunks,
         waits=waits,
+        os_samples=os_samples,
         labels=tuple(labels),
         request_ids=tuple(request_ids),
         counter_names=tuple(counter_names),
