@@ -19,6 +19,7 @@ def random_logs(draw):
     n_req = draw(st.integers(1, 4))
     n_steps = draw(st.integers(1, 12))
     t = draw(st.floats(0, 5))
+    bounds: list[float] = []  # every step's start and end
     for _ in range(n_steps):
         dur = draw(st.floats(0.5, 30))
         graph = draw(st.sampled_from([-1, 0, 1, 2, 4, 8]))
@@ -42,7 +43,18 @@ def random_logs(draw):
         reads = s - 1 if (s and draw(st.booleans())) else s  # async: the previous step's work
         for r in emitters:
             b.emit(r, cur if draw(st.booleans()) else t + dur, s, reads=reads)
+        bounds.extend([t, t + dur])
         t += dur + draw(st.floats(0, 3))
+    if draw(st.booleans()):  # OS evidence at every step boundary (os_runqueue, os_blocked)
+        cpu = runq = 0.0
+        prev = bounds[0]
+        for k, x in enumerate(bounds):
+            width = x - prev
+            wait = draw(st.floats(0, 1)) * width
+            runq += wait
+            cpu += draw(st.floats(0, 1)) * (width - wait)
+            b.os_sample(x, cpu, runq, kind=k % 2)
+            prev = x
     # another thread's windows, overlapping anything
     for _ in range(draw(st.integers(0, 3))):
         a = draw(st.floats(0, t))
