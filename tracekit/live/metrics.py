@@ -86,6 +86,7 @@ from tracekit.log.rawlog import (
     Counters,
     Emissions,
     GcPauses,
+    OsSamples,
     RawLog,
     Requests,
     Segments,
@@ -103,6 +104,7 @@ _SG = {c: i for i, c in enumerate(TABLES["segments"])}
 _GC = {c: i for i, c in enumerate(TABLES["gc_pauses"])}
 _EM = {c: i for i, c in enumerate(TABLES["emissions"])}
 _RQ = {c: i for i, c in enumerate(TABLES["requests"])}
+_OS = {c: i for i, c in enumerate(TABLES["os_samples"])}
 _NO_TICK = np.iinfo(np.int64).max
 #: A span lists at most this many of the steps its gap overlaps (the first and last halves).
 MAX_SPAN_STEPS = 64
@@ -272,6 +274,7 @@ class LiveMetrics:
         self._segs = np.zeros((0, cols["segments"]), dtype=np.int64)
         self._gcs = np.zeros((0, cols["gc_pauses"]), dtype=np.int64)
         self._events = np.zeros((0, cols["events"]), dtype=np.int64)
+        self._os_rows = np.zeros((0, cols["os_samples"]), dtype=np.int64)  # OS evidence
         self._pending = np.zeros((0, cols["emissions"]), dtype=np.int64)  # unsettled emissions
         self._steps = np.zeros((0, cols["steps"]), dtype=np.int64)
         self._step_base = 0  # global index of self._steps[0]
@@ -456,7 +459,8 @@ class LiveMetrics:
                     late,
                     self._hold_s,
                 )
-        for k, attr in (("segments", "_segs"), ("gc_pauses", "_gcs"), ("events", "_events")):
+        for k, attr in (("segments", "_segs"), ("gc_pauses", "_gcs"), ("events", "_events"),
+                        ("os_samples", "_os_rows")):  # fmt: skip
             if k in rows and len(rows[k]):
                 setattr(self, attr, np.concatenate([getattr(self, attr), rows[k]]))
         rq = rows.get("requests")
@@ -575,6 +579,7 @@ class LiveMetrics:
                     self._truncated += truncated
         segs = self._segs[self._segs[:, _SG["t1_tick"]] >= lo]
         gcs = self._gcs[self._gcs[:, _GC["t1_tick"]] >= lo]
+        os_rows = self._os_rows[_from_the_sample_before(self._os_rows, lo) :]
         # steps: every one a row refers to (the emitting ones too: a span lists the steps
         # its gap overlaps), from the first unsettled one on
         refs = [segs[:, _SG["step"]], em[:, _EM["step"]], em[:, _EM["device_step"]]]
@@ -610,6 +615,7 @@ class LiveMetrics:
                 ),
             ),
             evictions=pair_evictions(self._events, secs),
+            os_samples=to_table(OsSamples, "os_samples", os_rows, secs),
             # the partition never reads the requests: built only for a TTFT partitioner
             requests=self._requests_table() if with_requests else Requests.empty(),
             counters=Counters.empty(),
@@ -857,6 +863,7 @@ class LiveMetrics:
         self._horizon = H
         self._segs = self._segs[self._segs[:, _SG["t1_tick"]] >= H]
         self._gcs = self._gcs[self._gcs[:, _GC["t1_tick"]] >= H]
+        self._os_rows = self._os_rows[_from_the_sample_before(self._os_rows, H) :]
         self._events = _drop_closed_evictions(self._events, H)
         # steps: keep every one a retained row or a live carry may still name
         keep = [self._num_settled_steps]
@@ -907,6 +914,15 @@ class LiveMetrics:
                 else math.nan,
                 "final": self._is_final,
             }
+
+
+def _from_the_sample_before(os_rows: np.ndarray, tick: int) -> int:
+    """The first OS sample a window from `tick` needs: the last one at or before it (the
+    OS interval that covers `tick` starts there), else the first one. Samples are kept in
+    the order they were recorded: the loop thread's are in time order."""
+    t = os_rows[:, _OS["t_tick"]]
+    before = np.flatnonzero(t <= tick)
+    return int(before[-1]) if len(before) else 0
 
 
 def _drop_closed_evictions(ev: np.ndarray, horizon: int) -> np.ndarray:
