@@ -142,6 +142,9 @@ def glyphs(labels: Iterable[str]) -> dict[str, str]:
 
 
 def partition_labels(causes: Iterable[str]) -> list[str]:
-    """The labels a partition reports: the standard ones first, then any extra cause."""
-    extra = sorted(set(causes) - set(STANDARD_LABELS) - {"decode"})
-    return list(STANDARD_LABELS) + extra
+    """The labels a partition reports: the standard ones first, then the OS labels where
+    the run has OS evidence (`OS_LABELS`, in that order), then any extra cause."""
+    present = set(causes)
+    os_labels = [lb for lb in OS_LABELS if lb in present]
+    extra = sorted(present - set(STANDARD_LABELS) - set(OS_LABELS) - {"decode"})
+    return list(STANDARD_LABELS) + os_labels + extra
