@@ -129,7 +129,7 @@ class Dispatcher:
         max_pending_values: int = 50_000_000,
     ) -> None:
         self.sinks = list(sinks)
-        self._t0 = t0_tick
+        self._t0_tick = t0_tick
         self._spt = seconds_per_tick
         # the idle timer's period: the flush interval, but never a busy loop or an overflow
         self._interval_s = min(max(interval_s, 0.01), 3600.0)
@@ -187,7 +187,7 @@ class Dispatcher:
                 _guard(self._idle, "idle flush")
 
     def _deliver(self, batch: list[Flush]) -> None:
-        self._write(build_chunk(batch, self._t0, self._spt))
+        self._write(build_chunk(batch, self._t0_tick, self._spt))
 
     def _write(self, rows: FlushedRows) -> None:
         for sink in list(self.sinks):

@@ -263,7 +263,7 @@ class LiveMetrics:
         self._opened = False
         self._closed = False
         # the run's clock and vocabularies
-        self._t0 = 0
+        self._t0_tick = 0
         self._spt = 1e-9
         self._unix0 = 0.0
         self._cause_map: dict[str, str] = dict(DEFAULT_CAUSE_MAP)
@@ -278,8 +278,8 @@ class LiveMetrics:
         self._pending = np.zeros((0, cols["emissions"]), dtype=np.int64)  # unsettled emissions
         self._steps = np.zeros((0, cols["steps"]), dtype=np.int64)
         self._step_base = 0  # global index of self._steps[0]
-        self._settled_to = -_NO_TICK  # gaps closing at or before this tick are settled
-        self._horizon = -_NO_TICK  # rows ending before this tick were dropped
+        self._settled_to_tick = -_NO_TICK  # gaps closing at or before this tick are settled
+        self._horizon_tick = -_NO_TICK  # rows ending before this tick were dropped
         # per request (by index)
         # each request's last settled emission (carried into the next window): tick, step,
         # token count, device step
@@ -306,7 +306,7 @@ class LiveMetrics:
         self._eager_idx = _Grow(np.int64, 0)  # settled eager steps, in order
         self._num_eager = 0
         self._refit_ticks = 0
-        self._last_refit = -_NO_TICK
+        self._last_refit_tick = -_NO_TICK
         # exported state (read by the collector under _lock)
         self._gaps = 0
         self._gap_sum_s = 0.0
@@ -340,7 +340,7 @@ class LiveMetrics:
         if self._opened:
             raise RuntimeError("a LiveMetrics sink follows one run; make a new one per run")
         self._opened = True
-        self._t0 = int(meta["t0_tick"])
+        self._t0_tick = int(meta["t0_tick"])
         self._spt = float(meta.get("seconds_per_tick", 1e-9))
         self._unix0 = float(meta.get("started_unix_s", 0.0))
         self._cause_map = {**DEFAULT_CAUSE_MAP, **dict(meta.get("cause_map") or {})}
@@ -429,8 +429,8 @@ class LiveMetrics:
     def _ingest(self, chunk: Mapping[str, np.ndarray]) -> None:
         flushed = FlushedRows.of(chunk)
         rows = {k: flushed.table(k) for k in TABLES if k in flushed and k != "counters"}
-        if "t0_tick" in flushed and not self._t0:
-            self._t0 = int(flushed["t0_tick"])
+        if "t0_tick" in flushed and not self._t0_tick:
+            self._t0_tick = int(flushed["t0_tick"])
         self._labels = flushed.strings("labels") if "labels" in flushed else self._labels
         start = int(flushed.scalar("request_ids_start", len(self._req_ids)) or 0)
         new_ids = flushed.strings("request_ids")
@@ -443,10 +443,10 @@ class LiveMetrics:
                              ("emissions", "t_tick"), ("events", "t_tick")):  # fmt: skip
             if k in rows and len(rows[k]):
                 col = column_index(k, start_col)
-                late += int((rows[k][:, col] < self._settled_to).sum())
+                late += int((rows[k][:, col] < self._settled_to_tick).sum())
         st = rows.get("steps")
         if st is not None and len(st):
-            late += int((st[:, _ST["t0_tick"]] < self._settled_to).sum())
+            late += int((st[:, _ST["t0_tick"]] < self._settled_to_tick).sum())
             self._steps = np.concatenate([self._steps, st])
         if late:
             with self._lock:
@@ -479,21 +479,21 @@ class LiveMetrics:
             req = em[:, _EM["request"]]
             np.add.at(self._tokens.ensure(n_req), req, em[:, _EM["num_tokens"]])
             np.minimum.at(self._first.ensure(n_req), req, em[:, _EM["t_tick"]])
-        self._flush_tick = int(flushed.scalar("flush_tick", self._settled_to) or 0)
+        self._flush_tick = int(flushed.scalar("flush_tick", self._settled_to_tick) or 0)
 
     def _secs(self, ticks: np.ndarray) -> np.ndarray:
         """Engine-clock seconds, computed exactly as the raw log's merge does."""
-        return (ticks - self._t0).astype(np.float64) * self._spt
+        return (ticks - self._t0_tick).astype(np.float64) * self._spt
 
     # -- TTFT -------------------------------------------------------------------------------
-    def _export_ttft(self, W: int) -> None:
-        """The requests whose first token came by W (and whose arrival is known): held
+    def _export_ttft(self, w_tick: int) -> None:
+        """The requests whose first token came by w_tick (and whose arrival is known): held
         like the gaps, so a TTFT partition sees every window of their wait."""
         n_req = len(self._req_ids)
         first = self._first.ensure(n_req)
         arr = self._arrival.ensure(n_req)
         o = self._ttft_open
-        came = (first[o] != _NO_TICK) & (first[o] <= W)
+        came = (first[o] != _NO_TICK) & (first[o] <= w_tick)
         new = o[came]
         if not len(new):
             return
@@ -521,31 +521,31 @@ class LiveMetrics:
 
     # -- settling gaps ------------------------------------------------------------------------
     def _settle(self, *, final: bool) -> None:
-        W = _NO_TICK if final else self._flush_tick - self._hold_ticks
-        if W <= self._settled_to:
+        w_tick = _NO_TICK if final else self._flush_tick - self._hold_ticks
+        if w_tick <= self._settled_to_tick:
             return
         pend = self._pending
-        take = pend[:, _EM["t_tick"]] <= W
+        take = pend[:, _EM["t_tick"]] <= w_tick
         new_em = pend[take]
         self._pending = pend[~take]
-        steps_done = self._steps_to_settle(W)
+        steps_done = self._steps_to_settle(w_tick)
         if len(new_em) or steps_done:
-            self._settle_window(new_em, W, final)
-        self._export_ttft(W)
-        self._settled_to = W
+            self._settle_window(new_em, w_tick, final)
+        self._export_ttft(w_tick)
+        self._settled_to_tick = w_tick
         if final:
             graph_ms = self._graph_exact()
             with self._lock:
                 self._graph_ms = graph_ms
                 self._is_final = True
         else:
-            self._prune(W)
+            self._prune(w_tick)
 
-    def _steps_to_settle(self, W: int) -> int:
-        """How many retained steps, from the first unsettled one, ended by W."""
+    def _steps_to_settle(self, w_tick: int) -> int:
+        """How many retained steps, from the first unsettled one, ended by w_tick."""
         i = self._num_settled_steps - self._step_base
         ends = self._steps[i:, _ST["t1_tick"]]
-        return int(np.searchsorted(np.cumsum(ends > W), 0, side="right")) if len(ends) else 0
+        return int(np.searchsorted(np.cumsum(ends > w_tick), 0, side="right")) if len(ends) else 0
 
     def _window(
         self, new_em: np.ndarray, *, lo: int | None = None, with_requests: bool = False
@@ -570,10 +570,10 @@ class LiveMetrics:
         if first_unsettled < len(self._steps):
             lo_t.append(int(self._steps[first_unsettled, _ST["t0_tick"]]))
         if lo is None:
-            lo = min(lo_t) if lo_t else self._settled_to
+            lo = min(lo_t) if lo_t else self._settled_to_tick
         if len(em):
             carried_t = carried[:, _EM["t_tick"]]
-            truncated = int((carried_t < self._horizon).sum()) if len(carried) else 0
+            truncated = int((carried_t < self._horizon_tick).sum()) if len(carried) else 0
             if truncated:
                 with self._lock:
                     self._truncated += truncated
@@ -592,7 +592,7 @@ class LiveMetrics:
         step_hi = max(int(ref.max()) + 1 if len(ref) else 0, self._step_base + len(self._steps))
         st = np.zeros((step_hi - step_lo, len(TABLES["steps"])), dtype=np.int64)
         st[:, _ST["graph_size"]] = -1  # a step not yet ended: no decode known
-        st[:, _ST["t0_tick"]] = st[:, _ST["t1_tick"]] = self._t0
+        st[:, _ST["t0_tick"]] = st[:, _ST["t1_tick"]] = self._t0_tick
         known = self._steps[step_lo - self._step_base :]
         st[: len(known)] = known
 
@@ -637,7 +637,7 @@ class LiveMetrics:
             first_token_s=np.where(first != _NO_TICK, self._secs(first), np.nan),
         )
 
-    def _settle_window(self, new_em: np.ndarray, W: int, final: bool) -> None:
+    def _settle_window(self, new_em: np.ndarray, w_tick: int, final: bool) -> None:
         win, step_lo, em = self._window(new_em)
         eager = win.steps.graph_size == GRAPH_EAGER
         # frac = 1 on every eager step: the graph column is then each gap's eager decode
@@ -646,9 +646,9 @@ class LiveMetrics:
         net = p.baseline.decode_net_ms
         n_win = len(win.steps)
 
-        # steps that ended by W: their GC-free decode time is final (rule 4's inputs)
+        # steps that ended by w_tick: their GC-free decode time is final (rule 4's inputs)
         first = self._num_settled_steps - step_lo
-        n_done = n_win - first if final else self._steps_to_settle(W)
+        n_done = n_win - first if final else self._steps_to_settle(w_tick)
         if n_done:
             g = slice(self._num_settled_steps, self._num_settled_steps + n_done)
             hi = self._num_settled_steps + n_done
@@ -682,9 +682,9 @@ class LiveMetrics:
         # the run's graph total: exact at close (design.md's fit over every captured step);
         # meanwhile the new gaps' estimates are added, and every `refit_s` of engine clock
         # the whole total is re-evaluated under the line so far
-        if W - self._last_refit >= self._refit_ticks:
+        if w_tick - self._last_refit_tick >= self._refit_ticks:
             graph_ms = self._graph_running()
-            self._last_refit = W
+            self._last_refit_tick = w_tick
         else:
             graph_ms = self._graph_ms + float(g_est.sum())
         parts = p.parts_ms.copy()
@@ -836,18 +836,18 @@ class LiveMetrics:
                 self._spans += 1
 
     # -- retention --------------------------------------------------------------------------------
-    def _prune(self, W: int) -> None:
+    def _prune(self, w_tick: int) -> None:
         """Drop the rows no future gap (or unsettled step) can overlap."""
         n_req = len(self._req_ids)
         carry = self._carry.ensure(n_req)
         inf = self._inflight
         max_new = self._max_new.ensure(n_req)[inf]
         done = (max_new > 0) & (self._tokens.ensure(n_req)[inf] >= max_new)
-        inf = self._inflight = inf[~done & (carry[inf] >= W - self._retain_ticks)]
+        inf = self._inflight = inf[~done & (carry[inf] >= w_tick - self._retain_ticks)]
         # and a request with emissions still to settle needs the rows from its carried one
         pend = np.unique(self._pending[:, _EM["request"]])
         live = np.union1d(inf, pend[carry[pend] != UNKNOWN_TICK])
-        bounds = [W]
+        bounds = [w_tick]
         if len(live):
             bounds.append(int(carry[live].min()))
         if len(self._pending):
@@ -858,9 +858,9 @@ class LiveMetrics:
         if self._ttft_partitioner is not None and len(self._ttft_open):
             bounds.append(int(self._arrival.ensure(n_req)[self._ttft_open].min()))
         H = min(bounds)
-        if H <= self._horizon:
+        if H <= self._horizon_tick:
             return
-        self._horizon = H
+        self._horizon_tick = H
         self._segs = self._segs[self._segs[:, _SG["t1_tick"]] >= H]
         self._gcs = self._gcs[self._gcs[:, _GC["t1_tick"]] >= H]
         self._os_rows = self._os_rows[_from_the_sample_before(self._os_rows, H) :]
@@ -909,8 +909,8 @@ class LiveMetrics:
                 "backlog": self._written - self._consumed,
                 "cpu_s": self._cpu_s,
                 "fit_steps": self._fit_steps,
-                "settled_to_s": float(self._secs(np.array([self._settled_to]))[0])
-                if abs(self._settled_to) != _NO_TICK
+                "settled_to_s": float(self._secs(np.array([self._settled_to_tick]))[0])
+                if abs(self._settled_to_tick) != _NO_TICK
                 else math.nan,
                 "final": self._is_final,
             }
