@@ -63,7 +63,7 @@ def run(rung: str, seed: int, steps: int, out: str, slowdown: float, timer: str 
     return proc.stdout.split(":")[0]
 
 
-def condition(name: str, seeds: list[int], steps: int, out: str) -> dict:
+def condition(name: str, seeds: list[int], steps: int, out: str, timer: str = "cpu") -> dict:
     import numpy as np
 
     import tracekit
@@ -80,10 +80,10 @@ def condition(name: str, seeds: list[int], steps: int, out: str) -> dict:
     wall_runs: dict[str, list] = {}
     try:
         runs = {
-            r: [analyze(tracekit.load(run(r, s, steps, out, slowdown))) for s in seeds]
+            r: [analyze(tracekit.load(run(r, s, steps, out, slowdown, timer))) for s in seeds]
             for r in RUNGS
         }
-        if busy:  # the same runs, the same busy processes, the recorder on wall time
+        if busy and timer == "cpu":  # the same runs, the same busy processes, on wall time
             print("    (the same runs with --timer wall)", flush=True)
             wall_runs = {
                 r: [
@@ -124,7 +124,21 @@ def condition(name: str, seeds: list[int], steps: int, out: str) -> dict:
         "wall_s": round(time.monotonic() - t0, 1),
         "load_avg_1min": os.getloadavg()[0],
         "checks": {k: {"ok": ok, "figures": fig} for k, (ok, fig) in checks.items()},
-        "reported": _wall_figures(runs, wall_runs) if wall_runs else {},
+        "reported": _wall_figures(runs, wall_runs) if wall_runs else _os_figures(runs),
+    }
+
+
+def _os_figures(runs: dict[str, list]) -> dict[str, object]:
+    """With the recorder on wall time: how much of each run the OS took (figures)."""
+
+    def shares(label: str) -> list[float]:
+        return [round(a.tail_share.get(label, 0.0), 3) for r in RUNGS for a in runs[r]]
+
+    return {
+        "baseline tail share os_runqueue (baseline seeds, then watermark seeds)": shares(
+            "os_runqueue"
+        ),
+        "tail share os_blocked": shares("os_blocked"),
     }
 
 
@@ -167,6 +181,12 @@ def main() -> None:
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--out", default=None, help="keep the logs here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--timer",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="the checked runs' clock (wall: contention is os_runqueue in the partition)",
+    )
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     results, ok = [], True
@@ -174,7 +194,7 @@ def main() -> None:
         for name in args.conditions.split(","):
             out = os.path.join(args.out or tmp, name.replace(" ", "-"))
             print(f"[{name}] {len(seeds)} seeds x {RUNGS}, {args.steps} steps", flush=True)
-            res = condition(name, seeds, args.steps, out)
+            res = condition(name, seeds, args.steps, out, args.timer)
             results.append(res)
             for k, c in res["checks"].items():
                 ok &= c["ok"]
