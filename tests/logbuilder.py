@@ -13,6 +13,7 @@ from tracekit.log.rawlog import (
     Emissions,
     Evictions,
     GcPauses,
+    OsSamples,
     PrefillChunks,
     RawLog,
     Requests,
@@ -38,6 +39,7 @@ class LogBuilder:
     admits: list[tuple] = field(default_factory=list)
     prefills: list[tuple] = field(default_factory=list)
     waits: list[tuple] = field(default_factory=list)
+    os_rows: list[tuple] = field(default_factory=list)
 
     def step(self, t0, t1, *, n_decode=1, n_prefill=0, graph=1, preempted=0, swapped=0) -> int:
         self.steps.append((t0, t1, n_decode, n_prefill, graph, preempted, swapped))
@@ -74,6 +76,12 @@ class LogBuilder:
         """Step `step` left `req` waiting because of `reason` (a WAIT_REASONS name)."""
         self.num_requests = max(self.num_requests, req + 1)
         self.waits.append((step, req, WAIT_REASON_CODES[reason]))
+
+    def os_sample(self, t, cpu_ms, runqueue_ms, *, kind=0, thread=0, switches=(0, 0), faults=0):
+        """The loop thread's OS counters at `t` (ms; totals since the thread started)."""
+        self.os_rows.append(
+            (thread, kind, t, round(cpu_ms * 1e6), round(runqueue_ms * 1e6), *switches, faults)
+        )
 
     def build(self, *, wall_ms=None, config=None, arrivals_ms=None) -> RawLog:
         s = 1e-3
@@ -125,6 +133,7 @@ class LogBuilder:
                 request=[x[1] for x in self.waits],
                 reason=[x[2] for x in self.waits],
             ),
+            os_samples=OsSamples.from_rows(arr(self.os_rows, 8), time=ms),
             labels=tuple(self.labels),
             request_ids=tuple(f"r{i}" for i in range(n)),
             config=config or {},

@@ -31,6 +31,7 @@ from tracekit.log.rawlog import (
     Emissions,
     Evictions,
     GcPauses,
+    OsSamples,
     PrefillChunks,
     RawLog,
     Requests,
@@ -145,10 +146,26 @@ def base_log() -> RawLog:
             step=[0, 0, 0], request=[0, 1, 2], num_tokens=[100, 200, 300]
         ),
         waits=Waits.from_columns(step=[0], request=[2], reason=[0]),
+        # OS evidence: the loop thread at every step's start and end (2 ms run-queue wait
+        # in step 4, 1 ms blocked in step 7)
+        os_samples=_os_samples(t0, t1),
         config={"rung": "baseline", "seed": 1, "engine": {"max_batch": 16}},
         wall_s=0.125,
         meta={"source": "tracekit", "clock": "fake"},
     )
+
+
+def _os_samples(t0: np.ndarray, t1: np.ndarray) -> OsSamples:
+    rows = []
+    cpu = runq = 0
+    for s, (a, b) in enumerate(zip(t0.tolist(), t1.tolist(), strict=True)):
+        rows.append((0, 0, a, cpu, runq, s, s, 0))
+        wait = 2_000_000 if s == 4 else 0
+        blocked = 1_000_000 if s == 7 else 0
+        runq += wait
+        cpu += round((b - a) * 1e9) - wait - blocked
+        rows.append((0, 1, b, cpu, runq, s + 1, s, 0))
+    return OsSamples.from_rows(np.array(rows, dtype=np.float64))
 
 
 def v1_arrays() -> dict[str, np.ndarray]:
@@ -307,6 +324,7 @@ V1_TIME_COLS = {
     "requests.first_token_s": True,
     "counters.t_s": False,
     "admissions.t_s": False,
+    "os_samples.t_s": False,
 }
 V1_INDEX_COLS = {  # column -> lowest valid value
     "segments.label": 0,
@@ -321,6 +339,7 @@ V1_INDEX_COLS = {  # column -> lowest valid value
     "waits.step": 0,
     "waits.request": 0,
     "waits.reason": 0,
+    "os_samples.kind": 0,
 }
 V1_COUNT_COLS = {  # column -> lowest valid value
     "steps.num_decode": 0,
@@ -331,7 +350,15 @@ V1_COUNT_COLS = {  # column -> lowest valid value
     "emissions.num_tokens": 1,
     "gc_pauses.generation": 0,
     "prefill_chunks.num_tokens": 0,
+    "os_samples.thread": 0,
+    "os_samples.cpu_ns": -1,  # -1: not available
+    "os_samples.runqueue_ns": -1,
+    "os_samples.num_voluntary_switches": -1,
+    "os_samples.num_involuntary_switches": -1,
+    "os_samples.num_major_faults": -1,
 }
+#: Columns of ns totals: 2**40 ns (18 minutes of CPU) is a measurement, not absurd.
+NS_COLS = frozenset({"os_samples.cpu_ns", "os_samples.runqueue_ns"})
 V1_REQUIRED = (
     ["schema", "schema_version", "wall_s"]
     + [k for k in list(V1_TIME_COLS) + list(V1_INDEX_COLS) + list(V1_COUNT_COLS)
@@ -428,7 +455,7 @@ def _column_cases(base: dict[str, np.ndarray], rng: np.random.Generator) -> Iter
         else:
             lo = V1_INDEX_COLS.get(key, V1_COUNT_COLS.get(key))
             info = np.iinfo(np.int64)
-            bad_values = [info.max, info.min, 2**40]
+            bad_values = [info.max, info.min] + ([] if key in NS_COLS else [2**40])
             if lo is not None:
                 bad_values += [lo - 1, lo - 1000]
             if key in V1_INDEX_COLS:
@@ -439,6 +466,8 @@ def _column_cases(base: dict[str, np.ndarray], rng: np.random.Generator) -> Iter
                 bad_values += [7, -5]
             if key == "gc_pauses.generation":
                 bad_values += [3, 10**12]
+            if key == "os_samples.kind":
+                bad_values += [4]
             for v in bad_values:
                 b = a.astype(np.int64, copy=True)
                 b[i] = v
@@ -467,7 +496,7 @@ def _v1_scalar_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("schema as int", "reject", "schema", schema=np.array(1))
     yield c("schema as list", "reject", "schema", schema=np.array(["tracekit.rawlog"]))
     yield c("schema is empty", "reject", "schema", schema=np.array(""))
-    for v in (0, 3, 99, -1, 2**62):
+    for v in (0, 4, 99, -1, 2**62):
         yield c(f"schema_version {v}", "reject", "schema_version", schema_version=np.array(v))
     yield c("schema_version missing", "reject", "schema_version", schema_version=None)
     yield c("schema_version float", "reject", "schema_version", schema_version=np.array(1.5))

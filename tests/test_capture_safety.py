@@ -24,7 +24,8 @@ import tracekit
 from tracekit.capture.recorder import Recorder
 from tracekit.capture.sinks import CaptureError, Dispatcher, Flush, PartsSink
 from tracekit.errors import LogError, TracekitError
-from tracekit.log.parts import TABLE_COLS, merge_parts, recover
+from tracekit.log.flush import TABLES as TABLE_COLS
+from tracekit.log.parts import merge_parts, recover
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "") -> None:

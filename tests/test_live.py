@@ -28,7 +28,7 @@ from tracekit.attribution.itl import partition  # noqa: E402
 from tracekit.capture.recorder import active_recorders  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
 from tracekit.live.settler import Settler  # noqa: E402
-from tracekit.log.parts import TABLE_COLS  # noqa: E402
+from tracekit.log.flush import TABLES as TABLE_COLS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -708,7 +708,7 @@ class NsClock:
         return self.t
 
 
-def _random_run(steps, *, device: bool):
+def _random_run(steps, *, device: bool, os_evidence: bool = False):
     """Record `steps` (see `_step`) with a live sink; returns (log, sink snapshot).
     Times in ms; with `device`, decode launches device work on a fake stream (5 ms per
     launch, resolved 3 ms after it ends: its window reaches the sink a flush or more
@@ -720,7 +720,7 @@ def _random_run(steps, *, device: bool):
     timer = FakeDeviceTimer(clk, exec_ms=5.0, resolve_delay_ms=3.0) if device else None
     rec = tracekit.Recorder(
         None, clock=clk, seconds_per_tick=1e-9, flush_interval_s=0.05, gc=False,
-        handle_signals=False, device_timer=timer,
+        handle_signals=False, device_timer=timer, os_evidence=os_evidence,
     )  # fmt: skip
     live = attach(rec, LiveMetrics(hold_s=0.2))
     evicted: set[int] = set()
@@ -786,6 +786,19 @@ def test_random_runs_with_device_windows_resolved_late_still_agree(steps):
     the totals still equal the offline partition's."""
     log, snap = _random_run(steps, device=True)
     assert (log.segments.is_device == 1).any()
+    _assert_live_equals_offline(log, snap)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS evidence: Linux only")
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_step, min_size=2, max_size=30))
+def test_random_runs_with_os_evidence_agree(steps):
+    """With OS samples (the real thread's counters against the fake clock: os_runqueue and
+    os_blocked in every window), the live totals still equal the offline partition's."""
+    log, snap = _random_run(steps, device=False, os_evidence=True)
+    assert len(log.os_samples) == 2 * len(log.steps)
+    p = partition(log)
+    assert "os_blocked" in p.labels
     _assert_live_equals_offline(log, snap)
 
 

@@ -17,13 +17,14 @@ from synthlog import synthetic_log
 
 from tracekit.attribution.itl import partition
 from tracekit.capture.recorder import Recorder
-from tracekit.capture.sinks import ChromeTraceSink
 from tracekit.cli import main
 from tracekit.errors import UsageError
+from tracekit.live.trace import ChromeTraceSink
 from tracekit.render.perfetto import (
     PID_ENGINE,
     PID_REQUESTS,
     TID_LOOP,
+    TID_REQUESTS,
     chrome_trace_events,
     engine_start_us,
     parse_window,
@@ -316,6 +317,75 @@ def test_live_trace_while_recording(tmp_path):
     want = sorted(zip(log.steps.t_start_s * 1e6, dur_us, strict=True))
     assert np.allclose(steps, want, atol=2e-3)
     live.close({})  # idempotent
+
+
+def _slices(events, *, live: bool):
+    """Every complete slice as (pid, tid, name, ts µs, dur µs, args): a post-run gap is
+    named by its cause and carries ``parts``, which need the whole run; the live trace
+    names every gap ``gap``, so the comparison does too and leaves ``parts`` out."""
+    out = []
+    for e in events:
+        if e["ph"] != "X":
+            continue
+        name = e["name"]
+        args = {k: v for k, v in e["args"].items() if k != "parts"}
+        if not live and e["pid"] == PID_REQUESTS and name not in ("ttft", "evicted"):
+            name = "gap"
+        args = {k: round(v, 6) if isinstance(v, float) else v for k, v in args.items()}
+        out.append((e["pid"], e["tid"], name, round(e["ts"], 3), round(e["dur"], 3), args))
+    return sorted(out, key=repr)
+
+
+def _tracks(events):
+    return {(e["pid"], e.get("tid"), e["name"]): e["args"] for e in events if e["ph"] == "M"}
+
+
+def test_live_and_post_run_traces_show_one_layout(tmp_path):
+    """The trace written while the run records and ``tracekit trace`` of its log: the same
+    tracks (names, places), the same slices on them, the same args (but what needs the
+    whole run: a gap's cause and parts)."""
+    import threading
+
+    clock = FakeClock()
+    path = tmp_path / "live.json"
+    rec = Recorder(None, clock=clock, gc=False, flush_interval_s=0.02,
+                   sinks=[ChromeTraceSink(path)])  # fmt: skip
+
+    def side():  # a segment on another thread: its own track, `thread 1`
+        with rec.segment("tok"):
+            clock.advance_ms(2)
+
+    with rec:
+        _serve(rec, clock, 12)
+        t = threading.Thread(target=side)
+        t.start()
+        t.join()
+        with rec.step():
+            with rec.segment("swap"):  # a label whose cause is not its name: args.cause
+                clock.advance_ms(3)
+            rec.evict("r2")  # never readmitted: evicted to the stop
+            rec.emit(["r0"])
+        clock.advance_ms(4)
+    log = rec.log()
+    live = json.loads(path.read_text())
+    post = chrome_trace_events(log, partition(log))
+    assert validate_trace(live) == []
+    assert _tracks(live) == _tracks(post)
+    assert _slices(live, live=True) == _slices(post, live=False)
+    # the layout, by hand: request r on track TID_REQUESTS + r, its evictions on it too
+    tid_r1 = TID_REQUESTS + 1
+    r1 = [e for e in live if e["ph"] == "X" and e["tid"] == tid_r1]
+    (ev,) = [e for e in r1 if e["name"] == "evicted"]
+    # evicted 5 ms into step 5, readmitted 5 ms into step 9: 4 steps of 6 ms
+    assert ev["args"] == {"evicted_ms": 24.0}
+    (gap,) = [e for e in r1 if e["name"] == "gap" and e["ts"] <= ev["ts"] < e["ts"] + e["dur"]]
+    assert (gap["args"]["step0"], gap["args"]["step1"]) == (4, 9)  # the eviction nests in it
+    (ttft,) = [e for e in r1 if e["name"] == "ttft"]
+    assert ttft["args"] == {"ttft_ms": 5.0}  # arrived at 0, first token at step 0's emit
+    swap = [e for e in live if e["name"] == "swap"]
+    assert swap[0]["args"] == {"step": 12, "cause": "preempt"}
+    (ev2,) = [e for e in live if e["name"] == "evicted" and e["tid"] == TID_REQUESTS + 2]
+    assert ev2["args"] == {"evicted_ms": 4.0}  # from the evict to the stop, 4 ms later
 
 
 def test_live_trace_is_gc_quiet(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import tracekit
 from tracekit.attribution.ttft import ttft_partition
 from tracekit.errors import LogError
-from tracekit.log.parts import merge_chunks, parse_chunk
+from tracekit.log.parts import merge_flushed, parse_flushed
 from tracekit.log.rawlog import SCHEMA_VERSION, WAIT_REASONS
 
 
@@ -53,7 +53,7 @@ def test_recorder_writes_the_ttft_tables_and_they_round_trip(tmp_path):
     assert log.waits.step.tolist() == [0] and log.waits.request.tolist() == [1]
     assert WAIT_REASONS[int(log.waits.reason[0])] == "max_num_seqs"
     with np.load(out, allow_pickle=False) as z:
-        assert int(z["schema_version"]) == SCHEMA_VERSION == 2
+        assert int(z["schema_version"]) == SCHEMA_VERSION == 3
         assert tuple(z["wait_reasons"].tolist()) == WAIT_REASONS
     p = ttft_partition(log)
     assert len(p) == 2 and p.is_split.all() and p.reconcile_max_err_ms < 1e-9
@@ -96,10 +96,12 @@ def test_version_1_log_loads_with_empty_ttft_tables_and_an_unsplit_partition(tmp
 def test_unknown_version_and_a_foreign_reason_vocabulary_are_refused(tmp_path):
     out = str(tmp_path / "run.npz")
     _record(out)
-    v3 = str(tmp_path / "v3.npz")
-    _rewrite(out, v3, schema_version=np.array(3, dtype=np.int64))
-    with pytest.raises(LogError, match="schema_version: is 3; this tracekit reads versions 1, 2"):
-        tracekit.load(v3)
+    v4 = str(tmp_path / "v4.npz")
+    _rewrite(out, v4, schema_version=np.array(4, dtype=np.int64))
+    with pytest.raises(
+        LogError, match="schema_version: is 4; this tracekit reads versions 1, 2, 3"
+    ):
+        tracekit.load(v4)
     other = str(tmp_path / "other.npz")
     _rewrite(out, other, wait_reasons=np.array(["memory", "seqs"]))
     with pytest.raises(LogError, match="wait_reasons: vocabulary"):
@@ -130,7 +132,7 @@ def test_parts_written_before_the_ttft_tables_still_merge():
         {k: v for k, v in c.items() if k not in ("admissions", "prefill_chunks", "waits")}
         for c in keep.chunks
     ]
-    log = merge_chunks(keep.meta, [parse_chunk(c, "old") for c in old], final={})
+    log = merge_flushed(keep.meta, [parse_flushed(c, "old") for c in old], final={})
     assert len(log.emissions) == 1 and len(log.steps) == 1
     assert len(log.admissions) == len(log.prefill_chunks) == len(log.waits) == 0
 

@@ -35,6 +35,18 @@ STANDARD_LABELS: tuple[str, ...] = (
     "residual",
 )
 
+#: Time the operating system took from the engine's loop thread, from its own counters
+#: (docs/partition.md, "OS evidence"): runnable but waiting for a CPU, and off the CPU
+#: for no recorded wait (I/O, locks, sleeps, page faults). They are not in the overlap
+#: order below: the kernel says how much, not when, so they take their share of every
+#: instant of the interval they were measured over, ahead of every label there (`gc`
+#: included: a collection does not progress while its thread is off the CPU), except the
+#: request's own evicted time (`preempt`) and, for `os_blocked`, explicit waits
+#: (`wait`, `sync`), whose off-CPU time is what they are.
+OS_RUNQUEUE = "os_runqueue"
+OS_BLOCKED = "os_blocked"
+OS_LABELS: tuple[str, ...] = (OS_RUNQUEUE, OS_BLOCKED)
+
 #: Labels that are not causes: the forward pass itself and uncovered time.
 NON_CAUSES: frozenset[str] = frozenset({"forward", "residual"})
 
@@ -60,6 +72,8 @@ COLOURS: dict[str, str] = {
     "residual": "#F0E442",
     "decode": "#56B4E9",
     "clean": "#BBBBBB",
+    "os_runqueue": "#999933",
+    "os_blocked": "#888888",
 }
 _EXTRA_COLOURS = ("#882255", "#44AA99", "#117733", "#332288", "#AA4499", "#661100", "#6699CC")
 
@@ -70,6 +84,8 @@ GLYPHS: dict[str, str] = {
     "tok": "T",
     "prefill": "P",
     "graph": "C",
+    "os_runqueue": "Q",
+    "os_blocked": "B",
     "clean": "\u00b7",
 }
 
@@ -126,6 +142,9 @@ def glyphs(labels: Iterable[str]) -> dict[str, str]:
 
 
 def partition_labels(causes: Iterable[str]) -> list[str]:
-    """The labels a partition reports: the standard ones first, then any extra cause."""
-    extra = sorted(set(causes) - set(STANDARD_LABELS) - {"decode"})
-    return list(STANDARD_LABELS) + extra
+    """The labels a partition reports: the standard ones first, then the OS labels where
+    the run has OS evidence (`OS_LABELS`, in that order), then any extra cause."""
+    present = set(causes)
+    os_labels = [lb for lb in OS_LABELS if lb in present]
+    extra = sorted(present - set(STANDARD_LABELS) - set(OS_LABELS) - {"decode"})
+    return list(STANDARD_LABELS) + os_labels + extra

@@ -40,7 +40,12 @@ millisecond of it goes to exactly one label:
    the windows, so moving the windows by ``e`` moves at most ``4e`` per window plus twice
    that work, decode time counted as one label with the graph baseline held (docs/gpu.md).
    A gap that contains an eviction of its request uses the host rules only (its evicted
-   time is `preempt` either way).
+   time is `preempt` either way);
+7. where the log has the loop thread's OS samples (docs/partition.md, "OS evidence"), each
+   OS interval's run-queue wait (``os_runqueue``) and its off-CPU time beyond its explicit
+   waits (``os_blocked``) are spread evenly over it, taken from whatever owns each live
+   instant; evicted time stays ``preempt``, and a gap whose parts rule 6 changed takes no
+   OS share.
 
 Multi-token emissions (speculative decoding): a gap is between consecutive *emission
 rows* of a request, i.e. consecutive steps that emitted for it; the tokens one step
@@ -62,6 +67,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tracekit.attribution.timeline import (
+    DEVICE_WAIT_LABELS,
     HostTimeline,
     Timeline,
     build_timeline,
@@ -69,13 +75,15 @@ from tracekit.attribution.timeline import (
     device_windows,
     host_classes,
     loop_threads,
+    os_intervals,
+    os_rates,
     prefix_sums,
     segment_causes,
     segment_classes,
     thread_busy,
 )
 from tracekit.errors import ReconcileError
-from tracekit.labels import NON_CAUSES, partition_labels
+from tracekit.labels import NON_CAUSES, OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, partition_labels
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 
 #: A gap whose parts miss its length by more than this is a bug (float rounding is ~1e-12).
@@ -553,15 +561,22 @@ def partition(
     is_dev = log.segments.is_device == 1
     classes = host_classes(causes, is_dev)
     seg_cls = segment_classes(log, classes)
-    labels = tuple(partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist())))
+    osi = os_intervals(log)
+    os_causes = set(OS_LABELS) if len(osi) else set()
+    labels = tuple(
+        partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist()) | os_causes)
+    )
     col = {lb: i for i, lb in enumerate(labels)}
 
     net = decode_net_ms(log, causes)
     base = fit_baseline(log, net, baseline_fit)
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
-    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    os_bounds = np.concatenate([osi.t0_s, osi.t1_s]) if len(osi) else None
+    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds)
+    # the TTFT partition builds the same timeline only when no OS interval cuts it
     same_host = log is given and baseline_fit == FIT_ALL_CAPTURED and excess_frac is None
+    same_host &= not len(osi)
     host = HostTimeline(causes, classes, tl, log.segments, log.gc_pauses) if same_host else None
 
     # gaps, and each end's rank among the distinct emission times
@@ -644,6 +659,43 @@ def partition(
         prim_dev = np.full(len(u_change), CLEAN, dtype=np.int64)
         prim_dev[has] = primary_of(parts[rep[has]], (g_t1 - g_t0)[rep[has]] * 1e3, labels)[0]
 
+    os_gap = np.zeros(0, dtype=np.int64)
+    if len(osi) and n:
+        wait_cls = [i for i, (x, _) in enumerate(classes) if x in DEVICE_WAIT_LABELS]
+        run_rate, blk_rate = os_rates(tl, osi, wait_cls)
+
+        def os_loss(t_a: np.ndarray, t_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Per row, what the OS shares take from each label in [t_a, t_b]."""
+            ka = np.searchsorted(tl.bounds, t_a, side="right")
+            kb = np.searchsorted(tl.bounds, t_b, side="right")
+            out = []
+            for name, w in (("run", run_rate), ("blk", blk_rate)):
+                cols = []
+                for c in [*range(n_cls + 1), None]:
+                    own = tl.graph_rate if c is None else (tl.owner == c).astype(np.float64)
+                    h0, l0 = tl.weighted((name, c), w * own, t_a, ka)
+                    h1, l1 = tl.weighted((name, c), w * own, t_b, kb)
+                    cols.append((h1 - h0) + (l1 - l0))
+                out.append((np.column_stack(cols) @ to_labels) * 1e3)
+            return out[0], out[1]
+
+        loss_run, loss_blk = os_loss(g_t0, g_t1)
+        if len(e_gap):  # evicted time is all preempt: the OS takes no share of it
+            ev_run, ev_blk = os_loss(w0, w1)
+            np.subtract.at(loss_run, e_gap, ev_run)
+            np.subtract.at(loss_blk, e_gap, ev_blk)
+        # the device's critical path changed these gaps' parts (by more than float
+        # rounding, which the device rule's exact-zero test also sees): the host's OS
+        # takes no share of them
+        if len(d_gap):
+            dev_changed = d_gap[np.any(np.abs(u_change[inv]) > PRIMARY_TOL_MS, axis=1)]
+            loss_run[dev_changed] = 0.0
+            loss_blk[dev_changed] = 0.0
+        os_gap = np.flatnonzero(np.any(loss_run != 0.0, axis=1) | np.any(loss_blk != 0.0, axis=1))
+        parts -= loss_run + loss_blk
+        parts[:, col[OS_RUNQUEUE]] += loss_run.sum(axis=1)
+        parts[:, col[OS_BLOCKED]] += loss_blk.sum(axis=1)
+
     gap_ms = (g_t1 - g_t0) * 1e3
     # the primary cause of a one-interval gap with no eviction is its interval's
     widths_ms = np.append((uniq_t[1:] - uniq_t[:-1]) * 1e3, 0.0)
@@ -654,6 +706,7 @@ def partition(
     if len(d_gap):
         primary[d_gap] = prim_dev[inv]
         redo_mask[d_gap] = False
+    redo_mask[os_gap] = True  # after the device rule's: its primary predates the OS shares
     redo = np.flatnonzero(redo_mask)
     if len(redo):
         primary[redo] = primary_of(parts[redo], gap_ms[redo], labels)[0]

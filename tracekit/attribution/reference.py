@@ -29,6 +29,7 @@ from tracekit.attribution.client import (
 )
 from tracekit.attribution.itl import (
     FIT_ALL_CAPTURED,
+    PRIMARY_TOL_MS,
     Partition,
     drift_corrected,
     emission_order,
@@ -42,6 +43,7 @@ from tracekit.attribution.timeline import (
     DEVICE_WAIT_LABELS,
     decode_net_ms,
     host_classes,
+    os_intervals,
     segment_causes,
 )
 from tracekit.attribution.ttft import (
@@ -56,7 +58,7 @@ from tracekit.attribution.ttft import (
     wait_windows,
 )
 from tracekit.attribution.ttft import primary_of as ttft_primary_of
-from tracekit.labels import partition_labels, precedence
+from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, partition_labels, precedence
 from tracekit.log.rawlog import RawLog
 
 # -- the ITL partition ---------------------------------------------------------------------
@@ -72,7 +74,9 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
     classes = host_classes(causes_arr, sg.is_device == 1)
     rank = {c: i for i, c in enumerate(classes)}
     dev_causes = set(causes_arr[sg.is_device == 1].tolist())
-    labels = tuple(partition_labels({c for c, _ in classes} | dev_causes))
+    osi = os_intervals(log)
+    os_causes = set(OS_LABELS) if len(osi) else set()
+    labels = tuple(partition_labels({c for c, _ in classes} | dev_causes | os_causes))
     segs = [
         (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]), is_dev[i])
         for i in range(len(sg))
@@ -107,6 +111,11 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
 
     host = [x for x in segs if not x[4]]
     points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
+    os_list = [
+        (float(a), float(b), float(rq), float(off))
+        for a, b, rq, off in zip(osi.t0_s, osi.t1_s, osi.runqueue_s, osi.offcpu_s, strict=True)
+    ]
+    os_points = sorted({p for a, b, _, _ in os_list for p in (a, b)})
 
     def host_owner(t: float) -> tuple[str, float]:
         """Who owns the instant just after t on the host, and the graph rate there."""
@@ -120,6 +129,24 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
             return best, 0.0
         fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
         return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
+
+    def os_shares(x: float, who: str) -> tuple[float, float]:
+        """The run-queue and blocked shares of the instant just after x, owned by `who`
+        (docs/partition.md, "OS evidence"): the interval's run-queue wait spread evenly
+        over it; its off-CPU time beyond its explicit waits spread over its other time."""
+        for a, b, rq, off in os_list:
+            if a <= x < b:
+                cuts = sorted({a, b} | {p for p in points if a < p < b})
+                wait = sum(
+                    y - z
+                    for z, y in zip(cuts[:-1], cuts[1:], strict=True)
+                    if host_owner(z)[0] in DEVICE_WAIT_LABELS
+                )
+                r_share = rq / (b - a)
+                if who in DEVICE_WAIT_LABELS or b - a - wait <= 0:
+                    return r_share, 0.0
+                return r_share, min(max(off - wait, 0.0) / (b - a - wait), 1.0 - r_share)
+        return 0.0, 0.0
 
     # the loop thread of each emission: the thread whose segments carry its step (the
     # lowest if several); else the thread most step segments belong to (lowest on a tie)
@@ -158,13 +185,15 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
             dev_windows.append((max(a, busy_until), b, c, s))
         busy_until = max(busy_until, b)
 
-    def tally(a: float, b: float, pieces=(), thread=None) -> dict[str, float]:
+    def tally(a: float, b: float, pieces=(), thread=None, use_os=False) -> dict[str, float]:
         """Each instant's owner by the host rules, except where a device piece covers it:
         there the piece owns it, unless `thread` (host-bound: the loop thread) is given and
-        its own work covers the instant."""
+        its own work covers the instant. With `use_os`, the OS shares of each instant are
+        taken from its owner. ``"<device>"``: the time whose owner a device piece changed."""
         out = dict.fromkeys(labels, 0.0)
         cuts = sorted({a, b} | {p for pa, pb, _, _ in pieces for p in (pa, pb) if a < p < b}
-                      | {p for p in points if a < p < b})  # fmt: skip
+                      | {p for p in points if a < p < b}
+                      | {p for p in os_points if a < p < b})  # fmt: skip
         for x, y in zip(cuts[:-1], cuts[1:], strict=True):
             ms = (y - x) * 1e3
             dev = [(c, fr) for pa, pb, c, fr in pieces if pa <= x < pb]
@@ -173,7 +202,14 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
             # outside the loop thread's own work (a GC pause or another thread's work
             # there interrupted a wait for the device)
             if dev and (thread is None or not loop_busy(x, thread)):
+                if (who, rate) != (dev[0][0], dev[0][1]):  # the time the device path moved
+                    out["<device>"] = out.get("<device>", 0.0) + ms
                 who, rate = dev[0][0], dev[0][1]
+            if use_os and os_list:
+                r_share, b_share = os_shares(x, who)
+                out[OS_RUNQUEUE] += ms * r_share
+                out[OS_BLOCKED] += ms * b_share
+                ms *= 1.0 - r_share - b_share
             if who == "decode":
                 out["graph"] += ms * rate
                 out["forward"] += ms * (1 - rate)
@@ -225,9 +261,14 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
                 for a, b, c, s in dev_windows
                 if b <= last_end[ds] and min(b, t1) > max(a, t0)
             ]
-        for a, b in live:
-            for lb, v in tally(a, b, pieces, bound_by).items():
-                parts[i, labels.index(lb)] += v
+        tallies = [tally(a, b, pieces, bound_by, use_os=True) for a, b in live]
+        # the device's path changed the parts (beyond float rounding): no OS share
+        if sum(t.get("<device>", 0.0) for t in tallies) > PRIMARY_TOL_MS:
+            tallies = [tally(a, b, pieces, bound_by) for a, b in live]
+        for t in tallies:
+            for lb, v in t.items():
+                if lb != "<device>":
+                    parts[i, labels.index(lb)] += v
         for a, b in windows:
             parts[i, labels.index("preempt")] += (b - a) * 1e3
             for lb, v in tally(a, b).items():

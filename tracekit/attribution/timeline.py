@@ -10,18 +10,20 @@ the ITL partition, the client-boundary partition (`tracekit.attribution.client`)
 run's length.
 
 Also here, as the partitions share them: each segment's cause and timeline class, each
-step's GC-free decode time (the graph baseline's input), and the run's device windows made
-disjoint (ITL rule 6).
+step's GC-free decode time (the graph baseline's input), the run's device windows made
+disjoint (ITL rule 6), and the loop thread's OS intervals with the share of each instant
+the OS took (docs/partition.md, "OS evidence").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from tracekit.labels import cause_of, precedence
-from tracekit.log.rawlog import RawLog
+from tracekit.log.rawlog import OS_STEP_END, OS_STEP_START, RawLog
 
 
 def segment_causes(log: RawLog) -> np.ndarray:
@@ -57,7 +59,7 @@ class Timeline:
         self.owner = owner
         self.graph_rate = graph_rate
         self.width = np.diff(bounds)
-        self._cum: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
+        self._cum: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 
     def integrals(self, cls: int | None, times: np.ndarray, k: np.ndarray | None = None):
         """Cumulative time owned by class `cls` (None: graph-rate weighted decode) at `times`.
@@ -76,6 +78,17 @@ class Timeline:
         j = np.maximum(k - 1, 0)
         hv = np.where(k > 0, hi[j], 0.0)
         lv = lo[j] * (k > 0) + (times - self.bounds[j]) * rate[k]
+        return hv, lv
+
+    def weighted(self, key: Any, w: np.ndarray, times: np.ndarray, k: np.ndarray):
+        """Like `integrals`, of any rate `w` (indexed like `owner`); cached under `key`."""
+        cached = self._cum.get(key)
+        if cached is None:
+            cached = self._cum[key] = compensated_cumsum(self.width * w[1:-1])
+        hi, lo = cached
+        j = np.maximum(k - 1, 0)
+        hv = np.where(k > 0, hi[j], 0.0)
+        lv = lo[j] * (k > 0) + (times - self.bounds[j]) * w[k]
         return hv, lv
 
     def class_integrals(self, n_cls: int, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,13 +157,21 @@ def decode_classes(classes: list[tuple[str, bool]]) -> list[int]:
     return [i for i, (c, _) in enumerate(classes) if c == "decode"]
 
 
-def build_timeline(log: RawLog, classes: list, seg_cls: np.ndarray, frac: np.ndarray):
+def build_timeline(
+    log: RawLog,
+    classes: list,
+    seg_cls: np.ndarray,
+    frac: np.ndarray,
+    extra_bounds: np.ndarray | None = None,
+):
+    """The host timeline of `log`; `extra_bounds` (OS interval ends) cut it further."""
     sg, gcp = log.segments, log.gc_pauses
     gc_cls = classes.index(("gc", False))
     starts = np.concatenate([sg.t_start_s, gcp.t_start_s])
     ends = np.concatenate([sg.t_end_s, gcp.t_end_s])
     cls = np.concatenate([seg_cls, np.full(len(gcp), gc_cls)])
-    bounds = np.unique(np.concatenate([starts, ends, [0.0]]))  # never empty
+    more = [] if extra_bounds is None else [extra_bounds]
+    bounds = np.unique(np.concatenate([starts, ends, [0.0], *more]))  # never empty
     m = len(bounds)
     residual = len(classes)
     owner = np.full(m + 1, residual, dtype=np.int64)
@@ -175,6 +196,81 @@ def build_timeline(log: RawLog, classes: list, seg_cls: np.ndarray, frac: np.nda
             own = (inner == ci) & (n > 0)
             rate[1:m][own] = np.clip(fsum[own] / n[own], 0.0, 1.0)
     return Timeline(bounds, owner, rate)
+
+
+@dataclass(frozen=True)
+class OsIntervals:
+    """What the OS did to the engine's loop thread between consecutive samples (step starts
+    and ends): interval ``[t0_s, t1_s]`` held `runqueue_s` of run-queue wait and `offcpu_s`
+    of other off-CPU time (blocked: I/O, locks, sleeps, page faults), both within it."""
+
+    t0_s: np.ndarray
+    t1_s: np.ndarray
+    runqueue_s: np.ndarray
+    offcpu_s: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.t0_s)
+
+
+def os_intervals(log: RawLog) -> OsIntervals:
+    """The loop thread's OS intervals (docs/partition.md, "OS evidence"): consecutive step
+    samples of the thread that recorded them, in time order. An interval is used only
+    where both samples have CPU time and run-queue wait (not -1) and the counters did not
+    go back; its run-queue wait is at most its length, its off-CPU time is what is left
+    after CPU time and run-queue wait (never negative)."""
+    os_ = log.os_samples
+    step_rows = (os_.kind == OS_STEP_START) | (os_.kind == OS_STEP_END)
+    if not step_rows.any():
+        z = np.zeros(0)
+        return OsIntervals(z, z, z, z)
+    threads, counts = np.unique(os_.thread[step_rows], return_counts=True)
+    loop = threads[np.argmax(counts)]  # the thread that ran the steps
+    sel = np.flatnonzero(step_rows & (os_.thread == loop))
+    sel = sel[np.argsort(os_.t_s[sel], kind="stable")]
+    t, cpu, runq = os_.t_s[sel], os_.cpu_ns[sel], os_.runqueue_ns[sel]
+    t0, t1 = t[:-1], t[1:]
+    d_cpu, d_runq = np.diff(cpu), np.diff(runq)
+    ok = (cpu[:-1] >= 0) & (cpu[1:] >= 0) & (runq[:-1] >= 0) & (runq[1:] >= 0)
+    ok &= (d_cpu >= 0) & (d_runq >= 0) & (t1 > t0)
+    width = np.where(ok, t1 - t0, 0.0)
+    rq = np.minimum(d_runq * 1e-9, width)
+    off = np.maximum(width - d_cpu * 1e-9 - rq, 0.0)
+    return OsIntervals(t0[ok], t1[ok], rq[ok], off[ok])
+
+
+def os_rates(tl: Timeline, osi: OsIntervals, wait_cls: list[int]):
+    """Per elementary interval of `tl` (indexed like its owner; `tl` cut at every OS
+    interval's ends): the share of each instant that is `os_runqueue` and `os_blocked`.
+    Off-CPU time first goes to the interval's explicit waits (classes `wait_cls`, the
+    `DEVICE_WAIT_LABELS`: their time is off-CPU by what they are); what is left is spread
+    over the rest of the interval."""
+    m = len(tl.bounds)
+    run = np.zeros(m + 1)
+    blk = np.zeros(m + 1)
+    if m < 2 or not len(osi):
+        return run, blk
+    left = tl.bounds[:-1]
+    j = np.searchsorted(osi.t0_s, left, side="right") - 1
+    inside = (j >= 0) & (left < osi.t1_s[np.maximum(j, 0)])
+    jj = np.maximum(j, 0)
+    width = osi.t1_s - osi.t0_s
+    is_wait = np.isin(tl.owner, wait_cls)
+    # the waits' time in each OS interval
+    k0 = np.searchsorted(tl.bounds, osi.t0_s, side="right")
+    k1 = np.searchsorted(tl.bounds, osi.t1_s, side="right")
+    w_rate = is_wait.astype(np.float64)
+    h0, l0 = tl.weighted("os_wait", w_rate, osi.t0_s, k0)
+    h1, l1 = tl.weighted("os_wait", w_rate, osi.t1_s, k1)
+    wait_s = np.clip((h1 - h0) + (l1 - l0), 0.0, width)
+    rest = width - wait_s
+    unexplained = np.maximum(osi.offcpu_s - wait_s, 0.0)
+    b_rate = np.divide(unexplained, rest, out=np.zeros(len(rest)), where=rest > 0)
+    r_rate = np.divide(osi.runqueue_s, width, out=np.zeros(len(width)), where=width > 0)
+    b_rate = np.minimum(b_rate, 1.0 - r_rate)
+    run[1:m] = np.where(inside, r_rate[jj], 0.0)
+    blk[1:m] = np.where(inside & ~is_wait[1:m], b_rate[jj], 0.0)
+    return run, blk
 
 
 def decode_net_ms(log: RawLog, seg_causes: np.ndarray) -> np.ndarray:

@@ -45,12 +45,16 @@ import numpy as np
 
 from tracekit.capture import signals
 from tracekit.capture.device import DeviceTimer
-from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, _call
+from tracekit.capture.osstats import ThreadStats, unavailable_reason
+from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, call_sink
 from tracekit.labels import DEFAULT_CAUSE_MAP, colour
-from tracekit.log.parts import EVENT_COLS, EVICT, READMIT, TABLE_COLS, UNKNOWN_TICK
-from tracekit.log.rawlog import MODES, WAIT_REASON_CODES, RawLog
+from tracekit.log.flush import DTYPES, EVICT, READMIT, TABLES, UNKNOWN_TICK
+from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Clocks that count wall time: OS waits lie on them (`os_evidence` defaults on with them).
+WALL_CLOCKS = (time.perf_counter_ns, time.monotonic_ns)
 
 _NULL_CM = contextlib.nullcontext()
 NVTX_DOMAIN = "tracekit"
@@ -198,6 +202,12 @@ class Recorder:
     sinks: more `tracekit.capture.sinks.Sink`s to receive every flushed chunk (a live Chrome trace,
         live metrics); one that raises is logged and detached, the run goes on.
     cause_map: segment label -> cause, on top of the defaults (`swap` -> `preempt`, ...).
+    os_evidence: read the loop thread's CPU time, run-queue wait, context switches and
+        major faults at every step's start and end (`tracekit.capture.osstats`; about
+        1.5 µs a sample on Linux, see bench/bench_os.py), so the partition can name time the
+        OS took (`os_runqueue`, `os_blocked`). None (the default): on where the platform
+        has the counters and the clock is wall time (the default clock), else off; the
+        log's ``meta["os_evidence"]`` says which, and why not.
     handle_signals: turn SIGTERM into a clean stop, and keep it and Ctrl-C (SIGINT, still
         a KeyboardInterrupt) from being lost in a GC pause or a flush (re-sent once those
         end); installed at start and restored at stop, main thread only
@@ -222,6 +232,7 @@ class Recorder:
         handle_signals: bool = True,
         device_timer: DeviceTimer | None = None,
         sinks: Iterable[Sink] = (),
+        os_evidence: bool | None = None,
     ) -> None:
         self.out = None if out is None else os.fspath(out)
         self.config: dict[str, Any] = dict(config or {})
@@ -234,9 +245,11 @@ class Recorder:
         self._device = device_timer if enabled else None
         self._clock = clock
         self._seconds_per_tick = seconds_per_tick
-        self._flush_ticks = int(flush_interval_s / seconds_per_tick)
+        self._flush_interval_ticks = int(flush_interval_s / seconds_per_tick)
         self._flush_interval_s = flush_interval_s
         self._handle_signals = handle_signals
+        self._want_os = os_evidence
+        self._os: ThreadStats | None = None
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._running = False
@@ -256,18 +269,18 @@ class Recorder:
         self._step_no = -1  # index of the open (or last) step
         self._in_step = False
         self._loop_ident = -1
-        self._step_t0 = 0
+        self._step_t0_tick = 0
         self._step_attrs: dict[str, int] = {}
         self._step_evictions = 0
         self._step_readmissions = 0
         self._step_emit_rows = 0
-        self._gc_t0 = 0
+        self._gc_t0_tick = 0
         self._stacks: list[list[int]] = []  # every thread's segment stack
         # where the rows go: the run's own sink (parts on disk, or memory), then the others
         self._own: PartsSink | MemorySink = MemorySink()  # chosen at start, from `out`
         self._sinks: list[Sink] = list(sinks)
         self._dispatcher: Dispatcher | None = None
-        self._last_flush = 0
+        self._last_flush_tick = 0
         self._num_flushes = 0  # handed to the dispatcher
         self._t0_tick = 0
         self._pid = -1  # the process that started the run
@@ -290,7 +303,7 @@ class Recorder:
                 ) from e
             self._nvtx = nvtx
         self._t0_tick = self._clock()
-        self._last_flush = self._t0_tick
+        self._last_flush_tick = self._t0_tick
         self._pid = os.getpid()
         self._thread_id()  # the starting thread is thread 0
         meta = {
@@ -304,6 +317,7 @@ class Recorder:
             "cause_map": self.cause_map,
             "source": "tracekit",
         }
+        meta["os_evidence"] = self._open_os_evidence()
         if self._device is not None:
             meta["device_calibration"] = self._device.attach(
                 self._clock, self._seconds_per_tick, self._t0_tick
@@ -311,7 +325,7 @@ class Recorder:
         self._meta = meta
         self._own = MemorySink() if self.out is None else PartsSink(self.out)
         self._own.open(meta)  # the run's own output: refusing a path in use raises here
-        self._sinks = [s for s in self._sinks if _call(s, "open", meta)]
+        self._sinks = [s for s in self._sinks if call_sink(s, "open", meta)]
         self._dispatcher = Dispatcher(
             [self._own, *self._sinks],
             t0_tick=self._t0_tick,
@@ -327,6 +341,31 @@ class Recorder:
         self._running = True
         _ACTIVE.add(self)
         return self
+
+    def _open_os_evidence(self) -> dict[str, Any]:
+        """Start the OS reader if asked for (or by default where it means something)."""
+        why = unavailable_reason()
+        if self._want_os is False:
+            why = "switched off (Recorder(os_evidence=False))"
+        elif why is None and self._want_os is None and self._clock not in WALL_CLOCKS:
+            why = (
+                "the recorder's clock is not wall time (OS waits would not lie on it); "
+                "pass os_evidence=True to record anyway"
+            )
+        if why is None:
+            self._os = ThreadStats.open()
+        if self._os is None:
+            return {"recorded": False, "reason": why or "unavailable"}
+        return {"recorded": True, "at": "step boundaries, loop thread", **self._os.describe()}
+
+    def _os_sample(self, kind: int, t: int) -> None:
+        """One `os_samples` row for the calling thread, at tick `t`."""
+        reader = self._os
+        if reader is None:  # stop() closed it meanwhile, from another thread
+            return
+        row = (self._thread_id(), kind, t, *reader.read())
+        with self._lock:
+            self._buf["os_samples"].extend(row)
 
     def add_sink(self, sink: Sink) -> None:
         """Send every flushed chunk to `sink` too (before `start()`)."""
@@ -354,6 +393,9 @@ class Recorder:
                 signals.release()
                 self._signals = False
             signals.cancel_at_exit(self.stop)
+            if self._os is not None:
+                self._os.close()
+                self._os = None
         try:
             self._flush(stop_tick=stop_tick)
         finally:
@@ -368,7 +410,7 @@ class Recorder:
         attached = self._dispatcher.sinks if self._dispatcher is not None else []
         for sink in self._sinks:  # a sink detached after a failure is not called again
             if sink in attached:
-                _call(sink, "close", final)
+                call_sink(sink, "close", final)
         try:
             self._own.close(final)
         finally:
@@ -481,15 +523,19 @@ class Recorder:
             self._in_step = True
         self._step_attrs = {}
         self._step_evictions = self._step_readmissions = self._step_emit_rows = 0
-        self._step_t0 = self._clock()
+        self._step_t0_tick = self._clock()
+        if self._os is not None:
+            self._os_sample(OS_STEP_START, self._step_t0_tick)
 
     def _end_step(self) -> None:
         t1 = self._clock()
+        if self._os is not None:
+            self._os_sample(OS_STEP_END, t1)
         a = self._step_attrs
         n_dec = a.get("num_decode", self._step_emit_rows)
         graph = a.get("graph_size", n_dec if n_dec > 0 else -1)
         row = (
-            self._step_t0,
+            self._step_t0_tick,
             t1,
             n_dec,
             a.get("num_prefill_tokens", 0),
@@ -503,7 +549,7 @@ class Recorder:
         dev = self._device
         if dev is not None and dev._pending:  # lazily: only what has finished, no sync
             dev.poll(self._append_device_window)
-        if t1 - self._last_flush >= self._flush_ticks:
+        if t1 - self._last_flush_tick >= self._flush_interval_ticks:
             self._flush()
 
     # -- segments --------------------------------------------------------------------
@@ -600,7 +646,7 @@ class Recorder:
     def _flush_if_idle(self, now: int) -> None:
         """Keep the flush interval while no step runs (an idle engine still takes
         arrivals): flush only between steps, so a part never splits an open step."""
-        if self._in_step or now - self._last_flush < self._flush_ticks:
+        if self._in_step or now - self._last_flush_tick < self._flush_interval_ticks:
             return
         with self._lock:
             if not self._in_step and self._running:
@@ -764,19 +810,22 @@ class Recorder:
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             signals.IN_GC[0] = True  # first, before any call: see tracekit.capture.signals
-            self._gc_t0 = self._clock()
+            self._gc_t0_tick = self._clock()
         else:
             try:
                 t1 = self._clock()
                 with self._lock:
-                    self._buf["gc_pauses"].extend((self._gc_t0, t1, info.get("generation", -1)))
+                    self._buf["gc_pauses"].extend(
+                        (self._gc_t0_tick, t1, info.get("generation", -1))
+                    )
             finally:
                 signals.IN_GC[0] = False
 
     # -- buffers ---------------------------------------------------------------------
     def _new_buffers(self) -> None:
-        self._buf: dict[str, array] = {k: array("q") for k in TABLE_COLS}
-        self._buf["counters"] = array("d")
+        self._buf: dict[str, array] = {
+            k: array("d" if DTYPES[k] is np.float64 else "q") for k in TABLES
+        }
 
     def _flush(self, *, stop_tick: int | None = None, poll_device: bool = True) -> None:
         """Hand the completed rows to the sinks' dispatcher (a swap of buffers; no disk
@@ -794,7 +843,7 @@ class Recorder:
                 open_tick = self._earliest_open_tick()
                 buf = self._buf
                 self._new_buffers()
-                self._last_flush = now
+                self._last_flush_tick = now
                 if self._pid != os.getpid():  # a forked child: the run is the parent's
                     return
                 start = self._req_flushed
@@ -819,7 +868,7 @@ class Recorder:
     def _earliest_open_tick(self) -> int | None:
         """The start of the earliest window still open: a segment on any thread, or a
         collection under way on another thread (None: none)."""
-        out = self._gc_t0 if signals.IN_GC[0] else None
+        out = self._gc_t0_tick if signals.IN_GC[0] else None
         for st in self._stacks:  # other threads' stacks, read without their help:
             try:  # a window closing meanwhile pops its entry (then it is in this flush)
                 t = st[0] if st else None
@@ -839,6 +888,7 @@ class Recorder:
         self._stopped = True
         self._dispatcher = None
         self._signals = False
+        self._os = None  # the parent's schedstat fds name the parent's threads
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         signals.cancel_at_exit(self.stop)
@@ -887,6 +937,6 @@ def _after_fork_child() -> None:
 signals.on_fork(_before_fork, _after_fork_parent, _after_fork_child)
 
 
-__all__ = ["Recorder", "active_recorders", "EVENT_COLS", "UNKNOWN_TICK"]
+__all__ = ["Recorder", "active_recorders", "UNKNOWN_TICK"]
 
 signals.defer_in(Recorder._on_gc.__code__)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -50,7 +50,15 @@ from tracekit.attribution.itl import CLEAN, fit_baseline, partition, primary_of
 from tracekit.attribution.ttft import TTFT_STANDARD_LABELS, ttft_partition
 from tracekit.labels import DEFAULT_CAUSE_MAP, STANDARD_LABELS, cause_of
 from tracekit.live.stats import LiveTotals, Settlement, SlowGap
-from tracekit.log.parts import TABLE_COLS, UNKNOWN_TICK, pair_evictions
+from tracekit.log.flush import (
+    EVICT,
+    TABLES,
+    UNKNOWN_TICK,
+    FlushedRows,
+    column_index,
+    pair_evictions,
+    to_table,
+)
 from tracekit.log.rawlog import (
     GRAPH_EAGER,
     Admissions,
@@ -58,6 +66,7 @@ from tracekit.log.rawlog import (
     Emissions,
     Evictions,
     GcPauses,
+    OsSamples,
     PrefillChunks,
     RawLog,
     Requests,
@@ -80,13 +89,18 @@ MAX_SPAN_STEPS = 64
 
 TtftPartitioner = Callable[[RawLog, np.ndarray], tuple[tuple[str, ...], np.ndarray]]
 
-# the settler's row layouts: a table's rows as int64 columns in these orders
-_ST = {c: i for i, c in enumerate(TABLE_COLS["steps"])}
-_SG = {c: i for i, c in enumerate(TABLE_COLS["segments"])}
-_GC = {c: i for i, c in enumerate(TABLE_COLS["gc_pauses"])}
-_EM = {c: i for i, c in enumerate(TABLE_COLS["emissions"])}
-_EV = {c: i for i, c in enumerate(TABLE_COLS["events"])}
-_RQ = {c: i for i, c in enumerate(TABLE_COLS["requests"])}
+# column positions in the retained rows: the flush's layout (`tracekit.log.flush.TABLES`),
+# by name
+_ST = {c: i for i, c in enumerate(TABLES["steps"])}
+_SG = {c: i for i, c in enumerate(TABLES["segments"])}
+_GC = {c: i for i, c in enumerate(TABLES["gc_pauses"])}
+_EM = {c: i for i, c in enumerate(TABLES["emissions"])}
+_EV = {c: i for i, c in enumerate(TABLES["events"])}
+_RQ = {c: i for i, c in enumerate(TABLES["requests"])}
+_AD = {c: i for i, c in enumerate(TABLES["admissions"])}
+_PF = {c: i for i, c in enumerate(TABLES["prefill_chunks"])}
+_WT = {c: i for i, c in enumerate(TABLES["waits"])}
+_OS = {c: i for i, c in enumerate(TABLES["os_samples"])}
 _NO_TICK = np.iinfo(np.int64).max
 #: Parts the partition derives (decode's split, time no window covers): an engine label of
 #: that name becomes the cause ``engine_<name>``, so that the two never add up.
@@ -124,22 +138,18 @@ def ttft_by_cause(window: RawLog, requests: np.ndarray) -> tuple[tuple[str, ...]
 
 
 def read_batch(batch: Mapping[str, Any]) -> FlushedBatch:
-    """The one place that reads a recorder's flushed batch (the flat arrays of
-    `tracekit.log.parts.TABLE_COLS`, by column position)."""
-    rows = {
-        k: np.asarray(batch[k]).reshape(-1, len(cols))
-        for k, cols in TABLE_COLS.items()
-        if k in batch and k != "counters"
-    }
+    """The one place that reads a recorder's flushed rows (`tracekit.log.flush.FlushedRows`,
+    or any mapping of its arrays), table by table and column by name."""
+    f = FlushedRows.of(batch)
     return FlushedBatch(
-        rows=rows,
-        labels=[str(x) for x in batch["labels"]] if "labels" in batch else None,
-        request_ids_start=int(batch["request_ids_start"]) if "request_ids_start" in batch else None,
-        request_ids=[str(x) for x in batch.get("request_ids", [])],
-        flush_tick=int(batch["flush_tick"]) if "flush_tick" in batch else None,
-        open_tick=int(batch["open_tick"]) if "open_tick" in batch else None,
-        t0_tick=int(batch["t0_tick"]) if "t0_tick" in batch else None,
-        is_stop="stop_tick" in batch,
+        rows={k: f.table(k) for k in TABLES if k in f and k != "counters"},
+        labels=f.strings("labels") if "labels" in f else None,
+        request_ids_start=f.scalar("request_ids_start"),
+        request_ids=f.strings("request_ids"),
+        flush_tick=f.scalar("flush_tick"),
+        open_tick=f.scalar("open_tick"),
+        t0_tick=f.scalar("t0_tick"),
+        is_stop=f.is_last,
     )
 
 
@@ -280,10 +290,13 @@ class Settler:
         self._labels: list[str] = []
         self._req_ids: list[str] = []
         # retained rows (ticks), see _prune
-        cols = {k: len(c) for k, c in TABLE_COLS.items()}
+        cols = {k: len(c) for k, c in TABLES.items()}
         self._segs = np.zeros((0, cols["segments"]), dtype=np.int64)
         self._gcs = np.zeros((0, cols["gc_pauses"]), dtype=np.int64)
         self._events = np.zeros((0, cols["events"]), dtype=np.int64)
+        # the loop thread's OS samples (docs/partition.md, "OS evidence"), from the one
+        # before the oldest retained tick on (the OS interval that covers it starts there)
+        self._os_rows = np.zeros((0, cols["os_samples"]), dtype=np.int64)
         # the TTFT partition's rows (admissions, prefill chunks, waits) of the requests whose
         # TTFT is not settled yet (prefill chunks: of every retained step, a step's token
         # total splits its prefill time)
@@ -359,6 +372,7 @@ class Settler:
         """How many rows the settler holds (what bounds its memory)."""
         return {
             "segments": len(self._segs),
+            "os_samples": len(self._os_rows),
             "steps": len(self._steps),
             "pending_emissions": len(self._pending),
             "ttft_rows": sum(len(v) for v in self._ttft_rows.values()),
@@ -388,36 +402,39 @@ class Settler:
 
         # a row that starts before what is settled was open longer than hold_s: late
         late = 0
-        for k, start_col in (("segments", "t0"), ("gc_pauses", "t0"), ("emissions", "t"),
-                             ("events", "t")):  # fmt: skip
+        for k, start_col in (("segments", "t0_tick"), ("gc_pauses", "t0_tick"),
+                             ("emissions", "t_tick"), ("events", "t_tick")):  # fmt: skip
             if k in rows and len(rows[k]):
-                col = TABLE_COLS[k].index(start_col)
+                col = column_index(k, start_col)
                 late += int((rows[k][:, col] < self._settled_to_tick).sum())
         st = rows.get("steps")
         if st is not None and len(st):
-            late += int((st[:, 0] < self._settled_to_tick).sum())
+            late += int((st[:, _ST["t0_tick"]] < self._settled_to_tick).sum())
             self._steps = np.concatenate([self._steps, st])
         self.totals.late_rows += late
-        for k, attr in (("segments", "_segs"), ("gc_pauses", "_gcs"), ("events", "_events")):
+        for k, attr in (("segments", "_segs"), ("gc_pauses", "_gcs"), ("events", "_events"),
+                        ("os_samples", "_os_rows")):  # fmt: skip
             if k in rows and len(rows[k]):
                 setattr(self, attr, np.concatenate([getattr(self, attr), rows[k]]))
         rq = rows.get("requests")
         if rq is not None and len(rq):
             arr = self._arrival_tick.ensure(n_req)
-            known = rq[:, 1] != UNKNOWN_TICK
-            fresh = rq[known, 0][arr[rq[known, 0]] == UNKNOWN_TICK]
-            arr[rq[known, 0]] = rq[known, 1]
+            req, arrival = rq[:, _RQ["request"]], rq[:, _RQ["arrival_tick"]]
+            known = arrival != UNKNOWN_TICK
+            fresh = req[known][arr[req[known]] == UNKNOWN_TICK]
+            arr[req[known]] = arrival[known]
             self._ttft_open = np.union1d(self._ttft_open, fresh)
-            self._max_new.ensure(n_req)[rq[:, 0]] = rq[:, 3]
-            self._prompt.ensure(n_req)[rq[:, 0]] = rq[:, 2]
+            self._max_new.ensure(n_req)[req] = rq[:, _RQ["max_new_tokens"]]
+            self._prompt.ensure(n_req)[req] = rq[:, _RQ["prompt_tokens"]]
         for k in TTFT_TABLES:
             if k in rows and len(rows[k]):
                 self._ttft_rows[k] = np.concatenate([self._ttft_rows[k], rows[k]])
         em = rows.get("emissions")
         if em is not None and len(em):
             self._pending = np.concatenate([self._pending, em])
-            np.add.at(self._tokens.ensure(n_req), em[:, 0], em[:, 3])
-            np.minimum.at(self._first_tick.ensure(n_req), em[:, 0], em[:, 1])
+            req = em[:, _EM["request"]]
+            np.add.at(self._tokens.ensure(n_req), req, em[:, _EM["num_tokens"]])
+            np.minimum.at(self._first_tick.ensure(n_req), req, em[:, _EM["t_tick"]])
         if b.flush_tick is not None:
             self._flush_tick = b.flush_tick
             self._open_tick = b.open_tick
@@ -479,7 +496,7 @@ class Settler:
         if w_tick <= self._settled_to_tick:
             return out
         pend = self._pending
-        take = pend[:, _EM["t"]] <= w_tick
+        take = pend[:, _EM["t_tick"]] <= w_tick
         new_em = pend[take]
         self._pending = pend[~take]
         steps_done = self._steps_to_settle(w_tick)
@@ -505,7 +522,7 @@ class Settler:
     def _steps_to_settle(self, w_tick: int) -> int:
         """How many retained steps, from the first unsettled one, ended by w_tick."""
         i = self._num_settled_steps - self._step_base
-        ends = self._steps[i:, _ST["t1"]]
+        ends = self._steps[i:, _ST["t1_tick"]]
         return int(np.searchsorted(np.cumsum(ends > w_tick), 0, side="right")) if len(ends) else 0
 
     def _window(
@@ -532,23 +549,26 @@ class Settler:
             ]
         )[c_t != UNKNOWN_TICK]
         em = np.concatenate([carried, new_em]) if len(carried) else new_em
-        starts = [int(em[:, _EM["t"]].min())] if len(em) else []
+        starts = [int(em[:, _EM["t_tick"]].min())] if len(em) else []
         first_unsettled = self._num_settled_steps - self._step_base
         if first_unsettled < len(self._steps):
-            starts.append(int(self._steps[first_unsettled, _ST["t0"]]))
+            starts.append(int(self._steps[first_unsettled, _ST["t0_tick"]]))
         if lo_tick is None:
             lo_tick = min(starts) if starts else self._settled_to_tick
         if len(em):
             if len(carried):
-                self.totals.truncated_gaps += int((carried[:, _EM["t"]] < self._horizon_tick).sum())
-        segs = self._segs[self._segs[:, _SG["t1"]] >= lo_tick]
-        gcs = self._gcs[self._gcs[:, _GC["t1"]] >= lo_tick]
+                self.totals.truncated_gaps += int(
+                    (carried[:, _EM["t_tick"]] < self._horizon_tick).sum()
+                )
+        segs = self._segs[self._segs[:, _SG["t1_tick"]] >= lo_tick]
+        gcs = self._gcs[self._gcs[:, _GC["t1_tick"]] >= lo_tick]
+        os_rows = self._os_rows[_from_the_sample_before(self._os_rows, lo_tick) :]
         # steps: every one a row refers to (the emitting ones too: a span lists the steps
         # its gap overlaps), from the first unsettled one on
         refs = [segs[:, _SG["step"]], em[:, _EM["step"]], em[:, _EM["device_step"]]]
         tt = self._ttft_rows
         if ttft_requests is not None:
-            refs += [tt["prefill_chunks"][:, 0], tt["waits"][:, 0]]
+            refs += [tt["prefill_chunks"][:, _PF["step"]], tt["waits"][:, _WT["step"]]]
         ref = np.concatenate(refs)
         ref = ref[ref >= self._step_base]
         step_lo = min(
@@ -556,9 +576,9 @@ class Settler:
         )
         step_lo = max(step_lo, self._step_base)
         step_hi = max(int(ref.max()) + 1 if len(ref) else 0, self._step_base + len(self._steps))
-        st = np.zeros((step_hi - step_lo, len(TABLE_COLS["steps"])), dtype=np.int64)
+        st = np.zeros((step_hi - step_lo, len(TABLES["steps"])), dtype=np.int64)
         st[:, _ST["graph_size"]] = -1  # a step not yet ended: no decode known
-        st[:, _ST["t0"]] = st[:, _ST["t1"]] = self._t0_tick
+        st[:, _ST["t0_tick"]] = st[:, _ST["t1_tick"]] = self._t0_tick
         known = self._steps[step_lo - self._step_base :]
         st[: len(known)] = known
 
@@ -567,34 +587,20 @@ class Settler:
 
         secs = self.secs
         window = RawLog(
-            steps=Steps(
-                t_start_s=secs(st[:, 0]),
-                t_end_s=secs(st[:, 1]),
-                num_decode=st[:, 2].copy(),
-                num_prefill_tokens=st[:, 3].copy(),
-                graph_size=st[:, 4].copy(),
-                num_preempted=st[:, 5].copy(),
-                num_swapped_in=st[:, 6].copy(),
+            steps=to_table(Steps, "steps", st, secs),
+            segments=replace(
+                to_table(Segments, "segments", segs, secs), step=rebase(segs[:, _SG["step"]])
             ),
-            segments=Segments(
-                step=rebase(segs[:, 0]),
-                label=segs[:, 1].copy(),
-                t_start_s=secs(segs[:, 2]),
-                t_end_s=secs(segs[:, 3]),
-                thread=segs[:, 4].copy(),
-                is_device=segs[:, 5].astype(np.int8),
-            ),
-            gc_pauses=GcPauses(
-                t_start_s=secs(gcs[:, 0]), t_end_s=secs(gcs[:, 1]), generation=gcs[:, 2].copy()
-            ),
-            emissions=Emissions(
-                request=em[:, 0].copy(),
-                t_s=secs(em[:, 1]),
-                step=em[:, 2].copy(),  # global: only reported (step0/step1), never indexed
-                num_tokens=em[:, 3].copy(),
-                device_step=np.where(em[:, 4] >= step_lo, em[:, 4] - step_lo, -1),
+            gc_pauses=to_table(GcPauses, "gc_pauses", gcs, secs),
+            emissions=replace(
+                # step: global, only reported (step0/step1), never indexed
+                to_table(Emissions, "emissions", em, secs),
+                device_step=np.where(
+                    em[:, _EM["device_step"]] >= step_lo, em[:, _EM["device_step"]] - step_lo, -1
+                ),
             ),
             evictions=pair_evictions(self._events, secs),
+            os_samples=to_table(OsSamples, "os_samples", os_rows, secs),
             # the partition never reads the requests: built only for a TTFT partitioner
             requests=self._requests_table(ttft_requests)
             if ttft_requests is not None
@@ -613,19 +619,21 @@ class Settler:
         request's first admission only (what the raw log keeps)."""
         tt = self._ttft_rows
         ad = tt["admissions"]
+        ar, at = _AD["request"], _AD["t_tick"]
         if len(ad):
-            ad = ad[np.lexsort((ad[:, 1], ad[:, 0]))]
-            ad = ad[np.r_[True, ad[1:, 0] != ad[:-1, 0]]]
+            ad = ad[np.lexsort((ad[:, at], ad[:, ar]))]
+            ad = ad[np.r_[True, ad[1:, ar] != ad[:-1, ar]]]
         pf, wt = tt["prefill_chunks"], tt["waits"]
-        pf = pf[(pf[:, 0] >= step_lo) & (pf[:, 0] < step_hi)]
-        wt = wt[(wt[:, 0] >= step_lo) & (wt[:, 0] < step_hi)]
+        pf = pf[(pf[:, _PF["step"]] >= step_lo) & (pf[:, _PF["step"]] < step_hi)]
+        wt = wt[(wt[:, _WT["step"]] >= step_lo) & (wt[:, _WT["step"]] < step_hi)]
         return {
-            "admissions": Admissions(request=ad[:, 0].copy(), t_s=self.secs(ad[:, 1])),
-            "prefill_chunks": PrefillChunks(
-                step=pf[:, 0] - step_lo, request=pf[:, 1].copy(), num_tokens=pf[:, 2].copy()
+            "admissions": to_table(Admissions, "admissions", ad, self.secs),
+            "prefill_chunks": replace(
+                to_table(PrefillChunks, "prefill_chunks", pf, self.secs),
+                step=pf[:, _PF["step"]] - step_lo,
             ),
-            "waits": Waits(
-                step=wt[:, 0] - step_lo, request=wt[:, 1].copy(), reason=wt[:, 2].copy()
+            "waits": replace(
+                to_table(Waits, "waits", wt, self.secs), step=wt[:, _WT["step"]] - step_lo
             ),
         }
 
@@ -636,7 +644,7 @@ class Settler:
         o = o[self._arrival_tick.ensure(len(self._req_ids))[o] >= self._horizon_tick]
         for k in ("admissions", "waits"):
             rows = self._ttft_rows[k]
-            self._ttft_rows[k] = rows[np.isin(rows[:, 1 if k == "waits" else 0], o)]
+            self._ttft_rows[k] = rows[np.isin(rows[:, column_index(k, "request")], o)]
 
     def _requests_table(self, which: np.ndarray) -> Requests:
         """Every request so far: arrival (NaN: unknown, or not in `which`) and first token
@@ -743,14 +751,15 @@ class Settler:
 
         # carry each request's last settled emission into the next window
         if len(new_em):
-            o = np.lexsort((new_em[:, _EM["t"]], new_em[:, _EM["request"]]))
-            last = o[np.r_[new_em[o, 0][1:] != new_em[o, 0][:-1], True]]
-            r = new_em[last, 0]
+            o = np.lexsort((new_em[:, _EM["t_tick"]], new_em[:, _EM["request"]]))
+            req = new_em[o, _EM["request"]]
+            last = o[np.r_[req[1:] != req[:-1], True]]
+            r = new_em[last, _EM["request"]]
             n = int(r.max()) + 1
-            self._carry_tick.ensure(n)[r] = new_em[last, 1]
-            self._carry_step.ensure(n)[r] = new_em[last, 2]
-            self._carry_nt.ensure(n)[r] = new_em[last, 3]
-            self._carry_dstep.ensure(n)[r] = new_em[last, 4]
+            self._carry_tick.ensure(n)[r] = new_em[last, _EM["t_tick"]]
+            self._carry_step.ensure(n)[r] = new_em[last, _EM["step"]]
+            self._carry_nt.ensure(n)[r] = new_em[last, _EM["num_tokens"]]
+            self._carry_dstep.ensure(n)[r] = new_em[last, _EM["device_step"]]
             self._inflight = np.union1d(self._inflight, r)
 
     def _eager_weights(self, win: RawLog, p: Any, eager: np.ndarray, e_ms: np.ndarray):
@@ -868,10 +877,10 @@ class Settler:
         if len(live):
             bounds.append(int(carry[live].min()))
         if len(self._pending):
-            bounds.append(int(self._pending[:, _EM["t"]].min()))
+            bounds.append(int(self._pending[:, _EM["t_tick"]].min()))
         i = self._num_settled_steps - self._step_base
         if i < len(self._steps):
-            bounds.append(int(self._steps[i, _ST["t0"]]))
+            bounds.append(int(self._steps[i, _ST["t0_tick"]]))
         if self._ttft_partitioner is not None and len(self._ttft_open):
             # the requests waiting for a first token pin the rows from their arrival on,
             # for at most max_retain_s (an aborted request never gets one)
@@ -883,8 +892,9 @@ class Settler:
         if h_tick <= self._horizon_tick:
             return
         self._horizon_tick = h_tick
-        self._segs = self._segs[self._segs[:, _SG["t1"]] >= h_tick]
-        self._gcs = self._gcs[self._gcs[:, _GC["t1"]] >= h_tick]
+        self._segs = self._segs[self._segs[:, _SG["t1_tick"]] >= h_tick]
+        self._gcs = self._gcs[self._gcs[:, _GC["t1_tick"]] >= h_tick]
+        self._os_rows = self._os_rows[_from_the_sample_before(self._os_rows, h_tick) :]
         self._events = _drop_closed_evictions(self._events, h_tick)
         # steps: keep every one a retained row or a live carry may still name
         keep = [self._num_settled_steps]
@@ -901,25 +911,35 @@ class Settler:
         # and every step an open TTFT's rows name (a prefill chunk of another request in
         # such a step: its token total splits the step's prefill time)
         pf, wt = self._ttft_rows["prefill_chunks"], self._ttft_rows["waits"]
-        for a in (pf[np.isin(pf[:, 1], self._ttft_open), 0], wt[:, 0]):
+        pf_step = pf[:, _PF["step"]]
+        for a in (pf_step[np.isin(pf[:, _PF["request"]], self._ttft_open)], wt[:, _WT["step"]]):
             if len(a):
                 keep.append(int(a.min()))
         first = max(self._step_base, min(keep))
         self._steps = self._steps[first - self._step_base :]
         self._step_base = first
-        self._ttft_rows["prefill_chunks"] = pf[pf[:, 0] >= first]
+        self._ttft_rows["prefill_chunks"] = pf[pf_step >= first]
+
+
+def _from_the_sample_before(os_rows: np.ndarray, tick: int) -> int:
+    """The first OS sample a window from `tick` needs: the last one at or before it (the
+    OS interval that covers `tick` starts there), else the first one. Samples are kept in
+    the order they were recorded: the loop thread's are in time order."""
+    before = np.flatnonzero(os_rows[:, _OS["t_tick"]] <= tick)
+    return int(before[-1]) if len(before) else 0
 
 
 def _drop_closed_evictions(ev: np.ndarray, horizon: int) -> np.ndarray:
     """Event rows without the eviction/readmission pairs that ended before `horizon`."""
     if not len(ev):
         return ev
-    order = np.lexsort((np.arange(len(ev)), ev[:, 2], ev[:, 0]))
+    req, kinds, ts = (ev[:, _EV[c]] for c in ("request", "kind", "t_tick"))
+    order = np.lexsort((np.arange(len(ev)), ts, req))
     drop = np.zeros(len(ev), dtype=bool)
     open_at: dict[int, int] = {}
     for i in order.tolist():  # per eviction event: a few per second at most
-        r, kind, t = int(ev[i, 0]), int(ev[i, 1]), int(ev[i, 2])
-        if kind == 0:
+        r, kind, t = int(req[i]), int(kinds[i]), int(ts[i])
+        if kind == EVICT:
             open_at[r] = i
         elif r in open_at:
             j = open_at.pop(r)

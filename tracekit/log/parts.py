@@ -3,9 +3,9 @@
 While a run records to ``OUT.npz``, its completed events go to ``OUT.npz.parts/``:
 
 - ``meta.json``: written at start (schema, clock, start tick, pid, config so far);
-- ``part-000001.npz``, ``part-000002.npz``, ...: each chunk of flat int64 rows the recorder
-  buffered since the last flush, written to a temporary name and renamed into place, so a
-  part is either whole or absent, whatever kills the process.
+- ``part-000001.npz``, ``part-000002.npz``, ...: each the rows the recorder flushed since
+  the previous part (a `tracekit.log.flush.FlushedRows`), written to a temporary name and
+  renamed into place, so a part is either whole or absent, whatever kills the process.
 
 `merge_parts` turns a parts folder into a `RawLog` (seconds from engine start, evictions
 paired with their readmissions, first token per request), and `recover` writes it as the
@@ -29,13 +29,23 @@ from tracekit.errors import LogError, TracekitError
 from tracekit.fsio import atomic_open, atomic_write
 from tracekit.labels import DEFAULT_CAUSE_MAP
 from tracekit.log.archive import InflateLimitError, open_regular, read_npz
+from tracekit.log.flush import (
+    KEYS,
+    OPTIONAL_TABLES,
+    TABLES,
+    UNKNOWN_TICK,
+    column_index,
+    columns,
+    empty_rows,
+    pair_evictions,
+    to_table,
+)
 from tracekit.log.rawlog import (
-    MODE_UNKNOWN,
     Admissions,
     Counters,
     Emissions,
-    Evictions,
     GcPauses,
+    OsSamples,
     PrefillChunks,
     RawLog,
     Requests,
@@ -44,39 +54,6 @@ from tracekit.log.rawlog import (
     Waits,
 )
 from tracekit.log.validate import validate_log
-
-# Row layouts of the recorder's flat buffers (all int64 ticks and ids, counters float64).
-STEP_COLS = ("t0", "t1", "num_decode", "num_prefill_tokens", "graph_size", "preempted", "swapped")
-SEG_COLS = ("step", "label", "t0", "t1", "thread", "is_device")
-GC_COLS = ("t0", "t1", "generation")
-EMIT_COLS = ("request", "t", "step", "num_tokens", "device_step")
-EVENT_COLS = ("request", "kind", "t", "mode")  # kind 0 evict, 1 readmit
-REQ_COLS = ("request", "arrival", "prompt_tokens", "max_new_tokens")
-COUNTER_COLS = ("name", "t", "value")
-ADMIT_COLS = ("request", "t")  # the first time the scheduler took the request
-PREFILL_COLS = ("step", "request", "num_tokens")  # a prompt chunk computed in a step
-WAIT_COLS = ("step", "request", "reason")  # why a waiting request was not admitted
-TABLE_COLS = {
-    "steps": STEP_COLS,
-    "segments": SEG_COLS,
-    "gc_pauses": GC_COLS,
-    "emissions": EMIT_COLS,
-    "events": EVENT_COLS,
-    "requests": REQ_COLS,
-    "counters": COUNTER_COLS,
-    "admissions": ADMIT_COLS,
-    "prefill_chunks": PREFILL_COLS,
-    "waits": WAIT_COLS,
-}
-#: Tables added after the first parts format: a part written before them lacks them.
-OPTIONAL_PART_TABLES = frozenset({"admissions", "prefill_chunks", "waits"})
-#: The arrays a part may hold (anything else in its archive is left unread).
-PART_KEYS = frozenset(TABLE_COLS) | {
-    "labels", "counter_names", "request_ids", "request_ids_start", "config", "flush_tick",
-    "t0_tick", "seconds_per_tick", "stop_tick", "dropped_rows",
-}  # fmt: skip
-EVICT, READMIT = 0, 1
-UNKNOWN_TICK = np.iinfo(np.int64).min  # an arrival that was not recorded
 
 PARTS_SUFFIX = ".parts"
 #: A part's file name: its flush number, six digits or more. Parts are listed by matching
@@ -180,7 +157,7 @@ def merge_parts(
     for i, p in enumerate(paths):
         try:  # read the whole part before using any of it (bounded: tracekit.log.archive)
             z, _ = read_npz(
-                p, lambda names: [n for n in names if n in PART_KEYS], max_inflate_mb=max_inflate_mb
+                p, lambda names: [n for n in names if n in KEYS], max_inflate_mb=max_inflate_mb
             )
         except InflateLimitError:  # over the limit the user set: an error, not a damaged part
             raise
@@ -188,7 +165,7 @@ def merge_parts(
             damaged: BaseException = e
         else:  # readable: contents that contradict the run are a LogError naming the field
             try:
-                parts.append(parse_chunk(z, p))
+                parts.append(parse_flushed(z, p))
                 continue
             except LogError:
                 raise
@@ -202,19 +179,20 @@ def merge_parts(
             f"({len(paths) - i} part(s) left out, still on disk)"
         )
         break
-    return merge_chunks(meta, parts, final=final, path=parts_dir, warnings=warnings)
+    return merge_flushed(meta, parts, final=final, path=parts_dir, warnings=warnings)
 
 
-def parse_chunk(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
-    """One flushed chunk (a part on disk, or a chunk in memory): its rows and vocabularies.
-    Raises on anything missing or damaged; a `LogError` for values a reader can name."""
+def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
+    """One flush (a part on disk, or `FlushedRows` in memory): its rows and vocabularies,
+    checked. Raises on anything missing or damaged; a `LogError` for values a reader can
+    name."""
 
     def bad(field: str, problem: str) -> LogError:
         return LogError(where, field, problem)
 
     tables = {}
-    for k, cols in TABLE_COLS.items():
-        if k in OPTIONAL_PART_TABLES and k not in z:
+    for k, cols in TABLES.items():
+        if k in OPTIONAL_TABLES and k not in z:
             continue  # written before the table existed
         a = np.asarray(z[k])
         if a.dtype.kind not in ("f" if k == "counters" else "iu"):
@@ -263,7 +241,7 @@ def parse_chunk(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
     }
 
 
-def merge_chunks(
+def merge_flushed(
     meta: Mapping[str, Any],
     parts: list[dict[str, Any]],
     *,
@@ -271,10 +249,10 @@ def merge_chunks(
     path: str = "<memory>",
     warnings: list[str] | None = None,
 ) -> RawLog:
-    """The one `RawLog` of a run's parsed chunks (`parse_chunk`), in flush order: what both
+    """The one `RawLog` of a run's parsed flushes (`parse_flushed`), in flush order: what both
     the parts on disk and a run kept in memory become. `final`: what is known only at
     stop (config, device calibration, ``extras``, ``warnings``)."""
-    chunks: dict[str, list[np.ndarray]] = {k: [] for k in TABLE_COLS}
+    chunks: dict[str, list[np.ndarray]] = {k: [] for k in TABLES}
     labels: list[str] = []
     request_ids: list[str] = []
     counter_names: list[str] = []
@@ -289,7 +267,7 @@ def merge_chunks(
             chunks[k].append(rows)
         labels, counter_names = part["labels"], part["counter_names"]
         start, new_ids = part["request_ids_start"], part["request_ids"]
-        if start != len(request_ids):  # each chunk names the ids new since the last one
+        if start != len(request_ids):  # each flush names the ids new since the last one
             raise LogError(
                 part["where"],
                 "request_ids_start",
@@ -299,13 +277,14 @@ def merge_chunks(
         request_ids += new_ids
         for k in ("requests", "emissions", "events"):  # rows name requests named so far
             rows = part["tables"].get(k)
-            bad = None if rows is None else (rows[:, 0] < 0) | (rows[:, 0] >= len(request_ids))
-            if bad is not None and bad.any():
+            req = None if rows is None else rows[:, column_index(k, "request")]
+            bad = None if req is None else (req < 0) | (req >= len(request_ids))
+            if req is not None and bad is not None and bad.any():
                 i = int(np.flatnonzero(bad)[0])
                 raise LogError(
                     part["where"],
                     f"{k}.request",
-                    f"row {i}: request {int(rows[i, 0])} is not one of the "
+                    f"row {i}: request {int(req[i])} is not one of the "
                     f"{len(request_ids)} named so far",
                 )
         config = part["config"]
@@ -325,46 +304,47 @@ def merge_chunks(
     t0 = int(meta["t0_tick"])
     scale = float(meta.get("seconds_per_tick", 1e-9))
 
-    def table(k: str, dtype: Any = np.int64) -> np.ndarray:
-        cols = TABLE_COLS[k]
+    def table(k: str) -> np.ndarray:
         if not chunks[k]:
-            return np.zeros((0, len(cols)), dtype=dtype)
-        return np.concatenate(chunks[k]).astype(dtype, copy=False)
+            return empty_rows(k)
+        return np.concatenate(chunks[k]).astype(empty_rows(k).dtype, copy=False)
 
     def secs(ticks: np.ndarray) -> np.ndarray:
         return (ticks - t0).astype(np.float64) * scale
 
-    # the recorder's row layouts (TABLE_COLS) are the tables' column orders
-    steps = Steps.from_rows(table("steps"), time=secs)
-    segments = Segments.from_rows(table("segments"), time=secs)
-    gcs = GcPauses.from_rows(table("gc_pauses"), time=secs)
-    em = table("emissions")
-    emissions = Emissions.from_rows(em, time=secs)
+    steps = to_table(Steps, "steps", table("steps"), secs)
+    segments = to_table(Segments, "segments", table("segments"), secs)
+    gcs = to_table(GcPauses, "gc_pauses", table("gc_pauses"), secs)
+    emissions = to_table(Emissions, "emissions", table("emissions"), secs)
     n_req = len(request_ids)
-    rq = table("requests")
+    rq = columns("requests", table("requests"))
     arrival = np.full(n_req, np.nan)
     prompt = np.full(n_req, -1, dtype=np.int64)
     max_new = np.full(n_req, -1, dtype=np.int64)
-    if len(rq):
-        known = rq[:, 1] != UNKNOWN_TICK
-        arrival[rq[known, 0]] = secs(rq[known, 1])
-        prompt[rq[:, 0]] = rq[:, 2]
-        max_new[rq[:, 0]] = rq[:, 3]
+    if len(rq["request"]):
+        known = rq["arrival_tick"] != UNKNOWN_TICK
+        arrival[rq["request"][known]] = secs(rq["arrival_tick"][known])
+        prompt[rq["request"]] = rq["prompt_tokens"]
+        max_new[rq["request"]] = rq["max_new_tokens"]
     first = np.full(n_req, np.nan)
-    if len(em):
+    if len(emissions):
         order = np.lexsort((emissions.t_s, emissions.request))
         r = emissions.request[order]
         head = np.ones(len(r), dtype=bool)
         head[1:] = r[1:] != r[:-1]
         first[r[head]] = emissions.t_s[order][head]
     evictions = pair_evictions(table("events"), secs)
-    ct = table("counters", np.float64)
+    ct = columns("counters", table("counters"))
     counters = Counters(
-        name=ct[:, 0].astype(np.int64), t_s=(ct[:, 1] - t0) * scale, value=ct[:, 2].copy()
+        name=ct["name"].astype(np.int64), t_s=(ct["t_tick"] - t0) * scale, value=ct["value"].copy()
     )
     admissions, prefill_chunks, waits = _ttft_tables(
-        table("admissions"), table("prefill_chunks"), table("waits"), secs
+        table("admissions"),
+        to_table(PrefillChunks, "prefill_chunks", table("prefill_chunks"), secs),
+        to_table(Waits, "waits", table("waits"), secs),
+        secs,
     )
+    os_samples = to_table(OsSamples, "os_samples", table("os_samples"), secs)
     if wall_ticks is None:  # an interrupted run: its wall time is what was flushed
         wall_ticks = last_tick - t0
     out_meta = {k: v for k, v in meta.items() if k not in ("config", "cause_map", "schema")}
@@ -388,6 +368,7 @@ def merge_chunks(
         admissions=admissions,
         prefill_chunks=prefill_chunks,
         waits=waits,
+        os_samples=os_samples,
         labels=tuple(labels),
         request_ids=tuple(request_ids),
         counter_names=tuple(counter_names),
@@ -402,54 +383,20 @@ def merge_chunks(
 
 
 def _ttft_tables(
-    ad: np.ndarray, pf: np.ndarray, wt: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]
+    ad: np.ndarray, prefill: PrefillChunks, waits: Waits, secs: Callable[[np.ndarray], np.ndarray]
 ) -> tuple[Admissions, PrefillChunks, Waits]:
-    """The TTFT tables from their rows. A request admitted twice keeps its first admission
-    (the first time the scheduler took it is what the row means)."""
+    """The TTFT tables. A request admitted twice keeps its first admission (the first time
+    the scheduler took it is what the row means)."""
+    c = columns("admissions", ad)
+    req, t = c["request"], c["t_tick"]
     if len(ad):
-        order = np.lexsort((ad[:, 1], ad[:, 0]))
-        ad = ad[order]
-        head = np.ones(len(ad), dtype=bool)
-        head[1:] = ad[1:, 0] != ad[:-1, 0]
-        ad = ad[head]
-    admissions = Admissions(request=ad[:, 0].copy(), t_s=secs(ad[:, 1]))
-    prefill = PrefillChunks(
-        step=pf[:, 0].copy(), request=pf[:, 1].copy(), num_tokens=pf[:, 2].copy()
-    )
-    waits = Waits(step=wt[:, 0].copy(), request=wt[:, 1].copy(), reason=wt[:, 2].copy())
+        order = np.lexsort((t, req))
+        req, t = req[order], t[order]
+        head = np.ones(len(req), dtype=bool)
+        head[1:] = req[1:] != req[:-1]
+        req, t = req[head], t[head]
+    admissions = Admissions(request=req.copy(), t_s=secs(t))
     return admissions, prefill, waits
-
-
-def pair_evictions(ev: np.ndarray, secs: Callable[[np.ndarray], np.ndarray]) -> Evictions:
-    """Pair each eviction with the next readmission of the same request (NaN: none)."""
-    if len(ev) == 0:
-        return Evictions.empty()
-    order = np.lexsort((np.arange(len(ev)), ev[:, 2], ev[:, 0]))
-    ev = ev[order]
-    req, kind, t, mode = ev[:, 0], ev[:, 1], ev[:, 2], ev[:, 3]
-    rows: list[tuple[int, int, float, int]] = []
-    open_at: dict[int, tuple[int, int]] = {}
-    for i in range(len(ev)):  # per eviction event, not per token: a few hundred per run
-        r = int(req[i])
-        if kind[i] == EVICT:
-            if r in open_at:  # evicted again without a readmission: close the first at NaN
-                t_ev, m = open_at.pop(r)
-                rows.append((r, t_ev, UNKNOWN_TICK, m))
-            open_at[r] = (int(t[i]), int(mode[i]))
-        elif r in open_at:
-            t_ev, m = open_at.pop(r)
-            rows.append((r, t_ev, int(t[i]), m))
-    for r, (t_ev, m) in open_at.items():
-        rows.append((r, t_ev, UNKNOWN_TICK, m))
-    a = np.array(rows, dtype=np.int64).reshape(-1, 4)
-    a = a[np.lexsort((a[:, 1], a[:, 0]))]
-    readmit = secs(a[:, 2])
-    readmit[a[:, 2] == UNKNOWN_TICK] = np.nan
-    mode_col = a[:, 3].copy()
-    mode_col[mode_col < MODE_UNKNOWN] = MODE_UNKNOWN
-    return Evictions(
-        request=a[:, 0].copy(), t_evict_s=secs(a[:, 1]), t_readmit_s=readmit, mode=mode_col
-    )
 
 
 def recover(

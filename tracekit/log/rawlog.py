@@ -5,8 +5,9 @@ recorder's start). Capture writes one; analysis reads one and never sees a live 
 
 On disk it is one `.npz` per run (`save`/`load`), self-describing:
 
-- ``schema`` = ``"tracekit.rawlog"``, ``schema_version`` = 2 (version 1, which has no
-  TTFT tables, still loads: those tables are empty);
+- ``schema`` = ``"tracekit.rawlog"``, ``schema_version`` = 3 (version 2, which has no
+  ``os_samples``, and version 1, which has no TTFT tables either, still load: the tables
+  they lack are empty);
 - one array per table column, named ``TABLE.COLUMN`` with the unit in the column name
   (``steps.t_start_s``, ``segments.label``, ...);
 - ``labels`` (segment label vocabulary), ``cause_map`` (JSON), ``config`` (JSON),
@@ -43,9 +44,10 @@ from tracekit.labels import DEFAULT_CAUSE_MAP
 from tracekit.log.archive import column, json_member, scalar_str, str_list
 
 SCHEMA = "tracekit.rawlog"
-SCHEMA_VERSION = 2
-#: Versions `load` reads: 1 lacks the TTFT tables (admissions, prefill_chunks, waits).
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+#: Versions `load` reads: 1 lacks the TTFT tables (admissions, prefill_chunks, waits), 2
+#: lacks the OS evidence (os_samples).
+READABLE_VERSIONS = (1, 2, 3)
 
 #: Why the scheduler did not admit a waiting request in a step (`waits.reason` codes).
 #: `kv_blocks`: not enough free KV blocks (including a watermark's headroom);
@@ -285,6 +287,41 @@ class Waits(_Table):
     DTYPES = {"step": np.int64, "request": np.int64, "reason": np.int64}
 
 
+#: `OsSamples.kind`: where a sample was read (a step's start or end, a segment's start or end).
+OS_STEP_START, OS_STEP_END, OS_SEGMENT_START, OS_SEGMENT_END = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class OsSamples(_Table):
+    """The operating system's account of a recording thread, read at step boundaries (and
+    segment boundaries where asked): every counter is the thread's total since it started,
+    so two consecutive samples of one thread bound what the OS did to it between them.
+    -1: not available on this platform (docs/partition.md, "OS evidence").
+
+    `cpu_ns`: the thread's CPU time (``CLOCK_THREAD_CPUTIME_ID``); `runqueue_ns`: time it
+    was runnable but waited for a CPU (``/proc/thread-self/schedstat``, second field);
+    switches and major page faults: ``getrusage(RUSAGE_THREAD)``."""
+
+    thread: np.ndarray  # the recorder's thread number (as in `Segments.thread`)
+    kind: np.ndarray  # OS_STEP_START ... OS_SEGMENT_END
+    t_s: np.ndarray  # the recorder's clock when the counters were read
+    cpu_ns: np.ndarray
+    runqueue_ns: np.ndarray
+    num_voluntary_switches: np.ndarray
+    num_involuntary_switches: np.ndarray
+    num_major_faults: np.ndarray
+    DTYPES = {
+        "thread": np.int64,
+        "kind": np.int64,
+        "t_s": np.float64,
+        "cpu_ns": np.int64,
+        "runqueue_ns": np.int64,
+        "num_voluntary_switches": np.int64,
+        "num_involuntary_switches": np.int64,
+        "num_major_faults": np.int64,
+    }
+
+
 @dataclass(frozen=True)
 class ProcSegments(_Table):
     """Windows recorded in the other processes of a multi-process server (API server,
@@ -353,6 +390,7 @@ TABLES: dict[str, type[_Table]] = {
     "admissions": Admissions,
     "prefill_chunks": PrefillChunks,
     "waits": Waits,
+    "os_samples": OsSamples,
     "proc_segments": ProcSegments,
     "client_emissions": ClientEmissions,
     "deliveries": Deliveries,
@@ -361,7 +399,9 @@ TABLES: dict[str, type[_Table]] = {
 SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries"})
 #: Tables a log may lack as a whole (version 1 logs, the published layout, logs of one
 #: process): empty on load.
-OPTIONAL_TABLES = frozenset({"counters", "admissions", "prefill_chunks", "waits"}) | SERVER_TABLES
+OPTIONAL_TABLES = (
+    frozenset({"counters", "admissions", "prefill_chunks", "waits", "os_samples"}) | SERVER_TABLES
+)
 
 
 @dataclass(frozen=True)
@@ -378,6 +418,7 @@ class RawLog:
     admissions: Admissions = field(default_factory=Admissions.empty)
     prefill_chunks: PrefillChunks = field(default_factory=PrefillChunks.empty)
     waits: Waits = field(default_factory=Waits.empty)
+    os_samples: OsSamples = field(default_factory=OsSamples.empty)
     proc_segments: ProcSegments = field(default_factory=ProcSegments.empty)
     client_emissions: ClientEmissions = field(default_factory=ClientEmissions.empty)
     deliveries: Deliveries = field(default_factory=Deliveries.empty)

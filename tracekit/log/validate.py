@@ -14,12 +14,12 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - an archive member that appears twice
 - arrays that would inflate beyond the inflate limit (a deflate bomb, zero-filled columns):
   their declared sizes are summed before anything is inflated
-- a tracekit log without `schema`, with another schema name, or a `schema_version` other than 1
-  or 2
+- a tracekit log without `schema`, with another schema name, or a `schema_version` other than 1,
+  2 or 3
 - neither a `schema` array nor the published layout's `steps` and `segs`
 - a missing required array or column (only the counters table, the TTFT tables `admissions`,
-  `prefill_chunks` and `waits` as whole tables, `emissions.device_step` and the JSON fields are
-  optional)
+  `prefill_chunks` and `waits` and the OS evidence `os_samples` as whole tables,
+  `emissions.device_step` and the JSON fields are optional)
 - a column that is not 1-D, not numeric (strings, complex, datetimes, records), or of unequal length
   within its table
 - a published array that is not 2-D with its documented number of columns
@@ -41,6 +41,8 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - negative counts, a token count below 1, a GC generation other than 0, 1 or 2, an is_device flag
   other than 0 or 1, an eviction mode other than -1, 0 or 1
 - counts, ids and thread numbers above `MAX_COUNT` (2**31 - 1)
+- in `os_samples`: a non-finite time, a negative thread number, a kind other than 0-3, a
+  counter below -1 (-1: not available), a CPU or run-queue total above `MAX_OS_NS`
 
 Accepted with a warning (kept on `RawLog.warnings`, printed by the CLI on stderr):
 
@@ -69,7 +71,13 @@ from dataclasses import replace
 import numpy as np
 
 from tracekit.errors import LogError
-from tracekit.log.rawlog import MODE_RECOMPUTE, MODE_UNKNOWN, WAIT_REASONS, RawLog
+from tracekit.log.rawlog import (
+    MODE_RECOMPUTE,
+    MODE_UNKNOWN,
+    OS_SEGMENT_END,
+    WAIT_REASONS,
+    RawLog,
+)
 
 #: Times further than this from engine start (about 115 days) are rejected as absurd.
 MAX_ABS_TIME_S = 1.0e7
@@ -180,6 +188,7 @@ def validate_log(log: RawLog) -> RawLog:
     _index(log, "proc_segments", "label", len(log.labels))
     _index(log, "client_emissions", "request", n_req)
     _index(log, "deliveries", "step", n_steps, allow_minus_one=True)
+    validate_os(log)
     _in_range(log, "client_emissions", "num_tokens", lo=1)
     if log.request_ids and len(log.request_ids) != n_req:
         raise LogError(
@@ -256,6 +265,23 @@ def validate_log(log: RawLog) -> RawLog:
         if np.any(same & (s[1:] < e[:-1])):
             warnings.append("overlapping evictions of one request (their union is used)")
     return replace(log, warnings=tuple(dict.fromkeys(warnings)))
+
+
+#: The largest OS counter in ns a log may hold (a thread's total over `MAX_ABS_TIME_S`).
+MAX_OS_NS = int(MAX_ABS_TIME_S * 1e9)
+
+
+def validate_os(log: RawLog) -> None:
+    """The OS evidence (schema v3, ``os_samples``): raise `LogError` for what the partition
+    cannot use. -1 is "not available" for every counter; a counter that goes back between
+    two samples of a thread is not an error (that interval is not used, docs/partition.md)."""
+    _finite_times(log, "os_samples", "t_s")
+    _in_range(log, "os_samples", "thread")
+    _in_range(log, "os_samples", "kind", hi=OS_SEGMENT_END)
+    for c in ("cpu_ns", "runqueue_ns"):
+        _in_range(log, "os_samples", c, lo=-1, hi=MAX_OS_NS)
+    for c in ("num_voluntary_switches", "num_involuntary_switches", "num_major_faults"):
+        _in_range(log, "os_samples", c, lo=-1)
 
 
 def validate_ttft(log: RawLog) -> None:

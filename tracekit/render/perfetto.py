@@ -27,8 +27,12 @@ Slice names are the partition's labels, so one cause has one colour throughout P
 
 `chrome_trace_events` builds the events (plain dicts), `write_trace` serialises them once
 (gzip when the name ends in ``.gz``, byte-identical for the same input), `validate_trace`
-checks what Perfetto needs. A trace written while a run records (the same tracks) is the
-capture sink `tracekit.capture.sinks.ChromeTraceSink`.
+checks what Perfetto needs.
+
+The track layout, track names and slice arguments are defined once, below ("the layout"),
+and used by this post-run trace and by the trace written while a run records
+(`tracekit.live.trace.ChromeTraceSink`): the two show one run the same way, except what
+needs the whole run (a gap's cause and ``parts``, the TTFT partition, overlap lanes).
 """
 
 from __future__ import annotations
@@ -65,6 +69,76 @@ TID_REQUESTS = 10_000
 #: and parts to 1e-6 ms, so a well-formed trace is off by a few ns at most.
 TOL_US = 0.01
 PARTS_DECIMALS = 6  # ms: whole nanoseconds
+
+
+# -- the layout: tracks, their names, slice arguments (post-run and live traces alike) -----
+
+#: A step slice's args, in order (``step`` is the step's index in the run).
+STEP_ARGS = ("step", "num_decode", "num_prefill_tokens", "graph_size", "num_preempted",
+             "num_swapped_in")  # fmt: skip
+#: A gap slice's args, in order. The live trace has no ``parts`` (and names every gap
+#: ``gap``): a gap's cause needs the whole run's partition.
+GAP_ARGS = ("gap_ms", "parts", "step0", "step1")
+#: The slice name of a gap in the live trace.
+LIVE_GAP_NAME = "gap"
+
+
+def request_tid(r: Any) -> Any:
+    """The thread id of request `r`'s track (an index, or an array of them)."""
+    return TID_REQUESTS + r
+
+
+def request_track_name(request_id: str) -> str:
+    return f"req {request_id}"
+
+
+def thread_track(is_device: int, thread: int) -> tuple[int, str]:
+    """The track (tid, name) of the segments recorded on `thread` (host or device time)."""
+    if (is_device, thread) == (0, 0):
+        return TID_LOOP, "engine loop"
+    if is_device:
+        return TID_DEVICE + thread, f"device {thread}"
+    return TID_THREADS + thread, f"thread {thread}"
+
+
+def header_events() -> list[dict[str, Any]]:
+    """The processes and the engine's fixed tracks, named and ordered."""
+    return [
+        _meta(PID_ENGINE, None, "process_name", "engine"),
+        _meta(PID_ENGINE, None, "process_sort_index", 0),
+        _meta(PID_REQUESTS, None, "process_name", "requests"),
+        _meta(PID_REQUESTS, None, "process_sort_index", 1),
+        _meta(PID_ENGINE, TID_LOOP, "thread_name", "engine loop"),
+        _meta(PID_ENGINE, TID_LOOP, "thread_sort_index", 0),
+        _meta(PID_ENGINE, TID_GC, "thread_name", "gc"),
+        _meta(PID_ENGINE, TID_GC, "thread_sort_index", 1),
+    ]
+
+
+def track_events(pid: int, tid: int, name: str, sort_index: int) -> list[dict[str, Any]]:
+    """A track's name and place."""
+    return [
+        _meta(pid, tid, "thread_name", name),
+        _meta(pid, tid, "thread_sort_index", sort_index),
+    ]
+
+
+def evicted_event(tid: int, a_ns: int, b_ns: int) -> dict[str, Any]:
+    """An ``evicted`` slice on a request's track, from ns `a_ns` to `b_ns`."""
+    return {
+        "ph": "X",
+        "pid": PID_REQUESTS,
+        "tid": tid,
+        "ts": _us(a_ns),
+        "dur": _us(b_ns - a_ns),
+        "name": "evicted",
+        "args": {"evicted_ms": (b_ns - a_ns) / 1e6},
+    }
+
+
+def meta_event(pid: int, tid: int | None, name: str, value: Any) -> dict[str, Any]:
+    """A metadata event (``process_name``, ``thread_sort_index``, ...)."""
+    return _meta(pid, tid, name, value)
 
 
 def _ns(t_s: np.ndarray) -> np.ndarray:
@@ -210,16 +284,7 @@ def chrome_trace_events(
     else:
         keep_req = np.ones(len(ids), dtype=bool)
 
-    events: list[dict[str, Any]] = [
-        _meta(PID_ENGINE, None, "process_name", "engine"),
-        _meta(PID_ENGINE, None, "process_sort_index", 0),
-        _meta(PID_REQUESTS, None, "process_name", "requests"),
-        _meta(PID_REQUESTS, None, "process_sort_index", 1),
-        _meta(PID_ENGINE, TID_LOOP, "thread_name", "engine loop"),
-        _meta(PID_ENGINE, TID_LOOP, "thread_sort_index", 0),
-        _meta(PID_ENGINE, TID_GC, "thread_name", "gc"),
-        _meta(PID_ENGINE, TID_GC, "thread_sort_index", 1),
-    ]
+    events = header_events()
     events += _engine_events(log, window_s)
     events += _counter_events(log, window_s)
     events += _request_events(log, part, ids, keep_req, window_s, _ttft_args(ttft))
@@ -293,15 +358,9 @@ def _engine_events(log: RawLog, window_s) -> list[dict[str, Any]]:
     for (is_dev, th), items in sorted(tracks.items()):
         items.sort(key=lambda x: (x[0], -x[1], x[2], x[3]))
         lanes = _lanes([x[0] for x in items], [x[1] for x in items])
-        if (is_dev, th) == (0, 0):
-            base_tid, name = TID_LOOP, "engine loop"
-        elif is_dev:
-            base_tid, name = TID_DEVICE + th, f"device {th}"
-        else:
-            base_tid, name = TID_THREADS + th, f"thread {th}"
+        base_tid, name = thread_track(is_dev, th)
         if base_tid != TID_LOOP:
-            out.append(_meta(PID_ENGINE, base_tid, "thread_name", name))
-            out.append(_meta(PID_ENGINE, base_tid, "thread_sort_index", base_tid))
+            out += track_events(PID_ENGINE, base_tid, name, base_tid)
         lane_tid = {0: base_tid}
         for (a, b, kind, i), lane in zip(items, lanes, strict=True):
             tid = lane_tid.get(lane)
@@ -312,15 +371,7 @@ def _engine_events(log: RawLog, window_s) -> list[dict[str, Any]]:
                 out.append(_meta(PID_ENGINE, tid, "thread_name", f"{name} (overlap {lane})"))
                 out.append(_meta(PID_ENGINE, tid, "thread_sort_index", tid))
             if kind == 0:
-                nd, npf, gs, npre, nsw = step_rows[i]
-                args = {
-                    "step": i,
-                    "num_decode": nd,
-                    "num_prefill_tokens": npf,
-                    "graph_size": gs,
-                    "num_preempted": npre,
-                    "num_swapped_in": nsw,
-                }
+                args = dict(zip(STEP_ARGS, (i, *step_rows[i]), strict=True))
                 ev_name = "step"
             else:
                 li = seg_label[i]
@@ -403,9 +454,7 @@ def _request_events(
         float(part.t1_s.max()) if len(part) else 0.0,
     )
     for r in np.flatnonzero(keep_req).tolist():
-        tid = TID_REQUESTS + r
-        out.append(_meta(PID_REQUESTS, tid, "thread_name", f"req {ids[r]}"))
-        out.append(_meta(PID_REQUESTS, tid, "thread_sort_index", r))
+        out += track_events(PID_REQUESTS, request_tid(r), request_track_name(ids[r]), r)
 
     # the top-level spans of each request: ttft, then its gaps (contiguous)
     arr, first = rq.arrival_s, rq.first_token_s
@@ -460,7 +509,7 @@ def _request_events(
 
     win = window_s
     for r in np.flatnonzero(keep_req).tolist():
-        tid = TID_REQUESTS + r
+        tid = request_tid(r)
         evs: list[tuple[int, int, int, dict[str, Any]]] = []  # (ts, -dur, order, event)
         if has_ttft[r]:
             a, b = int(a_ns[r]), int(f_ns[r])
@@ -482,18 +531,14 @@ def _request_events(
                     )
                 )
             for x0, x1 in children.get((r, -1), ()):
-                evs.append((x0, x0 - x1, 1, _evicted(tid, x0, x1)))
+                evs.append((x0, x0 - x1, 1, evicted_event(tid, x0, x1)))
         for j in range(int(bounds[r]), int(bounds[r + 1])):
             if keep_gap is not None and not keep_gap[j]:
                 continue
             a, b = int(gap0[j]), int(gap1[j])
             pr = parts_r[j]
-            args = {
-                "gap_ms": gap_ms[j],
-                "parts": {lb: v for lb, v in zip(labels, pr, strict=True) if v},
-                "step0": st0[j],
-                "step1": st1[j],
-            }
+            parts = {lb: v for lb, v in zip(labels, pr, strict=True) if v}
+            args = dict(zip(GAP_ARGS, (gap_ms[j], parts, st0[j], st1[j]), strict=True))
             evs.append(
                 (
                     a,
@@ -511,25 +556,13 @@ def _request_events(
                 )
             )
             for x0, x1 in children.get((r, j), ()):
-                evs.append((x0, x0 - x1, 1, _evicted(tid, x0, x1)))
+                evs.append((x0, x0 - x1, 1, evicted_event(tid, x0, x1)))
         evs.sort(key=lambda e: (e[0], e[1], e[2]))
         out += [e[3] for e in evs]
     for r, a, b in sorted(loose):
         if b > a and (win is None or (b / 1e9 >= win[0] and a / 1e9 <= win[1])):
-            out.append(_evicted(TID_REQUESTS + r, a, b))
+            out.append(evicted_event(request_tid(r), a, b))
     return out
-
-
-def _evicted(tid: int, a: int, b: int) -> dict[str, Any]:
-    return {
-        "ph": "X",
-        "pid": PID_REQUESTS,
-        "tid": tid,
-        "ts": _us(a),
-        "dur": _us(b - a),
-        "name": "evicted",
-        "args": {"evicted_ms": (b - a) / 1e6},
-    }
 
 
 # -- writing ---------------------------------------------------------------------------

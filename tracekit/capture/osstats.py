@@ -1,0 +1,136 @@
+"""The operating system's account of the calling thread: CPU time, run-queue wait, switches.
+
+    reader = ThreadStats.open()            # None where the platform has no such counters
+    cpu_ns, runqueue_ns, nvcsw, nivcsw, majflt = reader.read()
+
+On Linux, for the thread that calls `read`:
+
+- ``cpu_ns``: ``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``, the time it ran on a CPU, up to
+  this instant (schedstat's first field would come with the read below for free, but for
+  a running thread it is only brought up to date at the next scheduler tick or switch:
+  up to a tick stale, milliseconds);
+- ``runqueue_ns``: the second field of ``/proc/thread-self/schedstat``, the time it was
+  runnable but waited on a run queue (exact when read: the thread is running, so every
+  wait has ended). The file is opened once per thread and re-read with ``pread``: one
+  system call, no open;
+- ``num_voluntary_switches`` (it blocked: I/O, a lock, a sleep), ``num_involuntary_switches``
+  (the scheduler took the CPU away) and ``num_major_faults`` (page faults that read the
+  disk): ``getrusage(RUSAGE_THREAD)``.
+
+Every value is the thread's total since it started; differences between two reads bound
+what happened in between. Where a source is missing (no ``schedstat`` without
+``CONFIG_SCHEDSTATS``, no ``RUSAGE_THREAD`` off Linux) its values are -1, and `describe`
+says which sources a platform has; off Linux nothing is recorded at all (`open` returns
+None with the reason in `unavailable_reason`).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import threading
+import time
+from typing import Any
+
+#: What each sample holds, after the tick: the raw log's `os_samples` columns.
+FIELDS = (
+    "cpu_ns",
+    "runqueue_ns",
+    "num_voluntary_switches",
+    "num_involuntary_switches",
+    "num_major_faults",
+)
+SCHEDSTAT_PATH = "/proc/thread-self/schedstat"
+
+_CPU_CLOCK = getattr(time, "CLOCK_THREAD_CPUTIME_ID", None)
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+
+
+def unavailable_reason() -> str | None:
+    """Why this platform records no OS evidence (None: it does)."""
+    if not sys.platform.startswith("linux"):
+        return f"OS evidence is recorded on Linux only (this is {sys.platform})"
+    if _CPU_CLOCK is None:
+        return "no CLOCK_THREAD_CPUTIME_ID on this platform"
+    return None
+
+
+class ThreadStats:
+    """Reads the counters of whichever thread calls `read` (one schedstat fd per thread,
+    opened on its first read, closed by `close`)."""
+
+    def __init__(self) -> None:
+        self._tls = threading.local()
+        self._fds: list[int] = []
+        self._lock = threading.Lock()
+        self.has_schedstat = os.path.exists(SCHEDSTAT_PATH)
+        self.has_rusage = _RUSAGE_THREAD is not None
+
+    @classmethod
+    def open(cls) -> ThreadStats | None:
+        return None if unavailable_reason() is not None else cls()
+
+    def describe(self) -> dict[str, Any]:
+        """The sources this platform has (saved in the log's meta)."""
+        return {
+            "platform": sys.platform,
+            "cpu_ns": "schedstat sum_exec_runtime"
+            if self.has_schedstat
+            else "CLOCK_THREAD_CPUTIME_ID",
+            "runqueue_ns": SCHEDSTAT_PATH if self.has_schedstat else None,
+            "switches_and_faults": "getrusage(RUSAGE_THREAD)" if self.has_rusage else None,
+        }
+
+    def _fd(self) -> int:
+        try:
+            return self._tls.fd
+        except AttributeError:
+            pass
+        fd = -1
+        if self.has_schedstat:
+            try:  # thread-self resolves now: this fd names this thread for good
+                fd = os.open(SCHEDSTAT_PATH, os.O_RDONLY)
+            except OSError:
+                fd = -1
+        if fd >= 0:
+            with self._lock:
+                self._fds.append(fd)
+        self._tls.fd = fd
+        return fd
+
+    def read(self) -> tuple[int, int, int, int, int]:
+        """(cpu_ns, runqueue_ns, voluntary switches, involuntary switches, major faults)
+        of the calling thread; -1 for what this platform does not have."""
+        cpu = time.clock_gettime_ns(_CPU_CLOCK)  # type: ignore[arg-type]
+        fd = self._fd()
+        runq = -1
+        if fd >= 0:
+            try:
+                runq = int(os.pread(fd, 96, 0).split(None, 2)[1])
+            except (OSError, ValueError, IndexError):
+                runq = -1
+        if _RUSAGE_THREAD is None:
+            return cpu, runq, -1, -1, -1
+        ru = resource.getrusage(_RUSAGE_THREAD)
+        return cpu, runq, ru.ru_nvcsw, ru.ru_nivcsw, ru.ru_majflt
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def kernel_runqueue_ns(tid: int | None = None) -> int:
+    """The run-queue wait of a thread (default: the calling thread), read once from
+    ``/proc``: what the kernel reports, to compare a partition with (tests, bench)."""
+    path = SCHEDSTAT_PATH if tid is None else f"/proc/self/task/{tid}/schedstat"
+    with open(path, "rb") as fh:
+        return int(fh.read().split()[1])
+
+
+__all__ = ["FIELDS", "ThreadStats", "kernel_runqueue_ns", "unavailable_reason"]
