@@ -69,6 +69,11 @@ def _nvtx_colour(label: str) -> int:
 _NEVER = np.iinfo(np.int64).max
 
 
+def _bytes_of(rows: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, without a copy (what `array.frombytes` takes)."""
+    return memoryview(rows).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
 def _check_label(label: Any, name: str) -> str:
     if not isinstance(label, str):
         raise TypeError(f"{name}: expected a str, got {type(label).__name__} {label!r:.80}")
@@ -934,7 +939,7 @@ class Recorder:
                 fe[h] = np.minimum(fe[h], rows[:, 1])
             else:
                 fe[h] = np.minimum(fe[h], t)
-            self._buf["emissions"].frombytes(memoryview(rows).cast("B"))
+            self._buf["emissions"].frombytes(_bytes_of(rows))
             self._step_emit_rows += n
 
     def evict(self, request_id: Any, *, mode: str = "swap") -> None:
@@ -1032,7 +1037,7 @@ class Recorder:
         rows[:, 1] = h
         rows[:, 2] = n
         with self._lock:
-            self._buf["prefill_chunks"].frombytes(memoryview(rows).cast("B"))
+            self._buf["prefill_chunks"].frombytes(_bytes_of(rows))
 
     def wait(self, request_ids: Iterable[Any], reason: str) -> None:
         """The open step's scheduler left `request_ids` waiting because of `reason`, one
@@ -1080,7 +1085,7 @@ class Recorder:
                     f"{step} (state one reason per request and step)"
                 )
             r.wait_step[h] = step
-            self._buf["waits"].frombytes(memoryview(rows).cast("B"))
+            self._buf["waits"].frombytes(_bytes_of(rows))
 
     def _open_step(self, what: str) -> int:
         if not (self._in_step and self._is_loop_thread()):
