@@ -80,9 +80,10 @@ def as_int_vector(values: Any, name: str, lo: int = 0, hi: int = MAX_COUNT) -> n
         first = next((v for v in a.reshape(-1) if not isinstance(v, Integral | float)), a[0])
         raise TypeError(f"{name}: expected integers, got {type(first).__name__} {first!r:.80}")
     if a.size:
-        mn, mx = int(a.min()), int(a.max())
-        if mn < lo or mx > hi:
-            raise ValueError(f"{name}: {mn if mn < lo else mx} is outside [{lo}, {hi}]")
+        # one reduction: below `lo` wraps around to the top of the unsigned range
+        if int((a - lo).view(np.uint64).max() if lo else a.view(np.uint64).max()) > hi - lo:
+            bad = a[(a < lo) | (a > hi)][0]
+            raise ValueError(f"{name}: {int(bad)} is outside [{lo}, {hi}]")
     return a
 
 

@@ -88,12 +88,50 @@ class Flush(NamedTuple):
     stop_tick: int | None
 
 
+#: The recorder's compact form of emissions (`Recorder.emit_handles`): per call one
+#: ``EMIT_CALLS`` row (t_tick, step, device_step, number of requests, has counts) and, in
+#: ``EMIT_HANDLES``, the call's request handles followed by its token counts if it has
+#: them. The engine thread appends those two copies; `expand_emissions` turns them into
+#: the ``emissions`` rows here, on the dispatcher thread.
+EMIT_CALLS, EMIT_HANDLES = "emit_calls", "emit_handles"
+EMIT_CALL_WIDTH = 5
+
+
+def expand_emissions(buffers: Mapping[str, Any]) -> dict[str, Any]:
+    """`buffers` with the compact emissions expanded into ``emissions`` rows (request,
+    t_tick, step, num_tokens, device_step), in call order and, within a call, in the
+    order of its handles: the rows one `emit` row per request would have made."""
+    out = {k: v for k, v in buffers.items() if k not in (EMIT_CALLS, EMIT_HANDLES)}
+    calls_buf = buffers.get(EMIT_CALLS)
+    if calls_buf is None or not len(calls_buf):
+        return out
+    calls = np.frombuffer(calls_buf, dtype=np.int64).reshape(-1, EMIT_CALL_WIDTH)
+    flat = np.frombuffer(buffers[EMIT_HANDLES], dtype=np.int64)
+    t, step, dstep, n, has_counts = calls.T
+    start = np.cumsum(n * (1 + has_counts)) - n * (1 + has_counts)  # each call's first value
+    call = np.repeat(np.arange(len(calls)), n)  # the call of each row
+    at = start[call] + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    rows = np.empty((len(at), 5), dtype=np.int64)
+    rows[:, 0] = flat[at]
+    rows[:, 1] = t[call]
+    rows[:, 2] = step[call]
+    counted = has_counts[call] == 1
+    rows[:, 3] = 1
+    rows[counted, 3] = flat[at[counted] + n[call[counted]]]  # counts follow the handles
+    rows[:, 4] = dstep[call]
+    before = out.get("emissions")
+    if before is not None and len(before):
+        rows = np.concatenate((np.frombuffer(before, dtype=np.int64).reshape(-1, 5), rows))
+    out["emissions"] = rows.reshape(-1)
+    return out
+
+
 def build_chunk(flushes: list[Flush], t0_tick: int, seconds_per_tick: float) -> FlushedRows:
     """The `FlushedRows` of one or more consecutive flushes (the later vocabularies win;
     the request ids and rows are concatenated in order)."""
     last = flushes[-1]
     return build_flushed(
-        [f.buffers for f in flushes],
+        [expand_emissions(f.buffers) for f in flushes],
         labels=last.labels,
         counter_names=last.counter_names,
         request_ids=[i for f in flushes for i in f.new_request_ids],
@@ -389,10 +427,14 @@ class MemorySink:
 __all__ = [
     "CaptureError",
     "Dispatcher",
+    "EMIT_CALLS",
+    "EMIT_CALL_WIDTH",
+    "EMIT_HANDLES",
     "Flush",
     "MemorySink",
     "PartsSink",
     "Sink",
     "build_chunk",
     "call_sink",
+    "expand_emissions",
 ]
