@@ -24,8 +24,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 def as_int(value: Any, name: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
     """`value` as an int in [lo, hi], or TypeError/ValueError naming `name`."""
-    if type(value) is int:  # the common case first
+    if type(value) is int:  # the common cases first (an ABC check costs a microsecond)
         v = value
+    elif isinstance(value, np.integer):
+        v = int(value)
     elif isinstance(value, bool) or isinstance(value, np.bool_):
         raise TypeError(f"{name}: expected an integer, got the bool {value!r}")
     elif isinstance(value, Integral):

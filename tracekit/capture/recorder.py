@@ -84,6 +84,10 @@ _ROW4 = struct.Struct("4q").pack
 _ROW3 = struct.Struct("3q").pack
 _ROW2 = struct.Struct("2q").pack
 
+#: Up to this many handles in a list, a call is checked and packed in Python: for a few
+#: values that is cheaper than numpy's fixed cost per operation.
+_SMALL = 8
+
 #: A tick never reached: a request not yet admitted, emitted or evicted.
 _NEVER = np.iinfo(np.int64).max
 
@@ -1056,17 +1060,35 @@ class Recorder:
         request handle `handles[i]`."""
         if not self.enabled:
             return
-        h = self._check_handles(handles, "prefill_handles(handles)")
-        n = as_int_vector(num_tokens, "prefill_handles(num_tokens)")
-        if len(n) != len(h):
-            raise ValueError(f"prefill_handles: {len(h)} handles but {len(n)} num_tokens")
         step = self._open_step("prefill")
-        rows = np.empty((len(h), 3), dtype=np.int64)
-        rows[:, 0] = step
-        rows[:, 1] = h
-        rows[:, 2] = n
+        last = len(self._req_names) - 1
+        if isinstance(handles, (list, tuple)) and len(handles) <= _SMALL:  # numpy costs more
+            if not isinstance(num_tokens, (list, tuple, np.ndarray)):
+                num_tokens = list(num_tokens)
+            if len(num_tokens) != len(handles):
+                raise ValueError(
+                    f"prefill_handles: {len(handles)} handles but {len(num_tokens)} num_tokens"
+                )
+            rows = b"".join(
+                _ROW3(
+                    step,
+                    as_int(x, "prefill_handles(handles)", 0, last),
+                    as_int(k, "prefill_handles(num_tokens)"),
+                )
+                for x, k in zip(handles, num_tokens, strict=True)
+            )
+        else:
+            h = self._check_handles(handles, "prefill_handles(handles)")
+            n = as_int_vector(num_tokens, "prefill_handles(num_tokens)")
+            if len(n) != len(h):
+                raise ValueError(f"prefill_handles: {len(h)} handles but {len(n)} num_tokens")
+            a = np.empty((len(h), 3), dtype=np.int64)
+            a[:, 0] = step
+            a[:, 1] = h
+            a[:, 2] = n
+            rows = _bytes_of(a)  # type: ignore[assignment]
         with self._lock:
-            self._buf["prefill_chunks"].frombytes(_bytes_of(rows))
+            self._buf["prefill_chunks"].frombytes(rows)
 
     def wait(self, request_ids: Iterable[Any], reason: str) -> None:
         """The open step's scheduler left `request_ids` waiting because of `reason`, one
