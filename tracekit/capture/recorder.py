@@ -79,7 +79,7 @@ def _nvtx_colour(label: str) -> int:
 #: with a tuple, the hot path's largest cost).
 _SEG_ROW = struct.Struct("6q").pack
 _STEP_ROW = struct.Struct("7q").pack
-_ROW5 = struct.Struct("5q").pack
+_ROW6 = struct.Struct("6q").pack
 _ROW4 = struct.Struct("4q").pack
 _ROW3 = struct.Struct("3q").pack
 _ROW2 = struct.Struct("2q").pack
@@ -87,6 +87,10 @@ _ROW2 = struct.Struct("2q").pack
 #: Up to this many handles in a list, a call is checked and packed in Python: for a few
 #: values that is cheaper than numpy's fixed cost per operation.
 _SMALL = 8
+
+#: The most table values a recorder keeps in its buffer while the writer is behind
+#: (160 MB), before it hands them over anyway (see `tracekit.capture.sinks.Dispatcher`).
+BACKLOG_VALUES = 20_000_000
 
 #: A tick never reached: a request not yet admitted, emitted or evicted.
 _NEVER = np.iinfo(np.int64).max
@@ -109,12 +113,15 @@ class _Requests:
     (`_NEVER` until then), whether it has emitted, the last step that gave it a wait reason, and
     a scratch column. Numpy columns grown by doubling, so a batch is checked in one pass."""
 
-    __slots__ = ("arrival", "admitted_tick", "emitted", "first_evict", "wait_step", "mark")
+    __slots__ = (
+        "arrival", "told", "admitted_tick", "emitted", "first_evict", "wait_step", "mark",
+    )  # fmt: skip
 
     def __init__(self, capacity: int = 1024) -> None:
         self.arrival = np.full(capacity, UNKNOWN_TICK, dtype=np.int64)
         self.admitted_tick = np.full(capacity, _NEVER, dtype=np.int64)
         self.emitted = np.zeros(capacity, dtype=bool)
+        self.told = np.zeros(capacity, dtype=bool)  # request() was called
         self.first_evict = np.full(capacity, _NEVER, dtype=np.int64)
         self.wait_step = np.full(capacity, -2, dtype=np.int64)
         self.mark = np.zeros(capacity, dtype=np.int64)
@@ -651,8 +658,30 @@ class Recorder:
         dev = self._device
         if dev is not None and dev._pending:  # lazily: only what has finished, no sync
             dev.poll(self._append_device_window)
-        if t1 - self._last_flush_tick >= self._flush_interval_ticks:
+        if t1 - self._last_flush_tick >= self._flush_interval_ticks and not self._backlogged(t1):
             self._flush()
+
+    def _backlogged(self, now: int) -> bool:
+        """Keep the rows in this buffer (the backlog) for a later flush: the writer is
+        behind (a flush already waits for it, `Dispatcher.waiting`), the backlog is under
+        two intervals old and within `BACKLOG_VALUES`; past either, the flush is handed
+        over and waits for the writer (`tracekit.capture.sinks.Dispatcher`)."""
+        d = self._dispatcher
+        if d is None or not d.waiting():
+            return False
+        if (
+            now - self._last_flush_tick < 2 * self._flush_interval_ticks
+            and sum(len(b) for b in self._buf.values()) < BACKLOG_VALUES
+        ):
+            return True
+        # the writer is two intervals behind: wait until it takes the waiting flush, with
+        # signals deferred (one raised inside a Condition's wait can leave its lock held)
+        signals.IN_FLUSH[0] += 1
+        try:
+            d.wait_taken()
+        finally:
+            signals.IN_FLUSH[0] -= 1
+        return False
 
     def _open_step_no(self) -> int | None:
         """The step begun but without a row (the engine was stopped inside it), if any:
@@ -778,9 +807,10 @@ class Recorder:
         Returns its handle: the integer that `emit_handles`, `admit_handle`,
         `prefill_handles` and `wait_handles` take instead of the id (resolve the id once,
         here, and keep the handle with the request). Once per request, before its first
-        emission (after it raises ValueError): a second call keeps the first arrival; an
-        arrival after the request's admission (or after now) is taken as that tick, and
-        the log's warnings count both. -1 when the recorder is disabled."""
+        admission and emission: a second call keeps the first arrival; an arrival after
+        the request's admission (or after now) is taken as that tick, one told after its
+        first emission is kept unknown (NaN); the log's warnings count each. -1 when the
+        recorder is disabled."""
         if not self.enabled:
             return -1
         prompt = as_int(prompt_tokens, "request(prompt_tokens=)", -1)
@@ -795,18 +825,21 @@ class Recorder:
         idx = self._intern(request_id, "request")
         with self._lock:
             r = self._req
-            if r.arrival[idx] != UNKNOWN_TICK:
+            if r.told[idx]:
                 self._note("request() call(s) for a request that had arrived: the first is kept")
                 return idx
-            if r.emitted[idx]:
-                raise ValueError(
-                    f"request {request_id!r:.80}: told after its first emission; call "
-                    "request() when it arrives (arrival_tick= if that was earlier)"
+            r.told[idx] = True
+            if r.emitted[idx]:  # a first token cannot precede its arrival: not known
+                self._note(
+                    "request arrival(s) told after the request's first emission: kept "
+                    "unknown (NaN), a first token cannot come before its arrival"
                 )
+                t = UNKNOWN_TICK
             if t > r.admitted_tick[idx]:  # told late: it had arrived by its admission
                 self._note("request arrival(s) after the request's admission, taken as it")
                 t = int(r.admitted_tick[idx])
-            r.arrival[idx] = t
+            if t != UNKNOWN_TICK:
+                r.arrival[idx] = t
             self._buf["requests"].frombytes(_ROW4(idx, t, prompt, max_new))
         if arrival_tick is None:
             self._flush_if_idle(t)
@@ -853,11 +886,26 @@ class Recorder:
         get = self._req_index.get
         found = [get(rid) for rid in ids]
         if None in found:
-            found = [
-                self._intern(rid, what) if i is None else i
-                for rid, i in zip(ids, found, strict=True)
-            ]
+            with self._lock:  # all of them or none: a refused id interns none before it
+                n = len(self._req_names)
+                try:
+                    found = [
+                        self._intern(rid, what) if i is None else i
+                        for rid, i in zip(ids, found, strict=True)
+                    ]
+                except BaseException:
+                    self._forget_since(n)
+                    raise
         return np.array(found, dtype=np.int64)
+
+    def _forget_since(self, n: int) -> None:
+        """Undo the interning of requests n.. (a call refused after interning them;
+        under the lock, before any row names them)."""
+        for key in self._req_keys[n:]:
+            self._req_index.pop(key, None)
+        for name in self._req_names[n:]:
+            self._req_by_name.pop(name, None)
+        del self._req_keys[n:], self._req_names[n:]
 
     def _check_handles(self, handles: Any, name: str) -> np.ndarray:
         """Handles as one int64 vector, every one a request of this recorder."""
@@ -966,11 +1014,13 @@ class Recorder:
                     self._note("emission tick(s) before the request's arrival, taken as it")
                     t = latest
             r.emitted[h] = True
-            self._buf[EMIT_CALLS].frombytes(_ROW5(t, step, dstep, n, 0 if counts is None else 1))
             hb = self._buf[EMIT_HANDLES]
+            at = len(hb)
             hb.frombytes(_bytes_of(h))
             if counts is not None:
                 hb.frombytes(_bytes_of(counts))
+            # last: the call's row commits it (handles without one are never read)
+            self._buf[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, counts is not None, at))
             self._step_emit_rows += n
 
     def evict(self, request_id: Any, *, mode: str = "swap") -> None:
@@ -1098,7 +1148,13 @@ class Recorder:
             return
         code = self._wait_code(reason)
         step = self._open_step("wait")
-        self._wait_rows(self._intern_all(request_ids, "wait"), code, step)
+        with self._lock:
+            n = len(self._req_names)
+            try:
+                self._wait_rows(self._intern_all(request_ids, "wait"), code, step)
+            except BaseException:
+                self._forget_since(n)
+                raise
 
     def wait_handles(self, handles: Any, reason: str) -> None:
         """`wait` on request handles."""
