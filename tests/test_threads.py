@@ -73,7 +73,9 @@ def test_a_tokenizer_thread_beside_the_engine_loop_gives_intact_rows(tmp_path):
     log = tracekit.load(out)
     # the loop emits for requests whose arrival the other thread has not recorded yet
     assert all(
-        "before their request's arrival" in w or "told after the request's first emission" in w
+        "before their request's arrival" in w  # a validation warning, or the recorder's
+        or "told after the request's first emission" in w  # counts of a stamp race
+        or "emission tick(s) before the request's arrival" in w
         for w in log.warnings
     ), log.warnings
 

@@ -960,7 +960,7 @@ class Recorder:
         ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
         if counts is not None and len(counts) != len(ids):
             raise ValueError(f"emit: {len(ids)} request ids but {len(counts)} num_tokens")
-        self._emit_rows(self._intern_all(ids, "emit"), counts, t, dstep, at_tick is not None)
+        self._emit_rows(self._intern_all(ids, "emit"), counts, t, dstep)
 
     def emit_handles(
         self,
@@ -980,7 +980,7 @@ class Recorder:
         counts = self._emit_counts(num_tokens)
         if counts is not None and len(counts) != len(h):
             raise ValueError(f"emit_handles: {len(h)} handles but {len(counts)} num_tokens")
-        self._emit_rows(h, counts, t, dstep, at_tick is not None)
+        self._emit_rows(h, counts, t, dstep)
 
     def _emit_when(self, at_tick: Any, reads_step: Any) -> tuple[int, int]:
         t = self._clock() if at_tick is None else self._check_tick(at_tick, "emit(at_tick=)")
@@ -996,9 +996,7 @@ class Recorder:
             return None
         return as_int_vector(num_tokens, "emit(num_tokens)", 1)
 
-    def _emit_rows(
-        self, h: np.ndarray, counts: np.ndarray | None, t: int, dstep: int, given_tick: bool
-    ) -> None:
+    def _emit_rows(self, h: np.ndarray, counts: np.ndarray | None, t: int, dstep: int) -> None:
         """One emission call: a header row and the handles (and counts), two copies; the
         dispatcher expands them into one emissions row per request
         (`tracekit.capture.sinks.expand_emissions`)."""
@@ -1008,11 +1006,12 @@ class Recorder:
         step = self._step_no if self._in_step else -1
         r = self._req
         with self._lock:
-            if given_tick:  # a tick from the caller: no first token before its arrival
-                latest = int(r.arrival[h].max())
-                if latest > t:  # another clock's reading, early: the tokens came after it
-                    self._note("emission tick(s) before the request's arrival, taken as it")
-                    t = latest
+            # no first token before its arrival: a tick from the caller, or one read before
+            # another thread's request() took the lock, may be a little early
+            latest = int(r.arrival[h].max())
+            if latest > t:
+                self._note("emission tick(s) before the request's arrival, taken as it")
+                t = latest
             r.emitted[h] = True
             hb = self._buf[EMIT_HANDLES]
             at = len(hb)
