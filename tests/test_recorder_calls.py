@@ -504,9 +504,15 @@ def test_kill_9_under_a_million_emissions_a_second_loses_about_one_flush_interva
     # one write of two intervals' emission rows (the most a backlog holds), as the writer
     rows = np.zeros(int(2 * flush_s * rate) * 5, dtype=np.int64)
     (tmp_path / "w").mkdir()
-    t0 = time.perf_counter()
-    write_part(str(tmp_path / "w"), 1, {"emissions": rows})
-    write_s = time.perf_counter() - t0
+    parts_written = [0]
+
+    def one_write_s() -> float:
+        parts_written[0] += 1
+        t0 = time.perf_counter()
+        write_part(str(tmp_path / "w"), parts_written[0], {"emissions": rows})
+        return time.perf_counter() - t0
+
+    write_s = max(one_write_s() for _ in range(2))
 
     out, prog = tmp_path / "run.npz", tmp_path / "progress"
     proc = python(LOAD_SCRIPT, str(out), str(prog), str(rate))
@@ -533,7 +539,8 @@ def test_kill_9_under_a_million_emissions_a_second_loses_about_one_flush_interva
     # the last moment whose rows are all on disk
     t_safe = max((t for t, n in ring if n <= on_disk), default=None)
     lag_s = (t_kill - t_safe) / 1e9 if t_safe is not None else float("inf")
-    bound_s = 2 * flush_s + 2 * write_s + 0.25  # + a scheduling slack on a shared machine
+    write_s = max(write_s, one_write_s())  # the machine's load may have changed meanwhile
+    bound_s = 2 * flush_s + 2 * write_s + 0.5  # + a scheduling slack on a shared machine
     assert lag_s <= bound_s, (
         f"rows of the last {lag_s:.2f} s lost ({recorded - on_disk} of {recorded}); "
         f"bound {bound_s:.2f} s (one write {write_s:.3f} s)"
