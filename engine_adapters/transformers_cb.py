@@ -89,6 +89,9 @@ class TransformersCBAdapter:
         self._managers: dict[int, Any] = {}
         self._processors: dict[int, Any] = {}
         self._evicted: set[str] = set()
+        # request id -> the recorder's handle, resolved once (at arrival): the per-step
+        # calls then pass integers (the recorder's vectorised fast path)
+        self._handles: dict[Any, int] = {}
         # the open step (touched only by the loop thread)
         self._step_open = False
         self._in_prepare = False
@@ -110,6 +113,16 @@ class TransformersCBAdapter:
         self.num_admissions = 0
 
     # -- install / uninstall ------------------------------------------------------------
+
+    def _handle(self, rid: Any) -> int:
+        """The recorder's handle of request `rid` (interned at first sight if its arrival
+        was not seen: what the id-based calls would have done)."""
+        h = self._handles.get(rid)
+        if h is None:
+            h = self.rec.handle(rid)
+            self._handles[rid] = h
+        return h
+
     def install(self) -> TransformersCBAdapter:
         if self._installed:
             return self
@@ -178,7 +191,7 @@ class TransformersCBAdapter:
                     max_new = args[2] if len(args) > 2 else kwargs.get("max_new_tokens")
                     if max_new is None:
                         max_new = getattr(manager.generation_config, "max_new_tokens", None)
-                    rec.request(
+                    self._handles[rid] = rec.request(
                         rid,
                         prompt_tokens=len(input_ids),
                         max_new_tokens=-1 if max_new is None else int(max_new),
@@ -287,18 +300,22 @@ class TransformersCBAdapter:
         """Decode rows, prefill tokens and graph size of the batch just prepared."""
         num_decode = num_prefill = 0
         rec = self.rec
+        chunks, sizes = [], []
         for fs in bp.inputs_and_outputs.requests_in_batch:
             if fs.query_length == 1 and fs.state.generated_tokens:
                 num_decode += 1
             else:
                 num_prefill += fs.query_length
-                rec.prefill(fs.state.request_id, fs.query_length)  # a prompt chunk
+                chunks.append(self._handle(fs.state.request_id))  # a prompt chunk
+                sizes.append(fs.query_length)
+        if chunks:
+            rec.prefill_handles(chunks, sizes)
         self._num_decode, self._num_prefill_tokens = num_decode, num_prefill
         by_reason: dict[str, list[str]] = {}
         for rid, reason in self._waits.items():
             by_reason.setdefault(reason, []).append(rid)
         for reason, rids in by_reason.items():
-            rec.wait(rids, reason)
+            rec.wait_handles([self._handle(r) for r in rids], reason)
         self._waits = {}
 
     def _wrap_pad(self, bp: Any) -> Callable[..., Callable[..., Any]]:
@@ -374,7 +391,7 @@ class TransformersCBAdapter:
             rid = fs.state.request_id
             if rid not in self._admitted and rid not in self._evicted:
                 self._admitted.add(rid)
-                self.rec.admit(rid, at_tick=t0)
+                self.rec.admit_handle(self._handle(rid), at_tick=t0)
                 self.num_admissions += 1
         token_budget = args[0] if args else kw.get("token_budget", 0)
         if scheduler.block_new_requests or not self._margin_ok:
@@ -469,10 +486,12 @@ class TransformersCBAdapter:
                 out = generation_step(*args, **kwargs)
                 t1 = rec.now()
                 # the engine-emission boundary: forward and sampling have returned
-                rec.emit(
-                    fs.state.request_id
-                    for fs in bp.inputs_and_outputs.requests_in_batch
-                    if fs.has_new_token
+                rec.emit_handles(
+                    [
+                        self._handle(fs.state.request_id)
+                        for fs in bp.inputs_and_outputs.requests_in_batch
+                        if fs.has_new_token
+                    ]
                 )
                 ts = self._sample_t0 if self._sample_t0 is not None else t1
                 add_forward(rec, t0, ts, self._num_prefill_tokens, self._num_decode)

@@ -124,6 +124,9 @@ class VllmV1Adapter:
         self._patches = Patches()
         self._installed = False
         self._names: dict[str, str] = {}  # vLLM's internal request id -> the caller's
+        # vLLM's internal request id -> the recorder's handle, resolved once (at arrival):
+        # the per-step calls then pass integers (the recorder's vectorised fast path)
+        self._handles: dict[str, int] = {}
         self._external: set[str] = set()  # caller's ids taken (n > 1 children share one)
         self._evicted: set[str] = set()
         self._eager = False
@@ -209,6 +212,15 @@ class VllmV1Adapter:
     def _name(self, rid: str) -> str:
         return self._names.get(rid, rid)
 
+    def _handle(self, rid: str) -> int:
+        """The recorder's handle of vLLM request `rid` (interned at first sight if its
+        arrival was not seen: what the id-based calls would have done)."""
+        h = self._handles.get(rid)
+        if h is None:
+            h = self.rec.handle(self._name(rid))
+            self._handles[rid] = h
+        return h
+
     # -- wrappers ------------------------------------------------------------------------
     def _wrap_step(self, sched: Any) -> Callable[..., Callable[..., Any]]:
         rec = self.rec
@@ -274,6 +286,7 @@ class VllmV1Adapter:
                 max_new_tokens=-1 if max_tokens is None else int(max_tokens),
                 arrival_tick=tick,
             )
+            self._handles[request.request_id] = idx
             self._on_added(idx)
             return out
 
@@ -337,19 +350,23 @@ class VllmV1Adapter:
             rid = new.req_id
             if rid not in self._admitted:
                 self._admitted.add(rid)
-                rec.admit(self._name(rid), at_tick=t0)
+                rec.admit_handle(self._handle(rid), at_tick=t0)
                 self.num_admissions += 1
         if not self._in_step:
             return
         spec = out.scheduled_spec_decode_tokens
+        chunks, sizes = [], []
         for rid, n in out.num_scheduled_tokens.items():
             req = sched.requests.get(rid)
             if not (
                 req is not None and req.num_output_tokens > 0 and n == 1 + len(spec.get(rid, ()))
             ):
-                rec.prefill(self._name(rid), n)
+                chunks.append(self._handle(rid))
+                sizes.append(n)
+        if chunks:
+            rec.prefill_handles(chunks, sizes)
         waiting = [
-            self._name(r.request_id) for r in sched.waiting if r.request_id not in self._admitted
+            self._handle(r.request_id) for r in sched.waiting if r.request_id not in self._admitted
         ]
         if not waiting:
             return
@@ -361,7 +378,7 @@ class VllmV1Adapter:
             reason = "max_num_seqs"
         else:
             reason = "other"
-        rec.wait(waiting, reason)
+        rec.wait_handles(waiting, reason)
 
     def _wrap_allocate_slots(self, allocate: Callable[..., Any]) -> Callable[..., Any]:
         def allocate_slots_instrumented(*args: Any, **kwargs: Any) -> Any:
@@ -453,16 +470,17 @@ class VllmV1Adapter:
                 out = update(scheduler_output, model_runner_output)
             # the tokens the engine kept (a step's accepted draft tokens beyond max_tokens
             # or a stop are dropped here), stamped when they were sampled
-            names = self._names
-            ids, counts = [], []
+            handles = self._handles
+            hs, counts = [], []
             for eco in out.values() if isinstance(out, dict) else ():
                 for o in getattr(eco, "outputs", ()):
                     n = len(o.new_token_ids)
                     if n:
-                        ids.append(names.get(o.request_id, o.request_id))
+                        h = handles.get(o.request_id)
+                        hs.append(self._handle(o.request_id) if h is None else h)
                         counts.append(n)
-            if ids:
-                rec.emit(ids, counts, at_tick=t_emit)
+            if hs:
+                rec.emit_handles(hs, counts, at_tick=t_emit)
             return out
 
         return update_instrumented

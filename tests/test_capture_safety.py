@@ -571,10 +571,15 @@ def test_a_segment_or_step_never_closed_is_a_warning_in_the_log():
         rec.emit(["a"])
     rec.segment("decode").__enter__()  # never exited
     rec.step().__enter__()  # never ended
+    t_stop = rec.now()
     log = rec.stop()
-    assert len(log.steps) == 1
+    # the open step is closed at the stop time (its rows stay valid), the segment is not kept
+    assert len(log.steps) == 2 and len(log.segments) == 0
+    assert log.steps.t_end_s[1] >= (t_stop - rec.t0_tick) * 1e-9
     assert any("segment was still open at stop() on 1 thread" in w for w in log.warnings)
-    assert any("step 1 was still open" in w for w in log.warnings)
+    assert any(
+        "step 1 was still open at stop(): it is closed at the stop time" in w for w in log.warnings
+    )
 
 
 def test_stop_restores_signal_handlers_only_if_they_are_still_tracekits():

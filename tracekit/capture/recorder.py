@@ -34,22 +34,35 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import struct
 import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from functools import wraps
+from numbers import Integral
 from typing import Any, TypeVar
 
 import numpy as np
 
 from tracekit.capture import signals
+from tracekit.capture.checks import as_int, as_int_vector, as_tick
 from tracekit.capture.device import DeviceTimer
 from tracekit.capture.osstats import ThreadStats, unavailable_reason
-from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, call_sink
+from tracekit.capture.sinks import (
+    EMIT_CALLS,
+    EMIT_HANDLES,
+    Dispatcher,
+    Flush,
+    MemorySink,
+    PartsSink,
+    Sink,
+    call_sink,
+)
 from tracekit.labels import DEFAULT_CAUSE_MAP, colour
 from tracekit.log.flush import DTYPES, EVICT, READMIT, TABLES, UNKNOWN_TICK
 from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
+from tracekit.log.validate import MAX_ABS_TIME_S
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,6 +79,77 @@ def _nvtx_colour(label: str) -> int:
     return 0xFF000000 | int(colour(label).lstrip("#"), 16)
 
 
+#: One row of a table as bytes, for `array.frombytes` (about twice as fast as `extend`
+#: with a tuple, the hot path's largest cost).
+_SEG_ROW = struct.Struct("6q").pack
+_STEP_ROW = struct.Struct("7q").pack
+_ROW6 = struct.Struct("6q").pack
+_ROW4 = struct.Struct("4q").pack
+_ROW3 = struct.Struct("3q").pack
+_ROW2 = struct.Struct("2q").pack
+
+#: Up to this many handles in a list, a call is checked and packed in Python: for a few
+#: values that is cheaper than numpy's fixed cost per operation.
+_SMALL = 8
+
+#: The most table values a recorder keeps in its buffer while the writer is behind
+#: (160 MB), before it hands them over anyway (see `tracekit.capture.sinks.Dispatcher`).
+BACKLOG_VALUES = 20_000_000
+
+#: A tick never reached: a request not yet admitted, emitted or evicted.
+_NEVER = np.iinfo(np.int64).max
+
+
+def _bytes_of(rows: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, without a copy (what `array.frombytes` takes)."""
+    return memoryview(rows).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+def _check_label(label: Any, name: str) -> str:
+    if not isinstance(label, str):
+        raise TypeError(f"{name}: expected a str, got {type(label).__name__} {label!r:.80}")
+    return label
+
+
+class _Requests:
+    """Per request (by index), what the checks of later calls need: its arrival tick
+    (`UNKNOWN_TICK` before `request()`), the ticks of its admission and first eviction
+    (`_NEVER` until then), whether it has emitted, the last step that gave it a wait reason, and
+    a scratch column. Numpy columns grown by doubling, so a batch is checked in one pass."""
+
+    __slots__ = (
+        "arrival", "told", "admitted_tick", "emitted", "first_evict", "wait_step", "mark",
+    )  # fmt: skip
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.arrival = np.full(capacity, UNKNOWN_TICK, dtype=np.int64)
+        self.admitted_tick = np.full(capacity, _NEVER, dtype=np.int64)
+        self.emitted = np.zeros(capacity, dtype=bool)
+        self.told = np.zeros(capacity, dtype=bool)  # request() was called
+        self.first_evict = np.full(capacity, _NEVER, dtype=np.int64)
+        self.wait_step = np.full(capacity, -2, dtype=np.int64)
+        self.mark = np.zeros(capacity, dtype=np.int64)
+
+    def grow(self, n: int) -> None:
+        cap = len(self.arrival)
+        if n <= cap:
+            return
+        new = max(n, 2 * cap)
+        for name in self.__slots__:
+            old = getattr(self, name)
+            col = np.full(new, _FILL.get(name, 0), dtype=old.dtype)
+            col[:cap] = old
+            setattr(self, name, col)
+
+
+_FILL = {
+    "arrival": UNKNOWN_TICK,
+    "admitted_tick": _NEVER,
+    "first_evict": _NEVER,
+    "wait_step": -2,
+}
+
+
 #: Recorders that are running, so tests (and atexit) can check none is left behind.
 _ACTIVE: set[Recorder] = set()
 
@@ -74,8 +158,23 @@ def active_recorders() -> frozenset[Recorder]:
     return frozenset(_ACTIVE)
 
 
+class _Thread:
+    """What the segment hooks keep per thread: its open segments' start ticks (a stack),
+    its thread number in the log, and its identity (to tell the engine loop's thread)."""
+
+    __slots__ = ("stack", "tid", "ident")
+
+    def __init__(self, tid: int, ident: int) -> None:
+        self.stack: list[int] = []
+        self.tid = tid
+        self.ident = ident
+
+
 class _Segment:
-    """A reusable context manager and decorator for one label of one recorder."""
+    """A reusable context manager and decorator for one label of one recorder.
+
+    The hot path: a clock read and a push on enter; a clock read, a pop and one row
+    appended on exit (the recording cost of a segment, `bench/bench_recording.py`)."""
 
     __slots__ = ("_rec", "_label", "_name", "_color")
 
@@ -90,16 +189,39 @@ class _Segment:
         if rec._nvtx is not None:
             # never conditioned on the return value: the push always has its pop
             rec._nvtx.push_range(message=self._name, color=self._color, domain=NVTX_DOMAIN)
-        rec._tls_stack().append(rec._clock())
+        try:
+            th = rec._tls.th
+        except AttributeError:
+            th = rec._this_thread()
+        th.stack.append(rec._clock())
         return self
 
     def __exit__(self, *exc: object) -> None:
         rec = self._rec
         try:
             t1 = rec._clock()
-            stack = rec._tls_stack()
-            try:  # popped once its row is in: a flush sees the window open or its row
-                rec._append_segment(self._label, stack[-1], t1, 0)
+            try:
+                th = rec._tls.th
+            except AttributeError:  # entered on another thread: nothing to close here
+                th = rec._this_thread()
+            stack = th.stack
+            t0 = stack[-1]
+            # popped once its row is in: a flush sees the window open or its row
+            try:
+                # the segment ends here: its row names the step open on this thread (or -1)
+                if rec._in_step and th.ident == rec._loop_ident:
+                    # no lock: while a step is open only its own thread swaps the buffers
+                    # (`_idle_flush` waits for the step's end), except a stop() from another
+                    # thread, after which the row would not be in the run anyway
+                    try:
+                        rec._seg_rows.frombytes(
+                            _SEG_ROW(rec._step_no, self._label, t0, t1, th.tid, 0)
+                        )
+                    except BufferError:  # handed to the sinks by that stop() meanwhile
+                        pass
+                else:
+                    with rec._lock:
+                        rec._seg_rows.frombytes(_SEG_ROW(-1, self._label, t0, t1, th.tid, 0))
             finally:
                 stack.pop()
         finally:
@@ -244,7 +366,10 @@ class Recorder:
         self._step_color = _nvtx_colour(NVTX_STEP)
         self._device = device_timer if enabled else None
         self._clock = clock
-        self._seconds_per_tick = seconds_per_tick
+        if not (isinstance(seconds_per_tick, (int, float)) and 0 < seconds_per_tick < 1e6):
+            raise ValueError(f"Recorder(seconds_per_tick=): {seconds_per_tick!r} is not > 0")
+        self._seconds_per_tick = float(seconds_per_tick)
+        self._max_ticks = int(MAX_ABS_TIME_S / self._seconds_per_tick)
         self._flush_interval_ticks = int(flush_interval_s / seconds_per_tick)
         self._flush_interval_s = flush_interval_s
         self._handle_signals = handle_signals
@@ -258,12 +383,17 @@ class Recorder:
         # interned vocabularies
         self._labels: list[str] = []
         self._segments: dict[tuple[str, bool], _Segment] = {}
-        self._req_index: dict[Any, int] = {}
+        self._req_index: dict[Any, int] = {}  # request id -> index (its handle)
+        self._req_by_name: dict[str, int] = {}  # the id's string -> index
+        self._req_keys: list[Any] = []  # index -> the id as given
         self._req_names: list[str] = []
+        self._req = _Requests()
+        self._notes: dict[str, int] = {}  # adjusted ticks, by what: warnings at stop
         self._req_flushed = 0
         self._counter_index: dict[str, int] = {}
         self._threads: dict[int, int] = {}
         self._step_cm = _Step(self)
+        self._steps_flushed = 0  # step rows handed to the dispatcher
         self._new_buffers()
         # the open step
         self._step_no = -1  # index of the open (or last) step
@@ -302,7 +432,14 @@ class Recorder:
                     "Recorder(nvtx=True) needs the nvtx package: pip install 'tracekit[gpu]'"
                 ) from e
             self._nvtx = nvtx
-        self._t0_tick = self._clock()
+        t0 = self._clock()
+        if isinstance(t0, bool) or not isinstance(t0, Integral):
+            raise TypeError(
+                f"Recorder(clock=): the clock returned {type(t0).__name__} {t0!r:.80}; it must "
+                "return integer ticks (seconds_per_tick converts them)"
+            )
+        self._t0_tick = int(t0)
+        self._max_ticks = int(MAX_ABS_TIME_S / self._seconds_per_tick)
         self._last_flush_tick = self._t0_tick
         self._pid = os.getpid()
         self._thread_id()  # the starting thread is thread 0
@@ -374,7 +511,18 @@ class Recorder:
         self._sinks.append(sink)
 
     def stop(self) -> RawLog | None:
-        """Stop the run: remove every hook, flush, close the sinks (write the `.npz`)."""
+        """Stop the run: remove every hook, flush, close the sinks (write the `.npz`).
+
+        Safe whatever instant the engine was stopped at: a step begun and not ended is
+        closed at the stop time (a warning says so), so every row that names it stays
+        valid; SIGTERM and SIGINT landing during `stop()` are acted on after it."""
+        signals.IN_FLUSH[0] += 1  # first: a signal from here on waits for the run's end
+        try:
+            return self._stop()
+        finally:
+            signals.IN_FLUSH[0] -= 1
+
+    def _stop(self) -> RawLog | None:
         if not self._running:
             return self._log
         self._running = False
@@ -396,6 +544,7 @@ class Recorder:
             if self._os is not None:
                 self._os.close()
                 self._os = None
+        warnings = self._close_open_step(stop_tick) + warnings
         try:
             self._flush(stop_tick=stop_tick)
         finally:
@@ -420,8 +569,7 @@ class Recorder:
     def _unclosed(self) -> list[str]:
         """Warnings for what was still open at stop() (not in the log)."""
         out = []
-        if self._in_step:
-            out.append(f"step {self._step_no} was still open at stop(): it is not in the log")
+        out += [f"{n} {what}" for what, n in self._notes.items()]
         threads = sum(1 for st in self._stacks if st)
         if threads:
             out.append(
@@ -499,58 +647,112 @@ class Recorder:
         """Attributes of the open step. Unset ones default at step end: decode rows = the
         step's emission rows; prefill tokens 0; graph size -1 with no decode rows, else the
         decode rows (no graph miss recorded; pass 0 for an eager step); preemptions and
-        swap-ins = the `evict`/`readmit` calls made during the step."""
+        swap-ins = the `evict`/`readmit` calls made during the step.
+
+        Counts are integers in [0, 2**31 - 1] (graph size from -1); all are checked before
+        any is kept, so a wrong one raises and sets none."""
         if not self.enabled:
             return
-        a = self._step_attrs
-        if num_decode is not None:
-            a["num_decode"] = num_decode
-        if num_prefill_tokens is not None:
-            a["num_prefill_tokens"] = num_prefill_tokens
-        if graph_size is not None:
-            a["graph_size"] = graph_size
-        if num_preempted is not None:
-            a["num_preempted"] = num_preempted
-        if num_swapped_in is not None:
-            a["num_swapped_in"] = num_swapped_in
+        given = {
+            k: as_int(v, f"step_info({k}=)", -1 if k == "graph_size" else 0)
+            for k, v in (
+                ("num_decode", num_decode),
+                ("num_prefill_tokens", num_prefill_tokens),
+                ("graph_size", graph_size),
+                ("num_preempted", num_preempted),
+                ("num_swapped_in", num_swapped_in),
+            )
+            if v is not None
+        }
+        self._step_attrs.update(given)
 
     def _begin_step(self) -> None:
+        """Where a step begins: its start tick, then (under the lock, last) its number.
+
+        The order makes every instant safe to stop at (a signal, an exception): until
+        `_step_no` moves on, nothing names the new step; from then on `stop()` finds it
+        open (no row yet, `_open_step_no`) and closes it at the stop time."""
         if self._in_step:
             raise RuntimeError("steps do not nest: the previous step is still open")
+        t0 = self._clock()
         with self._lock:  # an idle flush on another thread must see the step open
-            self._step_no += 1
+            self._step_t0_tick = t0
+            self._step_attrs = {}
+            self._step_evictions = self._step_readmissions = self._step_emit_rows = 0
             self._loop_ident = threading.get_ident()
+            self._step_no += 1
             self._in_step = True
-        self._step_attrs = {}
-        self._step_evictions = self._step_readmissions = self._step_emit_rows = 0
-        self._step_t0_tick = self._clock()
         if self._os is not None:
-            self._os_sample(OS_STEP_START, self._step_t0_tick)
+            self._os_sample(OS_STEP_START, t0)
 
-    def _end_step(self) -> None:
-        t1 = self._clock()
-        if self._os is not None:
-            self._os_sample(OS_STEP_END, t1)
+    def _step_row(self, t1: int) -> bytes:
         a = self._step_attrs
         n_dec = a.get("num_decode", self._step_emit_rows)
         graph = a.get("graph_size", n_dec if n_dec > 0 else -1)
-        row = (
+        return _STEP_ROW(
             self._step_t0_tick,
-            t1,
+            max(t1, self._step_t0_tick),
             n_dec,
             a.get("num_prefill_tokens", 0),
             graph,
             a.get("num_preempted", self._step_evictions),
             a.get("num_swapped_in", self._step_readmissions),
         )
+
+    def _end_step(self) -> None:
+        """Where a step ends: its row, then the device poll and the flush."""
+        t1 = self._clock()
+        if self._os is not None:
+            self._os_sample(OS_STEP_END, t1)
+        row = self._step_row(t1)
         with self._lock:  # with the row: an idle flush never sees the step half-ended
+            self._buf["steps"].frombytes(row)
             self._in_step = False
-            self._buf["steps"].extend(row)
         dev = self._device
         if dev is not None and dev._pending:  # lazily: only what has finished, no sync
             dev.poll(self._append_device_window)
-        if t1 - self._last_flush_tick >= self._flush_interval_ticks:
+        if t1 - self._last_flush_tick >= self._flush_interval_ticks and not self._backlogged(t1):
             self._flush()
+
+    def _backlogged(self, now: int) -> bool:
+        """Keep the rows in this buffer (the backlog) for a later flush: the writer is
+        behind (a flush already waits for it, `Dispatcher.waiting`), the backlog is under
+        two intervals old and within `BACKLOG_VALUES`; past either, the flush is handed
+        over and waits for the writer (`tracekit.capture.sinks.Dispatcher`)."""
+        d = self._dispatcher
+        if d is None or not d.waiting():
+            return False
+        if (
+            now - self._last_flush_tick < 2 * self._flush_interval_ticks
+            and sum(len(b) for b in self._buf.values()) < BACKLOG_VALUES
+        ):
+            return True
+        # the writer is two intervals behind: wait until it takes the waiting flush, with
+        # signals deferred (one raised inside a Condition's wait can leave its lock held)
+        signals.IN_FLUSH[0] += 1
+        try:
+            d.wait_taken()
+        finally:
+            signals.IN_FLUSH[0] -= 1
+        return False
+
+    def _open_step_no(self) -> int | None:
+        """The step begun but without a row (the engine was stopped inside it), if any:
+        what the rows say, whatever instant a signal or an exception stopped at."""
+        with self._lock:
+            recorded = self._steps_flushed + len(self._buf["steps"]) // len(TABLES["steps"])
+            return self._step_no if self._step_no >= recorded else None
+
+    def _close_open_step(self, stop_tick: int) -> list[str]:
+        """At stop: close a step still open at the stop time, so that the segments,
+        emissions, prefill chunks and waits that name it stay valid."""
+        n = self._open_step_no()
+        if n is None:
+            return []
+        with self._lock:
+            self._buf["steps"].frombytes(self._step_row(stop_tick))
+            self._in_step = False
+        return [f"step {n} was still open at stop(): it is closed at the stop time"]
 
     # -- segments --------------------------------------------------------------------
     def segment(self, label: str, *, device: bool = False) -> Any:
@@ -565,6 +767,7 @@ class Recorder:
         key = (label, device)
         seg = self._segments.get(key)
         if seg is None:
+            label = _check_label(label, "segment(label)")
             with self._lock:
                 seg = self._segments.get(key)
                 if seg is None:
@@ -577,8 +780,14 @@ class Recorder:
 
     def add_segment(self, label: str, t0: int, t1: int, *, device: bool = False) -> None:
         """Record a window measured elsewhere (ticks of this recorder's clock)."""
-        if self.enabled:
-            self._append_segment(self._label_id(label), t0, t1, int(device))
+        if not self.enabled:
+            return
+        label = _check_label(label, "add_segment(label)")
+        t0 = self._check_tick(t0, "add_segment(t0)")
+        t1 = self._check_tick(t1, "add_segment(t1)")
+        if t1 < t0:
+            raise ValueError(f"add_segment({label!r:.80}): ends (t1={t1}) before it starts ({t0})")
+        self._append_segment(self._label_id(label), t0, t1, 1 if device else 0)
 
     def _label_id(self, label: str) -> int:
         with self._lock:
@@ -588,15 +797,19 @@ class Recorder:
                 self._labels.append(label)
                 return len(self._labels) - 1
 
-    def _tls_stack(self) -> list[int]:
+    def _this_thread(self) -> _Thread:
+        """This thread's segment state, made on its first segment."""
         try:
-            return self._tls.stack
+            return self._tls.th  # type: ignore[no-any-return]
         except AttributeError:
-            stack: list[int] = []
+            th = _Thread(self._thread_id(), threading.get_ident())
             with self._lock:
-                self._stacks.append(stack)
-            self._tls.stack = stack
-            return stack
+                self._stacks.append(th.stack)
+            self._tls.th = th
+            return th
+
+    def _tls_stack(self) -> list[int]:
+        return self._this_thread().stack
 
     def _thread_id(self) -> int:
         ident = threading.get_ident()
@@ -607,9 +820,9 @@ class Recorder:
         return tid
 
     def _append_segment(self, label: int, t0: int, t1: int, is_device: int) -> None:
-        row = (self._step_here(), label, t0, t1, self._thread_id(), is_device)
+        row = _SEG_ROW(self._step_here(), label, t0, t1, self._thread_id(), is_device)
         with self._lock:
-            self._buf["segments"].extend(row)
+            self._seg_rows.frombytes(row)
 
     def _step_here(self) -> int:
         """The step a window opened on this thread now belongs to (-1: outside any step)."""
@@ -618,12 +831,22 @@ class Recorder:
     def _append_device_window(self, step: int, label: int, t0: int, t1: int, thread: int) -> None:
         """A device execution window resolved by the device timer, after its step ended."""
         with self._lock:
-            self._buf["segments"].extend((step, label, t0, t1, thread, 1))
+            self._seg_rows.frombytes(_SEG_ROW(step, label, t0, t1, thread, 1))
 
     def _is_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_ident
 
-    # -- emissions and requests ------------------------------------------------------
+    def _check_tick(self, value: Any, name: str) -> int:
+        """A tick of this recorder's clock, within what a log accepts of engine time."""
+        t = as_tick(value, name)
+        if self._running and abs(t - self._t0_tick) > self._max_ticks:
+            raise ValueError(
+                f"{name}: tick {t} is {abs(t - self._t0_tick) * self._seconds_per_tick:.3g} s "
+                f"from the run's start (more than {MAX_ABS_TIME_S:g} s: not this clock's tick)"
+            )
+        return t
+
+    # -- requests: ids and handles -----------------------------------------------------
     def request(
         self,
         request_id: Any,
@@ -632,16 +855,117 @@ class Recorder:
         max_new_tokens: int = -1,
         arrival_tick: int | None = None,
     ) -> int:
-        """A request arrived (now, or at `arrival_tick` of this recorder's clock)."""
+        """A request arrived (now, or at `arrival_tick` of this recorder's clock).
+
+        Returns its handle: the integer that `emit_handles`, `admit_handle`,
+        `prefill_handles` and `wait_handles` take instead of the id (resolve the id once,
+        here, and keep the handle with the request). Once per request, before its first
+        admission and emission: a second call keeps the first arrival; an arrival after
+        the request's admission (or after now) is taken as that tick, one told after its
+        first emission is kept unknown (NaN); the log's warnings count each. -1 when the
+        recorder is disabled."""
         if not self.enabled:
             return -1
-        t = self._clock() if arrival_tick is None else arrival_tick
-        idx = self._request_index(request_id)
+        prompt = as_int(prompt_tokens, "request(prompt_tokens=)", -1)
+        max_new = as_int(max_new_tokens, "request(max_new_tokens=)", -1)
+        now = self._clock()
+        t = now
+        if arrival_tick is not None:
+            t = self._check_tick(arrival_tick, "request(arrival_tick=)")
+            if t > now:  # another clock's reading, a little ahead: it arrived by now
+                self._note("request arrival tick(s) after the request() call, taken as the call's")
+                t = now
+        idx = self._intern(request_id, "request")
         with self._lock:
-            self._buf["requests"].extend((idx, t, prompt_tokens, max_new_tokens))
+            r = self._req
+            if r.told[idx]:
+                self._note("request() call(s) for a request that had arrived: the first is kept")
+                return idx
+            r.told[idx] = True
+            if r.emitted[idx]:  # a first token cannot precede its arrival: not known
+                self._note(
+                    "request arrival(s) told after the request's first emission: kept "
+                    "unknown (NaN), a first token cannot come before its arrival"
+                )
+                t = UNKNOWN_TICK
+            if t > r.admitted_tick[idx]:  # told late: it had arrived by its admission
+                self._note("request arrival(s) after the request's admission, taken as it")
+                t = int(r.admitted_tick[idx])
+            if t != UNKNOWN_TICK:
+                r.arrival[idx] = t
+            self._buf["requests"].frombytes(_ROW4(idx, t, prompt, max_new))
         if arrival_tick is None:
             self._flush_if_idle(t)
         return idx
+
+    def handle(self, request_id: Any) -> int:
+        """The handle of `request_id` (interned now if this recorder has not seen it),
+        without recording an arrival; -1 when the recorder is disabled."""
+        if not self.enabled:
+            return -1
+        idx = self._req_index.get(request_id)
+        return self._intern(request_id, "handle") if idx is None else idx
+
+    def _intern(self, request_id: Any, what: str) -> int:
+        """The request's index; a new one gets the next index and its name. Two ids with
+        one name (``1`` and ``"1"``) are refused: the log names requests by string."""
+        idx = self._req_index.get(request_id)
+        if idx is not None:
+            return idx
+        name = str(request_id)
+        with self._lock:
+            idx = self._req_index.get(request_id)
+            if idx is None:
+                other = self._req_by_name.get(name)
+                if other is not None:
+                    raise ValueError(
+                        f"{what}: request id {request_id!r:.80} ({type(request_id).__name__}) "
+                        f"has the same name as the id of request {other} "
+                        f"({type(self._req_keys[other]).__name__}): the log names requests by "
+                        "string, so give every request an id of one type"
+                    )
+                idx = len(self._req_names)
+                self._req.grow(idx + 1)
+                self._req_index[request_id] = idx
+                self._req_by_name[name] = idx
+                self._req_keys.append(request_id)
+                self._req_names.append(name)
+        return idx
+
+    def _intern_all(self, request_ids: Iterable[Any], what: str) -> np.ndarray:
+        """The handles of `request_ids`, interning new ones in order (one dict lookup per
+        id, no object per id kept)."""
+        ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+        get = self._req_index.get
+        found = [get(rid) for rid in ids]
+        if None in found:
+            with self._lock:  # all of them or none: a refused id interns none before it
+                n = len(self._req_names)
+                try:
+                    found = [
+                        self._intern(rid, what) if i is None else i
+                        for rid, i in zip(ids, found, strict=True)
+                    ]
+                except BaseException:
+                    self._forget_since(n)
+                    raise
+        return np.array(found, dtype=np.int64)
+
+    def _forget_since(self, n: int) -> None:
+        """Undo the interning of requests n.. (a call refused after interning them;
+        under the lock, before any row names them)."""
+        for key in self._req_keys[n:]:
+            self._req_index.pop(key, None)
+        for name in self._req_names[n:]:
+            self._req_by_name.pop(name, None)
+        del self._req_keys[n:], self._req_names[n:]
+
+    def _check_handles(self, handles: Any, name: str) -> np.ndarray:
+        """Handles as one int64 vector, every one a request of this recorder."""
+        return as_int_vector(handles, name, 0, len(self._req_names) - 1)
+
+    def _check_handle(self, handle: Any, name: str) -> int:
+        return as_int(handle, name, 0, len(self._req_names) - 1)
 
     def _flush_if_idle(self, now: int) -> None:
         """Keep the flush interval while no step runs (an idle engine still takes
@@ -662,17 +986,7 @@ class Recorder:
             if any(len(b) for b in self._buf.values()) or self._req_flushed < len(self._req_names):
                 self._flush(poll_device=False)
 
-    def _request_index(self, request_id: Any) -> int:
-        idx = self._req_index.get(request_id)
-        if idx is None:
-            with self._lock:
-                idx = self._req_index.get(request_id)
-                if idx is None:
-                    idx = len(self._req_names)
-                    self._req_index[request_id] = idx
-                    self._req_names.append(str(request_id))
-        return idx
-
+    # -- emissions ---------------------------------------------------------------------
     def emit(
         self,
         request_ids: Iterable[Any],
@@ -687,49 +1001,104 @@ class Recorder:
 
         `reads_step`: under async scheduling, the step whose device results these tokens
         are (the previous step's, read while this one runs); default: the open step. The
-        partition charges a gap only with the device work its emission read."""
+        partition charges a gap only with the device work its emission read.
+
+        On the per-step path prefer `emit_handles` (no id lookup); both record the same."""
         if not self.enabled:
             return
-        t = self._clock() if at_tick is None else at_tick
+        if num_tokens is not None and not isinstance(num_tokens, np.ndarray):
+            num_tokens = list(num_tokens)
+        t, dstep = self._emit_when(at_tick, reads_step)  # every scalar checked first
+        counts = self._emit_counts(num_tokens)
+        ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+        if counts is not None and len(counts) != len(ids):
+            raise ValueError(f"emit: {len(ids)} request ids but {len(counts)} num_tokens")
+        self._emit_rows(self._intern_all(ids, "emit"), counts, t, dstep)
+
+    def emit_handles(
+        self,
+        handles: Any,
+        num_tokens: Any = None,
+        *,
+        at_tick: int | None = None,
+        reads_step: int | None = None,
+    ) -> None:
+        """`emit` on request handles (what `request`/`handle` return): one vectorised call
+        for a whole batch, checked once for the vector (the engine's hot path). `handles`
+        and `num_tokens`: an int array (best) or a sequence of ints."""
+        if not self.enabled:
+            return
+        t, dstep = self._emit_when(at_tick, reads_step)
+        h = self._check_handles(handles, "emit_handles(handles)")
+        counts = self._emit_counts(num_tokens)
+        if counts is not None and len(counts) != len(h):
+            raise ValueError(f"emit_handles: {len(h)} handles but {len(counts)} num_tokens")
+        self._emit_rows(h, counts, t, dstep)
+
+    def _emit_when(self, at_tick: Any, reads_step: Any) -> tuple[int, int]:
+        t = self._clock() if at_tick is None else self._check_tick(at_tick, "emit(at_tick=)")
         step = self._step_no if self._in_step else -1
-        dstep = step if reads_step is None else reads_step
-        get = self._req_index.get
-        rows = array("q")
+        if reads_step is None:
+            return t, step
+        # the step read must exist by the time the log is written: this one or an earlier one
+        return t, as_int(reads_step, "emit(reads_step=)", -1, self._step_no)
+
+    @staticmethod
+    def _emit_counts(num_tokens: Any) -> np.ndarray | None:
         if num_tokens is None:
-            for rid in request_ids:
-                idx = get(rid)
-                if idx is None:
-                    idx = self._request_index(rid)
-                rows.extend((idx, t, step, 1, dstep))
-        else:
-            for rid, n in zip(request_ids, num_tokens, strict=True):
-                idx = get(rid)
-                if idx is None:
-                    idx = self._request_index(rid)
-                rows.extend((idx, t, step, n, dstep))
-        self._step_emit_rows += len(rows) // 5
+            return None
+        return as_int_vector(num_tokens, "emit(num_tokens)", 1)
+
+    def _emit_rows(self, h: np.ndarray, counts: np.ndarray | None, t: int, dstep: int) -> None:
+        """One emission call: a header row and the handles (and counts), two copies; the
+        dispatcher expands them into one emissions row per request
+        (`tracekit.capture.sinks.expand_emissions`)."""
+        n = len(h)
+        if not n:
+            return
+        step = self._step_no if self._in_step else -1
+        r = self._req
         with self._lock:
-            self._buf["emissions"].extend(rows)
+            # no first token before its arrival: a tick from the caller, or one read before
+            # another thread's request() took the lock, may be a little early
+            latest = int(r.arrival[h].max())
+            if latest > t:
+                self._note("emission tick(s) before the request's arrival, taken as it")
+                t = latest
+            r.emitted[h] = True
+            hb = self._buf[EMIT_HANDLES]
+            at = len(hb)
+            hb.frombytes(_bytes_of(h))
+            if counts is not None:
+                hb.frombytes(_bytes_of(counts))
+            # last: the call's row commits it (handles without one are never read)
+            self._buf[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, counts is not None, at))
+            self._step_emit_rows += n
 
     def evict(self, request_id: Any, *, mode: str = "swap") -> None:
         """The scheduler evicted `request_id` now (`swap` or `recompute`)."""
         if not self.enabled:
             return
+        code = MODES.get(mode) if isinstance(mode, str) else None
+        if code is None:
+            raise ValueError(f"evict(mode=): {mode!r:.80} is not one of {list(MODES)}")
+        idx = self._intern(request_id, "evict")
         t = self._clock()
-        idx = self._request_index(request_id)
-        self._step_evictions += 1
         with self._lock:
-            self._buf["events"].extend((idx, EVICT, t, MODES[mode]))
+            r = self._req
+            r.first_evict[idx] = min(int(r.first_evict[idx]), t)
+            self._buf["events"].frombytes(_ROW4(idx, EVICT, t, code))
+            self._step_evictions += 1
 
     def readmit(self, request_id: Any) -> None:
         """The scheduler readmitted an evicted `request_id` now."""
         if not self.enabled:
             return
+        idx = self._intern(request_id, "readmit")
         t = self._clock()
-        idx = self._request_index(request_id)
-        self._step_readmissions += 1
         with self._lock:
-            self._buf["events"].extend((idx, READMIT, t, -1))
+            self._buf["events"].frombytes(_ROW4(idx, READMIT, t, -1))
+            self._step_readmissions += 1
 
     # -- TTFT events: admission, prefill chunks, wait reasons ---------------------------
     def admit(self, request_id: Any, *, at_tick: int | None = None) -> None:
@@ -737,13 +1106,44 @@ class Recorder:
         at `at_tick` of this recorder's clock: say, the start of the scheduling call).
 
         Call it once per request, where the scheduler takes it off its waiting queue (a
-        readmission after an eviction is `readmit`). Ends the request's `queued` phase."""
+        readmission after an eviction is `readmit`), before its first emission and
+        eviction. Ends the request's `queued` phase."""
         if not self.enabled:
             return
-        t = self._clock() if at_tick is None else at_tick
-        idx = self._request_index(request_id)
+        t = self._clock() if at_tick is None else self._check_tick(at_tick, "admit(at_tick=)")
+        self._admit(self._intern(request_id, "admit"), t)
+
+    def admit_handle(self, handle: int, *, at_tick: int | None = None) -> None:
+        """`admit` on a request handle."""
+        if not self.enabled:
+            return
+        t = self._clock() if at_tick is None else self._check_tick(at_tick, "admit(at_tick=)")
+        self._admit(self._check_handle(handle, "admit_handle(handle)"), t)
+
+    def _admit(self, idx: int, t: int) -> None:
         with self._lock:
-            self._buf["admissions"].extend((idx, t))
+            r = self._req
+            if r.admitted_tick[idx] != _NEVER:
+                return  # admitted before: the log keeps the first admission (docs/ttft.md)
+            arrival = int(r.arrival[idx])
+            evicted = int(r.first_evict[idx])
+            if arrival != UNKNOWN_TICK and t < arrival:  # another clock's reading, early
+                self._note("admission tick(s) before the request's arrival, taken as it")
+                t = arrival
+            why = (
+                "after its first emission"
+                if r.emitted[idx]
+                else f"after its first eviction (tick {evicted})"
+                if t > evicted
+                else None
+            )
+            if why is not None:
+                raise ValueError(
+                    f"admit: request {self._req_names[idx]!r:.80} admitted at tick {t}, {why}: "
+                    "admit a request when the scheduler first takes it"
+                )
+            r.admitted_tick[idx] = t
+            self._buf["admissions"].frombytes(_ROW2(idx, t))
 
     def prefill(self, request_id: Any, num_tokens: int) -> None:
         """The open step computes `num_tokens` of `request_id`'s prompt in its `prefill`
@@ -751,38 +1151,100 @@ class Recorder:
         prefill time by these token counts)."""
         if not self.enabled:
             return
-        idx = self._req_index.get(request_id)
-        if idx is None:
-            idx = self._request_index(request_id)
-        row = (self._open_step("prefill"), idx, num_tokens)
+        n = as_int(num_tokens, "prefill(num_tokens)")
+        step = self._open_step("prefill")
+        idx = self._intern(request_id, "prefill")
         with self._lock:
-            self._buf["prefill_chunks"].extend(row)
+            self._buf["prefill_chunks"].frombytes(_ROW3(step, idx, n))
+
+    def prefill_handles(self, handles: Any, num_tokens: Any) -> None:
+        """`prefill` for several requests in one call: `num_tokens[i]` of the prompt of
+        request handle `handles[i]`."""
+        if not self.enabled:
+            return
+        step = self._open_step("prefill")
+        last = len(self._req_names) - 1
+        if isinstance(handles, (list, tuple)) and len(handles) <= _SMALL:  # numpy costs more
+            if not isinstance(num_tokens, (list, tuple, np.ndarray)):
+                num_tokens = list(num_tokens)
+            if len(num_tokens) != len(handles):
+                raise ValueError(
+                    f"prefill_handles: {len(handles)} handles but {len(num_tokens)} num_tokens"
+                )
+            rows = b"".join(
+                _ROW3(
+                    step,
+                    as_int(x, "prefill_handles(handles)", 0, last),
+                    as_int(k, "prefill_handles(num_tokens)"),
+                )
+                for x, k in zip(handles, num_tokens, strict=True)
+            )
+        else:
+            h = self._check_handles(handles, "prefill_handles(handles)")
+            n = as_int_vector(num_tokens, "prefill_handles(num_tokens)")
+            if len(n) != len(h):
+                raise ValueError(f"prefill_handles: {len(h)} handles but {len(n)} num_tokens")
+            a = np.empty((len(h), 3), dtype=np.int64)
+            a[:, 0] = step
+            a[:, 1] = h
+            a[:, 2] = n
+            rows = _bytes_of(a)  # type: ignore[assignment]
+        with self._lock:
+            self._buf["prefill_chunks"].frombytes(rows)
 
     def wait(self, request_ids: Iterable[Any], reason: str) -> None:
         """The open step's scheduler left `request_ids` waiting because of `reason`, one
         of `tracekit.log.rawlog.WAIT_REASONS` (`kv_blocks`, `max_num_seqs`, `token_budget`,
-        `preempted_first`, `other`)."""
+        `preempted_first`, `other`). One reason per request and step."""
         if not self.enabled:
             return
-        code = WAIT_REASON_CODES.get(reason)
-        if code is None:
-            raise ValueError(f"wait reason {reason!r} is not one of {list(WAIT_REASON_CODES)}")
+        code = self._wait_code(reason)
         step = self._open_step("wait")
-        ids = request_ids if isinstance(request_ids, list) else list(request_ids)
-        get = self._req_index.get
-        found = [get(rid) for rid in ids]
-        idx: list[int] = (
-            found  # type: ignore[assignment]  # no None in it
-            if None not in found
-            else [  # requests this recorder has not seen yet get an index
-                self._request_index(rid) if i is None else i
-                for rid, i in zip(ids, found, strict=True)
-            ]
-        )
-        rows = array("q", (step, 0, code)) * len(idx)  # flat (step, request, reason) rows
-        rows[1::3] = array("q", idx)
         with self._lock:
-            self._buf["waits"].extend(rows)
+            n = len(self._req_names)
+            try:
+                self._wait_rows(self._intern_all(request_ids, "wait"), code, step)
+            except BaseException:
+                self._forget_since(n)
+                raise
+
+    def wait_handles(self, handles: Any, reason: str) -> None:
+        """`wait` on request handles."""
+        if not self.enabled:
+            return
+        code = self._wait_code(reason)
+        step = self._open_step("wait")
+        self._wait_rows(self._check_handles(handles, "wait_handles(handles)"), code, step)
+
+    @staticmethod
+    def _wait_code(reason: Any) -> int:
+        code = WAIT_REASON_CODES.get(reason) if isinstance(reason, str) else None
+        if code is None:
+            raise ValueError(f"wait reason {reason!r:.80} is not one of {list(WAIT_REASON_CODES)}")
+        return code
+
+    def _wait_rows(self, h: np.ndarray, code: int, step: int) -> None:
+        n = len(h)
+        if not n:
+            return
+        rows = np.empty((n, 3), dtype=np.int64)
+        rows[:, 0] = step
+        rows[:, 1] = h
+        rows[:, 2] = code
+        with self._lock:
+            r = self._req
+            seen = r.wait_step[h] == step
+            mark = r.mark
+            mark[h] = np.arange(n)  # a request twice in `h`: its earlier place is overwritten
+            twice = mark[h] != np.arange(n)
+            if seen.any() or twice.any():
+                i = int(h[np.flatnonzero(seen | twice)[0]])
+                raise ValueError(
+                    f"wait: request {self._req_names[i]!r:.80} has two wait reasons in step "
+                    f"{step} (state one reason per request and step)"
+                )
+            r.wait_step[h] = step
+            self._buf["waits"].frombytes(_bytes_of(rows))
 
     def _open_step(self, what: str) -> int:
         if not (self._in_step and self._is_loop_thread()):
@@ -794,13 +1256,21 @@ class Recorder:
         this recorder's clock, for a stamp taken before the recorder could be reached)."""
         if not self.enabled:
             return
-        t = self._clock() if at_tick is None else at_tick
+        name = _check_label(name, "counter(name)")
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"counter({name!r:.80}): value {value!r:.80} is not a number") from None
+        t = self._clock() if at_tick is None else self._check_tick(at_tick, "counter(at_tick=)")
         idx = self._counter_index.get(name)
-        if idx is None:
-            with self._lock:
-                idx = self._counter_index.setdefault(name, len(self._counter_index))
         with self._lock:
-            self._buf["counters"].extend((float(idx), float(t), float(value)))
+            if idx is None:
+                idx = self._counter_index.setdefault(name, len(self._counter_index))
+            self._buf["counters"].extend((float(idx), float(t), v))
+
+    def _note(self, what: str) -> None:
+        """Count a call whose tick was adjusted to keep the log valid (a warning at stop)."""
+        self._notes[what] = self._notes.get(what, 0) + 1
 
     def now(self) -> int:
         """The recorder's clock, in ticks (for `add_segment` and `arrival_tick`)."""
@@ -826,6 +1296,9 @@ class Recorder:
         self._buf: dict[str, array] = {
             k: array("d" if DTYPES[k] is np.float64 else "q") for k in TABLES
         }
+        self._buf[EMIT_CALLS] = array("q")  # emissions, compact (`sinks.expand_emissions`)
+        self._buf[EMIT_HANDLES] = array("q")
+        self._seg_rows = self._buf["segments"]  # the segment hooks' table, one lookup less
 
     def _flush(self, *, stop_tick: int | None = None, poll_device: bool = True) -> None:
         """Hand the completed rows to the sinks' dispatcher (a swap of buffers; no disk
@@ -843,6 +1316,8 @@ class Recorder:
                 open_tick = self._earliest_open_tick()
                 buf = self._buf
                 self._new_buffers()
+                self._steps_flushed += len(buf["steps"]) // len(TABLES["steps"])
+                now = self._clock()
                 self._last_flush_tick = now
                 if self._pid != os.getpid():  # a forked child: the run is the parent's
                     return

@@ -91,12 +91,54 @@ class Flush(NamedTuple):
     open_tick: int | None = None
 
 
+#: The recorder's compact form of emissions (`Recorder.emit_handles`): per call one
+#: ``EMIT_CALLS`` row (t_tick, step, device_step, number of requests, has counts, offset)
+#: and, in ``EMIT_HANDLES`` from that offset, the call's request handles followed by its
+#: token counts if it has them. The engine thread appends the handles, then the row (the
+#: row commits the call: handles without one, left by a signal between the two, are never
+#: read); `expand_emissions` turns them into ``emissions`` rows on the dispatcher thread.
+EMIT_CALLS, EMIT_HANDLES = "emit_calls", "emit_handles"
+EMIT_CALL_WIDTH = 6
+
+
+def expand_emissions(buffers: Mapping[str, Any]) -> dict[str, Any]:
+    """`buffers` with the compact emissions expanded into ``emissions`` rows (request,
+    t_tick, step, num_tokens, device_step), in call order and, within a call, in the
+    order of its handles: the rows one `emit` row per request would have made."""
+    out = {k: v for k, v in buffers.items() if k not in (EMIT_CALLS, EMIT_HANDLES)}
+    calls_buf = buffers.get(EMIT_CALLS)
+    if calls_buf is None or not len(calls_buf):
+        return out
+    calls = np.frombuffer(calls_buf, dtype=np.int64).reshape(-1, EMIT_CALL_WIDTH)
+    flat = np.frombuffer(buffers[EMIT_HANDLES], dtype=np.int64)
+    t, step, dstep, n, has_counts, start = calls.T
+    rows = np.empty((int(n.sum()), 5), dtype=np.int64)
+    rows[:, 1] = np.repeat(t, n)
+    rows[:, 2] = np.repeat(step, n)
+    rows[:, 4] = np.repeat(dstep, n)
+    if len(flat) == len(rows) and not has_counts.any():  # the common case
+        rows[:, 0] = flat  # every call's handles, back to back: the request column
+        rows[:, 3] = 1
+    else:  # from each call's offset: its n handles, then its n counts if it has them
+        call = np.repeat(np.arange(len(calls)), n)  # the call of each row
+        at = start[call] + np.arange(len(rows)) - np.repeat(np.cumsum(n) - n, n)
+        rows[:, 0] = flat[at]
+        counted = has_counts[call] == 1
+        rows[:, 3] = 1
+        rows[counted, 3] = flat[at[counted] + n[call[counted]]]
+    before = out.get("emissions")
+    if before is not None and len(before):
+        rows = np.concatenate((np.frombuffer(before, dtype=np.int64).reshape(-1, 5), rows))
+    out["emissions"] = rows.reshape(-1)
+    return out
+
+
 def build_chunk(flushes: list[Flush], t0_tick: int, seconds_per_tick: float) -> FlushedRows:
     """The `FlushedRows` of one or more consecutive flushes (the later vocabularies win;
     the request ids and rows are concatenated in order)."""
     last = flushes[-1]
     return build_flushed(
-        [f.buffers for f in flushes],
+        [expand_emissions(f.buffers) for f in flushes],
         labels=last.labels,
         counter_names=last.counter_names,
         request_ids=[i for f in flushes for i in f.new_request_ids],
@@ -118,8 +160,18 @@ class Dispatcher:
 
     `idle` is called (from this thread) when no flush arrived for `interval_s`: the
     recorder flushes rows recorded just before the engine went idle, if no step is open.
-    `submit` never blocks the engine unless `max_pending_values` table values are already
-    waiting (the sinks are stuck): then it waits for them, so memory stays bounded.
+
+    The bound on flush lag (what a `kill -9` can lose): while the sinks keep up, a row
+    reaches them within one interval plus one write. When they fall behind (a write
+    longer than the interval: a slow disk, a burst of rows, a machine too busy to give
+    this thread the GIL), the recorder sees a flush already `waiting` and keeps its rows
+    in its own buffer (the backlog) instead of handing over another, for up to one more
+    interval; then it waits until the writer takes the waiting flush (`wait_taken`) and
+    hands over the backlog whole. So at most one flush waits while one is written, a row
+    waits for at most two intervals, the write in progress and its own, and memory stays
+    bounded. (Flushes submitted otherwise, such as arrivals of an idle engine, are merged
+    into the next write.) `submit` blocks only if `max_pending_values` table values are
+    already waiting (the sinks are stuck).
     """
 
     def __init__(
@@ -143,7 +195,7 @@ class Dispatcher:
         self._pending: deque[Flush] = deque()
         self._pending_values = 0
         self._closing = False
-        self._busy = False
+        self._busy = False  # a write is running
         self.last_submit_s = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="tracekit-writer", daemon=True)
         self._thread.start()
@@ -161,6 +213,17 @@ class Dispatcher:
             self._pending_values += n
             self.last_submit_s = time.monotonic()
             self._cond.notify_all()
+
+    def wait_taken(self) -> None:
+        """Block until the writer has taken the waiting flush (the engine thread, when
+        its backlog is two intervals old: the bound on lag of the class doc)."""
+        with self._cond:
+            while self._pending and self._busy and self._thread.is_alive():
+                self._cond.wait(0.05)
+
+    def waiting(self) -> bool:
+        """Whether a flush is waiting for the writer (it is behind: see the class doc)."""
+        return bool(self._pending)  # one read of the deque's length: no lock needed
 
     def close(self) -> None:
         """Write every pending flush, then end the thread."""
@@ -181,9 +244,15 @@ class Dispatcher:
                 self._pending.clear()
                 self._pending_values = 0
                 closing = self._closing
+                self._busy = bool(batch)
                 self._cond.notify_all()
             if batch:
-                _guard(functools.partial(self._deliver, batch), "a flush")
+                try:
+                    _guard(functools.partial(self._deliver, batch), "a flush")
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
             elif closing:
                 return
             else:  # nothing arrived for a whole interval: the engine may be idle
@@ -393,10 +462,14 @@ class MemorySink:
 __all__ = [
     "CaptureError",
     "Dispatcher",
+    "EMIT_CALLS",
+    "EMIT_CALL_WIDTH",
+    "EMIT_HANDLES",
     "Flush",
     "MemorySink",
     "PartsSink",
     "Sink",
     "build_chunk",
     "call_sink",
+    "expand_emissions",
 ]
