@@ -70,27 +70,28 @@ def test_gc_gives_its_share_too(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_an_explicit_wait_explains_off_cpu_time(impl):
     # decode [0, 6], wait [6, 10] (W = 4). C = 6, R = 3: B = 1 <= W, all explained:
-    # no os_blocked. Run-queue share 0.3 everywhere: forward 6 * 0.7 = 4.2, wait 4 * 0.7
-    # = 2.8, os_runqueue 3.
+    # no os_blocked. A thread in a wait is not runnable: R is spread over the other
+    # L - W = 6 ms, share 3 / 6 = 0.5: forward 6 * 0.5 = 3, os_runqueue 3, wait 4 whole.
     b = LogBuilder()
     s = one_step(b, cpu_ms=6, runq_ms=3)
     b.seg(s, "decode", 0, 6)
     b.seg(s, "wait", 6, 10)
     p = impl(b.build())
-    assert parts_of(p) == {"forward": 4.2, "wait": 2.8, "os_runqueue": 3.0}
+    assert parts_of(p) == {"forward": 3.0, "wait": 4.0, "os_runqueue": 3.0}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_off_cpu_time_beyond_the_waits_is_blocked(impl):
     # as above but C = 2: B = 10 - 2 - 3 = 5, W = 4 explains 4; 1 ms left, spread over the
-    # 6 non-wait ms (share 1/6): forward 6 * (1 - 0.3 - 1/6) = 3.2, wait 2.8 (no blocked
-    # share in a wait), os_runqueue 3, os_blocked 1.
+    # 6 non-wait ms (share 1/6), as the run-queue wait is (share 3/6): forward
+    # 6 * (1 - 0.5 - 1/6) = 2, wait 4 whole (no OS share in a wait), os_runqueue 3,
+    # os_blocked 1.
     b = LogBuilder()
     s = one_step(b, cpu_ms=2, runq_ms=3)
     b.seg(s, "decode", 0, 6)
     b.seg(s, "wait", 6, 10)
     p = impl(b.build())
-    assert parts_of(p) == {"forward": 3.2, "wait": 2.8, "os_runqueue": 3.0, "os_blocked": 1.0}
+    assert parts_of(p) == {"forward": 2.0, "wait": 4.0, "os_runqueue": 3.0, "os_blocked": 1.0}
 
 
 @pytest.mark.parametrize("impl", IMPLS)

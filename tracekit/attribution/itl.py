@@ -67,13 +67,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tracekit.attribution.timeline import (
-    DEVICE_WAIT_LABELS,
     HostTimeline,
     Timeline,
     build_timeline,
     decode_net_ms,
     device_windows,
     host_classes,
+    is_os_wait,
     loop_threads,
     os_intervals,
     os_rates,
@@ -661,7 +661,7 @@ def partition(
 
     os_gap = np.zeros(0, dtype=np.int64)
     if len(osi) and n:
-        wait_cls = [i for i, (x, _) in enumerate(classes) if x in DEVICE_WAIT_LABELS]
+        wait_cls = [i for i, (x, _) in enumerate(classes) if is_os_wait(x)]
         run_rate, blk_rate = os_rates(tl, osi, wait_cls)
 
         def os_loss(t_a: np.ndarray, t_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -43,6 +43,7 @@ from tracekit.attribution.timeline import (
     DEVICE_WAIT_LABELS,
     decode_net_ms,
     host_classes,
+    is_os_wait,
     os_intervals,
     segment_causes,
 )
@@ -132,20 +133,21 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
 
     def os_shares(x: float, who: str) -> tuple[float, float]:
         """The run-queue and blocked shares of the instant just after x, owned by `who`
-        (docs/partition.md, "OS evidence"): the interval's run-queue wait spread evenly
-        over it; its off-CPU time beyond its explicit waits spread over its other time."""
+        (docs/partition.md, "OS evidence"): the interval's run-queue wait, and its off-CPU
+        time beyond its explicit waits, spread evenly over its time outside those waits."""
         for a, b, rq, off in os_list:
             if a <= x < b:
                 cuts = sorted({a, b} | {p for p in points if a < p < b})
                 wait = sum(
                     y - z
                     for z, y in zip(cuts[:-1], cuts[1:], strict=True)
-                    if host_owner(z)[0] in DEVICE_WAIT_LABELS
+                    if is_os_wait(host_owner(z)[0])
                 )
-                r_share = rq / (b - a)
-                if who in DEVICE_WAIT_LABELS or b - a - wait <= 0:
-                    return r_share, 0.0
-                return r_share, min(max(off - wait, 0.0) / (b - a - wait), 1.0 - r_share)
+                rest = b - a - wait  # a thread in an explicit wait is not runnable
+                if is_os_wait(who) or rest <= 0:
+                    return 0.0, 0.0
+                r_share = min(rq, rest) / rest
+                return r_share, min(max(off - wait, 0.0) / rest, 1.0 - r_share)
         return 0.0, 0.0
 
     # the loop thread of each emission: the thread whose segments carry its step (the

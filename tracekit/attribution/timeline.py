@@ -116,6 +116,17 @@ def host_classes(causes: np.ndarray, is_device: np.ndarray) -> list[tuple[str, b
 DEVICE_WAIT_LABELS = frozenset({"wait", "sync"})
 
 
+def is_os_wait(label: str) -> bool:
+    """Whether the loop thread's time in `label` is off-CPU by what it is, so the OS rules
+    explain off-CPU time by it first (docs/partition.md, "OS evidence"): a wait for the
+    device (`DEVICE_WAIT_LABELS`), or the wait of a tensor-parallel step on its slowest
+    rank, charged to that rank's cause (``rankR:CAUSE``, carved by `tracekit.log.merge`)."""
+    head, sep, _ = label.partition(":")
+    return label in DEVICE_WAIT_LABELS or (
+        bool(sep) and head.startswith("rank") and head[4:].isdigit()
+    )
+
+
 def loop_threads(log: RawLog, emission_steps: np.ndarray) -> np.ndarray:
     """The thread that made each emission (ITL rule 6): the thread that recorded the
     emission's step, i.e. whose segments carry that step's index (the recorder gives a step
@@ -243,8 +254,8 @@ def os_rates(tl: Timeline, osi: OsIntervals, wait_cls: list[int]):
     """Per elementary interval of `tl` (indexed like its owner; `tl` cut at every OS
     interval's ends): the share of each instant that is `os_runqueue` and `os_blocked`.
     Off-CPU time first goes to the interval's explicit waits (classes `wait_cls`, the
-    `DEVICE_WAIT_LABELS`: their time is off-CPU by what they are); what is left is spread
-    over the rest of the interval."""
+    `is_os_wait` labels: their time is off-CPU by what they are); what is left, and the
+    run-queue wait, are spread over the rest of the interval."""
     m = len(tl.bounds)
     run = np.zeros(m + 1)
     blk = np.zeros(m + 1)
@@ -266,9 +277,13 @@ def os_rates(tl: Timeline, osi: OsIntervals, wait_cls: list[int]):
     rest = width - wait_s
     unexplained = np.maximum(osi.offcpu_s - wait_s, 0.0)
     b_rate = np.divide(unexplained, rest, out=np.zeros(len(rest)), where=rest > 0)
-    r_rate = np.divide(osi.runqueue_s, width, out=np.zeros(len(width)), where=width > 0)
+    # a thread in an explicit wait is blocked, not runnable: its run-queue wait lies in
+    # the interval's other time too
+    r_rate = np.divide(
+        np.minimum(osi.runqueue_s, rest), rest, out=np.zeros(len(rest)), where=rest > 0
+    )
     b_rate = np.minimum(b_rate, 1.0 - r_rate)
-    run[1:m] = np.where(inside, r_rate[jj], 0.0)
+    run[1:m] = np.where(inside & ~is_wait[1:m], r_rate[jj], 0.0)
     blk[1:m] = np.where(inside & ~is_wait[1:m], b_rate[jj], 0.0)
     return run, blk
 
