@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -154,7 +155,11 @@ def test_sigterm_and_sigint_flush_every_step_into_one_npz(tmp_path, sig):
     n = assert_steps_are_a_prefix(log, signalled=True)
     # the signal may land inside a step: that step is recorded, its loop count not yet
     assert n - steps_run in (0, 1), (n, steps_run)
-    assert log.meta["interrupted"] is False and not log.warnings
+    # a signal that landed inside a step leaves it open: stop() closes it at the stop time
+    # and says so (docs/capture.md); no other warning
+    assert log.meta["interrupted"] is False
+    assert all(re.fullmatch(r"step \d+ was still open at stop\(\): it is closed at the stop time",
+                            w) for w in log.warnings), log.warnings  # fmt: skip
 
 
 @pytest.mark.parametrize("how", ["end", "exit", "raise"])
