@@ -385,6 +385,7 @@ class Recorder:
         self._log: RawLog | None = None
         # interned vocabularies
         self._labels: list[str] = []
+        self._label_index: dict[str, int] = {}  # label -> its index in `_labels`
         self._segments: dict[tuple[str, bool], _Segment] = {}
         self._req_index: dict[Any, int] = {}  # request id -> index (its handle)
         self._req_by_name: dict[str, int] = {}  # the id's string -> index
@@ -799,12 +800,15 @@ class Recorder:
         self._append_segment(self._label_id(label), t0, t1, 1 if device else 0)
 
     def _label_id(self, label: str) -> int:
+        idx = self._label_index.get(label)
+        if idx is not None:
+            return idx
         with self._lock:
-            try:
-                return self._labels.index(label)
-            except ValueError:
+            idx = self._label_index.get(label)
+            if idx is None:
                 self._labels.append(label)
-                return len(self._labels) - 1
+                idx = self._label_index[label] = len(self._labels) - 1
+            return idx
 
     def _this_thread(self) -> _Thread:
         """This thread's segment state, made on its first segment."""
@@ -1046,6 +1050,16 @@ class Recorder:
         if not self.enabled:
             return
         t, dstep = self._emit_when(at_tick, reads_step)
+        if (
+            isinstance(handles, (list, tuple))
+            and len(handles) <= _SMALL
+            and (num_tokens is None or isinstance(num_tokens, (list, tuple)))
+        ):  # a few plain ints: checked and copied in Python (numpy's fixed costs are more)
+            hs = small_ints(handles, 0, len(self._req_names) - 1)
+            ks = None if num_tokens is None else small_ints(num_tokens, 1)
+            if hs is not None and (num_tokens is None or (ks is not None and len(ks) == len(hs))):
+                self._emit_few(hs, ks, t, dstep)
+                return
         h = self._check_handles(handles, "emit_handles(handles)")
         counts = self._emit_counts(num_tokens)
         if counts is not None and len(counts) != len(h):
@@ -1065,6 +1079,33 @@ class Recorder:
         if num_tokens is None:
             return None
         return as_int_vector(num_tokens, "emit(num_tokens)", 1)
+
+    def _emit_few(self, hs: list[int], ks: list[int] | None, t: int, dstep: int) -> None:
+        """`_emit_rows` for a few checked handles (and counts) given as Python ints: the
+        same rows, without numpy."""
+        n = len(hs)
+        if not n:
+            return
+        step = self._step_no if self._in_step else -1
+        r = self._req
+        with self._lock:
+            if self._arrival_max > t:  # some request arrived after `t`: one of these?
+                arrival = r.arrival
+                latest = max(arrival[x] for x in hs)
+                if latest > t:
+                    self._note("emission tick(s) before the request's arrival, taken as it")
+                    t = latest
+            emitted = r.emitted
+            for x in hs:
+                emitted[x] = 1
+            hb = self._buf[EMIT_HANDLES]
+            at = len(hb)
+            hb.extend(hs)
+            if ks is not None:
+                hb.extend(ks)
+            # last: the call's row commits it (handles without one are never read)
+            self._buf[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, ks is not None, at))
+            self._step_emit_rows += n
 
     def _emit_rows(self, h: np.ndarray, counts: np.ndarray | None, t: int, dstep: int) -> None:
         """One emission call: a header row and the handles (and counts), two copies; the
