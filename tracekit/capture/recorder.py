@@ -792,11 +792,22 @@ class Recorder:
         """Record a window measured elsewhere (ticks of this recorder's clock)."""
         if not self.enabled:
             return
-        label = _check_label(label, "add_segment(label)")
-        t0 = self._check_tick(t0, "add_segment(t0)")
-        t1 = self._check_tick(t1, "add_segment(t1)")
-        if t1 < t0:
-            raise ValueError(f"add_segment({label!r:.80}): ends (t1={t1}) before it starts ({t0})")
+        if not (  # the common case, checked at once: a str, two int ticks of this run, in order
+            type(label) is str
+            and type(t0) is int
+            and type(t1) is int
+            and t0 <= t1
+            and self._running
+            and t1 - self._t0_tick <= self._max_ticks
+            and self._t0_tick - t0 <= self._max_ticks
+        ):
+            label = _check_label(label, "add_segment(label)")
+            t0 = self._check_tick(t0, "add_segment(t0)")
+            t1 = self._check_tick(t1, "add_segment(t1)")
+            if t1 < t0:
+                raise ValueError(
+                    f"add_segment({label!r:.80}): ends (t1={t1}) before it starts ({t0})"
+                )
         self._append_segment(self._label_id(label), t0, t1, 1 if device else 0)
 
     def _label_id(self, label: str) -> int:
