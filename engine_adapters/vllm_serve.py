@@ -815,7 +815,8 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                 if key is None:
                     continue
                 rec.add_segment("sse_write", t_ready, t_sent)
-                rec.emit((key,), (k,), at_tick=t_sent)
+                # by handle: one dict lookup, and a one-handle emission packs without numpy
+                rec.emit_handles([rec.handle(key)], [k], at_tick=t_sent)
         finally:
             await gen.aclose()
 
@@ -866,7 +867,8 @@ def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                 if key is None:
                     continue
                 rec.add_segment("sse_write", t_ready, t_sent)
-                rec.emit((key,), (k,), at_tick=t_sent)
+                # by handle: one dict lookup, and a one-handle emission packs without numpy
+                rec.emit_handles([rec.handle(key)], [k], at_tick=t_sent)
         finally:
             await gen.aclose()
 
