@@ -199,6 +199,12 @@ def test_which_rank_held_each_slow_step_by_hand(tmp_path):
                                       ["rank 1", "2", "25.00", "49.70"]]  # fmt: skip
     assert "rank0:forward" in cells[0][4] and cells[0][4].endswith(" 18.00")
     assert "rank1:injected" in cells[1][4] and cells[1][4].endswith(" 25.00")
+    # and analyze's text
+    from tracekit.render.text import analyze_report
+
+    text = analyze_report([a])
+    assert "tensor parallel: 3 slow steps" in text
+    assert "rank1:injected 25.00 ms" in text and "rank0:forward 18.00 ms" in text
 
 
 def test_the_trace_has_one_track_per_rank_with_the_slow_steps_it_held(tmp_path):
