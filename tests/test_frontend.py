@@ -244,6 +244,16 @@ def test_spec_acceptance_per_position_hand_derived():
 
     assert "1: 66.7%, 2: 33.3%, 3: 0.0%" in spec_positions_text(acc)
     assert "<th>position 3</th>" in spec_positions_html([("run", acc)])
+    # beside ITL in analyze's figures, its text and the report's section
+    from tracekit.analysis.figures import analyze
+    from tracekit.render.client import spec_html
+    from tracekit.render.text import analyze_report
+
+    a = analyze(log)
+    assert a.to_dict()["spec"]["acceptance_per_pos"] == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert "mean accepted length 2.00, acceptance by position 1: 66.7%" in analyze_report([a])
+    page = spec_html([("run", a)])
+    assert "<td>66.7% (2)</td><td>33.3% (1)</td><td>0.0% (0)</td>" in page
 
 
 def test_count_acceptance_counts_like_vllm_per_position():
