@@ -17,8 +17,9 @@ Needs the `adapters` extra and the editable install (docs/adapters.md).
                                                    # streamed chunk, plain vs recorded
 
 Per process, CPU seconds per generated token (printed after the rates): each
-round reads ``utime + stime`` of every process of the server (the API server and its
-descendants: engine core, worker, from ``/proc/PID/stat``) before and after, and divides
+round reads the CPU time of every process of the server (the API server and its
+descendants: engine core, worker; the sum over each process's threads of
+``/proc/PID/task/TID/schedstat``, in nanoseconds) before and after, and divides
 each role's CPU by the round's tokens. Per ABBA pair the ratio with / without per role,
 and their median with the spread: CPU time is what the plugin adds to each process,
 less sensitive than throughput to the other work on the machine. Caveat, read in vLLM:
@@ -67,9 +68,29 @@ def _role(pid: int) -> str:
     return "other"
 
 
+def _cpu_s(pid: int, stat_fields: list[str], tick: int) -> float:
+    """CPU seconds so far of process `pid`: the sum over its threads of the time on a CPU
+    from ``/proc/PID/task/TID/schedstat`` (nanoseconds), else ``utime + stime`` from its
+    stat (clock ticks: 10 ms steps, coarse against a round's tenth of a second)."""
+    total, seen = 0, False
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as fh:
+                    total += int(fh.read().split()[0])
+                    seen = True
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that exited meanwhile
+    except OSError:
+        pass
+    if seen:
+        return total / 1e9
+    return (int(stat_fields[11]) + int(stat_fields[12])) / tick
+
+
 def cpu_by_role(root: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of `root` (the API server) and its descendants,
-    summed by role."""
+    """CPU seconds so far of `root` (the API server) and its descendants, summed by role
+    (`_cpu_s`)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     todo, seen = [root], set()
@@ -85,7 +106,7 @@ def cpu_by_role(root: int) -> dict[str, float]:
         except OSError:
             continue  # exited meanwhile
         role = "api_server" if pid == root else _role(pid)
-        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[role] = out.get(role, 0.0) + _cpu_s(pid, fields, tick)
     return out
 
 
