@@ -66,6 +66,8 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
+
 from ._common import Patches, add_forward
 from .vllm_v1 import VllmV1Adapter
 
@@ -769,6 +771,40 @@ def _install_receipt_hooks(p: Patches) -> None:
     p.wrap(H11Protocol, "data_received", wrap_received)
 
 
+class _Chunks:
+    """One stream's chunk records at the client boundary, cheap per chunk: each choice's
+    recorder handle resolved once (at its first chunk whose request is known), one
+    preallocated one-row handle vector and count vector reused for every emission (the
+    recorder copies their bytes), and no count for a one-token chunk (the recorder's
+    default)."""
+
+    __slots__ = ("rec", "handles", "h", "k")
+
+    def __init__(self, rec: Any) -> None:
+        self.rec = rec
+        self.handles: dict[int, int] = {}  # choice index -> the recorder's handle
+        self.h = np.zeros(1, dtype=np.int64)
+        self.k = np.ones(1, dtype=np.int64)
+
+    def record(self, i: int, name: str, k: int, t_ready: int, t_sent: int) -> None:
+        """Choice `i` (request `name` at the client boundary) sent a chunk of `k` tokens:
+        ready at `t_ready`, written at `t_sent`."""
+        h = self.handles.get(i)
+        if h is None:
+            key = _key_of(name)
+            if key is None:
+                return
+            h = self.handles[i] = self.rec.handle(key)
+        rec = self.rec
+        rec.add_segment("sse_write", t_ready, t_sent)
+        self.h[0] = h
+        if k == 1:
+            rec.emit_handles(self.h, at_tick=t_sent)
+        else:
+            self.k[0] = k
+            rec.emit_handles(self.h, self.k, at_tick=t_sent)
+
+
 def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
     """The ``/v1/completions`` SSE generator: each chunk it yields is written to the client
     before the generator is resumed, so ``[yield, resume]`` is the chunk's write."""
@@ -778,7 +814,8 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                                           **kwargs: Any) -> Any:  # fmt: skip
         rec = recorder_for("api_server")
         n = 1 if getattr(request, "n", None) is None else int(request.n)
-        pending: dict[int, deque[tuple[str, int]]] = defaultdict(deque)
+        pending: dict[int, deque[int]] = defaultdict(deque)  # tokens of each chunk to come
+        names: dict[int, str] = {}  # choice -> its request's name at the client boundary
         seen: dict[int, int] = defaultdict(int)
 
         async def observed() -> AsyncIterator[Any]:
@@ -791,11 +828,13 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                     if not output.text and not k and not seen[i]:
                         continue
                     seen[i] += k
-                    name = res.request_id if n == 1 else f"{res.request_id}#{output.index}"
-                    pending[i].append((name, k))
+                    if i not in names:
+                        names[i] = res.request_id if n == 1 else f"{res.request_id}#{output.index}"
+                    pending[i].append(k)
                 yield prompt_idx, res
 
         gen = stream(self, request, engine_inputs, observed(), *args, **kwargs)
+        chunks = _Chunks(rec)
         writes: list[int] = []
         _writes.set(writes)
         try:
@@ -807,15 +846,11 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                 if m is None:
                     continue
                 t_sent = writes[-1] if writes else rec.now()
-                queue = pending.get(int(m.group(1)))
+                i = int(m.group(1))
+                queue = pending.get(i)
                 if not queue:
                     continue
-                name, k = queue.popleft()
-                key = _key_of(name)
-                if key is None:
-                    continue
-                rec.add_segment("sse_write", t_ready, t_sent)
-                rec.emit((key,), (k,), at_tick=t_sent)
+                chunks.record(i, names[i], queue.popleft(), t_ready, t_sent)
         finally:
             await gen.aclose()
 
@@ -841,10 +876,12 @@ def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                 for output in res.outputs:
                     i = output.index
                     seen[i] += len(output.token_ids)
-                    names[i] = res.request_id if n == 1 else f"{res.request_id}#{i}"
+                    if i not in names:
+                        names[i] = res.request_id if n == 1 else f"{res.request_id}#{i}"
                 yield res
 
         gen = stream(self, request, observed(), *args, **kwargs)
+        chunks = _Chunks(rec)
         writes: list[int] = []
         _writes.set(writes)
         try:
@@ -862,11 +899,7 @@ def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                     continue
                 sent[i] = seen[i]
                 t_sent = writes[-1] if writes else rec.now()
-                key = _key_of(name)
-                if key is None:
-                    continue
-                rec.add_segment("sse_write", t_ready, t_sent)
-                rec.emit((key,), (k,), at_tick=t_sent)
+                chunks.record(i, name, k, t_ready, t_sent)
         finally:
             await gen.aclose()
 

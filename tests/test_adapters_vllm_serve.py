@@ -70,6 +70,10 @@ def served(tmp_path_factory):
         preemptions = sh.metric(server, "vllm:num_preemptions_total")
         spec = {k: sh.metric(server, f"vllm:spec_decode_num_{k}_tokens_total")
                 for k in ("draft", "accepted")}  # fmt: skip
+        spec["drafts"] = sh.metric(server, "vllm:spec_decode_num_drafts_total")
+        spec["per_pos"] = sh.metric_by_label(
+            server, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position"
+        )
         import time
 
         time.sleep(1.0)  # > the flush interval (0.2 s): everything recorded reaches disk
@@ -375,6 +379,13 @@ def test_speculative_decoding_acceptance_equals_vllm_metrics(served, merged):
     assert served["spec"]["draft"] > 0, "the ngram proposer was meant to draft"
     assert acc["drafted"] == served["spec"]["draft"]
     assert acc["accepted"] == served["spec"]["accepted"]
+    # drafts checked and acceptance per draft position, against the same /metrics
+    assert acc["drafts"] == served["spec"]["drafts"] > 0
+    per_pos = served["spec"]["per_pos"]
+    assert per_pos, "vLLM exports acceptance per position with speculative decoding"
+    want = [per_pos.get(str(k), 0.0) for k in range(max(map(int, per_pos)) + 1)]
+    assert acc["accepted_per_pos"] == want[: len(acc["accepted_per_pos"])]
+    assert not any(want[len(acc["accepted_per_pos"]) :])  # no position left out
     # multi-token emissions at both boundaries, and the proposer's and verifier's windows
     assert merged.emissions.num_tokens.max() > 1
     assert merged.client_emissions.num_tokens.max() > 1
