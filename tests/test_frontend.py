@@ -255,6 +255,11 @@ def test_spec_acceptance_per_position_hand_derived():
     page = spec_html([("run", a)])
     assert "<td>66.7% (2)</td><td>33.3% (1)</td><td>0.0% (0)</td>" in page
 
+    # a name that claims a huge position costs nothing: positions are read as far as the
+    # log names them without a hole (0, 1, 2 here), never up to a number a name claims
+    hostile = replace(log, counter_names=(*names[:5], "spec.accepted_pos.99999999999"))
+    assert spec_acceptance(hostile)["accepted_per_pos"] == [2.0, 1.0]
+
 
 def test_count_acceptance_counts_like_vllm_per_position():
     """The adapters' per-step counting, on hand-built scheduler outputs: request a drafted

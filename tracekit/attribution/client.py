@@ -429,12 +429,13 @@ def spec_acceptance(log: RawLog) -> dict[str, Any] | None:
 
     drafted, accepted = total("spec.drafted"), total("spec.accepted")
     drafts = total("spec.drafts") if "spec.drafts" in names else float("nan")
-    pos = sorted(
-        int(n[len(SPEC_POS_PREFIX) :])
-        for n in names
-        if n.startswith(SPEC_POS_PREFIX) and n[len(SPEC_POS_PREFIX) :].isdigit()
-    )
-    per_pos = [total(f"{SPEC_POS_PREFIX}{k}") for k in range(pos[-1] + 1)] if pos else []
+    # positions 0, 1, ... as far as the log names them without a hole (a recorder writes every
+    # position up to a step's longest draft): bounded by the names present, never by a
+    # number a name claims
+    present = set(names)
+    per_pos: list[float] = []
+    while f"{SPEC_POS_PREFIX}{len(per_pos)}" in present:
+        per_pos.append(total(f"{SPEC_POS_PREFIX}{len(per_pos)}"))
     em = log.emissions
     return {
         "drafted": drafted,
