@@ -43,6 +43,7 @@ from tracekit.live.settler import (
     ttft_by_cause,
 )
 from tracekit.live.stats import GapExemplar, LiveTotals, WallView, WorkerStats
+from tracekit.live.traceparent import parse_traceparent
 
 log = logging.getLogger("tracekit.live")
 
@@ -232,6 +233,18 @@ class LiveMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+    def trace_parent(self, request_id: str, traceparent: str) -> bool:
+        """The engine propagated `request_id`'s trace context: its slow-gap spans become
+        children of the W3C ``traceparent`` header's span, in that trace (else each request
+        has a trace of its own). Call it before the request's gaps settle (at its arrival).
+        ValueError if the header is malformed; False (nothing kept) when this sink sends no
+        spans (no `slo_ms`)."""
+        parse_traceparent(traceparent)
+        if self._spans_out is None:
+            return False
+        self._spans_out.set_parent(request_id, traceparent)
+        return True
 
     @property
     def is_final(self) -> bool:
