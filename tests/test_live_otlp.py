@@ -144,7 +144,7 @@ def test_a_propagated_traceparent_parents_the_requests_gap_spans():
     }
     # b: no context propagated: a trace of its own (not a's), under its root id
     assert len(by_req["b"]) == STEPS - 1
-    (tb, pb), = {(s.trace_id, s.parent_span_id) for s in by_req["b"]}
+    ((tb, pb),) = {(s.trace_id, s.parent_span_id) for s in by_req["b"]}
     assert tb != trace_a.zfill(32) and pb != ""
     # c: its caller's context is not sampled (flags 00): the default parent-based sampler
     # sends none of its spans, and the sink counts only the spans it sent
