@@ -570,8 +570,6 @@ def run_cmd(
             err=True,
         )
         time.sleep(linger_s)
-    if live is not None:
-        live.shutdown()  # sends the spans still batched for OTLP, then stops serving
 
 
 @demo.command("ladder")

@@ -44,7 +44,7 @@ def test_demo_run_sends_the_gaps_tracekit_gaps_lists_over_otlp(tmp_path):
         )  # fmt: skip
         after_ns = time.time_ns()
         assert r.returncode == 0, r.stderr
-        spans = rx.named(SPAN_NAME)  # `demo run` sends what is batched before it exits
+        spans = rx.named(SPAN_NAME)  # the SDK sends what is batched as the process exits
     assert not rx.errors, rx.errors
     path = str(tmp_path / "baseline__s1.npz")
     g = run_cli("gaps", path, "--min-ms", str(SLO_MS), "--format", "jsonl")

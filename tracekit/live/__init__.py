@@ -84,6 +84,10 @@ class LiveMetrics:
         partition itself (`tracekit.live.settler.ttft_by_cause`); None: not exported.
     """
 
+    #: While the engine idles, the recorder hands this sink a flush with no rows every
+    #: interval (`tracekit.capture.sinks.Dispatcher`), so the last gaps settle.
+    follows_idle_clock = True
+
     def __init__(
         self,
         *,
