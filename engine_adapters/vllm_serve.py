@@ -52,6 +52,10 @@ and workers are SIGKILLed, so no exit hook runs there: their parts stay on disk 
 ``tracekit merge`` recovers them (without removing them). The OpenAI
 ``/v1/completions`` and ``/v1/chat/completions`` streams are recorded at the client
 boundary; a server started with tracekit refuses nothing.
+
+With ``TRACEKIT_VLLM_METRICS_PORT`` each engine core also feeds its recorder to a live sink
+(`tracekit.live.LiveMetrics`): per-cause metrics on port + its data-parallel rank, slow-gap
+spans parented on the ``traceparent`` vLLM carries (`live_options`, docs/live.md).
 """
 
 from __future__ import annotations

@@ -119,3 +119,52 @@ def test_a_bad_live_option_is_one_line_naming_the_variable(env, setting, message
     with pytest.raises(RuntimeError, match="TRACEKIT_VLLM_") as e:
         vllm_serve.live_options()
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too (data-parallel rank 1 serves on P + 1)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+                return p
+    pytest.skip("no two consecutive free ports on loopback")
+
+
+def test_each_data_parallel_engine_core_serves_on_port_plus_its_rank(env, capfd):
+    from types import SimpleNamespace
+    from urllib.request import urlopen
+
+    port = _free_port_pair()
+    env.setenv("TRACEKIT_VLLM_METRICS_PORT", str(port))
+    env.setenv("TRACEKIT_VLLM_RUN", "dp-run")
+    core = SimpleNamespace(vllm_config=SimpleNamespace(
+        model_config=SimpleNamespace(served_model_name="tiny", model="/models/tiny")))  # fmt: skip
+    sinks = [vllm_serve.live_sink_for_core(core, rank) for rank in (0, 1)]
+    try:
+        assert [s.port for s in sinks] == [port, port + 1]
+        err = capfd.readouterr().err
+        for rank in (0, 1):  # always printed, whatever the log level
+            assert f"(dp_rank {rank}, pid {os.getpid()}) live metrics at " \
+                   f"http://127.0.0.1:{port + rank}/metrics" in err  # fmt: skip
+        for rank, s in enumerate(sinks):
+            s.open({"t0_tick": 0, "seconds_per_tick": 1e-9})
+            with urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=5) as r:
+                body = r.read().decode()
+            want = (f'tracekit_gaps_total{{dp_rank="{rank}",engine="vllm",model="tiny",'
+                    f'process="engine_core-{os.getpid()}",run="dp-run"}} 0.0')  # fmt: skip
+            assert want in body
+            s.close({})
+        # a port taken: the engine core says which, and how to choose
+        with pytest.raises(RuntimeError, match=rf"cannot listen on 127.0.0.1:{port}"):
+            vllm_serve.live_sink_for_core(core, 0)
+    finally:
+        for s in sinks:
+            s.shutdown()
