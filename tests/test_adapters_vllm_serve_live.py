@@ -200,6 +200,10 @@ def served(tmp_path_factory):
         finally:
             server.stop(signal.SIGKILL)
         out["during"], out["lingering"] = during, lingering
+        kept = {"settled": out["settled"], "final": lingering[-1] if lingering else {}}
+        with open(base / "scrapes.json", "w") as fh:  # for a reader of a failed run
+            json.dump({k: [[n, list(lb), v] for (n, lb), v in d.items()]
+                       for k, d in kept.items()}, fh)  # fmt: skip
         if prom is not None:
             out["t_last"] = time.time()
         _wait = time.monotonic() + 15  # vLLM's and tracekit's batched spans
