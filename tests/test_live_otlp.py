@@ -166,3 +166,41 @@ def test_a_malformed_traceparent_raises_at_the_call_and_is_not_kept():
     with pytest.raises(ValueError, match="traceparent"):
         quiet.trace_parent("a", "nope")
     assert quiet.trace_parent("a", PARENT_A) is False
+
+
+def test_a_late_handed_flush_never_shifts_a_span_on_a_wall_clock_recorder():
+    # a recorder on its default wall clock (perf_counter_ns); every flush reaches the sink
+    # 0.3 s after it was made (a busy dispatcher): each span starts where its gap's first
+    # emission was on the wall clock, not 0.3 s later
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    live = LiveMetrics(hold_s=0.1, slo_ms=SLO_HAND_MS, tracer_provider=provider)
+    write = live.write
+
+    def late_write(batch):
+        time.sleep(0.3)
+        write(batch)
+
+    live.write = late_write  # type: ignore[method-assign]
+    rec = tracekit.Recorder(None, flush_interval_s=0.05, handle_signals=False)
+    attach(rec, live)
+    emitted: list[tuple[float, float]] = []  # Unix time just before and after each emit
+    with rec:
+        rec.request("a", max_new_tokens=4)
+        for _ in range(4):
+            with rec.step():
+                time.sleep(0.06)  # every gap >= 60 ms, above the 50 ms SLO
+                before = time.time()
+                rec.emit(["a"])
+                emitted.append((before, time.time()))
+    spans = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time)
+    assert len(spans) == 3
+    for sp, (before, after) in zip(spans, emitted, strict=False):
+        # within the emit call (1 ms for the two clocks' reads at the recorder's start),
+        # where the 0.3 s lag would put it far outside
+        assert before - 1e-3 <= sp.start_time / 1e9 <= after + 1e-3
