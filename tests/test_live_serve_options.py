@@ -168,3 +168,47 @@ def test_each_data_parallel_engine_core_serves_on_port_plus_its_rank(env, capfd)
     finally:
         for s in sinks:
             s.shutdown()
+
+
+def test_float_rounding_never_makes_a_counter_go_down():
+    # a TTFT partition whose second settlement sums a label to -1e-15 ms (what rounding
+    # leaves of a label that is 0 in every request): the counter stays where it was, since
+    # a counter that went down by a hair reads as a reset to Prometheus (increase() doubles)
+    calls: list[int] = []
+
+    def partition(window, requests):
+        import numpy as np
+
+        calls.append(len(requests))
+        v = 0.5 if len(calls) == 1 else -1e-15
+        return ("x",), np.full((len(requests), 1), v / len(requests))
+
+    class Clock:
+        now = 0
+
+        def __call__(self):
+            return self.now
+
+    clk = Clock()
+    rec = tracekit.Recorder(None, clock=clk, seconds_per_tick=1e-3, flush_interval_s=1.0,
+                            gc=False, handle_signals=False)  # fmt: skip
+    live = attach(rec, LiveMetrics(hold_s=0.1, ttft_partitioner=partition))
+    seen = []
+    with rec:
+        rec.request("a", max_new_tokens=3, arrival_tick=0)
+        rec.request("b", max_new_tokens=3, arrival_tick=0)
+        for k in range(30):  # step k at 100k ms; "b" gets its first token 2 s after "a"
+            clk.now = 100 * k
+            with rec.step():
+                clk.now = 100 * k + 10
+                rec.emit(["a"] if k < 3 else (["b"] if 20 <= k < 23 else []))
+            if k == 12:  # flushed at step 10's end: let the sink settle "a" by itself
+                end = time.monotonic() + 20
+                while time.monotonic() < end and live.snapshot()["ttft_n"] < 1:
+                    time.sleep(0.01)
+            seen.append(live.snapshot()["ttft_cause_ms"].get("x", 0.0))
+        clk.now = 3100
+    seen.append(live.snapshot()["ttft_cause_ms"]["x"])
+    assert calls == [1, 1]  # two settlements, one request each
+    assert seen[-1] == 0.5
+    assert all(a <= b for a, b in zip(seen, seen[1:], strict=False))
