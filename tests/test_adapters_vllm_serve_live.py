@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 from urllib.parse import urlencode
-from urllib.request import urlopen
+from urllib.request import Request, urlopen
 
 import pytest
 
@@ -189,6 +189,10 @@ def served(tmp_path_factory):
                     break
                 time.sleep(0.2)
             out["settled"] = s
+            req = Request(f"http://127.0.0.1:{mport}/metrics",
+                          headers={"Accept": "application/openmetrics-text"})  # fmt: skip
+            with urlopen(req, timeout=5) as r:  # what Prometheus asks for with exemplars on
+                out["openmetrics"] = r.read().decode()
             time.sleep(2.5)  # two more Prometheus scrapes of the settled values
             stop.set()
             t.join()
@@ -326,6 +330,19 @@ def test_a_traceparent_puts_the_requests_slow_gap_spans_in_its_trace(served, off
     for k in traced:
         _, trace_id, span_id, _ = PARENTS[k].split("-")
         assert any(s.trace_id == trace_id and s.parent_span_id == span_id for s in vllm_spans)
+
+
+def test_exemplars_name_slow_gap_spans_the_receiver_got(served):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    ex = [smp.exemplar for f in text_string_to_metric_families(served["openmetrics"])
+          if f.name == "tracekit_gap_seconds" for smp in f.samples if smp.exemplar]  # fmt: skip
+    assert ex, "no exemplar on the gap histogram"
+    sent = {(s.trace_id, s.span_id): s for s in served["receiver"].named("tracekit.gap")}
+    for e in ex:
+        sp = sent[(e.labels["trace_id"], e.labels["span_id"])]
+        assert e.value == pytest.approx(sp.attributes["tracekit.gap_ms"] / 1e3)
+        assert e.value >= SLO_MS / 1e3
 
 
 def test_prometheus_increase_over_the_run_equals_the_offline_totals(served, offline):
