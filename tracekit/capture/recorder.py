@@ -985,6 +985,8 @@ class Recorder:
                 return
             if any(len(b) for b in self._buf.values()) or self._req_flushed < len(self._req_names):
                 self._flush(poll_device=False)
+            elif self._dispatcher is not None and self._dispatcher.follows_idle_clock():
+                self._flush(poll_device=False, is_clock_only=True)  # a live sink's watermark
 
     # -- emissions ---------------------------------------------------------------------
     def emit(
@@ -1300,9 +1302,12 @@ class Recorder:
         self._buf[EMIT_HANDLES] = array("q")
         self._seg_rows = self._buf["segments"]  # the segment hooks' table, one lookup less
 
-    def _flush(self, *, stop_tick: int | None = None, poll_device: bool = True) -> None:
+    def _flush(
+        self, *, stop_tick: int | None = None, poll_device: bool = True, is_clock_only: bool = False
+    ) -> None:
         """Hand the completed rows to the sinks' dispatcher (a swap of buffers; no disk
-        I/O and no chunk building here)."""
+        I/O and no chunk building here). `is_clock_only`: an idle flush with no rows, for
+        the sinks that follow the clock (`tracekit.capture.sinks.Dispatcher`)."""
         dev = self._device
         if poll_device and dev is not None and dev._pending and stop_tick is None:
             dev.poll(self._append_device_window)
@@ -1333,6 +1338,7 @@ class Recorder:
                     now,
                     stop_tick,
                     open_tick,
+                    is_clock_only,
                 )
                 if self._dispatcher is not None:
                     self._dispatcher.submit(flush)
