@@ -75,6 +75,7 @@ from tracekit.attribution.timeline import (
     host_classes,
     is_os_wait,
     loop_threads,
+    os_class_integrals,
     os_intervals,
     os_rates,
     prefix_sums,
@@ -574,9 +575,8 @@ def partition(
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
     os_bounds = np.concatenate([osi.t0_s, osi.t1_s]) if len(osi) else None
     tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds)
-    # the TTFT partition builds the same timeline only when no OS interval cuts it
+    # the TTFT partition builds the same timeline (cut at the same OS interval ends)
     same_host = log is given and baseline_fit == FIT_ALL_CAPTURED and excess_frac is None
-    same_host &= not len(osi)
     host = HostTimeline(causes, classes, tl, log.segments, log.gc_pauses) if same_host else None
 
     # gaps, and each end's rank among the distinct emission times
@@ -666,17 +666,11 @@ def partition(
 
         def os_loss(t_a: np.ndarray, t_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """Per row, what the OS shares take from each label in [t_a, t_b]."""
-            ka = np.searchsorted(tl.bounds, t_a, side="right")
-            kb = np.searchsorted(tl.bounds, t_b, side="right")
             out = []
             for name, w in (("run", run_rate), ("blk", blk_rate)):
-                cols = []
-                for c in [*range(n_cls + 1), None]:
-                    own = tl.graph_rate if c is None else (tl.owner == c).astype(np.float64)
-                    h0, l0 = tl.weighted((name, c), w * own, t_a, ka)
-                    h1, l1 = tl.weighted((name, c), w * own, t_b, kb)
-                    cols.append((h1 - h0) + (l1 - l0))
-                out.append((np.column_stack(cols) @ to_labels) * 1e3)
+                h0, l0 = os_class_integrals(tl, n_cls, name, w, t_a)
+                h1, l1 = os_class_integrals(tl, n_cls, name, w, t_b)
+                out.append(between(h0, l0, h1, l1))
             return out[0], out[1]
 
         loss_run, loss_blk = os_loss(g_t0, g_t1)

@@ -62,6 +62,41 @@ from tracekit.attribution.ttft import primary_of as ttft_primary_of
 from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, partition_labels, precedence
 from tracekit.log.rawlog import RawLog
 
+# -- OS evidence, shared by the ITL and TTFT partitions -------------------------------------
+
+
+def _os_evidence(log: RawLog, points: list[float], owner_name):
+    """(the loop thread's OS intervals as (t0, t1, run-queue s, off-CPU s), their ends, and
+    `shares(x, who)`: the run-queue and blocked shares of the instant just after x, owned
+    by `who` (docs/partition.md, "OS evidence"): the interval's run-queue wait, and its
+    off-CPU time beyond its explicit waits, spread evenly over its time outside those
+    waits). `points`: every host boundary; `owner_name(t)`: who owns the instant after t."""
+    osi = os_intervals(log)
+    os_list = [
+        (float(a), float(b), float(rq), float(off))
+        for a, b, rq, off in zip(osi.t0_s, osi.t1_s, osi.runqueue_s, osi.offcpu_s, strict=True)
+    ]
+    os_points = sorted({p for a, b, _, _ in os_list for p in (a, b)})
+
+    def shares(x: float, who: str) -> tuple[float, float]:
+        for a, b, rq, off in os_list:
+            if a <= x < b:
+                cuts = sorted({a, b} | {p for p in points if a < p < b})
+                wait = sum(
+                    y - z
+                    for z, y in zip(cuts[:-1], cuts[1:], strict=True)
+                    if is_os_wait(owner_name(z))
+                )
+                rest = b - a - wait  # a thread in an explicit wait is not runnable
+                if is_os_wait(who) or rest <= 0:
+                    return 0.0, 0.0
+                r_share = min(rq, rest) / rest
+                return r_share, min(max(off - wait, 0.0) / rest, 1.0 - r_share)
+        return 0.0, 0.0
+
+    return os_list, os_points, shares
+
+
 # -- the ITL partition ---------------------------------------------------------------------
 
 
@@ -112,11 +147,6 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
 
     host = [x for x in segs if not x[4]]
     points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
-    os_list = [
-        (float(a), float(b), float(rq), float(off))
-        for a, b, rq, off in zip(osi.t0_s, osi.t1_s, osi.runqueue_s, osi.offcpu_s, strict=True)
-    ]
-    os_points = sorted({p for a, b, _, _ in os_list for p in (a, b)})
 
     def host_owner(t: float) -> tuple[str, float]:
         """Who owns the instant just after t on the host, and the graph rate there."""
@@ -131,24 +161,7 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
         fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
         return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
 
-    def os_shares(x: float, who: str) -> tuple[float, float]:
-        """The run-queue and blocked shares of the instant just after x, owned by `who`
-        (docs/partition.md, "OS evidence"): the interval's run-queue wait, and its off-CPU
-        time beyond its explicit waits, spread evenly over its time outside those waits."""
-        for a, b, rq, off in os_list:
-            if a <= x < b:
-                cuts = sorted({a, b} | {p for p in points if a < p < b})
-                wait = sum(
-                    y - z
-                    for z, y in zip(cuts[:-1], cuts[1:], strict=True)
-                    if is_os_wait(host_owner(z)[0])
-                )
-                rest = b - a - wait  # a thread in an explicit wait is not runnable
-                if is_os_wait(who) or rest <= 0:
-                    return 0.0, 0.0
-                r_share = min(rq, rest) / rest
-                return r_share, min(max(off - wait, 0.0) / rest, 1.0 - r_share)
-        return 0.0, 0.0
+    os_list, os_points, os_shares = _os_evidence(log, points, lambda t: host_owner(t)[0])
 
     # the loop thread of each emission: the thread whose segments carry its step (the
     # lowest if several); else the thread most step segments belong to (lowest on a tie)
@@ -332,6 +345,9 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
     req, a_all, adm_all, f_all = ttft_windows(log)
     h_all, e_all = pre_engine_windows(log, req, a_all, f_all)
 
+    points = sorted({p for s0, s1, _, _ in host for p in (s0, s1)}
+                    | {p for ab in pauses for p in ab})  # fmt: skip
+
     def owner(x: float) -> tuple[str, float, list[int]]:
         """Who owns the instant just after x on the host: (cause, graph rate, the steps of
         the prefill segments covering it)."""
@@ -348,6 +364,7 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
             return "prefill", 0.0, [s for _, c, s in live if c == "prefill" and s >= 0]
         return best, 0.0, []
 
+    os_list, os_points, os_shares = _os_evidence(log, points, lambda t: owner(t)[0])
     n = len(req)
     parts = np.zeros((n, len(labels)))
     context = np.zeros_like(parts)
@@ -381,6 +398,7 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
         cuts |= {p for pa, pb in pauses for p in (pa, pb)}
         cuts |= {p for x, y in evicted for p in (x, y)}
         cuts |= {p for x, y, _ in waits for p in (x, y)}
+        cuts |= set(os_points)
         pts = sorted(p for p in cuts if a <= p <= f and np.isfinite(p))
         own_raw = prefill_live = prefill_all = 0.0
         ctx = dict.fromkeys(labels, 0.0)
@@ -400,6 +418,11 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
                 row[held[0]] += ms
                 _add_host(ctx, who, ms, rate)
                 continue
+            if os_list:  # the OS shares of live time the rules below own (gc included)
+                r_share, b_share = os_shares(x, who)
+                row[OS_RUNQUEUE] += ms * r_share
+                row[OS_BLOCKED] += ms * b_share
+                ms *= 1.0 - r_share - b_share
             if who == "decode":
                 row["graph"] += ms * rate
                 row["decode_other"] += ms * (1 - rate)

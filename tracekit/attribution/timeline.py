@@ -288,6 +288,19 @@ def os_rates(tl: Timeline, osi: OsIntervals, wait_cls: list[int]):
     return run, blk
 
 
+def os_class_integrals(tl: Timeline, n_cls: int, key: str, w: np.ndarray, times: np.ndarray):
+    """Like `Timeline.class_integrals`, with every class's time weighted by the rate `w`
+    (an `os_rates` share, indexed like the timeline's owner): the time the OS took from
+    each class, residual and the graph rate, up to `times`. Cached under (`key`, class):
+    one key per rate array."""
+    k = np.searchsorted(tl.bounds, times, side="right")
+    hl = []
+    for c in [*range(n_cls + 1), None]:
+        own = tl.graph_rate if c is None else (tl.owner == c).astype(np.float64)
+        hl.append(tl.weighted((key, c), w * own, times, k))
+    return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
+
+
 def decode_net_ms(log: RawLog, seg_causes: np.ndarray) -> np.ndarray:
     """Per step, GC-free decode ms: each decode segment minus its overlap with the GC union.
     A step with device decode windows is measured by them alone (device time; a host GC
