@@ -16,7 +16,7 @@ from logbuilder import LogBuilder
 
 from tracekit.attribution.reference import ttft_partition_reference
 from tracekit.attribution.ttft import PHASES, ttft_partition
-from tracekit.log.rawlog import OS_STEP_END, OS_STEP_START
+from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OS_STEP_END, OS_STEP_START
 
 IMPLS = [ttft_partition, ttft_partition_reference]
 
@@ -221,3 +221,31 @@ def test_no_evidence_no_os_labels(impl):
     p = impl(b.build(arrivals_ms=[0]))
     assert "os_runqueue" not in p.labels and "os_blocked" not in p.labels
     _close(_parts(p), {"prefill_own": 10.0})
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_tokenizer_threads_blocked_read_is_os_blocked(impl):
+    # r0 arrives at 0, queued (no wait row) while step 0 [0, 10] decodes others on the loop
+    # thread (C = 10: no share); a tokenizer thread's tok [2, 6] (thread 1, sampled at both
+    # ends: C = 1, R = 0, so B = 3 of its 4 ms) owns [2, 6] and takes its own thread's
+    # shares (docs/partition.md, OS rule 7): tok 1, os_blocked 3. Step 1 [10, 20] admits
+    # r0 at 10 and prefills it alone (C = 10): prefill_own 10. decode_other 6.
+    b = LogBuilder()
+    b.step(0, 10)
+    b.seg(0, "decode", 0, 10)
+    b.emit(1, 10, 0)
+    b.seg(-1, "tok", 2, 6, thread=1)
+    b.os_sample(2, 0, 0, kind=OS_SEGMENT_START, thread=1)
+    b.os_sample(6, 1, 0, kind=OS_SEGMENT_END, thread=1)
+    b.step(10, 20)
+    b.admit(0, 10)
+    b.prefill(1, 0, 8)
+    b.seg(1, "prefill", 10, 20)
+    b.emit(0, 20, 1)
+    _samples(b, (0, 0, 0), (10, 10, 0), (10, 10, 0), (20, 20, 0))
+    p = impl(b.build(arrivals_ms=[0, 0]))
+    i = int(list(p.request).index(0))
+    _close(
+        _parts(p, i),
+        {"decode_other": 6.0, "tok": 1.0, "os_blocked": 3.0, "prefill_own": 10.0},
+    )

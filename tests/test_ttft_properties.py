@@ -79,6 +79,22 @@ def random_log(seed: int):
             cpu += float(os_rng.uniform(0, 1)) * (width - wait)
             b.os_sample(x, cpu, runq, kind=k % 2)
             prev = x
+        if os_rng.random() < 0.5:  # a tokenizer thread, sampled at its windows' ends
+            ends = []
+            for _ in range(int(os_rng.integers(1, 4))):
+                a = float(os_rng.uniform(0, end))
+                ends += [a, a + float(os_rng.uniform(0, 6))]
+                b.seg(-1, str(os_rng.choice(["tok", "prefill", "wait"])), ends[-2], ends[-1],
+                      thread=1)  # fmt: skip
+            cpu = runq = 0.0
+            ends.sort()
+            prev = ends[0]
+            for k, x in enumerate(ends):
+                wait = float(os_rng.uniform(0, 1)) * (x - prev)
+                runq += wait
+                cpu += float(os_rng.uniform(0, 1)) * (x - prev - wait)
+                b.os_sample(x, cpu, runq, kind=2 + k % 2, thread=1)
+                prev = x
         for _ in range(int(os_rng.integers(0, 3))):  # waits for the device: off-CPU by what
             a = float(os_rng.uniform(0, end))  # they are
             s = int(np.searchsorted(bounds[1::2], a))

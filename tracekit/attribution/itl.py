@@ -72,12 +72,12 @@ from tracekit.attribution.timeline import (
     build_timeline,
     decode_net_ms,
     device_windows,
+    has_os_evidence,
     host_classes,
-    is_os_wait,
     loop_threads,
+    os_bounds,
     os_class_integrals,
-    os_intervals,
-    os_rates,
+    os_shares,
     prefix_sums,
     segment_causes,
     segment_classes,
@@ -562,8 +562,8 @@ def partition(
     is_dev = log.segments.is_device == 1
     classes = host_classes(causes, is_dev)
     seg_cls = segment_classes(log, classes)
-    osi = os_intervals(log)
-    os_causes = set(OS_LABELS) if len(osi) else set()
+    has_os = has_os_evidence(log)
+    os_causes = set(OS_LABELS) if has_os else set()
     labels = tuple(
         partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist()) | os_causes)
     )
@@ -573,8 +573,7 @@ def partition(
     base = fit_baseline(log, net, baseline_fit)
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
-    os_bounds = np.concatenate([osi.t0_s, osi.t1_s]) if len(osi) else None
-    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds)
+    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds(log))
     # the TTFT partition builds the same timeline (cut at the same OS interval ends)
     same_host = log is given and baseline_fit == FIT_ALL_CAPTURED and excess_frac is None
     host = HostTimeline(causes, classes, tl, log.segments, log.gc_pauses) if same_host else None
@@ -660,9 +659,8 @@ def partition(
         prim_dev[has] = primary_of(parts[rep[has]], (g_t1 - g_t0)[rep[has]] * 1e3, labels)[0]
 
     os_gap = np.zeros(0, dtype=np.int64)
-    if len(osi) and n:
-        wait_cls = [i for i, (x, _) in enumerate(classes) if is_os_wait(x)]
-        run_rate, blk_rate = os_rates(tl, osi, wait_cls)
+    if has_os and n:
+        run_rate, blk_rate = os_shares(log, tl, classes, seg_cls)
 
         def os_loss(t_a: np.ndarray, t_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """Per row, what the OS shares take from each label in [t_a, t_b]."""

@@ -35,7 +35,7 @@ Every millisecond of the window goes to exactly one label. Precedence, highest f
    time); all other prefill time is others'. Unsplit requests keep ``prefill``;
 5. whatever no segment or pause covers is ``residual``;
 6. where the log has the loop thread's OS intervals, each instant's ``os_runqueue`` and
-   ``os_blocked`` shares (the ITL partition's, `tracekit.attribution.timeline.os_rates`)
+   ``os_blocked`` shares (the ITL partition's, `tracekit.attribution.timeline.os_shares`)
    are taken from whichever of rules 2, 4 and 5 owns it; evicted (1), held (3) and
    pre-engine (0) time give none; prefill splits into own and other after its share.
 
@@ -63,11 +63,11 @@ from tracekit.attribution.timeline import (
     build_timeline,
     compensated_cumsum,
     decode_net_ms,
+    has_os_evidence,
     host_classes,
-    is_os_wait,
+    os_bounds,
     os_class_integrals,
-    os_intervals,
-    os_rates,
+    os_shares,
     segment_causes,
     segment_classes,
 )
@@ -164,7 +164,7 @@ def ttft_labels(log: RawLog, has_os: bool | None = None) -> tuple[str, ...]:
     rq = log.requests
     pre = PRE_ENGINE_LABELS if (np.isfinite(rq.handler_s) | np.isfinite(rq.engine_s)).any() else ()
     if has_os is None:
-        has_os = len(os_intervals(log)) > 0
+        has_os = has_os_evidence(log)
     os_labels = OS_LABELS if has_os else ()
     return pre + TTFT_STANDARD_LABELS + os_labels + tuple(sorted(extra))
 
@@ -285,9 +285,7 @@ def host_timeline(log: RawLog) -> HostTimeline:
     classes = host_classes(causes, log.segments.is_device == 1)
     seg_cls = segment_classes(log, classes)
     base = fit_baseline(log, decode_net_ms(log, causes))
-    osi = os_intervals(log)
-    os_bounds = np.concatenate([osi.t0_s, osi.t1_s]) if len(osi) else None
-    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds)
+    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds(log))
     return HostTimeline(causes, classes, tl, log.segments, log.gc_pauses)
 
 
@@ -298,8 +296,8 @@ def ttft_partition(
 
     `host`: the log's host timeline if already built (`tracekit.attribution.itl.Partition.host`);
     one built from other tables is not used."""
-    osi = os_intervals(log)
-    labels = ttft_labels(log, has_os=len(osi) > 0)
+    use_os = has_os_evidence(log)
+    labels = ttft_labels(log, has_os=use_os)
     col = {lb: i for i, lb in enumerate(labels)}
     h = host if host is not None and host.matches(log) else host_timeline(log)
     causes, classes, tl = h.causes, h.classes, h.timeline
@@ -320,10 +318,8 @@ def ttft_partition(
         return (((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3
 
     # the OS shares of each instant (docs/ttft.md, "OS evidence"), as the ITL partition's
-    use_os = len(osi) > 0
     if use_os:
-        wait_cls = [i for i, (x, _) in enumerate(classes) if is_os_wait(x)]
-        run_rate, blk_rate = os_rates(tl, osi, wait_cls)
+        run_rate, blk_rate = os_shares(log, tl, classes, segment_classes(log, classes))
 
     def os_loss(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per row, what the OS shares take from each label in [x, y]."""
