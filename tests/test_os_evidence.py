@@ -258,9 +258,14 @@ def test_recorder_samples_the_loop_thread_at_every_step_boundary(tmp_path):
     assert set(os_.thread.tolist()) == {0}
     assert np.array_equal(os_.t_s[0::2], log.steps.t_start_s)
     assert np.array_equal(os_.t_s[1::2], log.steps.t_end_s)
-    for c in ("cpu_ns", "runqueue_ns", "num_voluntary_switches", "num_major_faults"):
+    for c in ("cpu_ns", "runqueue_ns"):
         col = getattr(os_, c)
         assert (col >= 0).all() and (np.diff(col) >= 0).all(), c  # totals never go back
+    # switches and faults at step ends only (-1 at starts: not read there)
+    for c in ("num_voluntary_switches", "num_involuntary_switches", "num_major_faults"):
+        col = getattr(os_, c)
+        assert (col[0::2] == -1).all(), c
+        assert (col[1::2] >= 0).all() and (np.diff(col[1::2]) >= 0).all(), c
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux only")

@@ -95,6 +95,7 @@ _ROW6 = struct.Struct("6q").pack
 _ROW4 = struct.Struct("4q").pack
 _ROW3 = struct.Struct("3q").pack
 _ROW2 = struct.Struct("2q").pack
+_OS_ROW = struct.Struct("8q").pack  # an os_samples row: thread, kind, tick, the five totals
 
 #: Up to this many handles in a list, a call is checked and packed in Python: for a few
 #: values that is cheaper than numpy's fixed cost per operation.
@@ -207,7 +208,10 @@ class _Segment:
         t0 = rec._clock()
         th.stack.append(t0)
         if th.sample_os:  # a side thread's segment: its OS counters at both ends
-            rec._os_sample(OS_SEGMENT_START, t0)
+            if th.ident != rec._loop_ident:
+                rec._os_sample(OS_SEGMENT_START, t0)
+            else:  # it became the loop thread: its steps are sampled, not its segments
+                th.sample_os = False
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -234,7 +238,7 @@ class _Segment:
                     except BufferError:  # handed to the sinks by that stop() meanwhile
                         pass
                 else:
-                    if th.sample_os:
+                    if th.sample_os and th.ident != rec._loop_ident:
                         rec._os_sample(OS_SEGMENT_END, t1)
                     with rec._lock:
                         rec._seg_rows.frombytes(_SEG_ROW(-1, self._label, t0, t1, th.tid, 0))
@@ -517,19 +521,25 @@ class Recorder:
         }
 
     def _os_sample(self, kind: int, t: int) -> None:
-        """One `os_samples` row for the calling thread, at tick `t`. At a step's start the
-        thread is the loop thread: its segments' boundaries are not sampled (its steps'
-        are), even if it recorded segments before its first step."""
+        """One `os_samples` row for the calling thread, at tick `t`: the loop thread's at
+        its open step's start and end, another thread's at its segments' (`_Segment`).
+        Switches and faults are read at ends only (the partition reads CPU time and
+        run-queue wait; bench/bench_os.py measures what that saves)."""
         reader = self._os
         if reader is None:  # stop() closed it meanwhile, from another thread
             return
-        if kind == OS_STEP_START:
-            th = getattr(self._tls, "th", None)
-            if th is not None:
-                th.sample_os = False
-        row = (self._thread_id(), kind, t, *reader.read())
-        with self._lock:
-            self._buf["os_samples"].extend(row)
+        ends = kind == OS_STEP_END or kind == OS_SEGMENT_END
+        row = _OS_ROW(self._thread_id(), kind, t, *reader.read(ends))
+        if kind <= OS_STEP_END:
+            # the loop thread inside its open step: no lock, as for its segment rows (only
+            # this thread swaps the buffers now, but a stop() from another thread)
+            try:
+                self._buf["os_samples"].frombytes(row)
+            except BufferError:  # handed to the sinks by that stop() meanwhile
+                pass
+        else:
+            with self._lock:
+                self._buf["os_samples"].frombytes(row)
 
     def add_sink(self, sink: Sink) -> None:
         """Send every flushed chunk to `sink` too (before `start()`)."""
