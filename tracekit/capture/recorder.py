@@ -347,7 +347,7 @@ class Recorder:
     os_evidence: read the loop thread's CPU time, run-queue wait, context switches and
         major faults at every step's start and end, and another thread's at its
         segments' start and end (`tracekit.capture.osstats`; about
-        1.5 µs a sample on Linux, see bench/bench_os.py), so the partition can name time the
+        2 µs a sample on Linux, see bench/bench_os.py), so the partition can name time the
         OS took (`os_runqueue`, `os_blocked`). None (the default): on where the platform
         has the counters and the clock is wall time (the default clock), else off; the
         log's ``meta["os_evidence"]`` says which, and why not.
