@@ -34,10 +34,11 @@ Every millisecond of the window goes to exactly one label. Precedence, highest f
    step's prefill tokens (`PrefillChunks`) is its own (at most all of the phase's prefill
    time); all other prefill time is others'. Unsplit requests keep ``prefill``;
 5. whatever no segment or pause covers is ``residual``;
-6. where the log has the loop thread's OS intervals, each instant's ``os_runqueue`` and
-   ``os_blocked`` shares (the ITL partition's, `tracekit.attribution.timeline.os_shares`)
-   are taken from whichever of rules 2, 4 and 5 owns it; evicted (1), held (3) and
-   pre-engine (0) time give none; prefill splits into own and other after its share.
+6. where the log has OS intervals (the loop thread's, another thread's), each instant's
+   ``os_runqueue`` and ``os_blocked`` shares (the ITL partition's,
+   `tracekit.attribution.timeline.os_shares`) are taken from whichever of rules 2, 4 and
+   5 owns it; evicted (1), held (3) and pre-engine (0) time give none; prefill splits
+   into own and other after its share.
 
 Device windows (CUDA events) are not charged: TTFT uses the host rules only, as a gap with
 an eviction does. The primary cause of a TTFT is its largest part other than
@@ -280,7 +281,7 @@ def check_ttft_reconciled(p: TtftPartition, path: str = "") -> TtftPartition:
 def host_timeline(log: RawLog) -> HostTimeline:
     """The ITL partition's elementary intervals of `log` (no drift correction: device
     windows are not charged here), each owned by one class, with decode's graph rate, cut
-    at the loop thread's OS interval ends as the ITL partition's are."""
+    at every OS interval's ends as the ITL partition's are."""
     causes = segment_causes(log)
     classes = host_classes(causes, log.segments.is_device == 1)
     seg_cls = segment_classes(log, classes)
