@@ -16,6 +16,7 @@ import collections
 import os
 import shutil
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -393,3 +394,26 @@ def test_speculative_decoding_acceptance_equals_vllm_metrics(served, merged):
     worker = next(i for i, p in enumerate(merged.meta["processes"]) if p["role"] == "worker")
     ps = merged.proc_segments
     assert np.any((ps.process == worker) & (ps.label == merged.labels.index("draft")))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS evidence: Linux only")
+def test_every_process_records_os_evidence(served, merged):
+    """The plugin's recorders run on wall time, so every process records OS evidence
+    (docs/capture.md): the engine core at its steps' ends (the merged run keeps them, and
+    its partitions have the OS causes), the API server at its `with segment()` windows'
+    ends (threads without steps); the worker's reader is on too."""
+    from tracekit.attribution.itl import partition
+    from tracekit.log.merge import process_logs
+    from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OS_STEP_END, OS_STEP_START
+
+    logs = {p.identity["role"]: p.log for p in process_logs(served["dir"])}
+    for role, log in logs.items():
+        assert log.meta["os_evidence"]["recorded"] is True, role
+    core = merged.os_samples
+    steps = (core.kind == OS_STEP_START) | (core.kind == OS_STEP_END)
+    assert steps.sum() >= 2 * (len(merged.steps) - 1)  # the last step may be cut by SIGKILL
+    assert (core.runqueue_ns[steps] >= 0).all()
+    assert "os_runqueue" in partition(merged).labels
+    api = logs["api_server"].os_samples
+    seg = (api.kind == OS_SEGMENT_START) | (api.kind == OS_SEGMENT_END)
+    assert seg.sum() > 0 and seg.sum() % 2 == 0

@@ -929,11 +929,17 @@ def _rise(v: float) -> float:
 
 
 def _from_the_sample_before(os_rows: np.ndarray, tick: int) -> int:
-    """The first OS sample a window from `tick` needs: the last one at or before it (the
-    OS interval that covers `tick` starts there), else the first one. Samples are kept in
-    the order they were recorded: the loop thread's are in time order."""
-    before = np.flatnonzero(os_rows[:, _OS["t_tick"]] <= tick)
-    return int(before[-1]) if len(before) else 0
+    """The first OS sample a window from `tick` needs: each thread's last one at or before
+    it (the OS interval that covers `tick` starts there), the earliest of those, else the
+    first one. Samples are kept in the order they were recorded: each thread's are in time
+    order (the loop thread's at its steps, another thread's at its segments)."""
+    t, th = os_rows[:, _OS["t_tick"]], os_rows[:, _OS["thread"]]
+    first = len(os_rows)
+    for x in np.unique(th).tolist():
+        before = np.flatnonzero((th == x) & (t <= tick))
+        if len(before):
+            first = min(first, int(before[-1]))
+    return first if first < len(os_rows) else 0
 
 
 def _drop_closed_evictions(ev: np.ndarray, horizon: int) -> np.ndarray:
