@@ -107,7 +107,10 @@ class ThreadStats:
         of the calling thread; -1 for what this platform does not have, and for the last
         three with ``switches=False``."""
         cpu = time.clock_gettime_ns(_CPU_CLOCK)  # type: ignore[arg-type]
-        fd = self._fd()
+        try:
+            fd = self._tls.fd
+        except AttributeError:  # this thread's first read
+            fd = self._fd()
         runq = -1
         if fd >= 0:
             try:
