@@ -421,6 +421,7 @@ class Recorder:
         self._req_names: list[str] = []
         self._req = _Requests()
         self._arrival_max = UNKNOWN_TICK  # the latest arrival tick any request has
+        self._admit_max = UNKNOWN_TICK  # the latest admission tick any request has
         self._waited: set[int] = set()  # the handles given a wait reason in step `_waited_no`
         self._waited_no = -1
         self._notes: dict[str, int] = {}  # adjusted ticks, by what: warnings at stop
@@ -1152,6 +1153,12 @@ class Recorder:
                 if latest > t:
                     self._note("emission tick(s) before the request's arrival, taken as it")
                     t = latest
+            if self._admit_max > t:  # some request was admitted after `t`: one of these?
+                admitted = r.admitted_tick
+                latest = max((a for a in (admitted[x] for x in hs) if a != _NEVER), default=t)
+                if latest > t:
+                    self._note("emission tick(s) before the request's admission, taken as it")
+                    t = latest
             emitted = r.emitted
             for x in hs:
                 emitted[x] = 1
@@ -1181,6 +1188,12 @@ class Recorder:
                 if latest > t:
                     self._note("emission tick(s) before the request's arrival, taken as it")
                     t = latest
+            if self._admit_max > t:  # some request was admitted after `t`: one of these?
+                adm = np.frombuffer(r.admitted_tick, dtype=np.int64)[h]
+                adm = adm[adm != _NEVER]
+                if len(adm) and int(adm.max()) > t:
+                    self._note("emission tick(s) before the request's admission, taken as it")
+                    t = int(adm.max())
             r.emitted_np[h] = True
             hb = self._buf[EMIT_HANDLES]
             at = len(hb)
@@ -1261,6 +1274,8 @@ class Recorder:
                     "admit a request when the scheduler first takes it"
                 )
             r.admitted_tick[idx] = t
+            if t > self._admit_max:
+                self._admit_max = t
             self._buf["admissions"].frombytes(_ROW2(idx, t))
 
     def prefill(self, request_id: Any, num_tokens: int) -> None:
