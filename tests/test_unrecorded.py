@@ -5,16 +5,25 @@ test of the fast partition against the reference."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 from test_frontend import _hand_log, _random_serve_log, _row, serve_log
+from test_merge import record_pair
 
-from tracekit.attribution.client import FRONTEND_LABELS, client_partition
+import tracekit
+from tracekit.analysis.unrecorded import unrecorded_report
+from tracekit.attribution.client import FRONTEND_LABELS, client_gaps, client_partition
 from tracekit.attribution.reference import client_partition_reference
+from tracekit.log.merge import merge_dir
+from tracekit.log.parts import merge_parts
 from tracekit.log.rawlog import Coverage
 
 
@@ -161,8 +170,6 @@ def test_fast_equals_reference_with_unrecorded_windows(log):
     cov = log.coverage
     if 0 in cov.process.tolist() and len(fast):
         core_end = float(cov.t_end_s[cov.process.tolist().index(0)])
-        from tracekit.attribution.client import client_gaps
-
         g = client_gaps(log)
         cut = np.isnan(g.e) & (g.b > core_end)
         n0 = fast.labels.index(FRONTEND_LABELS[0])
@@ -170,3 +177,118 @@ def test_fast_equals_reference_with_unrecorded_windows(log):
         assert np.all(front[cut] <= 1e-9)
         late = np.clip(g.b - np.maximum(g.a, core_end), 0, None) * 1e3
         assert np.all(fast.unrecorded_ms()[cut] >= late[cut] - 1e-6)
+
+
+# -- merged directories: a killed engine core, a missing or late API server, old logs -----
+
+CLI = [sys.executable, "-m", "tracekit"]
+
+
+def _dir(tmp_path):
+    (tmp_path / "run").mkdir()
+    return tmp_path / "run"
+
+
+def _run(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_a_killed_engine_core_in_a_merged_run(tmp_path):
+    d, writes, _ = record_pair(_dir(tmp_path), n=20, kill_core_at=12)
+    kill_s = record_pair.kill_s
+    log = merge_dir(d)
+    cov = log.coverage
+    assert cov.process.tolist() == [0, 1] and cov.is_clean_stop.tolist() == [0, 1]
+    # both recorders started at true time 0; the core's last flush was taken at kill_s
+    assert cov.t_start_s.tolist() == pytest.approx([0.0, 0.0], abs=1e-9)
+    assert cov.t_end_s[0] == pytest.approx(kill_s, abs=1e-9)
+    cp = client_partition(log)
+    # one gap per request, between its two chunks; requests 12.. were served after the
+    # core's last flush: their tokens were never recorded and each gap lies after the
+    # core's span, so by the rule all of it is unrecorded:engine_core
+    w = writes.reshape(20, 2)
+    want = np.where(np.arange(20) >= 12, (w[:, 1] - w[:, 0]) * 1e3, 0.0)
+    order = np.argsort(cp.t0_s)
+    assert np.allclose(cp.unrecorded_ms()[order], want, atol=1e-6)
+    assert np.all(cp.frontend_ms()[order][12:] == 0)  # no API-server cause after the kill
+    ref = client_partition_reference(log)
+    assert ref.labels == cp.labels and np.allclose(ref.parts_ms, cp.parts_ms, atol=1e-9)
+    (u,) = unrecorded_report(log, cp)
+    assert u["line"] == (
+        f"engine_core pid 1: no rows after {kill_s:.3f} s (killed? recovered from parts), "
+        f"{want.sum() / 1e3:.3f} s of client gap time unrecorded (8 gaps)"
+    )
+    r = _run("merge", d, "-o", str(tmp_path / "m.npz"))
+    assert r.returncode == 0, r.stderr
+    assert f"unrecorded: {u['line']}" in r.stdout
+    r = _run("analyze", str(tmp_path / "m.npz"))
+    assert r.returncode == 0 and u["line"] in r.stdout and u["line"] in r.stderr
+
+
+def test_a_directory_without_the_api_server_says_it_is_missing(tmp_path):
+    d, _, _ = record_pair(_dir(tmp_path), n=5)
+    os.unlink(os.path.join(d, "api_server-2.npz"))
+    log = merge_dir(d)
+    (m,) = log.meta["missing_processes"]
+    assert m["role"] == "api_server" and m["named_by"] == "engine_core-1"
+    assert "added 5 request(s)" in m["why"]
+    assert not len(log.client_emissions)
+    line = "api_server missing, not assumed idle"
+    assert any(w.startswith(line) for w in log.warnings)
+    r = _run("merge", d, "-o", str(tmp_path / "m.npz"))
+    assert r.returncode == 0 and f"unrecorded: {line}" in r.stdout
+    r = _run("analyze", d)
+    assert r.returncode == 0 and line in r.stderr
+
+
+def test_an_api_server_whose_log_starts_late(tmp_path):
+    d, _, _ = record_pair(_dir(tmp_path), n=10, fe_from=4)
+    log = merge_dir(d)
+    cov = log.coverage
+    assert cov.t_start_s[1] == pytest.approx(record_pair.fe_start_s, abs=1e-9)
+    (u,) = unrecorded_report(log)
+    assert u["role"] == "api_server" and "4 request(s) the engine core added before" in u["line"]
+    assert "unrecorded:api_server" not in client_partition(log).labels  # its gaps are its own
+
+
+def test_old_logs_without_coverage_merge_as_before(tmp_path):
+    """Process logs written before schema v4 (no coverage): spans unknown, nothing is
+    unrecorded even though the core was killed; the run says it was recovered."""
+    d, _, _ = record_pair(_dir(tmp_path), n=20, kill_core_at=12)
+    for name in ("engine_core-1.npz.parts", "api_server-2.npz"):
+        p = os.path.join(d, name)
+        lg = tracekit.load(p) if name.endswith(".npz") else merge_parts(p)
+        arrays = _arrays_of(replace(lg, coverage=Coverage.empty()))
+        arrays = {k: v for k, v in arrays.items() if not k.startswith("coverage.")}
+        arrays["schema_version"] = np.array(3, dtype=np.int64)
+        out = p[: -len(".parts")] if name.endswith(".parts") else p
+        np.savez(out, **arrays)
+    log = merge_dir(d)
+    assert not len(log.coverage)
+    cp = client_partition(log)
+    assert not any(lb.startswith("unrecorded") for lb in cp.labels)
+    assert unrecorded_report(log, cp) == []
+
+
+def _arrays_of(log):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as t:
+        p = log.save(os.path.join(t, "x.npz"))
+        with np.load(p, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+
+
+def test_a_merged_run_whose_coverage_lies_is_one_line_exit_2(tmp_path):
+    d, _, _ = record_pair(_dir(tmp_path), n=5)
+    log = merge_dir(d)
+    for change, field in (
+        (dict(process=[0, 2]), "coverage.process"),  # two processes: 2 is out of range
+        (dict(t_end_s=[-1.0, log.coverage.t_end_s[1]]), "coverage.t_end_s"),
+    ):
+        cols = {**log.coverage.columns(), **change}
+        bad = replace(log, coverage=Coverage.from_columns(**cols))
+        p = str(tmp_path / f"bad-{field}.npz")
+        bad.save(p)
+        r = _run("analyze", p)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and field in r.stderr, r.stderr

@@ -560,8 +560,7 @@ def merge_logs(
                 f"{os.path.basename(p.path)}: {fit.violations} of {fit.pairs} paired stamps "
                 f"violate causality with the clock used ({fit.method})"
             )
-    for m in missing:
-        warnings.append(f"{m['role']} missing: {m['why']} (named by {m['named_by']})")
+    warnings += [missing_line(m) for m in missing]
     meta["warnings"] = warnings
     merged = replace(
         log,
@@ -600,6 +599,15 @@ def merged_coverage(core: ProcessLog, others: list[ProcessLog], fits: list[Clock
         t_start_s=[r[1] for r in rows],
         t_end_s=[r[2] for r in rows],
         is_clean_stop=[r[3] for r in rows],
+    )
+
+
+def missing_line(m: dict[str, Any]) -> str:
+    """One missing process in words (a warning of the merged run)."""
+    rank = f" (tp_rank {m['tp_rank']})" if "tp_rank" in m else ""
+    return (
+        f"{m.get('role', '?')}{rank} missing, not assumed idle: {m.get('why', '?')} "
+        f"(named by {m.get('named_by', '?')})"
     )
 
 
