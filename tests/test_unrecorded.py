@@ -6,8 +6,10 @@ test of the fast partition against the reference."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -292,3 +294,59 @@ def test_a_merged_run_whose_coverage_lies_is_one_line_exit_2(tmp_path):
         bad.save(p)
         r = _run("analyze", p)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and field in r.stderr, r.stderr
+
+
+# -- flush_soon: a SIGTERM handler's flush before a SIGKILL lands -------------------------
+
+#: An engine loop that never flushes by itself (interval 1e9 s) with a SIGTERM handler
+#: like the vLLM plugin's engine core: it asks for a flush and keeps stepping (vLLM aborts
+#: its requests and winds down) until the parent's SIGKILL lands.
+SIGTERM_SCRIPT = r"""
+import signal, sys, time
+import tracekit
+
+rec = tracekit.Recorder(sys.argv[1], handle_signals=False, flush_interval_s=1e9)
+done = [0]
+
+def on_term(signum, frame):
+    print("term", done[0], flush=True)
+    rec.flush_soon()
+
+signal.signal(signal.SIGTERM, on_term)
+rec.start()
+print("started", flush=True)
+while True:
+    with rec.step():
+        with rec.segment("decode"):
+            time.sleep(0.002)
+        rec.emit(["r%d" % (done[0] % 3)])
+    done[0] += 1
+"""
+
+
+def test_flush_soon_on_sigterm_lands_before_the_sigkill(tmp_path):
+    from procs import python
+
+    out = tmp_path / "core.npz"
+    parts = tmp_path / "core.npz.parts"
+    proc = python(SIGTERM_SCRIPT, str(out))
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        time.sleep(0.3)
+        assert not list(parts.glob("part-*.npz"))  # nothing flushed by itself
+        proc.send_signal(signal.SIGTERM)
+        steps_at_term = int(proc.stdout.readline().split()[1])
+        deadline = time.monotonic() + 20  # what the plugin's parent does: wait for the part
+        while not list(parts.glob("part-*.npz")) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    log = merge_parts(str(parts))
+    # every step completed before the SIGTERM is there (the one open then too: the flush
+    # came at its end), and the coverage says up to when the rows are complete
+    assert steps_at_term > 10 and len(log.steps) >= steps_at_term
+    (row,) = log.coverage.columns()["t_end_s"]
+    assert log.coverage.is_clean_stop.tolist() == [0]
+    assert row >= log.steps.t_end_s.max()

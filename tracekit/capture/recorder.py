@@ -398,6 +398,7 @@ class Recorder:
         # the open step
         self._step_no = -1  # index of the open (or last) step
         self._in_step = False
+        self._flush_asked = False  # flush_soon(): the writer's next idle call flushes
         self._loop_ident = -1
         self._step_t0_tick = 0
         self._step_attrs: dict[str, int] = {}
@@ -976,6 +977,20 @@ class Recorder:
             if not self._in_step and self._running:
                 self._flush(poll_device=False)
 
+    def flush_soon(self) -> None:
+        """Hand every completed row to the sinks as soon as a part may be cut: at the end
+        of the open step, or, between steps, at once from the writer thread (a flush even
+        with no new row, so the log says it was complete at that time). For a process that
+        may be killed next (a SIGTERM handler: it swaps no buffer itself, so it is safe
+        wherever the signal lands)."""
+        if not self._running:
+            return
+        self._last_flush_tick = self._t0_tick - self._flush_interval_ticks  # the step's end
+        self._flush_asked = True
+        d = self._dispatcher
+        if d is not None and not signals.IN_FLUSH[0]:  # else a flush is being handed over
+            d.wake()
+
     def _idle_flush(self) -> None:
         """From the dispatcher, when no flush came for a whole interval: flush what was
         recorded since (arrivals, emissions outside steps, rows from just before the engine
@@ -983,7 +998,12 @@ class Recorder:
         with self._lock:
             if self._in_step or not self._running or self._pid != os.getpid():
                 return
-            if any(len(b) for b in self._buf.values()) or self._req_flushed < len(self._req_names):
+            asked, self._flush_asked = self._flush_asked, False
+            if (
+                asked
+                or any(len(b) for b in self._buf.values())
+                or self._req_flushed < len(self._req_names)
+            ):
                 self._flush(poll_device=False)
 
     # -- emissions ---------------------------------------------------------------------
