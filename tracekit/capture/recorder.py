@@ -712,7 +712,9 @@ class Recorder:
         dev = self._device
         if dev is not None and dev._pending:  # lazily: only what has finished, no sync
             dev.poll(self._append_device_window)
-        if t1 - self._last_flush_tick >= self._flush_interval_ticks and not self._backlogged(t1):
+        if self._flush_asked or (  # flush_soon(): now, writer behind or not
+            t1 - self._last_flush_tick >= self._flush_interval_ticks and not self._backlogged(t1)
+        ):
             self._flush()
 
     def _backlogged(self, now: int) -> bool:
@@ -985,8 +987,7 @@ class Recorder:
         wherever the signal lands)."""
         if not self._running:
             return
-        self._last_flush_tick = self._t0_tick - self._flush_interval_ticks  # the step's end
-        self._flush_asked = True
+        self._flush_asked = True  # cleared by the flush that takes the rows so far
         d = self._dispatcher
         if d is not None and not signals.IN_FLUSH[0]:  # else a flush is being handed over
             d.wake()
@@ -998,9 +999,8 @@ class Recorder:
         with self._lock:
             if self._in_step or not self._running or self._pid != os.getpid():
                 return
-            asked, self._flush_asked = self._flush_asked, False
             if (
-                asked
+                self._flush_asked
                 or any(len(b) for b in self._buf.values())
                 or self._req_flushed < len(self._req_names)
             ):
@@ -1336,6 +1336,7 @@ class Recorder:
                 open_tick = self._earliest_open_tick()
                 buf = self._buf
                 self._new_buffers()
+                self._flush_asked = False  # the rows so far are in this flush
                 self._steps_flushed += len(buf["steps"]) // len(TABLES["steps"])
                 now = self._clock()
                 self._last_flush_tick = now
