@@ -14,8 +14,8 @@ seconds later while they run, merge the directory, and print:
   lost;
 - ``after_ms``: from the end of the engine core's complete rows to the API server's last
   chunk, the window whose client gaps are ``unrecorded:engine_core``;
-- tokens the client received that the engine core's log lacks, and the client-gap time
-  left unrecorded.
+- tokens the API server streamed (its client-boundary record) that the engine core's log
+  lacks, of all it streamed, and the client-gap time left unrecorded (in how many gaps).
 
 Settings: ``default`` (vLLM's ``--shutdown-timeout 0``, the plugin's flush before the
 kill), ``no-wait`` (``--shutdown-timeout 0`` with ``TRACEKIT_VLLM_KILL_FLUSH_S=0``: vLLM's
@@ -64,20 +64,23 @@ def one_stop(model: str, base: str, setting: str, args: argparse.Namespace) -> d
     core_end = float(log.coverage.t_end_s[row])
     t_sig = t_sig_ns * 1e-9 - log.meta["t0_tick"] * log.meta.get("seconds_per_tick", 1e-9)
     cp = client_partition(log)
-    client = collections.Counter({s.name(0): len(s.t_ns) for s in streams})
-    ids = list(log.request_ids)
-    core_tok = collections.Counter()
+    # tokens the API server streamed (its client-boundary record) that the core's log lacks
+    sent, core_tok = collections.Counter(), collections.Counter()
+    for r, n in zip(log.client_emissions.request.tolist(),
+                    log.client_emissions.num_tokens.tolist(), strict=True):  # fmt: skip
+        sent[r] += n
     for r, n in zip(log.emissions.request.tolist(), log.emissions.num_tokens.tolist(),
                     strict=True):  # fmt: skip
-        core_tok[ids[r]] += n
+        core_tok[r] += n
     last = float(log.client_emissions.t_s.max()) if len(log.client_emissions) else core_end
     return {
         "setting": setting,
         "core": "killed" if procs[core]["recovered"] else "whole log",
         "core_end_minus_sigterm_ms": (core_end - t_sig) * 1e3,
         "after_ms": max(0.0, last - core_end) * 1e3,
-        "lost_tokens": sum(max(0, client[k] - core_tok[k]) for k in client),
-        "client_tokens": sum(client.values()),
+        "lost_tokens": sum(max(0, sent[k] - core_tok[k]) for k in sent),
+        "client_tokens": sum(sent.values()),
+        "client_chunks": sum(len(s.t_ns) for s in streams),
         "unrecorded_ms": float(np.sum(cp.unrecorded_ms())),
         "unrecorded_gaps": int(np.sum(cp.unrecorded_ms() > 0)),
     }

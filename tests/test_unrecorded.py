@@ -5,6 +5,7 @@ test of the fast partition against the reference."""
 
 from __future__ import annotations
 
+import html
 import os
 import signal
 import subprocess
@@ -225,6 +226,10 @@ def test_a_killed_engine_core_in_a_merged_run(tmp_path):
     assert f"unrecorded: {u['line']}" in r.stdout
     r = _run("analyze", str(tmp_path / "m.npz"))
     assert r.returncode == 0 and u["line"] in r.stdout and u["line"] in r.stderr
+    r = _run("report", str(tmp_path / "m.npz"), "-o", str(tmp_path / "r.html"))
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "unrecorded:ROLE" in page and html.escape(u["line"]) in page
 
 
 def test_a_directory_without_the_api_server_says_it_is_missing(tmp_path):

@@ -65,7 +65,12 @@ def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[di
                 f", none before {t0:.3f} s (its recorder started then): {early} request(s) "
                 "the engine core added before that have no client boundary"
             )
-        lost = f", {ms / 1e3:.3f} s of client gap time unrecorded ({n} gaps)" if cp else ""
+        # client gaps depend on the engine core and the API servers only (workers' time is
+        # inside the engine core's forward windows)
+        depends = role in ("engine_core", "api_server") or k == core
+        lost = (
+            f", {ms / 1e3:.3f} s of client gap time unrecorded ({n} gaps)" if cp and depends else ""
+        )
         out.append({
             "process": k, "role": role, "pid": p.get("pid"), "t_start_s": t0, "t_end_s": t1,
             "is_clean_stop": clean, "unrecorded_ms": ms, "gaps": n,
