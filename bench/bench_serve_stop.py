@@ -51,12 +51,11 @@ def one_stop(model: str, base: str, setting: str, args: argparse.Namespace) -> d
 
     extra, env = SETTINGS[setting]
     rec = tempfile.mkdtemp(prefix=f"rec-{setting}-", dir=base)
-    server = sh.start_server(model, record_dir=rec, log_path=os.path.join(rec, "server.log"),
-                             extra_args=extra, flush_s=args.flush_s, env_extra=env)  # fmt: skip
+    server = sh.start_server(model, record_dir=rec, log_path=rec + ".log", extra_args=extra,
+                             flush_s=args.flush_s, env_extra=env)  # fmt: skip
     bodies = [sh.completion_body(model, f"the quick brown fox {i} jumps", args.max_tokens)
               for i in range(args.streams)]  # fmt: skip
     streams, t_sig_ns, _ = sh.stop_while_streaming(server, bodies, args.after)
-    os.unlink(os.path.join(rec, "server.log"))  # not a process log
     log = merge_dir(rec)
     procs = log.meta["processes"]
     core = next(i for i, p in enumerate(procs) if p["role"] == "engine_core")

@@ -52,7 +52,7 @@ engine core and workers are SIGKILLed right after their SIGTERM, so no exit hook
 there: their parts stay on disk and ``tracekit merge`` recovers them (without removing
 them). To lose less there, the engine core and workers flush on SIGTERM
 (`Recorder.flush_soon`), and the process that stops the engine cores sends that SIGTERM
-itself and waits, at most ``TRACEKIT_VLLM_KILL_FLUSH_S`` seconds (default 0.5), for each
+itself and waits, at most ``TRACEKIT_VLLM_KILL_FLUSH_S`` seconds (default 2), for each
 recording engine core's flush to reach disk before vLLM's SIGKILL (`flush_before_kill`);
 what the core does after its SIGTERM is still lost, and the merged run says so
 (docs/adapters.md, "Stopping"). The OpenAI
@@ -83,7 +83,7 @@ DEFAULT_FLUSH_S = 0.5
 #: The longest flush interval under serve: what a SIGKILL without a SIGTERM first can lose.
 MAX_FLUSH_S = 1.0
 ENV_KILL_FLUSH_S = "TRACEKIT_VLLM_KILL_FLUSH_S"
-DEFAULT_KILL_FLUSH_S = 0.5
+DEFAULT_KILL_FLUSH_S = 2.0
 #: Separates the client id from the engine id in the API server's request names.
 FRONT_SEP = "\x1f"
 #: Counter names of the paired stamps (see the module docstring).
@@ -662,29 +662,40 @@ def _install_flush_before_kill() -> None:
 
 def flush_before_kill(procs: list[Any], wait_s: float) -> int:
     """SIGTERM each live engine core that is recording (its parts folder exists: its
-    handler flushes, `flush_on_sigterm`) and wait until each has a new part on disk or has
-    exited, at most `wait_s` seconds in all. Returns how many did in time."""
+    handler flushes, `flush_on_sigterm`) and wait until each has a part on disk taken after
+    the signal (its ``flush_tick``, on the one ``perf_counter`` clock of the host, is past
+    it: an older flush the writer was still behind on does not count) or has exited, at
+    most `wait_s` seconds in all. Returns how many did in time."""
+    import numpy as np
+
     from tracekit.log.parts import part_paths
 
-    def parts(d: str) -> float:
+    def flushed_since(d: str, t_tick: int) -> bool:
         try:
-            return len(part_paths(d))
-        except OSError:  # gone: the process stopped its recorder and wrote its whole log
-            return float("inf")
+            last = part_paths(d)[-1:]
+            if not last:
+                return False
+            with np.load(last[0], allow_pickle=False) as z:
+                return int(z["flush_tick"]) >= t_tick
+        except FileNotFoundError:  # gone: it stopped its recorder and wrote its whole log
+            return True
+        except Exception:  # a part being renamed into place, or unreadable: look again
+            return False
 
     out = os.environ.get(ENV_DIR, "")
     watch = []
     for p in procs:
         d = os.path.join(out, f"engine_core-{p.pid}.npz.parts")
         if p.pid and p.is_alive() and os.path.isdir(d):
-            watch.append((p, d, parts(d)))
-    for p, _, _ in watch:
+            watch.append((p, d))
+    t_term = time.perf_counter_ns()  # the recorders' clock (docs/adapters.md, the merge)
+    for p, _ in watch:
         p.terminate()
     t0 = time.monotonic()
     left = watch
     while left and time.monotonic() < t0 + wait_s:
-        time.sleep(0.001)
-        left = [(p, d, n) for p, d, n in left if p.is_alive() and parts(d) <= n]
+        time.sleep(0.002)
+        left = [(p, d) for p, d in left if p.is_alive() and not flushed_since(d, t_term)]
     _log.info(
         "tracekit: %d of %d recording engine core(s) flushed on SIGTERM in %.1f ms, before "
         "the kill (at most %s s)", len(watch) - len(left), len(watch),

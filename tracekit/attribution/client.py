@@ -77,7 +77,9 @@ class ClientPartition:
     request: np.ndarray
     t0_s: np.ndarray  # the earlier chunk's write
     t1_s: np.ndarray  # the later chunk's write
-    engine_s: np.ndarray  # x: when the later chunk's last token left the engine (clipped)
+    # x: when the later chunk's last token left the engine (clipped to the gap); where that
+    # is unrecorded, the end of the engine core's span (docstring, "Unrecorded windows")
+    engine_s: np.ndarray
     num_tokens: np.ndarray  # tokens the later chunk carried
     gap_ms: np.ndarray
     parts_ms: np.ndarray  # (gaps, labels), sums to gap_ms

@@ -361,13 +361,14 @@ def merge_flushed(
     os_samples = to_table(OsSamples, "os_samples", table("os_samples"), secs)
     if wall_ticks is None:  # an interrupted run: its wall time is what was flushed
         wall_ticks = last_tick - t0
-    # the span this process's rows cover: from its start to the end of its complete rows;
-    # a run closed by stop() (`final`, or a last flush with its stop tick) covers to the stop
+    # the span this process's rows cover: from its start to the end of its complete rows (a
+    # last flush with its stop tick: to the stop). Clean: stop() wrote the log (`final`); a
+    # log recovered from parts is not, even if stop() flushed before the kill landed
     coverage = Coverage(
         process=np.zeros(1, dtype=np.int64),
         t_start_s=np.zeros(1),
         t_end_s=np.array([(wall_ticks if clean_stop else complete_tick - t0) * scale]),
-        is_clean_stop=np.array([int(clean_stop)], dtype=np.int64),
+        is_clean_stop=np.array([int(final is not None)], dtype=np.int64),
     )
     out_meta = {k: v for k, v in meta.items() if k not in ("config", "cause_map", "schema")}
     out_meta["interrupted"] = final is None and not clean_stop
