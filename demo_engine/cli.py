@@ -7,8 +7,11 @@ Each run writes `OUT/<rung-slug>__s<seed>.npz`. Arrivals are paced in engine ste
 (`--load F`: F times the requests per step the engine retires with its batch full, in
 the bursts of `demo_engine.workload.STEP_WORKLOAD`), so
 the scheduler sees the same pressure on a slow, fast or busy machine; only the
-milliseconds differ. Times are this process's CPU time (`--timer cpu`), so the time the OS
-gives other processes lands in no gap; `--timer wall` records wall time. `--rate R
+milliseconds differ. Times are wall time (`--timer wall`, the default): what a client
+would see, with the time the OS gave other processes recorded as `os_runqueue` (the
+recorder reads the loop thread's run-queue wait at every step boundary on Linux;
+docs/partition.md, "OS evidence"). `--timer cpu` records this process's CPU time
+instead, so that time lands in no gap (and no OS evidence is recorded). `--rate R
 --duration S` paces arrivals in seconds instead (R req/s for S s, on the wall clock),
 which makes the pressure depend on this machine's speed. `ladder` runs each run in
 a fresh interpreter (no GC state or heap carried from one run to the next).
@@ -104,9 +107,10 @@ def run_one(
     Arrivals are paced in engine steps (`load` times the step capacity, for `steps`
     steps) unless `rate` is given: then `rate` req/s for `duration_s` seconds.
     `compute_slowdown` stretches every model call (a slower machine, for checks).
-    `timer`: what the recorder's clock counts: "cpu" (this process's CPU time; the
-    default with step pacing on the CPU) or "wall" (the default, and the only choice,
-    with `rate` or on a GPU, whose device windows are mapped onto wall time).
+    `timer`: what the recorder's clock counts: "wall" (the default, and the only choice
+    with `rate` or on a GPU, whose device windows are mapped onto wall time; time the OS
+    took from the engine's thread is `os_runqueue`/`os_blocked`) or "cpu" (this process's
+    CPU time, with step pacing on the CPU: time the OS gave others lands in no gap).
     `backend="torch"` runs the same model in torch on `device` (cpu or cuda); on cuda the
     recorder times device work with CUDA events. `is_async_scheduling` (torch only)
     schedules step N+1 while the device runs step N. `metrics_port`: serve live per-cause
@@ -137,7 +141,7 @@ def run_one(
             "(arrivals paced in engine steps) or raise it"
         )
     if timer is None:
-        timer = "wall" if rate is not None or device != "cpu" else "cpu"
+        timer = "wall"
     if timer not in ("cpu", "wall") or (timer == "cpu" and (rate is not None or device != "cpu")):
         raise ValueError("timer must be 'wall', or 'cpu' with step pacing on the CPU")
     tokenizer = train_tokenizer(cfg.vocab_size, wl)
@@ -179,8 +183,8 @@ def run_one(
         runner = SlowedRunner(
             runner or NumpyModelRunner(cfg, tokenizer.get_vocab_size()), compute_slowdown
         )
-    # the CPU clock leaves out the time the OS gave to other processes: on a shared
-    # machine that time would otherwise land in whichever gap it interrupted
+    # wall time: what a client sees; the recorder's OS evidence names the time the OS gave
+    # other processes (os_runqueue). The CPU clock leaves that time out of every gap.
     clock = time.process_time_ns if timer == "cpu" else time.perf_counter_ns
     rec = Recorder(
         path if enabled else None,
@@ -368,9 +372,9 @@ def _pacing_opts(fn: Any) -> Any:
             "--timer",
             type=click.Choice(["cpu", "wall"]),
             default=None,
-            help="What the recorded times count: cpu (this process's CPU time, the default "
-            "with step pacing on the CPU: time the OS gives other processes lands in no "
-            "gap) or wall (the default with --rate or --device cuda).",
+            help="What the recorded times count: wall (the default: what a client sees; on "
+            "Linux the time the OS gives other processes is os_runqueue) or cpu (this "
+            "process's CPU time, with step pacing on the CPU: that time lands in no gap).",
         ),
         click.option(
             "--compute-slowdown",

@@ -291,3 +291,20 @@ def metric(server: Server, name: str) -> float:
     if not seen:
         raise KeyError(f"{name} not on /metrics")
     return total
+
+
+def metric_by_label(server: Server, name: str, label: str) -> dict[str, float]:
+    """One Prometheus metric's samples on the server's /metrics summed by the value of
+    one label (e.g. ``position`` of ``vllm:spec_decode_num_accepted_tokens_per_pos_total``)."""
+    import re
+
+    import httpx
+
+    out: dict[str, float] = {}
+    pat = re.compile(rf'[{{,]{re.escape(label)}="([^"]*)"')
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            m = pat.search(line[len(name) :])
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

@@ -58,21 +58,30 @@ what the core does after its SIGTERM is still lost, and the merged run says so
 (docs/adapters.md, "Stopping"). The OpenAI
 ``/v1/completions`` and ``/v1/chat/completions`` streams are recorded at the client
 boundary; a server started with tracekit refuses nothing.
+
+With ``TRACEKIT_VLLM_METRICS_PORT`` each engine core also feeds its recorder to a live sink
+(`tracekit.live.LiveMetrics`): per-cause metrics on port + its data-parallel rank, slow-gap
+spans parented on the ``traceparent`` vLLM carries (`live_options`, docs/live.md).
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ._common import Patches, add_forward
 from .vllm_v1 import VllmV1Adapter
@@ -116,6 +125,7 @@ def register() -> None:
             return
         check_output_dir(out)
         flush_interval_s()  # a bad value fails here, at startup, with what to do
+        live_options()  # a bad TRACEKIT_VLLM_* live option stops the server at startup
         _registered[0] = True
     _install_core_hooks()
     _install_worker_hooks()
@@ -167,7 +177,7 @@ def _seconds(name: str, default: float, lo: float, hi: float) -> float:
     except ValueError:
         v = float("nan")
     if not lo <= v <= hi:  # NaN fails too
-        raise ValueError(f"{name}={raw[:40]!r}: expected seconds in [{lo}, {hi}]")
+        raise RuntimeError(f"{name}={raw[:40]!r}: expected seconds in [{lo}, {hi}]")
     return v
 
 
@@ -211,10 +221,11 @@ def process_identity(role: str) -> dict[str, Any]:
     }
 
 
-def recorder_for(role: str, **identity: Any) -> Any:
+def recorder_for(role: str, sinks: tuple[Any, ...] = (), **identity: Any) -> Any:
     """This process's recorder (started on first use), writing ``DIR/ROLE-PID.npz``;
     `identity`: more of who recorded it (``dp_rank``, ``tp_rank``, ``rank``), kept in its
-    ``config["process"]`` for the merge."""
+    ``config["process"]`` for the merge; `sinks`: more sinks of its flushed rows (the
+    engine core's live metrics), used only by the call that starts it."""
     rec = _rec.get(role)
     if rec is not None:
         return rec
@@ -241,6 +252,7 @@ def recorder_for(role: str, **identity: Any) -> Any:
                 },
                 flush_interval_s=flush_s,
                 handle_signals=False,  # vLLM's own handlers decide how each process ends
+                sinks=sinks,
             )
             rec.start()
             _rec[role] = rec  # the recorder's own idle flush bounds what a SIGKILL loses
@@ -349,24 +361,218 @@ def _install_core_hooks() -> None:
 
     def make(run_busy_loop: Callable[..., Any]) -> Callable[..., Any]:
         def run_busy_loop_recorded(self: Any) -> Any:
+            dp_rank = int(getattr(self, "engine_index", 0))
+            live = live_sink_for_core(self, dp_rank)
             par = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
             tp = getattr(par, "tensor_parallel_size", None)
             rec = recorder_for(
                 "engine_core",
-                dp_rank=int(getattr(self, "engine_index", 0)),
+                () if live is None else (live,),
+                dp_rank=dp_rank,
                 **({"tp_size": tp} if isinstance(tp, int) else {}),  # the ranks to expect
             )
             adapter = ServeCoreAdapter(rec, self).install()
             flush_on_sigterm(rec)  # vLLM's handler is in place: chain in front of it
+            parents = Patches()
+            if live is not None:
+                _propagate_trace_context(live, self.scheduler, parents)
             try:
                 return run_busy_loop(self)
             finally:  # a clean shutdown (--shutdown-timeout > 0); a SIGKILL leaves parts
+                parents.restore()
                 adapter.uninstall()
                 rec.stop()
+                if live is not None:
+                    linger_then_shutdown(live)
 
         return run_busy_loop_recorded
 
     _class_patches.wrap(EngineCoreProc, "run_busy_loop", make)
+
+
+# -- live metrics (engine core) ---------------------------------------------------------
+
+#: The live options of the plugin (docs/live.md, "vllm serve"): with a metrics port, each
+#: engine core serves its own live per-cause metrics.
+ENV_METRICS_PORT = "TRACEKIT_VLLM_METRICS_PORT"
+ENV_METRICS_ADDR = "TRACEKIT_VLLM_METRICS_ADDR"
+ENV_SLO_MS = "TRACEKIT_VLLM_SLO_MS"
+ENV_OTLP_ENDPOINT = "TRACEKIT_VLLM_OTLP_ENDPOINT"
+ENV_HOLD_S = "TRACEKIT_VLLM_HOLD_S"
+ENV_LINGER_S = "TRACEKIT_VLLM_LINGER_S"
+ENV_RUN = "TRACEKIT_VLLM_RUN"
+
+
+@dataclass(frozen=True, slots=True)
+class LiveOptions:
+    """The plugin's live options, read from the environment (`live_options`).
+
+    port: the first engine core's metrics port (data-parallel rank R serves on port + R;
+    0: each takes any free port). addr: the address the servers bind. slo_ms: gaps at
+    least this long become spans (None: none). otlp_endpoint: where the spans go (OTLP/HTTP;
+    None: the engine core's global tracer provider). hold_s: how long a gap waits after a
+    flush to settle. linger_s: how long the final values stay served after the engine core
+    stopped. run: the ``run`` label (default: the output directory's name).
+    """
+
+    port: int
+    addr: str
+    slo_ms: float | None
+    otlp_endpoint: str | None
+    hold_s: float
+    linger_s: float
+    run: str
+
+
+def live_options() -> LiveOptions | None:
+    """The live options from ``TRACEKIT_VLLM_*`` (None: no metrics port, live mode off);
+    RuntimeError naming the variable and what it expects."""
+    env = os.environ
+
+    def number(name: str, default: float | None, ok: Callable[[float], bool], want: str):
+        raw = env.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            v = float(raw)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and ok(v)):
+            raise RuntimeError(f"{name}={raw!r}: expected {want}")
+        return v
+
+    raw_port = env.get(ENV_METRICS_PORT)
+    live_only = [n for n in (ENV_SLO_MS, ENV_OTLP_ENDPOINT, ENV_HOLD_S, ENV_LINGER_S,
+                             ENV_METRICS_ADDR) if env.get(n)]  # fmt: skip
+    if not raw_port:
+        if live_only:
+            raise RuntimeError(
+                f"{', '.join(live_only)} set without {ENV_METRICS_PORT}: live options go "
+                f"with a metrics port (e.g. {ENV_METRICS_PORT}=9400, or 0 for any free one)"
+            )
+        return None
+    if not re.fullmatch(r"\d{1,5}", raw_port.strip()) or int(raw_port) > 65535:
+        raise RuntimeError(
+            f"{ENV_METRICS_PORT}={raw_port!r}: expected a port number 0-65535 (0: any free "
+            "port, printed at startup)"
+        )
+    slo_ms = number(ENV_SLO_MS, None, lambda v: v > 0, "a number of milliseconds > 0")
+    otlp = env.get(ENV_OTLP_ENDPOINT) or None
+    if otlp is not None:
+        if slo_ms is None:
+            raise RuntimeError(
+                f"{ENV_OTLP_ENDPOINT} sends the spans of gaps >= {ENV_SLO_MS}: set both"
+            )
+        if not re.match(r"https?://[^/\s]+", otlp):
+            raise RuntimeError(
+                f"{ENV_OTLP_ENDPOINT}={otlp!r}: expected an OTLP/HTTP URL, e.g. "
+                "http://127.0.0.1:4318/v1/traces"
+            )
+    return LiveOptions(
+        port=int(raw_port),
+        addr=env.get(ENV_METRICS_ADDR) or "127.0.0.1",
+        slo_ms=slo_ms,
+        otlp_endpoint=otlp,
+        hold_s=float(number(ENV_HOLD_S, 2.0, lambda v: v >= 0, "seconds >= 0")),
+        linger_s=float(number(ENV_LINGER_S, 0.0, lambda v: v >= 0, "seconds >= 0")),
+        run=env.get(ENV_RUN) or os.path.basename(os.path.normpath(env.get(ENV_DIR, ""))),
+    )
+
+
+def live_sink_for_core(core: Any, dp_rank: int) -> Any:
+    """The engine core's live sink (`tracekit.live.LiveMetrics`), serving its metrics
+    (None: live mode off). It runs where the steps, admissions and emissions are recorded:
+    each engine core partitions its own engine-boundary gaps and TTFTs, on port + its
+    data-parallel rank, with constant labels ``run``, ``engine`` (vllm), ``model`` (the
+    served model name), ``process`` (``engine_core-PID``) and ``dp_rank``. The chosen
+    address is always printed on stderr."""
+    opts = live_options()
+    if opts is None:
+        return None
+    from tracekit.live import LiveMetrics
+
+    mc = getattr(getattr(core, "vllm_config", None), "model_config", None)
+    model = getattr(mc, "served_model_name", None) or getattr(mc, "model", None) or ""
+    if isinstance(model, (list, tuple)):
+        model = model[0] if model else ""
+    live = LiveMetrics(
+        addr=opts.addr,
+        slo_ms=opts.slo_ms,
+        otlp_endpoint=opts.otlp_endpoint,
+        hold_s=opts.hold_s,
+        const_labels={
+            "run": opts.run,
+            "engine": "vllm",
+            "model": str(model),
+            "process": f"engine_core-{os.getpid()}",
+            "dp_rank": str(dp_rank),
+        },
+    )
+    port = opts.port + dp_rank if opts.port else 0
+    try:
+        live.serve(port)
+    except OSError as e:
+        live.shutdown()
+        raise RuntimeError(
+            f"{ENV_METRICS_PORT}: engine core (data-parallel rank {dp_rank}) cannot listen "
+            f"on {opts.addr}:{port} ({e.strerror or e}); pick a free port (rank R takes "
+            "port + R) or another address"
+        ) from None
+    host = f"[{opts.addr}]" if ":" in opts.addr else opts.addr
+    print(
+        f"tracekit: engine core (dp_rank {dp_rank}, pid {os.getpid()}) live metrics at "
+        f"http://{host}:{live.port}/metrics",
+        file=sys.stderr,
+        flush=True,
+    )
+    return live
+
+
+def _propagate_trace_context(live: Any, scheduler: Any, p: Patches) -> None:
+    """Hand each request's W3C ``traceparent`` to the live sink as it reaches the
+    scheduler, so its slow-gap spans join that trace. vLLM carries the client's trace
+    headers to the engine core (``EngineCoreRequest.trace_headers`` ->
+    ``Request.trace_headers``) only when the server traces (``--otlp-traces-endpoint``);
+    otherwise each request has a trace of its own. A malformed header is ignored (the
+    request gets a trace of its own) and said once."""
+    warned = [False]
+
+    def make(add_request: Callable[..., Any]) -> Callable[..., Any]:
+        def add_request_traced(request: Any, *args: Any, **kwargs: Any) -> Any:
+            headers = getattr(request, "trace_headers", None)
+            tp = headers.get("traceparent") if isinstance(headers, Mapping) else None
+            if tp is not None:
+                try:
+                    live.trace_parent(request.request_id, tp)
+                except ValueError as e:
+                    if not warned[0]:
+                        warned[0] = True
+                        print(f"tracekit: {e}; that request's spans get a trace of their own",
+                              file=sys.stderr, flush=True)  # fmt: skip
+            return add_request(request, *args, **kwargs)
+
+        return add_request_traced
+
+    p.wrap(scheduler, "add_request", make)
+
+
+def linger_then_shutdown(live: Any) -> None:
+    """After the engine core's recorder stopped (its sink closed: every gap settled,
+    ``tracekit_live_final 1``): keep serving for ``TRACEKIT_VLLM_LINGER_S`` seconds, then
+    send the spans still batched and stop the metrics server. vLLM waits for the engine
+    core up to ``--shutdown-timeout`` before it kills it: give it more than the linger."""
+    opts = live_options()
+    linger_s = 0.0 if opts is None else opts.linger_s
+    try:
+        if linger_s > 0:
+            print(
+                f"tracekit: engine core final live metrics at port {live.port} for {linger_s:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            time.sleep(linger_s)
+    finally:
+        live.shutdown()
 
 
 # -- worker -----------------------------------------------------------------------------
@@ -894,6 +1100,40 @@ def _install_receipt_hooks(p: Patches) -> None:
     p.wrap(H11Protocol, "data_received", wrap_received)
 
 
+class _Chunks:
+    """One stream's chunk records at the client boundary, cheap per chunk: each choice's
+    recorder handle resolved once (at its first chunk whose request is known), one
+    preallocated one-row handle vector and count vector reused for every emission (the
+    recorder copies their bytes), and no count for a one-token chunk (the recorder's
+    default)."""
+
+    __slots__ = ("rec", "handles", "h", "k")
+
+    def __init__(self, rec: Any) -> None:
+        self.rec = rec
+        self.handles: dict[int, int] = {}  # choice index -> the recorder's handle
+        self.h = np.zeros(1, dtype=np.int64)
+        self.k = np.ones(1, dtype=np.int64)
+
+    def record(self, i: int, name: str, k: int, t_ready: int, t_sent: int) -> None:
+        """Choice `i` (request `name` at the client boundary) sent a chunk of `k` tokens:
+        ready at `t_ready`, written at `t_sent`."""
+        h = self.handles.get(i)
+        if h is None:
+            key = _key_of(name)
+            if key is None:
+                return
+            h = self.handles[i] = self.rec.handle(key)
+        rec = self.rec
+        rec.add_segment("sse_write", t_ready, t_sent)
+        self.h[0] = h
+        if k == 1:
+            rec.emit_handles(self.h, at_tick=t_sent)
+        else:
+            self.k[0] = k
+            rec.emit_handles(self.h, self.k, at_tick=t_sent)
+
+
 def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
     """The ``/v1/completions`` SSE generator: each chunk it yields is written to the client
     before the generator is resumed, so ``[yield, resume]`` is the chunk's write."""
@@ -903,7 +1143,8 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                                           **kwargs: Any) -> Any:  # fmt: skip
         rec = recorder_for("api_server")
         n = 1 if getattr(request, "n", None) is None else int(request.n)
-        pending: dict[int, deque[tuple[str, int]]] = defaultdict(deque)
+        pending: dict[int, deque[int]] = defaultdict(deque)  # tokens of each chunk to come
+        names: dict[int, str] = {}  # choice -> its request's name at the client boundary
         seen: dict[int, int] = defaultdict(int)
 
         async def observed() -> AsyncIterator[Any]:
@@ -916,11 +1157,13 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                     if not output.text and not k and not seen[i]:
                         continue
                     seen[i] += k
-                    name = res.request_id if n == 1 else f"{res.request_id}#{output.index}"
-                    pending[i].append((name, k))
+                    if i not in names:
+                        names[i] = res.request_id if n == 1 else f"{res.request_id}#{output.index}"
+                    pending[i].append(k)
                 yield prompt_idx, res
 
         gen = stream(self, request, engine_inputs, observed(), *args, **kwargs)
+        chunks = _Chunks(rec)
         writes: list[int] = []
         _writes.set(writes)
         try:
@@ -932,15 +1175,11 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                 if m is None:
                     continue
                 t_sent = writes[-1] if writes else rec.now()
-                queue = pending.get(int(m.group(1)))
+                i = int(m.group(1))
+                queue = pending.get(i)
                 if not queue:
                     continue
-                name, k = queue.popleft()
-                key = _key_of(name)
-                if key is None:
-                    continue
-                rec.add_segment("sse_write", t_ready, t_sent)
-                rec.emit((key,), (k,), at_tick=t_sent)
+                chunks.record(i, names[i], queue.popleft(), t_ready, t_sent)
         finally:
             await gen.aclose()
 
@@ -966,10 +1205,12 @@ def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                 for output in res.outputs:
                     i = output.index
                     seen[i] += len(output.token_ids)
-                    names[i] = res.request_id if n == 1 else f"{res.request_id}#{i}"
+                    if i not in names:
+                        names[i] = res.request_id if n == 1 else f"{res.request_id}#{i}"
                 yield res
 
         gen = stream(self, request, observed(), *args, **kwargs)
+        chunks = _Chunks(rec)
         writes: list[int] = []
         _writes.set(writes)
         try:
@@ -987,11 +1228,7 @@ def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
                     continue
                 sent[i] = seen[i]
                 t_sent = writes[-1] if writes else rec.now()
-                key = _key_of(name)
-                if key is None:
-                    continue
-                rec.add_segment("sse_write", t_ready, t_sent)
-                rec.emit((key,), (k,), at_tick=t_sent)
+                chunks.record(i, name, k, t_ready, t_sent)
         finally:
             await gen.aclose()
 

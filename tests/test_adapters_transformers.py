@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import time
 
 import numpy as np
@@ -302,3 +303,20 @@ def test_admissions_equal_the_engines_request_state(batch_run):
     np.testing.assert_allclose(p.parts_ms, ref.parts_ms, rtol=0, atol=1e-9)
     # 8 requests in 8 pages of 16 tokens: some waited, and the adapter said why
     assert len(log.waits) > 0 and len(log.prefill_chunks) >= NUM_REQUESTS
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS evidence: Linux only")
+def test_the_cb_loop_thread_records_os_evidence(batch_run):
+    """The CB loop thread (the one that runs the steps) samples its OS counters at every
+    step boundary (the recorder's default on wall time, docs/capture.md), and the partition
+    has the OS causes."""
+    log = batch_run["log"]
+    os_ = log.os_samples
+    assert log.meta["os_evidence"]["recorded"] is True
+    step_rows = os_.kind <= 1
+    assert int(step_rows.sum()) == 2 * len(log.steps)
+    loop = set(log.segments.thread[log.segments.step >= 0].tolist())
+    assert set(os_.thread[step_rows].tolist()) == loop
+    assert (os_.runqueue_ns[step_rows] >= 0).all()  # schedstat read on this kernel
+    p = partition(log)
+    assert "os_runqueue" in p.labels and "os_blocked" in p.labels

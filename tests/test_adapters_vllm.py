@@ -332,10 +332,24 @@ def test_speculative_decoding_offline_multi_token_emissions_and_acceptance(
     assert got["drafted"] > 0
     assert got["drafted"] == metrics["vllm:spec_decode_num_draft_tokens"].value
     assert got["accepted"] == metrics["vllm:spec_decode_num_accepted_tokens"].value
+    # drafts checked and acceptance per draft position, against vLLM's own stats of the
+    # same run (SpecDecodingStats, summed into its in-memory Prometheus counters)
+    from tracekit.attribution.client import spec_acceptance
+
+    acc = spec_acceptance(log)
+    vllm_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert acc["drafts"] == metrics["vllm:spec_decode_num_drafts"].value > 0
+    assert acc["accepted_per_pos"] == [float(v) for v in vllm_pos[: len(acc["accepted_per_pos"])]]
+    assert not any(vllm_pos[len(acc["accepted_per_pos"]) :])  # no position left out
+    assert len(acc["accepted_per_pos"]) == 3  # every position drafted (k = 3)
+    assert sum(acc["accepted_per_pos"]) == got["accepted"]
     partition(log)  # every gap reconciles
     from tracekit.analysis.figures import analyze
     from tracekit.render.text import analyze_report
 
     a = analyze(log)
     assert a.spec["drafted"] == got["drafted"] and a.spec["accepted"] == got["accepted"]
-    assert "speculative decoding" in analyze_report([a])  # acceptance next to ITL
+    report = analyze_report([a])
+    assert "speculative decoding" in report  # acceptance next to ITL
+    assert "acceptance by position 1: " in report
+    assert a.to_dict()["spec"]["accepted_per_pos"] == acc["accepted_per_pos"]  # in the JSON

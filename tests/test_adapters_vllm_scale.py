@@ -254,5 +254,36 @@ def test_trace_has_a_track_per_rank(tp, tmp_path):
     assert r.returncode == 0, r.stderr
     from tracekit.render.perfetto import read_trace
 
-    names = {e["args"]["name"] for e in read_trace(out) if e.get("name") == "process_name"}
+    events = read_trace(out)
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert any("tp rank 0" in n for n in names) and any("tp rank 1" in n for n in names), names
+    # and in the engine process, one track per rank with the slow steps it held
+    from tracekit.render.perfetto import PID_ENGINE, TID_RANKS
+
+    tracks = {e["tid"]: e["args"]["name"] for e in events
+              if e.get("name") == "thread_name" and e["pid"] == PID_ENGINE
+              and TID_RANKS <= e["tid"] < TID_RANKS + 100}  # fmt: skip
+    assert tracks == {TID_RANKS: "tp rank 0", TID_RANKS + 1: "tp rank 1"}, tracks
+    held = [e for e in events if e.get("name") == "held slow step"]
+    assert any(e["tid"] == TID_RANKS + 1 for e in held), held  # rank 1 held a slow step
+
+
+def test_the_slowest_gap_was_held_by_the_stalled_rank(tp_run):
+    """The rank view (docs/adapters.md, "Which rank held each slow step"): the longest gap
+    holds a 40 ms stall of rank 1 (nothing else in this run is that long), so the step
+    that closed it is a slow step held by rank 1, charged to its stall."""
+    from tracekit.analysis.figures import analyze
+    from tracekit.attribution.itl import partition
+
+    p = partition(tp_run)
+    v = analyze(tp_run, p).tp_ranks
+    worst = int(p.step1[int(np.argmax(p.gap_ms))])
+    steps = {s["step"]: s for s in v["slow_steps"]}
+    assert worst in steps, (worst, sorted(steps))
+    s = steps[worst]
+    assert s["holder"] == 1 and s["holder_cause"] in ("injected", "gc"), s
+    assert s["wait_ms"]["1"] > s["wait_ms"].get("0", 0.0)
+    rank1 = next(r for r in v["ranks"] if r["rank"] == 1)
+    assert rank1["slow_steps_held"] >= 1 and rank1["top_cause"] in ("injected", "gc")
+    print({r["rank"]: (r["slow_steps_held"], round(r["charged_slow_ms"], 2), r["top_cause"])
+           for r in v["ranks"]})  # fmt: skip

@@ -16,6 +16,7 @@ import collections
 import os
 import shutil
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -73,6 +74,10 @@ def served(tmp_path_factory):
         preemptions = sh.metric(server, "vllm:num_preemptions_total")
         spec = {k: sh.metric(server, f"vllm:spec_decode_num_{k}_tokens_total")
                 for k in ("draft", "accepted")}  # fmt: skip
+        spec["drafts"] = sh.metric(server, "vllm:spec_decode_num_drafts_total")
+        spec["per_pos"] = sh.metric_by_label(
+            server, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position"
+        )
         import time
 
         time.sleep(1.0)  # > the flush interval (0.2 s): everything recorded reaches disk
@@ -378,6 +383,13 @@ def test_speculative_decoding_acceptance_equals_vllm_metrics(served, merged):
     assert served["spec"]["draft"] > 0, "the ngram proposer was meant to draft"
     assert acc["drafted"] == served["spec"]["draft"]
     assert acc["accepted"] == served["spec"]["accepted"]
+    # drafts checked and acceptance per draft position, against the same /metrics
+    assert acc["drafts"] == served["spec"]["drafts"] > 0
+    per_pos = served["spec"]["per_pos"]
+    assert per_pos, "vLLM exports acceptance per position with speculative decoding"
+    want = [per_pos.get(str(k), 0.0) for k in range(max(map(int, per_pos)) + 1)]
+    assert acc["accepted_per_pos"] == want[: len(acc["accepted_per_pos"])]
+    assert not any(want[len(acc["accepted_per_pos"]) :])  # no position left out
     # multi-token emissions at both boundaries, and the proposer's and verifier's windows
     assert merged.emissions.num_tokens.max() > 1
     assert merged.client_emissions.num_tokens.max() > 1
@@ -385,3 +397,26 @@ def test_speculative_decoding_acceptance_equals_vllm_metrics(served, merged):
     worker = next(i for i, p in enumerate(merged.meta["processes"]) if p["role"] == "worker")
     ps = merged.proc_segments
     assert np.any((ps.process == worker) & (ps.label == merged.labels.index("draft")))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS evidence: Linux only")
+def test_every_process_records_os_evidence(served, merged):
+    """The plugin's recorders run on wall time, so every process records OS evidence
+    (docs/capture.md): the engine core at its steps' ends (the merged run keeps them, and
+    its partitions have the OS causes), the API server at its `with segment()` windows'
+    ends (threads without steps); the worker's reader is on too."""
+    from tracekit.attribution.itl import partition
+    from tracekit.log.merge import process_logs
+    from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OS_STEP_END, OS_STEP_START
+
+    logs = {p.identity["role"]: p.log for p in process_logs(served["dir"])}
+    for role, log in logs.items():
+        assert log.meta["os_evidence"]["recorded"] is True, role
+    core = merged.os_samples
+    steps = (core.kind == OS_STEP_START) | (core.kind == OS_STEP_END)
+    assert steps.sum() >= 2 * (len(merged.steps) - 1)  # the last step may be cut by SIGKILL
+    assert (core.runqueue_ns[steps] >= 0).all()
+    assert "os_runqueue" in partition(merged).labels
+    api = logs["api_server"].os_samples
+    seg = (api.kind == OS_SEGMENT_START) | (api.kind == OS_SEGMENT_END)
+    assert seg.sum() > 0 and seg.sum() % 2 == 0

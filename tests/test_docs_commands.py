@@ -33,7 +33,8 @@ NOT_HERE = {
     "tracekit fleet ds/ --by replica --format jsonl --ray auto": "a Ray cluster to join",
     "tracekit analyze raw/*.npz --ray auto": "a Ray cluster to join (tests/test_ray.py)",
     "tracekit demo ladder": "records a whole ladder (the README's first command; CI time)",
-    "tracekit demo run --duration 60": "serves for a minute (tests/test_live.py runs it short)",
+    "tracekit demo run --rate 8 --duration 60 --metrics-port 9400": "serves for a minute on a "
+    "fixed port (tests/test_live.py and tests/test_live_prometheus.py run it short)",
 }
 
 

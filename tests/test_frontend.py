@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -201,13 +202,94 @@ def test_spec_acceptance_hand_derived():
     b.emit(0, 20, 1, n=1)
     log = b.build()
     assert spec_acceptance(log) is None  # no speculative decoding recorded
+    # a log with only the totals (recorded before drafts and positions were counted):
     # step 0: 3 drafts, 2 accepted (3 tokens emitted); step 1: 3 drafts, none accepted
     log = replace(log, counter_names=("spec.drafted", "spec.accepted"),
                   counters=Counters.from_columns(name=[0, 1, 0, 1], t_s=[0.01, 0.01, 0.02, 0.02],
                                                  value=[3, 2, 3, 0]))  # fmt: skip
     acc = spec_acceptance(log)
-    # accepted 2 of 6 drafted; tokens per emission (3 + 1) / 2 = 2
-    assert acc == {"drafted": 6.0, "accepted": 2.0, "acceptance": 2 / 6, "tokens_per_emission": 2.0}
+    # accepted 2 of 6 drafted; tokens per emission (3 + 1) / 2 = 2; no drafts count: no
+    # mean accepted length, no positions
+    totals = ("drafted", "accepted", "acceptance", "tokens_per_emission")
+    assert {k: acc[k] for k in totals} == {"drafted": 6.0, "accepted": 2.0, "acceptance": 2 / 6,
+                                           "tokens_per_emission": 2.0}  # fmt: skip
+    assert math.isnan(acc["mean_accepted_length"]) and acc["acceptance_per_pos"] == []
+
+
+def test_spec_acceptance_per_position_hand_derived():
+    """Step 0 checks two drafts of 3 tokens: A accepted 2 (positions 1 and 2), B accepted 1
+    (position 1); step 1 checks A's next draft of 3, none accepted."""
+    from tracekit.attribution.client import spec_acceptance
+    from tracekit.log.rawlog import Counters
+
+    b = LogBuilder()
+    b.step(0, 10)
+    b.emit(0, 10, 0, n=3)
+    b.step(10, 20)
+    b.emit(0, 20, 1, n=1)
+    names = ("spec.drafts", "spec.drafted", "spec.accepted",
+             "spec.accepted_pos.0", "spec.accepted_pos.1", "spec.accepted_pos.2")  # fmt: skip
+    # per step: drafts, drafted, accepted, then positions 0..2
+    step0, step1 = [2, 6, 3, 2, 1, 0], [1, 3, 0, 0, 0, 0]
+    log = replace(b.build(), counter_names=names, counters=Counters.from_columns(
+        name=[*range(6), *range(6)], t_s=[0.01] * 6 + [0.02] * 6, value=step0 + step1))  # fmt: skip
+    acc = spec_acceptance(log)
+    # 3 drafts checked, 3 of 9 draft tokens accepted: mean accepted length 1 + 3 / 3 = 2;
+    # position 1 accepted in 2 of 3 drafts, position 2 in 1, position 3 in none
+    assert acc["drafts"] == 3.0 and acc["drafted"] == 9.0 and acc["accepted"] == 3.0
+    assert acc["mean_accepted_length"] == pytest.approx(2.0)
+    assert acc["accepted_per_pos"] == [2.0, 1.0, 0.0]
+    assert acc["acceptance_per_pos"] == pytest.approx([2 / 3, 1 / 3, 0.0])
+    from tracekit.render.client import spec_positions_html, spec_positions_text
+
+    assert "1: 66.7%, 2: 33.3%, 3: 0.0%" in spec_positions_text(acc)
+    assert "<th>position 3</th>" in spec_positions_html([("run", acc)])
+    # beside ITL in analyze's figures, its text and the report's section
+    from tracekit.analysis.figures import analyze
+    from tracekit.render.client import spec_html
+    from tracekit.render.text import analyze_report
+
+    a = analyze(log)
+    assert a.to_dict()["spec"]["acceptance_per_pos"] == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert "mean accepted length 2.00, acceptance by position 1: 66.7%" in analyze_report([a])
+    page = spec_html([("run", a)])
+    assert "<td>66.7% (2)</td><td>33.3% (1)</td><td>0.0% (0)</td>" in page
+
+    # a name that claims a huge position costs nothing: positions are read as far as the
+    # log names them without a hole (0, 1, 2 here), never up to a number a name claims
+    hostile = replace(log, counter_names=(*names[:5], "spec.accepted_pos.99999999999"))
+    assert spec_acceptance(hostile)["accepted_per_pos"] == [2.0, 1.0]
+
+
+def test_count_acceptance_counts_like_vllm_per_position():
+    """The adapters' per-step counting, on hand-built scheduler outputs: request a drafted
+    3 and got 3 tokens (2 drafts accepted, the third token is the forward pass's own), b
+    drafted 3 (1 discarded as invalid before checking) and got 2, c drafted 1 and got 1,
+    d drafted nothing, e drafted 2 and got no tokens (not checked)."""
+    from engine_adapters.vllm_v1 import count_acceptance
+
+    class Rec:
+        def __init__(self) -> None:
+            self.rows: list[tuple[str, float]] = []
+
+        def counter(self, name: str, value: float) -> None:
+            self.rows.append((name, value))
+
+    rec = Rec()
+    drafts = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7], "e": [8, 9]}
+    count_acceptance(rec, drafts, ["a", "b", "c", "d", "e"],
+                     [[1, 2, 9], [4, 9], [5], [3], []], {"b": 1})  # fmt: skip
+    assert dict(rec.rows) == {
+        "spec.drafts": 3.0,  # a, b, c
+        "spec.drafted": 6.0,  # 3 + (3 - 1) + 1
+        "spec.accepted": 3.0,  # 2 + 1 + 0
+        "spec.accepted_pos.0": 2.0,  # a, b
+        "spec.accepted_pos.1": 1.0,  # a
+        "spec.accepted_pos.2": 0.0,  # nobody; sampled up to the longest draft (3)
+    }
+    rec = Rec()
+    count_acceptance(rec, {}, ["a"], [[1]])
+    assert rec.rows == []  # no draft checked: nothing recorded
 
 
 def test_process_tracks_are_a_valid_trace_even_with_overlapping_windows():

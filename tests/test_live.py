@@ -25,6 +25,7 @@ pytest.importorskip("opentelemetry.sdk")
 
 import tracekit  # noqa: E402
 from tracekit.attribution.itl import partition  # noqa: E402
+from tracekit.attribution.ttft import ttft_partition  # noqa: E402
 from tracekit.capture.recorder import active_recorders  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
 from tracekit.live.settler import Settler  # noqa: E402
@@ -769,6 +770,12 @@ def _assert_live_equals_offline(log, snap):
         off = float(p.parts_ms[:, j].sum())
         assert snap["cause_ms"].get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
     assert snap["hist"].tolist() == [h.count for h in analyze(log, p).hist]
+    # TTFT by cause, the OS labels included where the run has OS evidence
+    tp = ttft_partition(log)
+    assert snap["ttft_n"] == len(tp)
+    for j, lb in enumerate(tp.labels):
+        off = float(tp.parts_ms[:, j].sum())
+        assert snap["ttft_cause_ms"].get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -799,6 +806,7 @@ def test_random_runs_with_os_evidence_agree(steps):
     assert len(log.os_samples) == 2 * len(log.steps)
     p = partition(log)
     assert "os_blocked" in p.labels
+    assert "os_blocked" in ttft_partition(log).labels
     _assert_live_equals_offline(log, snap)
 
 

@@ -6,6 +6,8 @@ engine core's forward window of the step."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,137 @@ def test_the_wait_on_the_last_rank_is_charged_to_its_own_cause(tmp_path):
     rep = run.meta["tensor_parallel"]
     assert rep["ranks"] == [1]
     assert rep["charged_s"]["rank1:injected"] == pytest.approx(1.9e-3)
+
+
+#: Steps of `record_tp_plan`: (length ms, [(late rank, late ms, cause), ...] one per
+#: collective of the step): the late rank enters that much after the other; `injected`:
+#: the lateness is a stall window just before it enters, `forward`: it was in its forward.
+SMALL = (10, [(1, 0.1, "forward")])
+PLAN = [SMALL] * 252
+PLAN[2] = (30, [(1, 20.0, "injected")])
+PLAN[3] = (10, [(0, 0.2, "forward")])
+PLAN[4] = (31, [(0, 15.0, "forward")])
+PLAN[6] = (32, [(0, 3.0, "forward"), (1, 5.0, "injected")])
+PLAN[7] = (10, [(0, 0.1, "forward")])
+
+
+def record_tp_plan(tmp_path, plan=PLAN):
+    """An engine core and two TP workers on one clock. Step k starts at b (the previous
+    step's end), runs [b, b+L-2], its forward window [b+1, b+L-3]; request r0 emits at
+    b+L-2.5, so the gap closed by step k is L long. Each worker's forward runs
+    [b+1.2, b+L-3.2]; the i-th collective of a step: the on-time rank enters at c, the late
+    one at c + late, both leave 0.5 ms later; the next collective starts 0.5 ms after."""
+    clk = Clock()
+    core = _rec(tmp_path / "engine_core-1.npz", clk, "engine_core", 1, dp_rank=0)
+    w = [_rec(tmp_path / f"worker-{10 + r}.npz", clk, "worker", 10 + r, tp_rank=r, rank=r)
+         for r in (0, 1)]  # fmt: skip
+
+    def at(t_ms):
+        clk.true_s = t_ms * 1e-3
+
+    def tick(t_ms):
+        return round((100.0 + t_ms * 1e-3) * 1e9)
+
+    at(0.5)
+    core.request("r0")
+    b = 1.0
+    for length, calls in plan:
+        at(b)
+        with core.step():
+            core.add_segment("decode", tick(b + 1.0), tick(b + length - 3.0))
+            at(b + length - 2.5)
+            core.emit(["r0"])
+            at(b + length - 2.0)
+        for rec in w:
+            rec.add_segment("forward", tick(b + 1.2), tick(b + length - 3.2))
+        c = b + 2.0
+        for late_rank, late, cause in calls:
+            for r, rec in enumerate(w):
+                enter = c + (late if r == late_rank else 0.0)
+                if r == late_rank and cause == "injected":
+                    rec.add_segment("injected", tick(c), tick(enter))
+                rec.add_segment("collective", tick(enter), tick(c + late + 0.5))
+            c += late + 1.0
+        b += length
+    at(b + 1.0)
+    for rec in (core, *w):
+        rec.stop()
+    return str(tmp_path)
+
+
+def test_which_rank_held_each_slow_step_by_hand(tmp_path):
+    """The rule (docs/adapters.md, "Which rank held each slow step") on `PLAN`, by hand.
+
+    252 steps, 251 gaps (closed by steps 1-251): 248 of 10 ms, and 30, 31, 32 ms closed by
+    steps 2, 4, 6. p99 (numpy's linear: sorted, position 0.99 * 250 = 247.5, halfway
+    between the 248th gap, 10, and the 249th, 30) = 20 ms, so the tail is the three long
+    gaps and the slow steps are 2, 4 and 6. Waits: step 2 rank 1 20 ms (injected), step 4
+    rank 0 15 ms (forward), step 6 rank 0 3 ms (forward) and rank 1 5 ms (injected): held
+    by rank 1, rank 0, rank 1. Rank 0: 1 slow step held, 15 + 3 = 18 ms in slow steps, all
+    forward; in the run 0.2 (step 3) + 15 + 3 + 0.1 (step 7) = 18.3 ms. Rank 1: 2 held,
+    20 + 5 = 25 ms in slow steps, all injected; in the run 25 + 0.1 in each of the other
+    247 steps = 49.7 ms."""
+    from tracekit.analysis.figures import analyze
+    from tracekit.render.html import tp_ranks_html
+
+    run = merge_dir(record_tp_plan(tmp_path))
+    p = partition(run)
+    assert p.reconcile_max_err_ms < 1e-6
+    assert np.allclose(np.sort(p.gap_ms), [10] * 248 + [30, 31, 32])
+    a = analyze(run, p)
+    v = a.tp_ranks
+    assert v["itl_p99_ms"] == pytest.approx(20.0)
+    steps = {s["step"]: s for s in v["slow_steps"]}
+    assert sorted(steps) == [2, 4, 6]
+    assert [steps[s]["holder"] for s in (2, 4, 6)] == [1, 0, 1]
+    assert [steps[s]["holder_cause"] for s in (2, 4, 6)] == ["injected", "forward", "injected"]
+    assert steps[6]["wait_ms"] == pytest.approx({"0": 3.0, "1": 5.0})
+    r0, r1 = v["ranks"]
+    assert (r0["rank"], r0["slow_steps_held"], r0["top_cause"]) == (0, 1, "forward")
+    assert r0["charged_slow_ms"] == pytest.approx(18.0)
+    assert r0["top_cause_ms"] == pytest.approx(18.0)
+    assert r0["charged_run_ms"] == pytest.approx(18.3)
+    assert (r1["rank"], r1["slow_steps_held"], r1["top_cause"]) == (1, 2, "injected")
+    assert r1["charged_slow_ms"] == pytest.approx(25.0)
+    assert r1["charged_run_ms"] == pytest.approx(49.7)
+    # the report's table says the same, cell by cell
+    page = tp_ranks_html([a], ["tp"])
+    table = page[page.index('<table class="ranks">') :].split("</table>")[0]
+    cells = [re.findall(r"<td>(.*?)</td>", row) for row in table.split("<tr>")[2:]]
+    assert [c[:4] for c in cells] == [["rank 0", "1", "18.00", "18.30"],
+                                      ["rank 1", "2", "25.00", "49.70"]]  # fmt: skip
+    assert "rank0:forward" in cells[0][4] and cells[0][4].endswith(" 18.00")
+    assert "rank1:injected" in cells[1][4] and cells[1][4].endswith(" 25.00")
+    # and analyze's text
+    from tracekit.render.text import analyze_report
+
+    text = analyze_report([a])
+    assert "tensor parallel: 3 slow steps" in text
+    assert "rank1:injected 25.00 ms" in text and "rank0:forward 18.00 ms" in text
+
+
+def test_the_trace_has_one_track_per_rank_with_the_slow_steps_it_held(tmp_path):
+    from tracekit.render.perfetto import TID_RANKS, chrome_trace_events, validate_trace
+
+    run = merge_dir(record_tp_plan(tmp_path))
+    events = chrome_trace_events(run, partition(run))
+    validate_trace(events)
+    names = {e["tid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "thread_name" and e["tid"] >= TID_RANKS
+             and e["tid"] < TID_RANKS + 100}  # fmt: skip
+    assert names == {TID_RANKS: "tp rank 0", TID_RANKS + 1: "tp rank 1"}
+    held = {e["tid"] - TID_RANKS: e["args"]["step"] for e in events
+            if e["ph"] == "X" and e["name"] == "held slow step"
+            and e["args"]["step"] == 4}  # fmt: skip
+    assert held == {0: 4}
+    held_by = sorted((e["args"]["step"], e["tid"] - TID_RANKS) for e in events
+                     if e["ph"] == "X" and e["name"] == "held slow step")  # fmt: skip
+    assert held_by == [(2, 1), (4, 0), (6, 1)]
+    # each rank's track holds exactly its own waits
+    waits = [(e["tid"] - TID_RANKS, e["name"]) for e in events
+             if e["ph"] == "X" and e.get("tid", 0) in (TID_RANKS, TID_RANKS + 1)
+             and e["name"] != "held slow step"]  # fmt: skip
+    assert sorted(set(waits)) == [(0, "rank0:forward"), (1, "rank1:forward"),
+                                  (1, "rank1:injected")]  # fmt: skip
+    assert sum(1 for r, _ in waits if r == 0) == 4  # steps 3, 4, 6, 7
+    assert sum(1 for r, _ in waits if r == 1) == 249  # every step but 3, 4, 7

@@ -103,3 +103,50 @@ def test_a_blocking_read_in_a_segment_is_os_blocked():
     assert parts["tok"] < 0.1 * gap_ms
     assert abs(sum(parts.values()) - gap_ms) < 1e-6
     assert np.isfinite(gap_ms)
+
+
+def test_a_tokenizer_threads_blocked_read_is_os_blocked():
+    """A `tok` segment on a tokenizer thread (not the loop's) blocked on a read while the
+    loop thread computes: the tokenizer thread's own samples at its segment's ends say it
+    was off the CPU (docs/partition.md, OS rule 7), so that time is os_blocked, not tok;
+    the loop's samples (it ran all along) would have left it to tok."""
+    r_fd, w_fd = os.pipe()
+    sleep_s = 0.05
+
+    rec = tracekit.Recorder(None, gc=False, handle_signals=False)
+
+    def tokenizer():
+        with rec.segment("tok"):
+            os.read(r_fd, 1)  # off the CPU until the writer writes
+
+    def writer():
+        time.sleep(sleep_s)
+        os.write(w_fd, b"x")
+
+    with rec:
+        rec.request("a")
+        with rec.step():
+            rec.emit(["a"])
+        tk, wr = threading.Thread(target=tokenizer), threading.Thread(target=writer)
+        with rec.step():
+            with rec.segment("decode"):
+                tk.start()
+                wr.start()
+                while tk.is_alive():  # the loop computes meanwhile
+                    sum(range(1000))
+            rec.emit(["a"])
+        tk.join()
+        wr.join()
+    os.close(r_fd)
+    os.close(w_fd)
+    log = rec.log()
+    p = partition(log)  # raises if the gap does not reconcile
+    parts = dict(zip(p.labels, p.parts_ms[0].tolist(), strict=True))
+    sg = log.segments
+    tok = sg.label == log.labels.index("tok")
+    assert int(sg.thread[tok][0]) != 0
+    tok_ms = float((sg.t_end_s[tok] - sg.t_start_s[tok]).sum() * 1e3)
+    assert tok_ms >= 0.9 * sleep_s * 1e3
+    # the tokenizer thread was off the CPU for (nearly) all of its segment
+    assert parts["os_blocked"] + parts["os_runqueue"] >= 0.9 * tok_ms
+    assert parts["tok"] < 0.1 * tok_ms

@@ -19,7 +19,7 @@ from logbuilder import LogBuilder
 from tracekit.attribution.itl import partition
 from tracekit.attribution.reference import partition_reference
 from tracekit.attribution.timeline import os_intervals
-from tracekit.log.rawlog import OS_STEP_END, OS_STEP_START
+from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OS_STEP_END, OS_STEP_START
 
 IMPLS = [partition, partition_reference]
 
@@ -163,6 +163,56 @@ def test_no_evidence_no_attribution(impl):
     assert "os_runqueue" not in p.labels
 
 
+def side_tok(b: LogBuilder, cpu_ms: float, runq_ms: float, a=2.0, z=6.0) -> None:
+    """A `tok` segment [a, z] on thread 1 (a tokenizer thread), sampled at both ends: it
+    ran `cpu_ms` and waited `runq_ms` on the run queue in it."""
+    b.seg(-1, "tok", a, z, thread=1)
+    b.os_sample(a, 0, 0, kind=OS_SEGMENT_START, thread=1)
+    b.os_sample(z, cpu_ms, runq_ms, kind=OS_SEGMENT_END, thread=1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_another_threads_segment_takes_that_threads_shares(impl):
+    # rule 7: the loop decodes [0, 10] on the CPU all along (C = 10: no share); thread 1's
+    # tok [2, 6] owns [2, 6] (tok before decode) and its own interval says L = 4, C = 1,
+    # R = 0: B = 3, blocked share 3/4 of each of its instants: tok 4 * 1/4 = 1,
+    # os_blocked 3; forward 6 (the decode outside the tok).
+    b = LogBuilder()
+    s = one_step(b, cpu_ms=10, runq_ms=0)
+    b.seg(s, "decode", 0, 10)
+    side_tok(b, cpu_ms=1, runq_ms=0)
+    p = impl(b.build())
+    assert parts_of(p) == {"forward": 6.0, "tok": 1.0, "os_blocked": 3.0}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_each_instant_takes_its_owners_threads_shares(impl):
+    # as above with the loop waiting R = 2 on the run queue (C = 8): its share 0.2 of the
+    # instants its own evidence covers (the decode's 6 ms: forward 4.8, os_runqueue 1.2);
+    # the tok instants take thread 1's shares (tok 1, os_blocked 3). 4.8+1.2+1+3 = 10.
+    b = LogBuilder()
+    s = one_step(b, cpu_ms=8, runq_ms=2)
+    b.seg(s, "decode", 0, 10)
+    side_tok(b, cpu_ms=1, runq_ms=0)
+    p = impl(b.build())
+    assert parts_of(p) == {"forward": 4.8, "os_runqueue": 1.2, "tok": 1.0, "os_blocked": 3.0}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_where_the_loop_has_a_segment_of_the_cause_its_evidence_holds(impl):
+    # the loop's own tok [3, 5] covers part of thread 1's tok [2, 6]: there the loop's
+    # evidence holds (C = 10: no share, tok 2); on [2, 3] and [5, 6] thread 1's does:
+    # 2 ms * (1 - 3/4) = 0.5 tok, os_blocked 1.5 (its interval's shares are spread over
+    # all of its 4 ms; the part the loop's evidence holds gives none). forward 6.
+    b = LogBuilder()
+    s = one_step(b, cpu_ms=10, runq_ms=0)
+    b.seg(s, "decode", 0, 10)
+    b.seg(s, "tok", 3, 5)
+    side_tok(b, cpu_ms=1, runq_ms=0)
+    p = impl(b.build())
+    assert parts_of(p) == {"forward": 6.0, "tok": 2.5, "os_blocked": 1.5}
+
+
 def test_os_intervals_clamp_what_the_counters_cannot_mean():
     # [0, 10]: 12 ms of run-queue wait claimed in 10 ms: R is the interval (10), B = 0;
     # [10, 12]: 5 ms of CPU in 2 ms: R = 0, B = 0 (never negative);
@@ -208,9 +258,52 @@ def test_recorder_samples_the_loop_thread_at_every_step_boundary(tmp_path):
     assert set(os_.thread.tolist()) == {0}
     assert np.array_equal(os_.t_s[0::2], log.steps.t_start_s)
     assert np.array_equal(os_.t_s[1::2], log.steps.t_end_s)
-    for c in ("cpu_ns", "runqueue_ns", "num_voluntary_switches", "num_major_faults"):
+    for c in ("cpu_ns", "runqueue_ns"):
         col = getattr(os_, c)
         assert (col >= 0).all() and (np.diff(col) >= 0).all(), c  # totals never go back
+    # switches and faults at step ends only (-1 at starts: not read there)
+    for c in ("num_voluntary_switches", "num_involuntary_switches", "num_major_faults"):
+        col = getattr(os_, c)
+        assert (col[0::2] == -1).all(), c
+        assert (col[1::2] >= 0).all() and (np.diff(col[1::2]) >= 0).all(), c
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux only")
+def test_a_side_threads_segments_are_sampled_and_the_loops_are_not(tmp_path):
+    import threading
+
+    import tracekit
+
+    rec = tracekit.Recorder(tmp_path / "run.npz", gc=False, handle_signals=False)
+    with rec:
+
+        def worker():
+            for _ in range(3):
+                with rec.segment("tok"):
+                    pass
+
+        for s in range(2):
+            rec.request(f"r{s}")
+            with rec.step():
+                with rec.segment("decode"):
+                    pass
+                rec.emit([f"r{i}" for i in range(s + 1)])
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    log = tracekit.load(str(tmp_path / "run.npz"))
+    os_, sg = log.os_samples, log.segments
+    tok = sg.label == log.labels.index("tok")
+    side = int(sg.thread[tok][0])
+    assert side != 0
+    # the loop (thread 0): its steps' boundaries only, never its segments'
+    assert os_.kind[os_.thread == 0].tolist() == [OS_STEP_START, OS_STEP_END] * 2
+    # the tokenizer thread: both ends of each of its 3 segments, at the segments' times
+    mine = os_.thread == side
+    assert os_.kind[mine].tolist() == [OS_SEGMENT_START, OS_SEGMENT_END] * 3
+    assert np.array_equal(os_.t_s[mine][0::2], sg.t_start_s[tok])
+    assert np.array_equal(os_.t_s[mine][1::2], sg.t_end_s[tok])
+    assert "segment boundaries (other threads)" in log.meta["os_evidence"]["at"]
 
 
 def test_os_evidence_off_is_said_so(tmp_path):

@@ -14,6 +14,20 @@ from tracekit.attribution.reference import partition_reference
 EXTRA = ["schedule", "sample", "wait"]  # `wait`: host idle for the device rule
 
 
+def _samples(b, times, draw, *, kind, thread):
+    """A thread's OS counters at `times` (sorted): random run-queue wait and CPU time in
+    each interval, within its length; kinds alternate start/end from `kind`."""
+    cpu = runq = 0.0
+    prev = times[0]
+    for k, x in enumerate(times):
+        width = x - prev
+        wait = draw(st.floats(0, 1)) * width
+        runq += wait
+        cpu += draw(st.floats(0, 1)) * (width - wait)
+        b.os_sample(x, cpu, runq, kind=kind + k % 2, thread=thread)
+        prev = x
+
+
 @st.composite
 def random_logs(draw):
     b = LogBuilder()
@@ -47,19 +61,15 @@ def random_logs(draw):
         bounds.extend([t, t + dur])
         t += dur + draw(st.floats(0, 3))
     if draw(st.booleans()):  # OS evidence at every step boundary (os_runqueue, os_blocked)
-        cpu = runq = 0.0
-        prev = bounds[0]
-        for k, x in enumerate(bounds):
-            width = x - prev
-            wait = draw(st.floats(0, 1)) * width
-            runq += wait
-            cpu += draw(st.floats(0, 1)) * (width - wait)
-            b.os_sample(x, cpu, runq, kind=k % 2)
-            prev = x
+        _samples(b, bounds, draw, kind=0, thread=0)
     # another thread's windows, overlapping anything
+    side = []
     for _ in range(draw(st.integers(0, 3))):
         a = draw(st.floats(0, t))
-        b.seg(-1, draw(st.sampled_from(["tok", "schedule"])), a, a + draw(st.floats(0, 10)), 1)
+        side.extend([a, a + draw(st.floats(0, 10))])
+        b.seg(-1, draw(st.sampled_from(["tok", "schedule"])), side[-2], side[-1], 1)
+    if side and draw(st.booleans()):  # its OS samples at its windows' ends (OS rule 7)
+        _samples(b, sorted(side), draw, kind=2, thread=1)
     for _ in range(draw(st.integers(0, 4))):
         a = draw(st.floats(0, t))
         b.gc(a, a + draw(st.floats(0, 15)), draw(st.integers(0, 2)))

@@ -141,6 +141,13 @@ BAD_CALLS = {
     "emit_handles floats": lambda r: r.emit_handles(np.array([0.5])),
     "emit_handles strings": lambda r: r.emit_handles(["a"]),
     "emit_handles 2-D": lambda r: r.emit_handles(np.zeros((2, 2), dtype=np.int64)),
+    # a few handles in a list take the Python path: the same refusals as numpy's
+    "emit_handles a few, a bool": lambda r: r.emit_handles([True]),
+    "emit_handles a few, count 0": lambda r: r.emit_handles([0, 1], [1, 0]),
+    "emit_handles a few, lengths differ": lambda r: r.emit_handles([0, 1], [1]),
+    "emit_handles a few, a float count": lambda r: r.emit_handles([0], [1.5]),
+    "emit_handles 0-d array": lambda r: r.emit_handles(np.array(0)),
+    "emit_handles a few in an array, out of range": lambda r: r.emit_handles(np.array([0, 9])),
     "admit_handle out of range": lambda r: r.admit_handle(2),
     "prefill_handles lengths": lambda r: r.prefill_handles([0, 1], [3]),
     "prefill_handles negative": lambda r: r.prefill_handles(np.array([0]), np.array([-4])),
@@ -353,6 +360,43 @@ def test_emit_handles_with_counts_matches_emit_row_for_row():
     assert a.emissions.num_tokens.tolist() == [1, 2, 3, 4, 5, 1, 1]
     for col in ("request", "t_s", "step", "num_tokens", "device_step"):
         assert np.array_equal(getattr(a.emissions, col), getattr(b.emissions, col)), col
+
+
+def test_a_few_handles_record_what_the_id_call_records():
+    """Up to 8 handles (a list or a 1-D array) are checked and copied without numpy: the
+    same rows as `emit` by id (numpy's path), including an emission stamped before a
+    request's arrival (taken as the arrival, docs/design.md) and counts."""
+    clk = ManualClock()
+
+    def run(how: str) -> tracekit.RawLog:
+        rec = tracekit.Recorder(None, clock=clk, gc=False, handle_signals=False)
+        with rec:
+            early = clk.now  # t0
+            hs = [rec.request(f"r{i}") for i in range(3)]  # arrive at t0
+            clk.tick()
+            late = rec.request("late")  # arrives at t0 + 1 ms
+            with rec.step():
+                clk.tick()  # t0 + 2 ms
+                if how == "ids":
+                    rec.emit(["r2", "r0"], [2, 1])
+                    rec.emit(["late"], at_tick=early)
+                else:
+                    wrap = list if how == "list" else np.array
+                    rec.emit_handles(wrap([hs[2], hs[0]]), wrap([2, 1]))
+                    rec.emit_handles(wrap([late]), at_tick=early)
+        return rec.log()
+
+    a = run("ids")
+    t0 = a.emissions.t_s[0] - 0.002  # the first call's tick is t0 + 2 ms
+    assert a.emissions.request.tolist() == [2, 0, 3]
+    assert a.emissions.num_tokens.tolist() == [2, 1, 1]
+    # the late request's emission, stamped at t0, is taken as its arrival: t0 + 1 ms
+    assert a.emissions.t_s[2] == pytest.approx(t0 + 0.001, abs=1e-9)
+    assert a.warnings == ("1 emission tick(s) before the request's arrival, taken as it",)
+    for b in (run("list"), run("array")):
+        for col in ("request", "t_s", "step", "num_tokens", "device_step"):
+            assert np.array_equal(getattr(a.emissions, col), getattr(b.emissions, col)), col
+        assert b.warnings == a.warnings
 
 
 # -- a signal at any instant of a step -------------------------------------------------------

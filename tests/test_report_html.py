@@ -168,3 +168,46 @@ def test_a_run_without_gaps_still_renders():
         plotly_js="",
     )  # fmt: skip
     assert "no gaps" in page and 'id="tk-hist"' in page
+
+
+def test_the_os_causes_show_like_any_other_cause():
+    """A run whose loop thread waited on the run queue (OS samples at its step ends): the
+    report's histogram, tail-share and TTFT-cause figures name os_runqueue, in its colour."""
+    import json
+
+    from logbuilder import LogBuilder
+
+    from tracekit.labels import colour
+    from tracekit.log.rawlog import OS_STEP_END, OS_STEP_START
+
+    b = LogBuilder()
+    cpu = runq = 0.0
+    for s in range(6):  # steps [10 s, 10 s + 10]: half of each the thread waited for a CPU
+        b.step(10 * s, 10 * s + 10)
+        b.seg(s, "decode", 10 * s, 10 * s + 10)
+        b.os_sample(10 * s, cpu, runq, kind=OS_STEP_START)
+        cpu, runq = cpu + 5, runq + 5
+        b.os_sample(10 * s + 10, cpu, runq, kind=OS_STEP_END)
+        for r in range(2):
+            b.emit(r, 10 * s + 10, s)
+    for r in range(2):
+        b.admit(r, 0)
+    log = b.build(config={"rung": "busy"}, arrivals_ms=[0, 0])
+    part = partition(log)
+    a = analyze(log, part)
+    assert a.tail_count.get("os_runqueue", 0) > 0  # half of every gap: its primary cause
+    cmp = compare([a])
+    page = render_report(
+        [ReportRun(a, worst_stalls(log, part, 5), itl_series(log, part))], cmp, verdict(cmp),
+        plotly_js="",
+    )  # fmt: skip
+    start = page.index('id="tk-figures">') + len('id="tk-figures">')
+    figs = json.loads(page[start : page.index("</script>", start)])
+    names = {
+        t.get("name")
+        for f in (figs.values() if isinstance(figs, dict) else figs)
+        for t in (f.get("data", []) if isinstance(f, dict) else [])
+        if isinstance(t, dict)
+    }
+    assert "os_runqueue" in names, sorted(n for n in names if n)
+    assert colour("os_runqueue") in page

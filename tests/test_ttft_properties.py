@@ -21,15 +21,19 @@ LABELS = ("tok", "prefill", "decode", "swap", "recompute", "schedule")
 def random_log(seed: int):
     """A run of 3-12 steps with overlapping segments of every kind (some device windows),
     GC pauses, requests that queue (some with stated reasons), get admitted, prefill in
-    chunks, are evicted before their first token, or have no admission row (unsplit)."""
+    chunks, are evicted before their first token, or have no admission row (unsplit). Half
+    the runs have the loop thread's OS samples at every step boundary (os_runqueue,
+    os_blocked), some with explicit waits for the device."""
     rng = np.random.default_rng(seed)
     b = LogBuilder()
     n_steps = int(rng.integers(3, 12))
     t = 0.0
+    bounds = []
     for s in range(n_steps):
         dur = float(rng.uniform(2, 15))
         graph = int(rng.choice([0, 4, 8]))
         b.step(t, t + dur, n_decode=int(rng.integers(1, 9)), graph=graph)
+        bounds.extend([t, t + dur])
         for _ in range(int(rng.integers(0, 5))):
             a = t + float(rng.uniform(-1, dur))
             b.seg(s, str(rng.choice(LABELS)), a, a + float(rng.uniform(0, dur / 2)),
@@ -64,6 +68,38 @@ def random_log(seed: int):
             b.wait(int(s), r, str(rng.choice(WAIT_REASONS)))
         for s in rng.choice(n_steps, size=int(rng.integers(0, 4)), replace=False):
             b.prefill(int(s), r, int(rng.integers(0, 64)))
+    os_rng = np.random.default_rng([seed, 20])  # its own draws: the rest stays as it was
+    if os_rng.random() < 0.5:
+        cpu = runq = 0.0
+        prev = bounds[0]
+        for k, x in enumerate(bounds):
+            width = x - prev
+            wait = float(os_rng.uniform(0, 1)) * width
+            runq += wait
+            cpu += float(os_rng.uniform(0, 1)) * (width - wait)
+            b.os_sample(x, cpu, runq, kind=k % 2)
+            prev = x
+        if os_rng.random() < 0.5:  # a tokenizer thread, sampled at its windows' ends
+            ends = []
+            for _ in range(int(os_rng.integers(1, 4))):
+                a = float(os_rng.uniform(0, end))
+                ends += [a, a + float(os_rng.uniform(0, 6))]
+                b.seg(-1, str(os_rng.choice(["tok", "prefill", "wait"])), ends[-2], ends[-1],
+                      thread=1)  # fmt: skip
+            cpu = runq = 0.0
+            ends.sort()
+            prev = ends[0]
+            for k, x in enumerate(ends):
+                wait = float(os_rng.uniform(0, 1)) * (x - prev)
+                runq += wait
+                cpu += float(os_rng.uniform(0, 1)) * (x - prev - wait)
+                b.os_sample(x, cpu, runq, kind=2 + k % 2, thread=1)
+                prev = x
+        for _ in range(int(os_rng.integers(0, 3))):  # waits for the device: off-CPU by what
+            a = float(os_rng.uniform(0, end))  # they are
+            s = int(np.searchsorted(bounds[1::2], a))
+            b.seg(min(s, n_steps - 1), str(os_rng.choice(["wait", "sync"])), a,
+                  a + float(os_rng.uniform(0, 4)))  # fmt: skip
     return b.build(arrivals_ms=arrivals, wall_ms=end + 10)
 
 
@@ -111,5 +147,6 @@ def test_random_logs_exercise_every_rule():
         for lb, v in zip(p.labels, p.parts_ms.sum(axis=0), strict=True):
             seen[lb] = seen.get(lb, 0.0) + float(v)
     for lb in ("preempt", "gc", "wait_kv_blocks", "tok", "prefill_own", "prefill_other",
-               "decode_other", "graph", "prefill", "residual", "schedule"):  # fmt: skip
+               "decode_other", "graph", "prefill", "residual", "schedule", "os_runqueue",
+               "os_blocked", "wait"):  # fmt: skip
         assert seen.get(lb, 0.0) > 0, lb

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.analysis.ranks import rank_view
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.ttft import TtftPartition, ttft_figures, ttft_partition
 from tracekit.formats import json_safe
@@ -79,8 +80,13 @@ class RunAnalysis:
     ttft: dict[str, Any] = field(default_factory=dict)
     #: the client boundary of a merged server run (`tracekit.attribution.client.client_summary`)
     client: dict[str, Any] | None = None
-    #: speculative decoding: drafted, accepted, acceptance, tokens per emission (or None)
-    spec: dict[str, float] | None = None
+    #: speculative decoding (`tracekit.attribution.client.spec_acceptance`): drafted,
+    #: accepted, drafts, acceptance, mean accepted length, per-position acceptance, tokens
+    #: per emission (or None)
+    spec: dict[str, Any] | None = None
+    #: tensor parallel: which rank held each slow step (`tracekit.analysis.ranks.rank_view`
+    #: as a dict: ``ranks``, ``slow_steps``, ``itl_p99_ms``), or None without rank waits
+    tp_ranks: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite numbers become None."""
@@ -177,6 +183,7 @@ def analyze(
     from tracekit.attribution.client import client_partition, client_summary, spec_acceptance
 
     spec = spec_acceptance(log)
+    ranks = rank_view(log, p)
     client = None
     cp = client_partition(log) if len(log.client_emissions) else None
     if cp is not None:
@@ -235,4 +242,5 @@ def analyze(
         ttft=ttft_figures(tp).to_dict(),
         client=client,
         spec=spec,
+        tp_ranks=ranks.to_dict() if ranks is not None else None,
     )

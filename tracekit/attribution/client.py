@@ -467,30 +467,68 @@ def client_summary(log: RawLog, cp: ClientPartition, engine_gap_ms: np.ndarray) 
     return out
 
 
-def spec_acceptance(log: RawLog) -> dict[str, float] | None:
-    """Speculative decoding: drafted and accepted tokens (counters ``spec.drafted`` and
-    ``spec.accepted`` per step), acceptance rate and tokens per engine emission."""
+#: Counter name prefix of speculative decoding's per-position acceptance: the value of
+#: ``spec.accepted_pos.K`` in a step is how many drafts had their token at position K
+#: (0-based) accepted (`engine_adapters.vllm_v1.count_acceptance`).
+SPEC_POS_PREFIX = "spec.accepted_pos."
+
+
+def spec_acceptance(log: RawLog) -> dict[str, Any] | None:
+    """Speculative decoding from the counters recorded per step: ``spec.drafted`` and
+    ``spec.accepted`` (draft tokens proposed and accepted), ``spec.drafts`` (drafts
+    checked: requests with draft tokens in a step) and ``spec.accepted_pos.K`` (drafts
+    whose token at position K was accepted). Returns None without ``spec.drafted``.
+
+    - ``acceptance``: accepted / drafted draft tokens;
+    - ``mean_accepted_length``: 1 + accepted / drafts, tokens a checked draft yielded
+      (the forward pass's own token counted, as vLLM's log does);
+    - ``acceptance_per_pos``: per position K, drafts with position K accepted / drafts
+      (vLLM's per-position rate; it can only fall with K: acceptance stops at the first
+      rejection); ``accepted_per_pos``: the counts;
+    - ``tokens_per_emission``: tokens per engine emission (every emission of the run).
+
+    A log recorded before ``spec.drafts`` existed has no per-position figures (NaN and
+    empty lists)."""
     names = log.counter_names
     if "spec.drafted" not in names:
         return None
     c = log.counters
-    drafted = float(c.value[c.name == names.index("spec.drafted")].sum())
-    accepted = (
-        float(c.value[c.name == names.index("spec.accepted")].sum())
-        if "spec.accepted" in names
-        else 0.0
+    totals = (
+        np.bincount(c.name.astype(np.int64), weights=c.value, minlength=len(names))
+        if len(c)
+        else None
     )
+
+    def total(name: str) -> float:
+        if name not in names or totals is None:
+            return 0.0
+        return float(totals[names.index(name)])
+
+    drafted, accepted = total("spec.drafted"), total("spec.accepted")
+    drafts = total("spec.drafts") if "spec.drafts" in names else float("nan")
+    # positions 0, 1, ... as far as the log names them without a hole (a recorder writes every
+    # position up to a step's longest draft): bounded by the names present, never by a
+    # number a name claims
+    present = set(names)
+    per_pos: list[float] = []
+    while f"{SPEC_POS_PREFIX}{len(per_pos)}" in present:
+        per_pos.append(total(f"{SPEC_POS_PREFIX}{len(per_pos)}"))
     em = log.emissions
     return {
         "drafted": drafted,
         "accepted": accepted,
+        "drafts": drafts,
         "acceptance": accepted / drafted if drafted else float("nan"),
+        "mean_accepted_length": 1.0 + accepted / drafts if drafts > 0 else float("nan"),
+        "accepted_per_pos": per_pos,
+        "acceptance_per_pos": [v / drafts for v in per_pos] if drafts > 0 else [],
         "tokens_per_emission": float(em.num_tokens.mean()) if len(em) else float("nan"),
     }
 
 
 __all__ = [
     "FRONTEND_LABELS",
+    "SPEC_POS_PREFIX",
     "UNRECORDED_LABELS",
     "ClientPartition",
     "client_gaps",

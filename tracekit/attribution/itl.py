@@ -72,11 +72,12 @@ from tracekit.attribution.timeline import (
     build_timeline,
     decode_net_ms,
     device_windows,
+    has_os_evidence,
     host_classes,
-    is_os_wait,
     loop_threads,
-    os_intervals,
-    os_rates,
+    os_bounds,
+    os_class_integrals,
+    os_shares,
     prefix_sums,
     segment_causes,
     segment_classes,
@@ -561,8 +562,8 @@ def partition(
     is_dev = log.segments.is_device == 1
     classes = host_classes(causes, is_dev)
     seg_cls = segment_classes(log, classes)
-    osi = os_intervals(log)
-    os_causes = set(OS_LABELS) if len(osi) else set()
+    has_os = has_os_evidence(log)
+    os_causes = set(OS_LABELS) if has_os else set()
     labels = tuple(
         partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist()) | os_causes)
     )
@@ -572,11 +573,9 @@ def partition(
     base = fit_baseline(log, net, baseline_fit)
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
-    os_bounds = np.concatenate([osi.t0_s, osi.t1_s]) if len(osi) else None
-    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds)
-    # the TTFT partition builds the same timeline only when no OS interval cuts it
+    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds(log))
+    # the TTFT partition builds the same timeline (cut at the same OS interval ends)
     same_host = log is given and baseline_fit == FIT_ALL_CAPTURED and excess_frac is None
-    same_host &= not len(osi)
     host = HostTimeline(causes, classes, tl, log.segments, log.gc_pauses) if same_host else None
 
     # gaps, and each end's rank among the distinct emission times
@@ -660,23 +659,16 @@ def partition(
         prim_dev[has] = primary_of(parts[rep[has]], (g_t1 - g_t0)[rep[has]] * 1e3, labels)[0]
 
     os_gap = np.zeros(0, dtype=np.int64)
-    if len(osi) and n:
-        wait_cls = [i for i, (x, _) in enumerate(classes) if is_os_wait(x)]
-        run_rate, blk_rate = os_rates(tl, osi, wait_cls)
+    if has_os and n:
+        run_rate, blk_rate = os_shares(log, tl, classes, seg_cls)
 
         def os_loss(t_a: np.ndarray, t_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """Per row, what the OS shares take from each label in [t_a, t_b]."""
-            ka = np.searchsorted(tl.bounds, t_a, side="right")
-            kb = np.searchsorted(tl.bounds, t_b, side="right")
             out = []
             for name, w in (("run", run_rate), ("blk", blk_rate)):
-                cols = []
-                for c in [*range(n_cls + 1), None]:
-                    own = tl.graph_rate if c is None else (tl.owner == c).astype(np.float64)
-                    h0, l0 = tl.weighted((name, c), w * own, t_a, ka)
-                    h1, l1 = tl.weighted((name, c), w * own, t_b, kb)
-                    cols.append((h1 - h0) + (l1 - l0))
-                out.append((np.column_stack(cols) @ to_labels) * 1e3)
+                h0, l0 = os_class_integrals(tl, n_cls, name, w, t_a)
+                h1, l1 = os_class_integrals(tl, n_cls, name, w, t_b)
+                out.append(between(h0, l0, h1, l1))
             return out[0], out[1]
 
         loss_run, loss_blk = os_loss(g_t0, g_t1)

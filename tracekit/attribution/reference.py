@@ -43,10 +43,13 @@ from tracekit.attribution.itl import (
 from tracekit.attribution.timeline import (
     DEVICE_WAIT_LABELS,
     decode_net_ms,
+    has_os_evidence,
     host_classes,
     is_os_wait,
     os_intervals,
+    os_loop_thread,
     segment_causes,
+    side_os_intervals,
 )
 from tracekit.attribution.ttft import (
     PHASES,
@@ -63,6 +66,67 @@ from tracekit.attribution.ttft import primary_of as ttft_primary_of
 from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, partition_labels, precedence
 from tracekit.log.rawlog import RawLog
 
+# -- OS evidence, shared by the ITL and TTFT partitions -------------------------------------
+
+
+def _os_evidence(log: RawLog, points: list[float], owner_name, host_segs):
+    """(whether the log has OS evidence, every OS interval end, and `shares(x, who)`: the
+    run-queue and blocked shares of the instant just after x, owned by `who`
+    (docs/partition.md, "OS evidence"): an interval's run-queue wait, and its off-CPU time
+    beyond its explicit waits, spread evenly over its time outside those waits; the loop
+    thread's intervals, except at an instant another thread's segment owns (rule 7), where
+    that thread's interval there (the lowest such thread's) gives them. `points`: every
+    host boundary; `owner_name(t)`: who owns the instant after t; `host_segs`: the host
+    segments as (start, end, cause, thread)."""
+
+    def as_list(osi):
+        return [
+            (float(a), float(b), float(rq), float(off))
+            for a, b, rq, off in zip(osi.t0_s, osi.t1_s, osi.runqueue_s, osi.offcpu_s, strict=True)
+        ]
+
+    loop = os_loop_thread(log)
+    lists = {loop: as_list(os_intervals(log))}
+    side = {th: as_list(o) for th, o in side_os_intervals(log).items()}
+    os_points = sorted({p for lst in [*lists.values(), *side.values()] for a, b, *_ in lst
+                        for p in (a, b)})  # fmt: skip
+
+    def side_thread(x: float, who: str) -> int | None:
+        """The lowest other thread whose segment of cause `who` covers x, where no loop
+        segment of that cause does and that thread has an interval covering x."""
+        if who in ("gc", "residual"):
+            return None
+        covering = {th for a, b, c, th in host_segs if a <= x < b and c == who}
+        if loop in covering:
+            return None
+        for th in sorted(covering):
+            if any(a <= x < b for a, b, _, _ in side.get(th, [])):
+                return th
+        return None
+
+    def shares(x: float, who: str) -> tuple[float, float]:
+        th = side_thread(x, who)
+        lst = lists[loop] if th is None else side[th]
+        for a, b, rq, off in lst:
+            if a <= x < b:
+                cuts = sorted({a, b} | {p for p in points if a < p < b})
+                wait = sum(
+                    y - z
+                    for z, y in zip(cuts[:-1], cuts[1:], strict=True)
+                    if is_os_wait(owner_name(z))
+                    and (th is None or side_thread(z, owner_name(z)) == th)
+                )
+                rest = b - a - wait  # a thread in an explicit wait is not runnable
+                if is_os_wait(who) or rest <= 0:
+                    return 0.0, 0.0
+                r_share = min(rq, rest) / rest
+                return r_share, min(max(off - wait, 0.0) / rest, 1.0 - r_share)
+        return 0.0, 0.0
+
+    has = bool(lists[loop]) or bool(side)
+    return has, os_points, shares
+
+
 # -- the ITL partition ---------------------------------------------------------------------
 
 
@@ -76,8 +140,7 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
     classes = host_classes(causes_arr, sg.is_device == 1)
     rank = {c: i for i, c in enumerate(classes)}
     dev_causes = set(causes_arr[sg.is_device == 1].tolist())
-    osi = os_intervals(log)
-    os_causes = set(OS_LABELS) if len(osi) else set()
+    os_causes = set(OS_LABELS) if has_os_evidence(log) else set()
     labels = tuple(partition_labels({c for c, _ in classes} | dev_causes | os_causes))
     segs = [
         (float(sg.t_start_s[i]), float(sg.t_end_s[i]), causes[i], int(sg.step[i]), is_dev[i])
@@ -113,11 +176,6 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
 
     host = [x for x in segs if not x[4]]
     points = sorted({p for a, b, *_ in host for p in (a, b)} | {p for ab in pauses for p in ab})
-    os_list = [
-        (float(a), float(b), float(rq), float(off))
-        for a, b, rq, off in zip(osi.t0_s, osi.t1_s, osi.runqueue_s, osi.offcpu_s, strict=True)
-    ]
-    os_points = sorted({p for a, b, _, _ in os_list for p in (a, b)})
 
     def host_owner(t: float) -> tuple[str, float]:
         """Who owns the instant just after t on the host, and the graph rate there."""
@@ -132,24 +190,9 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
         fr = [base.eager_excess_frac[s] if s >= 0 else 0.0 for r, c, s in live if c == "decode"]
         return "decode", min(1.0, max(0.0, sum(fr) / len(fr)))
 
-    def os_shares(x: float, who: str) -> tuple[float, float]:
-        """The run-queue and blocked shares of the instant just after x, owned by `who`
-        (docs/partition.md, "OS evidence"): the interval's run-queue wait, and its off-CPU
-        time beyond its explicit waits, spread evenly over its time outside those waits."""
-        for a, b, rq, off in os_list:
-            if a <= x < b:
-                cuts = sorted({a, b} | {p for p in points if a < p < b})
-                wait = sum(
-                    y - z
-                    for z, y in zip(cuts[:-1], cuts[1:], strict=True)
-                    if is_os_wait(host_owner(z)[0])
-                )
-                rest = b - a - wait  # a thread in an explicit wait is not runnable
-                if is_os_wait(who) or rest <= 0:
-                    return 0.0, 0.0
-                r_share = min(rq, rest) / rest
-                return r_share, min(max(off - wait, 0.0) / rest, 1.0 - r_share)
-        return 0.0, 0.0
+    host_segs = [(a, b, c, th) for (a, b, c, _, d), th in zip(segs, sg.thread.tolist(),
+                                                              strict=True) if not d]  # fmt: skip
+    os_list, os_points, os_shares = _os_evidence(log, points, lambda t: host_owner(t)[0], host_segs)
 
     # the loop thread of each emission: the thread whose segments carry its step (the
     # lowest if several); else the thread most step segments belong to (lowest on a tie)
@@ -333,6 +376,9 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
     req, a_all, adm_all, f_all = ttft_windows(log)
     h_all, e_all = pre_engine_windows(log, req, a_all, f_all)
 
+    points = sorted({p for s0, s1, _, _ in host for p in (s0, s1)}
+                    | {p for ab in pauses for p in ab})  # fmt: skip
+
     def owner(x: float) -> tuple[str, float, list[int]]:
         """Who owns the instant just after x on the host: (cause, graph rate, the steps of
         the prefill segments covering it)."""
@@ -349,6 +395,12 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
             return "prefill", 0.0, [s for _, c, s in live if c == "prefill" and s >= 0]
         return best, 0.0, []
 
+    host_segs = [
+        (float(sg.t_start_s[i]), float(sg.t_end_s[i]), str(causes_arr[i]), int(sg.thread[i]))
+        for i in range(len(sg))
+        if sg.is_device[i] != 1
+    ]
+    os_list, os_points, os_shares = _os_evidence(log, points, lambda t: owner(t)[0], host_segs)
     n = len(req)
     parts = np.zeros((n, len(labels)))
     context = np.zeros_like(parts)
@@ -382,6 +434,7 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
         cuts |= {p for pa, pb in pauses for p in (pa, pb)}
         cuts |= {p for x, y in evicted for p in (x, y)}
         cuts |= {p for x, y, _ in waits for p in (x, y)}
+        cuts |= set(os_points)
         pts = sorted(p for p in cuts if a <= p <= f and np.isfinite(p))
         own_raw = prefill_live = prefill_all = 0.0
         ctx = dict.fromkeys(labels, 0.0)
@@ -401,6 +454,11 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
                 row[held[0]] += ms
                 _add_host(ctx, who, ms, rate)
                 continue
+            if os_list:  # the OS shares of live time the rules below own (gc included)
+                r_share, b_share = os_shares(x, who)
+                row[OS_RUNQUEUE] += ms * r_share
+                row[OS_BLOCKED] += ms * b_share
+                ms *= 1.0 - r_share - b_share
             if who == "decode":
                 row["graph"] += ms * rate
                 row["decode_other"] += ms * (1 - rate)

@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from tracekit.labels import cause_of, precedence
-from tracekit.log.rawlog import OS_STEP_END, OS_STEP_START, RawLog
+from tracekit.log.rawlog import (
+    OS_SEGMENT_END,
+    OS_SEGMENT_START,
+    OS_STEP_END,
+    OS_STEP_START,
+    RawLog,
+)
 
 
 def segment_causes(log: RawLog) -> np.ndarray:
@@ -224,20 +230,21 @@ class OsIntervals:
         return len(self.t0_s)
 
 
-def os_intervals(log: RawLog) -> OsIntervals:
-    """The loop thread's OS intervals (docs/partition.md, "OS evidence"): consecutive step
-    samples of the thread that recorded them, in time order. An interval is used only
-    where both samples have CPU time and run-queue wait (not -1) and the counters did not
-    go back; its run-queue wait is at most its length, its off-CPU time is what is left
-    after CPU time and run-queue wait (never negative)."""
+def os_loop_thread(log: RawLog) -> int | None:
+    """The thread whose OS samples are at step boundaries (the one with the most such
+    samples, the lowest on a tie); None: no step samples."""
     os_ = log.os_samples
     step_rows = (os_.kind == OS_STEP_START) | (os_.kind == OS_STEP_END)
     if not step_rows.any():
-        z = np.zeros(0)
-        return OsIntervals(z, z, z, z)
+        return None
     threads, counts = np.unique(os_.thread[step_rows], return_counts=True)
-    loop = threads[np.argmax(counts)]  # the thread that ran the steps
-    sel = np.flatnonzero(step_rows & (os_.thread == loop))
+    return int(threads[np.argmax(counts)])
+
+
+def _intervals(sel: np.ndarray, log: RawLog) -> OsIntervals:
+    """The OS intervals between consecutive samples `sel` (rows of `log.os_samples`) of one
+    thread, in time order; see `os_intervals` for which are used."""
+    os_ = log.os_samples
     sel = sel[np.argsort(os_.t_s[sel], kind="stable")]
     t, cpu, runq = os_.t_s[sel], os_.cpu_ns[sel], os_.runqueue_ns[sel]
     t0, t1 = t[:-1], t[1:]
@@ -250,12 +257,115 @@ def os_intervals(log: RawLog) -> OsIntervals:
     return OsIntervals(t0[ok], t1[ok], rq[ok], off[ok])
 
 
-def os_rates(tl: Timeline, osi: OsIntervals, wait_cls: list[int]):
+def os_intervals(log: RawLog) -> OsIntervals:
+    """The loop thread's OS intervals (docs/partition.md, "OS evidence"): consecutive step
+    samples of the thread that recorded them, in time order. An interval is used only
+    where both samples have CPU time and run-queue wait (not -1) and the counters did not
+    go back; its run-queue wait is at most its length, its off-CPU time is what is left
+    after CPU time and run-queue wait (never negative)."""
+    loop = os_loop_thread(log)
+    if loop is None:
+        z = np.zeros(0)
+        return OsIntervals(z, z, z, z)
+    os_ = log.os_samples
+    step_rows = (os_.kind == OS_STEP_START) | (os_.kind == OS_STEP_END)
+    return _intervals(np.flatnonzero(step_rows & (os_.thread == loop)), log)
+
+
+def side_os_intervals(log: RawLog) -> dict[int, OsIntervals]:
+    """Every other thread's OS intervals (docs/partition.md, OS rule 7), by thread, lowest
+    first: consecutive samples of a thread that samples at its segments' boundaries and is
+    not the loop thread, used as `os_intervals` says."""
+    os_ = log.os_samples
+    seg_rows = (os_.kind == OS_SEGMENT_START) | (os_.kind == OS_SEGMENT_END)
+    loop = os_loop_thread(log)
+    out = {}
+    for th in np.unique(os_.thread[seg_rows]).tolist():
+        if th == loop:
+            continue
+        osi = _intervals(np.flatnonzero(seg_rows & (os_.thread == th)), log)
+        if len(osi):
+            out[int(th)] = osi
+    return out
+
+
+def has_os_evidence(log: RawLog) -> bool:
+    """Whether any OS interval is usable (then the partitions have the OS labels)."""
+    return len(os_intervals(log)) > 0 or bool(side_os_intervals(log))
+
+
+def os_bounds(log: RawLog) -> np.ndarray | None:
+    """Every usable OS interval's ends (the timeline is cut there), or None."""
+    all_ = [os_intervals(log), *side_os_intervals(log).values()]
+    ends = [np.concatenate([o.t0_s, o.t1_s]) for o in all_ if len(o)]
+    return np.concatenate(ends) if ends else None
+
+
+def side_owned(log: RawLog, tl: Timeline, seg_cls: np.ndarray, thread: int) -> np.ndarray:
+    """Per interval of `tl` (indexed like its owner): whether its owner is a host segment
+    class that a segment of `thread` covers there and no segment of the loop thread of
+    the same class does (docs/partition.md, OS rule 7: that thread's evidence applies)."""
+    sg = log.segments
+    bounds, m = tl.bounds, len(tl.bounds)
+    loop = os_loop_thread(log)
+    out = np.zeros(m + 1, dtype=bool)
+    if m < 2:
+        return out
+    host = (sg.is_device == 0) & (seg_cls >= 0)
+    inner = tl.owner[1:m]
+    mine = host & (sg.thread == thread)
+    for c in np.unique(seg_cls[mine]).tolist():
+        sel = mine & (seg_cls == c)
+        cov = (coverage(bounds, sg.t_start_s[sel], sg.t_end_s[sel], m) > 0) & (inner == c)
+        lp = host & (seg_cls == c) & (sg.thread == loop)
+        if lp.any():
+            cov &= coverage(bounds, sg.t_start_s[lp], sg.t_end_s[lp], m) == 0
+        out[1:m] |= cov
+    return out
+
+
+def os_shares(log: RawLog, tl: Timeline, classes: list[tuple[str, bool]], seg_cls: np.ndarray):
+    """Per elementary interval of `tl` (cut at `os_bounds`): the share of each instant that
+    is `os_runqueue` and `os_blocked` (docs/partition.md, "OS evidence"): the loop thread's
+    intervals' shares, except where another thread's segment owns the instant and that
+    thread has an interval there (rule 7): then that thread's (the lowest such thread's)."""
+    wait_cls = [i for i, (x, _) in enumerate(classes) if is_os_wait(x)]
+    run, blk = os_rates(tl, os_intervals(log), wait_cls)
+    taken = np.zeros(len(tl.owner), dtype=bool)
+    for th, osi in side_os_intervals(log).items():
+        owned = side_owned(log, tl, seg_cls, th) & ~taken
+        r, b = os_rates(tl, osi, wait_cls, owned, key=("os_wait", th))
+        at = owned & _inside(tl, osi)
+        run[at], blk[at] = r[at], b[at]
+        taken |= at
+    return run, blk
+
+
+def _inside(tl: Timeline, osi: OsIntervals) -> np.ndarray:
+    """Per interval of `tl` (indexed like its owner): whether one of `osi` covers it."""
+    m = len(tl.bounds)
+    out = np.zeros(m + 1, dtype=bool)
+    if m < 2 or not len(osi):
+        return out
+    left = tl.bounds[:-1]
+    j = np.searchsorted(osi.t0_s, left, side="right") - 1
+    out[1:m] = (j >= 0) & (left < osi.t1_s[np.maximum(j, 0)])
+    return out
+
+
+def os_rates(
+    tl: Timeline,
+    osi: OsIntervals,
+    wait_cls: list[int],
+    where: np.ndarray | None = None,
+    key: Any = "os_wait",
+):
     """Per elementary interval of `tl` (indexed like its owner; `tl` cut at every OS
     interval's ends): the share of each instant that is `os_runqueue` and `os_blocked`.
     Off-CPU time first goes to the interval's explicit waits (classes `wait_cls`, the
-    `is_os_wait` labels: their time is off-CPU by what they are); what is left, and the
-    run-queue wait, are spread over the rest of the interval."""
+    `is_os_wait` labels: their time is off-CPU by what they are; with `where`, only those
+    instants count as the thread's waits); what is left, and the run-queue wait, are
+    spread over the rest of the interval. `key`: the cache key of the waits' integral."""
     m = len(tl.bounds)
     run = np.zeros(m + 1)
     blk = np.zeros(m + 1)
@@ -270,9 +380,9 @@ def os_rates(tl: Timeline, osi: OsIntervals, wait_cls: list[int]):
     # the waits' time in each OS interval
     k0 = np.searchsorted(tl.bounds, osi.t0_s, side="right")
     k1 = np.searchsorted(tl.bounds, osi.t1_s, side="right")
-    w_rate = is_wait.astype(np.float64)
-    h0, l0 = tl.weighted("os_wait", w_rate, osi.t0_s, k0)
-    h1, l1 = tl.weighted("os_wait", w_rate, osi.t1_s, k1)
+    w_rate = (is_wait if where is None else is_wait & where).astype(np.float64)
+    h0, l0 = tl.weighted(key, w_rate, osi.t0_s, k0)
+    h1, l1 = tl.weighted(key, w_rate, osi.t1_s, k1)
     wait_s = np.clip((h1 - h0) + (l1 - l0), 0.0, width)
     rest = width - wait_s
     unexplained = np.maximum(osi.offcpu_s - wait_s, 0.0)
@@ -286,6 +396,19 @@ def os_rates(tl: Timeline, osi: OsIntervals, wait_cls: list[int]):
     run[1:m] = np.where(inside & ~is_wait[1:m], r_rate[jj], 0.0)
     blk[1:m] = np.where(inside & ~is_wait[1:m], b_rate[jj], 0.0)
     return run, blk
+
+
+def os_class_integrals(tl: Timeline, n_cls: int, key: str, w: np.ndarray, times: np.ndarray):
+    """Like `Timeline.class_integrals`, with every class's time weighted by the rate `w`
+    (an `os_rates` share, indexed like the timeline's owner): the time the OS took from
+    each class, residual and the graph rate, up to `times`. Cached under (`key`, class):
+    one key per rate array."""
+    k = np.searchsorted(tl.bounds, times, side="right")
+    hl = []
+    for c in [*range(n_cls + 1), None]:
+        own = tl.graph_rate if c is None else (tl.owner == c).astype(np.float64)
+        hl.append(tl.weighted((key, c), w * own, times, k))
+    return np.column_stack([h for h, _ in hl]), np.column_stack([lo for _, lo in hl])
 
 
 def decode_net_ms(log: RawLog, seg_causes: np.ndarray) -> np.ndarray:

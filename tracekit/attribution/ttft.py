@@ -33,7 +33,12 @@ Every millisecond of the window goes to exactly one label. Precedence, highest f
    phase, a step's prefill time inside the window times the request's share of the
    step's prefill tokens (`PrefillChunks`) is its own (at most all of the phase's prefill
    time); all other prefill time is others'. Unsplit requests keep ``prefill``;
-5. whatever no segment or pause covers is ``residual``.
+5. whatever no segment or pause covers is ``residual``;
+6. where the log has OS intervals (the loop thread's, another thread's), each instant's
+   ``os_runqueue`` and ``os_blocked`` shares (the ITL partition's,
+   `tracekit.attribution.timeline.os_shares`) are taken from whichever of rules 2, 4 and
+   5 owns it; evicted (1), held (3) and pre-engine (0) time give none; prefill splits
+   into own and other after its share.
 
 Device windows (CUDA events) are not charged: TTFT uses the host rules only, as a gap with
 an eviction does. The primary cause of a TTFT is its largest part other than
@@ -59,11 +64,16 @@ from tracekit.attribution.timeline import (
     build_timeline,
     compensated_cumsum,
     decode_net_ms,
+    has_os_evidence,
     host_classes,
+    os_bounds,
+    os_class_integrals,
+    os_shares,
     segment_causes,
     segment_classes,
 )
 from tracekit.errors import ReconcileError
+from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE
 from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
 #: The phases of a TTFT window, in display order (they sum to the TTFT).
@@ -144,16 +154,20 @@ class TtftPartition:
 # -- shared pieces ------------------------------------------------------------------------
 
 
-def ttft_labels(log: RawLog) -> tuple[str, ...]:
-    """The standard TTFT labels, then any other host cause of the log (sorted); a server
+def ttft_labels(log: RawLog, has_os: bool | None = None) -> tuple[str, ...]:
+    """The standard TTFT labels, then `OS_LABELS` where the log has OS intervals (`has_os`:
+    whether it has, if known), then any other host cause of the log (sorted); a server
     run that stamped the stages before the engine had its requests starts with
     `PRE_ENGINE_LABELS`."""
     causes = set(segment_causes(log)[log.segments.is_device != 1].tolist())
     extra = causes - {"gc", "preempt", "tok", "prefill", "decode"} - set(TTFT_STANDARD_LABELS)
-    extra -= set(PRE_ENGINE_LABELS)
+    extra -= set(PRE_ENGINE_LABELS) | set(OS_LABELS)
     rq = log.requests
     pre = PRE_ENGINE_LABELS if (np.isfinite(rq.handler_s) | np.isfinite(rq.engine_s)).any() else ()
-    return pre + TTFT_STANDARD_LABELS + tuple(sorted(extra))
+    if has_os is None:
+        has_os = has_os_evidence(log)
+    os_labels = OS_LABELS if has_os else ()
+    return pre + TTFT_STANDARD_LABELS + os_labels + tuple(sorted(extra))
 
 
 def pre_engine_windows(
@@ -266,12 +280,13 @@ def check_ttft_reconciled(p: TtftPartition, path: str = "") -> TtftPartition:
 
 def host_timeline(log: RawLog) -> HostTimeline:
     """The ITL partition's elementary intervals of `log` (no drift correction: device
-    windows are not charged here), each owned by one class, with decode's graph rate."""
+    windows are not charged here), each owned by one class, with decode's graph rate, cut
+    at every OS interval's ends as the ITL partition's are."""
     causes = segment_causes(log)
     classes = host_classes(causes, log.segments.is_device == 1)
     seg_cls = segment_classes(log, classes)
     base = fit_baseline(log, decode_net_ms(log, causes))
-    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac)
+    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds(log))
     return HostTimeline(causes, classes, tl, log.segments, log.gc_pauses)
 
 
@@ -282,7 +297,8 @@ def ttft_partition(
 
     `host`: the log's host timeline if already built (`tracekit.attribution.itl.Partition.host`);
     one built from other tables is not used."""
-    labels = ttft_labels(log)
+    use_os = has_os_evidence(log)
+    labels = ttft_labels(log, has_os=use_os)
     col = {lb: i for i, lb in enumerate(labels)}
     h = host if host is not None and host.matches(log) else host_timeline(log)
     causes, classes, tl = h.causes, h.classes, h.timeline
@@ -302,11 +318,34 @@ def ttft_partition(
         h1, l1 = tl.class_integrals(n_cls, y)
         return (((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3
 
+    # the OS shares of each instant (docs/ttft.md, "OS evidence"), as the ITL partition's
+    if use_os:
+        run_rate, blk_rate = os_shares(log, tl, classes, segment_classes(log, classes))
+
+    def os_loss(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, what the OS shares take from each label in [x, y]."""
+        out = []
+        for name, w in (("run", run_rate), ("blk", blk_rate)):
+            h0, l0 = os_class_integrals(tl, n_cls, name, w, x)
+            h1, l1 = os_class_integrals(tl, n_cls, name, w, y)
+            out.append((((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3)
+        return out[0], out[1]
+
+    def prefill_at(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cumulative prefill time up to `times`, less what the OS took of it."""
+        if prefill_cls is None:
+            return np.zeros(len(times)), np.zeros(len(times))
+        if not use_os:
+            return tl.integrals(prefill_cls, times)
+        k = np.searchsorted(tl.bounds, times, side="right")
+        kept = (tl.owner == prefill_cls) * (1.0 - run_rate - blk_rate)
+        return tl.weighted("prefill_kept", kept, times, k)
+
     def prefill_between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         if prefill_cls is None or len(x) == 0:
             return np.zeros(len(x))
-        h0, l0 = tl.integrals(prefill_cls, x)
-        h1, l1 = tl.integrals(prefill_cls, y)
+        h0, l0 = prefill_at(x)
+        h1, l1 = prefill_at(y)
         return ((h1 - h0) + (l1 - l0)) * 1e3
 
     req, a, adm, f = ttft_windows(log)
@@ -363,12 +402,26 @@ def ttft_partition(
         wait_col = np.array([col[WAIT_REASON_LABELS[r]] for r in q_reason.tolist()], dtype=np.int64)
         np.add.at(parts, (q_row, wait_col), (p1 - p0) * 1e3 - gc_ms)
 
-    # 4. prefill: own share in the prefilling phase, the rest is others'
-    def prefill_at(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if prefill_cls is None:
-            return np.zeros(len(times)), np.zeros(len(times))
-        return tl.integrals(prefill_cls, times)
+    # the OS shares of the time rules 2, 4 and 5 own: not of evicted time (preempt), not
+    # of held time (wait_<reason>; a GC pause in it keeps its part and gives its share)
+    if use_os and n:
+        loss_run, loss_blk = os_loss(e, f)
+        if len(e_row):
+            ev_run, ev_blk = os_loss(w0, w1)
+            np.subtract.at(loss_run, e_row, ev_run)
+            np.subtract.at(loss_blk, e_row, ev_blk)
+        if len(q_row):
+            hd_run, hd_blk = os_loss(p0, p1)
+            hd_run[:, col["gc"]] = 0.0
+            hd_blk[:, col["gc"]] = 0.0
+            np.subtract.at(loss_run, q_row, hd_run)
+            np.subtract.at(loss_blk, q_row, hd_blk)
+        parts -= loss_run + loss_blk
+        parts[:, col[OS_RUNQUEUE]] += loss_run.sum(axis=1)
+        parts[:, col[OS_BLOCKED]] += loss_blk.sum(axis=1)
 
+    # 4. prefill: own share in the prefilling phase, the rest is others' (of the prefill
+    # time the OS left)
     own = _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_at)
     # the phase's prefill time: prefill between admission and first token, less evicted
     live_prefill = np.zeros(n)

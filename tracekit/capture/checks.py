@@ -44,6 +44,20 @@ def as_int(value: Any, name: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
     return v
 
 
+def small_ints(values: Any, lo: int = 0, hi: int = MAX_COUNT) -> list[int] | None:
+    """A few `values` (a list, a tuple, a 1-D integer array) as a list of Python ints, when
+    every one is a plain int in [lo, hi]; None otherwise (then check them one by one with
+    `as_int`, which names the wrong one). The fast path of calls on a handful of values."""
+    if type(values) is np.ndarray:
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            return None
+        values = values.tolist()
+    for v in values:
+        if type(v) is not int or not lo <= v <= hi:
+            return None
+    return values if type(values) is list else list(values)
+
+
 def as_tick(value: Any, name: str) -> int:
     """A clock reading: an integer that fits int64 (integral floats taken as ints)."""
     return as_int(value, name, INT64_MIN + 1, INT64_MAX)
@@ -89,4 +103,4 @@ def as_int_vector(values: Any, name: str, lo: int = 0, hi: int = MAX_COUNT) -> n
     return a
 
 
-__all__ = ["INT64_MAX", "INT64_MIN", "as_int", "as_int_vector", "as_tick"]
+__all__ = ["INT64_MAX", "INT64_MIN", "as_int", "as_int_vector", "as_tick", "small_ints"]

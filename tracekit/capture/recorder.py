@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tracekit.capture import signals
-from tracekit.capture.checks import as_int, as_int_vector, as_tick
+from tracekit.capture.checks import as_int, as_int_vector, as_tick, small_ints
 from tracekit.capture.device import DeviceTimer
 from tracekit.capture.osstats import ThreadStats, unavailable_reason
 from tracekit.capture.sinks import (
@@ -61,7 +61,15 @@ from tracekit.capture.sinks import (
 )
 from tracekit.labels import DEFAULT_CAUSE_MAP, colour
 from tracekit.log.flush import DTYPES, EVICT, READMIT, TABLES, UNKNOWN_TICK
-from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
+from tracekit.log.rawlog import (
+    MODES,
+    OS_SEGMENT_END,
+    OS_SEGMENT_START,
+    OS_STEP_END,
+    OS_STEP_START,
+    WAIT_REASON_CODES,
+    RawLog,
+)
 from tracekit.log.validate import MAX_ABS_TIME_S
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -87,6 +95,7 @@ _ROW6 = struct.Struct("6q").pack
 _ROW4 = struct.Struct("4q").pack
 _ROW3 = struct.Struct("3q").pack
 _ROW2 = struct.Struct("2q").pack
+_OS_ROW = struct.Struct("8q").pack  # an os_samples row: thread, kind, tick, the five totals
 
 #: Up to this many handles in a list, a call is checked and packed in Python: for a few
 #: values that is cheaper than numpy's fixed cost per operation.
@@ -105,6 +114,14 @@ def _bytes_of(rows: np.ndarray) -> memoryview:
     return memoryview(rows).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
+def _few(values: Any) -> bool:
+    """A list, tuple or 1-D array of at most `_SMALL` values (iterators are not: a check
+    would consume them)."""
+    if type(values) is np.ndarray:
+        return values.ndim == 1 and values.size <= _SMALL
+    return isinstance(values, (list, tuple)) and len(values) <= _SMALL
+
+
 def _check_label(label: Any, name: str) -> str:
     if not isinstance(label, str):
         raise TypeError(f"{name}: expected a str, got {type(label).__name__} {label!r:.80}")
@@ -114,40 +131,42 @@ def _check_label(label: Any, name: str) -> str:
 class _Requests:
     """Per request (by index), what the checks of later calls need: its arrival tick
     (`UNKNOWN_TICK` before `request()`), the ticks of its admission and first eviction
-    (`_NEVER` until then), whether it has emitted, the last step that gave it a wait reason, and
-    a scratch column. Numpy columns grown by doubling, so a batch is checked in one pass."""
+    (`_NEVER` until then), whether `request()` was called and whether it has emitted.
+
+    Each column is an `array.array` (a scalar read or write is a Python int, several times
+    cheaper than a numpy element) with a numpy view of the same memory (`arrival_np`,
+    `emitted_np`) for the checks of a whole batch in one pass. Grown by doubling."""
 
     __slots__ = (
-        "arrival", "told", "admitted_tick", "emitted", "first_evict", "wait_step", "mark",
+        "arrival", "told", "admitted_tick", "emitted", "first_evict", "arrival_np", "emitted_np",
     )  # fmt: skip
 
+    #: column -> (array typecode, initial value)
+    COLUMNS = {
+        "arrival": ("q", UNKNOWN_TICK),
+        "admitted_tick": ("q", _NEVER),
+        "first_evict": ("q", _NEVER),
+        "told": ("b", 0),  # request() was called
+        "emitted": ("b", 0),
+    }
+
     def __init__(self, capacity: int = 1024) -> None:
-        self.arrival = np.full(capacity, UNKNOWN_TICK, dtype=np.int64)
-        self.admitted_tick = np.full(capacity, _NEVER, dtype=np.int64)
-        self.emitted = np.zeros(capacity, dtype=bool)
-        self.told = np.zeros(capacity, dtype=bool)  # request() was called
-        self.first_evict = np.full(capacity, _NEVER, dtype=np.int64)
-        self.wait_step = np.full(capacity, -2, dtype=np.int64)
-        self.mark = np.zeros(capacity, dtype=np.int64)
+        self.arrival = self.admitted_tick = self.first_evict = array("q")
+        self.told = self.emitted = array("b")
+        self._fill(0, capacity)
+
+    def _fill(self, old: int, new: int) -> None:
+        for name, (code, init) in self.COLUMNS.items():
+            col = array(code, getattr(self, name))  # a copy: the old column keeps its views
+            col.extend(array(code, [init]) * (new - old))
+            setattr(self, name, col)
+        self.arrival_np = np.frombuffer(self.arrival, dtype=np.int64)
+        self.emitted_np = np.frombuffer(self.emitted, dtype=np.bool_)
 
     def grow(self, n: int) -> None:
         cap = len(self.arrival)
-        if n <= cap:
-            return
-        new = max(n, 2 * cap)
-        for name in self.__slots__:
-            old = getattr(self, name)
-            col = np.full(new, _FILL.get(name, 0), dtype=old.dtype)
-            col[:cap] = old
-            setattr(self, name, col)
-
-
-_FILL = {
-    "arrival": UNKNOWN_TICK,
-    "admitted_tick": _NEVER,
-    "first_evict": _NEVER,
-    "wait_step": -2,
-}
+        if n > cap:
+            self._fill(cap, max(n, 2 * cap))
 
 
 #: Recorders that are running, so tests (and atexit) can check none is left behind.
@@ -160,14 +179,17 @@ def active_recorders() -> frozenset[Recorder]:
 
 class _Thread:
     """What the segment hooks keep per thread: its open segments' start ticks (a stack),
-    its thread number in the log, and its identity (to tell the engine loop's thread)."""
+    its thread number in the log, its identity (to tell the engine loop's thread), and
+    whether its segments' boundaries are OS samples (a thread other than the loop's, with
+    OS evidence on)."""
 
-    __slots__ = ("stack", "tid", "ident")
+    __slots__ = ("stack", "tid", "ident", "sample_os")
 
     def __init__(self, tid: int, ident: int) -> None:
         self.stack: list[int] = []
         self.tid = tid
         self.ident = ident
+        self.sample_os = False
 
 
 class _Segment:
@@ -193,7 +215,13 @@ class _Segment:
             th = rec._tls.th
         except AttributeError:
             th = rec._this_thread()
-        th.stack.append(rec._clock())
+        t0 = rec._clock()
+        th.stack.append(t0)
+        if th.sample_os:  # a side thread's segment: its OS counters at both ends
+            if th.ident != rec._loop_ident:
+                rec._os_sample(OS_SEGMENT_START, t0)
+            else:  # it became the loop thread: its steps are sampled, not its segments
+                th.sample_os = False
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -220,6 +248,8 @@ class _Segment:
                     except BufferError:  # handed to the sinks by that stop() meanwhile
                         pass
                 else:
+                    if th.sample_os and th.ident != rec._loop_ident:
+                        rec._os_sample(OS_SEGMENT_END, t1)
                     with rec._lock:
                         rec._seg_rows.frombytes(_SEG_ROW(-1, self._label, t0, t1, th.tid, 0))
             finally:
@@ -325,8 +355,9 @@ class Recorder:
         live metrics); one that raises is logged and detached, the run goes on.
     cause_map: segment label -> cause, on top of the defaults (`swap` -> `preempt`, ...).
     os_evidence: read the loop thread's CPU time, run-queue wait, context switches and
-        major faults at every step's start and end (`tracekit.capture.osstats`; about
-        1.5 µs a sample on Linux, see bench/bench_os.py), so the partition can name time the
+        major faults at every step's start and end, and another thread's at its
+        segments' start and end (`tracekit.capture.osstats`; about
+        2 µs a sample on Linux, see bench/bench_os.py), so the partition can name time the
         OS took (`os_runqueue`, `os_blocked`). None (the default): on where the platform
         has the counters and the clock is wall time (the default clock), else off; the
         log's ``meta["os_evidence"]`` says which, and why not.
@@ -382,12 +413,16 @@ class Recorder:
         self._log: RawLog | None = None
         # interned vocabularies
         self._labels: list[str] = []
+        self._label_index: dict[str, int] = {}  # label -> its index in `_labels`
         self._segments: dict[tuple[str, bool], _Segment] = {}
         self._req_index: dict[Any, int] = {}  # request id -> index (its handle)
         self._req_by_name: dict[str, int] = {}  # the id's string -> index
         self._req_keys: list[Any] = []  # index -> the id as given
         self._req_names: list[str] = []
         self._req = _Requests()
+        self._arrival_max = UNKNOWN_TICK  # the latest arrival tick any request has
+        self._waited: set[int] = set()  # the handles given a wait reason in step `_waited_no`
+        self._waited_no = -1
         self._notes: dict[str, int] = {}  # adjusted ticks, by what: warnings at stop
         self._req_flushed = 0
         self._counter_index: dict[str, int] = {}
@@ -494,16 +529,32 @@ class Recorder:
             self._os = ThreadStats.open()
         if self._os is None:
             return {"recorded": False, "reason": why or "unavailable"}
-        return {"recorded": True, "at": "step boundaries, loop thread", **self._os.describe()}
+        return {
+            "recorded": True,
+            "at": "step boundaries (loop thread); segment boundaries (other threads)",
+            **self._os.describe(),
+        }
 
     def _os_sample(self, kind: int, t: int) -> None:
-        """One `os_samples` row for the calling thread, at tick `t`."""
+        """One `os_samples` row for the calling thread, at tick `t`: the loop thread's at
+        its open step's start and end, another thread's at its segments' (`_Segment`).
+        Switches and faults are read at ends only (the partition reads CPU time and
+        run-queue wait; bench/bench_os.py measures what that saves)."""
         reader = self._os
         if reader is None:  # stop() closed it meanwhile, from another thread
             return
-        row = (self._thread_id(), kind, t, *reader.read())
-        with self._lock:
-            self._buf["os_samples"].extend(row)
+        ends = kind == OS_STEP_END or kind == OS_SEGMENT_END
+        row = _OS_ROW(self._thread_id(), kind, t, *reader.read(ends))
+        if kind <= OS_STEP_END:
+            # the loop thread inside its open step: no lock, as for its segment rows (only
+            # this thread swaps the buffers now, but a stop() from another thread)
+            try:
+                self._buf["os_samples"].frombytes(row)
+            except BufferError:  # handed to the sinks by that stop() meanwhile
+                pass
+        else:
+            with self._lock:
+                self._buf["os_samples"].frombytes(row)
 
     def add_sink(self, sink: Sink) -> None:
         """Send every flushed chunk to `sink` too (before `start()`)."""
@@ -654,17 +705,20 @@ class Recorder:
         any is kept, so a wrong one raises and sets none."""
         if not self.enabled:
             return
-        given = {
-            k: as_int(v, f"step_info({k}=)", -1 if k == "graph_size" else 0)
-            for k, v in (
-                ("num_decode", num_decode),
-                ("num_prefill_tokens", num_prefill_tokens),
-                ("graph_size", graph_size),
-                ("num_preempted", num_preempted),
-                ("num_swapped_in", num_swapped_in),
+        # one `if` a keyword, names spelled out: a call per step, no string built per call
+        given = {}
+        if num_decode is not None:
+            given["num_decode"] = as_int(num_decode, "step_info(num_decode=)")
+        if num_prefill_tokens is not None:
+            given["num_prefill_tokens"] = as_int(
+                num_prefill_tokens, "step_info(num_prefill_tokens=)"
             )
-            if v is not None
-        }
+        if graph_size is not None:
+            given["graph_size"] = as_int(graph_size, "step_info(graph_size=)", -1)
+        if num_preempted is not None:
+            given["num_preempted"] = as_int(num_preempted, "step_info(num_preempted=)")
+        if num_swapped_in is not None:
+            given["num_swapped_in"] = as_int(num_swapped_in, "step_info(num_swapped_in=)")
         self._step_attrs.update(given)
 
     def _begin_step(self) -> None:
@@ -785,20 +839,34 @@ class Recorder:
         """Record a window measured elsewhere (ticks of this recorder's clock)."""
         if not self.enabled:
             return
-        label = _check_label(label, "add_segment(label)")
-        t0 = self._check_tick(t0, "add_segment(t0)")
-        t1 = self._check_tick(t1, "add_segment(t1)")
-        if t1 < t0:
-            raise ValueError(f"add_segment({label!r:.80}): ends (t1={t1}) before it starts ({t0})")
+        if not (  # the common case, checked at once: a str, two int ticks of this run, in order
+            type(label) is str
+            and type(t0) is int
+            and type(t1) is int
+            and t0 <= t1
+            and self._running
+            and t1 - self._t0_tick <= self._max_ticks
+            and self._t0_tick - t0 <= self._max_ticks
+        ):
+            label = _check_label(label, "add_segment(label)")
+            t0 = self._check_tick(t0, "add_segment(t0)")
+            t1 = self._check_tick(t1, "add_segment(t1)")
+            if t1 < t0:
+                raise ValueError(
+                    f"add_segment({label!r:.80}): ends (t1={t1}) before it starts ({t0})"
+                )
         self._append_segment(self._label_id(label), t0, t1, 1 if device else 0)
 
     def _label_id(self, label: str) -> int:
+        idx = self._label_index.get(label)
+        if idx is not None:
+            return idx
         with self._lock:
-            try:
-                return self._labels.index(label)
-            except ValueError:
+            idx = self._label_index.get(label)
+            if idx is None:
                 self._labels.append(label)
-                return len(self._labels) - 1
+                idx = self._label_index[label] = len(self._labels) - 1
+            return idx
 
     def _this_thread(self) -> _Thread:
         """This thread's segment state, made on its first segment."""
@@ -806,6 +874,8 @@ class Recorder:
             return self._tls.th  # type: ignore[no-any-return]
         except AttributeError:
             th = _Thread(self._thread_id(), threading.get_ident())
+            # a side thread's segments are OS samples (the loop thread's steps are)
+            th.sample_os = self._os is not None and th.ident != self._loop_ident
             with self._lock:
                 self._stacks.append(th.stack)
             self._tls.th = th
@@ -878,8 +948,10 @@ class Recorder:
             if t > now:  # another clock's reading, a little ahead: it arrived by now
                 self._note("request arrival tick(s) after the request() call, taken as the call's")
                 t = now
-        idx = self._intern(request_id, "request")
-        with self._lock:
+        with self._lock:  # one acquisition: interned and told together
+            idx = self._req_index.get(request_id)
+            if idx is None:
+                idx = self._intern_new(request_id, "request")
             r = self._req
             if r.told[idx]:
                 self._note("request() call(s) for a request that had arrived: the first is kept")
@@ -893,9 +965,11 @@ class Recorder:
                 t = UNKNOWN_TICK
             if t > r.admitted_tick[idx]:  # told late: it had arrived by its admission
                 self._note("request arrival(s) after the request's admission, taken as it")
-                t = int(r.admitted_tick[idx])
+                t = r.admitted_tick[idx]
             if t != UNKNOWN_TICK:
                 r.arrival[idx] = t
+                if t > self._arrival_max:
+                    self._arrival_max = t
             self._buf["requests"].frombytes(_ROW4(idx, t, prompt, max_new))
         if arrival_tick is None:
             self._flush_if_idle(t)
@@ -915,24 +989,28 @@ class Recorder:
         idx = self._req_index.get(request_id)
         if idx is not None:
             return idx
-        name = str(request_id)
         with self._lock:
             idx = self._req_index.get(request_id)
-            if idx is None:
-                other = self._req_by_name.get(name)
-                if other is not None:
-                    raise ValueError(
-                        f"{what}: request id {request_id!r:.80} ({type(request_id).__name__}) "
-                        f"has the same name as the id of request {other} "
-                        f"({type(self._req_keys[other]).__name__}): the log names requests by "
-                        "string, so give every request an id of one type"
-                    )
-                idx = len(self._req_names)
-                self._req.grow(idx + 1)
-                self._req_index[request_id] = idx
-                self._req_by_name[name] = idx
-                self._req_keys.append(request_id)
-                self._req_names.append(name)
+            return self._intern_new(request_id, what) if idx is None else idx
+
+    def _intern_new(self, request_id: Any, what: str) -> int:
+        """Intern a request id not seen yet (under the lock)."""
+        name = str(request_id)
+        other = self._req_by_name.get(name)
+        if other is not None:
+            raise ValueError(
+                f"{what}: request id {request_id!r:.80} ({type(request_id).__name__}) "
+                f"has the same name as the id of request {other} "
+                f"({type(self._req_keys[other]).__name__}): the log names requests by "
+                "string, so give every request an id of one type"
+            )
+        idx = len(self._req_names)
+        if idx >= len(self._req.arrival):
+            self._req.grow(idx + 1)
+        self._req_index[request_id] = idx
+        self._req_by_name[name] = idx
+        self._req_keys.append(request_id)
+        self._req_names.append(name)
         return idx
 
     def _intern_all(self, request_ids: Iterable[Any], what: str) -> np.ndarray:
@@ -1005,6 +1083,8 @@ class Recorder:
                 or self._req_flushed < len(self._req_names)
             ):
                 self._flush(poll_device=False)
+            elif self._dispatcher is not None and self._dispatcher.follows_idle_clock():
+                self._flush(poll_device=False, is_clock_only=True)  # a live sink's watermark
 
     # -- emissions ---------------------------------------------------------------------
     def emit(
@@ -1049,6 +1129,14 @@ class Recorder:
         if not self.enabled:
             return
         t, dstep = self._emit_when(at_tick, reads_step)
+        if _few(handles) and (
+            num_tokens is None or _few(num_tokens)
+        ):  # a few ints: checked and copied in Python (numpy's fixed costs are more)
+            hs = small_ints(handles, 0, len(self._req_names) - 1)
+            ks = None if num_tokens is None else small_ints(num_tokens, 1)
+            if hs is not None and (num_tokens is None or (ks is not None and len(ks) == len(hs))):
+                self._emit_few(hs, ks, t, dstep)
+                return
         h = self._check_handles(handles, "emit_handles(handles)")
         counts = self._emit_counts(num_tokens)
         if counts is not None and len(counts) != len(h):
@@ -1069,6 +1157,33 @@ class Recorder:
             return None
         return as_int_vector(num_tokens, "emit(num_tokens)", 1)
 
+    def _emit_few(self, hs: list[int], ks: list[int] | None, t: int, dstep: int) -> None:
+        """`_emit_rows` for a few checked handles (and counts) given as Python ints: the
+        same rows, without numpy."""
+        n = len(hs)
+        if not n:
+            return
+        step = self._step_no if self._in_step else -1
+        r = self._req
+        with self._lock:
+            if self._arrival_max > t:  # some request arrived after `t`: one of these?
+                arrival = r.arrival
+                latest = max(arrival[x] for x in hs)
+                if latest > t:
+                    self._note("emission tick(s) before the request's arrival, taken as it")
+                    t = latest
+            emitted = r.emitted
+            for x in hs:
+                emitted[x] = 1
+            hb = self._buf[EMIT_HANDLES]
+            at = len(hb)
+            hb.extend(hs)
+            if ks is not None:
+                hb.extend(ks)
+            # last: the call's row commits it (handles without one are never read)
+            self._buf[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, ks is not None, at))
+            self._step_emit_rows += n
+
     def _emit_rows(self, h: np.ndarray, counts: np.ndarray | None, t: int, dstep: int) -> None:
         """One emission call: a header row and the handles (and counts), two copies; the
         dispatcher expands them into one emissions row per request
@@ -1081,11 +1196,12 @@ class Recorder:
         with self._lock:
             # no first token before its arrival: a tick from the caller, or one read before
             # another thread's request() took the lock, may be a little early
-            latest = int(r.arrival[h].max())
-            if latest > t:
-                self._note("emission tick(s) before the request's arrival, taken as it")
-                t = latest
-            r.emitted[h] = True
+            if self._arrival_max > t:  # some request arrived after `t`: one of these?
+                latest = int(r.arrival_np[h].max())
+                if latest > t:
+                    self._note("emission tick(s) before the request's arrival, taken as it")
+                    t = latest
+            r.emitted_np[h] = True
             hb = self._buf[EMIT_HANDLES]
             at = len(hb)
             hb.frombytes(_bytes_of(h))
@@ -1106,7 +1222,7 @@ class Recorder:
         t = self._clock()
         with self._lock:
             r = self._req
-            r.first_evict[idx] = min(int(r.first_evict[idx]), t)
+            r.first_evict[idx] = min(r.first_evict[idx], t)
             self._buf["events"].frombytes(_ROW4(idx, EVICT, t, code))
             self._step_evictions += 1
 
@@ -1138,15 +1254,17 @@ class Recorder:
         if not self.enabled:
             return
         t = self._clock() if at_tick is None else self._check_tick(at_tick, "admit(at_tick=)")
-        self._admit(self._check_handle(handle, "admit_handle(handle)"), t)
+        if type(handle) is not int or not 0 <= handle < len(self._req_names):
+            handle = self._check_handle(handle, "admit_handle(handle)")  # converts, or raises
+        self._admit(handle, t)
 
     def _admit(self, idx: int, t: int) -> None:
         with self._lock:
             r = self._req
             if r.admitted_tick[idx] != _NEVER:
                 return  # admitted before: the log keeps the first admission (docs/ttft.md)
-            arrival = int(r.arrival[idx])
-            evicted = int(r.first_evict[idx])
+            arrival = r.arrival[idx]
+            evicted = r.first_evict[idx]
             if arrival != UNKNOWN_TICK and t < arrival:  # another clock's reading, early
                 self._note("admission tick(s) before the request's arrival, taken as it")
                 t = arrival
@@ -1191,14 +1309,21 @@ class Recorder:
                 raise ValueError(
                     f"prefill_handles: {len(handles)} handles but {len(num_tokens)} num_tokens"
                 )
-            rows = b"".join(
-                _ROW3(
-                    step,
-                    as_int(x, "prefill_handles(handles)", 0, last),
-                    as_int(k, "prefill_handles(num_tokens)"),
+            hs, ks = small_ints(handles, 0, last), small_ints(num_tokens)
+            if hs is not None and ks is not None:  # plain ints in range: one pack
+                flat = [step, 0, 0] * len(hs)
+                flat[1::3] = hs
+                flat[2::3] = ks
+                rows = struct.pack(f"{len(flat)}q", *flat)
+            else:  # one value at a time: the first wrong one raises, naming itself
+                rows = b"".join(
+                    _ROW3(
+                        step,
+                        as_int(x, "prefill_handles(handles)", 0, last),
+                        as_int(k, "prefill_handles(num_tokens)"),
+                    )
+                    for x, k in zip(handles, num_tokens, strict=True)
                 )
-                for x, k in zip(handles, num_tokens, strict=True)
-            )
         else:
             h = self._check_handles(handles, "prefill_handles(handles)")
             n = as_int_vector(num_tokens, "prefill_handles(num_tokens)")
@@ -1251,19 +1376,20 @@ class Recorder:
         rows[:, 0] = step
         rows[:, 1] = h
         rows[:, 2] = code
+        hl = h.tolist()  # a set of a few hundred ints checks faster than numpy's fancy indexing
         with self._lock:
-            r = self._req
-            seen = r.wait_step[h] == step
-            mark = r.mark
-            mark[h] = np.arange(n)  # a request twice in `h`: its earlier place is overwritten
-            twice = mark[h] != np.arange(n)
-            if seen.any() or twice.any():
-                i = int(h[np.flatnonzero(seen | twice)[0]])
+            waited = self._waited
+            if self._waited_no != step:  # the first wait call of this step
+                waited.clear()
+                self._waited_no = step
+            if len(set(hl)) != n or not waited.isdisjoint(hl):
+                # the first place whose request was given a reason before, or is again later
+                i = next(x for k, x in enumerate(hl) if x in waited or x in hl[k + 1 :])
                 raise ValueError(
                     f"wait: request {self._req_names[i]!r:.80} has two wait reasons in step "
                     f"{step} (state one reason per request and step)"
                 )
-            r.wait_step[h] = step
+            waited.update(hl)
             self._buf["waits"].frombytes(_bytes_of(rows))
 
     def _open_step(self, what: str) -> int:
@@ -1320,9 +1446,12 @@ class Recorder:
         self._buf[EMIT_HANDLES] = array("q")
         self._seg_rows = self._buf["segments"]  # the segment hooks' table, one lookup less
 
-    def _flush(self, *, stop_tick: int | None = None, poll_device: bool = True) -> None:
+    def _flush(
+        self, *, stop_tick: int | None = None, poll_device: bool = True, is_clock_only: bool = False
+    ) -> None:
         """Hand the completed rows to the sinks' dispatcher (a swap of buffers; no disk
-        I/O and no chunk building here)."""
+        I/O and no chunk building here). `is_clock_only`: an idle flush with no rows, for
+        the sinks that follow the clock (`tracekit.capture.sinks.Dispatcher`)."""
         dev = self._device
         if poll_device and dev is not None and dev._pending and stop_tick is None:
             dev.poll(self._append_device_window)
@@ -1354,6 +1483,7 @@ class Recorder:
                     now,
                     stop_tick,
                     open_tick,
+                    is_clock_only,
                 )
                 if self._dispatcher is not None:
                     self._dispatcher.submit(flush)

@@ -90,6 +90,8 @@ class Flush(NamedTuple):
     # the earliest start of a window still open at the flush (a segment on any thread):
     # its row comes in a later flush, so no gap after this tick is final yet (None: none)
     open_tick: int | None = None
+    # an idle engine's flush with no rows: only the clock moved (see `Dispatcher`)
+    is_clock_only: bool = False
 
 
 #: The recorder's compact form of emissions (`Recorder.emit_handles`): per call one
@@ -173,6 +175,12 @@ class Dispatcher:
     bounded. (Flushes submitted otherwise, such as arrivals of an idle engine, are merged
     into the next write.) `submit` blocks only if `max_pending_values` table values are
     already waiting (the sinks are stuck).
+
+    A sink with ``follows_idle_clock = True`` (a live sink: its watermark moves only with
+    flushes) also gets, while the engine idles, one flush with no rows per interval
+    (`Flush.is_clock_only`): every row completed before its tick has been handed over, so
+    the sink can settle the gaps the engine's last rows closed. The other sinks (the parts
+    on disk) never see those.
     """
 
     def __init__(
@@ -266,11 +274,18 @@ class Dispatcher:
                 self.last_submit_s = time.monotonic()
                 _guard(self._idle, "idle flush")
 
-    def _deliver(self, batch: list[Flush]) -> None:
-        self._write(build_chunk(batch, self._t0_tick, self._spt))
+    def follows_idle_clock(self) -> bool:
+        """Whether a sink wants the idle engine's clock-only flushes."""
+        return any(getattr(s, "follows_idle_clock", False) for s in self.sinks)
 
-    def _write(self, rows: FlushedRows) -> None:
+    def _deliver(self, batch: list[Flush]) -> None:
+        clock_only = all(f.is_clock_only for f in batch)
+        self._write(build_chunk(batch, self._t0_tick, self._spt), clock_only=clock_only)
+
+    def _write(self, rows: FlushedRows, *, clock_only: bool = False) -> None:
         for sink in list(self.sinks):
+            if clock_only and not getattr(sink, "follows_idle_clock", False):
+                continue
             if not call_sink(sink, "write", rows):
                 self.sinks.remove(sink)
 

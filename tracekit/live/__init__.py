@@ -43,8 +43,13 @@ from tracekit.live.settler import (
     ttft_by_cause,
 )
 from tracekit.live.stats import GapExemplar, LiveTotals, WallView, WorkerStats
+from tracekit.live.traceparent import parse_traceparent
 
 log = logging.getLogger("tracekit.live")
+
+#: Recorder clocks (``meta["clock"]``) that count wall time: the engine clock is then the
+#: wall clock offset by the start, so it maps onto Unix time from the start alone.
+WALL_CLOCKS = frozenset({"perf_counter_ns", "monotonic_ns", "time_ns"})
 
 
 def _missing_extra(e: ImportError) -> ImportError:
@@ -82,6 +87,10 @@ class LiveMetrics:
         exported as ``tracekit_ttft_cause_seconds_total{cause}``. Default: the offline
         partition itself (`tracekit.live.settler.ttft_by_cause`); None: not exported.
     """
+
+    #: While the engine idles, the recorder hands this sink a flush with no rows every
+    #: interval (`tracekit.capture.sinks.Dispatcher`), so the last gaps settle.
+    follows_idle_clock = True
 
     def __init__(
         self,
@@ -154,6 +163,7 @@ class LiveMetrics:
         self._opened = False
         self._closed = False
         self._unix0_s = 0.0
+        self._is_wall_clock = False
         self._totals = self._settler.totals.copy()  # the latest settled totals
         self._worker = WorkerStats()
         self._wall = WallView()
@@ -172,6 +182,7 @@ class LiveMetrics:
         self._opened = True
         self._unix0_s = float(meta.get("started_unix_s", time.time()))
         self._clock_pts.append((0.0, self._unix0_s))
+        self._is_wall_clock = meta.get("clock") in WALL_CLOCKS
         self._settler.open(meta)
         pid = str(meta.get("pid", os.getpid()))
         run_key = f"{self._unix0_s!r}-{pid}"
@@ -233,6 +244,18 @@ class LiveMetrics:
             self._server.server_close()
             self._server = None
 
+    def trace_parent(self, request_id: str, traceparent: str) -> bool:
+        """The engine propagated `request_id`'s trace context: its slow-gap spans become
+        children of the W3C ``traceparent`` header's span, in that trace (else each request
+        has a trace of its own). Call it before the request's gaps settle (at its arrival).
+        ValueError if the header is malformed; False (nothing kept) when this sink sends no
+        spans (no `slo_ms`)."""
+        parse_traceparent(traceparent)
+        if self._spans_out is None:
+            return False
+        self._spans_out.set_parent(request_id, traceparent)
+        return True
+
     @property
     def is_final(self) -> bool:
         """True once `close` has settled every gap (graph/forward use the whole run's fit)."""
@@ -252,8 +275,12 @@ class LiveMetrics:
             )
 
     def to_unix_s(self, engine_s: np.ndarray) -> np.ndarray:
-        """Engine-clock seconds as Unix seconds: interpolated between the flushes' wall
-        times (past the last one, a second is a second)."""
+        """Engine-clock seconds as Unix seconds. A recorder on a wall clock (`WALL_CLOCKS`):
+        the start's Unix time plus the engine seconds, so the time a flush took to reach
+        this sink never shifts a span. Any other clock (CPU time, a fake one): interpolated
+        between the flushes' wall times (past the last one, a second is a second)."""
+        if self._is_wall_clock:
+            return self._unix0_s + np.asarray(engine_s, dtype=np.float64)
         e = np.array([p[0] for p in self._clock_pts])
         u = np.array([p[1] for p in self._clock_pts])
         x = np.asarray(engine_s, dtype=np.float64)

@@ -1,11 +1,14 @@
 """The OpenTelemetry exporter of live mode: one span per slow gap
-(`tracekit.live.stats.SlowGap`), on the wall clock, in one trace per request. Needs
+(`tracekit.live.stats.SlowGap`), on the wall clock, in the request's own trace when the
+engine propagated one (a W3C ``traceparent``), else in one trace per request. Needs
 ``opentelemetry-api`` (the `live` extra; ``opentelemetry-exporter-otlp-proto-http`` for
 `otlp_provider`)."""
 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +17,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from tracekit.live.stats import SlowGap
+from tracekit.live.traceparent import MAX_PARENTS, parse_traceparent
 
 
 class SpanAttributes:
@@ -57,17 +61,39 @@ def otlp_provider(endpoint: str, resource: dict[str, str] | None = None) -> Any:
 class GapSpanExporter:
     """Sends one span per slow gap through `tracer_provider` (default: the global one).
 
-    Every gap span of one request is in one trace: its trace id is derived from `run_key`
-    and the request id (so a request's gaps group together in a trace view), and its
-    parent is that trace's root id (a span this exporter never sends: the request's own
-    span, where an engine exports one with the same ids)."""
+    Every gap span of one request is in one trace. Where the engine propagated the
+    request's trace context (`set_parent`, e.g. vLLM's ``traceparent`` header), each gap
+    span is a child of that context's span, in its trace. Otherwise its trace id is
+    derived from `run_key` and the request id (so a request's gaps group together in a
+    trace view), and its parent is that trace's root id (a span this exporter never sends:
+    the request's own span, where an engine exports one with the same ids)."""
 
     def __init__(self, tracer_provider: Any = None, *, run_key: str = "") -> None:
         provider = tracer_provider or trace.get_tracer_provider()
         self._tracer = provider.get_tracer("tracekit.live")
         self.run_key = run_key
+        # request id -> its propagated parent (trace id, span id, flags); written by the
+        # engine's thread, read by the exporting one (under the lock)
+        self._parents: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
+        self._parents_lock = threading.Lock()
+
+    def set_parent(self, request_id: str, traceparent: str) -> None:
+        """Make the gap spans of `request_id` children of `traceparent` (W3C trace context
+        header); ValueError if the header is malformed (nothing is kept then)."""
+        ids = parse_traceparent(traceparent)
+        with self._parents_lock:
+            self._parents[str(request_id)] = ids
+            self._parents.move_to_end(str(request_id))
+            while len(self._parents) > MAX_PARENTS:
+                self._parents.popitem(last=False)
 
     def request_context(self, request_id: str) -> Any:
+        with self._parents_lock:
+            parent = self._parents.get(request_id)
+        if parent is not None:
+            trace_id, span_id, flags = parent
+            ctx = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+            return trace.set_span_in_context(NonRecordingSpan(ctx))
         h = hashlib.blake2b(f"{self.run_key}\0{request_id}".encode(errors="backslashreplace"))
         d = h.digest()
         trace_id = int.from_bytes(d[:16], "big") or 1
@@ -79,7 +105,8 @@ class GapSpanExporter:
         self, gaps: list[SlowGap], to_unix_s: Callable[[np.ndarray], np.ndarray]
     ) -> list[tuple[str, str]]:
         """Spans for `gaps`; `to_unix_s` maps engine-clock seconds to Unix seconds.
-        Returns each span's (trace id, span id) in hex."""
+        Returns each sent span's (trace id, span id) in hex (a span whose propagated
+        parent is not sampled is not sent, under the SDK's default parent-based sampler)."""
         A = SpanAttributes
         out: list[tuple[str, str]] = []
         if not gaps:
@@ -109,5 +136,6 @@ class GapSpanExporter:
             )
             span.end(end_time=max(start_ns, int(t[2 * i + 1] * 1e9)))
             sc = span.get_span_context()
-            out.append((f"{sc.trace_id:032x}", f"{sc.span_id:016x}"))
+            if sc.trace_flags.sampled:  # a parent not sampled keeps its children unsent
+                out.append((f"{sc.trace_id:032x}", f"{sc.span_id:016x}"))
         return out

@@ -481,7 +481,7 @@ class Settler:
         if parts is not None:
             labels, ms = parts
             for lb, v in zip(labels, np.asarray(ms).sum(axis=0).tolist(), strict=True):
-                t.ttft_cause_ms[lb] = t.ttft_cause_ms.get(lb, 0.0) + v
+                t.ttft_cause_ms[lb] = t.ttft_cause_ms.get(lb, 0.0) + _rise(v)
 
     # -- settling gaps ------------------------------------------------------------------------
     def settle(self, *, final: bool) -> Settlement:
@@ -735,9 +735,9 @@ class Settler:
         np.add.at(t.gap_le, le, 1)
         for j, lb in enumerate(p.labels):
             if j not in (gcol, fcol):
-                t.cause_ms[lb] = t.cause_ms.get(lb, 0.0) + float(sums[j])
-            t.tail_ms[lb] = t.tail_ms.get(lb, 0.0) + float(tail_sums[j])
-        t.decode_ms += float(d_ms.sum())
+                t.cause_ms[lb] = t.cause_ms.get(lb, 0.0) + _rise(float(sums[j]))
+            t.tail_ms[lb] = t.tail_ms.get(lb, 0.0) + _rise(float(tail_sums[j]))
+        t.decode_ms += _rise(float(d_ms.sum()))
         self._graph_ms = graph_ms
         t.fit_steps = self._line.n
         for nm in names[tail].tolist():
@@ -921,12 +921,25 @@ class Settler:
         self._ttft_rows["prefill_chunks"] = pf[pf_step >= first]
 
 
+def _rise(v: float) -> float:
+    """What a settlement adds to a counter: its sum, or 0 where float rounding left it
+    below 0 (a label that is 0 in every gap can sum to -1e-15 ms). A counter that went down
+    by even that much reads as a reset to Prometheus, and `increase()` would double it."""
+    return v if v > 0.0 else 0.0
+
+
 def _from_the_sample_before(os_rows: np.ndarray, tick: int) -> int:
-    """The first OS sample a window from `tick` needs: the last one at or before it (the
-    OS interval that covers `tick` starts there), else the first one. Samples are kept in
-    the order they were recorded: the loop thread's are in time order."""
-    before = np.flatnonzero(os_rows[:, _OS["t_tick"]] <= tick)
-    return int(before[-1]) if len(before) else 0
+    """The first OS sample a window from `tick` needs: each thread's last one at or before
+    it (the OS interval that covers `tick` starts there), the earliest of those, else the
+    first one. Samples are kept in the order they were recorded: each thread's are in time
+    order (the loop thread's at its steps, another thread's at its segments)."""
+    t, th = os_rows[:, _OS["t_tick"]], os_rows[:, _OS["thread"]]
+    first = len(os_rows)
+    for x in np.unique(th).tolist():
+        before = np.flatnonzero((th == x) & (t <= tick))
+        if len(before):
+            first = min(first, int(before[-1]))
+    return first if first < len(os_rows) else 0
 
 
 def _drop_closed_evictions(ev: np.ndarray, horizon: int) -> np.ndarray:

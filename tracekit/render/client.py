@@ -54,7 +54,7 @@ def client_text(c: Mapping[str, Any] | None) -> str:
         lines.append(
             f"speculative decoding: {spec['accepted']:.0f} of {spec['drafted']:.0f} draft tokens "
             f"accepted ({_pct(spec['acceptance'])}), {_ms(spec['tokens_per_emission'])} tokens "
-            "per engine emission"
+            f"per engine emission; {spec_positions_text(spec)}"
         )
     for key, title in (("tail_share", f"client tail (gaps >= p99 {_ms(c.get('p99_ms'))} ms)"),
                        ("all_share", "all client-gap time")):  # fmt: skip
@@ -64,6 +64,16 @@ def client_text(c: Mapping[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def spec_positions_text(s: Mapping[str, Any]) -> str:
+    """Mean accepted length and acceptance per draft position, one line (positions
+    1-based, as vLLM's log prints them)."""
+    rates = s.get("acceptance_per_pos") or []
+    per = ", ".join(f"{k + 1}: {_pct(r)}" for k, r in enumerate(rates)) or "-"
+    return (
+        f"mean accepted length {_ms(s.get('mean_accepted_length'))}, acceptance by position {per}"
+    )
+
+
 def spec_text(a: Any) -> str:
     """One line for a run with speculative decoding: acceptance next to ITL."""
     s = a.spec
@@ -71,7 +81,37 @@ def spec_text(a: Any) -> str:
         f"speculative decoding: {s['accepted']:.0f} of {s['drafted']:.0f} draft tokens "
         f"accepted ({_pct(s['acceptance'])}), {_ms(s['tokens_per_emission'])} tokens per "
         f"engine emission; ITL (per engine emission) p50 {_ms(a.itl_p50)} ms, "
-        f"p99 {_ms(a.itl_p99)} ms"
+        f"p99 {_ms(a.itl_p99)} ms; {spec_positions_text(s)}"
+    )
+
+
+def spec_positions_html(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """A table of acceptance by draft position, one row per run: drafts checked, mean
+    accepted length, then per position the share of drafts with that position accepted
+    (and the count)."""
+    n_pos = max((len(s.get("acceptance_per_pos") or []) for _, s in runs), default=0)
+    if not n_pos:
+        return ""
+    head = "".join(f"<th>position {k + 1}</th>" for k in range(n_pos))
+    rows = []
+    for name, s in runs:
+        rates = list(s.get("acceptance_per_pos") or [])
+        counts = list(s.get("accepted_per_pos") or [])
+        cells = "".join(
+            f"<td>{_pct(rates[k])} ({counts[k]:.0f})</td>" if k < len(rates) else "<td>-</td>"
+            for k in range(n_pos)
+        )
+        drafts = s.get("drafts")
+        rows.append(
+            f"<tr><td>{html.escape(name)}</td><td>{_ms(drafts, 0)}</td>"
+            f"<td>{_ms(s.get('mean_accepted_length'))}</td>{cells}</tr>"
+        )
+    return (
+        "<table class=spec-pos><tr><th>run</th><th>drafts</th><th>mean accepted length</th>"
+        f"{head}</tr>{''.join(rows)}</table><p class=note>Per position K: the share of drafts "
+        "whose K-th draft token was accepted (acceptance stops at the first rejection, so it "
+        "can only fall with K); mean accepted length: 1 + accepted / drafts, the tokens one "
+        "checked draft yielded.</p>"
     )
 
 
@@ -84,6 +124,7 @@ def spec_html(runs: Sequence[tuple[str, Any]]) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(n)}</td><td>{_pct(a.spec['acceptance'])}</td>"
         f"<td>{a.spec['accepted']:.0f} / {a.spec['drafted']:.0f}</td>"
+        f"<td>{_ms(a.spec.get('mean_accepted_length'))}</td>"
         f"<td>{_ms(a.spec['tokens_per_emission'])}</td><td>{_ms(a.itl_p50)}</td>"
         f"<td>{_ms(a.itl_p99)}</td></tr>"
         for n, a in have
@@ -91,8 +132,10 @@ def spec_html(runs: Sequence[tuple[str, Any]]) -> str:
     return (
         "<h2>Speculative decoding</h2><p class=note>Draft tokens accepted, and ITL between "
         "engine emissions (each carries every token a step accepted).</p><table><tr>"
-        "<th>run</th><th>acceptance</th><th>accepted / drafted</th><th>tokens per emission"
+        "<th>run</th><th>acceptance</th><th>accepted / drafted</th><th>mean accepted length"
+        "</th><th>tokens per emission"
         f"</th><th>ITL p50 ms</th><th>ITL p99 ms</th></tr>{rows}</table>"
+        + spec_positions_html([(n, a.spec) for n, a in have])
     )
 
 
@@ -124,7 +167,9 @@ def client_html(runs: Sequence[tuple[str, Mapping[str, Any] | None]]) -> str:
         spec_p = (
             f"<p>Speculative decoding: acceptance {_pct(spec['acceptance'])} "
             f"({spec['accepted']:.0f} of {spec['drafted']:.0f} draft tokens), "
-            f"{_ms(spec['tokens_per_emission'])} tokens per engine emission.</p>"
+            f"{_ms(spec['tokens_per_emission'])} tokens per engine emission, mean accepted "
+            f"length {_ms(spec.get('mean_accepted_length'))}.</p>"
+            + spec_positions_html([(name, spec)])
             if spec
             else ""
         )

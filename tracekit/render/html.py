@@ -772,6 +772,65 @@ def worst_stalls_html(name: str, records: Sequence[Mapping[str, Any]], open_: bo
     return f"<details{op}><summary>{esc(name)}</summary><div class=tw>{table}</div></details>"
 
 
+def _rank_cause(rank: int, cause: str | None, ms: float) -> str:
+    return "-" if cause is None else f"{_swatch(f'rank{rank}:{cause}')} {num(ms, 2)}"
+
+
+def tp_ranks_html(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
+    """Tensor parallel: per rank, the slow steps it held, the wait charged to it and its
+    top cause; then each slow step with its wait on every rank ('' when no run has rank
+    waits). `RunAnalysis.tp_ranks` holds the figures (`tracekit.analysis.ranks`)."""
+    have = [(n, a.tp_ranks) for a, n in zip(runs, names, strict=True) if a.tp_ranks]
+    if not have:
+        return ""
+    out = [
+        '<h2 id="tk-ranks">Tensor parallel: which rank held each slow step</h2><p class=note>'
+        "A step's wait on rank R is its <code>rankR:CAUSE</code> time (the other ranks "
+        "waited at a collective for R, charged to what R was doing); the rank with the most "
+        "wait held the step. Slow steps: the steps that closed a tail gap (at or above the "
+        "run's ITL p99).</p>"
+    ]
+    for name, v in have:
+        rows = [
+            [
+                f"rank {r['rank']}",
+                str(r["slow_steps_held"]),
+                num(r["charged_slow_ms"], 2),
+                num(r["charged_run_ms"], 2),
+                _rank_cause(r["rank"], r["top_cause"], r["top_cause_ms"]),
+            ]
+            for r in v["ranks"]
+        ]
+        ranks_table = _table(
+            ["rank", "slow steps held", "charged in slow steps (ms)", "charged in the run (ms)",
+             "top cause in slow steps (ms)"],
+            rows, "ranks",
+        )  # fmt: skip
+        rank_ids = [str(r["rank"]) for r in v["ranks"]]
+        step_rows = [
+            [
+                str(s["step"]),
+                f"{s['t_start_s']:.4f}",
+                num(s["dur_ms"], 2),
+                "-" if s["holder"] is None else f"rank {s['holder']}",
+                "-" if s["holder"] is None else esc(f"rank{s['holder']}:{s['holder_cause']}"),
+                *(num(s["wait_ms"].get(r, 0.0), 2) for r in rank_ids),
+            ]
+            for s in v["slow_steps"]
+        ]
+        steps_table = _table(
+            ["step", "start (s)", "ms", "held by", "its cause",
+             *(f"wait on rank {r} (ms)" for r in rank_ids)],
+            step_rows, "rank-steps",
+        )  # fmt: skip
+        out.append(
+            f"<h3>{esc(name)}</h3><p>{len(v['slow_steps'])} slow steps (tail: gaps at or "
+            f"above {num(v['itl_p99_ms'], 2)} ms).</p>{ranks_table}"
+            f"<details><summary>slow steps</summary>{steps_table}</details>"
+        )
+    return "".join(out)
+
+
 # -- the page ---------------------------------------------------------------------------
 
 
@@ -896,6 +955,7 @@ def render_report(
 
     sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
     sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))
+    sections.append(tp_ranks_html(analyses, names))
     worst = "".join(
         worst_stalls_html(n, r.worst_stalls, open_=(k == 0))
         for k, (r, n) in enumerate(zip(runs, names, strict=True))

@@ -13,6 +13,11 @@ before the recorder started, so that no ``ts`` is negative: see `engine_start_us
   - ``gc``: every collection, args ``generation``;
   - counters (``ph: C``) for every sampled engine counter (``batch_size``,
     ``kv_free_blocks``, ...); Perfetto names the track ``NAME value``;
+  - a tensor-parallel run (merged, with ``rankR:CAUSE`` waits): one track per rank,
+    ``tp rank R``, with each step's wait on that rank (slices named ``rankR:CAUSE``) and,
+    around them, a ``held slow step`` slice for every slow step the rank held
+    (`tracekit.analysis.ranks`: the rank with the most wait in a step that closed a tail
+    gap), args ``step``, ``wait_ms`` (by rank) and ``cause``;
 - process ``requests`` (pid 2): one thread track per request, named ``req ID``:
   - ``ttft``: arrival to first token, with ``args.parts`` and ``args.phases`` (ms; each
     sums to ``args.ttft_ms``) and ``args.primary`` when the TTFT partition is given;
@@ -47,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.analysis.ranks import rank_labels, rank_view
 from tracekit.attribution.itl import Partition, evicted_windows
 from tracekit.attribution.ttft import PHASES as TTFT_PHASES
 from tracekit.attribution.ttft import TtftPartition
@@ -62,6 +68,7 @@ TID_THREADS = 100  # + recording thread number (host segments off the loop threa
 TID_DEVICE = 200  # + recording thread number (device-time segments)
 TID_OVERLAP = 1000  # + lane: windows that overlap others without nesting
 TID_GC_OVERLAP = 1500  # + lane: gc pauses that overlap each other
+TID_RANKS = 5000  # + tensor-parallel rank: the steps' waits on that rank
 #: + request index. Thread ids are kept distinct across the two processes: Perfetto keys
 #: JSON threads by tid, so a request must never share one with an engine track.
 TID_REQUESTS = 10_000
@@ -286,6 +293,7 @@ def chrome_trace_events(
 
     events = header_events()
     events += _engine_events(log, window_s)
+    events += _rank_events(log, part, window_s)
     events += _counter_events(log, window_s)
     events += _request_events(log, part, ids, keep_req, window_s, _ttft_args(ttft))
     return _shift_to_zero(events)
@@ -413,6 +421,43 @@ def _engine_events(log: RawLog, window_s) -> list[dict[str, Any]]:
                 "args": {"generation": gen[i]},
             }
         )
+    return out
+
+
+def _rank_events(log: RawLog, part: Partition, window_s) -> list[dict[str, Any]]:
+    """One track per tensor-parallel rank: its waits, and the slow steps it held."""
+    view = rank_view(log, part)
+    if view is None:
+        return []
+    which = rank_labels(log.labels)
+    sg, st = log.segments, log.steps
+    out: list[dict[str, Any]] = []
+    keep = _overlaps(sg.t_start_s, sg.t_end_s, window_s)
+    g0, g1 = _ns(sg.t_start_s), _ns(sg.t_end_s)
+    by_rank: dict[int, list[tuple[int, int, int, str, dict[str, Any]]]] = {}
+    for i in np.flatnonzero(keep & np.isin(sg.label, list(which))).tolist():
+        lab = int(sg.label[i])
+        by_rank.setdefault(which[lab][0], []).append(
+            (int(g0[i]), int(g1[i]), 1, log.labels[lab], {"step": int(sg.step[i])})
+        )
+    s0, s1 = _ns(st.t_start_s), _ns(st.t_end_s)
+    keep_st = _overlaps(st.t_start_s, st.t_end_s, window_s)
+    for s in view.slow_steps:
+        if s.holder is None or not keep_st[s.step]:
+            continue
+        args = {"step": s.step, "wait_ms": s.wait_ms, "cause": f"rank{s.holder}:{s.holder_cause}"}
+        by_rank.setdefault(s.holder, []).append(
+            (int(s0[s.step]), int(s1[s.step]), 0, "held slow step", args)
+        )
+    for row in view.ranks:
+        tid = TID_RANKS + row.rank
+        out += track_events(PID_ENGINE, tid, f"tp rank {row.rank}", tid)
+        # a held step's slice before the waits inside it (same start: the longer first)
+        for a, b, _, name, args in sorted(
+            by_rank.get(row.rank, []), key=lambda x: (x[0], -x[1], x[2])
+        ):
+            out.append({"ph": "X", "pid": PID_ENGINE, "tid": tid, "ts": _us(a),
+                        "dur": _us(b - a), "name": name, "args": args})  # fmt: skip
     return out
 
 

@@ -6,6 +6,7 @@ import html
 import math
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tracekit.analysis.compare import FIGURES, Comparison, Spread
 from tracekit.analysis.figures import RunAnalysis
@@ -148,7 +149,26 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
 
     parts += [f"\n{run_name(a)}: {spec_text(a)}" for a in runs if a.spec and not a.client]
     parts += [f"\n{run_name(a)}: {client_text(a.client)}" for a in runs if a.client]
+    parts += [f"\n{run_name(a)}: {tp_ranks_text(a.tp_ranks)}" for a in runs if a.tp_ranks]
     return "\n".join(parts)
+
+
+def tp_ranks_text(v: dict[str, Any]) -> str:
+    """Tensor parallel: per rank, the slow steps it held (`tracekit.analysis.ranks`)."""
+    lines = [
+        f"tensor parallel: {len(v['slow_steps'])} slow steps (closing gaps >= p99 "
+        f"{num(v['itl_p99_ms'], 2)} ms); which rank held them:",
+        f"{'rank':<8}{'held':>6}{'slow ms':>10}{'run ms':>10}  top cause in slow steps",
+    ]
+    for r in v["ranks"]:
+        top = "-"
+        if r["top_cause"]:
+            top = f"rank{r['rank']}:{r['top_cause']} {num(r['top_cause_ms'], 2)} ms"
+        lines.append(
+            f"{r['rank']:<8}{r['slow_steps_held']:>6}{num(r['charged_slow_ms'], 2):>10}"
+            f"{num(r['charged_run_ms'], 2):>10}  {top}"
+        )
+    return "\n".join(lines)
 
 
 # -- cross-run comparison (tracekit compare) ---------------------------------------------
