@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,8 +162,22 @@ class Stream:
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 
 
+async def _lines(r: Any, cut_ok: bool) -> AsyncIterator[str]:
+    """The response's lines; with `cut_ok`, a connection the server closed mid-stream (it
+    was stopped) ends them instead of raising: the chunks received so far are kept."""
+    import httpx
+
+    try:
+        async for line in r.aiter_lines():
+            yield line
+    except httpx.HTTPError:
+        if not cut_ok:
+            raise
+
+
 async def _stream(client: Any, url: str, body: dict[str, Any],
-                  headers: dict[str, str] | None, delay_s: float = 0.0) -> Stream:  # fmt: skip
+                  headers: dict[str, str] | None, delay_s: float = 0.0,
+                  cut_ok: bool = False) -> Stream:  # fmt: skip
     if delay_s > 0:
         await asyncio.sleep(delay_s)
     chat = "messages" in body
@@ -173,11 +188,13 @@ async def _stream(client: Any, url: str, body: dict[str, Any],
     r = await client.send(request, stream=True)
     try:
         s.status = r.status_code
-        async for line in r.aiter_lines():
+        async for line in _lines(r, cut_ok):
             t = time.perf_counter_ns()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             d = json.loads(line[6:])
+            if cut_ok and "choices" not in d:
+                break  # the server's error event: the engine went away mid-stream
             s.id = d["id"]
             for ch in d["choices"]:
                 if chat:
@@ -217,6 +234,34 @@ def stream_load(
             return list(await asyncio.gather(*jobs))
 
     return asyncio.run(main())
+
+
+def stop_while_streaming(
+    server: Server, bodies: list[dict[str, Any]], after_s: float, sig: int = signal.SIGTERM
+) -> tuple[list[Stream], int, int]:
+    """Stream every body at once and, `after_s` seconds later while they still run, stop
+    the server with `sig` (to the API server process, as a process manager does). Returns
+    the streams as the client saw them (cut where the server closed them), the
+    ``perf_counter_ns`` at which the signal was sent and the server's return code."""
+    import threading
+
+    import httpx
+
+    out: list[list[Stream]] = []
+
+    async def main() -> list[Stream]:
+        limits = httpx.Limits(max_connections=len(bodies) + 2)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            jobs = (_stream(client, server.url, b, None, cut_ok=True) for b in bodies)
+            return list(await asyncio.gather(*jobs))
+
+    t = threading.Thread(target=lambda: out.append(asyncio.run(main())))
+    t.start()
+    time.sleep(after_s)
+    t_sig_ns = time.perf_counter_ns()
+    rc = server.stop(sig)
+    t.join(timeout=120)
+    return (out[0] if out else []), t_sig_ns, rc
 
 
 def completion_body(model: str, prompt: str, max_tokens: int, **kw: Any) -> dict[str, Any]:

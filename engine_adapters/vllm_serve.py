@@ -44,12 +44,18 @@ names an output directory. Then it installs class-level wrappers that start a
   uvicorn's transport write returning) and one emission at the client boundary, at that
   write, with the chunk's tokens.
 
-Each process flushes at least every ``TRACEKIT_VLLM_FLUSH_S`` seconds (default 0.5), also
-while idle (a background thread), so what was recorded reaches disk within that interval.
-The API server stops its recorder at exit (SIGTERM / SIGINT of the server end in a normal
-exit there). With vLLM's default ``--shutdown-timeout 0`` the engine core
-and workers are SIGKILLed, so no exit hook runs there: their parts stay on disk and
-``tracekit merge`` recovers them (without removing them). The OpenAI
+Each process flushes at least every ``TRACEKIT_VLLM_FLUSH_S`` seconds (default 0.5, at
+most `MAX_FLUSH_S`), also while idle (a background thread), so what was recorded reaches
+disk within that interval. The API server stops its recorder at exit (SIGTERM / SIGINT of
+the server end in a normal exit there). With vLLM's default ``--shutdown-timeout 0`` the
+engine core and workers are SIGKILLed right after their SIGTERM, so no exit hook runs
+there: their parts stay on disk and ``tracekit merge`` recovers them (without removing
+them). To lose less there, the engine core and workers flush on SIGTERM
+(`Recorder.flush_soon`), and the process that stops the engine cores sends that SIGTERM
+itself and waits, at most ``TRACEKIT_VLLM_KILL_FLUSH_S`` seconds (default 2), for each
+recording engine core's flush to reach disk before vLLM's SIGKILL (`flush_before_kill`);
+what the core does after its SIGTERM is still lost, and the merged run says so
+(docs/adapters.md, "Stopping"). The OpenAI
 ``/v1/completions`` and ``/v1/chat/completions`` streams are recorded at the client
 boundary; a server started with tracekit refuses nothing.
 
@@ -61,9 +67,11 @@ spans parented on the ``traceparent`` vLLM carries (`live_options`, docs/live.md
 from __future__ import annotations
 
 import contextvars
+import logging
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -81,6 +89,10 @@ from .vllm_v1 import VllmV1Adapter
 ENV_DIR = "TRACEKIT_VLLM_DIR"
 ENV_FLUSH_S = "TRACEKIT_VLLM_FLUSH_S"
 DEFAULT_FLUSH_S = 0.5
+#: The longest flush interval under serve: what a SIGKILL without a SIGTERM first can lose.
+MAX_FLUSH_S = 1.0
+ENV_KILL_FLUSH_S = "TRACEKIT_VLLM_KILL_FLUSH_S"
+DEFAULT_KILL_FLUSH_S = 2.0
 #: Separates the client id from the engine id in the API server's request names.
 FRONT_SEP = "\x1f"
 #: Counter names of the paired stamps (see the module docstring).
@@ -90,6 +102,8 @@ HANDLER = "serve.handler"
 ROLES = ("api_server", "engine_core", "worker")
 
 _lock = threading.Lock()
+#: vLLM's logger tree: what the plugin says lands in the server's log.
+_log = logging.getLogger("vllm.tracekit")
 _registered = [False]
 _class_patches = Patches()
 _rec: dict[str, Any] = {}  # role -> the process's Recorder
@@ -110,12 +124,14 @@ def register() -> None:
         if _registered[0]:
             return
         check_output_dir(out)
+        flush_interval_s()  # a bad value fails here, at startup, with what to do
         live_options()  # a bad TRACEKIT_VLLM_* live option stops the server at startup
         _registered[0] = True
     _install_core_hooks()
     _install_worker_hooks()
     _install_frontend_hooks()
     _install_shutdown_grace()
+    _install_flush_before_kill()
 
 
 def installed_hooks() -> int:
@@ -148,6 +164,41 @@ def check_output_dir(out: str) -> None:
             f"{ENV_FLUSH_S}={os.environ.get(ENV_FLUSH_S)!r}: expected a positive number of "
             "seconds (how long recorded rows may stay in memory), e.g. 0.5"
         )
+
+
+def _seconds(name: str, default: float, lo: float, hi: float) -> float:
+    """A number of seconds from the environment, checked: a value that is not a number in
+    [lo, hi] fails with the variable's name and what it needs."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not lo <= v <= hi:  # NaN fails too
+        raise RuntimeError(f"{name}={raw[:40]!r}: expected seconds in [{lo}, {hi}]")
+    return v
+
+
+def flush_interval_s() -> float:
+    """``TRACEKIT_VLLM_FLUSH_S``: each process's flush interval, bounded by `MAX_FLUSH_S`
+    (what a SIGKILL that no SIGTERM announced can lose)."""
+    return _seconds(ENV_FLUSH_S, DEFAULT_FLUSH_S, 0.01, MAX_FLUSH_S)
+
+
+def flush_on_sigterm(rec: Any) -> None:
+    """Chain a SIGTERM handler in front of the process's own (vLLM's): ask the recorder to
+    flush (`Recorder.flush_soon`: at once between steps, else at the open step's end), so
+    the rows so far reach disk before a SIGKILL can land; then vLLM's handler runs."""
+    prev = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        rec.flush_soon()
+        if callable(prev):
+            prev(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def process_identity(role: str) -> dict[str, Any]:
@@ -191,7 +242,7 @@ def recorder_for(role: str, sinks: tuple[Any, ...] = (), **identity: Any) -> Any
                 version = str(getattr(vllm, "__version__", "?"))
             except ImportError:  # pragma: no cover - the plugin runs inside vLLM
                 version = "?"
-            flush_s = float(os.environ.get(ENV_FLUSH_S, DEFAULT_FLUSH_S))
+            flush_s = flush_interval_s()
             rec = tracekit.Recorder(
                 os.path.join(out_dir, f"{role}-{os.getpid()}.npz"),
                 config={
@@ -312,8 +363,16 @@ def _install_core_hooks() -> None:
         def run_busy_loop_recorded(self: Any) -> Any:
             dp_rank = int(getattr(self, "engine_index", 0))
             live = live_sink_for_core(self, dp_rank)
-            rec = recorder_for("engine_core", () if live is None else (live,), dp_rank=dp_rank)
+            par = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+            tp = getattr(par, "tensor_parallel_size", None)
+            rec = recorder_for(
+                "engine_core",
+                () if live is None else (live,),
+                dp_rank=dp_rank,
+                **({"tp_size": tp} if isinstance(tp, int) else {}),  # the ranks to expect
+            )
             adapter = ServeCoreAdapter(rec, self).install()
+            flush_on_sigterm(rec)  # vLLM's handler is in place: chain in front of it
             parents = Patches()
             if live is not None:
                 _propagate_trace_context(live, self.scheduler, parents)
@@ -531,6 +590,7 @@ def _install_worker_hooks() -> None:
             if runner is not None:
                 _instrument_runner(rec, runner, patches, injector(ranks.get("tp_rank")))
             _instrument_collectives(rec, patches)
+            flush_on_sigterm(rec)
             try:
                 return busy_loop(self)
             finally:
@@ -782,6 +842,72 @@ def _install_shutdown_grace() -> None:
         return shutdown_with_grace
 
     _class_patches.wrap(APIServerProcessManager, "shutdown", make)
+
+
+def _install_flush_before_kill() -> None:
+    """Where vLLM stops the engine cores (`CoreEngineProcManager.shutdown`, in the API
+    server or the launcher) with ``--shutdown-timeout 0``, it SIGTERMs and SIGKILLs at
+    once: no SIGTERM handler runs in between. While recording, `flush_before_kill` runs
+    first; vLLM's shutdown then goes on as before."""
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+    except ImportError:  # another vLLM layout: engine cores stop as vLLM decides
+        return
+    wait_s = _seconds(ENV_KILL_FLUSH_S, DEFAULT_KILL_FLUSH_S, 0.0, 10.0)
+
+    def make(shutdown: Callable[..., Any]) -> Callable[..., Any]:
+        def shutdown_after_flush(self: Any, timeout: float | None = None) -> Any:
+            if timeout == 0 and wait_s > 0:
+                flush_before_kill(list(getattr(self, "processes", ())), wait_s)
+            return shutdown(self, timeout)
+
+        return shutdown_after_flush
+
+    _class_patches.wrap(CoreEngineProcManager, "shutdown", make)
+
+
+def flush_before_kill(procs: list[Any], wait_s: float) -> int:
+    """SIGTERM each live engine core that is recording (its parts folder exists: its
+    handler flushes, `flush_on_sigterm`) and wait until each has a part on disk taken after
+    the signal (its ``flush_tick``, on the one ``perf_counter`` clock of the host, is past
+    it: an older flush the writer was still behind on does not count) or has exited, at
+    most `wait_s` seconds in all. Returns how many did in time."""
+    import numpy as np
+
+    from tracekit.log.parts import part_paths
+
+    def flushed_since(d: str, t_tick: int) -> bool:
+        try:
+            last = part_paths(d)[-1:]
+            if not last:
+                return False
+            with np.load(last[0], allow_pickle=False) as z:
+                return int(z["flush_tick"]) >= t_tick
+        except FileNotFoundError:  # gone: it stopped its recorder and wrote its whole log
+            return True
+        except Exception:  # a part being renamed into place, or unreadable: look again
+            return False
+
+    out = os.environ.get(ENV_DIR, "")
+    watch = []
+    for p in procs:
+        d = os.path.join(out, f"engine_core-{p.pid}.npz.parts")
+        if p.pid and p.is_alive() and os.path.isdir(d):
+            watch.append((p, d))
+    t_term = time.perf_counter_ns()  # the recorders' clock (docs/adapters.md, the merge)
+    for p, _ in watch:
+        p.terminate()
+    t0 = time.monotonic()
+    left = watch
+    while left and time.monotonic() < t0 + wait_s:
+        time.sleep(0.002)
+        left = [(p, d) for p, d in left if p.is_alive() and not flushed_since(d, t_term)]
+    _log.info(
+        "tracekit: %d of %d recording engine core(s) flushed on SIGTERM in %.1f ms, before "
+        "the kill (at most %s s)", len(watch) - len(left), len(watch),
+        (time.monotonic() - t0) * 1e3, wait_s,
+    )  # fmt: skip
+    return len(watch) - len(left)
 
 
 def _install_frontend_hooks() -> None:

@@ -28,6 +28,7 @@ import numpy as np
 from tracekit.log.rawlog import (
     Admissions,
     Counters,
+    Coverage,
     Emissions,
     Evictions,
     GcPauses,
@@ -149,6 +150,10 @@ def base_log() -> RawLog:
         # OS evidence: the loop thread at every step's start and end (2 ms run-queue wait
         # in step 4, 1 ms blocked in step 7)
         os_samples=_os_samples(t0, t1),
+        # coverage: the one process from its start to its clean stop at the wall time
+        coverage=Coverage.from_columns(
+            process=[0], t_start_s=[0.0], t_end_s=[0.125], is_clean_stop=[1]
+        ),  # fmt: skip
         config={"rung": "baseline", "seed": 1, "engine": {"max_batch": 16}},
         wall_s=0.125,
         meta={"source": "tracekit", "clock": "fake"},
@@ -325,6 +330,8 @@ V1_TIME_COLS = {
     "counters.t_s": False,
     "admissions.t_s": False,
     "os_samples.t_s": False,
+    "coverage.t_start_s": False,
+    "coverage.t_end_s": False,
 }
 V1_INDEX_COLS = {  # column -> lowest valid value
     "segments.label": 0,
@@ -340,6 +347,7 @@ V1_INDEX_COLS = {  # column -> lowest valid value
     "waits.request": 0,
     "waits.reason": 0,
     "os_samples.kind": 0,
+    "coverage.process": 0,
 }
 V1_COUNT_COLS = {  # column -> lowest valid value
     "steps.num_decode": 0,
@@ -356,6 +364,7 @@ V1_COUNT_COLS = {  # column -> lowest valid value
     "os_samples.num_voluntary_switches": -1,
     "os_samples.num_involuntary_switches": -1,
     "os_samples.num_major_faults": -1,
+    "coverage.is_clean_stop": 0,
 }
 #: Columns of ns totals: 2**40 ns (18 minutes of CPU) is a measurement, not absurd.
 NS_COLS = frozenset({"os_samples.cpu_ns", "os_samples.runqueue_ns"})
@@ -496,7 +505,7 @@ def _v1_scalar_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("schema as int", "reject", "schema", schema=np.array(1))
     yield c("schema as list", "reject", "schema", schema=np.array(["tracekit.rawlog"]))
     yield c("schema is empty", "reject", "schema", schema=np.array(""))
-    for v in (0, 4, 99, -1, 2**62):
+    for v in (0, 5, 99, -1, 2**62):
         yield c(f"schema_version {v}", "reject", "schema_version", schema_version=np.array(v))
     yield c("schema_version missing", "reject", "schema_version", schema_version=None)
     yield c("schema_version float", "reject", "schema_version", schema_version=np.array(1.5))
@@ -665,6 +674,21 @@ def _v1_semantic_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("no TTFT tables (a version-1 log)", "ok", schema_version=np.array(1),
             **{k.replace(".", "__"): None for k in base
                if k.split(".")[0] in ("admissions", "prefill_chunks", "waits")})  # fmt: skip
+    yield c("no coverage table (a version-3 log: coverage unknown)", "ok",
+            schema_version=np.array(3),
+            **{k.replace(".", "__"): None for k in base if k.startswith("coverage.")})  # fmt: skip
+    no_rows = {k.replace(".", "__"): base[k][:0] for k in base if k.startswith("coverage.")}
+    yield c("empty coverage (coverage unknown)", "ok", **no_rows)
+    yield c("coverage ends before it starts", "reject", "coverage.t_end_s",
+            coverage__t_end_s=np.array([-0.5]))  # fmt: skip
+    yield c("coverage of a process the log does not have", "reject", "coverage.process",
+            coverage__process=np.array([1]))  # fmt: skip
+    yield c("coverage with two rows for one process", "reject", "coverage.process",
+            coverage__process=np.array([0, 0]), coverage__t_start_s=np.array([0.0, 0.0]),
+            coverage__t_end_s=np.array([0.1, 0.125]),
+            coverage__is_clean_stop=np.array([1, 1]))  # fmt: skip
+    yield c("coverage clean-stop flag 2", "reject", "coverage.is_clean_stop",
+            coverage__is_clean_stop=np.array([2]))  # fmt: skip
     yield c("eviction never readmitted", "ok", "never readmitted",
             evictions__t_readmit_s=np.array([math.nan]))  # fmt: skip
     yield c("readmission before eviction", "reject", "readmitted before",

@@ -36,11 +36,16 @@ def _ident(role: str, pid: int, boot: str) -> dict:
 
 
 def record_pair(tmp_path, *, fe_offset_s=0.0, fe_drift=0.0, fe_boot="b1", n=300, seed=0,
-                kill_core=False):  # fmt: skip
+                kill_core=False, kill_core_at=None, fe_from=0):  # fmt: skip
     """An engine core and an API server exchanging `n` requests on a true timeline: each
     request is sent (API server), added 50-400 us later (core), emits one token per step
     (core), whose outputs arrive 100-600 us later (API server) and are written as a chunk
-    0.2 ms after that. Returns the directory and the true times of the chunk writes."""
+    0.2 ms after that. Returns the directory and the true times of the chunk writes.
+
+    `kill_core_at=i`: the core's last flush is taken as request i is sent (true time
+    `record_pair.kill_s`), then it records on but is killed before flushing again (its
+    later rows are lost, as after a SIGKILL); `fe_from=i`: the API server's recorder starts
+    as request i is sent (the requests before it reach the core unrecorded there)."""
     rng = np.random.default_rng(seed)
     core_clk, fe_clk = Clock(100.0), Clock(100.0 + fe_offset_s, fe_drift)
     core = tracekit.Recorder(str(tmp_path / "engine_core-1.npz"), clock=core_clk, gc=False,
@@ -50,7 +55,8 @@ def record_pair(tmp_path, *, fe_offset_s=0.0, fe_drift=0.0, fe_boot="b1", n=300,
                            handle_signals=False, flush_interval_s=1e9,
                            config={"process": _ident("api_server", 2, fe_boot)})  # fmt: skip
     core.start()
-    fe.start()
+    if not fe_from:
+        fe.start()
     writes = []
 
     def at(t):
@@ -60,8 +66,16 @@ def record_pair(tmp_path, *, fe_offset_s=0.0, fe_drift=0.0, fe_boot="b1", n=300,
     for i in range(n):
         eid = f"cmpl-{i}-0-abcd{i:04d}"
         at(t)
-        idx = fe.request(f"cmpl-{i}-0{SEP}{eid}")
-        fe.counter("serve.sent", idx)
+        if kill_core_at == i:
+            core._flush()
+            record_pair.kill_s = t
+        if fe_from and i == fe_from:
+            fe.start()
+            record_pair.fe_start_s = t
+        on = not fe_from or i >= fe_from  # the API server records this request
+        idx = fe.request(f"cmpl-{i}-0{SEP}{eid}") if on else -1
+        if on:
+            fe.counter("serve.sent", idx)
         at(t + rng.uniform(50e-6, 400e-6))
         cidx = core.request(eid)
         core.counter("serve.added", cidx)
@@ -75,16 +89,19 @@ def record_pair(tmp_path, *, fe_offset_s=0.0, fe_drift=0.0, fe_boot="b1", n=300,
                 core.counter("serve.out", ts)
             recv = t_step + 2e-3 + rng.uniform(100e-6, 600e-6)
             at(recv)
-            fe.counter("serve.recv", ts)
+            if on:
+                fe.counter("serve.recv", ts)
             at(recv + 0.2e-3)
-            fe.emit([f"cmpl-{i}-0{SEP}{eid}"])
+            if on:
+                fe.emit([f"cmpl-{i}-0{SEP}{eid}"])
             writes.append(recv + 0.2e-3)
             t_step += 3e-3
         t = t_step + rng.uniform(0, 5e-3)
     at(t + 0.01)
     fe.stop()
-    if kill_core:
-        core._flush()  # what the flush interval would have written; then no stop()
+    if kill_core or kill_core_at is not None:
+        if kill_core_at is None:
+            core._flush()  # what the flush interval would have written; then no stop()
         core._dispatcher.close()  # every flushed row is in its part, as after a SIGKILL
         core._running = False
         tracekit.capture.recorder._ACTIVE.discard(core)

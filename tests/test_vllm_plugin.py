@@ -24,6 +24,16 @@ def test_an_unwritable_directory_fails_at_startup_saying_what_to_do(monkeypatch,
     assert vllm_serve._registered == [False] and vllm_serve.installed_hooks() == 0
 
 
+@pytest.mark.parametrize("value", ["5", "1.5"])
+def test_a_flush_interval_over_the_serve_bound_fails_at_startup(monkeypatch, tmp_path, value):
+    """Under serve the flush interval bounds what a SIGKILL loses: at most 1 s."""
+    monkeypatch.setenv("TRACEKIT_VLLM_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEKIT_VLLM_FLUSH_S", value)
+    with pytest.raises(RuntimeError, match=r"TRACEKIT_VLLM_FLUSH_S=.*seconds in \[0.01, 1.0\]"):
+        vllm_serve.register()
+    assert vllm_serve._registered == [False]
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "soon"])
 def test_a_bad_flush_interval_fails_at_startup(monkeypatch, tmp_path, value):
     monkeypatch.setenv("TRACEKIT_VLLM_DIR", str(tmp_path))

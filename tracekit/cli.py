@@ -493,6 +493,7 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     against the engine core and its uncertainty. `analyze`, `report` and `trace` also
     accept DIRECTORY itself. A data-parallel server has one engine core per rank: merge
     each rank's run with --engine RANK (its steps, workers and requests)."""
+    from tracekit.analysis.unrecorded import unrecorded_report
     from tracekit.log.merge import save_merged
 
     log = save_merged(directory, output, force=force, engine=engine, **_limits())
@@ -511,6 +512,8 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
         f"wrote {output}: {len(log.steps)} steps, {len(log.emissions)} engine emissions, "
         f"{len(log.client_emissions)} client chunks, {len(log.request_ids)} requests"
     )
+    for u in unrecorded_report(log):  # partial or missing evidence, said, never assumed idle
+        click.echo(f"unrecorded: {u['line']}")
 
 
 # -- compare, report, trace (issue 4: reports) ---------------------------------------------

@@ -179,14 +179,21 @@ def analyze(
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
+    from tracekit.analysis.unrecorded import unrecorded_report
     from tracekit.attribution.client import client_partition, client_summary, spec_acceptance
 
     spec = spec_acceptance(log)
     ranks = rank_view(log, p)
     client = None
-    if len(log.client_emissions):
-        client = client_summary(log, client_partition(log), gap)
+    cp = client_partition(log) if len(log.client_emissions) else None
+    if cp is not None:
+        client = client_summary(log, cp, gap)
         client["spec"] = spec
+    unrecorded = unrecorded_report(log, cp)  # partial or missing evidence, per process
+    if unrecorded:
+        warnings += [u["line"] for u in unrecorded]
+        if client is not None:
+            client["unrecorded"] = unrecorded
     return RunAnalysis(
         path=log.path,
         rung=log.rung,

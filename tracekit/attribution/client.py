@@ -19,6 +19,18 @@ of it goes to exactly one label:
    serialisation, the output queue) > ``frontend_other`` (what no window covers: building
    the chunk, the event loop, other tasks).
 
+**Unrecorded windows** (docs/partition.md, "Unrecorded windows"). Each process's rows
+cover a span (`RawLog.coverage`, on the run's clock: from its recorder's start to the end
+of its complete rows); outside it that process recorded nothing, so no cause of it or of
+another process may be charged there. When the engine emission `e` is unknown and the gap
+reaches past the engine core's span (``b > core_end``), the token did not exist before
+``core_end`` (the core's rows are complete until then) and whether it existed after is
+unknown: ``x = clip(core_end, a, b)`` and all of ``[x, b]`` is ``unrecorded:engine_core``.
+Otherwise the engine part's time outside the core's span is ``unrecorded:engine_core`` and
+the frontend part's time outside the span of the API server that wrote the chunk is
+``unrecorded:api_server``; the rest is partitioned as above, over the recorded time only.
+A log without coverage (before schema v4): spans unknown, nothing is unrecorded.
+
 The event loop runs one thing at a time, so a window of another request (its output
 processing, its chunk's write) inside this gap delayed this chunk all the same: windows
 are not filtered by request. Parts sum to the gap (checked; a violation is an error).
@@ -48,6 +60,10 @@ from tracekit.log.rawlog import Emissions, Evictions, RawLog, Requests
 #: Frontend labels, in the order that owns an overlap first.
 FRONTEND_PRECEDENCE = ("frontend_gc", "sse_write", "output", "input")
 FRONTEND_LABELS = (*FRONTEND_PRECEDENCE, "hop", "frontend_other")
+#: Time of a client gap where a process it depends on recorded nothing, by that process's
+#: role (docs/partition.md, "Unrecorded windows"); a column only where some gap has any.
+UNRECORDED_CORE, UNRECORDED_API = "unrecorded:engine_core", "unrecorded:api_server"
+UNRECORDED_LABELS = (UNRECORDED_CORE, UNRECORDED_API)
 #: proc_segments label -> frontend label
 FRONTEND_WINDOW = {"gc": "frontend_gc", "sse_write": "sse_write", "output": "output",
                    "input": "input"}  # fmt: skip
@@ -57,11 +73,13 @@ FRONTEND_WINDOW = {"gc": "frontend_gc", "sse_write": "sse_write", "output": "out
 class ClientPartition:
     """Every client gap of a run. Rows are gaps, sorted by request then time."""
 
-    labels: tuple[str, ...]  # engine labels, then FRONTEND_LABELS
+    labels: tuple[str, ...]  # engine labels, FRONTEND_LABELS, unrecorded labels (if any)
     request: np.ndarray
     t0_s: np.ndarray  # the earlier chunk's write
     t1_s: np.ndarray  # the later chunk's write
-    engine_s: np.ndarray  # x: when the later chunk's last token left the engine (clipped)
+    # x: when the later chunk's last token left the engine (clipped to the gap); where that
+    # is unrecorded, the end of the engine core's span (docstring, "Unrecorded windows")
+    engine_s: np.ndarray
     num_tokens: np.ndarray  # tokens the later chunk carried
     gap_ms: np.ndarray
     parts_ms: np.ndarray  # (gaps, labels), sums to gap_ms
@@ -77,11 +95,16 @@ class ClientPartition:
         return self.parts_ms[:, self.labels.index(label)]
 
     def engine_ms(self) -> np.ndarray:
-        n = len(self.labels) - len(FRONTEND_LABELS)
+        n = self.labels.index(FRONTEND_LABELS[0])
         return self.parts_ms[:, :n].sum(axis=1)
 
     def frontend_ms(self) -> np.ndarray:
-        n = len(self.labels) - len(FRONTEND_LABELS)
+        n = self.labels.index(FRONTEND_LABELS[0])
+        return self.parts_ms[:, n : n + len(FRONTEND_LABELS)].sum(axis=1)
+
+    def unrecorded_ms(self) -> np.ndarray:
+        """Time of each gap where a process it depends on recorded nothing."""
+        n = self.labels.index(FRONTEND_LABELS[0]) + len(FRONTEND_LABELS)
         return self.parts_ms[:, n:].sum(axis=1)
 
     def primary_names(self) -> np.ndarray:
@@ -107,6 +130,32 @@ class ClientGaps:
     dstep1: np.ndarray
     num_tokens: np.ndarray
     process: np.ndarray  # the API server that wrote the later chunk (meta["processes"])
+    # the spans (`RawLog.coverage`, run's clock) of the engine core and of that API server:
+    # -inf / inf where unknown
+    core_lo: np.ndarray
+    core_hi: np.ndarray
+    fe_lo: np.ndarray
+    fe_hi: np.ndarray
+
+
+def core_process(log: RawLog) -> int:
+    """The engine core's index in ``meta["processes"]`` (0 where none is named)."""
+    procs = log.meta.get("processes", [])
+    for i, p in enumerate(procs if isinstance(procs, list) else []):
+        if isinstance(p, dict) and p.get("role") == "engine_core":
+            return i
+    return 0
+
+
+def process_spans(log: RawLog, process: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of each named process's coverage on the run's clock; (-inf, inf) for a
+    process without a coverage row (unknown: never assumed partial)."""
+    cov = log.coverage
+    n = int(max(int(cov.process.max(initial=-1)), int(np.max(process, initial=-1)))) + 1
+    lo, hi = np.full(n, -np.inf), np.full(n, np.inf)
+    lo[cov.process], hi[cov.process] = cov.t_start_s, cov.t_end_s
+    p = np.asarray(process, dtype=np.int64)
+    return lo[p], hi[p]
 
 
 def client_gaps(log: RawLog) -> ClientGaps:
@@ -153,6 +202,8 @@ def client_gaps(log: RawLog) -> ClientGaps:
     a, b = t[pair], t[pair + 1]
     e1 = e[pair + 1]
     x = np.where(np.isnan(e1), a, np.clip(e1, a, b))
+    core_lo, core_hi = process_spans(log, np.full(len(pair), core_process(log)))
+    fe_lo, fe_hi = process_spans(log, proc[pair + 1])
     return ClientGaps(
         request=r[pair + 1],
         a=a,
@@ -165,6 +216,10 @@ def client_gaps(log: RawLog) -> ClientGaps:
         dstep1=dstep[pair + 1],
         num_tokens=k[pair + 1],
         process=proc[pair + 1],
+        core_lo=core_lo,
+        core_hi=core_hi,
+        fe_lo=fe_lo,
+        fe_hi=fe_hi,
     )
 
 
@@ -180,13 +235,18 @@ def _cum_by_request(r: np.ndarray, k: np.ndarray) -> np.ndarray:
     return c - base
 
 
-def engine_part_log(log: RawLog, g: ClientGaps) -> RawLog:
-    """The run with one pseudo-request per client gap whose engine part is non-empty,
-    emitting at its two ends: `partition` then partitions exactly the engine parts."""
-    live = np.flatnonzero(g.x > g.a)
+def engine_part_log(
+    log: RawLog, g: ClientGaps, lo: np.ndarray | None = None, hi: np.ndarray | None = None
+) -> RawLog:
+    """The run with one pseudo-request per client gap whose engine part ``[lo, hi]``
+    (default ``[a, x]``) is non-empty, emitting at its two ends: `partition` then
+    partitions exactly the engine parts."""
+    lo = g.a if lo is None else lo
+    hi = g.x if hi is None else hi
+    live = np.flatnonzero(hi > lo)
     n = len(live)
     req = np.repeat(np.arange(n), 2)
-    t = np.column_stack([g.a[live], g.x[live]]).ravel()
+    t = np.column_stack([lo[live], hi[live]]).ravel()
     step = np.column_stack([g.step0[live], g.step1[live]]).ravel()
     dstep = np.column_stack([g.step0[live], g.dstep1[live]]).ravel()
     em = Emissions(request=req, t_s=t, step=step, num_tokens=np.ones(2 * n, dtype=np.int64),
@@ -230,26 +290,43 @@ def frontend_windows(log: RawLog, process: int | None = None) -> list[tuple[floa
 def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     """Partition every client gap of a merged server run (see the module docstring)."""
     g = client_gaps(log)
-    eng = partition(engine_part_log(log, g), check=check) if (g.x > g.a).any() else None
+    # the engine core's span ends inside the gap before the token was recorded: from x on,
+    # whether the token existed is unrecorded (module docstring, "Unrecorded windows")
+    cut = np.isnan(g.e) & (g.b > g.core_hi)
+    x = np.where(cut, np.clip(g.core_hi, g.a, g.b), g.x)
+    lo = np.clip(g.core_lo, g.a, x)  # [lo, hi]: the engine part [a, x] within the core's span
+    hi = np.clip(g.core_hi, lo, x)
+    fx = np.where(cut, g.b, x)  # [fx, b]: the frontend part (empty when cut)
+    flo = np.clip(g.fe_lo, fx, g.b)  # [flo, fhi]: the frontend part within the API server's
+    fhi = np.clip(g.fe_hi, flo, g.b)
+    unrec = {
+        UNRECORDED_CORE: (x - g.a) - (hi - lo) + np.where(cut, g.b - x, 0.0),
+        UNRECORDED_API: (g.b - fx) - (fhi - flo),
+    }
+    unrec_labels = tuple(k for k, v in unrec.items() if (v > 0).any())
+    live = np.flatnonzero(hi > lo)
+    eng = partition(engine_part_log(log, g, lo, hi), check=check) if len(live) else None
     eng_labels = eng.labels if eng is not None else partition(log, check=False).labels
-    labels = (*eng_labels, *FRONTEND_LABELS)
+    labels = (*eng_labels, *FRONTEND_LABELS, *unrec_labels)
     n, ne = len(g.a), len(eng_labels)
     parts = np.zeros((n, len(labels)))
-    live = np.flatnonzero(g.x > g.a)
     if eng is not None:
         parts[live[eng.request], :ne] = eng.parts_ms
     # frontend part: per API server, one timeline of its windows, owner by precedence,
-    # for the gaps whose later chunk it wrote
+    # for the gaps whose later chunk it wrote, over the time it recorded
     nf = len(FRONTEND_PRECEDENCE)
+    gf = replace(g, x=flo, b=fhi)
     for proc in np.unique(g.process).tolist():
         rows = np.flatnonzero(g.process == proc)
-        parts[rows, ne:] = _frontend_parts(log, g, rows, int(proc), nf)
+        parts[rows, ne : ne + len(FRONTEND_LABELS)] = _frontend_parts(log, gf, rows, int(proc), nf)
+    for j, name in enumerate(unrec_labels):
+        parts[:, ne + len(FRONTEND_LABELS) + j] = unrec[name] * 1e3
     out = ClientPartition(
         labels=labels,
         request=g.request,
         t0_s=g.a,
         t1_s=g.b,
-        engine_s=g.x,
+        engine_s=x,
         num_tokens=g.num_tokens,
         gap_ms=(g.b - g.a) * 1e3,
         parts_ms=parts,
@@ -452,6 +529,7 @@ def spec_acceptance(log: RawLog) -> dict[str, Any] | None:
 __all__ = [
     "FRONTEND_LABELS",
     "SPEC_POS_PREFIX",
+    "UNRECORDED_LABELS",
     "ClientPartition",
     "client_gaps",
     "client_partition",

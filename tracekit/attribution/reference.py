@@ -22,6 +22,7 @@ import numpy as np
 from tracekit.attribution.client import (
     FRONTEND_LABELS,
     FRONTEND_PRECEDENCE,
+    UNRECORDED_LABELS,
     ClientPartition,
     client_gaps,
     engine_part_log,
@@ -498,35 +499,72 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
 
 
 def client_partition_reference(log: RawLog) -> ClientPartition:
-    """`client_partition` with plain loops: each gap's frontend part cut at every window
-    boundary inside it, each piece given to the first window (by precedence) covering it."""
+    """`client_partition` with plain loops: each gap cut at every coverage edge and window
+    boundary inside it, each piece named by the written rule (docs/partition.md,
+    "Unrecorded windows", then the frontend precedence): where the engine core recorded
+    nothing, ``unrecorded:engine_core``; in the frontend part where the API server that wrote
+    the chunk recorded nothing, ``unrecorded:api_server``; else the first window (by
+    precedence) covering it."""
     g = client_gaps(log)
-    live = [i for i in range(len(g.a)) if g.x[i] > g.a[i]]
+    n = len(g.a)
+    # per gap: the point x from which the token existed (or its existence is unrecorded),
+    # and whether the core's span ends in the gap before the token was recorded
+    xs, cuts_core, eng_lo, eng_hi = [], [], [], []
+    for i in range(n):
+        a, b, core_end = float(g.a[i]), float(g.b[i]), float(g.core_hi[i])
+        unknown = bool(np.isnan(g.e[i]))
+        cut = unknown and b > core_end
+        if cut:
+            x = min(max(core_end, a), b)
+        elif unknown:
+            x = a
+        else:
+            x = min(max(float(g.e[i]), a), b)
+        # the engine part [a, x] where the core recorded: one interval (or none)
+        lo, hi = max(a, float(g.core_lo[i])), min(x, core_end)
+        xs.append(x)
+        cuts_core.append(cut)
+        eng_lo.append(lo if hi > lo else a)
+        eng_hi.append(hi if hi > lo else a)
+    lo_a, hi_a = np.array(eng_lo, dtype=np.float64), np.array(eng_hi, dtype=np.float64)
+    live = [i for i in range(n) if hi_a[i] > lo_a[i]]
     if live:
-        eng = partition_reference(engine_part_log(log, g))
+        eng = partition_reference(engine_part_log(log, g, lo_a, hi_a))
         eng_labels, eng_rows = eng.labels, {live[int(q)]: eng.parts_ms[j]
                                             for j, q in enumerate(eng.request)}  # fmt: skip
     else:
         eng_labels, eng_rows = partition(log, check=False).labels, {}
-    labels = (*eng_labels, *FRONTEND_LABELS)
-    ne, nf = len(eng_labels), len(FRONTEND_PRECEDENCE)
+    ne, nf, nfl = len(eng_labels), len(FRONTEND_PRECEDENCE), len(FRONTEND_LABELS)
     wins_of: dict[int, list[tuple[float, float, int]]] = {}
-    rows = []
-    for i in range(len(g.a)):
+    rows, unrec = [], []
+    for i in range(n):
         proc = int(g.process[i])
         if proc not in wins_of:  # only the API server that wrote the chunk
             wins_of[proc] = frontend_windows(log, proc)
         wins = wins_of[proc]
-        row = [0.0] * len(labels)
+        row = [0.0] * (ne + nfl)
+        u_core = u_api = 0.0
         if i in eng_rows:
             row[:ne] = eng_rows[i].tolist()
-        x, b = float(g.x[i]), float(g.b[i])
+        a, x, b = float(g.a[i]), xs[i], float(g.b[i])
+        c_lo, c_hi = float(g.core_lo[i]), float(g.core_hi[i])
+        f_lo, f_hi = float(g.fe_lo[i]), float(g.fe_hi[i])
         e = float(g.e[i]) if not np.isnan(g.e[i]) else b
         recv = float(g.recv[i]) if not np.isnan(g.recv[i]) else e
-        cuts = sorted({x, b, *(t for s, en, _ in wins for t in (s, en) if x < t < b),
-                       *(t for t in (e, recv) if x < t < b)})  # fmt: skip
+        marks = (c_lo, c_hi, f_lo, f_hi, x, e, recv, *(t for s, en, _ in wins for t in (s, en)))
+        cuts = sorted({a, b, *(t for t in marks if a < t < b)})
         for lo, hi in zip(cuts[:-1], cuts[1:], strict=False):
-            mid = (lo + hi) / 2
+            mid, d = (lo + hi) / 2, (hi - lo) * 1e3
+            if mid < x:  # the engine part
+                if not c_lo <= mid < c_hi:
+                    u_core += d  # (its recorded time is partition_reference's, above)
+                continue
+            if cuts_core[i]:
+                u_core += d
+                continue
+            if not f_lo <= mid < f_hi:
+                u_api += d
+                continue
             owners = [c for s, en, c in wins if s <= mid < en]
             if owners:
                 col = ne + min(owners)
@@ -534,15 +572,20 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
                 col = ne + nf
             else:
                 col = ne + nf + 1
-            row[col] += (hi - lo) * 1e3
+            row[col] += d
         rows.append(row)
-    parts = np.array(rows, dtype=np.float64).reshape(len(g.a), len(labels))
+        unrec.append((u_core, u_api))
+    u = np.array(unrec, dtype=np.float64).reshape(n, 2)
+    present = [j for j in range(2) if (u[:, j] > 0).any()]
+    labels = (*eng_labels, *FRONTEND_LABELS, *(UNRECORDED_LABELS[j] for j in present))
+    parts = np.array(rows, dtype=np.float64).reshape(n, ne + nfl)
+    parts = np.concatenate([parts, u[:, present]], axis=1)
     return ClientPartition(
         labels=labels,
         request=g.request,
         t0_s=g.a,
         t1_s=g.b,
-        engine_s=g.x,
+        engine_s=np.array(xs, dtype=np.float64),
         num_tokens=g.num_tokens,
         gap_ms=(g.b - g.a) * 1e3,
         parts_ms=parts,

@@ -434,6 +434,7 @@ class Recorder:
         # the open step
         self._step_no = -1  # index of the open (or last) step
         self._in_step = False
+        self._flush_asked = False  # flush_soon(): the writer's next idle call flushes
         self._loop_ident = -1
         self._step_t0_tick = 0
         self._step_attrs: dict[str, int] = {}
@@ -766,7 +767,9 @@ class Recorder:
         dev = self._device
         if dev is not None and dev._pending:  # lazily: only what has finished, no sync
             dev.poll(self._append_device_window)
-        if t1 - self._last_flush_tick >= self._flush_interval_ticks and not self._backlogged(t1):
+        if self._flush_asked or (  # flush_soon(): now, writer behind or not
+            t1 - self._last_flush_tick >= self._flush_interval_ticks and not self._backlogged(t1)
+        ):
             self._flush()
 
     def _backlogged(self, now: int) -> bool:
@@ -1055,6 +1058,19 @@ class Recorder:
             if not self._in_step and self._running:
                 self._flush(poll_device=False)
 
+    def flush_soon(self) -> None:
+        """Hand every completed row to the sinks as soon as a part may be cut: at the end
+        of the open step, or, between steps, at once from the writer thread (a flush even
+        with no new row, so the log says it was complete at that time). For a process that
+        may be killed next (a SIGTERM handler: it swaps no buffer itself, so it is safe
+        wherever the signal lands)."""
+        if not self._running:
+            return
+        self._flush_asked = True  # cleared by the flush that takes the rows so far
+        d = self._dispatcher
+        if d is not None and not signals.IN_FLUSH[0]:  # else a flush is being handed over
+            d.wake()
+
     def _idle_flush(self) -> None:
         """From the dispatcher, when no flush came for a whole interval: flush what was
         recorded since (arrivals, emissions outside steps, rows from just before the engine
@@ -1062,7 +1078,11 @@ class Recorder:
         with self._lock:
             if self._in_step or not self._running or self._pid != os.getpid():
                 return
-            if any(len(b) for b in self._buf.values()) or self._req_flushed < len(self._req_names):
+            if (
+                self._flush_asked
+                or any(len(b) for b in self._buf.values())
+                or self._req_flushed < len(self._req_names)
+            ):
                 self._flush(poll_device=False)
             elif self._dispatcher is not None and self._dispatcher.follows_idle_clock():
                 self._flush(poll_device=False, is_clock_only=True)  # a live sink's watermark
@@ -1460,6 +1480,7 @@ class Recorder:
                 open_tick = self._earliest_open_tick()
                 buf = self._buf
                 self._new_buffers()
+                self._flush_asked = False  # the rows so far are in this flush
                 self._steps_flushed += len(buf["steps"]) // len(TABLES["steps"])
                 now = self._clock()
                 self._last_flush_tick = now

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -228,6 +229,12 @@ class Dispatcher:
         with self._cond:
             while self._pending and self._busy and self._thread.is_alive():
                 self._cond.wait(0.05)
+
+    def wake(self) -> None:
+        """Run the idle call now (`Recorder.flush_soon`), not at the interval's end."""
+        with self._cond:
+            self.last_submit_s = -math.inf
+            self._cond.notify_all()
 
     def waiting(self) -> bool:
         """Whether a flush is waiting for the writer (it is behind: see the class doc)."""

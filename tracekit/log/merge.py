@@ -59,7 +59,14 @@ import numpy as np
 from tracekit.errors import LogError
 from tracekit.log.archive import describe_non_regular
 from tracekit.log.parts import PARTS_SUFFIX, merge_parts
-from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcSegments, RawLog, Requests
+from tracekit.log.rawlog import (
+    ClientEmissions,
+    Coverage,
+    Deliveries,
+    ProcSegments,
+    RawLog,
+    Requests,
+)
 from tracekit.log.reader import load
 from tracekit.log.validate import validate_log
 
@@ -527,6 +534,9 @@ def merge_logs(
     meta = dict(log.meta)
     if tp_report:
         meta["tensor_parallel"] = tp_report
+    missing = missing_processes(core, others)
+    if missing:
+        meta["missing_processes"] = missing
     meta["process"] = {k: v for k, v in core.identity.items()}
     meta["processes"] = processes
     meta["clock_pairs"] = clock_pairs(core, others, fits)
@@ -550,9 +560,11 @@ def merge_logs(
                 f"{os.path.basename(p.path)}: {fit.violations} of {fit.pairs} paired stamps "
                 f"violate causality with the clock used ({fit.method})"
             )
+    warnings += [missing_line(m) for m in missing]
     meta["warnings"] = warnings
     merged = replace(
         log,
+        coverage=merged_coverage(core, others, fits),
         requests=requests,
         segments=segments,
         request_ids=tuple(req_ids),
@@ -567,6 +579,70 @@ def merge_logs(
     # what the processes' logs say together must make a valid log (a tick far from the
     # others, ids that collide): refused here, never written or analysed
     return validate_log(merged)
+
+
+def merged_coverage(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> Coverage:
+    """Each process's span on the run's clock (the `coverage` row of its own log moved by
+    its clock fit), indexed as ``meta["processes"]`` (the engine core first). A process
+    whose log has no coverage (written before schema v4) has no row: its span is unknown."""
+    rows: list[tuple[int, float, float, int]] = []
+    for k, (p, fit) in enumerate(zip([core, *others], [None, *fits], strict=True)):
+        cov = p.log.coverage
+        if not len(cov):
+            continue
+        a, b = float(cov.t_start_s[0]), float(cov.t_end_s[0])
+        if fit is not None:
+            a, b = (float(x) for x in fit.apply(np.array([a, b])))
+        rows.append((k, a, b, int(cov.is_clean_stop[0])))
+    return Coverage.from_columns(
+        process=[r[0] for r in rows],
+        t_start_s=[r[1] for r in rows],
+        t_end_s=[r[2] for r in rows],
+        is_clean_stop=[r[3] for r in rows],
+    )
+
+
+def missing_line(m: dict[str, Any]) -> str:
+    """One missing process in words (a warning of the merged run)."""
+    rank = f" (tp_rank {m['tp_rank']})" if "tp_rank" in m else ""
+    return (
+        f"{m.get('role', '?')}{rank} missing, not assumed idle: {m.get('why', '?')} "
+        f"(named by {m.get('named_by', '?')})"
+    )
+
+
+def missing_processes(core: ProcessLog, others: list[ProcessLog]) -> list[dict[str, Any]]:
+    """Processes the run's logs name but that left no log at all: each with its role, what
+    names it and why it is believed missing. Checked: the API server (an engine core that
+    added requests got them from one), and the tensor-parallel ranks of the engine core's
+    workers (its ``config.process.tp_size``, else the ranks its workers name)."""
+    out: list[dict[str, Any]] = []
+    name = f"{CORE}-{core.identity.get('pid', '?')}"
+    _, added = _counter(core.log, ADDED)
+    if len(added) and not any(p.role == FRONTEND for p in others):
+        out.append({
+            "role": FRONTEND,
+            "named_by": name,
+            "why": f"the engine core added {len(added)} request(s) (counter {ADDED}), which "
+            "reach it only through an API server, and no api_server log is in the directory",
+        })  # fmt: skip
+    workers = [p for p in others if p.role == WORKER]
+    have = {r for p in workers if (r := tp_rank(p)) is not None}
+    size = core.identity.get("tp_size")
+    if isinstance(size, int) and not isinstance(size, bool) and 0 < size <= 4096:
+        want, by = set(range(size)), f"{name} (config.process.tp_size = {size})"
+    else:
+        want, by = set(range(max(have) + 1)) if have else set(), "the other ranks' workers"
+    for r in sorted(want - have):
+        out.append({
+            "role": WORKER,
+            "tp_rank": r,
+            "named_by": by,
+            "why": f"no worker log with tp_rank {r}"
+            + (": its waits at collectives are not charged to it (the engine core's "
+               "forward windows keep their labels)" if len(want) > 1 else ""),
+        })  # fmt: skip
+    return out
 
 
 def _unique_names(names: list[str]) -> tuple[list[str], int]:

@@ -43,6 +43,7 @@ from tracekit.log.flush import (
 from tracekit.log.rawlog import (
     Admissions,
     Counters,
+    Coverage,
     Emissions,
     GcPauses,
     OsSamples,
@@ -221,6 +222,12 @@ def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
         if a.shape != () or a.dtype.kind not in "iu":
             raise bad("stop_tick", "not one integer")
         stop_tick = int(a)
+    open_tick = None
+    if "open_tick" in z:
+        a = np.asarray(z["open_tick"])
+        if a.shape != () or a.dtype.kind not in "iu":
+            raise bad("open_tick", "not one integer")
+        open_tick = int(a)
     dropped = 0
     if "dropped_rows" in z:
         a = np.asarray(z["dropped_rows"])
@@ -237,6 +244,7 @@ def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
         "config": config,
         "flush_tick": scalars["flush_tick"],
         "stop_tick": stop_tick,
+        "open_tick": open_tick,
         "dropped_rows": dropped,
     }
 
@@ -258,6 +266,7 @@ def merge_flushed(
     counter_names: list[str] = []
     config = dict(meta.get("config", {}))
     last_tick = meta["t0_tick"]
+    complete_tick = meta["t0_tick"]  # rows are complete up to here (the coverage's end)
     wall_ticks = None
     clean_stop = False
     warnings = list(warnings or [])
@@ -289,10 +298,15 @@ def merge_flushed(
                 )
         config = part["config"]
         last_tick = max(last_tick, part["flush_tick"])
+        # the last flush's rows are complete up to its tick, or up to the start of a
+        # window still open then (its row would have come in a later flush)
+        opened = part.get("open_tick")
+        complete_tick = part["flush_tick"] if opened is None else min(part["flush_tick"], opened)
         dropped += part["dropped_rows"]
         if part["stop_tick"] is not None:
             clean_stop = True
             wall_ticks = part["stop_tick"] - meta["t0_tick"]
+            complete_tick = part["stop_tick"]
     if dropped:
         warnings.append(
             f"{dropped} recorded value(s) were dropped: the disk stayed full longer than "
@@ -347,6 +361,15 @@ def merge_flushed(
     os_samples = to_table(OsSamples, "os_samples", table("os_samples"), secs)
     if wall_ticks is None:  # an interrupted run: its wall time is what was flushed
         wall_ticks = last_tick - t0
+    # the span this process's rows cover: from its start to the end of its complete rows (a
+    # last flush with its stop tick: to the stop). Clean: stop() wrote the log (`final`); a
+    # log recovered from parts is not, even if stop() flushed before the kill landed
+    coverage = Coverage(
+        process=np.zeros(1, dtype=np.int64),
+        t_start_s=np.zeros(1),
+        t_end_s=np.array([(wall_ticks if clean_stop else complete_tick - t0) * scale]),
+        is_clean_stop=np.array([int(final is not None)], dtype=np.int64),
+    )
     out_meta = {k: v for k, v in meta.items() if k not in ("config", "cause_map", "schema")}
     out_meta["interrupted"] = final is None and not clean_stop
     if warnings:
@@ -369,6 +392,7 @@ def merge_flushed(
         prefill_chunks=prefill_chunks,
         waits=waits,
         os_samples=os_samples,
+        coverage=coverage,
         labels=tuple(labels),
         request_ids=tuple(request_ids),
         counter_names=tuple(counter_names),

@@ -5,9 +5,10 @@ recorder's start). Capture writes one; analysis reads one and never sees a live 
 
 On disk it is one `.npz` per run (`save`/`load`), self-describing:
 
-- ``schema`` = ``"tracekit.rawlog"``, ``schema_version`` = 3 (version 2, which has no
-  ``os_samples``, and version 1, which has no TTFT tables either, still load: the tables
-  they lack are empty);
+- ``schema`` = ``"tracekit.rawlog"``, ``schema_version`` = 4 (version 3, which has no
+  ``coverage``, version 2, which has no ``os_samples`` either, and version 1, which has no
+  TTFT tables either, still load: the tables they lack are empty; an empty ``coverage``
+  means the span each process covers is unknown, never that it is partial);
 - one array per table column, named ``TABLE.COLUMN`` with the unit in the column name
   (``steps.t_start_s``, ``segments.label``, ...);
 - ``labels`` (segment label vocabulary), ``cause_map`` (JSON), ``config`` (JSON),
@@ -44,10 +45,10 @@ from tracekit.labels import DEFAULT_CAUSE_MAP
 from tracekit.log.archive import column, json_member, scalar_str, str_list
 
 SCHEMA = "tracekit.rawlog"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Versions `load` reads: 1 lacks the TTFT tables (admissions, prefill_chunks, waits), 2
-#: lacks the OS evidence (os_samples).
-READABLE_VERSIONS = (1, 2, 3)
+#: lacks the OS evidence (os_samples), 3 the span each recording process covers (coverage).
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 #: Why the scheduler did not admit a waiting request in a step (`waits.reason` codes).
 #: `kv_blocks`: not enough free KV blocks (including a watermark's headroom);
@@ -379,6 +380,31 @@ class Deliveries(_Table):
     }
 
 
+@dataclass(frozen=True)
+class Coverage(_Table):
+    """The span each recording process's rows cover (schema v4): one row per process.
+
+    `process`: 0 in a single-process log, in a merged run the index into
+    ``meta["processes"]``. `t_start_s`: when that process's recorder started, on the run's
+    clock. `t_end_s`: up to when its rows are complete: after a clean stop, the stop time;
+    for a log recovered from parts, the tick its last flushed batch was taken at (or the
+    start of a window still open then, if earlier). `is_clean_stop`: 1 when `stop()` ran
+    and wrote the log, 0 when it was recovered from parts. Outside its span a process
+    recorded nothing: time there is `unrecorded` (docs/partition.md), never assumed idle.
+    An empty table (logs before v4, the published layout): coverage unknown."""
+
+    process: np.ndarray
+    t_start_s: np.ndarray
+    t_end_s: np.ndarray
+    is_clean_stop: np.ndarray
+    DTYPES = {
+        "process": np.int64,
+        "t_start_s": np.float64,
+        "t_end_s": np.float64,
+        "is_clean_stop": np.int64,
+    }
+
+
 TABLES: dict[str, type[_Table]] = {
     "steps": Steps,
     "segments": Segments,
@@ -394,13 +420,15 @@ TABLES: dict[str, type[_Table]] = {
     "proc_segments": ProcSegments,
     "client_emissions": ClientEmissions,
     "deliveries": Deliveries,
+    "coverage": Coverage,
 }
 #: The tables of a merged multi-process server run (`tracekit.log.merge`).
 SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries"})
 #: Tables a log may lack as a whole (version 1 logs, the published layout, logs of one
 #: process): empty on load.
 OPTIONAL_TABLES = (
-    frozenset({"counters", "admissions", "prefill_chunks", "waits", "os_samples"}) | SERVER_TABLES
+    frozenset({"counters", "admissions", "prefill_chunks", "waits", "os_samples", "coverage"})
+    | SERVER_TABLES
 )
 
 
@@ -422,6 +450,7 @@ class RawLog:
     proc_segments: ProcSegments = field(default_factory=ProcSegments.empty)
     client_emissions: ClientEmissions = field(default_factory=ClientEmissions.empty)
     deliveries: Deliveries = field(default_factory=Deliveries.empty)
+    coverage: Coverage = field(default_factory=Coverage.empty)
     labels: tuple[str, ...] = ()
     request_ids: tuple[str, ...] = ()
     counter_names: tuple[str, ...] = ()

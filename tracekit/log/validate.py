@@ -15,10 +15,10 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - arrays that would inflate beyond the inflate limit (a deflate bomb, zero-filled columns):
   their declared sizes are summed before anything is inflated
 - a tracekit log without `schema`, with another schema name, or a `schema_version` other than 1,
-  2 or 3
+  2, 3 or 4
 - neither a `schema` array nor the published layout's `steps` and `segs`
 - a missing required array or column (only the counters table, the TTFT tables `admissions`,
-  `prefill_chunks` and `waits` and the OS evidence `os_samples` as whole tables,
+  `prefill_chunks` and `waits`, the OS evidence `os_samples` and `coverage` as whole tables,
   `emissions.device_step` and the JSON fields are optional)
 - a column that is not 1-D, not numeric (strings, complex, datetimes, records), or of unequal length
   within its table
@@ -43,6 +43,10 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - counts, ids and thread numbers above `MAX_COUNT` (2**31 - 1)
 - in `os_samples`: a non-finite time, a negative thread number, a kind other than 0-3, a
   counter below -1 (-1: not available), a CPU or run-queue total above `MAX_OS_NS`
+- in `coverage`: a non-finite time, a span that ends before it starts, a process index
+  outside the log's processes (0 in a single-process log, an index into `meta.processes` in
+  a merged run), two rows for one process, an `is_clean_stop` other than 0 or 1; a
+  `meta.missing_processes` that is not a list of objects
 
 Accepted with a warning (kept on `RawLog.warnings`, printed by the CLI on stderr):
 
@@ -189,6 +193,7 @@ def validate_log(log: RawLog) -> RawLog:
     _index(log, "client_emissions", "request", n_req)
     _index(log, "deliveries", "step", n_steps, allow_minus_one=True)
     validate_os(log)
+    validate_coverage(log)
     _in_range(log, "client_emissions", "num_tokens", lo=1)
     if log.request_ids and len(log.request_ids) != n_req:
         raise LogError(
@@ -282,6 +287,30 @@ def validate_os(log: RawLog) -> None:
         _in_range(log, "os_samples", c, lo=-1, hi=MAX_OS_NS)
     for c in ("num_voluntary_switches", "num_involuntary_switches", "num_major_faults"):
         _in_range(log, "os_samples", c, lo=-1)
+
+
+def validate_coverage(log: RawLog) -> None:
+    """The span each process covers (schema v4, ``coverage``): raise `LogError` for a table
+    that contradicts itself or the log's processes (an empty table: coverage unknown)."""
+    _finite_times(log, "coverage", "t_start_s")
+    _finite_times(log, "coverage", "t_end_s")
+    _ordered(log, "coverage", "t_start_s", "t_end_s")
+    procs = log.meta.get("processes")
+    n = len(procs) if isinstance(procs, list) and procs else 1
+    _index(log, "coverage", "process", n)
+    _in_range(log, "coverage", "is_clean_stop", hi=1)
+    p = log.coverage.process
+    u, counts = np.unique(p, return_counts=True)
+    if (counts > 1).any():
+        i = int(np.flatnonzero(p == u[counts > 1][0])[1])
+        raise LogError(
+            log.path,
+            "coverage.process",
+            f"row {i}: process {int(p[i])} has two rows (one a process)",
+        )
+    missing = log.meta.get("missing_processes", [])
+    if not isinstance(missing, list) or not all(isinstance(m, dict) for m in missing):
+        raise LogError(log.path, "meta.missing_processes", "not a list of objects")
 
 
 def validate_ttft(log: RawLog) -> None:

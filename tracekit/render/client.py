@@ -60,6 +60,7 @@ def client_text(c: Mapping[str, Any] | None) -> str:
                        ("all_share", "all client-gap time")):  # fmt: skip
         parts = ", ".join(f"{lb} {_pct(v)}" for lb, v in _shares(c, key))
         lines.append(f"{title}: {parts}")
+    lines += [f"unrecorded: {u['line']}" for u in c.get("unrecorded", ())]
     return "\n".join(lines)
 
 
@@ -172,12 +173,20 @@ def client_html(runs: Sequence[tuple[str, Mapping[str, Any] | None]]) -> str:
             if spec
             else ""
         )
+        unrec = "".join(f"<li>{e(u['line'])}</li>" for u in c.get("unrecorded", ()))
+        unrec = (
+            "<p class=note>Unrecorded: where a process recorded nothing, client-gap time is "
+            f"<code>unrecorded:ROLE</code>, never another process's cause.</p><ul>{unrec}</ul>"
+            if unrec
+            else ""
+        )
         out.append(
             f"<h3>{e(name)}</h3><p>{c['chunks']} chunks, {_ms(itl['tokens_per_chunk_mean'])} "
             f"tokens per chunk, frontend share of gap time {_pct(c.get('frontend_share'))}.</p>"
             f"{spec_p}<table><tr><th>ITL ms</th><th>p50</th><th>p90</th><th>p99</th>"
             f"<th>mean</th><th>n</th></tr>{rows}</table>"
             f"<table><tr><th>label</th><th>all gap time</th><th>tail time</th></tr>{share}</table>"
+            f"{unrec}"
         )
     return "".join(out)
 

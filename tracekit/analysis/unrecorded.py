@@ -1,0 +1,111 @@
+"""Where a run's evidence is missing: per recording process, the span its rows cover and
+the client-gap time left `unrecorded` for want of it, and the processes that left no log.
+
+`unrecorded_report` is what `analyze`, `report` and `merge` print (docs/partition.md,
+"Unrecorded windows"): one entry per process whose span is partial (recovered from parts
+after a kill) or that left client-gap time unrecorded, and one per missing process (named
+in ``meta["missing_processes"]`` by the merge). A run whose every process stopped cleanly
+and left nothing unrecorded has no entry: its outputs are as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tracekit.attribution.client import (
+    UNRECORDED_API,
+    UNRECORDED_CORE,
+    ClientPartition,
+    client_gaps,
+    client_partition,
+    core_process,
+)
+from tracekit.log.merge import missing_line
+from tracekit.log.rawlog import RawLog
+
+
+def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[dict[str, Any]]:
+    """Entries (JSON-ready dicts with a readable ``line``) for the processes whose evidence
+    is partial or missing; `cp`: the run's client partition if already computed."""
+    procs = log.meta.get("processes")
+    procs = procs if isinstance(procs, list) and procs else [dict(log.config.get("process", {}))]
+    if cp is None and len(log.client_emissions):
+        cp = client_partition(log)
+    core = core_process(log)
+    cov = log.coverage
+    out: list[dict[str, Any]] = []
+    api_starts = [
+        float(cov.t_start_s[r])
+        for r in range(len(cov))
+        if int(cov.process[r]) < len(procs)
+        and isinstance(procs[int(cov.process[r])], dict)
+        and procs[int(cov.process[r])].get("role") == "api_server"
+    ]
+    first_api = min(api_starts, default=None)  # the earliest API server's recorder start
+    for row in range(len(cov)):
+        k = int(cov.process[row])
+        p = procs[k] if k < len(procs) and isinstance(procs[k], dict) else {}
+        role = str(p.get("role", "process"))
+        ms, n = _unrecorded_of(log, cp, k, role, core)
+        clean = bool(cov.is_clean_stop[row])
+        t0, t1 = float(cov.t_start_s[row]), float(cov.t_end_s[row])
+        early = _added_before(log, t0) if role == "api_server" and t0 == first_api else 0
+        if clean and ms <= 0 and not early:
+            continue
+        what = f"{role} pid {p.get('pid', '?')}"
+        span = (
+            f"rows from {t0:.3f} s to its stop at {t1:.3f} s"
+            if clean
+            else f"no rows after {t1:.3f} s (killed? recovered from parts)"
+        )
+        if early:
+            span += (
+                f", none before {t0:.3f} s (its recorder started then): {early} request(s) "
+                "the engine core added before that have no client boundary"
+            )
+        # client gaps depend on the engine core and the API servers only (workers' time is
+        # inside the engine core's forward windows)
+        depends = role in ("engine_core", "api_server") or k == core
+        lost = (
+            f", {ms / 1e3:.3f} s of client gap time unrecorded ({n} gaps)" if cp and depends else ""
+        )
+        out.append({
+            "process": k, "role": role, "pid": p.get("pid"), "t_start_s": t0, "t_end_s": t1,
+            "is_clean_stop": clean, "unrecorded_ms": ms, "gaps": n,
+            "line": f"{what}: {span}{lost}",
+        })  # fmt: skip
+    for m in log.meta.get("missing_processes", []) or []:
+        if isinstance(m, dict):
+            out.append({"process": None, **m, "line": missing_line(m)})
+    return out
+
+
+def _added_before(log: RawLog, t_s: float) -> int:
+    """Requests the engine core added (counter ``serve.added``) before `t_s`: an API server
+    must have sent them, but none was recording yet."""
+    if "serve.added" not in log.counter_names:
+        return 0
+    c = log.counters
+    m = c.name == log.counter_names.index("serve.added")
+    return int((c.t_s[m] < t_s).sum())
+
+
+def _unrecorded_of(
+    log: RawLog, cp: ClientPartition | None, k: int, role: str, core: int
+) -> tuple[float, int]:
+    """(ms, gaps) of client-gap time unrecorded because process `k` recorded nothing."""
+    if cp is None or not len(cp):
+        return 0.0, 0
+    if k == core and UNRECORDED_CORE in cp.labels:
+        v = cp.column(UNRECORDED_CORE)
+    elif role == "api_server" and UNRECORDED_API in cp.labels:
+        # each gap's frontend part depends on the API server that wrote its later chunk
+        v = np.where(client_gaps(log).process == k, cp.column(UNRECORDED_API), 0.0)
+    else:
+        return 0.0, 0
+    return float(v.sum()), int((v > 0).sum())
+
+
+__all__ = ["unrecorded_report"]
