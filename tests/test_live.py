@@ -872,6 +872,31 @@ def test_every_labelled_series_is_there_at_zero_before_the_first_gap():
     assert 'tracekit_tail_gaps_total{primary_cause="clean",run="r1"} 0.0' in body
 
 
+def test_a_run_with_os_evidence_serves_the_os_causes_at_zero_from_the_start():
+    """The OS causes appear in a partition only where the run has OS intervals, which the
+    sink knows from the recorder's start meta (docs/partition.md, "OS evidence"): their
+    series are there at 0 before the first gap is settled, as the standard causes' are
+    (Prometheus' `increase()` counts a counter from the first sample it sees)."""
+    from prometheus_client import generate_latest
+
+    os_meta = {**META, "os_evidence": {"recorded": True}}
+    bodies = {}
+    for name, meta in (("with", os_meta), ("without", META)):
+        live = LiveMetrics(const_labels={"run": "r1"})
+        live.open(meta)
+        try:
+            bodies[name] = generate_latest(live.registry).decode()
+        finally:
+            live.close({})
+    for cause in ("os_runqueue", "os_blocked"):
+        for metric, key in (("tracekit_gap_cause_seconds_total", "cause"),
+                            ("tracekit_tail_gap_cause_seconds_total", "cause"),
+                            ("tracekit_tail_gaps_total", "primary_cause"),
+                            ("tracekit_ttft_cause_seconds_total", "cause")):  # fmt: skip
+            assert f'{metric}{{{key}="{cause}",run="r1"}} 0.0' in bodies["with"], metric
+        assert f'"{cause}"' not in bodies["without"]
+
+
 def _has_otlp_http() -> bool:
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: F401
