@@ -709,8 +709,9 @@ class NsClock:
         return self.t
 
 
-def _random_run(steps, *, device: bool, os_evidence: bool = False):
+def _random_run(steps, *, device: bool, os_evidence: bool = False, at_start=None):
     """Record `steps` (see `_step`) with a live sink; returns (log, sink snapshot).
+    `at_start` (a list) receives the sink's snapshot once the recorder has opened it.
     Times in ms; with `device`, decode launches device work on a fake stream (5 ms per
     launch, resolved 3 ms after it ends: its window reaches the sink a flush or more
     later) and the step's decode time is the device's."""
@@ -726,6 +727,8 @@ def _random_run(steps, *, device: bool, os_evidence: bool = False):
     live = attach(rec, LiveMetrics(hold_s=0.2))
     evicted: set[int] = set()
     with rec:
+        if at_start is not None:
+            at_start.append(live.snapshot())
         for r in range(3):
             rec.request(r, arrival_tick=0)
         for s in steps:
@@ -770,12 +773,19 @@ def _assert_live_equals_offline(log, snap):
         off = float(p.parts_ms[:, j].sum())
         assert snap["cause_ms"].get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
     assert snap["hist"].tolist() == [h.count for h in analyze(log, p).hist]
-    # TTFT by cause, the OS labels included where the run has OS evidence
+    # TTFT by cause, the OS labels included where the run has OS evidence; graph and
+    # decode_other as their sum (exported as decode): the split depends on the whole run's
+    # graph fit, and each TTFT window is partitioned on its own (docs/live.md)
     tp = ttft_partition(log)
     assert snap["ttft_n"] == len(tp)
+    got = snap["ttft_cause_ms"]
     for j, lb in enumerate(tp.labels):
-        off = float(tp.parts_ms[:, j].sum())
-        assert snap["ttft_cause_ms"].get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
+        if lb not in ("graph", "decode_other"):
+            off = float(tp.parts_ms[:, j].sum())
+            assert got.get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
+    off = float(tp.column("graph").sum() + tp.column("decode_other").sum())
+    dec = got.get("graph", 0.0) + got.get("decode_other", 0.0)
+    assert dec == pytest.approx(off, rel=1e-9, abs=1e-9)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -802,12 +812,186 @@ def test_random_runs_with_device_windows_resolved_late_still_agree(steps):
 def test_random_runs_with_os_evidence_agree(steps):
     """With OS samples (the real thread's counters against the fake clock: os_runqueue and
     os_blocked in every window), the live totals still equal the offline partition's."""
-    log, snap = _random_run(steps, device=False, os_evidence=True)
+    first: list = []
+    log, snap = _random_run(steps, device=False, os_evidence=True, at_start=first)
     assert len(log.os_samples) == 2 * len(log.steps)
     p = partition(log)
     assert "os_blocked" in p.labels
     assert "os_blocked" in ttft_partition(log).labels
     _assert_live_equals_offline(log, snap)
+    # every series the run ever has was there, at 0, before its first gap settled (a
+    # counter series first scraped above 0 loses that value to Prometheus' `increase()`)
+    for k in ("cause_ms", "tail_ms", "tail_count", "ttft_cause_ms"):
+        assert set(snap[k]) <= set(first[0][k]), k
+        assert all(v == 0 for v in first[0][k].values()), k
+
+
+# -- flushes cut anywhere: hand-built runs with OS samples -------------------------------
+#
+# A run of steps on the loop thread (thread 0, sampled at each step's start and end) and
+# `tok` windows on a tokenizer thread (thread 1, sampled at each window's start and end,
+# docs/partition.md OS rule 7), some spanning several steps, cut into flushes at any step
+# end or idle point: each row goes in the first flush at or after the tick it was
+# completed (a window at its end, a sample at its tick, an emission at its time, the TTFT
+# rows at their step's end), and a flush names the earliest start of a window still open
+# (`open_tick`). Whatever the cuts and the hold, the settled totals equal the offline
+# partitions of the whole run.
+
+_os_step = st.fixed_dictionaries(
+    {
+        "idle": st.integers(0, 6),  # ms between the previous step's end and this start
+        "decode": st.integers(1, 8),
+        "sync": st.integers(0, 3),  # ms the loop waits on the device (0: no such window)
+        "emit": st.sets(st.integers(0, 2)),
+        "cpu": st.floats(0.0, 1.0),  # share of each OS interval on the CPU ...
+        "runq": st.floats(0.0, 1.0),  # ... and of the rest, runnable
+        # a tokenizer-thread window: start after the step's start (ms), length, CPU share
+        "tok": st.one_of(
+            st.none(), st.tuples(st.integers(0, 6), st.integers(1, 25), st.floats(0, 1))
+        ),
+    }
+)
+
+
+def _os_run(steps: list[dict]) -> tracekit.RawLog:
+    """`steps` as a hand-built log (ms); every request arrives at 0 and is admitted, its
+    prompt prefilled, in step 0."""
+    from logbuilder import LogBuilder
+
+    b = LogBuilder(num_requests=3)
+    t = cpu = runq = 0.0
+    side_cpu, side_free = 0.0, 0.0  # the tokenizer thread's CPU total; its next free tick
+
+    def sample(t_at, width, s, kind):
+        nonlocal cpu, runq
+        cpu += width * s["cpu"]
+        runq += (width - width * s["cpu"]) * s["runq"]
+        b.os_sample(t_at, cpu, runq, kind=kind)
+
+    for k, s in enumerate(steps):
+        if k:
+            sample(t + s["idle"], s["idle"], s, 0)  # the interval between two steps
+        else:
+            b.os_sample(t, 0.0, 0.0, kind=0)
+        t0 = t = t + s["idle"]
+        if k == 0:
+            for r in range(3):
+                b.admit(r, t)
+                b.prefill(0, r, 10)
+            b.seg(0, "prefill", t, t + 3)
+            t += 3
+        b.seg(k, "decode", t, t + s["decode"])
+        t += s["decode"]
+        if s["sync"]:
+            b.seg(k, "sync", t, t + s["sync"])
+            t += s["sync"]
+        for r in sorted(s["emit"]):
+            b.emit(r, t, k)
+        b.step(t0, t, n_prefill=30 if k == 0 else 0)
+        sample(t, t - t0, s, 1)
+        if s["tok"] is not None:
+            back, width, share = s["tok"]
+            a = max(t0 + back, side_free)
+            b.os_sample(a, side_cpu, 0.0, kind=2, thread=1)
+            side_cpu += width * share
+            b.os_sample(a + width, side_cpu, 0.0, kind=3, thread=1)
+            b.seg(-1, "tok", a, a + width, thread=1)
+            side_free = a + width
+    return b.build(wall_ms=max(t, side_free))
+
+
+def _ns(s: np.ndarray) -> np.ndarray:
+    return np.round(np.asarray(s, dtype=np.float64) * 1e9).astype(np.int64)
+
+
+def _flushes(log: tracekit.RawLog, cuts: list[int]) -> list[dict]:
+    """The chunks a recorder (nanosecond ticks from 0) flushing at `cuts` then stopping
+    hands its sinks: each row in the first flush at or after the tick it was completed."""
+    st_, sg, em, os_ = log.steps, log.segments, log.emissions, log.os_samples
+    s1 = _ns(st_.t_end_s)
+    a, b = _ns(sg.t_start_s), _ns(sg.t_end_s)
+    rq = log.requests
+    tables = {
+        "steps": (s1, [_ns(st_.t_start_s), s1, st_.num_decode, st_.num_prefill_tokens,
+                       st_.graph_size, st_.num_preempted, st_.num_swapped_in]),
+        "segments": (b, [sg.step, sg.label, a, b, sg.thread, sg.is_device]),
+        "emissions": (_ns(em.t_s), [em.request, _ns(em.t_s), em.step, em.num_tokens,
+                                    em.device_step]),
+        "requests": (np.zeros(len(rq), dtype=np.int64), [np.arange(len(rq)), _ns(rq.arrival_s),
+                                                         rq.prompt_tokens, rq.max_new_tokens]),
+        "admissions": (_ns(log.admissions.t_s), [log.admissions.request,
+                                                 _ns(log.admissions.t_s)]),
+        "prefill_chunks": (s1[log.prefill_chunks.step], [log.prefill_chunks.step,
+                           log.prefill_chunks.request, log.prefill_chunks.num_tokens]),
+        "os_samples": (_ns(os_.t_s), [os_.thread, os_.kind, _ns(os_.t_s), os_.cpu_ns,
+                                      os_.runqueue_ns, os_.num_voluntary_switches,
+                                      os_.num_involuntary_switches, os_.num_major_faults]),
+    }  # fmt: skip
+    stop = int(max(s1.max(), b.max(initial=0))) + 1
+    out, prev = [], -1
+    for f in [*cuts, stop]:
+        c: dict = {}
+        for k in TABLE_COLS:
+            if k not in tables:
+                c[k] = np.zeros(0, dtype=np.float64 if k == "counters" else np.int64)
+                continue
+            done, cols = tables[k]
+            sel = (done > prev) & (done <= f)
+            c[k] = np.column_stack([np.asarray(x)[sel] for x in cols]).astype(np.int64).ravel()
+        c["labels"] = np.array(list(log.labels))
+        c["counter_names"] = np.array([], dtype=str)
+        c["request_ids"] = np.array(list(log.request_ids) if prev < 0 else [], dtype=str)
+        c["request_ids_start"] = np.array(0)
+        c["config"] = np.array("{}")
+        c["flush_tick"] = np.array(f)
+        c["t0_tick"] = np.array(0)
+        c["seconds_per_tick"] = np.array(1e-9)
+        open_ = (a <= f) & (b > f)
+        if f == stop:
+            c["stop_tick"] = np.array(f)
+        elif open_.any():
+            c["open_tick"] = np.array(int(a[open_].min()))
+        out.append(c)
+        prev = f
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(_os_step, min_size=2, max_size=14),
+    cut_at=st.sets(st.integers(0, 27)),
+    hold_ms=st.sampled_from([0, 2, 9]),
+)
+def test_flushes_cut_anywhere_in_a_run_with_os_samples_settle_to_the_offline_sums(
+    steps, cut_at, hold_ms
+):
+    from tracekit.live.settler import ttft_by_cause
+
+    log = _os_run(steps)
+    p, tp = partition(log), ttft_partition(log)
+    assert {"os_runqueue", "os_blocked"} <= set(p.labels)
+    # cut points: each step's end (2k) and the middle of the idle time after it (2k + 1)
+    s0, s1 = _ns(log.steps.t_start_s), _ns(log.steps.t_end_s)
+    ends = np.column_stack([s1[:-1], (s1[:-1] + s0[1:]) // 2]).ravel()
+    cuts = sorted({int(ends[i]) for i in cut_at if i < len(ends)})
+    s = Settler(hold_s=hold_ms / 1e3, ttft_partitioner=ttft_by_cause)
+    s.open({"t0_tick": 0, "seconds_per_tick": 1e-9, "os_evidence": {"recorded": True}})
+    for c in _flushes(log, cuts):
+        s.add(c)
+    t = s.totals
+    assert t.late_rows == 0 and t.truncated_gaps == 0 and t.final
+    assert t.gaps == len(p)
+    for j, lb in enumerate(p.labels):
+        off = float(p.parts_ms[:, j].sum())
+        assert t.cause_ms.get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
+    assert t.ttft_n == len(tp)
+    for j, lb in enumerate(tp.labels):
+        if lb not in ("graph", "decode_other"):  # their sum is exported (decode)
+            off = float(tp.parts_ms[:, j].sum())
+            assert t.ttft_cause_ms.get(lb, 0.0) == pytest.approx(off, rel=1e-9, abs=1e-9), lb
+    dec = t.ttft_cause_ms.get("graph", 0.0) + t.ttft_cause_ms.get("decode_other", 0.0)
+    off = float(tp.column("graph").sum() + tp.column("decode_other").sum())
+    assert dec == pytest.approx(off, rel=1e-9, abs=1e-9)
 
 
 # -- what a scraper and a trace viewer see ---------------------------------------------------
@@ -870,6 +1054,31 @@ def test_every_labelled_series_is_there_at_zero_before_the_first_gap():
         assert f'tracekit_gap_cause_seconds_total{{cause="{cause}",run="r1"}} 0.0' in body
     assert 'tracekit_ttft_cause_seconds_total{cause="wait_kv_blocks",run="r1"} 0.0' in body
     assert 'tracekit_tail_gaps_total{primary_cause="clean",run="r1"} 0.0' in body
+
+
+def test_a_run_with_os_evidence_serves_the_os_causes_at_zero_from_the_start():
+    """The OS causes appear in a partition only where the run has OS intervals, which the
+    sink knows from the recorder's start meta (docs/partition.md, "OS evidence"): their
+    series are there at 0 before the first gap is settled, as the standard causes' are
+    (Prometheus' `increase()` counts a counter from the first sample it sees)."""
+    from prometheus_client import generate_latest
+
+    os_meta = {**META, "os_evidence": {"recorded": True}}
+    bodies = {}
+    for name, meta in (("with", os_meta), ("without", META)):
+        live = LiveMetrics(const_labels={"run": "r1"})
+        live.open(meta)
+        try:
+            bodies[name] = generate_latest(live.registry).decode()
+        finally:
+            live.close({})
+    for cause in ("os_runqueue", "os_blocked"):
+        for metric, key in (("tracekit_gap_cause_seconds_total", "cause"),
+                            ("tracekit_tail_gap_cause_seconds_total", "cause"),
+                            ("tracekit_tail_gaps_total", "primary_cause"),
+                            ("tracekit_ttft_cause_seconds_total", "cause")):  # fmt: skip
+            assert f'{metric}{{{key}="{cause}",run="r1"}} 0.0' in bodies["with"], metric
+        assert f'"{cause}"' not in bodies["without"]
 
 
 def _has_otlp_http() -> bool:

@@ -184,6 +184,8 @@ class LiveMetrics:
         self._clock_pts.append((0.0, self._unix0_s))
         self._is_wall_clock = meta.get("clock") in WALL_CLOCKS
         self._settler.open(meta)
+        with self._lock:  # the series the run's meta adds (the OS causes), at 0 from now on
+            self._totals = self._settler.totals.copy()
         pid = str(meta.get("pid", os.getpid()))
         run_key = f"{self._unix0_s!r}-{pid}"
         if self._const_labels is None:

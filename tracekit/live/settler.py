@@ -48,7 +48,7 @@ import numpy as np
 from tracekit.analysis.figures import HIST_EDGES_MS
 from tracekit.attribution.itl import CLEAN, fit_baseline, partition, primary_of
 from tracekit.attribution.ttft import TTFT_STANDARD_LABELS, ttft_partition
-from tracekit.labels import DEFAULT_CAUSE_MAP, STANDARD_LABELS, cause_of
+from tracekit.labels import DEFAULT_CAUSE_MAP, OS_LABELS, STANDARD_LABELS, cause_of
 from tracekit.live.stats import LiveTotals, Settlement, SlowGap
 from tracekit.log.flush import (
     EVICT,
@@ -356,6 +356,22 @@ class Settler:
         self._max_open_ticks = int(self._max_open_s / self._spt)
         self._retain_ticks = int(self._max_retain_s / self._spt)
         self._refit_ticks = int(self._refit_s / self._spt)
+        os_ev = meta.get("os_evidence")
+        if isinstance(os_ev, Mapping) and os_ev.get("recorded"):
+            self._os_series_at_zero()
+
+    def _os_series_at_zero(self) -> None:
+        """The OS causes' series, at 0 before the first settlement (a run that records OS
+        evidence may have them in every partition). A counter series first scraped above 0
+        loses that first value to Prometheus' `increase()`, which counts from the first
+        sample it sees (it extrapolates towards 0 by at most half a scrape interval)."""
+        t = self.totals
+        for lb in OS_LABELS:
+            t.cause_ms.setdefault(lb, 0.0)
+            t.tail_ms.setdefault(lb, 0.0)
+            t.tail_count.setdefault(lb, 0)
+            if self._ttft_partitioner is ttft_by_cause:
+                t.ttft_cause_ms.setdefault(lb, 0.0)
 
     @property
     def flush_s(self) -> float:
