@@ -177,11 +177,13 @@ async def _lines(r: Any, cut_ok: bool) -> AsyncIterator[str]:
 
 async def _stream(client: Any, url: str, body: dict[str, Any],
                   headers: dict[str, str] | None, delay_s: float = 0.0,
-                  cut_ok: bool = False) -> Stream:  # fmt: skip
+                  cut_ok: bool = False, watch: list[Stream] | None = None) -> Stream:  # fmt: skip
     if delay_s > 0:
         await asyncio.sleep(delay_s)
     chat = "messages" in body
     s = Stream(n=int(body.get("n", 1)), chat=chat)
+    if watch is not None:
+        watch.append(s)  # another thread reads its progress
     path = CHAT_PATH if chat else COMPLETIONS_PATH
     request = client.build_request("POST", url + path, json=body, headers=headers)
     s.t_send_ns = time.perf_counter_ns()
@@ -237,10 +239,16 @@ def stream_load(
 
 
 def stop_while_streaming(
-    server: Server, bodies: list[dict[str, Any]], after_s: float, sig: int = signal.SIGTERM
+    server: Server,
+    bodies: list[dict[str, Any]],
+    after_s: float,
+    sig: int = signal.SIGTERM,
+    grace_s: float = 60,
 ) -> tuple[list[Stream], int, int]:
-    """Stream every body at once and, `after_s` seconds later while they still run, stop
-    the server with `sig` (to the API server process, as a process manager does). Returns
+    """Stream every body at once and, once every stream has its first token (at most 120 s)
+    and `after_s` seconds more while they still run, stop
+    the server with `sig` (to the API server process, as a process manager does: SIGKILL
+    if it is still alive `grace_s` seconds later). Returns
     the streams as the client saw them (cut where the server closed them), the
     ``perf_counter_ns`` at which the signal was sent and the server's return code."""
     import threading
@@ -252,14 +260,21 @@ def stop_while_streaming(
     async def main() -> list[Stream]:
         limits = httpx.Limits(max_connections=len(bodies) + 2)
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            jobs = (_stream(client, server.url, b, None, cut_ok=True) for b in bodies)
+            jobs = (_stream(client, server.url, b, None, cut_ok=True, watch=watch)
+                    for b in bodies)  # fmt: skip
             return list(await asyncio.gather(*jobs))
 
     t = threading.Thread(target=lambda: out.append(asyncio.run(main())))
+    watch: list[Stream] = []
     t.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        len(watch) == len(bodies) and all(len(x.t_ns) for x in list(watch))
+    ):
+        time.sleep(0.05)
     time.sleep(after_s)
     t_sig_ns = time.perf_counter_ns()
-    rc = server.stop(sig)
+    rc = server.stop(sig, timeout_s=grace_s)
     t.join(timeout=120)
     return (out[0] if out else []), t_sig_ns, rc
 

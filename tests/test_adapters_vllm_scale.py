@@ -15,6 +15,7 @@ Both are stopped with SIGTERM (vLLM's default --shutdown-timeout 0).
 from __future__ import annotations
 
 import collections
+import glob
 import os
 import signal
 import time
@@ -38,7 +39,18 @@ def _require_plugin():
         pytest.skip("tracekit's vLLM plugin entry point is not installed: pip install -e .")
 
 
+def _api_servers_without_chunks(rec_dir: str, num_api_servers: int) -> int:
+    """How many of a running server's API servers have streamed no chunk so far (their
+    parts on disk read in place, never changed; one that has recorded nothing yet has no
+    parts at all)."""
+    from tracekit.log.parts import merge_parts
+
+    dirs = glob.glob(os.path.join(rec_dir, "api_server-*.npz.parts"))
+    return num_api_servers - sum(len(merge_parts(d).emissions) > 0 for d in dirs)
+
+
 def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0):
+    num_api = int(args[args.index("--api-server-count") + 1]) if "--api-server-count" in args else 1
     from engine_adapters import serve_harness as sh
     from engine_adapters.tiny_model import build_tiny_llama
 
@@ -52,6 +64,14 @@ def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0):
                   for i in range(n)]  # fmt: skip
         streams = sh.stream_load(server, bodies, stagger_s=stagger_s)
         time.sleep(1.0)  # > the flush interval: everything recorded reaches disk
+        # several API servers share one listening socket, and which one accepts is the
+        # kernel's choice (on a busy machine one may take every connection): more waves,
+        # at most two, until each API server has streamed, read from their parts as they are
+        for _ in range(2):
+            if _api_servers_without_chunks(rec_dir, num_api) == 0:
+                break
+            streams += sh.stream_load(server, bodies, stagger_s=2 * stagger_s)
+            time.sleep(1.0)
     finally:
         rc = server.stop(signal.SIGTERM)
     return {"dir": rec_dir, "streams": streams, "rc": rc, "log": server.log_path}

@@ -56,7 +56,7 @@ def stopped(request, tmp_path_factory):
         sh.completion_body(model, f"the quick brown fox {i} jumps", MAX_TOKENS)
         for i in range(N_STREAMS)
     ]
-    streams, t_sig_ns, rc = sh.stop_while_streaming(server, bodies, STOP_AFTER_S)
+    streams, t_sig_ns, rc = sh.stop_while_streaming(server, bodies, STOP_AFTER_S, grace_s=15)
     return {"dir": rec_dir, "streams": streams, "t_sig_ns": t_sig_ns, "rc": rc, "wait": wait,
             "server_log": server.log_path}  # fmt: skip
 
@@ -89,7 +89,13 @@ def test_the_engine_core_window_after_its_last_flush_is_unrecorded_not_the_api_s
     # got through its own stop within that wait wrote a whole log (docs/adapters.md)
     killed = procs[core_k]["recovered"]
     assert merged.coverage.is_clean_stop[cov[core_k]] == (0 if killed else 1)
-    assert merged.coverage.is_clean_stop[cov[api_k]] == 1  # the API server exits on SIGTERM
+    # the API server exits on SIGTERM and writes a whole log, unless vLLM's HTTP server kept
+    # waiting for streams that the killed engine core never ended ("Waiting for connections
+    # to close"), and the harness, as a process manager does after its grace, killed it:
+    # then its log is recovered from parts, and says so
+    api_killed = stopped["rc"] == -9
+    assert merged.coverage.is_clean_stop[cov[api_k]] == (0 if api_killed else 1)
+    assert procs[api_k]["recovered"] == api_killed
     core_end = float(merged.coverage.t_end_s[cov[core_k]])
     # the run's clock is the engine core's: seconds from its recorder's start tick
     t0 = merged.meta["t0_tick"] * merged.meta.get("seconds_per_tick", 1e-9)
