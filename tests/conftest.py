@@ -11,6 +11,7 @@ import threading
 
 import pytest
 from hypothesis import settings
+from promserver import prometheus  # noqa: F401  (the real Prometheus fixture, for every module)
 
 from tracekit.capture import recorder as hooks
 from tracekit.capture.recorder import active_recorders

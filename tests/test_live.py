@@ -1168,3 +1168,39 @@ def test_a_wait_longer_than_max_retain_is_counted_without_its_causes():
     assert s["ttft_n"] == 2 and s["truncated_ttfts"] == 1 and s["errors"] == 0
     assert s["ttft_sum_s"] == pytest.approx((10 + 2006) / 1e3)
     assert sum(s["ttft_cause_ms"].values()) == pytest.approx(10.0)
+
+
+def test_a_label_that_appears_mid_run_is_scraped_at_zero_first():
+    """Prometheus' `increase()` counts a counter from its first sample, so a series first
+    scraped above 0 loses that value (docs/live.md). An engine's own label (`prepare`) that
+    first settles between two scrapes shows 0 at the first scrape that sees it and its
+    settled value from the next on; a series already scraped shows its value at once."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tracekit.live.prometheus import LiveCollector
+    from tracekit.live.stats import LiveTotals, WallView, WorkerStats
+
+    totals = LiveTotals(cause_ms={"gc": 0.0}, tail_count={"gc": 0}, tail_ms={"gc": 0.0},
+                        ttft_cause_ms={"queued": 0.0}, gap_le=np.zeros(2, dtype=np.int64),
+                        ttft_hist=np.zeros(2, dtype=np.int64))  # fmt: skip
+    col = LiveCollector(lambda: (totals, WorkerStats(), WallView()), const_labels={"run": "r"},
+                        gap_buckets_s=(0.1,), ttft_buckets_s=(1.0,))  # fmt: skip
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(col)
+
+    def scrape() -> str:
+        return generate_latest(reg).decode()
+
+    assert 'tracekit_gap_cause_seconds_total{cause="gc",run="r"} 0.0' in scrape()
+    totals.cause_ms.update(gc=2000.0, prepare=1500.0)  # settled between two scrapes
+    totals.tail_count["prepare"] = 3
+    totals.ttft_cause_ms["prepare"] = 500.0
+    first = scrape()
+    assert 'tracekit_gap_cause_seconds_total{cause="gc",run="r"} 2.0' in first
+    assert 'tracekit_gap_cause_seconds_total{cause="prepare",run="r"} 0.0' in first
+    assert 'tracekit_tail_gaps_total{primary_cause="prepare",run="r"} 0.0' in first
+    assert 'tracekit_ttft_cause_seconds_total{cause="prepare",run="r"} 0.0' in first
+    second = scrape()
+    assert 'tracekit_gap_cause_seconds_total{cause="prepare",run="r"} 1.5' in second
+    assert 'tracekit_tail_gaps_total{primary_cause="prepare",run="r"} 3.0' in second
+    assert 'tracekit_ttft_cause_seconds_total{cause="prepare",run="r"} 0.5' in second

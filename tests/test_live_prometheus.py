@@ -12,84 +12,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from urllib.parse import urlencode
-from urllib.request import urlopen
 
 import pytest
+from promserver import NO_PROMETHEUS, PROMETHEUS, get_json
 
 pytest.importorskip("prometheus_client")
 pytest.importorskip("opentelemetry.sdk")
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None,
-    reason="no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it)",
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> dict:
-    with urlopen(url, timeout=10) as r:
-        return json.loads(r.read().decode())
-
-
-class Prom:
-    def __init__(self, port: int) -> None:
-        self.base = f"http://127.0.0.1:{port}"
-
-    def query(self, expr: str, at: float) -> list[dict]:
-        out = _get(f"{self.base}/api/v1/query?" + urlencode({"query": expr, "time": repr(at)}))
-        assert out["status"] == "success", (expr, out)
-        return out["data"]["result"]
-
-    def one(self, expr: str, at: float) -> float:
-        res = self.query(expr, at)
-        assert len(res) == 1, (expr, res)
-        return float(res[0]["value"][1])
-
-
-@pytest.fixture
-def prometheus(tmp_path):
-    target, web = _free_port(), _free_port()
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
-        "scrape_configs:\n  - job_name: tracekit\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{target}']\n"
-    )
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{web}", "--enable-feature=exemplar-storage"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"),
-    )  # fmt: skip
-    try:
-        for _ in range(300):
-            try:
-                with urlopen(f"http://127.0.0.1:{web}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            pytest.fail(
-                "prometheus never became ready: " + (tmp_path / "prometheus.log").read_text()
-            )
-        yield Prom(web), target
-    finally:
-        proc.terminate()
-        proc.wait(10)
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS)
 
 
 def _cli(*args: str) -> str:
@@ -166,7 +102,7 @@ def test_prometheus_sees_the_offline_partition_of_a_real_demo_run(prometheus, tm
     assert increase("tracekit_ttft_seconds_count") == pytest.approx(len(ttft), rel=0.01)
 
     # no series ever decreased: no counter or bucket reset in the whole run
-    names = _get(f"{prom.base}/api/v1/label/__name__/values")["data"]
+    names = get_json(f"{prom.base}/api/v1/label/__name__/values")["data"]
     monotone = [n for n in names if n.startswith("tracekit_") and n.endswith(
         ("_total", "_bucket", "_count", "_sum"))]  # fmt: skip
     assert "tracekit_gap_cause_seconds_total" in monotone and len(monotone) >= 12
@@ -181,7 +117,7 @@ def test_prometheus_sees_the_offline_partition_of_a_real_demo_run(prometheus, tm
         assert prom.query(q, mid), expr
 
     # exemplars: slow gaps' spans on the gap histogram's buckets
-    ex = _get(f"{prom.base}/api/v1/query_exemplars?" + urlencode(
+    ex = get_json(f"{prom.base}/api/v1/query_exemplars?" + urlencode(
         {"query": f"tracekit_gap_seconds_bucket{sel}", "start": repr(first - 5), "end": repr(last)}
     ))  # fmt: skip
     assert ex["status"] == "success"
