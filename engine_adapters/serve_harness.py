@@ -244,9 +244,11 @@ def stop_while_streaming(
     after_s: float,
     sig: int = signal.SIGTERM,
     grace_s: float = 60,
+    min_tokens: int = 1,
 ) -> tuple[list[Stream], int, int]:
-    """Stream every body at once and, once every stream has its first token (at most 120 s)
-    and `after_s` seconds more while they still run, stop
+    """Stream every body at once and, once every stream has `min_tokens` chunks (at most
+    120 s: the machine's speed sets when that is) and `after_s` seconds more, while they
+    still run, stop
     the server with `sig` (to the API server process, as a process manager does: SIGKILL
     if it is still alive `grace_s` seconds later). Returns
     the streams as the client saw them (cut where the server closed them), the
@@ -269,7 +271,7 @@ def stop_while_streaming(
     t.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (
-        len(watch) == len(bodies) and all(len(x.t_ns) for x in list(watch))
+        len(watch) == len(bodies) and all(len(x.t_ns) >= min_tokens for x in list(watch))
     ):
         time.sleep(0.05)
     time.sleep(after_s)

@@ -25,7 +25,9 @@ import pytest
 
 pytestmark = [pytest.mark.adapters, pytest.mark.slow]
 
-N_STREAMS, MAX_TOKENS, STOP_AFTER_S = 8, 480, 1.5
+# stop once every stream has 16 chunks, and 0.2 s more: mid-stream on a quiet machine too,
+# where a stream of 480 tokens of the tiny model ends about a second after it starts
+N_STREAMS, MAX_TOKENS, STOP_AT_TOKENS, STOP_AFTER_S = 8, 480, 16, 0.2
 
 
 @pytest.fixture(scope="module", params=["plugin-default", "no-flush-wait"])
@@ -56,7 +58,9 @@ def stopped(request, tmp_path_factory):
         sh.completion_body(model, f"the quick brown fox {i} jumps", MAX_TOKENS)
         for i in range(N_STREAMS)
     ]
-    streams, t_sig_ns, rc = sh.stop_while_streaming(server, bodies, STOP_AFTER_S, grace_s=15)
+    streams, t_sig_ns, rc = sh.stop_while_streaming(
+        server, bodies, STOP_AFTER_S, grace_s=15, min_tokens=STOP_AT_TOKENS
+    )
     return {"dir": rec_dir, "streams": streams, "t_sig_ns": t_sig_ns, "rc": rc, "wait": wait,
             "server_log": server.log_path}  # fmt: skip
 
