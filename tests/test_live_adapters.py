@@ -33,7 +33,9 @@ from tracekit.attribution.ttft import ttft_partition  # noqa: E402
 from tracekit.live import LiveMetrics, attach  # noqa: E402
 
 
-def test_transformers_cb_run_live_totals_equal_the_offline_partition(tmp_path):
+def _tiny_cb(tmp_path, seed: int):
+    """The tiny random Llama, 6 prompts, and a CB config whose small KV pool makes the
+    engine soft-reset requests (evictions); eos -1: random weights must not stop early."""
     import torch
 
     path = build_tiny_llama(tmp_path / "tiny-llama")
@@ -41,13 +43,16 @@ def test_transformers_cb_run_live_totals_equal_the_offline_partition(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="sdpa"
     )
-    inputs = [tok(p).input_ids for p in tiny_prompts(6, seed=2)]
-    # a small KV pool (the engine soft-resets requests: evictions) and eos -1 (random
-    # weights must not stop early)
+    inputs = [tok(p).input_ids for p in tiny_prompts(6, seed=seed)]
     cb = transformers.ContinuousBatchingConfig(
         page_size=16, num_blocks=8, use_async_batching=False, use_cuda_graph=False
     )
     gen = transformers.GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=-1)
+    return model, inputs, cb, gen
+
+
+def test_transformers_cb_run_live_totals_equal_the_offline_partition(tmp_path):
+    model, inputs, cb, gen = _tiny_cb(tmp_path, seed=2)
     out = tmp_path / "cb.npz"
     rec = tracekit.Recorder(out, flush_interval_s=0.05)  # many flushes in a short run
     live = attach(rec, LiveMetrics(hold_s=0.5))
@@ -82,20 +87,10 @@ def test_a_real_prometheus_scraping_a_transformers_cb_run_sees_the_offline_parti
     the TTFT cause counters, equals the offline partition of the saved log within 1%
     (docs/live.md; Prometheus' rule: `increase()` of a counter first scraped at 0 that never
     decreases is its last value), and no series ever decreased."""
-    import torch
     from promserver import wait_for
 
     prom, port = prometheus
-    path = build_tiny_llama(tmp_path / "tiny-llama")
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    inputs = [tok(p).input_ids for p in tiny_prompts(6, seed=3)]
-    cb = transformers.ContinuousBatchingConfig(
-        page_size=16, num_blocks=8, use_async_batching=False, use_cuda_graph=False
-    )
-    gen = transformers.GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=-1)
+    model, inputs, cb, gen = _tiny_cb(tmp_path, seed=3)
     out = tmp_path / "cb.npz"
     rec = tracekit.Recorder(out, flush_interval_s=0.05)
     live = attach(rec, LiveMetrics(hold_s=0.5, const_labels={"run": "cb"}))
