@@ -172,7 +172,10 @@ class Dispatcher:
     interval; then it waits until the writer takes the waiting flush (`wait_taken`) and
     hands over the backlog whole. So at most one flush waits while one is written, a row
     waits for at most two intervals, the write in progress and its own, and memory stays
-    bounded. (Flushes submitted otherwise, such as arrivals of an idle engine, are merged
+    bounded. Counted in the engine's own time (its clock, which does not move while it
+    waits), the rows not yet on disk span at most six intervals and three steps: the
+    flush being written and the one waiting (each at most two intervals and a step) and
+    the backlog. (Flushes submitted otherwise, such as arrivals of an idle engine, are merged
     into the next write.) `submit` blocks only if `max_pending_values` table values are
     already waiting (the sinks are stuck).
 
@@ -204,7 +207,6 @@ class Dispatcher:
         self._pending: deque[Flush] = deque()
         self._pending_values = 0
         self._closing = False
-        self._busy = False  # a write is running
         self.last_submit_s = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="tracekit-writer", daemon=True)
         self._thread.start()
@@ -224,10 +226,13 @@ class Dispatcher:
             self._cond.notify_all()
 
     def wait_taken(self) -> None:
-        """Block until the writer has taken the waiting flush (the engine thread, when
-        its backlog is two intervals old: the bound on lag of the class doc)."""
+        """Block until the writer has taken every waiting flush (the engine thread, when
+        its backlog is two intervals old: the bound on lag of the class doc). Waiting
+        only while a write runs would let flushes pile up in the moment between two
+        writes, when the writer has not yet taken the next: the engine hands over at
+        most one flush at a time."""
         with self._cond:
-            while self._pending and self._busy and self._thread.is_alive():
+            while self._pending and self._thread.is_alive():
                 self._cond.wait(0.05)
 
     def wake(self) -> None:
@@ -259,15 +264,9 @@ class Dispatcher:
                 self._pending.clear()
                 self._pending_values = 0
                 closing = self._closing
-                self._busy = bool(batch)
-                self._cond.notify_all()
+                self._cond.notify_all()  # taken: `wait_taken` and `submit` may go on
             if batch:
-                try:
-                    _guard(functools.partial(self._deliver, batch), "a flush")
-                finally:
-                    with self._cond:
-                        self._busy = False
-                        self._cond.notify_all()
+                _guard(functools.partial(self._deliver, batch), "a flush")
             elif closing:
                 return
             else:  # nothing arrived for a whole interval: the engine may be idle
