@@ -81,8 +81,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ._common import Patches, add_forward
 from .vllm_v1 import VllmV1Adapter
 
@@ -108,10 +106,11 @@ _registered = [False]
 _class_patches = Patches()
 _rec: dict[str, Any] = {}  # role -> the process's Recorder
 _INDEX = re.compile(r'"index":\s*(\d+)')
-#: Set by the SSE generator of a request; the server's ``send`` appends the tick each body
-#: write returned at (the same task runs both).
-_writes: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "tracekit_sse_writes", default=None
+#: Set by the SSE generator of a request to its list of write ticks and the API server
+#: recorder's clock; the server's ``send`` appends the tick each body write returned at
+#: (the same task runs both).
+_writes: contextvars.ContextVar[tuple[list[int], Callable[[], int]] | None] = (
+    contextvars.ContextVar("tracekit_sse_writes", default=None)
 )
 
 
@@ -1031,9 +1030,9 @@ def _install_write_hooks(p: Patches) -> None:
     def wrap_send(send: Callable[..., Any]) -> Callable[..., Any]:
         async def send_stamped(self: Any, message: Any) -> Any:
             out = await send(self, message)
-            writes = _writes.get()
-            if writes is not None and message.get("type") == "http.response.body":
-                writes.append(recorder_for("api_server").now())
+            slot = _writes.get()
+            if slot is not None and message.get("type") == "http.response.body":
+                slot[0].append(slot[1]())
             return out
 
         return send_stamped
@@ -1102,18 +1101,14 @@ def _install_receipt_hooks(p: Patches) -> None:
 
 class _Chunks:
     """One stream's chunk records at the client boundary, cheap per chunk: each choice's
-    recorder handle resolved once (at its first chunk whose request is known), one
-    preallocated one-row handle vector and count vector reused for every emission (the
-    recorder copies their bytes), and no count for a one-token chunk (the recorder's
-    default)."""
+    recorder handle resolved once (at its first chunk whose request is known), then one
+    `Recorder.emit_chunk` per chunk (its write window and its tokens)."""
 
-    __slots__ = ("rec", "handles", "h", "k")
+    __slots__ = ("rec", "handles")
 
     def __init__(self, rec: Any) -> None:
         self.rec = rec
         self.handles: dict[int, int] = {}  # choice index -> the recorder's handle
-        self.h = np.zeros(1, dtype=np.int64)
-        self.k = np.ones(1, dtype=np.int64)
 
     def record(self, i: int, name: str, k: int, t_ready: int, t_sent: int) -> None:
         """Choice `i` (request `name` at the client boundary) sent a chunk of `k` tokens:
@@ -1124,14 +1119,20 @@ class _Chunks:
             if key is None:
                 return
             h = self.handles[i] = self.rec.handle(key)
-        rec = self.rec
-        rec.add_segment("sse_write", t_ready, t_sent)
-        self.h[0] = h
-        if k == 1:
-            rec.emit_handles(self.h, at_tick=t_sent)
-        else:
-            self.k[0] = k
-            rec.emit_handles(self.h, self.k, at_tick=t_sent)
+        self.rec.emit_chunk(h, t_ready, t_sent, k)
+
+
+def _choice_of(chunk: str, names: dict[int, str]) -> int | None:
+    """The choice an SSE chunk carries, None for one without a choice (usage, [DONE]). A
+    chunk is made from outputs already seen, so while a stream has seen one choice every
+    chunk with a choice is that one's (no search of the chunk's text)."""
+    if '"choices":[{' not in chunk:
+        return None
+    if len(names) == 1:
+        for i in names:
+            return i
+    m = _INDEX.search(chunk)
+    return None if m is None else int(m.group(1))
 
 
 def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
@@ -1165,20 +1166,20 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
         gen = stream(self, request, engine_inputs, observed(), *args, **kwargs)
         chunks = _Chunks(rec)
         writes: list[int] = []
-        _writes.set(writes)
+        _writes.set((writes, rec.now))
+        now = rec.now
         try:
             async for chunk in gen:
-                t_ready = rec.now()
-                m = _INDEX.search(chunk) if '"choices":[{' in chunk else None
+                t_ready = now()
                 writes.clear()
                 yield chunk  # the server writes it before asking for the next one
-                if m is None:
+                i = _choice_of(chunk, names)
+                if i is None:
                     continue
-                t_sent = writes[-1] if writes else rec.now()
-                i = int(m.group(1))
                 queue = pending.get(i)
                 if not queue:
                     continue
+                t_sent = writes[-1] if writes else now()
                 chunks.record(i, names[i], queue.popleft(), t_ready, t_sent)
         finally:
             await gen.aclose()
@@ -1212,22 +1213,22 @@ def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
         gen = stream(self, request, observed(), *args, **kwargs)
         chunks = _Chunks(rec)
         writes: list[int] = []
-        _writes.set(writes)
+        _writes.set((writes, rec.now))
+        now = rec.now
         try:
             async for chunk in gen:
-                t_ready = rec.now()
-                m = _INDEX.search(chunk) if '"choices":[{' in chunk else None
+                t_ready = now()
                 writes.clear()
                 yield chunk  # the server writes it before asking for the next one
-                if m is None or '"delta":{"role":' in chunk:
+                i = _choice_of(chunk, names)
+                if i is None or '"delta":{"role":' in chunk:
                     continue
-                i = int(m.group(1))
                 k = seen[i] - sent[i]
                 name = names.get(i)
                 if k <= 0 or name is None:
                     continue
                 sent[i] = seen[i]
-                t_sent = writes[-1] if writes else rec.now()
+                t_sent = writes[-1] if writes else now()
                 chunks.record(i, name, k, t_ready, t_sent)
         finally:
             await gen.aclose()

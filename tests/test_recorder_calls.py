@@ -155,6 +155,14 @@ BAD_CALLS = {
     "wait reason not str": lambda r: r.wait(["a"], 3),
     "wait twice in a call": lambda r: r.wait(["zz", "zz"], "kv_blocks"),
     "wait_handles twice in a call": lambda r: r.wait_handles([0, 0], "kv_blocks"),
+    "emit_chunk handle out of range": lambda r: r.emit_chunk(2, r.now(), r.now()),
+    "emit_chunk bool handle": lambda r: r.emit_chunk(True, r.now(), r.now()),
+    "emit_chunk fraction handle": lambda r: r.emit_chunk(0.5, r.now(), r.now()),
+    "emit_chunk written before ready": lambda r: r.emit_chunk(0, r.now(), r.now() - 5),
+    "emit_chunk zero tokens": lambda r: r.emit_chunk(0, r.now(), r.now(), 0),
+    "emit_chunk float tick": lambda r: r.emit_chunk(0, 1.0e9 + 0.5, r.now()),
+    "emit_chunk absurd tick": lambda r: r.emit_chunk(0, r.now(), 2**62),
+    "emit_chunk label int": lambda r: r.emit_chunk(0, r.now(), r.now(), label=3),
     "add_segment reversed": lambda r: r.add_segment("x", 10_000, 5_000),
     "add_segment label int": lambda r: r.add_segment(3, 1, 2),
     "add_segment float tick": lambda r: r.add_segment("x", 1.5, 2),
@@ -360,6 +368,46 @@ def test_emit_handles_with_counts_matches_emit_row_for_row():
     assert a.emissions.num_tokens.tolist() == [1, 2, 3, 4, 5, 1, 1]
     for col in ("request", "t_s", "step", "num_tokens", "device_step"):
         assert np.array_equal(getattr(a.emissions, col), getattr(b.emissions, col)), col
+
+
+def test_emit_chunk_records_a_write_window_and_its_tokens():
+    """A streaming server's chunk (`emit_chunk`): request `a` arrives at t0; its chunk of
+    2 tokens is ready at t0 + 1 ms and written at t0 + 3 ms, then a one-token chunk ready
+    and written at t0 + 4 ms: two `sse_write` windows outside any step (step -1), [1, 3]
+    and [4, 4] ms, and two emissions at 3 and 4 ms of 2 and 1 tokens. The same rows as
+    `add_segment` then `emit_handles`, array for array."""
+    clk = ManualClock()
+
+    def run(one_call: bool) -> tracekit.RawLog:
+        rec = tracekit.Recorder(None, clock=clk, gc=False, handle_signals=False)
+        with rec:
+            t0 = clk.now
+            h = rec.request("a")
+            for ready, sent, k in ((1, 3, 2), (4, 4, 1)):
+                t_ready, t_sent = t0 + ready * 1_000_000, t0 + sent * 1_000_000
+                if one_call:
+                    rec.emit_chunk(h, t_ready, t_sent, k)
+                else:
+                    rec.add_segment("sse_write", t_ready, t_sent)
+                    rec.emit_handles([h], [k], at_tick=t_sent)
+            clk.tick(5_000_000)
+        return rec.log()
+
+    a = run(True)
+    t0 = a.requests.arrival_s[0]
+    seg = a.segments
+    assert [a.labels[i] for i in seg.label] == ["sse_write", "sse_write"]
+    assert (seg.t_start_s - t0).tolist() == pytest.approx([0.001, 0.004], abs=1e-9)
+    assert (seg.t_end_s - t0).tolist() == pytest.approx([0.003, 0.004], abs=1e-9)
+    assert seg.step.tolist() == [-1, -1]
+    assert (a.emissions.t_s - t0).tolist() == pytest.approx([0.003, 0.004], abs=1e-9)
+    assert a.emissions.num_tokens.tolist() == [2, 1]
+    assert a.emissions.request.tolist() == [0, 0]
+    b = run(False)
+    for table in ("segments", "emissions"):
+        x, y = getattr(a, table), getattr(b, table)
+        for col in x.DTYPES:
+            assert np.array_equal(getattr(x, col), getattr(y, col)), (table, col)
 
 
 def test_a_few_handles_record_what_the_id_call_records():

@@ -70,7 +70,7 @@ from tracekit.log.rawlog import (
     WAIT_REASON_CODES,
     RawLog,
 )
-from tracekit.log.validate import MAX_ABS_TIME_S
+from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -1144,6 +1144,50 @@ class Recorder:
             raise ValueError(f"emit_handles: {len(h)} handles but {len(counts)} num_tokens")
         self._emit_rows(h, counts, t, dstep)
 
+    def emit_chunk(
+        self, handle: int, t_ready: int, t_sent: int, num_tokens: int = 1, *,
+        label: str = "sse_write",
+    ) -> None:  # fmt: skip
+        """One response chunk of one request, as a streaming server writes it: the write's
+        window (`t_ready` to `t_sent`, ticks of this recorder's clock) as a segment
+        `label`, and the chunk's `num_tokens` tokens as an emission at `t_sent` on request
+        `handle`. The rows of `add_segment(label, t_ready, t_sent)` then
+        `emit_handles([handle], [num_tokens], at_tick=t_sent)`, in one call checked once:
+        a server's per-chunk path (`engine_adapters.vllm_serve`). A bad argument raises
+        before anything is recorded."""
+        if not self.enabled:
+            return
+        t0 = self._t0_tick
+        if not (  # the common case, checked at once
+            type(handle) is int
+            and type(t_ready) is int
+            and type(t_sent) is int
+            and type(num_tokens) is int
+            and 0 <= handle < len(self._req_names)
+            and 1 <= num_tokens <= MAX_COUNT
+            and t_ready <= t_sent
+            and self._running
+            and t_sent - t0 <= self._max_ticks
+            and t0 - t_ready <= self._max_ticks
+            and type(label) is str
+        ):
+            label = _check_label(label, "emit_chunk(label)")
+            handle = as_int(handle, "emit_chunk(handle)", 0, len(self._req_names) - 1)
+            t_ready = self._check_tick(t_ready, "emit_chunk(t_ready)")
+            t_sent = self._check_tick(t_sent, "emit_chunk(t_sent)")
+            num_tokens = as_int(num_tokens, "emit_chunk(num_tokens)", 1)
+            if t_sent < t_ready:
+                raise ValueError(
+                    f"emit_chunk: written (t_sent={t_sent}) before it was ready ({t_ready})"
+                )
+        label_id = self._label_index.get(label)
+        if label_id is None:
+            label_id = self._label_id(label)
+        seg = _SEG_ROW(self._step_here(), label_id, t_ready, t_sent, self._thread_id(), 0)
+        step = self._step_no if self._in_step else -1
+        ks = None if num_tokens == 1 else [num_tokens]
+        self._emit_few([handle], ks, t_sent, step, segment_row=seg)
+
     def _emit_when(self, at_tick: Any, reads_step: Any) -> tuple[int, int]:
         t = self._clock() if at_tick is None else self._check_tick(at_tick, "emit(at_tick=)")
         step = self._step_no if self._in_step else -1
@@ -1158,15 +1202,21 @@ class Recorder:
             return None
         return as_int_vector(num_tokens, "emit(num_tokens)", 1)
 
-    def _emit_few(self, hs: list[int], ks: list[int] | None, t: int, dstep: int) -> None:
+    def _emit_few(
+        self, hs: list[int], ks: list[int] | None, t: int, dstep: int,
+        segment_row: bytes | None = None,
+    ) -> None:  # fmt: skip
         """`_emit_rows` for a few checked handles (and counts) given as Python ints: the
-        same rows, without numpy."""
+        same rows, without numpy; `segment_row`, a window's row appended under the same
+        lock (`emit_chunk`)."""
         n = len(hs)
         if not n:
             return
         step = self._step_no if self._in_step else -1
         r = self._req
         with self._lock:
+            if segment_row is not None:
+                self._seg_rows.frombytes(segment_row)
             if self._arrival_max > t:  # some request arrived after `t`: one of these?
                 arrival = r.arrival
                 latest = max(arrival[x] for x in hs)
