@@ -219,21 +219,36 @@ def stream_load(
     bodies: list[dict[str, Any]],
     headers: list[dict[str, str] | None] | None = None,
     stagger_s: float = 0.0,
+    pause_pids: tuple[int, ...] = (),
 ) -> list[Stream]:
     """Send every body at once as a stream (a body with ``messages`` to the chat endpoint,
     else to completions), each with its `headers`; the streams as the client saw them.
     `stagger_s`: the k-th stream starts k * stagger_s later (several API servers share one
-    listening socket, and one that wakes for a burst accepts all of it)."""
+    listening socket, and one that wakes for a burst accepts all of it). `pause_pids`: API
+    server processes stopped (SIGSTOP) until a stream of this load has its response, so
+    another API server has accepted it (which one accepts a connection is otherwise the
+    kernel's choice, and on a quiet machine one may take every connection), then
+    continued."""
     import httpx
 
     hdrs = headers if headers is not None else [None] * len(bodies)
 
     async def main() -> list[Stream]:
         limits = httpx.Limits(max_connections=len(bodies) + 2)
+        watch: list[Stream] = []
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            jobs = (_stream(client, server.url, b, h, k * stagger_s)
+            jobs = (_stream(client, server.url, b, h, k * stagger_s, watch=watch)
                     for k, (b, h) in enumerate(zip(bodies, hdrs, strict=True)))  # fmt: skip
-            return list(await asyncio.gather(*jobs))
+            try:
+                for pid in pause_pids:
+                    os.kill(pid, signal.SIGSTOP)
+                task = asyncio.gather(*jobs)
+                while pause_pids and not task.done() and not any(x.status for x in watch):
+                    await asyncio.sleep(0.01)
+            finally:
+                for pid in pause_pids:
+                    os.kill(pid, signal.SIGCONT)
+            return list(await task)
 
     return asyncio.run(main())
 

@@ -39,14 +39,17 @@ def _require_plugin():
         pytest.skip("tracekit's vLLM plugin entry point is not installed: pip install -e .")
 
 
-def _api_servers_without_chunks(rec_dir: str, num_api_servers: int) -> int:
-    """How many of a running server's API servers have streamed no chunk so far (their
+def _api_servers_that_streamed(rec_dir: str) -> set[int]:
+    """The pids of a running server's API servers that have streamed a chunk so far (their
     parts on disk read in place, never changed; one that has recorded nothing yet has no
     parts at all)."""
     from tracekit.log.parts import merge_parts
 
-    dirs = glob.glob(os.path.join(rec_dir, "api_server-*.npz.parts"))
-    return num_api_servers - sum(len(merge_parts(d).emissions) > 0 for d in dirs)
+    out = set()
+    for d in glob.glob(os.path.join(rec_dir, "api_server-*.npz.parts")):
+        if len(merge_parts(d).emissions):
+            out.add(int(os.path.basename(d).split("-")[1].split(".")[0]))
+    return out
 
 
 def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0):
@@ -65,12 +68,15 @@ def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0):
         streams = sh.stream_load(server, bodies, stagger_s=stagger_s)
         time.sleep(1.0)  # > the flush interval: everything recorded reaches disk
         # several API servers share one listening socket, and which one accepts is the
-        # kernel's choice (on a busy machine one may take every connection): more waves,
-        # at most two, until each API server has streamed, read from their parts as they are
-        for _ in range(2):
-            if _api_servers_without_chunks(rec_dir, num_api) == 0:
+        # kernel's choice (here one took all of 48 connections in three waves): while an
+        # API server has streamed nothing, one more wave with those that have stopped
+        # until it is accepted elsewhere (read from their parts as they are)
+        for _ in range(num_api - 1):
+            streamed = _api_servers_that_streamed(rec_dir)
+            if len(streamed) == num_api:
                 break
-            streams += sh.stream_load(server, bodies, stagger_s=2 * stagger_s)
+            streams += sh.stream_load(server, bodies, stagger_s=stagger_s,
+                                      pause_pids=tuple(sorted(streamed)))  # fmt: skip
             time.sleep(1.0)
     finally:
         rc = server.stop(signal.SIGTERM)
