@@ -3,8 +3,10 @@
 Two servers of the tiny local model (2 KV heads), each started once for the module:
 
 - ``vllm serve --api-server-count 2 --data-parallel-size 2``: two API server processes
-  (one listening socket, SO_REUSEPORT spreads the connections), two engine cores (DP
-  ranks 0 and 1) with a worker each. 12 completions stream at once.
+  (one listening socket: which one accepts a connection is the kernel's choice), two
+  engine cores (DP ranks 0 and 1) with a worker each, each engine core serving its live
+  metrics (``TRACEKIT_VLLM_METRICS_PORT``: rank R on port + R). 12 completions stream
+  at once.
 - ``--tensor-parallel-size 2`` (gloo): two workers, ranks 0 and 1, and a test-only hook
   (``TRACEKIT_VLLM_TEST_INJECT``) that stalls rank 1 at the start of every 6th forward
   pass, alternately with a 40 ms sleep and a full garbage collection.
@@ -52,7 +54,51 @@ def _api_servers_that_streamed(rec_dir: str) -> set[int]:
     return out
 
 
-def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0):
+def _port_pair() -> int:
+    """A free port P with P + 1 free too (data-parallel rank R serves on P + R)."""
+    import socket
+
+    from engine_adapters.serve_harness import free_port
+
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
+def _scrape_live(port: int) -> dict[str, dict]:
+    """One scrape of an engine core's live metrics: every sample by name and full labels."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    out: dict[str, dict] = collections.defaultdict(dict)
+    for fam in text_string_to_metric_families(body):
+        for smp in fam.samples:
+            out[smp.name][tuple(sorted(smp.labels.items()))] = smp.value
+    return out
+
+
+def _settled_live(ports: tuple[int, ...], gaps: int) -> dict[int, dict]:
+    """Scrapes of every live port once their gaps add up to `gaps` (the engine cores
+    settle the load's last gaps at their idle flushes), at most 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        got = {p: _scrape_live(p) for p in ports}
+        n = sum(sum(g["tracekit_gaps_total"].values()) for g in got.values())
+        if n >= gaps or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0, live_ports=()):
     num_api = int(args[args.index("--api-server-count") + 1]) if "--api-server-count" in args else 1
     from engine_adapters import serve_harness as sh
     from engine_adapters.tiny_model import build_tiny_llama
@@ -78,18 +124,23 @@ def _serve(base, args, env=None, cli=False, n=N_STREAMS, stagger_s=0.0):
             streams += sh.stream_load(server, bodies, stagger_s=stagger_s,
                                       pause_pids=tuple(sorted(streamed)))  # fmt: skip
             time.sleep(1.0)
+        live = _settled_live(live_ports, len(streams) * (MAX_TOKENS - 1)) if live_ports else {}
     finally:
         rc = server.stop(signal.SIGTERM)
-    return {"dir": rec_dir, "streams": streams, "rc": rc, "log": server.log_path}
+    return {"dir": rec_dir, "streams": streams, "rc": rc, "log": server.log_path, "live": live}
 
 
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory):
     _require_plugin()
+    pytest.importorskip("prometheus_client")
     base = tmp_path_factory.mktemp("scale")
-    return _serve(
-        base, ["--api-server-count", "2", "--data-parallel-size", "2"], cli=True, stagger_s=0.15
-    )
+    port = _port_pair()
+    out = _serve(
+        base, ["--api-server-count", "2", "--data-parallel-size", "2"], cli=True, stagger_s=0.15,
+        env={"TRACEKIT_VLLM_METRICS_PORT": str(port)}, live_ports=(port, port + 1),
+    )  # fmt: skip
+    return {**out, "port": port}
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +199,33 @@ def test_chunk_counts_equal_per_request_and_each_joined_to_its_api_server(scaled
     assert got == client
     used = set().union(*servers.values())
     assert len(used) == 2, "both API servers were meant to serve streams"
+
+
+def test_each_data_parallel_engine_core_serves_its_own_live_metrics(scaled, scaled_runs):
+    """`TRACEKIT_VLLM_METRICS_PORT=P` with two DP ranks: rank R's engine core serves on
+    P + R, every sample labelled ``dp_rank`` R and ``process`` its own engine core
+    (docs/live.md). Each engine core partitions only its own requests' gaps: a request
+    streams MAX_TOKENS tokens one a step (ignore_eos, no speculative decoding), so MAX_TOKENS
+    emissions and MAX_TOKENS - 1 engine-boundary gaps; the settled live count is that for
+    the requests of that core's merged run, and the live gap time is the offline
+    partition's."""
+    from tracekit.attribution.itl import partition
+
+    for run in scaled_runs:
+        rank = int(run.meta["process"]["dp_rank"])
+        got = scaled["live"][scaled["port"] + rank]
+        labels = {dict(k).get("dp_rank") for k in got["tracekit_gaps_total"]}
+        assert labels == {str(rank)}, labels
+        procs = {dict(k).get("process") for k in got["tracekit_gaps_total"]}
+        assert procs == {f"engine_core-{run.meta['process']['pid']}"}, procs
+        served = np.unique(run.emissions.request).size
+        assert served > 0
+        (n,) = got["tracekit_gaps_total"].values()
+        assert n == served * (MAX_TOKENS - 1)
+        p = partition(run)
+        assert len(p) == n
+        (total_s,) = got["tracekit_gap_seconds_sum"].values()
+        assert total_s == pytest.approx(float(p.gap_ms.sum()) / 1e3, rel=1e-9)
 
 
 def test_each_api_servers_windows_are_charged_only_to_its_own_gaps(scaled_runs):
