@@ -232,3 +232,60 @@ def test_the_trace_has_one_track_per_rank_with_the_slow_steps_it_held(tmp_path):
                                   (1, "rank1:injected")]  # fmt: skip
     assert sum(1 for r, _ in waits if r == 0) == 4  # steps 3, 4, 6, 7
     assert sum(1 for r, _ in waits if r == 1) == 249  # every step but 3, 4, 7
+
+
+def _add_os_samples(path, rows_ms):
+    """Give a saved worker log OS samples of its thread 0: rows (t ms, cpu ms, run-queue
+    ms), totals since the thread started, as the recorder reads them at segment ends."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    cols = {
+        "thread": [0] * len(rows_ms),
+        "kind": [2 + (i % 2) for i in range(len(rows_ms))],  # segment starts and ends
+        "t_s": [t * 1e-3 for t, _, _ in rows_ms],
+        "cpu_ns": [round(c * 1e6) for _, c, _ in rows_ms],
+        "runqueue_ns": [round(q * 1e6) for _, _, q in rows_ms],
+        "num_voluntary_switches": [0] * len(rows_ms),
+        "num_involuntary_switches": [0] * len(rows_ms),
+        "num_major_faults": [0] * len(rows_ms),
+    }
+    for k, v in cols.items():
+        arrays[f"os_samples.{k}"] = np.array(v, dtype=np.float64 if k == "t_s" else np.int64)
+    np.savez(path, **arrays)
+
+
+def test_a_late_ranks_os_pile_is_charged_to_that_rank(tmp_path):
+    """OS rules 1-2 (docs/partition.md) on a rank's own counters, by hand. `record_tp`
+    without a stall: rank 1 enters each step's collective 0.1 ms late, in its forward
+    ([10k+2.0, 10k+2.1] ms), and waits in it until 10k+4.0 (1.9 ms). Rank 1's thread is
+    sampled at 0, 10, ..., 60 ms: each 10 ms interval holds 6 ms of CPU; interval 2 also
+    1.9 ms of run-queue wait. Its waits in each interval: the collective, W = 1.9 ms, so
+    the time outside them is 8.1 ms. Off-CPU B = L - C - R: 4 ms (2.1 in interval 2);
+    `os_blocked` takes max(0, B - W) / 8.1 of each instant outside the waits, 2.1/8.1
+    (0.2/8.1 in interval 2), `os_runqueue` min(R, 8.1) / 8.1, 1.9/8.1 in interval 2.
+    So the 0.1 ms lateness of step k: rank1:os_blocked 0.1 x 2.1/8.1, rank1:forward the
+    rest (0.1 x 6/8.1); step 2: rank1:os_runqueue 0.1 x 1.9/8.1, rank1:os_blocked
+    0.1 x 0.2/8.1, rank1:forward 0.1 x 6/8.1."""
+    d = record_tp(tmp_path, stall_step=99)
+    rows, cpu, rq = [], 0.0, 0.0
+    for k in range(7):
+        rows.append((10.0 * k, cpu, rq))
+        cpu += 6.0
+        rq += 1.9 if k == 2 else 0.0
+    _add_os_samples(tmp_path / "worker-11.npz", rows)
+    run = merge_dir(d)
+    p = partition(run)
+    assert p.reconcile_max_err_ms < 1e-6
+    col = {lb: p.column(lb) if lb in p.labels else np.zeros(len(p))
+           for lb in ("rank1:forward", "rank1:os_runqueue", "rank1:os_blocked")}  # fmt: skip
+    # gap k-1 -> k (closed at 10k+7.5) holds step k's wait
+    for k in range(1, 6):
+        g = int(np.flatnonzero(np.isclose(p.t1_s, (10.0 * k + 7.5) * 1e-3))[0])
+        want_rq = 0.1 * 1.9 / 8.1 if k == 2 else 0.0
+        want_bl = 0.1 * (0.2 if k == 2 else 2.1) / 8.1
+        assert col["rank1:os_runqueue"][g] == pytest.approx(want_rq, abs=1e-9), k
+        assert col["rank1:os_blocked"][g] == pytest.approx(want_bl, abs=1e-9), k
+        assert col["rank1:forward"][g] == pytest.approx(0.1 * 6 / 8.1, abs=1e-9), k
+    assert np.allclose(p.gap_ms, 10.0)  # carved out of the forward window, never added
+    # rank 0 was never late: its samples are not needed, and nothing is charged to it
+    assert not [lb for lb in p.labels if lb.startswith("rank0:")]

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.labels import cause_of, precedence
+from tracekit.log.osintervals import OsIntervals, intervals_of
 from tracekit.log.rawlog import (
     OS_SEGMENT_END,
     OS_SEGMENT_START,
@@ -215,21 +216,6 @@ def build_timeline(
     return Timeline(bounds, owner, rate)
 
 
-@dataclass(frozen=True)
-class OsIntervals:
-    """What the OS did to the engine's loop thread between consecutive samples (step starts
-    and ends): interval ``[t0_s, t1_s]`` held `runqueue_s` of run-queue wait and `offcpu_s`
-    of other off-CPU time (blocked: I/O, locks, sleeps, page faults), both within it."""
-
-    t0_s: np.ndarray
-    t1_s: np.ndarray
-    runqueue_s: np.ndarray
-    offcpu_s: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.t0_s)
-
-
 def os_loop_thread(log: RawLog) -> int | None:
     """The thread whose OS samples are at step boundaries (the one with the most such
     samples, the lowest on a tie); None: no step samples."""
@@ -239,22 +225,6 @@ def os_loop_thread(log: RawLog) -> int | None:
         return None
     threads, counts = np.unique(os_.thread[step_rows], return_counts=True)
     return int(threads[np.argmax(counts)])
-
-
-def _intervals(sel: np.ndarray, log: RawLog) -> OsIntervals:
-    """The OS intervals between consecutive samples `sel` (rows of `log.os_samples`) of one
-    thread, in time order; see `os_intervals` for which are used."""
-    os_ = log.os_samples
-    sel = sel[np.argsort(os_.t_s[sel], kind="stable")]
-    t, cpu, runq = os_.t_s[sel], os_.cpu_ns[sel], os_.runqueue_ns[sel]
-    t0, t1 = t[:-1], t[1:]
-    d_cpu, d_runq = np.diff(cpu), np.diff(runq)
-    ok = (cpu[:-1] >= 0) & (cpu[1:] >= 0) & (runq[:-1] >= 0) & (runq[1:] >= 0)
-    ok &= (d_cpu >= 0) & (d_runq >= 0) & (t1 > t0)
-    width = np.where(ok, t1 - t0, 0.0)
-    rq = np.minimum(d_runq * 1e-9, width)
-    off = np.maximum(width - d_cpu * 1e-9 - rq, 0.0)
-    return OsIntervals(t0[ok], t1[ok], rq[ok], off[ok])
 
 
 def os_intervals(log: RawLog) -> OsIntervals:
@@ -269,7 +239,7 @@ def os_intervals(log: RawLog) -> OsIntervals:
         return OsIntervals(z, z, z, z)
     os_ = log.os_samples
     step_rows = (os_.kind == OS_STEP_START) | (os_.kind == OS_STEP_END)
-    return _intervals(np.flatnonzero(step_rows & (os_.thread == loop)), log)
+    return intervals_of(np.flatnonzero(step_rows & (os_.thread == loop)), log)
 
 
 def side_os_intervals(log: RawLog) -> dict[int, OsIntervals]:
@@ -283,7 +253,7 @@ def side_os_intervals(log: RawLog) -> dict[int, OsIntervals]:
     for th in np.unique(os_.thread[seg_rows]).tolist():
         if th == loop:
             continue
-        osi = _intervals(np.flatnonzero(seg_rows & (os_.thread == th)), log)
+        osi = intervals_of(np.flatnonzero(seg_rows & (os_.thread == th)), log)
         if len(osi):
             out[int(th)] = osi
     return out

@@ -58,6 +58,7 @@ import numpy as np
 
 from tracekit.errors import LogError
 from tracekit.log.archive import describe_non_regular
+from tracekit.log.osintervals import thread_os_intervals
 from tracekit.log.parts import PARTS_SUFFIX, merge_parts
 from tracekit.log.rawlog import (
     ClientEmissions,
@@ -687,8 +688,10 @@ def tp_waits(
     had since it last left a collective within the same forward call (`STALLS`: its GC
     pauses, a test's injected stall; at most their length, in that order), the rest to
     what it was doing during the wait (its recorded segments by `RANK_PRECEDENCE`, else
-    ``other``). The pieces are laid out in that order from the first entry. Ranks that
-    recorded no collective (one worker, no tensor parallelism): nothing."""
+    ``other``), less the shares of it the rank's own OS counters give to ``os_runqueue``
+    and ``os_blocked`` (`_RankOs`). The pieces are laid out in that order from the first
+    entry. Ranks that recorded no collective (one worker, no tensor parallelism):
+    nothing."""
     ranks: dict[int, tuple[ProcessLog, ClockFit]] = {}
     for p, fit in zip(others, fits, strict=True):
         r = tp_rank(p)
@@ -701,6 +704,7 @@ def tp_waits(
         w = _windows(p.log, ("collective",), steps_only=False)
         w = np.column_stack([fit.apply(w[:, 0]), fit.apply(w[:, 1])]) if len(w) else w
         calls[r] = w[np.argsort(w[:, 0], kind="stable")] if len(w) else np.zeros((0, 2))
+    os_shares = {r: _RankOs.of(p, fit, calls[r]) for r, (p, fit) in ranks.items()}
     n = min(len(c) for c in calls.values())
     if n == 0:
         return []
@@ -740,12 +744,94 @@ def tp_waits(
                 t, left = t + take, left - take
         if left > 0:  # the rest: what it was doing meanwhile, in proportion
             rest = [x for x in _owned(near(lo, hi), lo, hi) if x[2] not in STALLS]
-            total = sum(b - a for a, b, _ in rest)
-            for a, b, cause in rest if total > 0 else [(lo, hi, "other")]:
-                d = left * (b - a) / total if total > 0 else left
+            rest = rest or [(lo, hi, "other")]
+            # what the OS took of each piece, from the rank's own counters
+            pieces = [x for a, b, cause in rest for x in os_shares[r].split(a, b, cause)]
+            total = sum(d for d, _ in pieces)
+            for d, cause in pieces if total > 0 else [(1.0, "other")]:
+                d = left * d / total if total > 0 else left
                 out.append((r, t, t + d, cause))
                 t += d
     return out
+
+
+@dataclass(frozen=True)
+class _RankOs:
+    """A tensor-parallel rank's OS intervals on the run's clock (the samples of the thread
+    that entered its collectives) and, per interval, the shares of its time outside its
+    waits that the OS took: run-queue wait and other off-CPU time (docs/partition.md, OS
+    rules 1-2, with the rank's collectives and stalls as its explicit waits)."""
+
+    t0: np.ndarray
+    t1: np.ndarray
+    runqueue: np.ndarray  # fraction of each interval's time outside its waits
+    blocked: np.ndarray
+
+    @classmethod
+    def of(cls, p: ProcessLog, fit: ClockFit, calls: np.ndarray) -> _RankOs:
+        lg = p.log
+        col = lg.labels.index("collective") if "collective" in lg.labels else -1
+        threads = lg.segments.thread[lg.segments.label == col]
+        z = np.zeros(0)
+        if not len(threads) or not len(lg.os_samples):
+            return cls(z, z, z, z)
+        osi = thread_os_intervals(lg, int(np.bincount(threads).argmax()))
+        if not len(osi):
+            return cls(z, z, z, z)
+        t0, t1 = fit.apply(osi.t0_s), fit.apply(osi.t1_s)
+        # the rank's waits: its collectives and its stalls (GC, an injected stall)
+        gc = lg.gc_pauses
+        waits = [calls, np.column_stack([fit.apply(gc.t_start_s), fit.apply(gc.t_end_s)])]
+        for name in (x for x in STALLS if x != "gc"):  # recorded as segments
+            w = _windows(lg, (name,), steps_only=False)
+            if len(w):
+                waits.append(np.column_stack([fit.apply(w[:, 0]), fit.apply(w[:, 1])]))
+        w_in = _covered(np.concatenate(waits), t0, t1)
+        free = t1 - t0 - w_in
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rq = np.where(free > 0, np.minimum(osi.runqueue_s, free) / free, 0.0)
+            bl = np.where(free > 0, np.maximum(osi.offcpu_s - w_in, 0.0) / free, 0.0)
+        return cls(t0, t1, rq, np.minimum(bl, 1.0 - rq))
+
+    def split(self, a: float, b: float, cause: str) -> list[tuple[float, str]]:
+        """[a, b], owned by `cause`, as (length, cause) pieces: what each OS interval over
+        it says the OS took (``os_runqueue``, ``os_blocked``), the rest `cause`'s."""
+        own, rq, bl = b - a, 0.0, 0.0
+        i0 = int(np.searchsorted(self.t1, a, side="right"))
+        for i in range(i0, len(self.t0)):
+            if self.t0[i] >= b:
+                break
+            d = min(b, float(self.t1[i])) - max(a, float(self.t0[i]))
+            if d > 0:
+                rq += d * float(self.runqueue[i])
+                bl += d * float(self.blocked[i])
+        own -= rq + bl
+        return [(x, c) for x, c in ((own, cause), (rq, "os_runqueue"), (bl, "os_blocked"))
+                if x > 0]  # fmt: skip
+
+
+def _covered(windows: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
+    """Per interval [t0, t1], the time the union of `windows` (rows [start, end]) covers."""
+    if not len(windows):
+        return np.zeros(len(t0))
+    w = windows[np.argsort(windows[:, 0], kind="stable")]
+    # their union, as disjoint sorted spans
+    starts, ends = [float(w[0, 0])], [float(w[0, 1])]
+    for a, b in w[1:].tolist():
+        if a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    s, e = np.array(starts), np.array(ends)
+    cum = np.concatenate([[0.0], np.cumsum(e - s)])  # covered time before each span
+
+    def before(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(s, t, side="right")  # spans starting at or before t
+        j = np.maximum(k - 1, 0)  # the last of them
+        return np.where(k > 0, cum[j] + np.clip(t - s[j], 0.0, e[j] - s[j]), 0.0)
+
+    return before(t1) - before(t0)
 
 
 #: A rank's stalls: what a rank had that the others did not (its lateness goes to them

@@ -1,0 +1,56 @@
+"""What the OS did to a recording thread between its consecutive samples (the raw log's
+`os_samples`, docs/partition.md "OS evidence"): the intervals the partitions
+(`tracekit.attribution.timeline`) and the merge's tensor-parallel rule
+(`tracekit.log.merge.tp_waits`) take the OS's shares from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tracekit.log.rawlog import RawLog
+
+
+@dataclass(frozen=True)
+class OsIntervals:
+    """What the OS did to a thread between its consecutive samples (the loop thread's at
+    step starts and ends, another thread's at its segments'): interval ``[t0_s, t1_s]``
+    held `runqueue_s` of run-queue wait and `offcpu_s` of other off-CPU time (blocked:
+    I/O, locks, sleeps, page faults), both within it."""
+
+    t0_s: np.ndarray
+    t1_s: np.ndarray
+    runqueue_s: np.ndarray
+    offcpu_s: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.t0_s)
+
+
+def intervals_of(sel: np.ndarray, log: RawLog) -> OsIntervals:
+    """The OS intervals between consecutive samples `sel` (rows of `log.os_samples`) of one
+    thread, in time order. An interval is used only where both samples have CPU time and
+    run-queue wait (not -1) and the counters did not go back; its run-queue wait is at
+    most its length, its off-CPU time is what is left after CPU time and run-queue wait
+    (never negative)."""
+    os_ = log.os_samples
+    sel = sel[np.argsort(os_.t_s[sel], kind="stable")]
+    t, cpu, runq = os_.t_s[sel], os_.cpu_ns[sel], os_.runqueue_ns[sel]
+    t0, t1 = t[:-1], t[1:]
+    d_cpu, d_runq = np.diff(cpu), np.diff(runq)
+    ok = (cpu[:-1] >= 0) & (cpu[1:] >= 0) & (runq[:-1] >= 0) & (runq[1:] >= 0)
+    ok &= (d_cpu >= 0) & (d_runq >= 0) & (t1 > t0)
+    width = np.where(ok, t1 - t0, 0.0)
+    rq = np.minimum(d_runq * 1e-9, width)
+    off = np.maximum(width - d_cpu * 1e-9 - rq, 0.0)
+    return OsIntervals(t0[ok], t1[ok], rq[ok], off[ok])
+
+
+def thread_os_intervals(log: RawLog, thread: int) -> OsIntervals:
+    """One thread's OS intervals: consecutive samples of `thread`, whatever their kind (a
+    vLLM worker samples at its segments), used as `intervals_of` says."""
+    return intervals_of(np.flatnonzero(log.os_samples.thread == thread), log)
+
+
+__all__ = ["OsIntervals", "intervals_of", "thread_os_intervals"]
