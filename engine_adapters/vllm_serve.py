@@ -1023,17 +1023,26 @@ def _install_frontend_hooks() -> None:
 
 
 def _install_write_hooks(p: Patches) -> None:
-    """Stamp each response body write where it happens: in uvicorn's ``send``, right after
-    the transport write (a chunk's generator is resumed only after ASGI middleware and
-    other tasks ran, which can be milliseconds later)."""
+    """Stamp each response body write where it happens: in uvicorn's ``send``, at the
+    transport write (a chunk's generator is resumed only after ASGI middleware and other
+    tasks ran, which can be milliseconds later)."""
 
     def wrap_send(send: Callable[..., Any]) -> Callable[..., Any]:
         async def send_stamped(self: Any, message: Any) -> Any:
-            out = await send(self, message)
             slot = _writes.get()
-            if slot is not None and message.get("type") == "http.response.body":
+            if slot is None or message.get("type") != "http.response.body":
+                return await send(self, message)
+            flow = getattr(self, "flow", None)
+            if flow is not None and getattr(flow, "write_paused", False):
+                # the client is not reading: the write waits for it inside `send`
+                out = await send(self, message)
                 slot[0].append(slot[1]())
-            return out
+                return out
+            # else `send` writes to the socket at once, without a suspension: stamped just
+            # before, as after the write's system call the loop thread may wait for the GIL
+            # (another thread took it meanwhile) while the client already reads the bytes
+            slot[0].append(slot[1]())
+            return await send(self, message)
 
         return send_stamped
 
