@@ -189,13 +189,20 @@ def flush_interval_s() -> float:
 def flush_on_sigterm(rec: Any) -> None:
     """Chain a SIGTERM handler in front of the process's own (vLLM's): ask the recorder to
     flush (`Recorder.flush_soon`: at once between steps, else at the open step's end), so
-    the rows so far reach disk before a SIGKILL can land; then vLLM's handler runs."""
+    the rows so far reach disk before a SIGKILL can land; then vLLM's handler runs. Where
+    the process had no handler of its own (the default: SIGTERM ends it), the process
+    still ends: with SystemExit(143) (128 + SIGTERM), so the code that stops the recorder
+    on the way out runs and the log is whole; an ignored SIGTERM stays ignored."""
     prev = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        rec.flush_soon()
-        if callable(prev):
-            prev(signum, frame)
+        try:
+            rec.flush_soon()
+        finally:
+            if callable(prev):
+                prev(signum, frame)
+            elif prev != signal.SIG_IGN:  # SIG_DFL, or a handler not set from Python
+                raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
 

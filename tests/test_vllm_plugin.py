@@ -41,3 +41,57 @@ def test_a_bad_flush_interval_fails_at_startup(monkeypatch, tmp_path, value):
     with pytest.raises(RuntimeError, match="positive number of seconds"):
         vllm_serve.register()
     assert vllm_serve._registered == [False]
+
+
+CHAINED = r"""
+import signal, sys, time
+import tracekit
+from engine_adapters.vllm_serve import flush_on_sigterm
+
+if sys.argv[2] == "ignored":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+rec = tracekit.Recorder(sys.argv[1], gc=False, handle_signals=False, flush_interval_s=60)
+rec.start()
+try:
+    flush_on_sigterm(rec)
+    print("started", flush=True)
+    for i in range(2000):  # 10 s at most
+        with rec.step():
+            time.sleep(0.005)
+            rec.emit(["a"])
+    print("ran to the end", flush=True)
+finally:
+    rec.stop()
+"""
+
+
+@pytest.mark.parametrize("before", ["default", "ignored"])
+def test_the_sigterm_handler_keeps_what_sigterm_did_before_it(tmp_path, before):
+    """The plugin chains its flush in front of the process's SIGTERM handler. Where there
+    was none (the default ends the process), SIGTERM still ends it, with 128 + 15 and a
+    whole log (the recorder stopped on the way out), never swallowed; where SIGTERM was
+    ignored, it stays ignored and the run goes on."""
+    import signal
+    import time
+
+    import tracekit
+    from procs import python
+
+    out = tmp_path / "run.npz"
+    proc = python(CHAINED, str(out), before)
+    try:
+        assert proc.stdout.readline().strip() == "started", proc.stderr.read()[-2000:]
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        rc = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    log = tracekit.load(out)  # whole: the recorder stopped, not recovered from parts
+    if before == "default":
+        assert rc == 143 and "ran to the end" not in rest
+        assert 0 < len(log.steps) < 2000
+    else:
+        assert rc == 0 and "ran to the end" in rest
+        assert len(log.steps) == 2000
+    assert log.coverage.is_clean_stop.tolist() == [1]
