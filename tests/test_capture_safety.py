@@ -479,6 +479,50 @@ def test_flushes_waiting_for_a_slow_sink_are_merged_into_one_write():
     assert int(second["request_ids_start"]) == 1 and int(second["flush_tick"]) == 6
 
 
+def test_the_engine_waits_until_every_waiting_flush_is_taken():
+    """`Dispatcher.wait_taken` (the engine's wait once its backlog is two intervals old)
+    returns only when no flush waits, not merely when no write runs: here the writer is
+    in its idle call, not writing, while a flush waits; the wait ends only once the
+    writer has taken it (else flushes could pile up between two writes, unbounded)."""
+    from array import array
+
+    in_idle, release, taken = threading.Event(), threading.Event(), threading.Event()
+    writes: list[dict] = []
+
+    class Sink:
+        def open(self, meta):
+            pass
+
+        def write(self, chunk):
+            writes.append(chunk)
+
+        def close(self, final):
+            pass
+
+    def idle() -> None:
+        if not in_idle.is_set():
+            in_idle.set()
+            release.wait(20)
+
+    d = Dispatcher([Sink()], t0_tick=0, seconds_per_tick=1e-9, interval_s=0.01, idle=idle)
+    try:
+        assert in_idle.wait(20), "the writer never went idle"
+        bufs = {k: array("d" if k == "counters" else "q") for k in TABLE_COLS}
+        bufs["steps"].extend([0, 1, 1, 0, 1, 0, 0])
+        d.submit(Flush(bufs, [], [], ["q0"], 0, {}, 1, None))
+        waiter = threading.Thread(target=lambda: (d.wait_taken(), taken.set()), daemon=True)
+        waiter.start()
+        # the flush waits and nothing is being written: the engine must still wait
+        assert not taken.wait(0.3), "wait_taken returned while a flush was waiting"
+        assert d.waiting() and not writes
+        release.set()  # the writer leaves its idle call and takes the flush
+        assert taken.wait(20), "wait_taken never returned"
+    finally:
+        release.set()
+        d.close()
+    assert len(writes) == 1 and writes[0]["steps"].reshape(-1, 7)[:, 0].tolist() == [0]
+
+
 # -- recover checks what it merges -------------------------------------------------------
 
 
