@@ -289,3 +289,15 @@ def test_a_late_ranks_os_pile_is_charged_to_that_rank(tmp_path):
     assert np.allclose(p.gap_ms, 10.0)  # carved out of the forward window, never added
     # rank 0 was never late: its samples are not needed, and nothing is charged to it
     assert not [lb for lb in p.labels if lb.startswith("rank0:")]
+
+
+def test_a_ranks_waits_are_counted_once_where_they_overlap():
+    """The time a rank's waits (collectives, GC, stalls) cover in each OS interval is
+    their union's: [0, 2] and [1, 3] overlap (union [0, 3]), [5, 6] apart. Over [0, 10]:
+    3 + 1 = 4; over [2.5, 5.5]: 0.5 + 0.5 = 1; over [7, 8]: 0; over [-1, 0.5]: 0.5."""
+    from tracekit.log.merge import _covered
+
+    w = np.array([[5.0, 6.0], [1.0, 3.0], [0.0, 2.0]])
+    got = _covered(w, np.array([0.0, 2.5, 7.0, -1.0]), np.array([10.0, 5.5, 8.0, 0.5]))
+    assert got.tolist() == pytest.approx([4.0, 1.0, 0.0, 0.5])
+    assert _covered(np.zeros((0, 2)), np.array([0.0]), np.array([1.0])).tolist() == [0.0]
