@@ -689,6 +689,28 @@ def _v1_semantic_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
             coverage__is_clean_stop=np.array([1, 1]))  # fmt: skip
     yield c("coverage clean-stop flag 2", "reject", "coverage.is_clean_stop",
             coverage__is_clean_stop=np.array([2]))  # fmt: skip
+    # an API server's OS intervals (a merged run's proc_os): two valid rows, then each rule
+    po = {"proc_os__process": np.array([0, 0]), "proc_os__t_start_s": np.array([0.01, 0.03]),
+          "proc_os__t_end_s": np.array([0.02, 0.04]),
+          "proc_os__runqueue_s": np.array([0.002, 0.0]),
+          "proc_os__offcpu_s": np.array([0.001, 0.01])}  # fmt: skip
+    yield c("proc_os: two intervals of one API server", "ok", **po)
+    yield c("proc_os: an interval ends before it starts", "reject", "proc_os.t_end_s",
+            **{**po, "proc_os__t_end_s": np.array([0.005, 0.04])})  # fmt: skip
+    yield c("proc_os: overlapping intervals of one process", "reject", "proc_os.t_start_s",
+            **{**po, "proc_os__t_start_s": np.array([0.01, 0.015]),
+               "proc_os__runqueue_s": np.array([0.002, 0.0]),
+               "proc_os__offcpu_s": np.array([0.001, 0.001])})  # fmt: skip
+    yield c("proc_os: shares exceed the interval", "reject", "proc_os.offcpu_s",
+            **{**po, "proc_os__offcpu_s": np.array([0.009, 0.01])})  # fmt: skip
+    yield c("proc_os: a negative share", "reject", "proc_os.runqueue_s",
+            **{**po, "proc_os__runqueue_s": np.array([-0.001, 0.0])})  # fmt: skip
+    yield c("proc_os: a NaN share", "reject", "proc_os.offcpu_s",
+            **{**po, "proc_os__offcpu_s": np.array([math.nan, 0.0])})  # fmt: skip
+    yield c("proc_os: a process the log does not have", "reject", "proc_os.process",
+            **{**po, "proc_os__process": np.array([0, 3])})  # fmt: skip
+    yield c("proc_os: a column missing", "reject", "proc_os.offcpu_s",
+            **{**po, "proc_os__offcpu_s": None})  # fmt: skip
     yield c("eviction never readmitted", "ok", "never readmitted",
             evictions__t_readmit_s=np.array([math.nan]))  # fmt: skip
     yield c("readmission before eviction", "reject", "readmitted before",

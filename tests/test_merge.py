@@ -224,3 +224,50 @@ def test_a_merged_run_with_a_bad_client_table_is_refused_naming_the_field(tmp_pa
         tracekit.load(path)
     good = log.save(str(tmp_path / "good.npz"))
     assert len(tracekit.load(good).client_emissions) == 10  # and it round-trips
+
+
+def test_an_api_servers_os_intervals_inside_its_event_loops_segments_reach_the_run(tmp_path):
+    """proc_os (docs/partition.md, "OS evidence at the client boundary"): from the thread
+    that recorded most of the API server's segments, the intervals from a segment-start
+    sample to the segment-end sample after it, on the run's clock; between segments (the
+    loop may have been idle), another thread's, and an interval with a counter -1: none."""
+    from dataclasses import replace
+
+    from tracekit.attribution.client import client_partition
+    from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OsSamples, Segments
+
+    d, _, _ = record_pair(tmp_path, n=20)
+    path = os.path.join(d, "api_server-2.npz")
+    fe = tracekit.load(path)
+    lab = len(fe.labels)
+    # the API server's own clock (both recorders started at true time 0: the run's clock)
+    segments = Segments.from_columns(
+        step=[-1] * 3, label=[lab] * 3, t_start_s=[0.10, 0.15, 0.20],
+        t_end_s=[0.11, 0.16, 0.21], thread=[0, 1, 0], is_device=[0] * 3,
+    )  # fmt: skip
+    s, e = OS_SEGMENT_START, OS_SEGMENT_END
+    rows = [  # thread, kind, t, cpu_ns, runqueue_ns
+        (0, s, 0.10, 1_000_000, 0),
+        (0, e, 0.11, 7_000_000, 2_000_000),  # L 10 ms: CPU 6, run queue 2, off CPU 2
+        (0, s, 0.20, 8_000_000, 9_000_000),  # [0.11, 0.20]: between segments, not used
+        (0, e, 0.21, 9_000_000, -1),  # run queue not available: not used
+        (1, s, 0.15, 0, 0),  # another thread's segment: not the event loop's
+        (1, e, 0.16, 1_000_000, 5_000_000),
+    ]
+    os_samples = OsSamples.from_columns(
+        thread=[r[0] for r in rows], kind=[r[1] for r in rows], t_s=[r[2] for r in rows],
+        cpu_ns=[r[3] for r in rows], runqueue_ns=[r[4] for r in rows],
+        num_voluntary_switches=[0] * 6, num_involuntary_switches=[0] * 6,
+        num_major_faults=[0] * 6,
+    )  # fmt: skip
+    replace(fe, labels=(*fe.labels, "output"), segments=segments, os_samples=os_samples).save(path)
+    log = merge_dir(d)
+    k = next(i for i, p in enumerate(log.meta["processes"]) if p["role"] == "api_server")
+    po = log.proc_os
+    assert po.process.tolist() == [k]
+    assert np.allclose([po.t_start_s[0], po.t_end_s[0]], [0.10, 0.11], atol=1e-12)
+    assert np.allclose([po.runqueue_s[0], po.offcpu_s[0]], [0.002, 0.002], atol=1e-12)
+    # written and read back whole; the client partition has the OS columns
+    back = tracekit.load(log.save(str(tmp_path / "run.npz")))
+    assert np.array_equal(back.proc_os.offcpu_s, po.offcpu_s)
+    assert client_partition(back).labels[-2:] == ("frontend_os_runqueue", "frontend_os_blocked")

@@ -35,7 +35,8 @@ Each log says who wrote it in ``config["process"]`` (``role``, ``pid``, ``host``
 The merged run keeps the engine core's tables as they are (steps, segments, emissions at
 the engine boundary, evictions, requests) and adds the client boundary: `client_emissions`
 (each SSE chunk written), `proc_segments` (API server and worker windows and GC pauses, on
-the run's clock), `deliveries` (each step's outputs, built and received),
+the run's clock), `deliveries` (each step's outputs, built and received), `proc_os` (what
+the OS did to each API server's event loop inside its sampled segments, on the run's clock),
 ``meta["processes"]`` (per process: identity, file, recovered or not, and the clock
 offset, correction and uncertainty against the engine core) and ``meta["clock_pairs"]``
 (each process against the engine core: one entry a process, so the merge and its output
@@ -58,12 +59,13 @@ import numpy as np
 
 from tracekit.errors import LogError
 from tracekit.log.archive import describe_non_regular
-from tracekit.log.osintervals import thread_os_intervals
+from tracekit.log.osintervals import OsIntervals, segment_intervals, thread_os_intervals
 from tracekit.log.parts import PARTS_SUFFIX, merge_parts
 from tracekit.log.rawlog import (
     ClientEmissions,
     Coverage,
     Deliveries,
+    ProcOs,
     ProcSegments,
     RawLog,
     Requests,
@@ -476,6 +478,7 @@ def merge_logs(
     seg_rows: list[np.ndarray] = []
     ce_rows: list[np.ndarray] = []
     dl_rows: list[np.ndarray] = []
+    os_rows: list[np.ndarray] = []
     processes = [{**core.identity, "path": core.path, "recovered": core.recovered}]
     for k, (p, fit) in enumerate(zip(others, fits, strict=True), start=1):
         processes.append(
@@ -507,6 +510,10 @@ def merge_logs(
             )
         if p.role != FRONTEND:
             continue
+        osi = _frontend_os(lg)
+        if len(osi):
+            cols = [np.full(len(osi), k), fit.apply(osi.t0_s), fit.apply(osi.t1_s)]
+            os_rows.append(np.column_stack([*cols, osi.runqueue_s, osi.offcpu_s]))
         # client-boundary emissions: the request's merged index
         ridx = ident.index[k - 1]
         em = lg.emissions
@@ -573,6 +580,7 @@ def merge_logs(
         proc_segments=ProcSegments.from_columns(**_cols(seg_rows, ProcSegments)),
         client_emissions=ClientEmissions.from_columns(**_cols(ce_rows, ClientEmissions)),
         deliveries=Deliveries.from_columns(**_cols(dl_rows, Deliveries)),
+        proc_os=ProcOs.from_columns(**_cols(os_rows, ProcOs)),
         meta=meta,
         path=path,
         warnings=tuple(warnings),
@@ -671,6 +679,15 @@ def _unique_names(names: list[str]) -> tuple[list[str], int]:
 #: match wins: its GC, a stall injected by a test, its own segments (by recorded label),
 #: and ``other`` where it recorded nothing.
 RANK_PRECEDENCE = ("gc", "injected", "prefill", "prepare", "forward", "sample", "draft")
+
+
+def _frontend_os(lg: RawLog) -> OsIntervals:
+    """An API server's OS intervals inside the segments of the thread that recorded most of
+    its segments (its event loop's), on its own clock (`segment_intervals`): ``proc_os``."""
+    th = lg.segments.thread
+    if not len(th) or not len(lg.os_samples):
+        return segment_intervals(lg, -1)  # none
+    return segment_intervals(lg, int(np.bincount(th).argmax()))
 
 
 def tp_rank(p: ProcessLog) -> int | None:

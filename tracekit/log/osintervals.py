@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tracekit.log.rawlog import RawLog
+from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, RawLog
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,30 @@ def intervals_of(sel: np.ndarray, log: RawLog) -> OsIntervals:
     run-queue wait (not -1) and the counters did not go back; its run-queue wait is at
     most its length, its off-CPU time is what is left after CPU time and run-queue wait
     (never negative)."""
+    sel = sel[np.argsort(log.os_samples.t_s[sel], kind="stable")]
+    return _between(log, sel[:-1], sel[1:])
+
+
+def segment_intervals(log: RawLog, thread: int) -> OsIntervals:
+    """`thread`'s OS intervals inside its sampled segments: from a segment-start sample to
+    the thread's next sample where that is a segment end (of nested segments, the
+    innermost; between its segments the thread may have been idle, which its counters
+    cannot tell from being blocked), used as `intervals_of` says."""
     os_ = log.os_samples
+    sel = np.flatnonzero(os_.thread == thread)
     sel = sel[np.argsort(os_.t_s[sel], kind="stable")]
-    t, cpu, runq = os_.t_s[sel], os_.cpu_ns[sel], os_.runqueue_ns[sel]
-    t0, t1 = t[:-1], t[1:]
-    d_cpu, d_runq = np.diff(cpu), np.diff(runq)
-    ok = (cpu[:-1] >= 0) & (cpu[1:] >= 0) & (runq[:-1] >= 0) & (runq[1:] >= 0)
+    inside = (os_.kind[sel[:-1]] == OS_SEGMENT_START) & (os_.kind[sel[1:]] == OS_SEGMENT_END)
+    return _between(log, sel[:-1][inside], sel[1:][inside])
+
+
+def _between(log: RawLog, i: np.ndarray, j: np.ndarray) -> OsIntervals:
+    """The OS intervals from samples `i` to samples `j` (rows of `log.os_samples`, pairwise),
+    as `intervals_of` says."""
+    os_ = log.os_samples
+    t0, t1 = os_.t_s[i], os_.t_s[j]
+    cpu0, cpu1, runq0, runq1 = os_.cpu_ns[i], os_.cpu_ns[j], os_.runqueue_ns[i], os_.runqueue_ns[j]
+    d_cpu, d_runq = cpu1 - cpu0, runq1 - runq0
+    ok = (cpu0 >= 0) & (cpu1 >= 0) & (runq0 >= 0) & (runq1 >= 0)
     ok &= (d_cpu >= 0) & (d_runq >= 0) & (t1 > t0)
     width = np.where(ok, t1 - t0, 0.0)
     rq = np.minimum(d_runq * 1e-9, width)
@@ -53,4 +71,4 @@ def thread_os_intervals(log: RawLog, thread: int) -> OsIntervals:
     return intervals_of(np.flatnonzero(log.os_samples.thread == thread), log)
 
 
-__all__ = ["OsIntervals", "intervals_of", "thread_os_intervals"]
+__all__ = ["OsIntervals", "intervals_of", "segment_intervals", "thread_os_intervals"]

@@ -16,8 +16,8 @@ On disk it is one `.npz` per run (`save`/`load`), self-describing:
   ``request_ids`` (strings), ``counter_names``, ``wall_s``, ``wait_reasons`` (the
   vocabulary of ``waits.reason``, written so a log explains its own codes);
 - a run merged from a multi-process server (`tracekit.log.merge`) also has the optional tables
-  ``proc_segments``, ``client_emissions`` and ``deliveries`` (absent in other logs: loaded
-  as empty).
+  ``proc_segments``, ``client_emissions``, ``deliveries`` and ``proc_os`` (absent in other
+  logs: loaded as empty).
 
 `load` also reads the *published* layout (the `.npz` files written by the method tracekit
 industrialises, design.md's table) unchanged: `tracekit.log.published`. A log can never
@@ -381,6 +381,31 @@ class Deliveries(_Table):
 
 
 @dataclass(frozen=True)
+class ProcOs(_Table):
+    """What the OS did to an API server's thread inside its sampled segments (a merged
+    server run, docs/partition.md "OS evidence at the client boundary"): one row per OS
+    interval ``[t_start_s, t_end_s]`` (merged clock) from a segment-start sample to the
+    segment-end sample after it, of the thread that recorded most of that API server's
+    segments, holding `runqueue_s` of run-queue wait and `offcpu_s` of other off-CPU time
+    (as `tracekit.log.osintervals.intervals_of` computes them); `process` indexes
+    ``meta["processes"]``. Rows are in (process, time) order and one process's do not
+    overlap."""
+
+    process: np.ndarray
+    t_start_s: np.ndarray
+    t_end_s: np.ndarray
+    runqueue_s: np.ndarray
+    offcpu_s: np.ndarray
+    DTYPES = {
+        "process": np.int64,
+        "t_start_s": np.float64,
+        "t_end_s": np.float64,
+        "runqueue_s": np.float64,
+        "offcpu_s": np.float64,
+    }
+
+
+@dataclass(frozen=True)
 class Coverage(_Table):
     """The span each recording process's rows cover (schema v4): one row per process.
 
@@ -421,9 +446,10 @@ TABLES: dict[str, type[_Table]] = {
     "client_emissions": ClientEmissions,
     "deliveries": Deliveries,
     "coverage": Coverage,
+    "proc_os": ProcOs,
 }
 #: The tables of a merged multi-process server run (`tracekit.log.merge`).
-SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries"})
+SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries", "proc_os"})
 #: Tables a log may lack as a whole (version 1 logs, the published layout, logs of one
 #: process): empty on load.
 OPTIONAL_TABLES = (
@@ -451,6 +477,7 @@ class RawLog:
     client_emissions: ClientEmissions = field(default_factory=ClientEmissions.empty)
     deliveries: Deliveries = field(default_factory=Deliveries.empty)
     coverage: Coverage = field(default_factory=Coverage.empty)
+    proc_os: ProcOs = field(default_factory=ProcOs.empty)
     labels: tuple[str, ...] = ()
     request_ids: tuple[str, ...] = ()
     counter_names: tuple[str, ...] = ()

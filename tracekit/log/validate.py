@@ -47,6 +47,10 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
   outside the log's processes (0 in a single-process log, an index into `meta.processes` in
   a merged run), two rows for one process, an `is_clean_stop` other than 0 or 1; a
   `meta.missing_processes` that is not a list of objects
+- in `proc_os` (a merged run): a non-finite time or share, an interval that ends before it
+  starts, a negative share, run-queue and off-CPU time that exceed the interval, a process
+  index outside the run's processes, rows out of (process, time) order or overlapping
+  within a process
 
 Accepted with a warning (kept on `RawLog.warnings`, printed by the CLI on stderr):
 
@@ -193,6 +197,7 @@ def validate_log(log: RawLog) -> RawLog:
     _index(log, "client_emissions", "request", n_req)
     _index(log, "deliveries", "step", n_steps, allow_minus_one=True)
     validate_os(log)
+    validate_proc_os(log)
     validate_coverage(log)
     _in_range(log, "client_emissions", "num_tokens", lo=1)
     if log.request_ids and len(log.request_ids) != n_req:
@@ -287,6 +292,47 @@ def validate_os(log: RawLog) -> None:
         _in_range(log, "os_samples", c, lo=-1, hi=MAX_OS_NS)
     for c in ("num_voluntary_switches", "num_involuntary_switches", "num_major_faults"):
         _in_range(log, "os_samples", c, lo=-1)
+
+
+def validate_proc_os(log: RawLog) -> None:
+    """An API server's OS intervals in a merged run (``proc_os``): raise `LogError` for what
+    the client partition cannot use: a non-finite or absurd time or share, an interval that
+    ends before it starts, a share below 0, shares that sum past the interval's length, a
+    process outside the run's processes, rows out of (process, time) order or overlapping
+    within a process (one thread's consecutive samples never overlap)."""
+    po = log.proc_os
+    if not len(po):
+        return
+    for c in ("t_start_s", "t_end_s", "runqueue_s", "offcpu_s"):
+        _finite_times(log, "proc_os", c)
+    _ordered(log, "proc_os", "t_start_s", "t_end_s")
+    procs = log.meta.get("processes")
+    _index(log, "proc_os", "process", len(procs) if isinstance(procs, list) and procs else 1)
+    length = po.t_end_s - po.t_start_s
+    for c in ("runqueue_s", "offcpu_s"):
+        bad = getattr(po, c) < 0
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise LogError(log.path, f"proc_os.{c}", f"row {i}: {float(getattr(po, c)[i])!r} < 0")
+    over = po.runqueue_s + po.offcpu_s > length * (1 + 1e-9) + 1e-12
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise LogError(
+            log.path,
+            "proc_os.offcpu_s",
+            f"row {i}: run-queue and off-CPU time ({float(po.runqueue_s[i] + po.offcpu_s[i])!r}"
+            f" s) exceed the interval ({float(length[i])!r} s)",
+        )
+    p, a, b = po.process, po.t_start_s, po.t_end_s
+    same = p[1:] == p[:-1]
+    bad = (p[1:] < p[:-1]) | (same & (a[1:] < b[:-1]))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0]) + 1
+        raise LogError(
+            log.path,
+            "proc_os.t_start_s",
+            f"row {i}: out of (process, time) order or overlapping the row before it",
+        )
 
 
 def validate_coverage(log: RawLog) -> None:
