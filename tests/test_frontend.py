@@ -15,16 +15,16 @@ from logbuilder import LogBuilder
 from tracekit.attribution.client import client_partition, itl_conventions
 from tracekit.attribution.itl import partition
 from tracekit.attribution.reference import client_partition_reference
-from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcSegments
+from tracekit.log.rawlog import ClientEmissions, Deliveries, ProcOs, ProcSegments
 
 PROCS = [{"role": "engine_core"}, {"role": "api_server"}, {"role": "worker"}]
 
 
-def serve_log(b: LogBuilder, chunks, windows=(), deliveries=()):
+def serve_log(b: LogBuilder, chunks, windows=(), deliveries=(), os_intervals=()):
     """The engine log `b` plus the client boundary, all times in ms.
 
     chunks: (request, t_write, tokens[, t_ready]); windows: (process, label, t0, t1);
-    deliveries: (step, t_out, t_recv)."""
+    deliveries: (step, t_out, t_recv); os_intervals: (process, t0, t1, runqueue, offcpu)."""
     log = b.build()
     labels = list(log.labels)
     for _, lb, _, _ in windows:
@@ -51,7 +51,20 @@ def serve_log(b: LogBuilder, chunks, windows=(), deliveries=()):
         process=[1] * len(deliveries),
     )
     return replace(log, labels=tuple(labels), client_emissions=ce, proc_segments=ps,
-                   deliveries=dl, meta={**log.meta, "processes": PROCS})  # fmt: skip
+                   deliveries=dl, proc_os=proc_os(os_intervals),
+                   meta={**log.meta, "processes": PROCS})  # fmt: skip
+
+
+def proc_os(rows) -> ProcOs:
+    """An API server's OS intervals from (process, t0, t1, runqueue, offcpu) in ms."""
+    s = 1e-3
+    return ProcOs.from_columns(
+        process=[o[0] for o in rows],
+        t_start_s=[o[1] * s for o in rows],
+        t_end_s=[o[2] * s for o in rows],
+        runqueue_s=[o[3] * s for o in rows],
+        offcpu_s=[o[4] * s for o in rows],
+    )
 
 
 def _hand_log():
@@ -99,6 +112,39 @@ def test_hand_derived_client_gaps():
     assert _row(cp, 2) == {"hop": 0.5, "frontend_other": 1.5}
     assert np.allclose(cp.gap_ms, [14, 16, 2])
     assert np.allclose(cp.engine_s * 1e3, [20, 40, 41])
+
+
+def test_hand_derived_client_gaps_with_the_api_servers_os_evidence():
+    """docs/partition.md, "OS evidence at the client boundary": inside an OS interval of the
+    API server, the interval's run-queue share (R / L) and off-CPU share (B / L) of each
+    instant of the frontend part are the OS's, taken from whichever label owns it."""
+    log = replace(_hand_log(), proc_os=proc_os([
+        (1, 21.0, 22.0, 0.2, 0.3),  # over the output window: R/L 0.2, B/L 0.3
+        (1, 24.5, 25.5, 0.5, 0.0),  # the second write and 0.5 ms of gap 1's engine part
+        (1, 40.0, 41.0, 0.1, 0.2),  # gap 1's frontend part: R/L 0.1, B/L 0.2
+    ]))  # fmt: skip
+    cp = client_partition(log)
+    assert cp.labels[-2:] == ("frontend_os_runqueue", "frontend_os_blocked")
+    # gap 0 = [11, 25], frontend part [20, 25] (test_hand_derived_client_gaps) with:
+    #  output [21, 22]: 1 ms, of which 0.2 run queue and 0.3 off CPU -> output 0.5;
+    #  the write [24.5, 25]: 0.5 ms at R/L 0.5 -> sse_write 0.5 + 0.25, run queue 0.25;
+    #  the engine part is the engine core's: unchanged (gc 2, forward 7).
+    assert _row(cp, 0) == {"gc": 2.0, "forward": 7.0, "output": 0.5, "frontend_gc": 0.5,
+                           "sse_write": 0.75, "hop": 1.0, "frontend_other": 1.5,
+                           "frontend_os_runqueue": 0.45, "frontend_os_blocked": 0.3}  # fmt: skip
+    # gap 1 = [25, 41]: the engine part [25, 40] stays forward 15 (the API server's interval
+    #  over [25, 25.5] is not its time); frontend part [40, 41]: hop 0.2 and other 0.8,
+    #  each 0.1 run queue and 0.2 off CPU -> hop 0.14, other 0.56, 0.1 and 0.2
+    assert _row(cp, 1) == {"forward": 15.0, "hop": 0.14, "frontend_other": 0.56,
+                           "frontend_os_runqueue": 0.1, "frontend_os_blocked": 0.2}  # fmt: skip
+    # gap 2 = [41, 43]: no interval over it
+    assert _row(cp, 2) == {"hop": 0.5, "frontend_other": 1.5}
+    assert np.allclose(cp.frontend_ms(), [5.0, 1.0, 2.0])
+    ref = client_partition_reference(log)
+    assert ref.labels == cp.labels
+    assert np.allclose(ref.parts_ms, cp.parts_ms, atol=1e-9)
+    # without the evidence there are no OS columns
+    assert "frontend_os_runqueue" not in client_partition(_hand_log()).labels
 
 
 def test_hand_derived_itl_conventions():
@@ -177,7 +223,19 @@ def _random_serve_log(draw):
         w0 = draw(st.floats(0, t + 10))
         lb = draw(st.sampled_from(["gc", "sse_write", "output", "input", "forward"]))
         windows.append((draw(st.sampled_from([1, 2])), lb, w0, w0 + draw(st.floats(0, 4))))
-    return serve_log(b, chunks, windows, deliveries)
+    # the API server's OS intervals (sometimes none: no OS columns), one process's never
+    # overlapping; a worker's (process 2) are never the frontend's
+    os_rows = []
+    for proc in (1, 2):
+        o = draw(st.floats(0, t / 2 + 1))
+        for _ in range(draw(st.integers(0, 4))):
+            o0 = o + draw(st.floats(0, 5))
+            length = draw(st.sampled_from([0.0, draw(st.floats(0.01, 6))]))
+            rq = length * draw(st.floats(0, 1))
+            off = (length - rq) * draw(st.floats(0, 1))
+            os_rows.append((proc, o0, o0 + length, rq, off))
+            o = o0 + length
+    return serve_log(b, chunks, windows, deliveries, os_rows)
 
 
 @settings(max_examples=60, deadline=None)

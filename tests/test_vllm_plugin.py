@@ -74,8 +74,9 @@ def test_the_sigterm_handler_keeps_what_sigterm_did_before_it(tmp_path, before):
     import signal
     import time
 
-    import tracekit
     from procs import python
+
+    import tracekit
 
     out = tmp_path / "run.npz"
     proc = python(CHAINED, str(out), before)

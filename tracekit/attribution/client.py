@@ -18,6 +18,11 @@ of it goes to exactly one label:
    requests) > ``hop`` (from `e` until the API server received the step's outputs: IPC,
    serialisation, the output queue) > ``frontend_other`` (what no window covers: building
    the chunk, the event loop, other tasks).
+3. **What the OS took of the API server's thread** there: at an instant inside one of its
+   OS intervals (``proc_os``: its event loop's, inside its sampled segments), that
+   interval's run-queue share is ``frontend_os_runqueue`` and its off-CPU share
+   ``frontend_os_blocked``, taken from the label that owns the instant (docs/partition.md,
+   "Unrecorded windows", rule 5). Columns only where the run has such intervals.
 
 **Unrecorded windows** (docs/partition.md, "Unrecorded windows"). Each process's rows
 cover a span (`RawLog.coverage`, on the run's clock: from its recorder's start to the end
@@ -64,6 +69,9 @@ FRONTEND_LABELS = (*FRONTEND_PRECEDENCE, "hop", "frontend_other")
 #: role (docs/partition.md, "Unrecorded windows"); a column only where some gap has any.
 UNRECORDED_CORE, UNRECORDED_API = "unrecorded:engine_core", "unrecorded:api_server"
 UNRECORDED_LABELS = (UNRECORDED_CORE, UNRECORDED_API)
+#: What the OS took of an API server's thread in the frontend part (docs/partition.md, "OS
+#: evidence at the client boundary"); columns only where the run has that evidence.
+FRONTEND_OS_LABELS = ("frontend_os_runqueue", "frontend_os_blocked")
 #: proc_segments label -> frontend label
 FRONTEND_WINDOW = {"gc": "frontend_gc", "sse_write": "sse_write", "output": "output",
                    "input": "input"}  # fmt: skip
@@ -73,7 +81,9 @@ FRONTEND_WINDOW = {"gc": "frontend_gc", "sse_write": "sse_write", "output": "out
 class ClientPartition:
     """Every client gap of a run. Rows are gaps, sorted by request then time."""
 
-    labels: tuple[str, ...]  # engine labels, FRONTEND_LABELS, unrecorded labels (if any)
+    # engine labels, FRONTEND_LABELS, FRONTEND_OS_LABELS (with evidence), unrecorded labels
+    # (if any)
+    labels: tuple[str, ...]
     request: np.ndarray
     t0_s: np.ndarray  # the earlier chunk's write
     t1_s: np.ndarray  # the later chunk's write
@@ -99,13 +109,17 @@ class ClientPartition:
         return self.parts_ms[:, :n].sum(axis=1)
 
     def frontend_ms(self) -> np.ndarray:
-        n = self.labels.index(FRONTEND_LABELS[0])
-        return self.parts_ms[:, n : n + len(FRONTEND_LABELS)].sum(axis=1)
+        """Time of each gap the API server held (its windows, the hop, the rest of its
+        part, and what the OS took of its thread there)."""
+        return self._sum_of((*FRONTEND_LABELS, *FRONTEND_OS_LABELS))
 
     def unrecorded_ms(self) -> np.ndarray:
         """Time of each gap where a process it depends on recorded nothing."""
-        n = self.labels.index(FRONTEND_LABELS[0]) + len(FRONTEND_LABELS)
-        return self.parts_ms[:, n:].sum(axis=1)
+        return self._sum_of(UNRECORDED_LABELS)
+
+    def _sum_of(self, names: tuple[str, ...]) -> np.ndarray:
+        cols = [j for j, lb in enumerate(self.labels) if lb in names]
+        return self.parts_ms[:, cols].sum(axis=1)
 
     def primary_names(self) -> np.ndarray:
         """Largest part of each gap if >= 1 ms and >= 25% of it (as for engine gaps, the same
@@ -307,20 +321,21 @@ def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     live = np.flatnonzero(hi > lo)
     eng = partition(engine_part_log(log, g, lo, hi), check=check) if len(live) else None
     eng_labels = eng.labels if eng is not None else partition(log, check=False).labels
-    labels = (*eng_labels, *FRONTEND_LABELS, *unrec_labels)
+    os_labels = FRONTEND_OS_LABELS if len(log.proc_os) else ()
+    labels = (*eng_labels, *FRONTEND_LABELS, *os_labels, *unrec_labels)
     n, ne = len(g.a), len(eng_labels)
+    nfl = len(FRONTEND_LABELS) + len(os_labels)
     parts = np.zeros((n, len(labels)))
     if eng is not None:
         parts[live[eng.request], :ne] = eng.parts_ms
-    # frontend part: per API server, one timeline of its windows, owner by precedence,
-    # for the gaps whose later chunk it wrote, over the time it recorded
-    nf = len(FRONTEND_PRECEDENCE)
+    # frontend part: per API server, one timeline of its windows, owner by precedence, and
+    # of its OS intervals, for the gaps whose later chunk it wrote, over the time it recorded
     gf = replace(g, x=flo, b=fhi)
     for proc in np.unique(g.process).tolist():
         rows = np.flatnonzero(g.process == proc)
-        parts[rows, ne : ne + len(FRONTEND_LABELS)] = _frontend_parts(log, gf, rows, int(proc), nf)
+        parts[rows, ne : ne + nfl] = _frontend_parts(log, gf, rows, int(proc))[:, :nfl]
     for j, name in enumerate(unrec_labels):
-        parts[:, ne + len(FRONTEND_LABELS) + j] = unrec[name] * 1e3
+        parts[:, ne + nfl + j] = unrec[name] * 1e3
     out = ClientPartition(
         labels=labels,
         request=g.request,
@@ -334,47 +349,72 @@ def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     return check_client_reconciled(out, log.path) if check else out
 
 
-def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: int,
-                    nf: int) -> np.ndarray:  # fmt: skip
-    """The frontend columns (FRONTEND_LABELS, ms) of gaps `rows`, all written by `process`."""
+def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: int) -> np.ndarray:
+    """The frontend columns of gaps `rows`, all written by `process` (ms): FRONTEND_LABELS
+    then FRONTEND_OS_LABELS. Its windows own the frontend part by precedence, the hop and
+    ``frontend_other`` the time no window owns; at an instant inside one of its OS
+    intervals (``proc_os``), that interval's run-queue share of the instant is
+    ``frontend_os_runqueue`` and its off-CPU share ``frontend_os_blocked``, taken from
+    whichever label owns the instant."""
     g = replace(gaps, **{f.name: getattr(gaps, f.name)[rows] for f in fields(gaps)})
-    parts = np.zeros((len(rows), len(FRONTEND_LABELS)))
-    ne = 0
-    wins = frontend_windows(log, process)
-    if wins:
-        w = np.array(wins)
-        bounds = np.unique(w[:, :2].ravel())
-        k0 = np.searchsorted(bounds, w[:, 0])
-        k1 = np.searchsorted(bounds, w[:, 1])
-        count = np.zeros((nf, len(bounds)))
-        for c in range(nf):  # coverage count of each class over the elementary intervals
-            m = w[:, 2] == c
-            np.add.at(count[c], k0[m], 1.0)
-            np.add.at(count[c], k1[m], -1.0)
-        covered = np.cumsum(count, axis=1)[:, :-1] > 0.5
-        owner = np.full(len(bounds) - 1, -1)
+    nf = len(FRONTEND_PRECEDENCE)
+    w = np.array(frontend_windows(log, process), dtype=np.float64).reshape(-1, 3)
+    po = log.proc_os
+    mine = po.process == process
+    os0, os1 = po.t_start_s[mine], po.t_end_s[mine]
+    length = os1 - os0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rq_rate = np.where(length > 0, po.runqueue_s[mine] / length, 0.0)
+        bl_rate = np.where(length > 0, po.offcpu_s[mine] / length, 0.0)
+    # elementary intervals: cut at every window and OS interval edge
+    bounds = np.unique(np.concatenate([w[:, 0], w[:, 1], os0, os1]))
+    width, mid = np.diff(bounds), (bounds[:-1] + bounds[1:]) / 2
+    owner = np.full(len(width), -1)  # the window class owning each, -1: none
+    if len(w):
+        k0, k1 = np.searchsorted(bounds, w[:, 0]), np.searchsorted(bounds, w[:, 1])
         for c in range(nf - 1, -1, -1):  # the first in precedence wins
-            owner[covered[c]] = c
-        width = np.diff(bounds)
+            m = w[:, 2] == c
+            count = np.zeros(len(bounds))
+            np.add.at(count, k0[m], 1.0)
+            np.add.at(count, k1[m], -1.0)
+            owner[np.cumsum(count)[:-1] > 0.5] = c
+    # the OS interval over each (one process's never overlap), behind a sentinel for none
+    k = np.searchsorted(np.concatenate([[-np.inf], os0]), mid, side="right") - 1
+    inside = mid < np.concatenate([[-np.inf], os1])[k]
+    rq = np.where(inside, np.concatenate([[0.0], rq_rate])[k], 0.0)
+    bl = np.where(inside, np.concatenate([[0.0], bl_rate])[k], 0.0)
 
-        def owned(c: int | None, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-            """Time in [lo, hi] owned by class c (None: by any class), seconds."""
-            rate = (owner >= 0) if c is None else (owner == c)
-            cum = np.concatenate([[0.0], np.cumsum(width * rate)])
-            return np.interp(hi, bounds, cum) - np.interp(lo, bounds, cum)
+    def over(rate: np.ndarray) -> Any:
+        """lo, hi -> the integral of `rate` (per elementary interval) over [lo, hi], s."""
+        if len(bounds) < 2:
+            return lambda lo, hi: np.zeros(len(lo))
+        cum = np.concatenate([[0.0], np.cumsum(width * rate)])
+        return lambda lo, hi: np.interp(hi, bounds, cum) - np.interp(lo, bounds, cum)
 
-        for c in range(nf):
-            parts[:, ne + c] = owned(c, g.x, g.b) * 1e3
-        hop_lo = np.clip(np.where(np.isnan(g.e), g.b, g.e), g.x, g.b)
-        hop_hi = np.clip(np.where(np.isnan(g.recv), hop_lo, g.recv), hop_lo, g.b)
-        hop = (hop_hi - hop_lo) - owned(None, hop_lo, hop_hi)
-    else:
-        hop_lo = np.clip(np.where(np.isnan(g.e), g.b, g.e), g.x, g.b)
-        hop_hi = np.clip(np.where(np.isnan(g.recv), hop_lo, g.recv), hop_lo, g.b)
-        hop = hop_hi - hop_lo
-    parts[:, ne + nf] = np.maximum(hop, 0.0) * 1e3
-    front = (g.b - g.x) * 1e3
-    parts[:, ne + nf + 1] = np.maximum(front - parts[:, ne : ne + nf + 1].sum(axis=1), 0.0)
+    x, b = g.x, g.b
+    parts = np.zeros((len(rows), len(FRONTEND_LABELS) + len(FRONTEND_OS_LABELS)))
+    owned_any = np.zeros(len(rows))
+    os_rq, os_bl = np.zeros(len(rows)), np.zeros(len(rows))
+    for c in range(nf):
+        is_c = (owner == c).astype(np.float64)
+        own, r_c, b_c = over(is_c)(x, b), over(is_c * rq)(x, b), over(is_c * bl)(x, b)
+        parts[:, c] = own - r_c - b_c
+        owned_any += own
+        os_rq, os_bl = os_rq + r_c, os_bl + b_c
+    # the time no window owns: the hop (from e until the API server received the step's
+    # outputs), the rest frontend_other
+    none = (owner < 0).astype(np.float64)
+    hop_lo = np.clip(np.where(np.isnan(g.e), b, g.e), x, b)
+    hop_hi = np.clip(np.where(np.isnan(g.recv), hop_lo, g.recv), hop_lo, b)
+    owned_in_hop = sum(over((owner == c).astype(np.float64))(hop_lo, hop_hi) for c in range(nf))
+    r_hop, b_hop = over(none * rq)(hop_lo, hop_hi), over(none * bl)(hop_lo, hop_hi)
+    r_none, b_none = over(none * rq)(x, b), over(none * bl)(x, b)
+    parts[:, nf] = np.maximum((hop_hi - hop_lo) - owned_in_hop - r_hop - b_hop, 0.0)
+    os_rq, os_bl = os_rq + r_none, os_bl + b_none
+    parts[:, nf + 2], parts[:, nf + 3] = os_rq, os_bl
+    parts *= 1e3
+    front = (b - x) * 1e3
+    parts[:, nf + 1] = np.maximum(front - parts.sum(axis=1), 0.0)
     return parts
 
 
@@ -528,6 +568,7 @@ def spec_acceptance(log: RawLog) -> dict[str, Any] | None:
 
 __all__ = [
     "FRONTEND_LABELS",
+    "FRONTEND_OS_LABELS",
     "SPEC_POS_PREFIX",
     "UNRECORDED_LABELS",
     "ClientPartition",

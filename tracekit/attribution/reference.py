@@ -21,6 +21,7 @@ import numpy as np
 
 from tracekit.attribution.client import (
     FRONTEND_LABELS,
+    FRONTEND_OS_LABELS,
     FRONTEND_PRECEDENCE,
     UNRECORDED_LABELS,
     ClientPartition,
@@ -504,7 +505,9 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
     "Unrecorded windows", then the frontend precedence): where the engine core recorded
     nothing, ``unrecorded:engine_core``; in the frontend part where the API server that wrote
     the chunk recorded nothing, ``unrecorded:api_server``; else the first window (by
-    precedence) covering it."""
+    precedence) covering it, less, inside one of that API server's OS intervals
+    (``proc_os``), the interval's run-queue and off-CPU shares of the piece
+    (``frontend_os_runqueue``, ``frontend_os_blocked``)."""
     g = client_gaps(log)
     n = len(g.a)
     # per gap: the point x from which the token existed (or its existence is unrecorded),
@@ -534,14 +537,24 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
                                             for j, q in enumerate(eng.request)}  # fmt: skip
     else:
         eng_labels, eng_rows = partition(log, check=False).labels, {}
-    ne, nf, nfl = len(eng_labels), len(FRONTEND_PRECEDENCE), len(FRONTEND_LABELS)
+    with_os = len(log.proc_os) > 0
+    os_labels = FRONTEND_OS_LABELS if with_os else ()
+    ne, nf = len(eng_labels), len(FRONTEND_PRECEDENCE)
+    nfl = len(FRONTEND_LABELS) + len(os_labels)
     wins_of: dict[int, list[tuple[float, float, int]]] = {}
+    os_of: dict[int, list[tuple[float, float, float, float]]] = {}
+    po = log.proc_os
     rows, unrec = [], []
     for i in range(n):
         proc = int(g.process[i])
         if proc not in wins_of:  # only the API server that wrote the chunk
             wins_of[proc] = frontend_windows(log, proc)
-        wins = wins_of[proc]
+            os_of[proc] = [
+                (float(po.t_start_s[j]), float(po.t_end_s[j]), float(po.runqueue_s[j]),
+                 float(po.offcpu_s[j]))
+                for j in range(len(po)) if int(po.process[j]) == proc
+            ]  # fmt: skip
+        wins, osi = wins_of[proc], os_of[proc]
         row = [0.0] * (ne + nfl)
         u_core = u_api = 0.0
         if i in eng_rows:
@@ -551,7 +564,8 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
         f_lo, f_hi = float(g.fe_lo[i]), float(g.fe_hi[i])
         e = float(g.e[i]) if not np.isnan(g.e[i]) else b
         recv = float(g.recv[i]) if not np.isnan(g.recv[i]) else e
-        marks = (c_lo, c_hi, f_lo, f_hi, x, e, recv, *(t for s, en, _ in wins for t in (s, en)))
+        marks = (c_lo, c_hi, f_lo, f_hi, x, e, recv, *(t for s, en, _ in wins for t in (s, en)),
+                 *(t for s, en, _, _ in osi for t in (s, en)))  # fmt: skip
         cuts = sorted({a, b, *(t for t in marks if a < t < b)})
         for lo, hi in zip(cuts[:-1], cuts[1:], strict=False):
             mid, d = (lo + hi) / 2, (hi - lo) * 1e3
@@ -572,12 +586,18 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
                 col = ne + nf
             else:
                 col = ne + nf + 1
-            row[col] += d
+            # inside an OS interval of the API server: its shares of the piece are the OS's
+            over = [(rq / (en - s), bl / (en - s)) for s, en, rq, bl in osi if s <= mid < en]
+            rq_f, bl_f = over[0] if over else (0.0, 0.0)
+            row[col] += d * (1.0 - rq_f - bl_f)
+            if over:
+                row[ne + nf + 2] += d * rq_f
+                row[ne + nf + 3] += d * bl_f
         rows.append(row)
         unrec.append((u_core, u_api))
     u = np.array(unrec, dtype=np.float64).reshape(n, 2)
     present = [j for j in range(2) if (u[:, j] > 0).any()]
-    labels = (*eng_labels, *FRONTEND_LABELS, *(UNRECORDED_LABELS[j] for j in present))
+    labels = (*eng_labels, *FRONTEND_LABELS, *os_labels, *(UNRECORDED_LABELS[j] for j in present))
     parts = np.array(rows, dtype=np.float64).reshape(n, ne + nfl)
     parts = np.concatenate([parts, u[:, present]], axis=1)
     return ClientPartition(
