@@ -693,7 +693,8 @@ def _v1_semantic_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     po = {"proc_os__process": np.array([0, 0]), "proc_os__t_start_s": np.array([0.01, 0.03]),
           "proc_os__t_end_s": np.array([0.02, 0.04]),
           "proc_os__runqueue_s": np.array([0.002, 0.0]),
-          "proc_os__offcpu_s": np.array([0.001, 0.01])}  # fmt: skip
+          "proc_os__offcpu_s": np.array([0.001, 0.01]),
+          "proc_os__in_segment": np.array([1, 0])}  # fmt: skip
     yield c("proc_os: two intervals of one API server", "ok", **po)
     yield c("proc_os: an interval ends before it starts", "reject", "proc_os.t_end_s",
             **{**po, "proc_os__t_end_s": np.array([0.005, 0.04])})  # fmt: skip
@@ -709,6 +710,8 @@ def _v1_semantic_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
             **{**po, "proc_os__offcpu_s": np.array([math.nan, 0.0])})  # fmt: skip
     yield c("proc_os: a process the log does not have", "reject", "proc_os.process",
             **{**po, "proc_os__process": np.array([0, 3])})  # fmt: skip
+    yield c("proc_os: in_segment 2", "reject", "proc_os.in_segment",
+            **{**po, "proc_os__in_segment": np.array([2, 0])})  # fmt: skip
     yield c("proc_os: a column missing", "reject", "proc_os.offcpu_s",
             **{**po, "proc_os__offcpu_s": None})  # fmt: skip
     yield c("eviction never readmitted", "ok", "never readmitted",

@@ -24,7 +24,7 @@ def serve_log(b: LogBuilder, chunks, windows=(), deliveries=(), os_intervals=())
     """The engine log `b` plus the client boundary, all times in ms.
 
     chunks: (request, t_write, tokens[, t_ready]); windows: (process, label, t0, t1);
-    deliveries: (step, t_out, t_recv); os_intervals: (process, t0, t1, runqueue, offcpu)."""
+    deliveries: (step, t_out, t_recv); os_intervals: `proc_os` rows."""
     log = b.build()
     labels = list(log.labels)
     for _, lb, _, _ in windows:
@@ -56,7 +56,8 @@ def serve_log(b: LogBuilder, chunks, windows=(), deliveries=(), os_intervals=())
 
 
 def proc_os(rows) -> ProcOs:
-    """An API server's OS intervals from (process, t0, t1, runqueue, offcpu) in ms."""
+    """API servers' OS intervals from (process, t0, t1, runqueue, offcpu[, in_segment]), ms;
+    in_segment 1 unless given."""
     s = 1e-3
     return ProcOs.from_columns(
         process=[o[0] for o in rows],
@@ -64,6 +65,7 @@ def proc_os(rows) -> ProcOs:
         t_end_s=[o[2] * s for o in rows],
         runqueue_s=[o[3] * s for o in rows],
         offcpu_s=[o[4] * s for o in rows],
+        in_segment=[o[5] if len(o) > 5 else 1 for o in rows],
     )
 
 
@@ -115,11 +117,13 @@ def test_hand_derived_client_gaps():
 
 
 def test_hand_derived_client_gaps_with_the_api_servers_os_evidence():
-    """docs/partition.md, "OS evidence at the client boundary": inside an OS interval of the
-    API server, the interval's run-queue share (R / L) and off-CPU share (B / L) of each
-    instant of the frontend part are the OS's, taken from whichever label owns it."""
+    """docs/partition.md, "Unrecorded windows", rule 5: inside an OS interval of the API
+    server, the interval's run-queue share (R / L) of each instant of the frontend part is
+    the OS's and, inside a segment, its off-CPU share (B / L), taken from whichever label
+    owns the instant."""
     log = replace(_hand_log(), proc_os=proc_os([
-        (1, 21.0, 22.0, 0.2, 0.3),  # over the output window: R/L 0.2, B/L 0.3
+        (1, 21.0, 22.0, 0.2, 0.3),  # in the output segment: R/L 0.2, B/L 0.3
+        (1, 22.0, 23.5, 0.3, 0.6, 0),  # between segments: R/L 0.2; B not evidence (idle?)
         (1, 24.5, 25.5, 0.5, 0.0),  # the second write and 0.5 ms of gap 1's engine part
         (1, 40.0, 41.0, 0.1, 0.2),  # gap 1's frontend part: R/L 0.1, B/L 0.2
     ]))  # fmt: skip
@@ -127,11 +131,13 @@ def test_hand_derived_client_gaps_with_the_api_servers_os_evidence():
     assert cp.labels[-2:] == ("frontend_os_runqueue", "frontend_os_blocked")
     # gap 0 = [11, 25], frontend part [20, 25] (test_hand_derived_client_gaps) with:
     #  output [21, 22]: 1 ms, of which 0.2 run queue and 0.3 off CPU -> output 0.5;
+    #  [22, 23.5] at R/L 0.2: other [22, 22.5] and [23, 23.5] 1 ms -> 0.8, frontend GC
+    #    [22.5, 23] 0.5 -> 0.4, run queue 0.3; its off-CPU time is no one's;
     #  the write [24.5, 25]: 0.5 ms at R/L 0.5 -> sse_write 0.5 + 0.25, run queue 0.25;
-    #  the engine part is the engine core's: unchanged (gc 2, forward 7).
-    assert _row(cp, 0) == {"gc": 2.0, "forward": 7.0, "output": 0.5, "frontend_gc": 0.5,
-                           "sse_write": 0.75, "hop": 1.0, "frontend_other": 1.5,
-                           "frontend_os_runqueue": 0.45, "frontend_os_blocked": 0.3}  # fmt: skip
+    #  other [24, 24.5] 0.5 stays; the engine part is the engine core's (gc 2, forward 7).
+    assert _row(cp, 0) == {"gc": 2.0, "forward": 7.0, "output": 0.5, "frontend_gc": 0.4,
+                           "sse_write": 0.75, "hop": 1.0, "frontend_other": 1.3,
+                           "frontend_os_runqueue": 0.75, "frontend_os_blocked": 0.3}  # fmt: skip
     # gap 1 = [25, 41]: the engine part [25, 40] stays forward 15 (the API server's interval
     #  over [25, 25.5] is not its time); frontend part [40, 41]: hop 0.2 and other 0.8,
     #  each 0.1 run queue and 0.2 off CPU -> hop 0.14, other 0.56, 0.1 and 0.2
@@ -233,7 +239,7 @@ def _random_serve_log(draw):
             length = draw(st.sampled_from([0.0, draw(st.floats(0.01, 6))]))
             rq = length * draw(st.floats(0, 1))
             off = (length - rq) * draw(st.floats(0, 1))
-            os_rows.append((proc, o0, o0 + length, rq, off))
+            os_rows.append((proc, o0, o0 + length, rq, off, draw(st.sampled_from([0, 1]))))
             o = o0 + length
     return serve_log(b, chunks, windows, deliveries, os_rows)
 

@@ -227,10 +227,10 @@ def test_a_merged_run_with_a_bad_client_table_is_refused_naming_the_field(tmp_pa
 
 
 def test_an_api_servers_os_intervals_inside_its_event_loops_segments_reach_the_run(tmp_path):
-    """proc_os (docs/partition.md, "OS evidence at the client boundary"): from the thread
-    that recorded most of the API server's segments, the intervals from a segment-start
-    sample to the segment-end sample after it, on the run's clock; between segments (the
-    loop may have been idle), another thread's, and an interval with a counter -1: none."""
+    """proc_os (docs/partition.md, "Unrecorded windows", rule 5): the OS intervals between
+    consecutive samples of the thread that recorded most of the API server's segments, on
+    the run's clock, marked inside a segment or between segments; another thread's, and an
+    interval with a counter -1: none."""
     from dataclasses import replace
 
     from tracekit.attribution.client import client_partition
@@ -249,7 +249,8 @@ def test_an_api_servers_os_intervals_inside_its_event_loops_segments_reach_the_r
     rows = [  # thread, kind, t, cpu_ns, runqueue_ns
         (0, s, 0.10, 1_000_000, 0),
         (0, e, 0.11, 7_000_000, 2_000_000),  # L 10 ms: CPU 6, run queue 2, off CPU 2
-        (0, s, 0.20, 8_000_000, 9_000_000),  # [0.11, 0.20]: between segments, not used
+        (0, s, 0.20, 8_000_000, 9_000_000),  # [0.11, 0.20] between segments: 90 ms, CPU
+        # 1, run queue 7, off CPU 82 (the loop idle, or blocked: not told apart)
         (0, e, 0.21, 9_000_000, -1),  # run queue not available: not used
         (1, s, 0.15, 0, 0),  # another thread's segment: not the event loop's
         (1, e, 0.16, 1_000_000, 5_000_000),
@@ -264,9 +265,12 @@ def test_an_api_servers_os_intervals_inside_its_event_loops_segments_reach_the_r
     log = merge_dir(d)
     k = next(i for i, p in enumerate(log.meta["processes"]) if p["role"] == "api_server")
     po = log.proc_os
-    assert po.process.tolist() == [k]
-    assert np.allclose([po.t_start_s[0], po.t_end_s[0]], [0.10, 0.11], atol=1e-12)
-    assert np.allclose([po.runqueue_s[0], po.offcpu_s[0]], [0.002, 0.002], atol=1e-12)
+    assert po.process.tolist() == [k, k]
+    assert po.in_segment.tolist() == [1, 0]
+    assert np.allclose(po.t_start_s, [0.10, 0.11], atol=1e-12)
+    assert np.allclose(po.t_end_s, [0.11, 0.20], atol=1e-12)
+    assert np.allclose(po.runqueue_s, [0.002, 0.007], atol=1e-12)
+    assert np.allclose(po.offcpu_s, [0.002, 0.082], atol=1e-12)
     # written and read back whole; the client partition has the OS columns
     back = tracekit.load(log.save(str(tmp_path / "run.npz")))
     assert np.array_equal(back.proc_os.offcpu_s, po.offcpu_s)

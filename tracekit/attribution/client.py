@@ -19,10 +19,11 @@ of it goes to exactly one label:
    serialisation, the output queue) > ``frontend_other`` (what no window covers: building
    the chunk, the event loop, other tasks).
 3. **What the OS took of the API server's thread** there: at an instant inside one of its
-   OS intervals (``proc_os``: its event loop's, inside its sampled segments), that
-   interval's run-queue share is ``frontend_os_runqueue`` and its off-CPU share
-   ``frontend_os_blocked``, taken from the label that owns the instant (docs/partition.md,
-   "Unrecorded windows", rule 5). Columns only where the run has such intervals.
+   OS intervals (``proc_os``: its event loop's), that interval's run-queue share is
+   ``frontend_os_runqueue`` and, inside one of its segments only (between them the loop
+   may sit idle), its off-CPU share ``frontend_os_blocked``, taken from the label that
+   owns the instant (docs/partition.md, "Unrecorded windows", rule 5). Columns only where
+   the run has such intervals.
 
 **Unrecorded windows** (docs/partition.md, "Unrecorded windows"). Each process's rows
 cover a span (`RawLog.coverage`, on the run's clock: from its recorder's start to the end
@@ -354,8 +355,8 @@ def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: in
     then FRONTEND_OS_LABELS. Its windows own the frontend part by precedence, the hop and
     ``frontend_other`` the time no window owns; at an instant inside one of its OS
     intervals (``proc_os``), that interval's run-queue share of the instant is
-    ``frontend_os_runqueue`` and its off-CPU share ``frontend_os_blocked``, taken from
-    whichever label owns the instant."""
+    ``frontend_os_runqueue`` and, inside a segment, its off-CPU share
+    ``frontend_os_blocked``, taken from whichever label owns the instant."""
     g = replace(gaps, **{f.name: getattr(gaps, f.name)[rows] for f in fields(gaps)})
     nf = len(FRONTEND_PRECEDENCE)
     w = np.array(frontend_windows(log, process), dtype=np.float64).reshape(-1, 3)
@@ -365,7 +366,9 @@ def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: in
     length = os1 - os0
     with np.errstate(divide="ignore", invalid="ignore"):
         rq_rate = np.where(length > 0, po.runqueue_s[mine] / length, 0.0)
-        bl_rate = np.where(length > 0, po.offcpu_s[mine] / length, 0.0)
+        # off-CPU time is evidence only inside a segment (between them the loop may be idle)
+        bl_rate = np.where((length > 0) & (po.in_segment[mine] == 1),
+                           po.offcpu_s[mine] / length, 0.0)  # fmt: skip
     # elementary intervals: cut at every window and OS interval edge
     bounds = np.unique(np.concatenate([w[:, 0], w[:, 1], os0, os1]))
     width, mid = np.diff(bounds), (bounds[:-1] + bounds[1:]) / 2

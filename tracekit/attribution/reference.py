@@ -506,8 +506,8 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
     nothing, ``unrecorded:engine_core``; in the frontend part where the API server that wrote
     the chunk recorded nothing, ``unrecorded:api_server``; else the first window (by
     precedence) covering it, less, inside one of that API server's OS intervals
-    (``proc_os``), the interval's run-queue and off-CPU shares of the piece
-    (``frontend_os_runqueue``, ``frontend_os_blocked``)."""
+    (``proc_os``), the interval's run-queue share of the piece (``frontend_os_runqueue``)
+    and, for an interval inside a segment, its off-CPU share (``frontend_os_blocked``)."""
     g = client_gaps(log)
     n = len(g.a)
     # per gap: the point x from which the token existed (or its existence is unrecorded),
@@ -549,9 +549,9 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
         proc = int(g.process[i])
         if proc not in wins_of:  # only the API server that wrote the chunk
             wins_of[proc] = frontend_windows(log, proc)
-            os_of[proc] = [
+            os_of[proc] = [  # off-CPU time only inside a segment (the loop may idle between)
                 (float(po.t_start_s[j]), float(po.t_end_s[j]), float(po.runqueue_s[j]),
-                 float(po.offcpu_s[j]))
+                 float(po.offcpu_s[j]) if po.in_segment[j] == 1 else 0.0)
                 for j in range(len(po)) if int(po.process[j]) == proc
             ]  # fmt: skip
         wins, osi = wins_of[proc], os_of[proc]

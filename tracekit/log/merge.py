@@ -36,7 +36,7 @@ The merged run keeps the engine core's tables as they are (steps, segments, emis
 the engine boundary, evictions, requests) and adds the client boundary: `client_emissions`
 (each SSE chunk written), `proc_segments` (API server and worker windows and GC pauses, on
 the run's clock), `deliveries` (each step's outputs, built and received), `proc_os` (what
-the OS did to each API server's event loop inside its sampled segments, on the run's clock),
+the OS did to each API server's event loop between its samples, on the run's clock),
 ``meta["processes"]`` (per process: identity, file, recovered or not, and the clock
 offset, correction and uncertainty against the engine core) and ``meta["clock_pairs"]``
 (each process against the engine core: one entry a process, so the merge and its output
@@ -59,7 +59,7 @@ import numpy as np
 
 from tracekit.errors import LogError
 from tracekit.log.archive import describe_non_regular
-from tracekit.log.osintervals import OsIntervals, segment_intervals, thread_os_intervals
+from tracekit.log.osintervals import OsIntervals, side_thread_intervals, thread_os_intervals
 from tracekit.log.parts import PARTS_SUFFIX, merge_parts
 from tracekit.log.rawlog import (
     ClientEmissions,
@@ -510,10 +510,10 @@ def merge_logs(
             )
         if p.role != FRONTEND:
             continue
-        osi = _frontend_os(lg)
+        osi, inside = _frontend_os(lg)
         if len(osi):
             cols = [np.full(len(osi), k), fit.apply(osi.t0_s), fit.apply(osi.t1_s)]
-            os_rows.append(np.column_stack([*cols, osi.runqueue_s, osi.offcpu_s]))
+            os_rows.append(np.column_stack([*cols, osi.runqueue_s, osi.offcpu_s, inside]))
         # client-boundary emissions: the request's merged index
         ridx = ident.index[k - 1]
         em = lg.emissions
@@ -681,13 +681,12 @@ def _unique_names(names: list[str]) -> tuple[list[str], int]:
 RANK_PRECEDENCE = ("gc", "injected", "prefill", "prepare", "forward", "sample", "draft")
 
 
-def _frontend_os(lg: RawLog) -> OsIntervals:
-    """An API server's OS intervals inside the segments of the thread that recorded most of
-    its segments (its event loop's), on its own clock (`segment_intervals`): ``proc_os``."""
+def _frontend_os(lg: RawLog) -> tuple[OsIntervals, np.ndarray]:
+    """An API server's OS intervals, of the thread that recorded most of its segments (its
+    event loop's), on its own clock, and which lie inside its segments
+    (`side_thread_intervals`): ``proc_os``."""
     th = lg.segments.thread
-    if not len(th) or not len(lg.os_samples):
-        return segment_intervals(lg, -1)  # none
-    return segment_intervals(lg, int(np.bincount(th).argmax()))
+    return side_thread_intervals(lg, int(np.bincount(th).argmax()) if len(th) else -1)
 
 
 def tp_rank(p: ProcessLog) -> int | None:

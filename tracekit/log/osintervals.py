@@ -35,24 +35,27 @@ def intervals_of(sel: np.ndarray, log: RawLog) -> OsIntervals:
     most its length, its off-CPU time is what is left after CPU time and run-queue wait
     (never negative)."""
     sel = sel[np.argsort(log.os_samples.t_s[sel], kind="stable")]
-    return _between(log, sel[:-1], sel[1:])
+    return _between(log, sel[:-1], sel[1:])[0]
 
 
-def segment_intervals(log: RawLog, thread: int) -> OsIntervals:
-    """`thread`'s OS intervals inside its sampled segments: from a segment-start sample to
-    the thread's next sample where that is a segment end (of nested segments, the
-    innermost; between its segments the thread may have been idle, which its counters
-    cannot tell from being blocked), used as `intervals_of` says."""
+def side_thread_intervals(log: RawLog, thread: int) -> tuple[OsIntervals, np.ndarray]:
+    """A side thread's OS intervals (consecutive samples of `thread`, sampled at its
+    segments' ends, used as `intervals_of` says) and, per interval, whether the thread was
+    inside one of its segments all along (its segment nesting after the interval's first
+    sample is above 0). Between its segments a thread may sit idle (an event loop in its
+    poll), which its counters cannot tell from being blocked."""
     os_ = log.os_samples
     sel = np.flatnonzero(os_.thread == thread)
     sel = sel[np.argsort(os_.t_s[sel], kind="stable")]
-    inside = (os_.kind[sel[:-1]] == OS_SEGMENT_START) & (os_.kind[sel[1:]] == OS_SEGMENT_END)
-    return _between(log, sel[:-1][inside], sel[1:][inside])
+    kind = os_.kind[sel]
+    depth = np.cumsum((kind == OS_SEGMENT_START).astype(np.int64) - (kind == OS_SEGMENT_END))
+    osi, ok = _between(log, sel[:-1], sel[1:])
+    return osi, (depth[:-1] > 0)[ok]
 
 
-def _between(log: RawLog, i: np.ndarray, j: np.ndarray) -> OsIntervals:
+def _between(log: RawLog, i: np.ndarray, j: np.ndarray) -> tuple[OsIntervals, np.ndarray]:
     """The OS intervals from samples `i` to samples `j` (rows of `log.os_samples`, pairwise),
-    as `intervals_of` says."""
+    as `intervals_of` says, and which of the pairs they are (the usable ones)."""
     os_ = log.os_samples
     t0, t1 = os_.t_s[i], os_.t_s[j]
     cpu0, cpu1, runq0, runq1 = os_.cpu_ns[i], os_.cpu_ns[j], os_.runqueue_ns[i], os_.runqueue_ns[j]
@@ -62,7 +65,7 @@ def _between(log: RawLog, i: np.ndarray, j: np.ndarray) -> OsIntervals:
     width = np.where(ok, t1 - t0, 0.0)
     rq = np.minimum(d_runq * 1e-9, width)
     off = np.maximum(width - d_cpu * 1e-9 - rq, 0.0)
-    return OsIntervals(t0[ok], t1[ok], rq[ok], off[ok])
+    return OsIntervals(t0[ok], t1[ok], rq[ok], off[ok]), ok
 
 
 def thread_os_intervals(log: RawLog, thread: int) -> OsIntervals:
@@ -71,4 +74,4 @@ def thread_os_intervals(log: RawLog, thread: int) -> OsIntervals:
     return intervals_of(np.flatnonzero(log.os_samples.thread == thread), log)
 
 
-__all__ = ["OsIntervals", "intervals_of", "segment_intervals", "thread_os_intervals"]
+__all__ = ["OsIntervals", "intervals_of", "side_thread_intervals", "thread_os_intervals"]

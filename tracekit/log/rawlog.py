@@ -382,26 +382,29 @@ class Deliveries(_Table):
 
 @dataclass(frozen=True)
 class ProcOs(_Table):
-    """What the OS did to an API server's thread inside its sampled segments (a merged
-    server run, docs/partition.md "OS evidence at the client boundary"): one row per OS
-    interval ``[t_start_s, t_end_s]`` (merged clock) from a segment-start sample to the
-    segment-end sample after it, of the thread that recorded most of that API server's
-    segments, holding `runqueue_s` of run-queue wait and `offcpu_s` of other off-CPU time
-    (as `tracekit.log.osintervals.intervals_of` computes them); `process` indexes
-    ``meta["processes"]``. Rows are in (process, time) order and one process's do not
-    overlap."""
+    """What the OS did to each API server's event loop (a merged server run,
+    docs/partition.md "Unrecorded windows", rule 5): one row per OS interval ``[t_start_s,
+    t_end_s]`` (merged clock) between consecutive samples of the thread that recorded most
+    of that API server's segments, holding `runqueue_s` of run-queue wait and `offcpu_s`
+    of other off-CPU time (as `tracekit.log.osintervals.intervals_of` computes them);
+    `in_segment` is 1 where the thread was inside one of its segments all along, 0 where
+    it was between them (it may have sat idle in its poll: its off-CPU time there is not
+    evidence). `process` indexes ``meta["processes"]``. Rows are in (process, time) order
+    and one process's do not overlap."""
 
     process: np.ndarray
     t_start_s: np.ndarray
     t_end_s: np.ndarray
     runqueue_s: np.ndarray
     offcpu_s: np.ndarray
+    in_segment: np.ndarray
     DTYPES = {
         "process": np.int64,
         "t_start_s": np.float64,
         "t_end_s": np.float64,
         "runqueue_s": np.float64,
         "offcpu_s": np.float64,
+        "in_segment": np.int64,
     }
 
 

@@ -48,9 +48,9 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
   a merged run), two rows for one process, an `is_clean_stop` other than 0 or 1; a
   `meta.missing_processes` that is not a list of objects
 - in `proc_os` (a merged run): a non-finite time or share, an interval that ends before it
-  starts, a negative share, run-queue and off-CPU time that exceed the interval, a process
-  index outside the run's processes, rows out of (process, time) order or overlapping
-  within a process
+  starts, a negative share, run-queue and off-CPU time that exceed the interval, an
+  `in_segment` other than 0 or 1, a process index outside the run's processes, rows out of
+  (process, time) order or overlapping within a process
 
 Accepted with a warning (kept on `RawLog.warnings`, printed by the CLI on stderr):
 
@@ -297,15 +297,17 @@ def validate_os(log: RawLog) -> None:
 def validate_proc_os(log: RawLog) -> None:
     """An API server's OS intervals in a merged run (``proc_os``): raise `LogError` for what
     the client partition cannot use: a non-finite or absurd time or share, an interval that
-    ends before it starts, a share below 0, shares that sum past the interval's length, a
-    process outside the run's processes, rows out of (process, time) order or overlapping
-    within a process (one thread's consecutive samples never overlap)."""
+    ends before it starts, a share below 0, shares that sum past the interval's length, an
+    `in_segment` flag other than 0 or 1, a process outside the run's processes, rows out
+    of (process, time) order or overlapping within a process (one thread's consecutive
+    samples never overlap)."""
     po = log.proc_os
     if not len(po):
         return
     for c in ("t_start_s", "t_end_s", "runqueue_s", "offcpu_s"):
         _finite_times(log, "proc_os", c)
     _ordered(log, "proc_os", "t_start_s", "t_end_s")
+    _in_range(log, "proc_os", "in_segment", hi=1)
     procs = log.meta.get("processes")
     _index(log, "proc_os", "process", len(procs) if isinstance(procs, list) and procs else 1)
     length = po.t_end_s - po.t_start_s
