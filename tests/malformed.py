@@ -660,6 +660,10 @@ def _v1_semantic_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
             admissions__t_s=np.array([-0.01, 0.0, 0.0]))  # fmt: skip
     yield c("admission after the first token", "reject", "admissions.t_s",
             admissions__t_s=np.array([0.0, 0.05, 0.0]))  # fmt: skip
+    yield c("admission before the engine core added it", "reject", "admissions.t_s",
+            requests__engine_s=np.array([0.001, -0.001, 0.0]))  # fmt: skip
+    yield c("engine core adds before each admission", "ok",
+            requests__engine_s=np.array([0.0, -0.001, math.nan]))  # fmt: skip
     yield c("request admitted twice", "reject", "admissions.request",
             admissions__request=np.array([0, 1, 1]))  # fmt: skip
     yield c("prefill row for an unknown request", "reject", "prefill_chunks.request",

@@ -241,11 +241,15 @@ def test_arrival_is_the_http_receipt_after_the_client_sent(served, merged):
           f"receipt -> handler ms: median {np.median(http):.3f}, max {http.max():.3f}")  # fmt: skip
     tp = ttft_partition(merged)  # reconciles or raises
     col = tp.labels.index("http")
-    for r, part in zip(tp.request.tolist(), tp.parts_ms[:, col].tolist(), strict=True):
-        expect = (rq.handler_s[r] - rq.arrival_s[r]) * 1e3
-        assert abs(part - expect) < 1e-6
-        front = tp.parts_ms[tp.request.tolist().index(r), tp.labels.index("frontend")]
-        assert abs(front - (rq.engine_s[r] - rq.handler_s[r]) * 1e3) < 1e-6
+    # rule 0 (docs/ttft.md): http is receipt to handler, frontend handler to the engine
+    # core's add, less what the OS took of the API server's event loop (frontend_os_*)
+    os_cols = [tp.labels.index(x) for x in ("frontend_os_runqueue", "frontend_os_blocked")]
+    for i, r in enumerate(tp.request.tolist()):
+        http, front = tp.parts_ms[i, col], tp.parts_ms[i, tp.labels.index("frontend")]
+        assert http <= (rq.handler_s[r] - rq.arrival_s[r]) * 1e3 + 1e-6
+        assert front <= (rq.engine_s[r] - rq.handler_s[r]) * 1e3 + 1e-6
+        pre = http + front + tp.parts_ms[i, os_cols].sum()
+        assert abs(pre - (rq.engine_s[r] - rq.arrival_s[r]) * 1e3) < 1e-6
     assert tp.parts_ms[:, col].sum() > 0
 
 

@@ -97,3 +97,50 @@ def test_request_takes_the_id_the_client_saw():
     assert requests_named(log, "chatcmpl-c").tolist() == [4]
     with pytest.raises(LogError, match="'cmpl-z'"):
         requests_named(log, "cmpl-z")
+
+
+def test_rule_0_gives_the_api_servers_os_share_to_the_os():
+    """docs/ttft.md rule 0 with the API server's OS intervals (docs/partition.md,
+    "Unrecorded windows", rule 5): over http and frontend, each interval's run-queue share
+    and, inside a segment, its off-CPU share of the overlap are frontend_os_*."""
+    from tracekit.log.rawlog import ClientEmissions, ProcOs
+
+    log = _served_log()
+    ms = 1e-3
+    log = replace(
+        log,
+        # the first chunk of request 0 was written by process 1, the API server
+        client_emissions=ClientEmissions.from_columns(
+            request=[0], t_s=[10 * ms], t_ready_s=[10 * ms], num_tokens=[1], process=[1]
+        ),
+        proc_os=ProcOs.from_columns(
+            process=[1, 1, 1],
+            t_start_s=[1 * ms, 3 * ms, 4.5 * ms],
+            t_end_s=[2.5 * ms, 4 * ms, 7 * ms],
+            runqueue_s=[0.3 * ms, 0.25 * ms, 0.5 * ms],
+            offcpu_s=[0.6 * ms, 0.25 * ms, 0.0],
+            in_segment=[0, 1, 1],
+        ),
+        meta={**log.meta, "processes": [{"role": "engine_core"}, {"role": "api_server"}]},
+    )
+    p = ttft_partition(log)
+    parts = dict(zip(p.labels, p.parts_ms[0].tolist(), strict=True))
+    # by hand: http [0, 3] overlaps [1, 2.5] (between segments: R/L 0.2, B not evidence):
+    #   run queue 0.3, http 3 - 0.3 = 2.7;
+    # frontend [3, 5] overlaps [3, 4] (in a segment: R/L 0.25, B/L 0.25): 0.25 and 0.25,
+    #   and [4.5, 5] of [4.5, 7] (R/L 0.2): run queue 0.1; frontend 2 - 0.6 = 1.4;
+    # the engine's part from 5 ms on is unchanged (its interval there is not the engine's)
+    assert parts["http"] == pytest.approx(2.7)
+    assert parts["frontend"] == pytest.approx(1.4)
+    assert parts["frontend_os_runqueue"] == pytest.approx(0.65)
+    assert parts["frontend_os_blocked"] == pytest.approx(0.25)
+    assert parts["residual"] == pytest.approx(1.0)
+    assert parts["prefill_own"] == pytest.approx(4.0)
+    assert sum(parts.values()) == pytest.approx(10.0)
+    ref = ttft_partition_reference(log)
+    assert ref.labels == p.labels
+    assert np.allclose(ref.parts_ms, p.parts_ms) and np.allclose(ref.phases_ms, p.phases_ms)
+    # a request no API server wrote a chunk of: no OS share
+    bare = replace(log, client_emissions=ClientEmissions.empty())
+    q = ttft_partition(bare)
+    assert q.column("http")[0] == pytest.approx(3.0) and q.column("frontend_os_runqueue")[0] == 0

@@ -3,6 +3,7 @@ reconcile (parts and phases sum to every TTFT)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -12,7 +13,7 @@ from logbuilder import LogBuilder
 
 from tracekit.attribution.reference import ttft_partition_reference
 from tracekit.attribution.ttft import check_ttft_reconciled, ttft_partition
-from tracekit.log.rawlog import WAIT_REASONS
+from tracekit.log.rawlog import WAIT_REASONS, ClientEmissions, ProcOs
 from tracekit.log.validate import validate_log
 
 LABELS = ("tok", "prefill", "decode", "swap", "recompute", "schedule")
@@ -100,7 +101,57 @@ def random_log(seed: int):
             s = int(np.searchsorted(bounds[1::2], a))
             b.seg(min(s, n_steps - 1), str(os_rng.choice(["wait", "sync"])), a,
                   a + float(os_rng.uniform(0, 4)))  # fmt: skip
-    return b.build(arrivals_ms=arrivals, wall_ms=end + 10)
+    log = b.build(arrivals_ms=arrivals, wall_ms=end + 10)
+    return _served(log, np.random.default_rng([seed, 21]), end)
+
+
+def _served(log, rng, end):
+    """Half the runs a server's: per request, its handler and engine-core add stamps after
+    arrival, its first chunk written by one of two API servers, and each API server's OS
+    intervals (proc_os: disjoint, inside a segment or not)."""
+    if rng.random() < 0.5:
+        return log
+    rq, ms = log.requests, 1e-3
+    n = len(rq)
+    handler = rq.arrival_s + rng.uniform(0, 4, n) * ms
+    engine = handler + rng.uniform(0, 4, n) * ms
+    # the engine core adds a request before its scheduler admits it (validation rejects
+    # the other order)
+    adm = np.full(n, np.inf)
+    adm[log.admissions.request] = log.admissions.t_s
+    engine = np.minimum(engine, adm)
+    handler = np.minimum(handler, engine)
+    gone = rng.random(n) < 0.2  # a stage not recorded lasts 0
+    handler[gone] = np.nan
+    procs = rng.integers(1, 3, n)
+    rows = []
+    for p in (1, 2):
+        t = float(rng.uniform(-3, 3))
+        for _ in range(int(rng.integers(0, 8))):
+            t0 = t + float(rng.choice([0.0, rng.uniform(0, 3)]))
+            t1 = t0 + float(rng.choice([0.0, rng.uniform(0, 4)]))
+            runq = (t1 - t0) * float(rng.uniform(0, 1))
+            off = (t1 - t0 - runq) * float(rng.uniform(0, 1))
+            rows.append((p, t0 * ms, t1 * ms, runq * ms, off * ms, int(rng.integers(0, 2))))
+            t = t1
+    cols = np.array(rows, dtype=np.float64).reshape(-1, 6)
+    has_chunk = rng.random(n) < 0.9  # a request with no chunk: no API server, no OS share
+    return replace(
+        log,
+        requests=replace(rq, handler_s=handler, engine_s=engine),
+        client_emissions=ClientEmissions.from_columns(
+            request=np.flatnonzero(has_chunk),
+            t_s=rq.first_token_s[has_chunk],
+            t_ready_s=rq.first_token_s[has_chunk],
+            num_tokens=np.ones(int(has_chunk.sum())),
+            process=procs[has_chunk],
+        ),  # fmt: skip
+        proc_os=ProcOs.from_columns(**{k: cols[:, i] for i, k in enumerate(ProcOs.DTYPES)}),
+        meta={
+            **log.meta,
+            "processes": [{"role": "engine_core"}, {"role": "api_server"}, {"role": "api_server"}],
+        },  # fmt: skip
+    )
 
 
 def _agree(seed: int) -> None:
@@ -148,5 +199,6 @@ def test_random_logs_exercise_every_rule():
             seen[lb] = seen.get(lb, 0.0) + float(v)
     for lb in ("preempt", "gc", "wait_kv_blocks", "tok", "prefill_own", "prefill_other",
                "decode_other", "graph", "prefill", "residual", "schedule", "os_runqueue",
-               "os_blocked", "wait"):  # fmt: skip
+               "os_blocked", "wait", "http", "frontend", "frontend_os_runqueue",
+               "frontend_os_blocked"):  # fmt: skip
         assert seen.get(lb, 0.0) > 0, lb

@@ -302,6 +302,39 @@ def frontend_windows(log: RawLog, process: int | None = None) -> list[tuple[floa
     return list(zip(ps.t_start_s[m].tolist(), ps.t_end_s[m].tolist(), r[m].tolist(), strict=True))
 
 
+def request_api_servers(log: RawLog) -> np.ndarray:
+    """Per request, the API server (index into ``meta["processes"]``) that wrote its first
+    chunk; -1 for a request with no chunk."""
+    ce = log.client_emissions
+    out = np.full(len(log.requests), -1, dtype=np.int64)
+    o = np.lexsort((-ce.t_s, ce.request))  # per request latest first: the first chunk wins
+    out[ce.request[o]] = ce.process[o]
+    return out
+
+
+def frontend_os_between(
+    log: RawLog, process: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, what the OS took of API server `process`'s event loop over ``[lo, hi]``, in
+    seconds: its run-queue share and (inside its segments) its off-CPU share, spread evenly
+    over each interval of ``proc_os`` (docs/partition.md, "Unrecorded windows", rule 5);
+    0 for a process without intervals (-1: none)."""
+    rq_out, bl_out = np.zeros(len(lo)), np.zeros(len(lo))
+    po = log.proc_os
+    for p in np.intersect1d(np.unique(process), np.unique(po.process)).tolist():
+        rows, mine = np.flatnonzero(process == p), np.flatnonzero(po.process == p)
+        t0, t1 = po.t_start_s[mine], po.t_end_s[mine]
+        # one process's intervals are sorted and disjoint: the integral of each share is
+        # piecewise linear through (t0, its total before) and (t1, its total after)
+        xs = np.column_stack([t0, t1]).ravel()
+        blocked = np.where(po.in_segment[mine] == 1, po.offcpu_s[mine], 0.0)
+        for out, amount in ((rq_out, po.runqueue_s[mine]), (bl_out, blocked)):
+            after = np.cumsum(amount)
+            cum = np.column_stack([after - amount, after]).ravel()
+            out[rows] = np.interp(hi[rows], xs, cum) - np.interp(lo[rows], xs, cum)
+    return rq_out, bl_out
+
+
 def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     """Partition every client gap of a merged server run (see the module docstring)."""
     g = client_gaps(log)

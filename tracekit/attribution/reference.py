@@ -428,6 +428,26 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
         if "http" in row:
             row["http"] += (h - a) * 1e3
             row["frontend"] += (e - h) * 1e3
+        if FRONTEND_OS_LABELS[0] in row:
+            # the event loop of the API server that wrote the request's first chunk: each of
+            # its OS intervals' shares of the overlap (off-CPU time: inside a segment only)
+            ce = log.client_emissions
+            mine = [j for j in range(len(ce)) if int(ce.request[j]) == r]
+            proc = int(ce.process[min(mine, key=lambda j: ce.t_s[j])]) if mine else -1
+            po = log.proc_os
+            for j in range(len(po)):
+                if int(po.process[j]) != proc:
+                    continue
+                s0, s1 = float(po.t_start_s[j]), float(po.t_end_s[j])
+                for lb, lo, hi in (("http", a, h), ("frontend", h, e)):
+                    d = max(0.0, min(hi, s1) - max(lo, s0))
+                    if d <= 0:
+                        continue
+                    rq = d * float(po.runqueue_s[j]) / (s1 - s0)
+                    bl = d * float(po.offcpu_s[j]) / (s1 - s0) if po.in_segment[j] == 1 else 0.0
+                    row[lb] -= (rq + bl) * 1e3
+                    row[FRONTEND_OS_LABELS[0]] += rq * 1e3
+                    row[FRONTEND_OS_LABELS[1]] += bl * 1e3
         phases[i, PHASES.index("queued" if is_split else "unsplit")] += (e - a) * 1e3
         a = e
         cuts = {a, f} | ({adm} if is_split else set())

@@ -16,7 +16,9 @@ Every millisecond of the window goes to exactly one label. Precedence, highest f
 0. in a server run, before the engine core had the request: from arrival (the first byte
    of the HTTP request) to the server's handler starting is ``http``, from there to the
    engine core adding it is ``frontend`` (`Requests.handler_s`, `Requests.engine_s`; a
-   stage not recorded lasts 0). The rules below apply from the engine core's add on. This
+   stage not recorded lasts 0), less what the OS took of the event loop of the API server
+   that served it (``proc_os``: ``frontend_os_runqueue``, ``frontend_os_blocked``, the
+   client boundary's rule). The rules below apply from the engine core's add on. This
    time counts in the ``queued`` phase (the request was not admitted yet);
 1. evicted time is ``preempt``; what the engine ran meanwhile is *context*, never added
    (partitioned like live time, uncovered time as ``residual``, so it sums to the evicted
@@ -58,6 +60,11 @@ from typing import Literal
 import numpy as np
 
 from tracekit.attribution import itl
+from tracekit.attribution.client import (
+    FRONTEND_OS_LABELS,
+    frontend_os_between,
+    request_api_servers,
+)
 from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows, fit_baseline
 from tracekit.attribution.timeline import (
     HostTimeline,
@@ -158,12 +165,16 @@ def ttft_labels(log: RawLog, has_os: bool | None = None) -> tuple[str, ...]:
     """The standard TTFT labels, then `OS_LABELS` where the log has OS intervals (`has_os`:
     whether it has, if known), then any other host cause of the log (sorted); a server
     run that stamped the stages before the engine had its requests starts with
-    `PRE_ENGINE_LABELS`."""
+    `PRE_ENGINE_LABELS`, then `FRONTEND_OS_LABELS` where it has the API servers' OS
+    intervals."""
     causes = set(segment_causes(log)[log.segments.is_device != 1].tolist())
     extra = causes - {"gc", "preempt", "tok", "prefill", "decode"} - set(TTFT_STANDARD_LABELS)
     extra -= set(PRE_ENGINE_LABELS) | set(OS_LABELS)
+    extra -= set(FRONTEND_OS_LABELS)
     rq = log.requests
     pre = PRE_ENGINE_LABELS if (np.isfinite(rq.handler_s) | np.isfinite(rq.engine_s)).any() else ()
+    if pre and len(log.proc_os):
+        pre += FRONTEND_OS_LABELS
     if has_os is None:
         has_os = has_os_evidence(log)
     os_labels = OS_LABELS if has_os else ()
@@ -361,6 +372,14 @@ def ttft_partition(
     if "http" in col and n:
         parts[:, col["http"]] += (handler_s - a) * 1e3
         parts[:, col["frontend"]] += (e - handler_s) * 1e3
+    if FRONTEND_OS_LABELS[0] in col and n:
+        # what the OS took of the API server's event loop meanwhile (rule 0)
+        proc = request_api_servers(log)[req]
+        for lb, lo, hi in (("http", a, handler_s), ("frontend", handler_s, e)):
+            rq_s, bl_s = frontend_os_between(log, proc, lo, hi)
+            parts[:, col[lb]] -= (rq_s + bl_s) * 1e3
+            parts[:, col[FRONTEND_OS_LABELS[0]]] += rq_s * 1e3
+            parts[:, col[FRONTEND_OS_LABELS[1]]] += bl_s * 1e3
     context = np.zeros_like(parts)
     phases = np.zeros((n, len(PHASES)))
 

@@ -35,8 +35,9 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - an index outside its table: segment label or step, emission request or step, eviction request,
   counter name, admission request, prefill or wait request or step, wait reason
 - in a log with admission events: a first token before its request's arrival
-- an admission before its request's arrival or after its first token, a request admitted twice,
-  an eviction before its request's admission, two wait reasons for one request in one step
+- an admission before its request's arrival, before the engine core added it (a server run's
+  `requests.engine_s`) or after its first token, a request admitted twice, an eviction
+  before its request's admission, two wait reasons for one request in one step
 - a request-id list whose length is not the number of requests, and duplicate request ids
 - negative counts, a token count below 1, a GC generation other than 0, 1 or 2, an is_device flag
   other than 0 or 1, an eviction mode other than -1, 0 or 1
@@ -398,9 +399,11 @@ def validate_ttft(log: RawLog) -> None:
             "time the scheduler takes it; readmissions are evictions rows)",
         )
     arrival, first = rq.arrival_s[ad.request], rq.first_token_s[ad.request]
+    added = rq.engine_s[ad.request]  # a server run's engine-core add (NaN elsewhere)
     for bad, what, when in (
         (ad.t_s < arrival, "before its arrival", arrival),
         (ad.t_s > first, "after its first token", first),
+        (ad.t_s < added, "before the engine core added it", added),
     ):
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
