@@ -429,20 +429,18 @@ def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: in
 
     x, b = g.x, g.b
     parts = np.zeros((len(rows), len(FRONTEND_LABELS) + len(FRONTEND_OS_LABELS)))
-    owned_any = np.zeros(len(rows))
     os_rq, os_bl = np.zeros(len(rows)), np.zeros(len(rows))
     for c in range(nf):
         is_c = (owner == c).astype(np.float64)
         own, r_c, b_c = over(is_c)(x, b), over(is_c * rq)(x, b), over(is_c * bl)(x, b)
         parts[:, c] = own - r_c - b_c
-        owned_any += own
         os_rq, os_bl = os_rq + r_c, os_bl + b_c
     # the time no window owns: the hop (from e until the API server received the step's
     # outputs), the rest frontend_other
     none = (owner < 0).astype(np.float64)
     hop_lo = np.clip(np.where(np.isnan(g.e), b, g.e), x, b)
     hop_hi = np.clip(np.where(np.isnan(g.recv), hop_lo, g.recv), hop_lo, b)
-    owned_in_hop = sum(over((owner == c).astype(np.float64))(hop_lo, hop_hi) for c in range(nf))
+    owned_in_hop = over((owner >= 0).astype(np.float64))(hop_lo, hop_hi)
     r_hop, b_hop = over(none * rq)(hop_lo, hop_hi), over(none * bl)(hop_lo, hop_hi)
     r_none, b_none = over(none * rq)(x, b), over(none * bl)(x, b)
     parts[:, nf] = np.maximum((hop_hi - hop_lo) - owned_in_hop - r_hop - b_hop, 0.0)
