@@ -70,8 +70,8 @@ FRONTEND_LABELS = (*FRONTEND_PRECEDENCE, "hop", "frontend_other")
 #: role (docs/partition.md, "Unrecorded windows"); a column only where some gap has any.
 UNRECORDED_CORE, UNRECORDED_API = "unrecorded:engine_core", "unrecorded:api_server"
 UNRECORDED_LABELS = (UNRECORDED_CORE, UNRECORDED_API)
-#: What the OS took of an API server's thread in the frontend part (docs/partition.md, "OS
-#: evidence at the client boundary"); columns only where the run has that evidence.
+#: What the OS took of an API server's thread in the frontend part (docs/partition.md,
+#: "Unrecorded windows", rule 5); columns only where the run has that evidence.
 FRONTEND_OS_LABELS = ("frontend_os_runqueue", "frontend_os_blocked")
 #: proc_segments label -> frontend label
 FRONTEND_WINDOW = {"gc": "frontend_gc", "sse_write": "sse_write", "output": "output",
