@@ -55,7 +55,7 @@ elementary interval at a time. Tests check that they agree.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -333,6 +333,7 @@ class _Kernel:
 
     def os_loss(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per row, what the OS shares take from each label in [x, y]."""
+        assert self.run_rate is not None and self.blk_rate is not None  # rule 6 runs with OS
         out = []
         for name, w in (("run", self.run_rate), ("blk", self.blk_rate)):
             h0, l0 = os_class_integrals(self.tl, self.n_cls, name, w, x)
@@ -666,101 +667,133 @@ def _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_at):
     if len(e_row):
         oe = np.lexsort((w0, e_row))
         e_row, w0, w1 = e_row[oe], w0[oe], w1[oe]
-
-    def between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        h0, l0 = prefill_at(x)
-        h1, l1 = prefill_at(y)
-        return ((h1 - h0) + (l1 - l0)) * 1e3
-
     n_seg = np.bincount(seg_group, minlength=len(seg_steps))
+    c = _PrefillRows(sg, pseg, seg_steps, seg_group, n_seg, pf_idx, rows, share, row_group,
+                     adm, f, e_row, w0, w1)  # fmt: skip
     n_row = np.bincount(row_group, minlength=len(seg_steps))
     joined = (n_seg * n_row <= _JOIN_FACTOR * (n_seg + n_row))[row_group]
-    order_parts: list[np.ndarray] = []  # prefill row of each contribution
-    parts: list[np.ndarray] = []  # its share of prefill time, ms
-    owners: list[np.ndarray] = []  # its TTFT row
-
-    # steps with a small join: one piece per (row, segment), evicted time taken off each
-    j = np.flatnonzero(joined)
-    if len(j):
-        g_first = np.searchsorted(seg_group, np.arange(len(seg_steps)), side="left")
-        ri, si = _expand(g_first[row_group[j]], n_seg[row_group[j]])
-        si = pseg[si]
-        r = rows[j][ri]
-        x0 = np.maximum(sg.t_start_s[si], adm[r])
-        x1 = np.minimum(sg.t_end_s[si], f[r])
-        ok = x1 > x0
-        ri, r, x0, x1 = ri[ok], r[ok], x0[ok], x1[ok]
-        val = between(x0, x1)
-        if len(e_row) and len(ri):
-            pi, ei = _meeting(r, x0, x1, e_row, w0, w1)
-            y0 = np.maximum(x0[pi], w0[ei])
-            y1 = np.maximum(np.minimum(x1[pi], w1[ei]), y0)
-            np.subtract.at(val, pi, between(y0, y1))
-        order_parts.append(pf_idx[j][ri])
-        parts.append(share[j][ri] * val)
-        owners.append(r)
-
-    # the other steps: H(first token) - H(admission) per row
-    j = np.flatnonzero(~joined)
-    if len(j):
-        # groups renumbered over these steps only
-        big = np.unique(row_group[j])
-        m = np.isin(seg_group, big)
-        gseg = np.searchsorted(big, seg_group[m])
-        s0, s1 = sg.t_start_s[pseg[m]], sg.t_end_s[pseg[m]]
-        rg, r = np.searchsorted(big, row_group[j]), rows[j]
-        u = np.unique(np.concatenate([s0, s1]))
-        o0, o1 = np.lexsort((s0, gseg)), np.lexsort((s1, gseg))
-        key0 = _rank_keys(gseg[o0], s0[o0], u, "right")
-        key1 = _rank_keys(gseg[o1], s1[o1], u, "right")
-        g_lo = np.searchsorted(gseg[o0], np.arange(len(big)), side="left")
-        span_lo = s0[o0][g_lo]  # the step's first segment start: F is measured from here
-        span_hi = np.full(len(big), -np.inf)
-        np.maximum.at(span_hi, gseg, s1)
-        ref_hi, ref_lo = prefill_at(span_lo)
-
-        def rel(t: np.ndarray, g: np.ndarray) -> np.ndarray:
-            hi, lo = prefill_at(t)  # F(t) - F(span_lo of g), to full precision
-            return (hi - ref_hi[g]) + (lo - ref_lo[g])
-
-        c0_hi, c0_lo = compensated_cumsum(rel(s0[o0], gseg[o0]))
-        c1_hi, c1_lo = compensated_cumsum(rel(s1[o1], gseg[o1]))
-
-        def h(g: np.ndarray, t: np.ndarray) -> np.ndarray:
-            """H of group g at t (s): the prefill time of its segments before t."""
-            k = _rank_keys(g, t, u, "right")
-            k0 = np.searchsorted(key0, k, side="right")
-            k1 = np.searchsorted(key1, k, side="right")
-            b = g_lo[g]
-            a1 = (c1_hi[k1] - c1_hi[b]) + (c1_lo[k1] - c1_lo[b])
-            a0 = (c0_hi[k0] - c0_hi[b]) + (c0_lo[k0] - c0_lo[b])
-            open_ = k0 - k1  # segments started by t and not yet ended
-            return (a1 - a0) + np.where(open_ != 0, rel(t, g) * open_, 0.0)
-
-        def held(g: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-            """Group g's prefill time inside [x, y], ms (0 where y <= x)."""
-            out = np.zeros(len(x))
-            ok = y > x
-            if ok.any():
-                out[ok] = (h(g[ok], y[ok]) - h(g[ok], x[ok])) * 1e3
-            return out
-
-        val = held(rg, adm[r], f[r])
-        if len(e_row):
-            lo = np.maximum(adm[r], span_lo[rg])
-            hi = np.minimum(f[r], span_hi[rg])
-            pi, ei = _meeting(r, lo, hi, e_row, w0, w1)
-            y0 = np.maximum(adm[r[pi]], w0[ei])
-            y1 = np.minimum(f[r[pi]], w1[ei])
-            np.subtract.at(val, pi, held(rg[pi], y0, y1))
-        order_parts.append(pf_idx[j])
-        parts.append(share[j] * val)
-        owners.append(r)
-
+    pieces = [  # (prefill row, its share of prefill time in ms, its TTFT row) of each piece
+        step(c, j, prefill_at)
+        for step, j in ((_joined_prefill, np.flatnonzero(joined)),
+                        (_summed_prefill, np.flatnonzero(~joined)))
+        if len(j)
+    ]  # fmt: skip
     # summed per TTFT row in prefill-row order (each prefill row's pieces in segment order)
-    o = np.argsort(np.concatenate(order_parts), kind="stable")
-    np.add.at(own, np.concatenate(owners)[o], np.concatenate(parts)[o])
+    o = np.argsort(np.concatenate([x for x, _, _ in pieces]), kind="stable")
+    np.add.at(own, np.concatenate([x for _, _, x in pieces])[o],
+              np.concatenate([x for _, x, _ in pieces])[o])  # fmt: skip
     return own
+
+
+@dataclass(frozen=True)
+class _PrefillRows:
+    """`_own_prefill`'s inputs: the host prefill segments `pseg` (by step), grouped by step
+    (`seg_steps`, each segment's group, segments per group); the prefill rows `pf_idx` of
+    split requests in such steps, with their TTFT rows, shares and groups; the TTFT windows
+    [adm, f]; the evicted windows sorted by row then start."""
+
+    sg: Any
+    pseg: np.ndarray
+    seg_steps: np.ndarray
+    seg_group: np.ndarray
+    n_seg: np.ndarray
+    pf_idx: np.ndarray
+    rows: np.ndarray
+    share: np.ndarray
+    row_group: np.ndarray
+    adm: np.ndarray
+    f: np.ndarray
+    e_row: np.ndarray
+    w0: np.ndarray
+    w1: np.ndarray
+
+
+def _prefill_ms(prefill_at, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The prefill time the OS left in each [x, y], ms."""
+    h0, l0 = prefill_at(x)
+    h1, l1 = prefill_at(y)
+    return ((h1 - h0) + (l1 - l0)) * 1e3
+
+
+def _joined_prefill(c: _PrefillRows, j: np.ndarray, prefill_at):
+    """Prefill rows `j` in steps with a small join: one piece per (row, segment), evicted
+    time taken off each."""
+    seg_steps, seg_group, n_seg, row_group = c.seg_steps, c.seg_group, c.n_seg, c.row_group
+    pseg, pf_idx, rows, share, sg, adm, f = c.pseg, c.pf_idx, c.rows, c.share, c.sg, c.adm, c.f
+    e_row, w0, w1 = c.e_row, c.w0, c.w1
+    g_first = np.searchsorted(seg_group, np.arange(len(seg_steps)), side="left")
+    ri, si = _expand(g_first[row_group[j]], n_seg[row_group[j]])
+    si = pseg[si]
+    r = rows[j][ri]
+    x0 = np.maximum(sg.t_start_s[si], adm[r])
+    x1 = np.minimum(sg.t_end_s[si], f[r])
+    ok = x1 > x0
+    ri, r, x0, x1 = ri[ok], r[ok], x0[ok], x1[ok]
+    val = _prefill_ms(prefill_at, x0, x1)
+    if len(e_row) and len(ri):
+        pi, ei = _meeting(r, x0, x1, e_row, w0, w1)
+        y0 = np.maximum(x0[pi], w0[ei])
+        y1 = np.maximum(np.minimum(x1[pi], w1[ei]), y0)
+        np.subtract.at(val, pi, _prefill_ms(prefill_at, y0, y1))
+    return pf_idx[j][ri], share[j][ri] * val, r
+
+
+def _summed_prefill(c: _PrefillRows, j: np.ndarray, prefill_at):
+    """Prefill rows `j` in the other steps: H(first token) - H(admission) per row."""
+    seg_group, row_group = c.seg_group, c.row_group
+    pseg, pf_idx, rows, share, sg, adm, f = c.pseg, c.pf_idx, c.rows, c.share, c.sg, c.adm, c.f
+    e_row, w0, w1 = c.e_row, c.w0, c.w1
+    # groups renumbered over these steps only
+    big = np.unique(row_group[j])
+    m = np.isin(seg_group, big)
+    gseg = np.searchsorted(big, seg_group[m])
+    s0, s1 = sg.t_start_s[pseg[m]], sg.t_end_s[pseg[m]]
+    rg, r = np.searchsorted(big, row_group[j]), rows[j]
+    u = np.unique(np.concatenate([s0, s1]))
+    o0, o1 = np.lexsort((s0, gseg)), np.lexsort((s1, gseg))
+    key0 = _rank_keys(gseg[o0], s0[o0], u, "right")
+    key1 = _rank_keys(gseg[o1], s1[o1], u, "right")
+    g_lo = np.searchsorted(gseg[o0], np.arange(len(big)), side="left")
+    span_lo = s0[o0][g_lo]  # the step's first segment start: F is measured from here
+    span_hi = np.full(len(big), -np.inf)
+    np.maximum.at(span_hi, gseg, s1)
+    ref_hi, ref_lo = prefill_at(span_lo)
+
+    def rel(t: np.ndarray, g: np.ndarray) -> np.ndarray:
+        hi, lo = prefill_at(t)  # F(t) - F(span_lo of g), to full precision
+        return (hi - ref_hi[g]) + (lo - ref_lo[g])
+
+    c0_hi, c0_lo = compensated_cumsum(rel(s0[o0], gseg[o0]))
+    c1_hi, c1_lo = compensated_cumsum(rel(s1[o1], gseg[o1]))
+
+    def h(g: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """H of group g at t (s): the prefill time of its segments before t."""
+        k = _rank_keys(g, t, u, "right")
+        k0 = np.searchsorted(key0, k, side="right")
+        k1 = np.searchsorted(key1, k, side="right")
+        b = g_lo[g]
+        a1 = (c1_hi[k1] - c1_hi[b]) + (c1_lo[k1] - c1_lo[b])
+        a0 = (c0_hi[k0] - c0_hi[b]) + (c0_lo[k0] - c0_lo[b])
+        open_ = k0 - k1  # segments started by t and not yet ended
+        return (a1 - a0) + np.where(open_ != 0, rel(t, g) * open_, 0.0)
+
+    def held(g: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Group g's prefill time inside [x, y], ms (0 where y <= x)."""
+        out = np.zeros(len(x))
+        ok = y > x
+        if ok.any():
+            out[ok] = (h(g[ok], y[ok]) - h(g[ok], x[ok])) * 1e3
+        return out
+
+    val = held(rg, adm[r], f[r])
+    if len(e_row):
+        lo = np.maximum(adm[r], span_lo[rg])
+        hi = np.minimum(f[r], span_hi[rg])
+        pi, ei = _meeting(r, lo, hi, e_row, w0, w1)
+        y0 = np.maximum(adm[r[pi]], w0[ei])
+        y1 = np.minimum(f[r[pi]], w1[ei])
+        np.subtract.at(val, pi, held(rg[pi], y0, y1))
+    return pf_idx[j], share[j] * val, r
 
 
 # -- per-run figures ------------------------------------------------------------------------
