@@ -10,9 +10,14 @@ the ITL partition, the client-boundary partition (`tracekit.attribution.client`)
 run's length.
 
 Also here, as the partitions share them: each segment's cause and timeline class, each
-step's GC-free decode time (the graph baseline's input), the run's device windows made
-disjoint (ITL rule 6), and the loop thread's OS intervals with the share of each instant
-the OS took (docs/partition.md, "OS evidence").
+step's GC-free decode time and the graph baseline fitted to it (design.md rule 4), the
+device windows' drift correction and the windows made disjoint (ITL rule 6), and the
+loop thread's OS intervals with the share of each instant the OS took (docs/partition.md,
+"OS evidence").
+
+`PreparedRun` derives all of these once per run: `tracekit.analysis.figures.analyze`
+builds one and hands it to the ITL, TTFT and client partitions, which build their own
+when not given one.
 """
 
 from __future__ import annotations
