@@ -112,12 +112,11 @@ def os_taken_ms(log, t_a, t_b):
     the window: `tracekit.attribution.timeline.os_shares`)."""
     import numpy as np
 
-    from tracekit.attribution.timeline import os_shares, segment_classes
-    from tracekit.attribution.ttft import host_timeline
+    from tracekit.attribution.timeline import PreparedRun
 
-    h = host_timeline(log)
-    tl = h.timeline
-    run, blk = os_shares(log, tl, h.classes, segment_classes(log, h.classes))
+    prep = PreparedRun(log)
+    tl = prep.timeline()
+    run, blk = prep.os_shares(tl)
     w = run + blk
 
     def at(t):
@@ -146,10 +145,12 @@ def engine_view(log):
 
     from tracekit.analysis.figures import analyze
     from tracekit.attribution import itl, ttft
+    from tracekit.attribution.timeline import PreparedRun
     from tracekit.labels import OS_LABELS
 
-    p = itl.partition(log)
-    tp = ttft.ttft_partition(log, host=p.host)
+    prep = PreparedRun(log)
+    p = itl.partition(log, run=prep)
+    tp = ttft.ttft_partition(log, run=prep)
     os_cols = [j for j, lb in enumerate(p.labels) if lb in OS_LABELS]
     if not os_cols:
         return analyze(log, p, tp), {}

@@ -615,6 +615,7 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     import time
 
     from tracekit.attribution.itl import partition
+    from tracekit.attribution.timeline import PreparedRun
     from tracekit.attribution.ttft import ttft_partition
     from tracekit.render import perfetto
 
@@ -630,9 +631,11 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
                 f"{run}: --window {window}: outside the run, which spans {lo:.3f}-{hi:.3f} s "
                 "from engine start"
             )
+    prep = PreparedRun(log)  # one timeline for both partitions
     events = perfetto.chrome_trace_events(
-        log, partition(log), requests=ids, window_s=win, ttft=ttft_partition(log)
-    )
+        log, partition(log, run=prep), requests=ids, window_s=win,
+        ttft=ttft_partition(log, run=prep),
+    )  # fmt: skip
     if log.meta.get("processes"):  # a merged server run: one track per process
         from tracekit.render.client import process_events
 
@@ -766,10 +769,12 @@ def _open_in_browser(path: str) -> None:
 def _whatif_parts(path: str, **limits: Any) -> tuple[Any, Any, Any]:
     """A log, its ITL partition and its TTFT partition."""
     from tracekit.attribution.itl import partition
+    from tracekit.attribution.timeline import PreparedRun
     from tracekit.attribution.ttft import ttft_partition
 
     log = _load(path, **limits)
-    return log, partition(log), ttft_partition(log)
+    prep = PreparedRun(log)  # one timeline for both partitions
+    return log, partition(log, run=prep), ttft_partition(log, run=prep)
 
 
 def _whatif_one(path: str, names: Sequence[str] | None = None, **limits: Any) -> Any:

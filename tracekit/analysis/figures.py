@@ -14,6 +14,7 @@ import numpy as np
 
 from tracekit.analysis.ranks import rank_view
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
+from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TtftPartition, ttft_figures, ttft_partition
 from tracekit.formats import json_safe
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
@@ -125,8 +126,9 @@ def analyze(
     """Every per-run figure of design.md for one log (partitioning it if not given, with the
     graph baseline fitted by `baseline_fit`: `tracekit.attribution.itl.BASELINE_FITS`), and the
     TTFT partition's figures (docs/ttft.md)."""
-    p = part if part is not None else partition(log, baseline_fit=baseline_fit)
-    tp = ttft_part if ttft_part is not None else ttft_partition(log, host=p.host)
+    run = PreparedRun(log)  # what the ITL, TTFT and client partitions derive alike, once
+    p = part if part is not None else partition(log, baseline_fit=baseline_fit, run=run)
+    tp = ttft_part if ttft_part is not None else ttft_partition(log, run=run)
     gap = p.gap_ms
     labels = p.labels
     fwd = p.column("forward")
@@ -185,7 +187,7 @@ def analyze(
     spec = spec_acceptance(log)
     ranks = rank_view(log, p)
     client = None
-    cp = client_partition(log) if len(log.client_emissions) else None
+    cp = client_partition(log, run=run) if len(log.client_emissions) else None
     if cp is not None:
         client = client_summary(log, cp, gap)
         client["spec"] = spec

@@ -59,7 +59,8 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.attribution.itl import RECONCILE_TOL_MS, partition, primary_of
+from tracekit.attribution.itl import RECONCILE_TOL_MS, itl_labels, partition, primary_of
+from tracekit.attribution.timeline import PreparedRun, prepared
 from tracekit.errors import ReconcileError
 from tracekit.log.rawlog import Emissions, Evictions, RawLog, Requests
 
@@ -335,8 +336,14 @@ def frontend_os_between(
     return rq_out, bl_out
 
 
-def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
-    """Partition every client gap of a merged server run (see the module docstring)."""
+def client_partition(
+    log: RawLog, *, check: bool = True, run: PreparedRun | None = None
+) -> ClientPartition:
+    """Partition every client gap of a merged server run (see the module docstring).
+
+    `run`: the log's `PreparedRun`, if the caller partitions it more than once (one prepared
+    from other tables is not used); the engine part's partition uses it too."""
+    run = prepared(log, run)
     g = client_gaps(log)
     # the engine core's span ends inside the gap before the token was recorded: from x on,
     # whether the token existed is unrecorded (module docstring, "Unrecorded windows")
@@ -353,8 +360,8 @@ def client_partition(log: RawLog, *, check: bool = True) -> ClientPartition:
     }
     unrec_labels = tuple(k for k, v in unrec.items() if (v > 0).any())
     live = np.flatnonzero(hi > lo)
-    eng = partition(engine_part_log(log, g, lo, hi), check=check) if len(live) else None
-    eng_labels = eng.labels if eng is not None else partition(log, check=False).labels
+    eng = partition(engine_part_log(log, g, lo, hi), check=check, run=run) if len(live) else None
+    eng_labels = eng.labels if eng is not None else itl_labels(run)
     os_labels = FRONTEND_OS_LABELS if len(log.proc_os) else ()
     labels = (*eng_labels, *FRONTEND_LABELS, *os_labels, *unrec_labels)
     n, ne = len(g.a), len(eng_labels)

@@ -67,21 +67,29 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tracekit.attribution.timeline import (
-    HostTimeline,
+    BASELINE_FITS as BASELINE_FITS,
+)
+from tracekit.attribution.timeline import (
+    FIT_ALL_CAPTURED,
+    GraphBaseline,
+    PreparedRun,
     Timeline,
-    build_timeline,
-    decode_net_ms,
-    device_windows,
-    has_os_evidence,
-    host_classes,
     loop_threads,
-    os_bounds,
     os_class_integrals,
-    os_shares,
     prefix_sums,
-    segment_causes,
-    segment_classes,
-    thread_busy,
+    prepared,
+)
+from tracekit.attribution.timeline import (
+    FIT_MEASURED_CAPTURED as FIT_MEASURED_CAPTURED,
+)
+from tracekit.attribution.timeline import (
+    drift_corrected as drift_corrected,
+)
+from tracekit.attribution.timeline import (
+    fit_baseline as fit_baseline,
+)
+from tracekit.attribution.timeline import (
+    segment_causes as segment_causes,
 )
 from tracekit.errors import ReconcileError
 from tracekit.labels import NON_CAUSES, OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, partition_labels
@@ -102,20 +110,6 @@ CLEAN = -1
 
 
 @dataclass(frozen=True)
-class GraphBaseline:
-    """The captured-step decode line: ``decode_ms = slope_ms_per_row * rows + intercept_ms``.
-
-    `eager_excess_frac[i]` is step i's fraction of GC-free decode time charged to `graph`
-    (0 for steps that ran on a captured size or have no decode)."""
-
-    slope_ms_per_row: float
-    intercept_ms: float
-    num_fit_steps: int
-    eager_excess_frac: np.ndarray
-    decode_net_ms: np.ndarray  # per step: GC-free decode ms (sum over its decode segments)
-
-
-@dataclass(frozen=True)
 class Partition:
     """Every gap of a run, partitioned. Rows are gaps, sorted by request then time."""
 
@@ -133,9 +127,6 @@ class Partition:
     causes: tuple[str, ...]  # the labels that can be a primary cause
     baseline: GraphBaseline
     warnings: tuple[str, ...] = field(default=())
-    #: the host timeline, kept where the TTFT partition of the same log would build the same
-    #: one (no drift-corrected device window, design.md's baseline fit); else None
-    host: HostTimeline | None = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -225,111 +216,6 @@ def evicted_windows(log: RawLog) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             rows.append([ri, ai, bi])
     m = np.array(rows, dtype=np.float64)
     return m[:, 0].astype(np.int64), m[:, 1], m[:, 2]
-
-
-#: The graph baseline's fit, design.md's rule: every step that ran on a captured size,
-#: including one whose whole decode lay inside a GC pause (a point at 0 ms).
-FIT_ALL_CAPTURED = "all-captured"
-#: The alternative: only captured steps with GC-free decode time left to measure. A captured
-#: step whose decode fell entirely inside a GC pause measured nothing (its 0 ms is not a
-#: decode time), yet as a point at 0 ms it pulls the line down and invents `graph` excess on
-#: every eager step. docs/partition.md explains when the two differ.
-FIT_MEASURED_CAPTURED = "measured-captured"
-BASELINE_FITS = (FIT_ALL_CAPTURED, FIT_MEASURED_CAPTURED)
-
-
-def drift_corrected(log: RawLog) -> RawLog:
-    """The log with its device windows moved by the clock drift the device timer measured.
-
-    The device timer places windows by chaining elapsed times from a calibration point;
-    each chain ends at a fresh calibration (after an idle stretch, and at stop) that shows
-    how far the chain had drifted by then (`meta["device_calibration"]["chains"]`). With
-    a steady drift the error grows linearly along the chain, so a point at time t of a
-    chain [start, end] that ended ``m`` ms off is moved back by ``m * (t - start) /
-    (end - start)``.
-
-    A window is moved as a whole by one chain: the chain its start lies in, the last that
-    started at or before it, provided the start is no later than that chain's end as the
-    chain placed it (``end + max(m, 0)``). Its end takes the same chain's correction even
-    where the chain placed it past the chain's observed end (the last window before stop
-    or before a re-anchor, with a clock running fast) or past the next chain's start. A
-    window starting before the first chain or after a chain's placed end is left where it
-    is (no chain placed it: the meta keeps the last 1,000 chains). A log without chains
-    (or without device windows) is returned as is."""
-    cal = log.meta.get("device_calibration")
-    chains = cal.get("chains") if isinstance(cal, dict) else None
-    sg = log.segments
-    dev = sg.is_device == 1
-    if not isinstance(chains, list) or not chains or not dev.any():
-        return log
-    try:
-        c0 = np.array([float(c["start_host_s"]) for c in chains])
-        c1 = np.array([float(c["end_host_s"]) for c in chains])
-        m_s = np.array([float(c["predicted_minus_observed_ms"]) for c in chains]) * 1e-3
-    except (KeyError, TypeError, ValueError):
-        return log  # not written by tracekit's timer: leave the windows where they are
-    ok = np.isfinite(c0) & np.isfinite(c1) & np.isfinite(m_s) & (c1 > c0)
-    if not ok.any():
-        return log
-    c0, c1, m_s = c0[ok], c1[ok], m_s[ok]
-    o = np.argsort(c0, kind="stable")
-    c0, c1, m_s = c0[o], c1[o], m_s[o]
-
-    a, b = sg.t_start_s.copy(), sg.t_end_s.copy()
-    wa, wb = a[dev], b[dev]
-    k = np.searchsorted(c0, wa, side="right") - 1  # the chain that started last before wa
-    kk = np.maximum(k, 0)
-    placed_end = c1[kk] + np.maximum(m_s[kk], 0.0)  # the chain's end where it placed it
-    inside = (k >= 0) & (wa <= placed_end)
-    span = c1[kk] - c0[kk]
-    # the same chain for both ends; fractions past 1 (an end placed past the chain's
-    # observed end) extrapolate the same steady drift
-    frac_a = (wa - c0[kk]) / span
-    frac_b = np.maximum((wb - c0[kk]) / span, frac_a)
-    a[dev] = np.where(inside, wa - m_s[kk] * frac_a, wa)
-    b[dev] = np.where(inside, wb - m_s[kk] * frac_b, wb)
-    b[dev] = np.maximum(b[dev], a[dev])
-    return replace(log, segments=replace(sg, t_start_s=a, t_end_s=b))
-
-
-def fit_baseline(
-    log: RawLog, decode_net_ms: np.ndarray, fit: str = FIT_ALL_CAPTURED
-) -> GraphBaseline:
-    """The captured-step line and every eager step's excess fraction (design.md rule 4).
-
-    `fit`: which captured steps the line is fitted over, `FIT_ALL_CAPTURED` (design.md, the
-    default) or `FIT_MEASURED_CAPTURED`."""
-    if fit not in BASELINE_FITS:
-        raise ValueError(f"baseline fit {fit!r}: expected one of {', '.join(BASELINE_FITS)}")
-    st = log.steps
-    has_decode = decode_net_ms > 0
-    # design.md: "over the steps that ran on a captured size" (graph_size > 0), whatever
-    # their GC-free decode time
-    captured = st.graph_size > 0
-    if fit == FIT_MEASURED_CAPTURED:
-        captured &= has_decode
-    x = st.graph_size[captured].astype(np.float64)
-    y = decode_net_ms[captured]
-    if len(np.unique(x)) >= 2:
-        slope, icpt = np.polyfit(x, y, 1)
-    elif len(x) >= 1:  # one captured size: a flat line at its mean
-        slope, icpt = 0.0, float(np.mean(y))
-    else:
-        slope, icpt = float("nan"), float("nan")
-    frac = np.zeros(len(st))
-    eager = (st.graph_size == GRAPH_EAGER) & has_decode
-    if np.isfinite(slope) and eager.any():
-        net = decode_net_ms[eager]
-        pred = slope * st.num_decode[eager] + icpt
-        # at most all of it: a line extrapolated below zero cannot charge more than net
-        frac[eager] = np.minimum(1.0, np.maximum(0.0, net - pred) / net)
-    return GraphBaseline(
-        slope_ms_per_row=float(slope),
-        intercept_ms=float(icpt),
-        num_fit_steps=int(captured.sum()),
-        eager_excess_frac=frac,
-        decode_net_ms=decode_net_ms,
-    )
 
 
 def primary_of(
@@ -426,8 +312,7 @@ def _evictions_per_gap(
 
 
 def _device_charges(
-    log, causes, frac, tl, classes, to_labels, col, g_dstep, g_thread, g_t0, g_t1, g_rank0,
-    g_rank1, e_gap,
+    k, frac, g_dstep, g_thread, g_t0, g_t1, g_rank0, g_rank1, e_gap,
 ):  # fmt: skip
     """What device windows take from the host labels and own (rule 6): rows of changes to
     add to parts (each row sums to 0), one per distinct (t0, t1, read step, loop thread);
@@ -437,13 +322,14 @@ def _device_charges(
     disjoint windows (from the first ending after t0 to the last ending by the read step's
     end), so per-window changes are summed with prefix sums, and only the two windows a gap
     cuts are computed on their own."""
+    run, tl, classes, to_labels, col = k.run, k.tl, k.run.classes, k.to_labels, k.col
     n = len(g_t0)
     n_lab = to_labels.shape[1]
-    step, a, b, c, last_end = device_windows(log, causes)
+    step, a, b, c, last_end = run.device_windows()
     if len(step) == 0 or n == 0:
         z = np.zeros(0, dtype=np.int64)
         return np.zeros((0, n_lab)), z, z
-    n_steps = len(log.steps)
+    n_steps = len(run.log.steps)
     ok = (g_dstep >= 0) & (g_dstep < n_steps)
     read_end = np.where(ok, last_end[np.where(ok, g_dstep, 0)], -np.inf)
     e_end = np.minimum(read_end, g_t1)  # where the read step's device work ended (in the gap)
@@ -499,10 +385,9 @@ def _device_charges(
     # pool's size where steps run on a thread pool
     for thread in np.unique(g_thread[u]).tolist():
         mine = np.flatnonzero(g_thread[u] == thread)
-        busy = thread_busy(log, tl.bounds, thread)
+        busy, free = run.without_own_work(tl, thread)
         # device-bound: the loop thread's own work did not cover the finish
         dev = ~busy[k_end[u[mine]]]
-        free = Timeline(tl.bounds, np.where(busy, -2, tl.owner), np.where(busy, 0.0, tl.graph_rate))
         ph = prefix_sums(host_bound(free, a, b, rows))
         lo_m, hi_m = ulo[mine], uhi[mine]
         rows_m = np.where(dev[:, None], pd[hi_m] - pd[lo_m], ph[hi_m] - ph[lo_m])
@@ -542,12 +427,102 @@ def _groups(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return o[new], inv
 
 
+def itl_labels(run: PreparedRun) -> tuple[str, ...]:
+    """The ITL partition's labels of a run: its host classes, its device windows' causes and,
+    with OS evidence, `OS_LABELS`, in `partition_labels` order."""
+    os_causes = set(OS_LABELS) if run.has_os else set()
+    dev_causes = set(run.causes[run.is_device].tolist())
+    return tuple(partition_labels({c for c, _ in run.classes} | dev_causes | os_causes))
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """One partition's view of the timeline: "how much of each label lies in [x, y]".
+
+    Class integrals come as columns: every class, residual, then the graph-rate integral;
+    `to_labels` maps them linearly onto the partition's labels (decode -> forward,
+    graph-rate -> +graph -forward), so all arithmetic is on small matrices."""
+
+    run: PreparedRun
+    tl: Timeline
+    labels: tuple[str, ...]
+    col: dict[str, int]
+    to_labels: np.ndarray
+
+    @classmethod
+    def of(cls, run: PreparedRun, tl: Timeline, labels: tuple[str, ...]) -> _Kernel:
+        col = {lb: i for i, lb in enumerate(labels)}
+        n_cls = len(run.classes)
+        to_labels = np.zeros((n_cls + 2, len(labels)))
+        for c, (name, _) in enumerate(run.classes):
+            to_labels[c, col["forward" if name == "decode" else name]] = 1.0
+        to_labels[n_cls, col["residual"]] = 1.0
+        to_labels[n_cls + 1, col["graph"]] += 1.0
+        to_labels[n_cls + 1, col["forward"]] -= 1.0
+        return cls(run, tl, labels, col, to_labels)
+
+    @property
+    def n_cls(self) -> int:
+        return len(self.run.classes)
+
+    def between(self, h0, l0, h1, l1) -> np.ndarray:
+        """Label ms between two rows of class integrals, each as (hi, lo)."""
+        return (((h1 - h0) + (l1 - l0)) @ self.to_labels) * 1e3
+
+    def over(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Label ms of the host rules (2-5) in each [x, y]."""
+        h0, l0 = self.tl.class_integrals(self.n_cls, x)
+        h1, l1 = self.tl.class_integrals(self.n_cls, y)
+        return self.between(h0, l0, h1, l1)
+
+
+@dataclass(frozen=True)
+class _Gaps:
+    """Every gap (rows sorted by request, then time), with each end's rank among the
+    distinct emission times `uniq_t` (most gaps join two consecutive ones)."""
+
+    request: np.ndarray
+    t0_s: np.ndarray
+    t1_s: np.ndarray
+    step0: np.ndarray
+    step1: np.ndarray
+    rank0: np.ndarray
+    rank1: np.ndarray
+    uniq_t: np.ndarray
+    device_step: np.ndarray  # the step whose device work the closing emission read
+
+    def __len__(self) -> int:
+        return len(self.request)
+
+    @classmethod
+    def of(cls, log: RawLog) -> _Gaps:
+        em = log.emissions
+        order = emission_order(log)
+        r = em.request[order]
+        pair = np.flatnonzero(r[1:] == r[:-1])  # gap k joins sorted rows pair[k], pair[k] + 1
+        uniq_t, rank = _time_ranks(em.t_s)
+        rank_o, step_o = rank[order], em.step[order]  # one gather per column, then slices
+        a_idx, b_idx = rank_o[pair], rank_o[pair + 1]
+        return cls(
+            request=r[pair + 1],
+            t0_s=uniq_t[a_idx],
+            t1_s=uniq_t[b_idx],
+            step0=step_o[pair],
+            step1=step_o[pair + 1],
+            rank0=a_idx,
+            rank1=b_idx,
+            uniq_t=uniq_t,
+            device_step=em.device_step[order][pair + 1],
+        )
+
+
 def partition(
     log: RawLog,
     *,
     check: bool = True,
     baseline_fit: str = FIT_ALL_CAPTURED,
     excess_frac: np.ndarray | None = None,
+    run: PreparedRun | None = None,
 ) -> Partition:
     """Partition every gap of `log` (vectorised). Raises `ReconcileError` if parts do not sum.
 
@@ -555,160 +530,37 @@ def partition(
     `excess_frac`: each step's graph fraction to use instead of the fitted baseline's (a
     caller that settles `graph`/`forward` itself, as `tracekit.live` does; the parts are
     linear in it).
+    `run`: the log's `PreparedRun`, if the caller partitions it more than once (one
+    prepared from other tables is not used).
     Device windows are first corrected for the measured clock drift (`drift_corrected`)."""
-    given = log
-    log = drift_corrected(log)
-    causes = segment_causes(log)
-    is_dev = log.segments.is_device == 1
-    classes = host_classes(causes, is_dev)
-    seg_cls = segment_classes(log, classes)
-    has_os = has_os_evidence(log)
-    os_causes = set(OS_LABELS) if has_os else set()
-    labels = tuple(
-        partition_labels({c for c, _ in classes} | set(causes[is_dev].tolist()) | os_causes)
-    )
-    col = {lb: i for i, lb in enumerate(labels)}
-
-    net = decode_net_ms(log, causes)
-    base = fit_baseline(log, net, baseline_fit)
+    run = prepared(log, run).corrected()
+    base = run.baseline(baseline_fit)
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
-    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds(log))
-    # the TTFT partition builds the same timeline (cut at the same OS interval ends)
-    same_host = log is given and baseline_fit == FIT_ALL_CAPTURED and excess_frac is None
-    host = HostTimeline(causes, classes, tl, log.segments, log.gc_pauses) if same_host else None
+    tl = run.timeline(baseline_fit, None if excess_frac is None else base.eager_excess_frac)
+    k = _Kernel.of(run, tl, itl_labels(run))
+    g = _Gaps.of(log)
+    n = len(g)
 
-    # gaps, and each end's rank among the distinct emission times
-    em = log.emissions
-    order = emission_order(log)
-    r = em.request[order]
-    pair = np.flatnonzero(r[1:] == r[:-1])  # gap k joins sorted rows pair[k], pair[k] + 1
-    uniq_t, rank = _time_ranks(em.t_s)
-    rank_o, step_o = rank[order], em.step[order]  # one gather per column, then slices
-    a_idx, b_idx = rank_o[pair], rank_o[pair + 1]
-    g_req = r[pair + 1]
-    g_t0, g_t1 = uniq_t[a_idx], uniq_t[b_idx]
-    g_s0, g_s1 = step_o[pair], step_o[pair + 1]
-    n = len(g_req)
+    # rules 2-5: the host rules over each gap's live time
+    per_interval, parts = _host_parts(k, g)
+    # rule 1: evicted windows are preempt; what ran meanwhile moves to the context
+    e_gap, w0, w1 = _evictions_per_gap(g.request, g.t0_s, g.t1_s, *evicted_windows(log))
+    context = _evicted_rule(k, parts, e_gap, w0, w1)
+    # rule 6: device windows on the gap's critical path
+    dev = _device_rule(k, base, g, parts, e_gap)
+    # rule 7: what the OS took of each live instant
+    os_gap = _os_rule(k, g, parts, e_gap, w0, w1, dev) if run.has_os and n else None
 
-    # Class integrals as columns: every class, residual, then the graph-rate integral; the
-    # matrix `to_labels` maps them linearly onto the partition's labels (decode -> forward,
-    # graph-rate -> +graph -forward), so all arithmetic below is on small matrices.
-    n_cls = len(classes)
-    to_labels = np.zeros((n_cls + 2, len(labels)))
-    for c, (name, _) in enumerate(classes):
-        to_labels[c, col["forward" if name == "decode" else name]] = 1.0
-    to_labels[n_cls, col["residual"]] = 1.0
-    to_labels[n_cls + 1, col["graph"]] += 1.0
-    to_labels[n_cls + 1, col["forward"]] -= 1.0
-
-    def between(h0, l0, h1, l1) -> np.ndarray:
-        return (((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3
-
-    hi_u, lo_u = tl.class_integrals(n_cls, uniq_t)
-    # between consecutive distinct emission times (most gaps are exactly one such interval)
-    per_interval = between(hi_u[:-1], lo_u[:-1], hi_u[1:], lo_u[1:])
-    # a zero row after the last interval, for zero-length gaps at the last emission time
-    per_interval = np.vstack([per_interval, np.zeros((1, len(labels)))])
-    one = b_idx == a_idx + 1
-    # column-major: per-gap sums over labels (the reconcile check) add contiguous columns
-    parts = np.empty((n, len(labels)), order="F")
-    pick = a_idx
-    for j in range(len(labels)):
-        # mode="clip": `pick` is in range by construction, and "raise" buffers `out`
-        np.take(per_interval[:, j], pick, out=parts[:, j], mode="clip")
-    many = np.flatnonzero(~one)
-    if len(many):
-        a, b = a_idx[many], b_idx[many]
-        parts[many] = between(hi_u[a], lo_u[a], hi_u[b], lo_u[b])
-
-    # evicted windows: preempt, and what ran meanwhile moves from the parts to the context
-    e_req, e_a, e_b = evicted_windows(log)
-    e_gap, w0, w1 = _evictions_per_gap(g_req, g_t0, g_t1, e_req, e_a, e_b)
-    context = np.zeros((n, len(labels)), order="F")
-    if len(e_gap):
-        h0, l0 = tl.class_integrals(n_cls, w0)
-        h1, l1 = tl.class_integrals(n_cls, w1)
-        ran = between(h0, l0, h1, l1)
-        np.subtract.at(parts, e_gap, ran)
-        # all of it is context, `residual` included (time no engine activity covered while
-        # the request was evicted), so a gap's context sums to its evicted time
-        np.add.at(context, e_gap, ran)
-        np.add.at(parts[:, col["preempt"]], e_gap, (w1 - w0) * 1e3)
-
-    # device windows on the gap's critical path (rule 6)
-    if is_dev.any():
-        g_dstep = em.device_step[order][pair + 1]
-        g_thread = loop_threads(log, g_s1)
-        u_change, d_gap, inv = _device_charges(
-            log, causes, base.eager_excess_frac, tl, classes, to_labels, col,
-            g_dstep, g_thread, g_t0, g_t1, a_idx, b_idx, e_gap,
-        )  # fmt: skip
-        moved = np.any(u_change != 0.0, axis=1)[inv]  # host-bound gaps often keep all
-        d_gap, inv = d_gap[moved], inv[moved]
-    else:
-        d_gap = inv = np.zeros(0, dtype=np.int64)
-    if len(d_gap):
-        parts[d_gap] += u_change[inv]
-        # gaps that share (t0, t1, read step) and no eviction have equal parts: one primary
-        # cause per distinct gap
-        rep = np.full(len(u_change), -1, dtype=np.int64)
-        rep[inv] = d_gap
-        has = rep >= 0
-        prim_dev = np.full(len(u_change), CLEAN, dtype=np.int64)
-        prim_dev[has] = primary_of(parts[rep[has]], (g_t1 - g_t0)[rep[has]] * 1e3, labels)[0]
-
-    os_gap = np.zeros(0, dtype=np.int64)
-    if has_os and n:
-        run_rate, blk_rate = os_shares(log, tl, classes, seg_cls)
-
-        def os_loss(t_a: np.ndarray, t_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            """Per row, what the OS shares take from each label in [t_a, t_b]."""
-            out = []
-            for name, w in (("run", run_rate), ("blk", blk_rate)):
-                h0, l0 = os_class_integrals(tl, n_cls, name, w, t_a)
-                h1, l1 = os_class_integrals(tl, n_cls, name, w, t_b)
-                out.append(between(h0, l0, h1, l1))
-            return out[0], out[1]
-
-        loss_run, loss_blk = os_loss(g_t0, g_t1)
-        if len(e_gap):  # evicted time is all preempt: the OS takes no share of it
-            ev_run, ev_blk = os_loss(w0, w1)
-            np.subtract.at(loss_run, e_gap, ev_run)
-            np.subtract.at(loss_blk, e_gap, ev_blk)
-        # the device's critical path changed these gaps' parts (by more than float
-        # rounding, which the device rule's exact-zero test also sees): the host's OS
-        # takes no share of them
-        if len(d_gap):
-            dev_changed = d_gap[np.any(np.abs(u_change[inv]) > PRIMARY_TOL_MS, axis=1)]
-            loss_run[dev_changed] = 0.0
-            loss_blk[dev_changed] = 0.0
-        os_gap = np.flatnonzero(np.any(loss_run != 0.0, axis=1) | np.any(loss_blk != 0.0, axis=1))
-        parts -= loss_run + loss_blk
-        parts[:, col[OS_RUNQUEUE]] += loss_run.sum(axis=1)
-        parts[:, col[OS_BLOCKED]] += loss_blk.sum(axis=1)
-
-    gap_ms = (g_t1 - g_t0) * 1e3
-    # the primary cause of a one-interval gap with no eviction is its interval's
-    widths_ms = np.append((uniq_t[1:] - uniq_t[:-1]) * 1e3, 0.0)
-    prim_u, prim_causes = primary_of(per_interval, widths_ms, labels)
-    primary = np.take(prim_u, a_idx) if n else prim_u[:0]
-    redo_mask = ~one
-    redo_mask[e_gap] = True
-    if len(d_gap):
-        primary[d_gap] = prim_dev[inv]
-        redo_mask[d_gap] = False
-    redo_mask[os_gap] = True  # after the device rule's: its primary predates the OS shares
-    redo = np.flatnonzero(redo_mask)
-    if len(redo):
-        primary[redo] = primary_of(parts[redo], gap_ms[redo], labels)[0]
+    gap_ms = (g.t1_s - g.t0_s) * 1e3
+    primary, prim_causes = _primaries(k, g, per_interval, parts, gap_ms, e_gap, dev, os_gap)
     p = Partition(
-        labels=labels,
-        request=g_req,
-        t0_s=g_t0,
-        t1_s=g_t1,
-        step0=g_s0,
-        step1=g_s1,
+        labels=k.labels,
+        request=g.request,
+        t0_s=g.t0_s,
+        t1_s=g.t1_s,
+        step0=g.step0,
+        step1=g.step1,
         gap_ms=gap_ms,
         parts_ms=parts,
         context_ms=context,
@@ -717,9 +569,149 @@ def partition(
         causes=prim_causes,
         baseline=base,
         warnings=_baseline_warnings(log, base),
-        host=host,
     )
     return check_reconciled(p, log.path) if check else p
+
+
+def _host_parts(k: _Kernel, g: _Gaps) -> tuple[np.ndarray, np.ndarray]:
+    """Rules 2-5 over every gap: (the parts of each interval between consecutive distinct
+    emission times, a zero row last; each gap's parts, column-major)."""
+    uniq_t = g.uniq_t
+    hi_u, lo_u = k.tl.class_integrals(k.n_cls, uniq_t)
+    # between consecutive distinct emission times (most gaps are exactly one such interval)
+    per_interval = k.between(hi_u[:-1], lo_u[:-1], hi_u[1:], lo_u[1:])
+    # a zero row after the last interval, for zero-length gaps at the last emission time
+    per_interval = np.vstack([per_interval, np.zeros((1, len(k.labels)))])
+    one = g.rank1 == g.rank0 + 1
+    # column-major: per-gap sums over labels (the reconcile check) add contiguous columns
+    parts = np.empty((len(g), len(k.labels)), order="F")
+    pick = g.rank0
+    for j in range(len(k.labels)):
+        # mode="clip": `pick` is in range by construction, and "raise" buffers `out`
+        np.take(per_interval[:, j], pick, out=parts[:, j], mode="clip")
+    many = np.flatnonzero(~one)
+    if len(many):
+        a, b = g.rank0[many], g.rank1[many]
+        parts[many] = k.between(hi_u[a], lo_u[a], hi_u[b], lo_u[b])
+    return per_interval, parts
+
+
+def _evicted_rule(k: _Kernel, parts: np.ndarray, e_gap, w0, w1) -> np.ndarray:
+    """Rule 1: each gap's evicted windows [w0, w1] (gap `e_gap`) are `preempt`; what the
+    engine ran meanwhile leaves the parts for the context (returned)."""
+    context = np.zeros(parts.shape, order="F")
+    if len(e_gap):
+        ran = k.over(w0, w1)
+        np.subtract.at(parts, e_gap, ran)
+        # all of it is context, `residual` included (time no engine activity covered while
+        # the request was evicted), so a gap's context sums to its evicted time
+        np.add.at(context, e_gap, ran)
+        np.add.at(parts[:, k.col["preempt"]], e_gap, (w1 - w0) * 1e3)
+    return context
+
+
+@dataclass(frozen=True)
+class _DeviceChange:
+    """What rule 6 changed: one row of changes per distinct gap (`change`), the gaps whose
+    parts it moved (`gap`), each one's row (`row`), and each row's primary cause."""
+
+    change: np.ndarray
+    gap: np.ndarray
+    row: np.ndarray
+    primary: np.ndarray
+
+
+def _device_rule(
+    k: _Kernel, base: GraphBaseline, g: _Gaps, parts: np.ndarray, e_gap: np.ndarray
+) -> _DeviceChange | None:
+    """Rule 6: the device windows on each gap's critical path take their time from the host
+    labels (added to `parts`); None where no gap changed."""
+    if not k.run.is_device.any():
+        return None
+    g_thread = loop_threads(k.run.log, g.step1)
+    u_change, d_gap, inv = _device_charges(
+        k, base.eager_excess_frac, g.device_step, g_thread, g.t0_s, g.t1_s, g.rank0, g.rank1,
+        e_gap,
+    )  # fmt: skip
+    moved = np.any(u_change != 0.0, axis=1)[inv]  # host-bound gaps often keep all
+    d_gap, inv = d_gap[moved], inv[moved]
+    if not len(d_gap):
+        return None
+    parts[d_gap] += u_change[inv]
+    # gaps that share (t0, t1, read step) and no eviction have equal parts: one primary
+    # cause per distinct gap
+    rep = np.full(len(u_change), -1, dtype=np.int64)
+    rep[inv] = d_gap
+    has = rep >= 0
+    prim_dev = np.full(len(u_change), CLEAN, dtype=np.int64)
+    prim_dev[has] = primary_of(parts[rep[has]], (g.t1_s - g.t0_s)[rep[has]] * 1e3, k.labels)[0]
+    return _DeviceChange(u_change, d_gap, inv, prim_dev)
+
+
+def _os_rule(
+    k: _Kernel, g: _Gaps, parts: np.ndarray, e_gap, w0, w1, dev: _DeviceChange | None
+) -> np.ndarray:
+    """Rule 7: each live instant's OS shares move from its owner to `os_runqueue` and
+    `os_blocked` (in `parts`); evicted time and gaps whose parts rule 6 changed give none.
+    Returns the gaps whose parts it changed."""
+    tl, col = k.tl, k.col
+    run_rate, blk_rate = k.run.os_shares(tl)
+
+    def os_loss(t_a: np.ndarray, t_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, what the OS shares take from each label in [t_a, t_b]."""
+        out = []
+        for name, w in (("run", run_rate), ("blk", blk_rate)):
+            h0, l0 = os_class_integrals(tl, k.n_cls, name, w, t_a)
+            h1, l1 = os_class_integrals(tl, k.n_cls, name, w, t_b)
+            out.append(k.between(h0, l0, h1, l1))
+        return out[0], out[1]
+
+    loss_run, loss_blk = os_loss(g.t0_s, g.t1_s)
+    if len(e_gap):  # evicted time is all preempt: the OS takes no share of it
+        ev_run, ev_blk = os_loss(w0, w1)
+        np.subtract.at(loss_run, e_gap, ev_run)
+        np.subtract.at(loss_blk, e_gap, ev_blk)
+    # the device's critical path changed these gaps' parts (by more than float
+    # rounding, which the device rule's exact-zero test also sees): the host's OS
+    # takes no share of them
+    if dev is not None:
+        dev_changed = dev.gap[np.any(np.abs(dev.change[dev.row]) > PRIMARY_TOL_MS, axis=1)]
+        loss_run[dev_changed] = 0.0
+        loss_blk[dev_changed] = 0.0
+    os_gap = np.flatnonzero(np.any(loss_run != 0.0, axis=1) | np.any(loss_blk != 0.0, axis=1))
+    parts -= loss_run + loss_blk
+    parts[:, col[OS_RUNQUEUE]] += loss_run.sum(axis=1)
+    parts[:, col[OS_BLOCKED]] += loss_blk.sum(axis=1)
+    return os_gap
+
+
+def _primaries(
+    k: _Kernel,
+    g: _Gaps,
+    per_interval: np.ndarray,
+    parts: np.ndarray,
+    gap_ms: np.ndarray,
+    e_gap: np.ndarray,
+    dev: _DeviceChange | None,
+    os_gap: np.ndarray | None,
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Each gap's primary cause: a one-interval gap that no rule changed takes its
+    interval's; the others are computed from their parts."""
+    uniq_t, labels = g.uniq_t, k.labels
+    widths_ms = np.append((uniq_t[1:] - uniq_t[:-1]) * 1e3, 0.0)
+    prim_u, prim_causes = primary_of(per_interval, widths_ms, labels)
+    primary = np.take(prim_u, g.rank0) if len(g) else prim_u[:0]
+    redo_mask = g.rank1 != g.rank0 + 1
+    redo_mask[e_gap] = True
+    if dev is not None:
+        primary[dev.gap] = dev.primary[dev.row]
+        redo_mask[dev.gap] = False
+    if os_gap is not None:
+        redo_mask[os_gap] = True  # after the device rule's: its primary predates the OS shares
+    redo = np.flatnonzero(redo_mask)
+    if len(redo):
+        primary[redo] = primary_of(parts[redo], gap_ms[redo], labels)[0]
+    return primary, prim_causes
 
 
 def _baseline_warnings(log: RawLog, base: GraphBaseline) -> tuple[str, ...]:

@@ -10,14 +10,19 @@ the ITL partition, the client-boundary partition (`tracekit.attribution.client`)
 run's length.
 
 Also here, as the partitions share them: each segment's cause and timeline class, each
-step's GC-free decode time (the graph baseline's input), the run's device windows made
-disjoint (ITL rule 6), and the loop thread's OS intervals with the share of each instant
-the OS took (docs/partition.md, "OS evidence").
+step's GC-free decode time and the graph baseline fitted to it (design.md rule 4), the
+device windows' drift correction and the windows made disjoint (ITL rule 6), and the
+loop thread's OS intervals with the share of each instant the OS took (docs/partition.md,
+"OS evidence").
+
+`PreparedRun` derives all of these once per run: `tracekit.analysis.figures.analyze`
+builds one and hands it to the ITL, TTFT and client partitions, which build their own
+when not given one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +30,7 @@ import numpy as np
 from tracekit.labels import cause_of, precedence
 from tracekit.log.osintervals import OsIntervals, intervals_of
 from tracekit.log.rawlog import (
+    GRAPH_EAGER,
     OS_SEGMENT_END,
     OS_SEGMENT_START,
     OS_STEP_END,
@@ -264,20 +270,29 @@ def has_os_evidence(log: RawLog) -> bool:
     return len(os_intervals(log)) > 0 or bool(side_os_intervals(log))
 
 
-def os_bounds(log: RawLog) -> np.ndarray | None:
-    """Every usable OS interval's ends (the timeline is cut there), or None."""
-    all_ = [os_intervals(log), *side_os_intervals(log).values()]
+def os_bounds(
+    log: RawLog, loop: OsIntervals | None = None, side: dict[int, OsIntervals] | None = None
+) -> np.ndarray | None:
+    """Every usable OS interval's ends (the timeline is cut there), or None. `loop`, `side`:
+    the log's `os_intervals` and `side_os_intervals`, if already derived."""
+    loop = os_intervals(log) if loop is None else loop
+    side = side_os_intervals(log) if side is None else side
+    all_ = [loop, *side.values()]
     ends = [np.concatenate([o.t0_s, o.t1_s]) for o in all_ if len(o)]
     return np.concatenate(ends) if ends else None
 
 
-def side_owned(log: RawLog, tl: Timeline, seg_cls: np.ndarray, thread: int) -> np.ndarray:
+def side_owned(
+    log: RawLog, tl: Timeline, seg_cls: np.ndarray, thread: int, loop: int | None = None
+) -> np.ndarray:
     """Per interval of `tl` (indexed like its owner): whether its owner is a host segment
-    class that a segment of `thread` covers there and no segment of the loop thread of
-    the same class does (docs/partition.md, OS rule 7: that thread's evidence applies)."""
+    class that a segment of `thread` covers there and no segment of the loop thread (`loop`:
+    `os_loop_thread`, if already known) of the same class does (docs/partition.md, OS rule
+    7: that thread's evidence applies)."""
     sg = log.segments
     bounds, m = tl.bounds, len(tl.bounds)
-    loop = os_loop_thread(log)
+    if loop is None:
+        loop = os_loop_thread(log)
     out = np.zeros(m + 1, dtype=bool)
     if m < 2:
         return out
@@ -294,16 +309,27 @@ def side_owned(log: RawLog, tl: Timeline, seg_cls: np.ndarray, thread: int) -> n
     return out
 
 
-def os_shares(log: RawLog, tl: Timeline, classes: list[tuple[str, bool]], seg_cls: np.ndarray):
+def os_shares(
+    log: RawLog,
+    tl: Timeline,
+    classes: list[tuple[str, bool]],
+    seg_cls: np.ndarray,
+    run_os: PreparedRun | None = None,
+):
     """Per elementary interval of `tl` (cut at `os_bounds`): the share of each instant that
     is `os_runqueue` and `os_blocked` (docs/partition.md, "OS evidence"): the loop thread's
     intervals' shares, except where another thread's segment owns the instant and that
-    thread has an interval there (rule 7): then that thread's (the lowest such thread's)."""
+    thread has an interval there (rule 7): then that thread's (the lowest such thread's).
+    `run_os`: the log's prepared run, whose OS intervals are used instead of deriving them."""
+    if run_os is None:
+        loop_th, loop, side = os_loop_thread(log), os_intervals(log), side_os_intervals(log)
+    else:
+        loop_th, loop, side = run_os.os_thread, run_os.os_loop, run_os.os_side
     wait_cls = [i for i, (x, _) in enumerate(classes) if is_os_wait(x)]
-    run, blk = os_rates(tl, os_intervals(log), wait_cls)
+    run, blk = os_rates(tl, loop, wait_cls)
     taken = np.zeros(len(tl.owner), dtype=bool)
-    for th, osi in side_os_intervals(log).items():
-        owned = side_owned(log, tl, seg_cls, th) & ~taken
+    for th, osi in side.items():
+        owned = side_owned(log, tl, seg_cls, th, loop_th) & ~taken
         r, b = os_rates(tl, osi, wait_cls, owned, key=("os_wait", th))
         at = owned & _inside(tl, osi)
         run[at], blk[at] = r[at], b[at]
@@ -454,19 +480,243 @@ def segment_classes(log: RawLog, classes: list[tuple[str, bool]]) -> np.ndarray:
     return np.where(log.segments.is_device == 1, -1, label_cls[log.segments.label])
 
 
-@dataclass(frozen=True)
-class HostTimeline:
-    """One log's host timeline with what it was built from: each segment's cause, the
-    classes by precedence, and the timeline (decode's graph rate from the design.md
-    baseline fit). The ITL partition keeps the one it built when the TTFT partition would
-    build the same (`tracekit.attribution.itl.Partition.host`), so analysing a run builds it
-    once; `matches` tells whether it belongs to a log's tables."""
+# -- the graph baseline (design.md rule 4) and drift correction ----------------------------
 
-    causes: np.ndarray
-    classes: list[tuple[str, bool]]
-    timeline: Timeline
-    segments: object  # the tables it was built from (identity, not equality)
-    gc_pauses: object
+
+@dataclass(frozen=True)
+class GraphBaseline:
+    """The captured-step decode line: ``decode_ms = slope_ms_per_row * rows + intercept_ms``.
+
+    `eager_excess_frac[i]` is step i's fraction of GC-free decode time charged to `graph`
+    (0 for steps that ran on a captured size or have no decode)."""
+
+    slope_ms_per_row: float
+    intercept_ms: float
+    num_fit_steps: int
+    eager_excess_frac: np.ndarray
+    decode_net_ms: np.ndarray  # per step: GC-free decode ms (sum over its decode segments)
+
+
+#: The graph baseline's fit, design.md's rule: every step that ran on a captured size,
+#: including one whose whole decode lay inside a GC pause (a point at 0 ms).
+FIT_ALL_CAPTURED = "all-captured"
+#: The alternative: only captured steps with GC-free decode time left to measure. A captured
+#: step whose decode fell entirely inside a GC pause measured nothing (its 0 ms is not a
+#: decode time), yet as a point at 0 ms it pulls the line down and invents `graph` excess on
+#: every eager step. docs/partition.md explains when the two differ.
+FIT_MEASURED_CAPTURED = "measured-captured"
+BASELINE_FITS = (FIT_ALL_CAPTURED, FIT_MEASURED_CAPTURED)
+
+
+def drift_corrected(log: RawLog) -> RawLog:
+    """The log with its device windows moved by the clock drift the device timer measured.
+
+    The device timer places windows by chaining elapsed times from a calibration point;
+    each chain ends at a fresh calibration (after an idle stretch, and at stop) that shows
+    how far the chain had drifted by then (`meta["device_calibration"]["chains"]`). With
+    a steady drift the error grows linearly along the chain, so a point at time t of a
+    chain [start, end] that ended ``m`` ms off is moved back by ``m * (t - start) /
+    (end - start)``.
+
+    A window is moved as a whole by one chain: the chain its start lies in, the last that
+    started at or before it, provided the start is no later than that chain's end as the
+    chain placed it (``end + max(m, 0)``). Its end takes the same chain's correction even
+    where the chain placed it past the chain's observed end (the last window before stop
+    or before a re-anchor, with a clock running fast) or past the next chain's start. A
+    window starting before the first chain or after a chain's placed end is left where it
+    is (no chain placed it: the meta keeps the last 1,000 chains). A log without chains
+    (or without device windows) is returned as is."""
+    cal = log.meta.get("device_calibration")
+    chains = cal.get("chains") if isinstance(cal, dict) else None
+    sg = log.segments
+    dev = sg.is_device == 1
+    if not isinstance(chains, list) or not chains or not dev.any():
+        return log
+    try:
+        c0 = np.array([float(c["start_host_s"]) for c in chains])
+        c1 = np.array([float(c["end_host_s"]) for c in chains])
+        m_s = np.array([float(c["predicted_minus_observed_ms"]) for c in chains]) * 1e-3
+    except (KeyError, TypeError, ValueError):
+        return log  # not written by tracekit's timer: leave the windows where they are
+    ok = np.isfinite(c0) & np.isfinite(c1) & np.isfinite(m_s) & (c1 > c0)
+    if not ok.any():
+        return log
+    c0, c1, m_s = c0[ok], c1[ok], m_s[ok]
+    o = np.argsort(c0, kind="stable")
+    c0, c1, m_s = c0[o], c1[o], m_s[o]
+
+    a, b = sg.t_start_s.copy(), sg.t_end_s.copy()
+    wa, wb = a[dev], b[dev]
+    k = np.searchsorted(c0, wa, side="right") - 1  # the chain that started last before wa
+    kk = np.maximum(k, 0)
+    placed_end = c1[kk] + np.maximum(m_s[kk], 0.0)  # the chain's end where it placed it
+    inside = (k >= 0) & (wa <= placed_end)
+    span = c1[kk] - c0[kk]
+    # the same chain for both ends; fractions past 1 (an end placed past the chain's
+    # observed end) extrapolate the same steady drift
+    frac_a = (wa - c0[kk]) / span
+    frac_b = np.maximum((wb - c0[kk]) / span, frac_a)
+    a[dev] = np.where(inside, wa - m_s[kk] * frac_a, wa)
+    b[dev] = np.where(inside, wb - m_s[kk] * frac_b, wb)
+    b[dev] = np.maximum(b[dev], a[dev])
+    return replace(log, segments=replace(sg, t_start_s=a, t_end_s=b))
+
+
+def fit_baseline(
+    log: RawLog, decode_net_ms: np.ndarray, fit: str = FIT_ALL_CAPTURED
+) -> GraphBaseline:
+    """The captured-step line and every eager step's excess fraction (design.md rule 4).
+
+    `fit`: which captured steps the line is fitted over, `FIT_ALL_CAPTURED` (design.md, the
+    default) or `FIT_MEASURED_CAPTURED`."""
+    if fit not in BASELINE_FITS:
+        raise ValueError(f"baseline fit {fit!r}: expected one of {', '.join(BASELINE_FITS)}")
+    st = log.steps
+    has_decode = decode_net_ms > 0
+    # design.md: "over the steps that ran on a captured size" (graph_size > 0), whatever
+    # their GC-free decode time
+    captured = st.graph_size > 0
+    if fit == FIT_MEASURED_CAPTURED:
+        captured &= has_decode
+    x = st.graph_size[captured].astype(np.float64)
+    y = decode_net_ms[captured]
+    if len(np.unique(x)) >= 2:
+        slope, icpt = np.polyfit(x, y, 1)
+    elif len(x) >= 1:  # one captured size: a flat line at its mean
+        slope, icpt = 0.0, float(np.mean(y))
+    else:
+        slope, icpt = float("nan"), float("nan")
+    frac = np.zeros(len(st))
+    eager = (st.graph_size == GRAPH_EAGER) & has_decode
+    if np.isfinite(slope) and eager.any():
+        net = decode_net_ms[eager]
+        pred = slope * st.num_decode[eager] + icpt
+        # at most all of it: a line extrapolated below zero cannot charge more than net
+        frac[eager] = np.minimum(1.0, np.maximum(0.0, net - pred) / net)
+    return GraphBaseline(
+        slope_ms_per_row=float(slope),
+        intercept_ms=float(icpt),
+        num_fit_steps=int(captured.sum()),
+        eager_excess_frac=frac,
+        decode_net_ms=decode_net_ms,
+    )
+
+
+# -- one run, prepared once for every partition --------------------------------------------
+
+
+class PreparedRun:
+    """What the partitions of one run derive from its log, derived once: each segment's
+    cause and timeline class, the host classes by precedence, the loop thread's and the
+    other threads' OS intervals, each step's GC-free decode time, the graph baseline per
+    fit, the host timeline per fit (cut at every OS interval's end) with its OS shares, the
+    device windows made disjoint, and each loop thread's own work on the timeline.
+
+    The ITL partition (`tracekit.attribution.itl.partition`), the TTFT partition
+    (`tracekit.attribution.ttft.ttft_partition`) and the client-boundary partition
+    (`tracekit.attribution.client.client_partition`, whose engine part is an ITL partition
+    of a log with other emissions) take one as ``run=``, so analysing a run derives each
+    of these once; each builds its own when not given one. It reads only the log's
+    segments, GC pauses, steps, OS samples, labels, cause map and meta (`matches`: whether
+    a log shares them); a partition's emissions, requests and evictions come from the log
+    it is given. The ITL partition uses `corrected` (device windows moved by the measured
+    clock drift); the TTFT partition this one, as recorded."""
+
+    def __init__(self, log: RawLog) -> None:
+        self.log = log
+        self.causes = segment_causes(log)
+        self.is_device = log.segments.is_device == 1
+        self.classes = host_classes(self.causes, self.is_device)
+        self.seg_cls = segment_classes(log, self.classes)
+        self.os_thread = os_loop_thread(log)
+        self.os_loop = os_intervals(log)
+        self.os_side = side_os_intervals(log)
+        self.has_os = len(self.os_loop) > 0 or bool(self.os_side)
+        self.os_bounds = os_bounds(log, self.os_loop, self.os_side)
+        self._net_ms: np.ndarray | None = None
+        self._baselines: dict[str, GraphBaseline] = {}
+        self._timelines: dict[str, Timeline] = {}
+        # keyed by id() of a timeline this run built (kept alive in the value)
+        self._shares: dict[int, tuple[Timeline, np.ndarray, np.ndarray]] = {}
+        self._free: dict[tuple[int, int], tuple[Timeline, np.ndarray, Timeline]] = {}
+        self._device: tuple | None = None
+        self._corrected: PreparedRun | None = None
 
     def matches(self, log: RawLog) -> bool:
-        return self.segments is log.segments and self.gc_pauses is log.gc_pauses
+        """Whether `log` has the tables this run was prepared from (identity, not equality:
+        a log made by `dataclasses.replace` of other tables shares them)."""
+        mine = self.log
+        return all(
+            getattr(log, name) is getattr(mine, name)
+            for name in ("segments", "gc_pauses", "steps", "os_samples", "labels",
+                         "cause_map", "meta")
+        )  # fmt: skip
+
+    def corrected(self) -> PreparedRun:
+        """The run with its device windows moved by the measured clock drift
+        (`drift_corrected`); itself where there is nothing to move."""
+        if self._corrected is None:
+            log = drift_corrected(self.log)
+            self._corrected = self if log is self.log else PreparedRun(log)
+        return self._corrected
+
+    @property
+    def decode_net_ms(self) -> np.ndarray:
+        """Per step, GC-free decode ms (`decode_net_ms`)."""
+        if self._net_ms is None:
+            self._net_ms = decode_net_ms(self.log, self.causes)
+        return self._net_ms
+
+    def baseline(self, fit: str = FIT_ALL_CAPTURED) -> GraphBaseline:
+        """The graph baseline fitted by `fit` (`fit_baseline`)."""
+        base = self._baselines.get(fit)
+        if base is None:
+            base = self._baselines[fit] = fit_baseline(self.log, self.decode_net_ms, fit)
+        return base
+
+    def timeline(self, fit: str = FIT_ALL_CAPTURED, excess_frac: np.ndarray | None = None):
+        """The host timeline, decode's graph rate from the baseline fitted by `fit`, or from
+        each step's `excess_frac` where given (then built anew: not kept)."""
+        if excess_frac is not None:
+            return self._build(excess_frac)
+        tl = self._timelines.get(fit)
+        if tl is None:
+            tl = self._timelines[fit] = self._build(self.baseline(fit).eager_excess_frac)
+        return tl
+
+    def _build(self, frac: np.ndarray) -> Timeline:
+        return build_timeline(self.log, self.classes, self.seg_cls, frac, self.os_bounds)
+
+    def os_shares(self, tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
+        """`os_shares` of this run on `tl` (kept for a timeline `timeline` keeps)."""
+        hit = self._shares.get(id(tl))
+        if hit is not None and hit[0] is tl:
+            return hit[1], hit[2]
+        run, blk = os_shares(self.log, tl, self.classes, self.seg_cls, self)
+        if any(t is tl for t in self._timelines.values()):
+            self._shares[id(tl)] = (tl, run, blk)
+        return run, blk
+
+    def device_windows(self):
+        """`device_windows` of this run."""
+        if self._device is None:
+            self._device = device_windows(self.log, self.causes)
+        return self._device
+
+    def without_own_work(self, tl: Timeline, thread: int) -> tuple[np.ndarray, Timeline]:
+        """(`thread_busy` of `thread` on `tl`, and `tl` with that work taken out: its
+        intervals owned by no class, at graph rate 0). Kept for a timeline `timeline`
+        keeps, with the sums the second one caches."""
+        hit = self._free.get((id(tl), thread))
+        if hit is not None and hit[0] is tl:
+            return hit[1], hit[2]
+        busy = thread_busy(self.log, tl.bounds, thread)
+        free = Timeline(tl.bounds, np.where(busy, -2, tl.owner), np.where(busy, 0.0, tl.graph_rate))
+        if any(t is tl for t in self._timelines.values()):
+            self._free[(id(tl), thread)] = (tl, busy, free)
+        return busy, free
+
+
+def prepared(log: RawLog, run: PreparedRun | None) -> PreparedRun:
+    """`run` if it was prepared from `log`'s tables (`PreparedRun.matches`), else a new one."""
+    return run if run is not None and run.matches(log) else PreparedRun(log)

@@ -54,8 +54,8 @@ elementary interval at a time. Tests check that they agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
@@ -65,21 +65,17 @@ from tracekit.attribution.client import (
     frontend_os_between,
     request_api_servers,
 )
-from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows, fit_baseline
+from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows
 from tracekit.attribution.timeline import (
-    HostTimeline,
-    build_timeline,
+    PreparedRun,
+    Timeline,
     compensated_cumsum,
-    decode_net_ms,
     has_os_evidence,
-    host_classes,
-    os_bounds,
     os_class_integrals,
-    os_shares,
+    prepared,
     segment_causes,
-    segment_classes,
 )
-from tracekit.errors import ReconcileError
+from tracekit.errors import LogError, ReconcileError
 from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE
 from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
@@ -161,13 +157,16 @@ class TtftPartition:
 # -- shared pieces ------------------------------------------------------------------------
 
 
-def ttft_labels(log: RawLog, has_os: bool | None = None) -> tuple[str, ...]:
+def ttft_labels(
+    log: RawLog, has_os: bool | None = None, run: PreparedRun | None = None
+) -> tuple[str, ...]:
     """The standard TTFT labels, then `OS_LABELS` where the log has OS intervals (`has_os`:
     whether it has, if known), then any other host cause of the log (sorted); a server
     run that stamped the stages before the engine had its requests starts with
     `PRE_ENGINE_LABELS`, then `FRONTEND_OS_LABELS` where it has the API servers' OS
-    intervals."""
-    causes = set(segment_causes(log)[log.segments.is_device != 1].tolist())
+    intervals. `run`: the log's `PreparedRun`, if prepared (its segment causes are used)."""
+    seg_causes = segment_causes(log) if run is None else run.causes
+    causes = set(seg_causes[log.segments.is_device != 1].tolist())
     extra = causes - {"gc", "preempt", "tok", "prefill", "decode"} - set(TTFT_STANDARD_LABELS)
     extra -= set(PRE_ENGINE_LABELS) | set(OS_LABELS)
     extra -= set(FRONTEND_OS_LABELS)
@@ -289,129 +288,219 @@ def check_ttft_reconciled(p: TtftPartition, path: str = "") -> TtftPartition:
 # -- the vectorised partitioner -----------------------------------------------------------
 
 
-def host_timeline(log: RawLog) -> HostTimeline:
-    """The ITL partition's elementary intervals of `log` (no drift correction: device
-    windows are not charged here), each owned by one class, with decode's graph rate, cut
-    at every OS interval's ends as the ITL partition's are."""
-    causes = segment_causes(log)
-    classes = host_classes(causes, log.segments.is_device == 1)
-    seg_cls = segment_classes(log, classes)
-    base = fit_baseline(log, decode_net_ms(log, causes))
-    tl = build_timeline(log, classes, seg_cls, base.eager_excess_frac, os_bounds(log))
-    return HostTimeline(causes, classes, tl, log.segments, log.gc_pauses)
+@dataclass(frozen=True)
+class _Kernel:
+    """The TTFT partition's view of the run's host timeline: "how much of each label lies
+    in [x, y]" (class integrals mapped onto the labels by `to_labels`: decode ->
+    decode_other, graph-rate -> +graph -decode_other; prefill stays `prefill` until rule 4
+    splits it), what the OS shares take there, and the prefill time the OS left."""
+
+    run: PreparedRun
+    tl: Timeline
+    labels: tuple[str, ...]
+    col: dict[str, int]
+    to_labels: np.ndarray
+    prefill_cls: int | None
+    # the OS shares of each instant (docs/ttft.md, "OS evidence"), as the ITL partition's;
+    # None without OS evidence
+    run_rate: np.ndarray | None
+    blk_rate: np.ndarray | None
+
+    @classmethod
+    def of(cls, run: PreparedRun, labels: tuple[str, ...]) -> _Kernel:
+        col = {lb: i for i, lb in enumerate(labels)}
+        tl = run.timeline()
+        classes, n_cls = run.classes, len(run.classes)
+        to_labels = np.zeros((n_cls + 2, len(labels)))
+        for c, (name, _) in enumerate(classes):
+            to_labels[c, col["decode_other" if name == "decode" else name]] = 1.0
+        to_labels[n_cls, col["residual"]] = 1.0
+        to_labels[n_cls + 1, col["graph"]] += 1.0
+        to_labels[n_cls + 1, col["decode_other"]] -= 1.0
+        prefill_cls = next((i for i, (c, _) in enumerate(classes) if c == "prefill"), None)
+        run_rate, blk_rate = run.os_shares(tl) if run.has_os else (None, None)
+        return cls(run, tl, labels, col, to_labels, prefill_cls, run_rate, blk_rate)
+
+    @property
+    def n_cls(self) -> int:
+        return len(self.run.classes)
+
+    def over(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Label ms of the host rules (2, 4, 5) in each [x, y]."""
+        h0, l0 = self.tl.class_integrals(self.n_cls, x)
+        h1, l1 = self.tl.class_integrals(self.n_cls, y)
+        return (((h1 - h0) + (l1 - l0)) @ self.to_labels) * 1e3
+
+    def os_loss(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, what the OS shares take from each label in [x, y]."""
+        assert self.run_rate is not None and self.blk_rate is not None  # rule 6 runs with OS
+        out = []
+        for name, w in (("run", self.run_rate), ("blk", self.blk_rate)):
+            h0, l0 = os_class_integrals(self.tl, self.n_cls, name, w, x)
+            h1, l1 = os_class_integrals(self.tl, self.n_cls, name, w, y)
+            out.append((((h1 - h0) + (l1 - l0)) @ self.to_labels) * 1e3)
+        return out[0], out[1]
+
+    def prefill_at(self, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cumulative prefill time up to `times`, less what the OS took of it."""
+        tl = self.tl
+        if self.prefill_cls is None:
+            return np.zeros(len(times)), np.zeros(len(times))
+        if self.run_rate is None or self.blk_rate is None:
+            return tl.integrals(self.prefill_cls, times)
+        k = np.searchsorted(tl.bounds, times, side="right")
+        kept = (tl.owner == self.prefill_cls) * (1.0 - self.run_rate - self.blk_rate)
+        return tl.weighted("prefill_kept", kept, times, k)
+
+    def prefill_between(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        if self.prefill_cls is None or len(x) == 0:
+            return np.zeros(len(x))
+        h0, l0 = self.prefill_at(x)
+        h1, l1 = self.prefill_at(y)
+        return ((h1 - h0) + (l1 - l0)) * 1e3
+
+
+@dataclass(frozen=True)
+class _Windows:
+    """Every TTFT window (rows in request order): arrival `a`, the server's handler
+    starting, the engine core's add `e`, admission `adm` (NaN: unsplit), first token `f`."""
+
+    req: np.ndarray
+    a: np.ndarray
+    handler: np.ndarray
+    e: np.ndarray
+    adm: np.ndarray
+    f: np.ndarray
+    split: np.ndarray  # whether the request has an admission
+    row_of: np.ndarray  # per request of the log: its row, -1 for none
+
+    def __len__(self) -> int:
+        return len(self.req)
+
+    @classmethod
+    def of(cls, log: RawLog) -> _Windows:
+        req, a, adm, f = ttft_windows(log)
+        row_of = np.full(len(log.requests), -1, dtype=np.int64)
+        row_of[req] = np.arange(len(req))
+        handler, e = pre_engine_windows(log, req, a, f)
+        return cls(req, a, handler, e, adm, f, np.isfinite(adm), row_of)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """Windows of the TTFT rows (`row`) taken out of the live time: [x0, x1]."""
+
+    row: np.ndarray
+    x0: np.ndarray
+    x1: np.ndarray
 
 
 def ttft_partition(
-    log: RawLog, *, check: bool = True, host: HostTimeline | None = None
+    log: RawLog, *, check: bool = True, run: PreparedRun | None = None
 ) -> TtftPartition:
     """Partition every request's TTFT (vectorised). Raises `ReconcileError` if it does not sum.
 
-    `host`: the log's host timeline if already built (`tracekit.attribution.itl.Partition.host`);
-    one built from other tables is not used."""
-    use_os = has_os_evidence(log)
-    labels = ttft_labels(log, has_os=use_os)
-    col = {lb: i for i, lb in enumerate(labels)}
-    h = host if host is not None and host.matches(log) else host_timeline(log)
-    causes, classes, tl = h.causes, h.classes, h.timeline
-    n_cls = len(classes)
-    # class integrals (every class, residual, graph-rate) -> labels; prefill stays `prefill`
-    # here and is split at the end
-    to_labels = np.zeros((n_cls + 2, len(labels)))
-    for c, (name, _) in enumerate(classes):
-        to_labels[c, col["decode_other" if name == "decode" else name]] = 1.0
-    to_labels[n_cls, col["residual"]] = 1.0
-    to_labels[n_cls + 1, col["graph"]] += 1.0
-    to_labels[n_cls + 1, col["decode_other"]] -= 1.0
-    prefill_cls = next((i for i, (c, _) in enumerate(classes) if c == "prefill"), None)
-
-    def between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        h0, l0 = tl.class_integrals(n_cls, x)
-        h1, l1 = tl.class_integrals(n_cls, y)
-        return (((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3
-
-    # the OS shares of each instant (docs/ttft.md, "OS evidence"), as the ITL partition's
-    if use_os:
-        run_rate, blk_rate = os_shares(log, tl, classes, segment_classes(log, classes))
-
-    def os_loss(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per row, what the OS shares take from each label in [x, y]."""
-        out = []
-        for name, w in (("run", run_rate), ("blk", blk_rate)):
-            h0, l0 = os_class_integrals(tl, n_cls, name, w, x)
-            h1, l1 = os_class_integrals(tl, n_cls, name, w, y)
-            out.append((((h1 - h0) + (l1 - l0)) @ to_labels) * 1e3)
-        return out[0], out[1]
-
-    def prefill_at(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Cumulative prefill time up to `times`, less what the OS took of it."""
-        if prefill_cls is None:
-            return np.zeros(len(times)), np.zeros(len(times))
-        if not use_os:
-            return tl.integrals(prefill_cls, times)
-        k = np.searchsorted(tl.bounds, times, side="right")
-        kept = (tl.owner == prefill_cls) * (1.0 - run_rate - blk_rate)
-        return tl.weighted("prefill_kept", kept, times, k)
-
-    def prefill_between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        if prefill_cls is None or len(x) == 0:
-            return np.zeros(len(x))
-        h0, l0 = prefill_at(x)
-        h1, l1 = prefill_at(y)
-        return ((h1 - h0) + (l1 - l0)) * 1e3
-
-    req, a, adm, f = ttft_windows(log)
-    n = len(req)
-    split = np.isfinite(adm)
-    row_of = np.full(len(log.requests), -1, dtype=np.int64)
-    row_of[req] = np.arange(n)
-    ttft_ms = (f - a) * 1e3
+    `run`: the log's `PreparedRun`, if the caller partitions it more than once (one prepared
+    from other tables is not used)."""
+    run = prepared(log, run)
+    labels = ttft_labels(log, has_os=run.has_os, run=run)
+    k = _Kernel.of(run, labels)
+    w = _Windows.of(log)
+    ttft_ms = (w.f - w.a) * 1e3
     # 0. before the engine had the request: http, then frontend; the rules below apply
     # from the engine core's add on
-    handler_s, e = pre_engine_windows(log, req, a, f)
-    parts = between(e, f) if n else np.zeros((0, len(labels)))
+    parts = _pre_engine_rule(log, k, w)
+    context = np.zeros_like(parts)
+    # 1. evicted windows of each request, clipped to its TTFT window: preempt
+    evicted = _evicted_rule(log, k, w, parts, context)
+    # 3. queued time inside a stated wait window: wait_<reason> (gc keeps its time)
+    held = _held_rule(log, k, w, parts, context)
+    # 6. the OS shares of the time rules 2, 4 and 5 own
+    if k.run_rate is not None and len(w):
+        _os_rule(k, w, parts, evicted, held)
+    # 4. prefill: own share in the prefilling phase, the rest is others'
+    _prefill_rule(log, k, w, parts, context, evicted)
+    phases = _phases(w, ttft_ms, evicted)
+
+    primary, prim_causes = primary_of(parts, ttft_ms, labels)
+    p = TtftPartition(
+        labels=labels,
+        request=w.req,
+        arrival_s=w.a,
+        admit_s=w.adm,
+        first_token_s=w.f,
+        ttft_ms=ttft_ms,
+        parts_ms=parts,
+        context_ms=context,
+        phases_ms=phases,
+        primary=primary,
+        causes=prim_causes,
+        notes=ttft_notes(log, w.split),
+    )
+    return check_ttft_reconciled(p, log.path) if check else p
+
+
+def _pre_engine_rule(log: RawLog, k: _Kernel, w: _Windows) -> np.ndarray:
+    """Rule 0 (the parts from the engine core's add on are the host rules', to be refined
+    by the rules below): arrival to the handler is `http`, from there to the engine core's
+    add `frontend`, less what the OS took of the API server's event loop meanwhile."""
+    n, col = len(w), k.col
+    a, handler_s, e, f = w.a, w.handler, w.e, w.f
+    parts = k.over(e, f) if n else np.zeros((0, len(k.labels)))
     if "http" in col and n:
         parts[:, col["http"]] += (handler_s - a) * 1e3
         parts[:, col["frontend"]] += (e - handler_s) * 1e3
     if FRONTEND_OS_LABELS[0] in col and n:
         # what the OS took of the API server's event loop meanwhile (rule 0)
-        proc = request_api_servers(log)[req]
+        proc = request_api_servers(log)[w.req]
         for lb, lo, hi in (("http", a, handler_s), ("frontend", handler_s, e)):
             rq_s, bl_s = frontend_os_between(log, proc, lo, hi)
             parts[:, col[lb]] -= (rq_s + bl_s) * 1e3
             parts[:, col[FRONTEND_OS_LABELS[0]]] += rq_s * 1e3
             parts[:, col[FRONTEND_OS_LABELS[1]]] += bl_s * 1e3
-    context = np.zeros_like(parts)
-    phases = np.zeros((n, len(PHASES)))
+    return parts
 
-    # 1. evicted windows of each request, clipped to its TTFT window: preempt
+
+def _evicted_rule(
+    log: RawLog, k: _Kernel, w: _Windows, parts: np.ndarray, context: np.ndarray
+) -> _Held:
+    """Rule 1: each request's evicted windows inside [engine core's add, first token] are
+    `preempt`; what the engine ran meanwhile moves to the context. Returns the windows."""
     e_req, e_a, e_b = evicted_windows(log)
-    e_row = row_of[e_req] if len(e_req) else e_req
+    e_row = w.row_of[e_req] if len(e_req) else e_req
     keep = e_row >= 0
     e_row, e_a, e_b = e_row[keep], e_a[keep], e_b[keep]
-    w0, w1 = np.maximum(e_a, e[e_row]), np.minimum(e_b, f[e_row])
+    w0, w1 = np.maximum(e_a, w.e[e_row]), np.minimum(e_b, w.f[e_row])
     keep = w1 > w0
     e_row, w0, w1 = e_row[keep], w0[keep], w1[keep]
     if len(e_row):
-        ran = between(w0, w1)
+        ran = k.over(w0, w1)
         np.subtract.at(parts, e_row, ran)
         # all of it is context, `residual` included (time no engine activity covered while
         # the request was evicted), so the context sums to the evicted time, as in ITL
         np.add.at(context, e_row, ran)
-        np.add.at(parts[:, col["preempt"]], e_row, (w1 - w0) * 1e3)
-    evicted_ms = np.bincount(e_row, (w1 - w0) * 1e3, minlength=n)[:n]
+        np.add.at(parts[:, k.col["preempt"]], e_row, (w1 - w0) * 1e3)
+    return _Held(e_row, w0, w1)
 
-    # 3. queued time inside a stated wait window: wait_<reason> (gc keeps its time)
+
+def _held_rule(
+    log: RawLog, k: _Kernel, w: _Windows, parts: np.ndarray, context: np.ndarray
+) -> _Held:
+    """Rule 3: queued time inside a wait window whose step stated why it did not admit the
+    request is `wait_<reason>` (a GC pause there keeps its `gc` part); what the engine ran
+    meanwhile moves to the context. Returns the held windows."""
+    col = k.col
     q_req, q0, q1, q_reason = wait_windows(log)
-    q_row = row_of[q_req] if len(q_req) else q_req
+    q_row = w.row_of[q_req] if len(q_req) else q_req
     keep = q_row >= 0
     q_row, q0, q1, q_reason = q_row[keep], q0[keep], q1[keep], q_reason[keep]
-    keep = split[q_row]
+    keep = w.split[q_row]
     q_row, q0, q1, q_reason = q_row[keep], q0[keep], q1[keep], q_reason[keep]
-    p0, p1 = np.maximum(q0, e[q_row]), np.minimum(q1, adm[q_row])
+    p0, p1 = np.maximum(q0, w.e[q_row]), np.minimum(q1, w.adm[q_row])
     keep = p1 > p0
     q_row, p0, p1, q_reason = q_row[keep], p0[keep], p1[keep], q_reason[keep]
     if len(q_row):
-        ran = between(p0, p1)
+        ran = k.over(p0, p1)
         gc_ms = ran[:, col["gc"]].copy()
         ran[:, col["gc"]] = 0.0
         np.subtract.at(parts, q_row, ran)
@@ -420,36 +509,48 @@ def ttft_partition(
         np.add.at(context, q_row, ran)
         wait_col = np.array([col[WAIT_REASON_LABELS[r]] for r in q_reason.tolist()], dtype=np.int64)
         np.add.at(parts, (q_row, wait_col), (p1 - p0) * 1e3 - gc_ms)
+    return _Held(q_row, p0, p1)
 
-    # the OS shares of the time rules 2, 4 and 5 own: not of evicted time (preempt), not
-    # of held time (wait_<reason>; a GC pause in it keeps its part and gives its share)
-    if use_os and n:
-        loss_run, loss_blk = os_loss(e, f)
-        if len(e_row):
-            ev_run, ev_blk = os_loss(w0, w1)
-            np.subtract.at(loss_run, e_row, ev_run)
-            np.subtract.at(loss_blk, e_row, ev_blk)
-        if len(q_row):
-            hd_run, hd_blk = os_loss(p0, p1)
-            hd_run[:, col["gc"]] = 0.0
-            hd_blk[:, col["gc"]] = 0.0
-            np.subtract.at(loss_run, q_row, hd_run)
-            np.subtract.at(loss_blk, q_row, hd_blk)
-        parts -= loss_run + loss_blk
-        parts[:, col[OS_RUNQUEUE]] += loss_run.sum(axis=1)
-        parts[:, col[OS_BLOCKED]] += loss_blk.sum(axis=1)
 
-    # 4. prefill: own share in the prefilling phase, the rest is others' (of the prefill
-    # time the OS left)
-    own = _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_at)
+def _os_rule(k: _Kernel, w: _Windows, parts: np.ndarray, evicted: _Held, held: _Held) -> None:
+    """Rule 6: the OS shares of the time rules 2, 4 and 5 own move to `os_runqueue` and
+    `os_blocked`: not of evicted time (preempt), not of held time (wait_<reason>; a GC
+    pause in it keeps its part and gives its share)."""
+    col = k.col
+    loss_run, loss_blk = k.os_loss(w.e, w.f)
+    if len(evicted.row):
+        ev_run, ev_blk = k.os_loss(evicted.x0, evicted.x1)
+        np.subtract.at(loss_run, evicted.row, ev_run)
+        np.subtract.at(loss_blk, evicted.row, ev_blk)
+    if len(held.row):
+        hd_run, hd_blk = k.os_loss(held.x0, held.x1)
+        hd_run[:, col["gc"]] = 0.0
+        hd_blk[:, col["gc"]] = 0.0
+        np.subtract.at(loss_run, held.row, hd_run)
+        np.subtract.at(loss_blk, held.row, hd_blk)
+    parts -= loss_run + loss_blk
+    parts[:, col[OS_RUNQUEUE]] += loss_run.sum(axis=1)
+    parts[:, col[OS_BLOCKED]] += loss_blk.sum(axis=1)
+
+
+def _prefill_rule(
+    log: RawLog, k: _Kernel, w: _Windows, parts: np.ndarray, context: np.ndarray, evicted: _Held
+) -> None:
+    """Rule 4's prefill split (of the prefill time the OS left): a split request's own share
+    of the prefill in its prefilling phase is `prefill_own`, at most all of the phase's
+    prefill time; the rest is `prefill_other`. Prefill in the context (it ran while the
+    request was held or evicted) was others'. Unsplit requests keep `prefill`."""
+    col, split, adm, f = k.col, w.split, w.adm, w.f
+    e_row, w0, w1 = evicted.row, evicted.x0, evicted.x1
+    own = _own_prefill(log, w.row_of, adm, f, split, e_row, w0, w1, k.run.causes, k.prefill_at)
     # the phase's prefill time: prefill between admission and first token, less evicted
-    live_prefill = np.zeros(n)
-    live_prefill[split] = prefill_between(adm[split], f[split])
+    live_prefill = np.zeros(len(w))
+    live_prefill[split] = k.prefill_between(adm[split], f[split])
     if len(e_row):
         m = split[e_row]
         x0 = np.maximum(w0[m], adm[e_row[m]])
         x1 = np.maximum(np.minimum(w1[m], f[e_row[m]]), x0)
-        np.subtract.at(live_prefill, e_row[m], prefill_between(x0, x1))
+        np.subtract.at(live_prefill, e_row[m], k.prefill_between(x0, x1))
     own = np.minimum(own, np.maximum(live_prefill, 0.0))
     pcol = parts[:, col["prefill"]].copy()
     parts[split, col["prefill_own"]] = own[split]
@@ -459,6 +560,15 @@ def ttft_partition(
     context[:, col["prefill_other"]] += context[:, col["prefill"]]
     context[:, col["prefill"]] = 0.0
 
+
+def _phases(w: _Windows, ttft_ms: np.ndarray, evicted: _Held) -> np.ndarray:
+    """Each window's phases (`PHASES`): evicted time; queued (arrival to admission) and
+    prefilling (admission to first token) less the evicted time in each; unsplit (the
+    window less evicted time) where there is no admission."""
+    n, split, a, adm, f = len(w), w.split, w.a, w.adm, w.f
+    e_row, w0, w1 = evicted.row, evicted.x0, evicted.x1
+    phases = np.zeros((n, len(PHASES)))
+    evicted_ms = np.bincount(e_row, (w1 - w0) * 1e3, minlength=n)[:n]
     phases[:, PHASES.index("evicted")] = evicted_ms
     queued = np.zeros(n)
     queued_ev: np.ndarray = np.zeros(n)
@@ -472,23 +582,7 @@ def ttft_partition(
         evicted_ms[split] - queued_ev[split]
     )
     phases[~split, PHASES.index("unsplit")] = ttft_ms[~split] - evicted_ms[~split]
-
-    primary, prim_causes = primary_of(parts, ttft_ms, labels)
-    p = TtftPartition(
-        labels=labels,
-        request=req,
-        arrival_s=a,
-        admit_s=adm,
-        first_token_s=f,
-        ttft_ms=ttft_ms,
-        parts_ms=parts,
-        context_ms=context,
-        phases_ms=phases,
-        primary=primary,
-        causes=prim_causes,
-        notes=ttft_notes(log, split),
-    )
-    return check_ttft_reconciled(p, log.path) if check else p
+    return phases
 
 
 def _rank_keys(
@@ -573,101 +667,133 @@ def _own_prefill(log, row_of, adm, f, split, e_row, w0, w1, causes, prefill_at):
     if len(e_row):
         oe = np.lexsort((w0, e_row))
         e_row, w0, w1 = e_row[oe], w0[oe], w1[oe]
-
-    def between(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        h0, l0 = prefill_at(x)
-        h1, l1 = prefill_at(y)
-        return ((h1 - h0) + (l1 - l0)) * 1e3
-
     n_seg = np.bincount(seg_group, minlength=len(seg_steps))
+    c = _PrefillRows(sg, pseg, seg_steps, seg_group, n_seg, pf_idx, rows, share, row_group,
+                     adm, f, e_row, w0, w1)  # fmt: skip
     n_row = np.bincount(row_group, minlength=len(seg_steps))
     joined = (n_seg * n_row <= _JOIN_FACTOR * (n_seg + n_row))[row_group]
-    order_parts: list[np.ndarray] = []  # prefill row of each contribution
-    parts: list[np.ndarray] = []  # its share of prefill time, ms
-    owners: list[np.ndarray] = []  # its TTFT row
-
-    # steps with a small join: one piece per (row, segment), evicted time taken off each
-    j = np.flatnonzero(joined)
-    if len(j):
-        g_first = np.searchsorted(seg_group, np.arange(len(seg_steps)), side="left")
-        ri, si = _expand(g_first[row_group[j]], n_seg[row_group[j]])
-        si = pseg[si]
-        r = rows[j][ri]
-        x0 = np.maximum(sg.t_start_s[si], adm[r])
-        x1 = np.minimum(sg.t_end_s[si], f[r])
-        ok = x1 > x0
-        ri, r, x0, x1 = ri[ok], r[ok], x0[ok], x1[ok]
-        val = between(x0, x1)
-        if len(e_row) and len(ri):
-            pi, ei = _meeting(r, x0, x1, e_row, w0, w1)
-            y0 = np.maximum(x0[pi], w0[ei])
-            y1 = np.maximum(np.minimum(x1[pi], w1[ei]), y0)
-            np.subtract.at(val, pi, between(y0, y1))
-        order_parts.append(pf_idx[j][ri])
-        parts.append(share[j][ri] * val)
-        owners.append(r)
-
-    # the other steps: H(first token) - H(admission) per row
-    j = np.flatnonzero(~joined)
-    if len(j):
-        # groups renumbered over these steps only
-        big = np.unique(row_group[j])
-        m = np.isin(seg_group, big)
-        gseg = np.searchsorted(big, seg_group[m])
-        s0, s1 = sg.t_start_s[pseg[m]], sg.t_end_s[pseg[m]]
-        rg, r = np.searchsorted(big, row_group[j]), rows[j]
-        u = np.unique(np.concatenate([s0, s1]))
-        o0, o1 = np.lexsort((s0, gseg)), np.lexsort((s1, gseg))
-        key0 = _rank_keys(gseg[o0], s0[o0], u, "right")
-        key1 = _rank_keys(gseg[o1], s1[o1], u, "right")
-        g_lo = np.searchsorted(gseg[o0], np.arange(len(big)), side="left")
-        span_lo = s0[o0][g_lo]  # the step's first segment start: F is measured from here
-        span_hi = np.full(len(big), -np.inf)
-        np.maximum.at(span_hi, gseg, s1)
-        ref_hi, ref_lo = prefill_at(span_lo)
-
-        def rel(t: np.ndarray, g: np.ndarray) -> np.ndarray:
-            hi, lo = prefill_at(t)  # F(t) - F(span_lo of g), to full precision
-            return (hi - ref_hi[g]) + (lo - ref_lo[g])
-
-        c0_hi, c0_lo = compensated_cumsum(rel(s0[o0], gseg[o0]))
-        c1_hi, c1_lo = compensated_cumsum(rel(s1[o1], gseg[o1]))
-
-        def h(g: np.ndarray, t: np.ndarray) -> np.ndarray:
-            """H of group g at t (s): the prefill time of its segments before t."""
-            k = _rank_keys(g, t, u, "right")
-            k0 = np.searchsorted(key0, k, side="right")
-            k1 = np.searchsorted(key1, k, side="right")
-            b = g_lo[g]
-            a1 = (c1_hi[k1] - c1_hi[b]) + (c1_lo[k1] - c1_lo[b])
-            a0 = (c0_hi[k0] - c0_hi[b]) + (c0_lo[k0] - c0_lo[b])
-            open_ = k0 - k1  # segments started by t and not yet ended
-            return (a1 - a0) + np.where(open_ != 0, rel(t, g) * open_, 0.0)
-
-        def held(g: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-            """Group g's prefill time inside [x, y], ms (0 where y <= x)."""
-            out = np.zeros(len(x))
-            ok = y > x
-            if ok.any():
-                out[ok] = (h(g[ok], y[ok]) - h(g[ok], x[ok])) * 1e3
-            return out
-
-        val = held(rg, adm[r], f[r])
-        if len(e_row):
-            lo = np.maximum(adm[r], span_lo[rg])
-            hi = np.minimum(f[r], span_hi[rg])
-            pi, ei = _meeting(r, lo, hi, e_row, w0, w1)
-            y0 = np.maximum(adm[r[pi]], w0[ei])
-            y1 = np.minimum(f[r[pi]], w1[ei])
-            np.subtract.at(val, pi, held(rg[pi], y0, y1))
-        order_parts.append(pf_idx[j])
-        parts.append(share[j] * val)
-        owners.append(r)
-
+    pieces = [  # (prefill row, its share of prefill time in ms, its TTFT row) of each piece
+        step(c, j, prefill_at)
+        for step, j in ((_joined_prefill, np.flatnonzero(joined)),
+                        (_summed_prefill, np.flatnonzero(~joined)))
+        if len(j)
+    ]  # fmt: skip
     # summed per TTFT row in prefill-row order (each prefill row's pieces in segment order)
-    o = np.argsort(np.concatenate(order_parts), kind="stable")
-    np.add.at(own, np.concatenate(owners)[o], np.concatenate(parts)[o])
+    o = np.argsort(np.concatenate([x for x, _, _ in pieces]), kind="stable")
+    np.add.at(own, np.concatenate([x for _, _, x in pieces])[o],
+              np.concatenate([x for _, x, _ in pieces])[o])  # fmt: skip
     return own
+
+
+@dataclass(frozen=True)
+class _PrefillRows:
+    """`_own_prefill`'s inputs: the host prefill segments `pseg` (by step), grouped by step
+    (`seg_steps`, each segment's group, segments per group); the prefill rows `pf_idx` of
+    split requests in such steps, with their TTFT rows, shares and groups; the TTFT windows
+    [adm, f]; the evicted windows sorted by row then start."""
+
+    sg: Any
+    pseg: np.ndarray
+    seg_steps: np.ndarray
+    seg_group: np.ndarray
+    n_seg: np.ndarray
+    pf_idx: np.ndarray
+    rows: np.ndarray
+    share: np.ndarray
+    row_group: np.ndarray
+    adm: np.ndarray
+    f: np.ndarray
+    e_row: np.ndarray
+    w0: np.ndarray
+    w1: np.ndarray
+
+
+def _prefill_ms(prefill_at, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The prefill time the OS left in each [x, y], ms."""
+    h0, l0 = prefill_at(x)
+    h1, l1 = prefill_at(y)
+    return ((h1 - h0) + (l1 - l0)) * 1e3
+
+
+def _joined_prefill(c: _PrefillRows, j: np.ndarray, prefill_at):
+    """Prefill rows `j` in steps with a small join: one piece per (row, segment), evicted
+    time taken off each."""
+    seg_steps, seg_group, n_seg, row_group = c.seg_steps, c.seg_group, c.n_seg, c.row_group
+    pseg, pf_idx, rows, share, sg, adm, f = c.pseg, c.pf_idx, c.rows, c.share, c.sg, c.adm, c.f
+    e_row, w0, w1 = c.e_row, c.w0, c.w1
+    g_first = np.searchsorted(seg_group, np.arange(len(seg_steps)), side="left")
+    ri, si = _expand(g_first[row_group[j]], n_seg[row_group[j]])
+    si = pseg[si]
+    r = rows[j][ri]
+    x0 = np.maximum(sg.t_start_s[si], adm[r])
+    x1 = np.minimum(sg.t_end_s[si], f[r])
+    ok = x1 > x0
+    ri, r, x0, x1 = ri[ok], r[ok], x0[ok], x1[ok]
+    val = _prefill_ms(prefill_at, x0, x1)
+    if len(e_row) and len(ri):
+        pi, ei = _meeting(r, x0, x1, e_row, w0, w1)
+        y0 = np.maximum(x0[pi], w0[ei])
+        y1 = np.maximum(np.minimum(x1[pi], w1[ei]), y0)
+        np.subtract.at(val, pi, _prefill_ms(prefill_at, y0, y1))
+    return pf_idx[j][ri], share[j][ri] * val, r
+
+
+def _summed_prefill(c: _PrefillRows, j: np.ndarray, prefill_at):
+    """Prefill rows `j` in the other steps: H(first token) - H(admission) per row."""
+    seg_group, row_group = c.seg_group, c.row_group
+    pseg, pf_idx, rows, share, sg, adm, f = c.pseg, c.pf_idx, c.rows, c.share, c.sg, c.adm, c.f
+    e_row, w0, w1 = c.e_row, c.w0, c.w1
+    # groups renumbered over these steps only
+    big = np.unique(row_group[j])
+    m = np.isin(seg_group, big)
+    gseg = np.searchsorted(big, seg_group[m])
+    s0, s1 = sg.t_start_s[pseg[m]], sg.t_end_s[pseg[m]]
+    rg, r = np.searchsorted(big, row_group[j]), rows[j]
+    u = np.unique(np.concatenate([s0, s1]))
+    o0, o1 = np.lexsort((s0, gseg)), np.lexsort((s1, gseg))
+    key0 = _rank_keys(gseg[o0], s0[o0], u, "right")
+    key1 = _rank_keys(gseg[o1], s1[o1], u, "right")
+    g_lo = np.searchsorted(gseg[o0], np.arange(len(big)), side="left")
+    span_lo = s0[o0][g_lo]  # the step's first segment start: F is measured from here
+    span_hi = np.full(len(big), -np.inf)
+    np.maximum.at(span_hi, gseg, s1)
+    ref_hi, ref_lo = prefill_at(span_lo)
+
+    def rel(t: np.ndarray, g: np.ndarray) -> np.ndarray:
+        hi, lo = prefill_at(t)  # F(t) - F(span_lo of g), to full precision
+        return (hi - ref_hi[g]) + (lo - ref_lo[g])
+
+    c0_hi, c0_lo = compensated_cumsum(rel(s0[o0], gseg[o0]))
+    c1_hi, c1_lo = compensated_cumsum(rel(s1[o1], gseg[o1]))
+
+    def h(g: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """H of group g at t (s): the prefill time of its segments before t."""
+        k = _rank_keys(g, t, u, "right")
+        k0 = np.searchsorted(key0, k, side="right")
+        k1 = np.searchsorted(key1, k, side="right")
+        b = g_lo[g]
+        a1 = (c1_hi[k1] - c1_hi[b]) + (c1_lo[k1] - c1_lo[b])
+        a0 = (c0_hi[k0] - c0_hi[b]) + (c0_lo[k0] - c0_lo[b])
+        open_ = k0 - k1  # segments started by t and not yet ended
+        return (a1 - a0) + np.where(open_ != 0, rel(t, g) * open_, 0.0)
+
+    def held(g: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Group g's prefill time inside [x, y], ms (0 where y <= x)."""
+        out = np.zeros(len(x))
+        ok = y > x
+        if ok.any():
+            out[ok] = (h(g[ok], y[ok]) - h(g[ok], x[ok])) * 1e3
+        return out
+
+    val = held(rg, adm[r], f[r])
+    if len(e_row):
+        lo = np.maximum(adm[r], span_lo[rg])
+        hi = np.minimum(f[r], span_hi[rg])
+        pi, ei = _meeting(r, lo, hi, e_row, w0, w1)
+        y0 = np.maximum(adm[r[pi]], w0[ei])
+        y1 = np.minimum(f[r[pi]], w1[ei])
+        np.subtract.at(val, pi, held(rg[pi], y0, y1))
+    return pf_idx[j], share[j] * val, r
 
 
 # -- per-run figures ------------------------------------------------------------------------
@@ -698,8 +824,6 @@ class TtftFigures:
     notes: list[str]
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
-
         return asdict(self)
 
 
@@ -755,8 +879,6 @@ def ttft_records(log: RawLog, p: TtftPartition | None = None, *, min_ms: float |
         sel &= p.ttft_ms >= min_ms
     if request_id is not None:
         if request_id not in ids:
-            from tracekit.errors import LogError
-
             raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
         sel &= p.request == ids.index(request_id)
     prim = p.primary_names()
