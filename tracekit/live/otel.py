@@ -42,6 +42,8 @@ SPAN_NAME = "tracekit.gap"
 def otlp_provider(endpoint: str, resource: dict[str, str] | None = None) -> Any:
     """A tracer provider that sends spans to an OTLP/HTTP collector at `endpoint` (for
     example ``http://127.0.0.1:4318/v1/traces``), batched off the caller's thread."""
+    # optional dependency: the SDK only where a provider is made here (the API, imported at
+    # the top, sends through whatever provider the application set)
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor

@@ -141,6 +141,12 @@ class LiveCollector:
         if self.const is None:  # the run has not started: its labels are not known yet
             return
         s, w, v = self.read()
+        yield from self._gap_families(s, v)
+        yield from self._ttft_families(s)
+        yield from self._worker_families(s, w, v)
+
+    def _gap_families(self, s: LiveTotals, v: WallView) -> Iterator[Any]:
+        """The gaps: count, histogram, time by cause, decode's split, the sliding tail."""
         yield self._one(CounterMetricFamily, "tracekit_gaps",
                         "Inter-token gaps settled (consecutive emissions of one request).",
                         s.gaps)  # fmt: skip
@@ -194,6 +200,9 @@ class LiveCollector:
         yield self._one(GaugeMetricFamily, "tracekit_itl_window_p99_seconds",
                         "p99 of the sliding window of recent gaps, seconds.",
                         s.itl_window_p99_ms / 1e3)  # fmt: skip
+
+    def _ttft_families(self, s: LiveTotals) -> Iterator[Any]:
+        """The TTFTs: histogram, sliding median and p99, time by cause."""
         yield self._hist(
             "tracekit_ttft_seconds",
             "Time to first token (first emission - arrival) per request, seconds.",
@@ -220,6 +229,10 @@ class LiveCollector:
                     self._add(tt, (lb,), self._since_zero("ttft_cause", lb, ms / 1e3))
             self._add(tt, ("decode",), self._since_zero("ttft_cause", "decode", dec / 1e3))
             yield tt
+
+    def _worker_families(self, s: LiveTotals, w: WorkerStats, v: WallView) -> Iterator[Any]:
+        """What live mode itself did: late rows, truncations, errors, spans, its CPU time,
+        backlog, how far it has settled, and whether the run is final."""
         for name, value, doc in (
             ("tracekit_live_late_rows", s.late_rows,
              "Rows that arrived after the gaps they overlap were exported (raise hold_s)."),
