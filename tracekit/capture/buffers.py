@@ -10,8 +10,10 @@ While the writer is behind, the rows stay here (the backlog) up to two intervals
 
 from __future__ import annotations
 
+import os
 import threading
 from array import array
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,12 +70,41 @@ class RowBuffers:
         self.num_steps_flushed += len(full["steps"]) // _STEP_WIDTH
         return full
 
-    def hand_over(self, flush: Flush) -> None:
-        """Submit a swapped-out set of rows to the dispatcher (under the lock: hand-overs
-        in swap order, chunks name request ids in order)."""
-        if self.dispatcher is not None:
-            self.dispatcher.submit(flush)
-            self.num_flushes += 1
+    def flush(
+        self,
+        clock: Callable[[], int],
+        open_tick: Callable[[], int | None],
+        chunk: Callable[..., Flush],
+        pid: int,
+        stop_tick: int | None,
+        is_clock_only: bool,
+    ) -> None:
+        """Swap the buffers and hand the rows to the dispatcher (no disk I/O and no chunk
+        building here): `chunk(rows, now, stop_tick, open_tick, is_clock_only,
+        first_request)` makes what is handed over. Signals wait from the swap until the
+        hand-over (`tracekit.capture.signals`); `pid`: the process that started the run
+        (a forked child swaps, and hands nothing over)."""
+        signals.IN_FLUSH[0] += 1
+        try:
+            with self.lock:  # hand-overs in swap order: chunks name request ids in order
+                # the flush's tick and what is open then, before the swap: a row that lands
+                # in the next buffer (a collection triggered by the swap itself) starts
+                # after `now`, or is announced open
+                now = clock()
+                t_open = open_tick()
+                full = self.swap()
+                now = clock()
+                self.last_flush_tick = now
+                if pid != os.getpid():  # a forked child: the run is the parent's
+                    return
+                first = self.num_requests_flushed
+                flush = chunk(full, now, stop_tick, t_open, is_clock_only, first)
+                self.num_requests_flushed += len(flush.new_request_ids)
+                if self.dispatcher is not None:
+                    self.dispatcher.submit(flush)
+                    self.num_flushes += 1
+        finally:
+            signals.IN_FLUSH[0] -= 1
 
     def add_segment(self, row: bytes) -> None:
         """Append one segments row from any thread."""

@@ -27,6 +27,12 @@ exit, see `tracekit.capture.signals`) closes them: the parts become one `.npz`.
 A disabled recorder (`enabled=False`) costs next to nothing: `step`/`segment` decorators
 hand back the original function, context managers are a shared no-op, and `emit`,
 `evict`, ... return at once.
+
+The recorder is the run's lifecycle and its hooks; each part of a run's state is its own
+object: the rows and their flushes (`tracekit.capture.buffers`), the requests and the
+checks of the calls that name them (`tracekit.capture.requests`), the open step, the
+threads, the segments and the NVTX and OS probes (`tracekit.capture.segments`), the
+collections (`tracekit.capture.gcpauses`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import gc
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Mapping
 from functools import wraps
 from numbers import Integral
@@ -47,7 +54,7 @@ from tracekit.capture import signals
 from tracekit.capture.buffers import RowBuffers
 from tracekit.capture.checks import as_int, as_int_vector, as_tick, small_ints
 from tracekit.capture.device import DeviceTimer
-from tracekit.capture.osstats import ThreadStats, unavailable_reason
+from tracekit.capture.gcpauses import GcPauses
 from tracekit.capture.requests import RequestBook, few
 from tracekit.capture.segments import (
     NULL_SEGMENT,
@@ -176,7 +183,8 @@ class Recorder:
         self._label_index: dict[str, int] = {}  # label -> its index in `_labels`
         self._segments: dict[tuple[str, bool], Segment] = {}
         self._counter_index: dict[str, int] = {}
-        self._gc_t0_tick = 0
+        self._gc = GcPauses(clock, self._rows)
+        self._on_gc = self._gc.on_gc  # what goes into gc.callbacks while the run records
         # where the rows go: the run's own sink (parts on disk, or memory), then the others
         self._own: PartsSink | MemorySink = MemorySink()  # chosen at start, from `out`
         self._sinks: list[Sink] = list(sinks)
@@ -193,13 +201,7 @@ class Recorder:
         if self._stopped:
             raise RuntimeError("a Recorder records one run; make a new one for the next run")
         if self._want_nvtx:
-            try:
-                import nvtx  # the `gpu` extra; imported only when asked for
-            except ImportError as e:
-                raise ImportError(
-                    "Recorder(nvtx=True) needs the nvtx package: pip install 'tracekit[gpu]'"
-                ) from e
-            self._probes.nvtx = nvtx
+            self._probes.open_nvtx()
         t0 = self._clock()
         if isinstance(t0, bool) or not isinstance(t0, Integral):
             raise TypeError(
@@ -222,7 +224,9 @@ class Recorder:
             "cause_map": self.cause_map,
             "source": "tracekit",
         }
-        meta["os_evidence"] = self._open_os_evidence()
+        meta["os_evidence"] = self._probes.open_os(
+            self._want_os, is_wall_clock=self._clock in WALL_CLOCKS
+        )
         if self._device is not None:
             meta["device_calibration"] = self._device.attach(
                 self._clock, self._seconds_per_tick, self._t0_tick
@@ -246,26 +250,6 @@ class Recorder:
         self._running = True
         _ACTIVE[self] = (self._hold_for_fork, self._release_after_fork, self._in_child)
         return self
-
-    def _open_os_evidence(self) -> dict[str, Any]:
-        """Start the OS reader if asked for (or by default where it means something)."""
-        why = unavailable_reason()
-        if self._want_os is False:
-            why = "switched off (Recorder(os_evidence=False))"
-        elif why is None and self._want_os is None and self._clock not in WALL_CLOCKS:
-            why = (
-                "the recorder's clock is not wall time (OS waits would not lie on it); "
-                "pass os_evidence=True to record anyway"
-            )
-        reader = ThreadStats.open() if why is None else None
-        self._probes.os = reader
-        if reader is None:
-            return {"recorded": False, "reason": why or "unavailable"}
-        return {
-            "recorded": True,
-            "at": "step boundaries (loop thread); segment boundaries (other threads)",
-            **reader.describe(),
-        }
 
     def add_sink(self, sink: Sink) -> None:
         """Send every flushed chunk to `sink` too (before `start()`)."""
@@ -304,9 +288,7 @@ class Recorder:
                 signals.release()
                 self._signals = False
             signals.cancel_at_exit(self.stop)
-            reader, self._probes.os = self._probes.os, None
-            if reader is not None:
-                reader.close()
+            self._probes.close_os()
         warnings = self._close_open_step(stop_tick) + warnings
         try:
             self._flush(stop_tick=stop_tick)
@@ -437,7 +419,8 @@ class Recorder:
         """Where a step begins: its start tick, then (under the lock, last) its number.
 
         The order makes every instant safe to stop at (a signal, an exception): until
-        `_step_no` moves on, nothing names the new step; from then on `stop()` finds it
+        the step's number (`OpenStep.begin`) moves on, nothing names the new step; from
+        then on `stop()` finds it
         open (no row yet, `_open_step_no`) and closes it at the stop time."""
         st = self._step
         if st.is_open:
@@ -881,23 +864,6 @@ class Recorder:
         """The recorder's clock, in ticks (for `add_segment` and `arrival_tick`)."""
         return self._clock()
 
-    # -- gc --------------------------------------------------------------------------
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            signals.IN_GC[0] = True  # first, before any call: see tracekit.capture.signals
-            self._gc_t0_tick = self._clock()
-        else:
-            try:
-                t1 = self._clock()
-                with self._lock:
-                    self._rows.tables["gc_pauses"].extend(
-                        (self._gc_t0_tick, t1, info.get("generation", -1))
-                    )
-            finally:
-                signals.IN_GC[0] = False
-
-    signals.defer_in(_on_gc.__code__)
-
     # -- flushing --------------------------------------------------------------------
     def _flush(
         self, *, stop_tick: int | None = None, poll_device: bool = True, is_clock_only: bool = False
@@ -908,43 +874,33 @@ class Recorder:
         dev = self._device
         if poll_device and dev is not None and dev.num_pending and stop_tick is None:
             dev.poll(self._append_device_window)
-        rows = self._rows
-        signals.IN_FLUSH[0] += 1  # from the swap until the hand-over: see tracekit.capture.signals
-        try:
-            with self._lock:  # hand-overs in swap order: chunks name request ids in order
-                # the flush's tick and what is open then, before the swap: a row that lands
-                # in the next buffer (a collection triggered by the swap itself) starts
-                # after `now`, or is announced open
-                now = self._clock()
-                open_tick = self._earliest_open_tick()
-                buf = rows.swap()
-                now = self._clock()
-                rows.last_flush_tick = now
-                if self._pid != os.getpid():  # a forked child: the run is the parent's
-                    return
-                names = self._book.names
-                start = rows.num_requests_flushed
-                rows.num_requests_flushed = len(names)
-                flush = Flush(
-                    buf,
-                    list(self._labels),
-                    list(self._counter_index),
-                    names[start:],
-                    start,
-                    dict(self.config),
-                    now,
-                    stop_tick,
-                    open_tick,
-                    is_clock_only,
-                )
-                rows.hand_over(flush)
-        finally:
-            signals.IN_FLUSH[0] -= 1
+        self._rows.flush(
+            self._clock, self._earliest_open_tick, self._chunk, self._pid, stop_tick, is_clock_only
+        )
+
+    def _chunk(
+        self, buf: dict[str, array], now: int, stop_tick: int | None, open_tick: int | None,
+        is_clock_only: bool, first_request: int,
+    ) -> Flush:  # fmt: skip
+        """What a flush hands over: the swapped-out rows, with the vocabularies so far
+        (the request names from `first_request` on, the ones not handed over yet)."""
+        return Flush(
+            buf,
+            list(self._labels),
+            list(self._counter_index),
+            self._book.names[first_request:],
+            first_request,
+            dict(self.config),
+            now,
+            stop_tick,
+            open_tick,
+            is_clock_only,
+        )
 
     def _earliest_open_tick(self) -> int | None:
         """The start of the earliest window still open: a segment on any thread, or a
         collection under way on another thread (None: none)."""
-        out = self._gc_t0_tick if signals.IN_GC[0] else None
+        out = self._gc.open_tick()
         t = self._threads.earliest_open_tick()
         if t is not None and (out is None or t < out):
             out = t

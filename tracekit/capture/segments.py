@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from tracekit.capture.buffers import RowBuffers
 from tracekit.capture.device import DeviceTimer
-from tracekit.capture.osstats import ThreadStats
+from tracekit.capture.osstats import ThreadStats, unavailable_reason
 from tracekit.labels import colour
 from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OS_STEP_END
 
@@ -125,6 +125,43 @@ class Probes:
         self.os: ThreadStats | None = None
         self.threads = threads
         self.rows = rows
+
+    def open_nvtx(self) -> None:
+        """Import `nvtx` (the `gpu` extra): only a recorder that asks for it does."""
+        try:
+            import nvtx  # the `gpu` extra; imported only when asked for
+        except ImportError as e:
+            raise ImportError(
+                "Recorder(nvtx=True) needs the nvtx package: pip install 'tracekit[gpu]'"
+            ) from e
+        self.nvtx = nvtx
+
+    def open_os(self, want: bool | None, *, is_wall_clock: bool) -> dict[str, Any]:
+        """Start the OS reader if asked for (`want` True), or by default (None) where it
+        means something (the clock is wall time). Returns the run's `meta["os_evidence"]`."""
+        why = unavailable_reason()
+        if want is False:
+            why = "switched off (Recorder(os_evidence=False))"
+        elif why is None and want is None and not is_wall_clock:
+            why = (
+                "the recorder's clock is not wall time (OS waits would not lie on it); "
+                "pass os_evidence=True to record anyway"
+            )
+        reader = ThreadStats.open() if why is None else None
+        self.os = reader
+        if reader is None:
+            return {"recorded": False, "reason": why or "unavailable"}
+        return {
+            "recorded": True,
+            "at": "step boundaries (loop thread); segment boundaries (other threads)",
+            **reader.describe(),
+        }
+
+    def close_os(self) -> None:
+        reader = self.os
+        if reader is not None:
+            reader.close()
+            self.os = None
 
     def os_sample(self, kind: int, t: int) -> None:
         """One `os_samples` row for the calling thread, at tick `t`: the loop thread's at
