@@ -145,7 +145,7 @@ def test_flushes_parts_at_the_interval_and_merges_them(tmp_path):
         for _ in range(10):
             with rec.step():
                 rec.emit(["x"])
-        flushed = rec._num_flushes  # parts handed to the writer while running
+        flushed = rec._rows.num_flushes  # parts handed to the writer while running
     assert flushed >= 3  # 10 steps x ~1.2 s each at a 1 s interval
     log = tracekit.load(out)
     assert len(log.steps) == 10 and len(log.emissions) == 10
@@ -183,11 +183,11 @@ def test_an_idle_engine_still_flushes_its_arrivals(tmp_path):
     with rec:
         for i in range(10):  # arrivals only: no step ever runs
             rec.request(f"q{i}")
-        flushed = rec._num_flushes
+        flushed = rec._rows.num_flushes
         with rec.step():  # a step opened on the loop: arrivals meanwhile do not flush it
-            before = rec._num_flushes
+            before = rec._rows.num_flushes
             for i in range(10, 15):
                 rec.request(f"q{i}")
-            assert rec._num_flushes == before
+            assert rec._rows.num_flushes == before
     assert flushed >= 3
     assert len(tracekit.load(tmp_path / "r.npz").requests) == 15

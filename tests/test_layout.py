@@ -182,3 +182,35 @@ def test_public_api_at_the_top(name):
 
     assert name in tracekit.__all__
     assert getattr(tracekit, name) is not None
+
+
+#: Where no class reaches into another object's private state (`other._name`); the other
+#: stages join as they are split the same way.
+OWN_STATE_PACKAGES = ("tracekit.capture",)
+
+
+def private_reach_ins(path: pathlib.Path) -> list[str]:
+    """Every `x._name` in `path` where `x` is not `self` or `cls` (dunder names are not
+    private; a module's own private functions are called by their bare name)."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or (name.startswith("__") and name.endswith("__")):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        out.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return out
+
+
+def test_no_class_reaches_into_another_objects_private_state():
+    bad = [
+        hit
+        for m, path in MODULES.items()
+        if m.startswith(OWN_STATE_PACKAGES)
+        for hit in private_reach_ins(path)
+    ]
+    assert not bad, "private state reached from outside its object:\n" + "\n".join(bad)

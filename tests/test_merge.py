@@ -102,9 +102,9 @@ def record_pair(tmp_path, *, fe_offset_s=0.0, fe_drift=0.0, fe_boot="b1", n=300,
     if kill_core or kill_core_at is not None:
         if kill_core_at is None:
             core._flush()  # what the flush interval would have written; then no stop()
-        core._dispatcher.close()  # every flushed row is in its part, as after a SIGKILL
+        core._rows.dispatcher.close()  # every flushed row is in its part, as after a SIGKILL
         core._running = False
-        tracekit.capture.recorder._ACTIVE.discard(core)
+        tracekit.capture.recorder._ACTIVE.pop(core, None)
         tracekit.capture.signals.cancel_at_exit(core.stop)
     else:
         core.stop()

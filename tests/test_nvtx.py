@@ -121,12 +121,12 @@ def test_ranges_stay_balanced_when_the_engine_raises(fake_nvtx):
 def test_a_failing_step_end_still_pops_its_range(fake_nvtx, monkeypatch):
     rec = Recorder(nvtx=True, gc=False, clock=FakeClock())
     with rec:
-        monkeypatch.setattr(rec, "_end_step", lambda: (_ for _ in ()).throw(OSError("disk")))
+        monkeypatch.setattr(rec._step_cm, "_end", lambda: (_ for _ in ()).throw(OSError("disk")))
         with pytest.raises(OSError):
             with rec.step():
                 pass
         monkeypatch.undo()
-        rec._in_step = False
+        rec._step.is_open = False
     assert fake_nvtx.tree() == [("step", [])]
 
 
@@ -210,7 +210,7 @@ def test_the_real_nvtx_package_accepts_our_ranges():
                     rec.emit(["a"])
             with rec.step(), rec.segment("decode"):
                 raise RuntimeError("engine died")
-    assert rec._nvtx is sys.modules["nvtx"] and not getattr(rec._nvtx, "_fake", 0)
+    assert rec._probes.nvtx is sys.modules["nvtx"] and not getattr(rec._probes.nvtx, "_fake", 0)
     log = rec.log()
     assert len(log.steps) == 4 and int((log.segments.is_device == 1).sum()) == 3
 
@@ -242,7 +242,7 @@ def test_a_device_segment_whose_event_record_fails_pops_its_range(fake_nvtx):
                 with rec.step():
                     with rec.segment("decode", device=True):
                         fake_nvtx.mark("launch")
-            assert rec._tls_stack() == []
+            assert rec._threads.here().stack == []
         fail["opens"] = None
         with rec.step():
             with rec.segment("decode", device=True):

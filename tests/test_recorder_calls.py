@@ -460,7 +460,8 @@ from tracekit.capture import recorder as recorder_module, sinks
 from tracekit.log.validate import validate_log
 
 HERE = os.path.dirname(recorder_module.__file__)
-OURS = {os.path.join(HERE, f) for f in ("recorder.py", "sinks.py", "checks.py")}
+OURS = {os.path.join(HERE, f) for f in ("recorder.py", "sinks.py", "checks.py", "requests.py",
+                                        "buffers.py", "segments.py", "gcpauses.py")}
 tmp = sys.argv[1]
 
 class Clock:

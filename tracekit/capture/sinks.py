@@ -76,8 +76,9 @@ class CaptureError(RuntimeError):
 
 
 class Flush(NamedTuple):
-    """What `Recorder._flush` hands over: the swapped-out buffers and the vocabularies at
-    that moment (lists are copies; nothing here is touched by the engine again)."""
+    """What a flush hands over (`tracekit.capture.buffers.RowBuffers.flush`): the swapped-out
+    buffers and the vocabularies at that moment (lists are copies; nothing here is touched by
+    the engine again)."""
 
     buffers: dict[str, Any]  # table -> array.array of flat rows
     labels: list[str]

@@ -1,0 +1,418 @@
+"""The recorder's request book: request ids interned to handles, what each request has
+been through so far, and the checks and rows of the calls that name requests (arrival,
+admission, prefill chunks, wait reasons, emissions, evictions, readmissions).
+
+A handle is the request's index: the integer `Recorder.request` returns and the
+`*_handles` calls take. The log names requests by the id's string, resolved at flush
+(`names`). Each call checks what it may against what the book knows (a first token before
+its arrival, an admission after the first emission...) and either refuses it or adjusts its
+tick, counting the adjustment in `notes` (warnings at stop).
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from tracekit.capture.buffers import RowBuffers
+from tracekit.capture.checks import as_int, as_int_vector, small_ints
+from tracekit.capture.segments import OpenStep
+from tracekit.capture.sinks import EMIT_CALLS, EMIT_HANDLES
+from tracekit.log.flush import EVICT, READMIT, UNKNOWN_TICK
+
+_ROW6 = struct.Struct("6q").pack
+_ROW4 = struct.Struct("4q").pack
+_ROW3 = struct.Struct("3q").pack
+_ROW2 = struct.Struct("2q").pack
+
+#: Up to this many handles in a list, a call is checked and packed in Python: for a few
+#: values that is cheaper than numpy's fixed cost per operation.
+SMALL = 8
+
+#: A tick never reached: a request not yet admitted, emitted or evicted.
+NEVER = np.iinfo(np.int64).max
+
+
+def bytes_of(rows: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, without a copy (what `array.frombytes` takes)."""
+    return memoryview(rows).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+
+
+def few(values: Any) -> bool:
+    """A list, tuple or 1-D array of at most `SMALL` values (iterators are not: a check
+    would consume them)."""
+    if type(values) is np.ndarray:
+        return values.ndim == 1 and values.size <= SMALL
+    return isinstance(values, (list, tuple)) and len(values) <= SMALL
+
+
+class RequestColumns:
+    """Per request (by index), what the checks of later calls need: its arrival tick
+    (`UNKNOWN_TICK` before `request()`), the ticks of its admission and first eviction
+    (`NEVER` until then), whether `request()` was called and whether it has emitted.
+
+    Each column is an `array.array` (a scalar read or write is a Python int, several times
+    cheaper than a numpy element) with a numpy view of the same memory (`arrival_np`,
+    `emitted_np`) for the checks of a whole batch in one pass. Grown by doubling."""
+
+    __slots__ = (
+        "arrival", "told", "admitted_tick", "emitted", "first_evict", "arrival_np", "emitted_np",
+    )  # fmt: skip
+
+    #: column -> (array typecode, initial value)
+    COLUMNS = {
+        "arrival": ("q", UNKNOWN_TICK),
+        "admitted_tick": ("q", NEVER),
+        "first_evict": ("q", NEVER),
+        "told": ("b", 0),  # request() was called
+        "emitted": ("b", 0),
+    }
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.arrival = self.admitted_tick = self.first_evict = array("q")
+        self.told = self.emitted = array("b")
+        self._fill(0, capacity)
+
+    def _fill(self, old: int, new: int) -> None:
+        for name, (code, init) in self.COLUMNS.items():
+            col = array(code, getattr(self, name))  # a copy: the old column keeps its views
+            col.extend(array(code, [init]) * (new - old))
+            setattr(self, name, col)
+        self.arrival_np = np.frombuffer(self.arrival, dtype=np.int64)
+        self.emitted_np = np.frombuffer(self.emitted, dtype=np.bool_)
+
+    def grow(self, n: int) -> None:
+        cap = len(self.arrival)
+        if n > cap:
+            self._fill(cap, max(n, 2 * cap))
+
+
+class RequestBook:
+    """Every request a recorder has seen, and the rows of the calls that name them.
+
+    `index`: request id -> handle; `names`: handle -> the id's string (the log's name);
+    `notes`: adjusted ticks, by what (warnings at stop). Rows go to `rows` under its lock;
+    evictions, readmissions and emissions are counted in the open `step`."""
+
+    __slots__ = (
+        "index", "names", "notes", "_rows", "_step", "_by_name", "_keys", "_req",
+        "_arrival_max", "_admit_max", "_waited", "_waited_no",
+    )  # fmt: skip
+
+    def __init__(self, rows: RowBuffers, step: OpenStep) -> None:
+        self._rows = rows
+        self._step = step
+        self.index: dict[Any, int] = {}  # request id -> index (its handle)
+        self._by_name: dict[str, int] = {}  # the id's string -> index
+        self._keys: list[Any] = []  # index -> the id as given
+        self.names: list[str] = []
+        self._req = RequestColumns()
+        self._arrival_max = UNKNOWN_TICK  # the latest arrival tick any request has
+        self._admit_max = UNKNOWN_TICK  # the latest admission tick any request has
+        self._waited: set[int] = set()  # the handles given a wait reason in step `_waited_no`
+        self._waited_no = -1
+        self.notes: dict[str, int] = {}  # adjusted ticks, by what: warnings at stop
+
+    def note(self, what: str) -> None:
+        """Count a call whose tick was adjusted to keep the log valid (a warning at stop)."""
+        self.notes[what] = self.notes.get(what, 0) + 1
+
+    # -- ids and handles -------------------------------------------------------------
+    def intern(self, request_id: Any, what: str) -> int:
+        """The request's index; a new one gets the next index and its name. Two ids with
+        one name (``1`` and ``"1"``) are refused: the log names requests by string."""
+        idx = self.index.get(request_id)
+        if idx is not None:
+            return idx
+        with self._rows.lock:
+            idx = self.index.get(request_id)
+            return self._intern_new(request_id, what) if idx is None else idx
+
+    def _intern_new(self, request_id: Any, what: str) -> int:
+        """Intern a request id not seen yet (under the lock)."""
+        name = str(request_id)
+        other = self._by_name.get(name)
+        if other is not None:
+            raise ValueError(
+                f"{what}: request id {request_id!r:.80} ({type(request_id).__name__}) "
+                f"has the same name as the id of request {other} "
+                f"({type(self._keys[other]).__name__}): the log names requests by "
+                "string, so give every request an id of one type"
+            )
+        idx = len(self.names)
+        if idx >= len(self._req.arrival):
+            self._req.grow(idx + 1)
+        self.index[request_id] = idx
+        self._by_name[name] = idx
+        self._keys.append(request_id)
+        self.names.append(name)
+        return idx
+
+    def intern_all(self, request_ids: Iterable[Any], what: str) -> np.ndarray:
+        """The handles of `request_ids`, interning new ones in order (one dict lookup per
+        id, no object per id kept)."""
+        ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+        get = self.index.get
+        found = [get(rid) for rid in ids]
+        if None in found:
+            with self._rows.lock:  # all of them or none: a refused id interns none before it
+                n = len(self.names)
+                try:
+                    found = [
+                        self.intern(rid, what) if i is None else i
+                        for rid, i in zip(ids, found, strict=True)
+                    ]
+                except BaseException:
+                    self.forget_since(n)
+                    raise
+        return np.array(found, dtype=np.int64)
+
+    def forget_since(self, n: int) -> None:
+        """Undo the interning of requests n.. (a call refused after interning them;
+        under the lock, before any row names them)."""
+        for key in self._keys[n:]:
+            self.index.pop(key, None)
+        for name in self.names[n:]:
+            self._by_name.pop(name, None)
+        del self._keys[n:], self.names[n:]
+
+    def check_handles(self, handles: Any, name: str) -> np.ndarray:
+        """Handles as one int64 vector, every one a request of this recorder."""
+        return as_int_vector(handles, name, 0, len(self.names) - 1)
+
+    def check_handle(self, handle: Any, name: str) -> int:
+        return as_int(handle, name, 0, len(self.names) - 1)
+
+    # -- arrival and admission -------------------------------------------------------
+    def arrive(self, request_id: Any, t: int, prompt: int, max_new: int) -> tuple[int, int | None]:
+        """`Recorder.request`'s row: the request's handle, and the arrival tick kept
+        (None: it had arrived before, the first arrival is kept and nothing recorded)."""
+        rows = self._rows
+        with rows.lock:  # one acquisition: interned and told together
+            idx = self.index.get(request_id)
+            if idx is None:
+                idx = self._intern_new(request_id, "request")
+            r = self._req
+            if r.told[idx]:
+                self.note("request() call(s) for a request that had arrived: the first is kept")
+                return idx, None
+            r.told[idx] = True
+            if r.emitted[idx]:  # a first token cannot precede its arrival: not known
+                self.note(
+                    "request arrival(s) told after the request's first emission: kept "
+                    "unknown (NaN), a first token cannot come before its arrival"
+                )
+                t = UNKNOWN_TICK
+            if t > r.admitted_tick[idx]:  # told late: it had arrived by its admission
+                self.note("request arrival(s) after the request's admission, taken as it")
+                t = r.admitted_tick[idx]
+            if t != UNKNOWN_TICK:
+                r.arrival[idx] = t
+                if t > self._arrival_max:
+                    self._arrival_max = t
+            rows.tables["requests"].frombytes(_ROW4(idx, t, prompt, max_new))
+        return idx, t
+
+    def admit(self, idx: int, t: int) -> None:
+        rows = self._rows
+        with rows.lock:
+            r = self._req
+            if r.admitted_tick[idx] != NEVER:
+                return  # admitted before: the log keeps the first admission (docs/ttft.md)
+            arrival = r.arrival[idx]
+            evicted = r.first_evict[idx]
+            if arrival != UNKNOWN_TICK and t < arrival:  # another clock's reading, early
+                self.note("admission tick(s) before the request's arrival, taken as it")
+                t = arrival
+            why = (
+                "after its first emission"
+                if r.emitted[idx]
+                else f"after its first eviction (tick {evicted})"
+                if t > evicted
+                else None
+            )
+            if why is not None:
+                raise ValueError(
+                    f"admit: request {self.names[idx]!r:.80} admitted at tick {t}, {why}: "
+                    "admit a request when the scheduler first takes it"
+                )
+            r.admitted_tick[idx] = t
+            if t > self._admit_max:
+                self._admit_max = t
+            rows.tables["admissions"].frombytes(_ROW2(idx, t))
+
+    # -- the open step's prefill chunks and wait reasons ------------------------------
+    def prefill(self, step: int, idx: int, n: int) -> None:
+        rows = self._rows
+        with rows.lock:
+            rows.tables["prefill_chunks"].frombytes(_ROW3(step, idx, n))
+
+    def prefill_handles(self, handles: Any, num_tokens: Any, step: int) -> None:
+        """`Recorder.prefill_handles`'s rows, checked."""
+        last = len(self.names) - 1
+        if isinstance(handles, (list, tuple)) and len(handles) <= SMALL:  # numpy costs more
+            if not isinstance(num_tokens, (list, tuple, np.ndarray)):
+                num_tokens = list(num_tokens)
+            if len(num_tokens) != len(handles):
+                raise ValueError(
+                    f"prefill_handles: {len(handles)} handles but {len(num_tokens)} num_tokens"
+                )
+            hs, ks = small_ints(handles, 0, last), small_ints(num_tokens)
+            if hs is not None and ks is not None:  # plain ints in range: one pack
+                flat = [step, 0, 0] * len(hs)
+                flat[1::3] = hs
+                flat[2::3] = ks
+                rows = struct.pack(f"{len(flat)}q", *flat)
+            else:  # one value at a time: the first wrong one raises, naming itself
+                rows = b"".join(
+                    _ROW3(
+                        step,
+                        as_int(x, "prefill_handles(handles)", 0, last),
+                        as_int(k, "prefill_handles(num_tokens)"),
+                    )
+                    for x, k in zip(handles, num_tokens, strict=True)
+                )
+        else:
+            h = self.check_handles(handles, "prefill_handles(handles)")
+            n = as_int_vector(num_tokens, "prefill_handles(num_tokens)")
+            if len(n) != len(h):
+                raise ValueError(f"prefill_handles: {len(h)} handles but {len(n)} num_tokens")
+            a = np.empty((len(h), 3), dtype=np.int64)
+            a[:, 0] = step
+            a[:, 1] = h
+            a[:, 2] = n
+            rows = bytes_of(a)  # type: ignore[assignment]
+        with self._rows.lock:
+            self._rows.tables["prefill_chunks"].frombytes(rows)
+
+    def wait(self, request_ids: Iterable[Any], code: int, step: int) -> None:
+        """`Recorder.wait`'s rows: the ids interned and their rows, or neither."""
+        with self._rows.lock:
+            n = len(self.names)
+            try:
+                self.wait_rows(self.intern_all(request_ids, "wait"), code, step)
+            except BaseException:
+                self.forget_since(n)
+                raise
+
+    def wait_rows(self, h: np.ndarray, code: int, step: int) -> None:
+        n = len(h)
+        if not n:
+            return
+        rows = np.empty((n, 3), dtype=np.int64)
+        rows[:, 0] = step
+        rows[:, 1] = h
+        rows[:, 2] = code
+        hl = h.tolist()  # a set of a few hundred ints checks faster than numpy's fancy indexing
+        with self._rows.lock:
+            waited = self._waited
+            if self._waited_no != step:  # the first wait call of this step
+                waited.clear()
+                self._waited_no = step
+            if len(set(hl)) != n or not waited.isdisjoint(hl):
+                # the first place whose request was given a reason before, or is again later
+                i = next(x for k, x in enumerate(hl) if x in waited or x in hl[k + 1 :])
+                raise ValueError(
+                    f"wait: request {self.names[i]!r:.80} has two wait reasons in step "
+                    f"{step} (state one reason per request and step)"
+                )
+            waited.update(hl)
+            self._rows.tables["waits"].frombytes(bytes_of(rows))
+
+    # -- evictions -------------------------------------------------------------------
+    def evict(self, idx: int, t: int, code: int) -> None:
+        rows = self._rows
+        with rows.lock:
+            r = self._req
+            r.first_evict[idx] = min(r.first_evict[idx], t)
+            rows.tables["events"].frombytes(_ROW4(idx, EVICT, t, code))
+            self._step.num_evictions += 1
+
+    def readmit(self, idx: int, t: int) -> None:
+        rows = self._rows
+        with rows.lock:
+            rows.tables["events"].frombytes(_ROW4(idx, READMIT, t, -1))
+            self._step.num_readmissions += 1
+
+    # -- emissions -------------------------------------------------------------------
+    def emit_few(
+        self, hs: list[int], ks: list[int] | None, t: int, dstep: int,
+        segment_row: bytes | None = None,
+    ) -> None:  # fmt: skip
+        """`emit_rows` for a few checked handles (and counts) given as Python ints: the
+        same rows, without numpy; `segment_row`, a window's row appended under the same
+        lock (`Recorder.emit_chunk`)."""
+        n = len(hs)
+        if not n:
+            return
+        st = self._step
+        step = st.no if st.is_open else -1
+        r = self._req
+        rows = self._rows
+        with rows.lock:
+            if segment_row is not None:
+                rows.segments.frombytes(segment_row)
+            if self._arrival_max > t:  # some request arrived after `t`: one of these?
+                arrival = r.arrival
+                latest = max(arrival[x] for x in hs)
+                if latest > t:
+                    self.note("emission tick(s) before the request's arrival, taken as it")
+                    t = latest
+            if self._admit_max > t:  # some request was admitted after `t`: one of these?
+                admitted = r.admitted_tick
+                latest = max((a for a in (admitted[x] for x in hs) if a != NEVER), default=t)
+                if latest > t:
+                    self.note("emission tick(s) before the request's admission, taken as it")
+                    t = latest
+            emitted = r.emitted
+            for x in hs:
+                emitted[x] = 1
+            tables = rows.tables
+            hb = tables[EMIT_HANDLES]
+            at = len(hb)
+            hb.extend(hs)
+            if ks is not None:
+                hb.extend(ks)
+            # last: the call's row commits it (handles without one are never read)
+            tables[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, ks is not None, at))
+            st.num_emit_rows += n
+
+    def emit_rows(self, h: np.ndarray, counts: np.ndarray | None, t: int, dstep: int) -> None:
+        """One emission call: a header row and the handles (and counts), two copies; the
+        dispatcher expands them into one emissions row per request
+        (`tracekit.capture.sinks.expand_emissions`)."""
+        n = len(h)
+        if not n:
+            return
+        st = self._step
+        step = st.no if st.is_open else -1
+        r = self._req
+        rows = self._rows
+        with rows.lock:
+            # no first token before its arrival: a tick from the caller, or one read before
+            # another thread's request() took the lock, may be a little early
+            if self._arrival_max > t:  # some request arrived after `t`: one of these?
+                latest = int(r.arrival_np[h].max())
+                if latest > t:
+                    self.note("emission tick(s) before the request's arrival, taken as it")
+                    t = latest
+            if self._admit_max > t:  # some request was admitted after `t`: one of these?
+                adm = np.frombuffer(r.admitted_tick, dtype=np.int64)[h]
+                adm = adm[adm != NEVER]
+                if len(adm) and int(adm.max()) > t:
+                    self.note("emission tick(s) before the request's admission, taken as it")
+                    t = int(adm.max())
+            r.emitted_np[h] = True
+            tables = rows.tables
+            hb = tables[EMIT_HANDLES]
+            at = len(hb)
+            hb.frombytes(bytes_of(h))
+            if counts is not None:
+                hb.frombytes(bytes_of(counts))
+            # last: the call's row commits it (handles without one are never read)
+            tables[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, counts is not None, at))
+            st.num_emit_rows += n
