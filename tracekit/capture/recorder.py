@@ -60,6 +60,7 @@ from tracekit.capture.sinks import (
     call_sink,
 )
 from tracekit.labels import DEFAULT_CAUSE_MAP, colour
+from tracekit.log.clocks import STEADY_CLOCKS
 from tracekit.log.flush import DTYPES, EVICT, READMIT, TABLES, UNKNOWN_TICK
 from tracekit.log.rawlog import (
     MODES,
@@ -73,9 +74,6 @@ from tracekit.log.rawlog import (
 from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: Clocks that count wall time: OS waits lie on them (`os_evidence` defaults on with them).
-WALL_CLOCKS = (time.perf_counter_ns, time.monotonic_ns)
 
 _NULL_CM = contextlib.nullcontext()
 NVTX_DOMAIN = "tracekit"
@@ -521,7 +519,11 @@ class Recorder:
         why = unavailable_reason()
         if self._want_os is False:
             why = "switched off (Recorder(os_evidence=False))"
-        elif why is None and self._want_os is None and self._clock not in WALL_CLOCKS:
+        elif (
+            why is None
+            and self._want_os is None
+            and getattr(self._clock, "__qualname__", None) not in STEADY_CLOCKS
+        ):
             why = (
                 "the recorder's clock is not wall time (OS waits would not lie on it); "
                 "pass os_evidence=True to record anyway"

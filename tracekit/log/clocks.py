@@ -1,7 +1,8 @@
-"""Putting a server's processes on one clock: each process's fit against the engine core
-(`ClockFit`), from the start ticks where the two read one clock, checked (or, across
-clocks, estimated) with paired stamps whose order causality fixes (`tracekit.log.merge`'s
-module docstring says which).
+"""Clocks: which recorder clocks count wall time (`WALL_CLOCKS`), and putting a server's
+processes on one clock: each process's fit against the engine core (`ClockFit`), from the
+start ticks where the two read one clock, checked (or, across clocks, estimated) with
+paired stamps whose order causality fixes (`tracekit.log.merge`'s module docstring says
+which).
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ import numpy as np
 from tracekit.errors import LogError
 from tracekit.log.processes import ProcessLog, counter, windows
 from tracekit.log.serve_contract import ADDED, FRONT_SEP, FRONTEND, OUT, RECV, SENT, SHARED_CLOCK
+
+#: Recorder clocks (``meta["clock"]``: the clock function's name) that count wall time:
+#: the engine clock is then the wall clock offset by the start, so it maps onto Unix time
+#: from the start alone (`tracekit.live`).
+WALL_CLOCKS = frozenset({"perf_counter_ns", "monotonic_ns", "time_ns"})
+#: Of those, the ones that never step (``time_ns`` follows the system clock's jumps): OS
+#: waits lie on them, so a recorder on one takes OS evidence by default
+#: (`tracekit.capture.recorder`).
+STEADY_CLOCKS = WALL_CLOCKS - {"time_ns"}
 
 #: Paired-stamp bounds may miss 0 by float rounding of the tick conversions.
 CAUSALITY_TOL_S = 1e-7
