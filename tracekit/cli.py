@@ -973,6 +973,7 @@ def fleet_cmd(
     mergeable quantile sketch whose rank error is printed with each value.
     """
     from tracekit.analysis.fleet import rollup, rollup_logs
+    from tracekit.analysis.run import is_run_dir
     from tracekit.render.fleet import fleet_table
 
     ray_address, source = _ray_runs(ray_address, source, 1)
@@ -983,7 +984,7 @@ def fleet_cmd(
 
         mapper = lambda fn, args: ray_imap(fn, args, ray_address)  # noqa: E731
     opts = {"memory_budget_bytes": int(memory_mb * (1 << 20)), "sketch_points": sketch_points}
-    if len(paths) == 1 and os.path.isdir(paths[0]):
+    if len(paths) == 1 and os.path.isdir(paths[0]) and not is_run_dir(paths[0]):  # a dataset
         r = rollup(paths[0], by, mapper=mapper, **opts)
     else:
         r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, limits=_limits(), **opts)
