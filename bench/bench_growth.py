@@ -28,9 +28,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-SEP = "\x1f"
-SHARED = "clock_gettime(CLOCK_MONOTONIC)"
-
 
 def measure(fn: Callable[[], object]) -> tuple[float, float]:
     """(wall seconds, peak traced MB) of one call."""
@@ -91,7 +88,7 @@ def process_dir(n_procs: int) -> str:
 
 
 def make_merge(n: int) -> Callable[[], object]:
-    from tracekit.log.merge import merge_dir
+    from tracekit.analysis.run import merge_run as merge_dir
 
     d = process_dir(n)
     return lambda: merge_dir(d)
@@ -107,9 +104,9 @@ def make_trace(n_windows: int) -> Callable[[], object]:
     then needs n/4 lanes (the shape that made the old layout quadratic)."""
     import dataclasses
 
+    from tracekit.analysis.run import merge_run as merge_dir
     from tracekit.attribution.itl import partition
     from tracekit.attribution.ttft import ttft_partition
-    from tracekit.log.merge import merge_dir
     from tracekit.log.rawlog import ProcSegments
     from tracekit.render import perfetto
     from tracekit.render.client import process_events

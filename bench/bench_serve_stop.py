@@ -46,8 +46,9 @@ def one_stop(model: str, base: str, setting: str, args: argparse.Namespace) -> d
     import numpy as np
 
     from engine_adapters import serve_harness as sh
+    from tracekit.analysis.run import merge_run as merge_dir
     from tracekit.attribution.client import client_partition
-    from tracekit.log.merge import merge_dir
+    from tracekit.log.serve_contract import CORE
 
     extra, env = SETTINGS[setting]
     rec = tempfile.mkdtemp(prefix=f"rec-{setting}-", dir=base)
@@ -58,7 +59,7 @@ def one_stop(model: str, base: str, setting: str, args: argparse.Namespace) -> d
     streams, t_sig_ns, _ = sh.stop_while_streaming(server, bodies, args.after)
     log = merge_dir(rec)
     procs = log.meta["processes"]
-    core = next(i for i, p in enumerate(procs) if p["role"] == "engine_core")
+    core = next(i for i, p in enumerate(procs) if p["role"] == CORE)
     row = log.coverage.process.tolist().index(core)
     core_end = float(log.coverage.t_end_s[row])
     t_sig = t_sig_ns * 1e-9 - log.meta["t0_tick"] * log.meta.get("seconds_per_tick", 1e-9)

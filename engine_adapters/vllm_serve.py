@@ -81,6 +81,20 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# the names the merge reads back: request names' separator, paired-stamp counters, roles
+from tracekit.log.serve_contract import (
+    ADDED,
+    CORE,
+    FRONT_SEP,
+    FRONTEND,
+    HANDLER,
+    OUT,
+    RECV,
+    ROLES,
+    SENT,
+    WORKER,
+)
+
 from ._common import Patches, add_forward
 from .vllm_v1 import VllmV1Adapter
 
@@ -91,13 +105,6 @@ DEFAULT_FLUSH_S = 0.5
 MAX_FLUSH_S = 1.0
 ENV_KILL_FLUSH_S = "TRACEKIT_VLLM_KILL_FLUSH_S"
 DEFAULT_KILL_FLUSH_S = 2.0
-#: Separates the client id from the engine id in the API server's request names.
-FRONT_SEP = "\x1f"
-#: Counter names of the paired stamps (see the module docstring).
-SENT, ADDED, OUT, RECV = "serve.sent", "serve.added", "serve.out", "serve.recv"
-#: Counter (value: the API server's request index) stamped when the request's handler ran.
-HANDLER = "serve.handler"
-ROLES = ("api_server", "engine_core", "worker")
 
 _lock = threading.Lock()
 #: vLLM's logger tree: what the plugin says lands in the server's log.
@@ -372,7 +379,7 @@ def _install_core_hooks() -> None:
             par = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
             tp = getattr(par, "tensor_parallel_size", None)
             rec = recorder_for(
-                "engine_core",
+                CORE,
                 () if live is None else (live,),
                 dp_rank=dp_rank,
                 **({"tp_size": tp} if isinstance(tp, int) else {}),  # the ranks to expect
@@ -590,7 +597,7 @@ def _install_worker_hooks() -> None:
     def make(busy_loop: Callable[..., Any]) -> Callable[..., Any]:
         def worker_busy_loop_recorded(self: Any) -> Any:
             ranks = worker_ranks(self)
-            rec = recorder_for("worker", **ranks)
+            rec = recorder_for(WORKER, **ranks)
             runner = getattr(getattr(self.worker, "worker", None), "model_runner", None)
             patches = Patches()
             if runner is not None:
@@ -926,7 +933,7 @@ def _install_frontend_hooks() -> None:
 
     def wrap_create(create: Callable[..., Any]) -> Callable[..., Any]:
         async def create_handler(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            now = recorder_for("api_server").now()
+            now = recorder_for(FRONTEND).now()
             raw = args[0] if args else kwargs.get("raw_request")
             scope = getattr(raw, "scope", None)
             receipt = scope.get(RECEIPT_KEY) if isinstance(scope, dict) else None
@@ -943,7 +950,7 @@ def _install_frontend_hooks() -> None:
         def add_request(self: Any, request: Any, prompt: Any, parent_req: Any = None,
                         request_index: int = 0, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
             out = add(self, request, prompt, parent_req, request_index, *args, **kwargs)
-            rec = recorder_for("api_server")
+            rec = recorder_for(FRONTEND)
             external = getattr(request, "external_req_id", None) or request.request_id
             name = client_name(external, parent_req, request_index)
             key = f"{name}{FRONT_SEP}{request.request_id}"
@@ -970,7 +977,7 @@ def _install_frontend_hooks() -> None:
         async def add_request_async(self: Any, request: Any) -> Any:
             idx = _front.index.pop(request.request_id, None)
             if idx is not None:
-                recorder_for("api_server").counter(SENT, float(idx))
+                recorder_for(FRONTEND).counter(SENT, float(idx))
             return await send(self, request)
 
         return add_request_async
@@ -979,7 +986,7 @@ def _install_frontend_hooks() -> None:
         async def get_output_async(self: Any) -> Any:
             outputs = await get(self)
             if outputs.outputs:
-                recorder_for("api_server").counter(RECV, float(outputs.timestamp))
+                recorder_for(FRONTEND).counter(RECV, float(outputs.timestamp))
             return outputs
 
         return get_output_async
@@ -987,7 +994,7 @@ def _install_frontend_hooks() -> None:
     def wrap_timed(label: str) -> Callable[..., Callable[..., Any]]:
         def make(fn: Callable[..., Any]) -> Callable[..., Any]:
             def timed(*args: Any, **kwargs: Any) -> Any:
-                with recorder_for("api_server").segment(label):
+                with recorder_for(FRONTEND).segment(label):
                     return fn(*args, **kwargs)
 
             return timed
@@ -1016,7 +1023,7 @@ def _install_frontend_hooks() -> None:
 
         def wrap_tokenize(tokenize: Callable[..., Any]) -> Callable[..., Any]:
             async def tokenize_prompts_async(*args: Any, **kwargs: Any) -> Any:
-                rec = recorder_for("api_server")
+                rec = recorder_for(FRONTEND)
                 t0 = rec.now()
                 try:
                     return await tokenize(*args, **kwargs)
@@ -1082,7 +1089,7 @@ def _install_receipt_hooks(p: Patches) -> None:
 
         def wrap_begin(begin: Callable[..., Any]) -> Callable[..., Any]:
             def on_message_begin(self: Any) -> Any:
-                t = recorder_for("api_server").now()
+                t = recorder_for(FRONTEND).now()
                 out = begin(self)
                 scope = getattr(self, "scope", None)
                 if isinstance(scope, dict):
@@ -1099,7 +1106,7 @@ def _install_receipt_hooks(p: Patches) -> None:
 
     def wrap_received(received: Callable[..., Any]) -> Callable[..., Any]:
         def data_received(self: Any, data: Any) -> Any:
-            t = recorder_for("api_server").now()
+            t = recorder_for(FRONTEND).now()
             cycle = getattr(self, "cycle", None)
             if cycle is None or getattr(cycle, "response_complete", True):
                 self._tracekit_first_byte = t  # these bytes start a new request
@@ -1158,7 +1165,7 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
     async def completion_stream_generator(self: Any, request: Any, engine_inputs: Any,
                                           result_generator: Any, *args: Any,
                                           **kwargs: Any) -> Any:  # fmt: skip
-        rec = recorder_for("api_server")
+        rec = recorder_for(FRONTEND)
         n = 1 if getattr(request, "n", None) is None else int(request.n)
         pending: dict[int, deque[int]] = defaultdict(deque)  # tokens of each chunk to come
         names: dict[int, str] = {}  # choice -> its request's name at the client boundary
@@ -1211,7 +1218,7 @@ def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
 
     async def chat_completion_stream_generator(self: Any, request: Any, result_generator: Any,
                                                *args: Any, **kwargs: Any) -> Any:  # fmt: skip
-        rec = recorder_for("api_server")
+        rec = recorder_for(FRONTEND)
         n = 1 if getattr(request, "n", None) is None else int(request.n)
         seen: dict[int, int] = defaultdict(int)  # tokens of each choice's outputs so far
         sent: dict[int, int] = defaultdict(int)  # ... that chunks carried

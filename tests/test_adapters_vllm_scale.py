@@ -145,7 +145,7 @@ def scaled(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scaled_runs(scaled):
-    from tracekit.log.merge import merge_dir
+    from tracekit.analysis.run import merge_run as merge_dir
 
     return [merge_dir(scaled["dir"], engine=k) for k in (0, 1)]
 
@@ -159,8 +159,8 @@ def test_every_api_server_left_a_whole_log_after_sigterm(scaled):
 
 
 def test_data_parallel_runs_are_merged_per_engine_core(scaled, scaled_runs):
+    from tracekit.analysis.run import merge_run as merge_dir
     from tracekit.errors import LogError
-    from tracekit.log.merge import merge_dir
 
     with pytest.raises(LogError, match="--engine"):
         merge_dir(scaled["dir"])
@@ -268,7 +268,7 @@ def tp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp_run(tp):
-    from tracekit.log.merge import merge_dir
+    from tracekit.analysis.run import merge_run as merge_dir
 
     return merge_dir(tp["dir"])
 

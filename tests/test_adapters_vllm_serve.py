@@ -93,7 +93,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def merged(served):
-    from tracekit.log.merge import merge_dir
+    from tracekit.analysis.run import merge_run as merge_dir
 
     return merge_dir(served["dir"])
 
@@ -416,7 +416,7 @@ def test_every_process_records_os_evidence(served, merged):
     its partitions have the OS causes), the API server at its `with segment()` windows'
     ends (threads without steps); the worker's reader is on too."""
     from tracekit.attribution.itl import partition
-    from tracekit.log.merge import process_logs
+    from tracekit.log.processes import process_logs
     from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OS_STEP_END, OS_STEP_START
 
     logs = {p.identity["role"]: p.log for p in process_logs(served["dir"])}

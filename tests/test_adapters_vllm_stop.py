@@ -67,7 +67,7 @@ def stopped(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def merged(stopped):
-    from tracekit.log.merge import merge_dir
+    from tracekit.analysis.run import merge_run as merge_dir
 
     return merge_dir(stopped["dir"])
 

@@ -25,7 +25,7 @@ from procs import env, tracekit_cmd
 from synthlog import synthetic_log
 from test_merge import record_pair
 
-from tracekit.log.merge import merge_dir
+from tracekit.analysis.run import merge_run as merge_dir
 from tracekit.log.reader import load
 
 #: Seconds a case may take before it counts as a hang.

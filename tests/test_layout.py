@@ -214,3 +214,64 @@ def test_no_class_reaches_into_another_objects_private_state():
         for hit in private_reach_ins(path)
     ]
     assert not bad, "private state reached from outside its object:\n" + "\n".join(bad)
+
+
+# -- the serve wire contract: spelled out in one module -----------------------------------
+
+CONTRACT = PKG / "log" / "serve_contract.py"
+#: Where the contract's names are written into logs and read back: the package, the
+#: engine adapters (the vLLM serve plugin) and the benches.
+CONTRACT_READERS = [
+    *sorted(PKG.rglob("*.py")),
+    *sorted((ROOT / "engine_adapters").glob("*.py")),
+    *sorted((ROOT / "bench").glob("*.py")),
+]
+
+
+def contract_values() -> tuple[set[str], set[str]]:
+    """(every string value the contract defines, the roles among them)."""
+    from tracekit.log import serve_contract as sc
+
+    values = {v for k, v in vars(sc).items() if k.isupper() and isinstance(v, str)}
+    return values, set(sc.ROLES)
+
+
+def test_the_serve_contract_is_defined_in_one_module():
+    """No other module binds a module-level name to one of the contract's values (a second
+    definition of a counter name, the separators, a role, the shared clock), spells a
+    counter name, a separator or the shared clock as a bare literal anywhere (``"\\x1f"``
+    in an f-string included), or compares a role with a bare literal."""
+    values, roles = contract_values()
+    # "~" alone is too common a string to ban outside assignments (paths, formats)
+    bare_banned = {v for v in values if v not in roles and len(v) > 1} | {
+        v for v in values if v == "\x1f"
+    }
+    assert "serve.added" in bare_banned and "\x1f" in bare_banned
+    bad = []
+    for path in CONTRACT_READERS:
+        if path == CONTRACT:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(ROOT)
+        for node in tree.body:  # module-level names bound to a contract value
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                value = node.value
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    pairs = [(t, value)]
+                    if isinstance(t, ast.Tuple) and isinstance(value, ast.Tuple):
+                        pairs = list(zip(t.elts, value.elts, strict=False))
+                    for tt, v in pairs:
+                        if isinstance(v, ast.Constant) and v.value in values:
+                            name = tt.id if isinstance(tt, ast.Name) else "?"
+                            bad.append(f"{where}:{node.lineno} defines {name} = {v.value!r}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in bare_banned:
+                bad.append(f"{where}:{node.lineno} spells out {node.value!r}")
+            if isinstance(node, ast.Compare):
+                for side in [node.left, *node.comparators]:
+                    elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                    for e in elts:
+                        if isinstance(e, ast.Constant) and e.value in roles:
+                            bad.append(f"{where}:{node.lineno} compares with {e.value!r}")
+    assert not bad, "use tracekit.log.serve_contract's names:\n" + "\n".join(bad)

@@ -12,8 +12,9 @@ import pytest
 
 import tracekit
 import tracekit.capture.signals
+from tracekit.analysis.run import merge_run as merge_dir
 from tracekit.errors import LogError
-from tracekit.log.merge import estimate_offset, merge_dir
+from tracekit.log.clocks import estimate_offset
 
 SEP = "\x1f"
 SHARED = "clock_gettime(CLOCK_MONOTONIC)"

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import tracekit
+from tracekit.analysis.run import merge_run as merge_dir
 from tracekit.attribution.itl import partition
-from tracekit.log.merge import merge_dir
 
 SHARED = "clock_gettime(CLOCK_MONOTONIC)"
 
@@ -295,7 +295,7 @@ def test_a_ranks_waits_are_counted_once_where_they_overlap():
     """The time a rank's waits (collectives, GC, stalls) cover in each OS interval is
     their union's: [0, 2] and [1, 3] overlap (union [0, 3]), [5, 6] apart. Over [0, 10]:
     3 + 1 = 4; over [2.5, 5.5]: 0.5 + 0.5 = 1; over [7, 8]: 0; over [-1, 0.5]: 0.5."""
-    from tracekit.log.merge import _covered
+    from tracekit.attribution.tp import _covered
 
     w = np.array([[5.0, 6.0], [1.0, 3.0], [0.0, 2.0]])
     got = _covered(w, np.array([0.0, 2.5, 7.0, -1.0]), np.array([10.0, 5.5, 8.0, 0.5]))

@@ -18,8 +18,8 @@ from tracekit.analysis.gaps import requests_named
 from tracekit.attribution.reference import ttft_partition_reference
 from tracekit.attribution.ttft import ttft_partition
 from tracekit.errors import LogError
-from tracekit.log.merge import distinct_names
 from tracekit.log.rawlog import Requests
+from tracekit.log.request_identity import distinct_names
 
 
 def _served_log():

@@ -22,10 +22,10 @@ from test_frontend import _hand_log, _random_serve_log, _row, serve_log
 from test_merge import record_pair
 
 import tracekit
+from tracekit.analysis.run import merge_run as merge_dir
 from tracekit.analysis.unrecorded import unrecorded_report
 from tracekit.attribution.client import FRONTEND_LABELS, client_gaps, client_partition
 from tracekit.attribution.reference import client_partition_reference
-from tracekit.log.merge import merge_dir
 from tracekit.log.parts import merge_parts
 from tracekit.log.rawlog import Coverage
 

@@ -4,6 +4,8 @@ The stable API (scripts written against these names keep working when modules mo
 
 - `Recorder`: record what every engine step did into a raw log (`tracekit.capture`);
 - `load` and `RawLog`: read one run's raw log, validated (`tracekit.log`);
+- `open_run`: open a run in any form it takes on disk (a raw log, a killed recorder's
+  parts, a multi-process server's directory), validated (`tracekit.analysis.run`);
 - `partition`, `ttft_partition`, `client_partition`: every inter-token gap, every
   time-to-first-token and every client-side gap split exclusively by cause
   (`tracekit.attribution`);
@@ -38,6 +40,7 @@ _LAZY = {
     "gap_records": "tracekit.analysis.gaps",
     "compare": "tracekit.analysis.compare",
     "verdict": "tracekit.analysis.verdict",
+    "open_run": "tracekit.analysis.run",
 }
 
 __all__ = [

@@ -153,22 +153,13 @@ def _limits() -> dict[str, Any]:
     return dict(click.get_current_context().meta.get(_LIMITS_KEY, {}))
 
 
-def _load(path: str, **limits: Any) -> Any:
-    """A raw log, or the run merged from a directory of per-process logs (`tracekit merge`)."""
-    from tracekit.log.merge import is_process_dir, merge_dir
-    from tracekit.log.reader import load
-
-    if is_process_dir(path):
-        return merge_dir(path, **limits)
-    return load(path, **limits)
-
-
 def _analyze_one(path: str, **limits: Any) -> Any:
     from tracekit.allocator import keep_freed_memory
     from tracekit.analysis.figures import analyze
+    from tracekit.analysis.run import open_run
 
     keep_freed_memory()  # once per process: ~40% of a run's analysis was page faults
-    return analyze(_load(path, **limits))
+    return analyze(open_run(path, **limits))
 
 
 def _map_with_progress(
@@ -322,11 +313,12 @@ def gaps(
     --boundary client, the gaps between a server's streamed chunks (engine labels, then
     the API server's), with each chunk's tokens and the engine/frontend split."""
     from tracekit.analysis.gaps import client_gap_records, gap_records
+    from tracekit.analysis.run import open_run
     from tracekit.attribution.itl import partition
 
     if fmt is None:
         fmt = "table" if output is None and sys.stdout.isatty() else "jsonl"
-    log = _load(run, **_limits())
+    log = open_run(run, **_limits())
     _warn(log.path, log.warnings)
     if boundary == "client":
         if not len(log.client_emissions):
@@ -402,10 +394,11 @@ def ttft(
     TTFT (checked; a mismatch is an error). A log without admission events (schema v1, the
     published layout) is unsplit: the output says so.
     """
+    from tracekit.analysis.run import open_run
     from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
     from tracekit.render import text
 
-    log = _load(run, **_limits())
+    log = open_run(run, **_limits())
     _warn(log.path, log.warnings)
     p = ttft_partition(log)
     _warn(log.path, [f"TTFT: {n}" for n in p.notes])
@@ -493,8 +486,8 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     against the engine core and its uncertainty. `analyze`, `report` and `trace` also
     accept DIRECTORY itself. A data-parallel server has one engine core per rank: merge
     each rank's run with --engine RANK (its steps, workers and requests)."""
+    from tracekit.analysis.run import save_merged
     from tracekit.analysis.unrecorded import unrecorded_report
-    from tracekit.log.merge import save_merged
 
     log = save_merged(directory, output, force=force, engine=engine, **_limits())
     _warn(directory, log.warnings)
@@ -614,6 +607,7 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     runs."""
     import time
 
+    from tracekit.analysis.run import open_run
     from tracekit.attribution.itl import partition
     from tracekit.attribution.timeline import PreparedRun
     from tracekit.attribution.ttft import ttft_partition
@@ -622,7 +616,7 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     t_start = time.perf_counter()
     win = perfetto.parse_window(window) if window else None
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
-    log = _load(run, **_limits())
+    log = open_run(run, **_limits())
     _warn(log.path, log.warnings)
     if win is not None:
         lo, hi = _run_span_s(log)
@@ -768,11 +762,12 @@ def _open_in_browser(path: str) -> None:
 
 def _whatif_parts(path: str, **limits: Any) -> tuple[Any, Any, Any]:
     """A log, its ITL partition and its TTFT partition."""
+    from tracekit.analysis.run import open_run
     from tracekit.attribution.itl import partition
     from tracekit.attribution.timeline import PreparedRun
     from tracekit.attribution.ttft import ttft_partition
 
-    log = _load(path, **limits)
+    log = open_run(path, **limits)
     prep = PreparedRun(log)  # one timeline for both partitions
     return log, partition(log, run=prep), ttft_partition(log, run=prep)
 
@@ -983,6 +978,7 @@ def fleet_cmd(
     mergeable quantile sketch whose rank error is printed with each value.
     """
     from tracekit.analysis.fleet import rollup, rollup_logs
+    from tracekit.analysis.run import is_run_dir
     from tracekit.render.fleet import fleet_table
 
     ray_address, source = _ray_runs(ray_address, source, 1)
@@ -993,7 +989,7 @@ def fleet_cmd(
 
         mapper = lambda fn, args: ray_imap(fn, args, ray_address)  # noqa: E731
     opts = {"memory_budget_bytes": int(memory_mb * (1 << 20)), "sketch_points": sketch_points}
-    if len(paths) == 1 and os.path.isdir(paths[0]):
+    if len(paths) == 1 and os.path.isdir(paths[0]) and not is_run_dir(paths[0]):  # a dataset
         r = rollup(paths[0], by, mapper=mapper, **opts)
     else:
         r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, limits=_limits(), **opts)

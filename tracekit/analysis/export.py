@@ -213,11 +213,11 @@ def export_one(
     `limits`: `load`'s bounds on reading the log (``max_inflate_mb``, ...)."""
     from tracekit.allocator import keep_freed_memory
     from tracekit.analysis.figures import analyze
+    from tracekit.analysis.run import open_run
     from tracekit.attribution.itl import partition
-    from tracekit.log.reader import load
 
     keep_freed_memory()
-    log = load(path, **dict(limits or {}))
+    log = open_run(path, **dict(limits or {}))
     part = partition(log)
     if "clean" in part.causes:  # `primary` says `clean` for a gap without a cause
         raise DatasetError(
@@ -265,11 +265,13 @@ def _absent_keys(paths: Sequence[str], keys: Sequence[str], limits: Mapping[str,
 
 
 def _config_of(path: str, limits: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A log's config: its `config` member alone where it has one (v1), else the loaded
-    log's (the published layout keeps it elsewhere)."""
+    """A log's config: its `config` member alone where it has one (v1), else the opened
+    run's (the published layout keeps it elsewhere; a run directory is opened whole)."""
+    from tracekit.analysis.run import is_run_dir, open_run
     from tracekit.log.archive import read_npz
-    from tracekit.log.reader import load
 
+    if is_run_dir(path):
+        return open_run(path, **dict(limits)).config
     z, _ = read_npz(path, lambda names: [n for n in names if n == "config"],
                     max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
     if "config" in z:
@@ -279,7 +281,7 @@ def _config_of(path: str, limits: Mapping[str, Any]) -> Mapping[str, Any]:
             cfg = None
         if isinstance(cfg, dict):
             return cfg
-    return load(path, **dict(limits)).config
+    return open_run(path, **dict(limits)).config
 
 
 def _table(cols: Mapping[str, Any]):

@@ -1,8 +1,8 @@
 """Tensor parallel: which rank held each slow step (docs/adapters.md, "Tensor parallel").
 
 A merged tensor-parallel run carries, in the engine core's steps, segments labelled
-``rankR:CAUSE`` (`tracekit.log.merge.carve_tp_waits`): time the step waited on rank R, late
-at a collective, by what R was doing meanwhile. From them, per run:
+``rankR:CAUSE`` (`tracekit.attribution.tp.carve_tp_waits`): time the step waited on rank
+R, late at a collective, by what R was doing meanwhile. From them, per run:
 
 - a step's *wait on rank R*: the summed length of its ``rankR:*`` segments;
 - the step's *holder*: the rank with the most wait in it (a tie goes to the lower rank); a
@@ -28,7 +28,8 @@ from tracekit.attribution.itl import Partition
 from tracekit.formats import json_safe
 from tracekit.log.rawlog import RawLog
 
-#: A label of time a step waited on a tensor-parallel rank (`tracekit.log.merge.tp_label`).
+#: A label of time a step waited on a tensor-parallel rank
+#: (`tracekit.attribution.tp.tp_label`).
 RANK_LABEL = re.compile(r"^rank(\d+):(.+)$")
 
 

@@ -24,6 +24,7 @@ from tracekit.attribution.client import (
 )
 from tracekit.log.merge import missing_line
 from tracekit.log.rawlog import RawLog
+from tracekit.log.serve_contract import ADDED, CORE, FRONTEND
 
 
 def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[dict[str, Any]]:
@@ -41,7 +42,7 @@ def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[di
         for r in range(len(cov))
         if int(cov.process[r]) < len(procs)
         and isinstance(procs[int(cov.process[r])], dict)
-        and procs[int(cov.process[r])].get("role") == "api_server"
+        and procs[int(cov.process[r])].get("role") == FRONTEND
     ]
     first_api = min(api_starts, default=None)  # the earliest API server's recorder start
     for row in range(len(cov)):
@@ -51,7 +52,7 @@ def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[di
         ms, n = _unrecorded_of(log, cp, k, role, core)
         clean = bool(cov.is_clean_stop[row])
         t0, t1 = float(cov.t_start_s[row]), float(cov.t_end_s[row])
-        early = _added_before(log, t0) if role == "api_server" and t0 == first_api else 0
+        early = _added_before(log, t0) if role == FRONTEND and t0 == first_api else 0
         if clean and ms <= 0 and not early:
             continue
         what = f"{role} pid {p.get('pid', '?')}"
@@ -67,7 +68,7 @@ def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[di
             )
         # client gaps depend on the engine core and the API servers only (workers' time is
         # inside the engine core's forward windows)
-        depends = role in ("engine_core", "api_server") or k == core
+        depends = role in (CORE, FRONTEND) or k == core
         lost = (
             f", {ms / 1e3:.3f} s of client gap time unrecorded ({n} gaps)" if cp and depends else ""
         )
@@ -85,10 +86,10 @@ def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[di
 def _added_before(log: RawLog, t_s: float) -> int:
     """Requests the engine core added (counter ``serve.added``) before `t_s`: an API server
     must have sent them, but none was recording yet."""
-    if "serve.added" not in log.counter_names:
+    if ADDED not in log.counter_names:
         return 0
     c = log.counters
-    m = c.name == log.counter_names.index("serve.added")
+    m = c.name == log.counter_names.index(ADDED)
     return int((c.t_s[m] < t_s).sum())
 
 
@@ -100,7 +101,7 @@ def _unrecorded_of(
         return 0.0, 0
     if k == core and UNRECORDED_CORE in cp.labels:
         v = cp.column(UNRECORDED_CORE)
-    elif role == "api_server" and UNRECORDED_API in cp.labels:
+    elif role == FRONTEND and UNRECORDED_API in cp.labels:
         # each gap's frontend part depends on the API server that wrote its later chunk
         v = np.where(client_gaps(log).process == k, cp.column(UNRECORDED_API), 0.0)
     else:

@@ -63,6 +63,7 @@ from tracekit.attribution.itl import RECONCILE_TOL_MS, itl_labels, partition, pr
 from tracekit.attribution.timeline import PreparedRun, prepared
 from tracekit.errors import ReconcileError
 from tracekit.log.rawlog import Emissions, Evictions, RawLog, Requests
+from tracekit.log.serve_contract import CORE, FRONTEND
 
 #: Frontend labels, in the order that owns an overlap first.
 FRONTEND_PRECEDENCE = ("frontend_gc", "sse_write", "output", "input")
@@ -158,7 +159,7 @@ def core_process(log: RawLog) -> int:
     """The engine core's index in ``meta["processes"]`` (0 where none is named)."""
     procs = log.meta.get("processes", [])
     for i, p in enumerate(procs if isinstance(procs, list) else []):
-        if isinstance(p, dict) and p.get("role") == "engine_core":
+        if isinstance(p, dict) and p.get("role") == CORE:
             return i
     return 0
 
@@ -287,7 +288,7 @@ def engine_part_log(
 
 def _frontend_processes(log: RawLog) -> list[int]:
     procs = log.meta.get("processes", [])
-    return [i for i, p in enumerate(procs) if isinstance(p, dict) and p.get("role") == "api_server"]
+    return [i for i, p in enumerate(procs) if isinstance(p, dict) and p.get("role") == FRONTEND]
 
 
 def frontend_windows(log: RawLog, process: int | None = None) -> list[tuple[float, float, int]]:

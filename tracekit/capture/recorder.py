@@ -69,14 +69,12 @@ from tracekit.capture.segments import (
 )
 from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, call_sink
 from tracekit.labels import DEFAULT_CAUSE_MAP
+from tracekit.log.clocks import STEADY_CLOCK_FUNCTIONS
 from tracekit.log.flush import UNKNOWN_TICK
 from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
 from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: Clocks that count wall time: OS waits lie on them (`os_evidence` defaults on with them).
-WALL_CLOCKS = (time.perf_counter_ns, time.monotonic_ns)
 
 _NULL_CM = contextlib.nullcontext()
 
@@ -225,7 +223,7 @@ class Recorder:
             "source": "tracekit",
         }
         meta["os_evidence"] = self._probes.open_os(
-            self._want_os, is_wall_clock=self._clock in WALL_CLOCKS
+            self._want_os, is_wall_clock=self._clock in STEADY_CLOCK_FUNCTIONS
         )
         if self._device is not None:
             meta["device_calibration"] = self._device.attach(

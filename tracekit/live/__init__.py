@@ -28,7 +28,6 @@ from typing import Any
 
 # re-exported: every name `from tracekit.live import ...` has given (the sink, its clocks
 # and logger, the settler's buckets and TTFT partitioner, what it measured)
-from tracekit.live.metrics import WALL_CLOCKS as WALL_CLOCKS
 from tracekit.live.metrics import LiveMetrics as LiveMetrics
 from tracekit.live.metrics import log as log
 from tracekit.live.settler import GAP_BUCKETS_S as GAP_BUCKETS_S
@@ -41,6 +40,7 @@ from tracekit.live.stats import LiveTotals as LiveTotals
 from tracekit.live.stats import WallView as WallView
 from tracekit.live.stats import WorkerStats as WorkerStats
 from tracekit.live.traceparent import parse_traceparent as parse_traceparent
+from tracekit.log.clocks import WALL_CLOCKS as WALL_CLOCKS
 
 
 def attach(recorder: Any, sink: Any) -> Any:

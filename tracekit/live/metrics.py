@@ -33,12 +33,9 @@ from tracekit.live.settler import (
 )
 from tracekit.live.stats import GapExemplar, LiveTotals, WallView, WorkerStats
 from tracekit.live.traceparent import parse_traceparent
+from tracekit.log.clocks import WALL_CLOCKS
 
 log = logging.getLogger("tracekit.live")
-
-#: Recorder clocks (``meta["clock"]``) that count wall time: the engine clock is then the
-#: wall clock offset by the start, so it maps onto Unix time from the start alone.
-WALL_CLOCKS = frozenset({"perf_counter_ns", "monotonic_ns", "time_ns"})
 
 
 def _missing_extra(e: ImportError) -> ImportError:

@@ -1,7 +1,7 @@
 """What the OS did to a recording thread between its consecutive samples (the raw log's
 `os_samples`, docs/partition.md "OS evidence"): the intervals the partitions
-(`tracekit.attribution.timeline`) and the merge's tensor-parallel rule
-(`tracekit.log.merge.tp_waits`) take the OS's shares from."""
+(`tracekit.attribution.timeline`) and the tensor-parallel rule
+(`tracekit.attribution.tp.tp_waits`) take the OS's shares from."""
 
 from __future__ import annotations
 
