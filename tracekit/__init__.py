@@ -13,23 +13,31 @@ The stable API (scripts written against these names keep working when modules mo
   runs and what it says (`tracekit.analysis`);
 - the errors: `TracekitError` and its kinds.
 
-`import tracekit` loads only what recording needs (an engine process imports it at
-startup); the analysis names are resolved on first use (PEP 562 `__getattr__`).
+`import tracekit` loads nothing but the errors and the version: every name above is
+resolved on first use (PEP 562 `__getattr__`), so a process that only imports a small
+module of the package (the vLLM plugin, inert until asked to record, reads
+`tracekit.log.serve_contract`) pays for nothing else, and one that records loads only the
+recorder.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tracekit.capture.recorder import Recorder
 from tracekit.errors import InternalError, LogError, ReconcileError, TracekitError, UsageError
-from tracekit.log.rawlog import RawLog
-from tracekit.log.reader import load
 from tracekit.version import __version__
+
+if TYPE_CHECKING:  # the lazy names' types, for type checkers (resolved at run time below)
+    from tracekit.capture.recorder import Recorder as Recorder
+    from tracekit.log.rawlog import RawLog as RawLog
+    from tracekit.log.reader import load as load
 
 #: public name -> the module that defines it, imported on first use
 _LAZY = {
+    "Recorder": "tracekit.capture.recorder",
+    "RawLog": "tracekit.log.rawlog",
+    "load": "tracekit.log.reader",
     "partition": "tracekit.attribution.itl",
     "Partition": "tracekit.attribution.itl",
     "ttft_partition": "tracekit.attribution.ttft",
@@ -46,12 +54,9 @@ _LAZY = {
 __all__ = [
     "InternalError",
     "LogError",
-    "RawLog",
-    "Recorder",
     "ReconcileError",
     "TracekitError",
     "UsageError",
-    "load",
     "__version__",
     *_LAZY,
 ]
