@@ -63,21 +63,18 @@ class ItlConventions:
             tokens_per_chunk_mean=d["tokens_per_chunk_mean"],
         )
 
-    def by_name(self, name: str) -> ItlStats:
-        """The convention named as in the record (``per_chunk``, ``per_token``,
-        ``per_engine_step``)."""
-        if name not in ("per_chunk", "per_token", "per_engine_step"):
-            raise KeyError(name)
-        stats: ItlStats = getattr(self, name)
-        return stats
+    def named(self) -> tuple[tuple[str, ItlStats], ...]:
+        """The three conventions in order, each with its record key."""
+        return (
+            ("per_chunk", self.per_chunk),
+            ("per_token", self.per_token),
+            ("per_engine_step", self.per_engine_step),
+        )
 
     def to_record(self) -> dict[str, Any]:
-        return {
-            "per_chunk": self.per_chunk.to_record(),
-            "per_token": self.per_token.to_record(),
-            "per_engine_step": self.per_engine_step.to_record(),
-            "tokens_per_chunk_mean": self.tokens_per_chunk_mean,
-        }
+        out: dict[str, Any] = {key: stats.to_record() for key, stats in self.named()}
+        out["tokens_per_chunk_mean"] = self.tokens_per_chunk_mean
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,11 +16,12 @@ from tracekit.analysis.figures import RunAnalysis
 from tracekit.analysis.results import ClientSummary, SpecAcceptance
 from tracekit.log.rawlog import RawLog
 
-CONVENTIONS = (
-    ("per_chunk", "per chunk (client gap)"),
-    ("per_token", "per token (chunk gap / its tokens)"),
-    ("per_engine_step", "per engine step (engine gap)"),
-)
+#: How each ITL convention (`tracekit.analysis.results.ItlConventions`) is titled.
+CONVENTIONS = {
+    "per_chunk": "per chunk (client gap)",
+    "per_token": "per token (chunk gap / its tokens)",
+    "per_engine_step": "per engine step (engine gap)",
+}
 
 
 def _ms(x: float | None, nd: int = 2) -> str:
@@ -48,8 +49,8 @@ def client_text(c: ClientSummary | None) -> str:
         f"reconcile max err {err:.1e} ms",
         f"{'ITL ms':<38}{'p50':>9}{'p90':>9}{'p99':>9}{'mean':>9}{'n':>7}",
     ]
-    for key, name in CONVENTIONS:
-        v = itl.by_name(key)
+    for key, v in itl.named():
+        name = CONVENTIONS[key]
         lines.append(
             f"{name:<38}{_ms(v.p50_ms):>9}{_ms(v.p90_ms):>9}{_ms(v.p99_ms):>9}"
             f"{_ms(v.mean_ms):>9}{v.num_values:>7}"
@@ -160,10 +161,9 @@ def client_html(runs: Sequence[tuple[str, ClientSummary | None]]) -> str:
         itl = c.itl_ms
         tail = c.tail_share or {}
         rows = "".join(
-            f"<tr><td>{e(label)}</td><td>{_ms(v.p50_ms)}</td><td>{_ms(v.p90_ms)}</td>"
+            f"<tr><td>{e(CONVENTIONS[k])}</td><td>{_ms(v.p50_ms)}</td><td>{_ms(v.p90_ms)}</td>"
             f"<td>{_ms(v.p99_ms)}</td><td>{_ms(v.mean_ms)}</td><td>{v.num_values}</td></tr>"
-            for k, label in CONVENTIONS
-            for v in (itl.by_name(k),)
+            for k, v in itl.named()
         )
         share = "".join(
             f"<tr><td>{e(lb)}</td><td>{_pct(c.all_share.get(lb))}</td>"
