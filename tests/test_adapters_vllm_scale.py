@@ -402,7 +402,7 @@ def test_the_slowest_gap_was_held_by_the_stalled_rank(tp_run):
     from tracekit.attribution.itl import partition
 
     p = partition(tp_run)
-    v = analyze(tp_run, p).tp_ranks
+    v = analyze(tp_run, p).tp_ranks.to_dict()
     worst = int(p.step1[int(np.argmax(p.gap_ms))])
     steps = {s["step"]: s for s in v["slow_steps"]}
     assert worst in steps, (worst, sorted(steps))

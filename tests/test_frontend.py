@@ -304,10 +304,11 @@ def test_spec_acceptance_per_position_hand_derived():
     assert acc["mean_accepted_length"] == pytest.approx(2.0)
     assert acc["accepted_per_pos"] == [2.0, 1.0, 0.0]
     assert acc["acceptance_per_pos"] == pytest.approx([2 / 3, 1 / 3, 0.0])
+    from tracekit.analysis.results import SpecAcceptance
     from tracekit.render.client import spec_positions_html, spec_positions_text
 
-    assert "1: 66.7%, 2: 33.3%, 3: 0.0%" in spec_positions_text(acc)
-    assert "<th>position 3</th>" in spec_positions_html([("run", acc)])
+    assert "1: 66.7%, 2: 33.3%, 3: 0.0%" in spec_positions_text(SpecAcceptance.of(acc))
+    assert "<th>position 3</th>" in spec_positions_html([("run", SpecAcceptance.of(acc))])
     # beside ITL in analyze's figures, its text and the report's section
     from tracekit.analysis.figures import analyze
     from tracekit.render.client import spec_html

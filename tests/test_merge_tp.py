@@ -176,7 +176,7 @@ def test_which_rank_held_each_slow_step_by_hand(tmp_path):
     assert p.reconcile_max_err_ms < 1e-6
     assert np.allclose(np.sort(p.gap_ms), [10] * 248 + [30, 31, 32])
     a = analyze(run, p)
-    v = a.tp_ranks
+    v = a.tp_ranks.to_dict()
     assert v["itl_p99_ms"] == pytest.approx(20.0)
     steps = {s["step"]: s for s in v["slow_steps"]}
     assert sorted(steps) == [2, 4, 6]

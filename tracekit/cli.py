@@ -417,7 +417,7 @@ def ttft(
         pd.json_normalize(records, sep=".").to_csv(buf, index=False)
         body = buf.getvalue()
     else:
-        body = text.ttft_requests(run, ttft_figures(p).to_dict(), records, top) + "\n"
+        body = text.ttft_requests(run, ttft_figures(p), records, top) + "\n"
     _emit(body, output)
 
 

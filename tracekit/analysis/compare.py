@@ -69,6 +69,32 @@ class Spread:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class GroupTtft:
+    """A group's TTFT figures across its runs (`ttft_summary`): p90 and p99 as spreads,
+    then medians across runs of the per-run shares and counts (`RunAnalysis.ttft`)."""
+
+    p90_ms: Spread
+    p99_ms: Spread
+    phase_share: dict[str, float]  # per phase: median share of TTFT time
+    tail_phase_share: dict[str, float]  # the same over tail requests (>= each run's p90)
+    tail_share: dict[str, float]  # per label: median share of tail TTFT time
+    tail_count: dict[str, float]  # per primary cause: median count of tail requests
+    num_unsplit: int  # requests without an admission row, summed over the runs
+
+    def to_record(self) -> dict[str, Any]:
+        """The group's ``ttft`` object in `Comparison.to_records`."""
+        return {
+            "p90_ms": self.p90_ms.to_dict(),
+            "p99_ms": self.p99_ms.to_dict(),
+            "phase_share": self.phase_share,
+            "tail_phase_share": self.tail_phase_share,
+            "tail_share": self.tail_share,
+            "tail_count": self.tail_count,
+            "unsplit": self.num_unsplit,
+        }
+
+
 @dataclass(frozen=True)
 class GroupSummary:
     """One group of runs (one rung, one seed, one value of a config key)."""
@@ -80,7 +106,7 @@ class GroupSummary:
     tail_count: Mapping[str, float]  # per primary cause ("clean" too): median across runs
     counts: Mapping[str, Spread] = field(default_factory=dict)  # COUNTS name -> spread
     regime_misses: tuple[str, ...] = ()  # per run, what it lacked of its config's `expect`
-    ttft: Mapping[str, Any] = field(default_factory=dict)  # see `ttft_summary`
+    ttft: GroupTtft | None = None  # None: no run of the group has TTFT figures
 
     @property
     def num_runs(self) -> int:
@@ -104,9 +130,7 @@ class Comparison:
                 rec[name] = g.figures[name].to_dict()
             rec["tail_share_median"] = {lb: g.tail_share.get(lb, 0.0) for lb in self.labels}
             rec["tail_count_median"] = dict(g.tail_count)
-            rec["ttft"] = {
-                k: (v.to_dict() if isinstance(v, Spread) else v) for k, v in g.ttft.items()
-            }
+            rec["ttft"] = g.ttft.to_record() if g.ttft is not None else {}
             for name in COUNTS:
                 if name in g.counts:
                     rec[name] = g.counts[name].to_dict()
@@ -249,27 +273,27 @@ def compare(
 # -- TTFT ladder columns --------------------------------------------------------------------
 
 
-def ttft_summary(members: Sequence[RunAnalysis]) -> dict[str, Any]:
+def ttft_summary(members: Sequence[RunAnalysis]) -> GroupTtft | None:
     """A group's TTFT figures across its runs (each run's from `RunAnalysis.ttft`):
     `p90_ms`, `p99_ms` (Spread), and medians across runs of the phase shares, the tail
     share by label (requests >= each run's TTFT p90) and the tail counts by primary cause.
-    Empty when no run has TTFT figures."""
+    None when no run has TTFT figures."""
     runs = [r.ttft for r in members if r.ttft]
     if not runs:
-        return {}
+        return None
 
-    def med(key: str) -> dict[str, float]:
+    def med(per_run: list[Mapping[str, float]]) -> dict[str, float]:
         names: list[str] = []
-        for t in runs:
-            names += [k for k in t[key] if k not in names]
-        return {n: float(np.median([t[key].get(n, 0.0) for t in runs])) for n in names}
+        for m in per_run:
+            names += [k for k in m if k not in names]
+        return {n: float(np.median([m.get(n, 0.0) for m in per_run])) for n in names}
 
-    return {
-        "p90_ms": Spread.of([t["p90_ms"] for t in runs]),
-        "p99_ms": Spread.of([t["p99_ms"] for t in runs]),
-        "phase_share": med("phase_share"),
-        "tail_phase_share": med("tail_phase_share"),
-        "tail_share": med("tail_share"),
-        "tail_count": med("tail_count"),
-        "unsplit": int(sum(t["unsplit"] for t in runs)),
-    }
+    return GroupTtft(
+        p90_ms=Spread.of([t.p90_ms for t in runs]),
+        p99_ms=Spread.of([t.p99_ms for t in runs]),
+        phase_share=med([t.phase_share for t in runs]),
+        tail_phase_share=med([t.tail_phase_share for t in runs]),
+        tail_share=med([t.tail_share for t in runs]),
+        tail_count=med([t.tail_count for t in runs]),
+        num_unsplit=int(sum(t.unsplit for t in runs)),
+    )

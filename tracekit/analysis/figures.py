@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.analysis.ranks import rank_view
+from tracekit.analysis.ranks import RankView, rank_view
+from tracekit.analysis.results import ClientSummary, SpecAcceptance, client_result, spec_result
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.timeline import PreparedRun
-from tracekit.attribution.ttft import TtftPartition, ttft_figures, ttft_partition
+from tracekit.attribution.ttft import TtftFigures, TtftPartition, ttft_figures, ttft_partition
 from tracekit.formats import json_safe
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 
@@ -76,22 +77,29 @@ class RunAnalysis:
     device_clock_drift_ppm: float = math.nan  # device vs host clock over the run, if timed
     device_max_placement_err_ms: float = math.nan  # worst error placing a device window
     warnings: list[str] = field(default_factory=list)
-    #: TTFT partition figures (`tracekit.attribution.ttft.TtftFigures.to_dict`): p50/p90/p99/max_ms,
-    #: tail_share / tail_count (requests >= the run's TTFT p90), phase_share, ...
-    ttft: dict[str, Any] = field(default_factory=dict)
-    #: the client boundary of a merged server run (`tracekit.attribution.client.client_summary`)
-    client: dict[str, Any] | None = None
-    #: speculative decoding (`tracekit.attribution.client.spec_acceptance`): drafted,
-    #: accepted, drafts, acceptance, mean accepted length, per-position acceptance, tokens
-    #: per emission (or None)
-    spec: dict[str, Any] | None = None
-    #: tensor parallel: which rank held each slow step (`tracekit.analysis.ranks.rank_view`
-    #: as a dict: ``ranks``, ``slow_steps``, ``itl_p99_ms``), or None without rank waits
-    tp_ranks: dict[str, Any] | None = None
+    #: TTFT partition figures (`tracekit.attribution.ttft.TtftFigures`): p50/p90/p99/max_ms,
+    #: tail_share / tail_count (requests >= the run's TTFT p90), phase_share, ... (None only
+    #: for a `RunAnalysis` built without them: its record has ``{}``)
+    ttft: TtftFigures | None = None
+    #: the client boundary of a merged server run (`tracekit.analysis.results.ClientSummary`)
+    client: ClientSummary | None = None
+    #: speculative decoding (`tracekit.analysis.results.SpecAcceptance`): drafted, accepted,
+    #: drafts, acceptance, mean accepted length, per-position acceptance, tokens per
+    #: emission (or None)
+    spec: SpecAcceptance | None = None
+    #: tensor parallel: which rank held each slow step (`tracekit.analysis.ranks.RankView`),
+    #: or None without rank waits
+    tp_ranks: RankView | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: non-finite numbers become None."""
-        return json_safe(asdict(self))
+        """JSON-ready: non-finite numbers become None. The typed results are written by
+        their own `to_record`/`to_dict`, in the fields' order."""
+        d = asdict(self)  # the typed results' entries are replaced below, where they stand
+        d["ttft"] = self.ttft.to_dict() if self.ttft is not None else {}
+        d["client"] = self.client.to_record() if self.client is not None else None
+        d["spec"] = self.spec.to_record() if self.spec is not None else None
+        d["tp_ranks"] = self.tp_ranks.to_dict() if self.tp_ranks is not None else None
+        return json_safe(d)
 
 
 def _pct(a: np.ndarray, q: float) -> float:
@@ -182,20 +190,15 @@ def analyze(
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
     from tracekit.analysis.unrecorded import unrecorded_report
-    from tracekit.attribution.client import client_partition, client_summary, spec_acceptance
+    from tracekit.attribution.client import client_partition
 
-    spec = spec_acceptance(log)
+    spec = spec_result(log)
     ranks = rank_view(log, p)
-    client = None
     cp = client_partition(log, run=run) if len(log.client_emissions) else None
-    if cp is not None:
-        client = client_summary(log, cp, gap)
-        client["spec"] = spec
     unrecorded = unrecorded_report(log, cp)  # partial or missing evidence, per process
+    client = client_result(log, cp, gap, spec, unrecorded) if cp is not None else None
     if unrecorded:
         warnings += [u["line"] for u in unrecorded]
-        if client is not None:
-            client["unrecorded"] = unrecorded
     return RunAnalysis(
         path=log.path,
         rung=log.rung,
@@ -240,9 +243,9 @@ def analyze(
         device_max_placement_err_ms=float(
             dict(log.meta.get("device_calibration") or {}).get("max_placement_err_ms", math.nan)
         ),
-        warnings=warnings,  # the TTFT partition's own notes stay in `ttft["notes"]`
-        ttft=ttft_figures(tp).to_dict(),
+        warnings=warnings,  # the TTFT partition's own notes stay in `ttft.notes`
+        ttft=ttft_figures(tp),
         client=client,
         spec=spec,
-        tp_ranks=ranks.to_dict() if ranks is not None else None,
+        tp_ranks=ranks,
     )

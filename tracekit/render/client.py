@@ -1,110 +1,115 @@
 """The client boundary of a merged server run, rendered: a terminal block and a
-self-contained HTML section (plain tables, no script). Consumes `RunAnalysis.client`
-(`tracekit.attribution.client.client_summary`); analyses nothing itself."""
+self-contained HTML section (plain tables, no script). Consumes `RunAnalysis.client` and
+`RunAnalysis.spec` (`tracekit.analysis.results`); analyses nothing itself."""
 
 from __future__ import annotations
 
 import heapq
 import html
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-CONVENTIONS = (
-    ("per_chunk", "per chunk (client gap)"),
-    ("per_token", "per token (chunk gap / its tokens)"),
-    ("per_engine_step", "per engine step (engine gap)"),
-)
+from tracekit.analysis.figures import RunAnalysis
+from tracekit.analysis.results import ClientSummary, SpecAcceptance
+from tracekit.log.rawlog import RawLog
+
+#: How each ITL convention (`tracekit.analysis.results.ItlConventions`) is titled.
+CONVENTIONS = {
+    "per_chunk": "per chunk (client gap)",
+    "per_token": "per token (chunk gap / its tokens)",
+    "per_engine_step": "per engine step (engine gap)",
+}
 
 
-def _ms(x: Any, nd: int = 2) -> str:
+def _ms(x: float | None, nd: int = 2) -> str:
     return "-" if x is None or not math.isfinite(float(x)) else f"{float(x):.{nd}f}"
 
 
-def _pct(x: Any) -> str:
+def _pct(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(float(x)) else f"{100 * float(x):.1f}%"
 
 
-def _shares(c: Mapping[str, Any], key: str) -> list[tuple[str, float]]:
-    return [(lb, v) for lb, v in c.get(key, {}).items() if v and v > 5e-4]
+def _shares(share: dict[str, float] | None) -> list[tuple[str, float]]:
+    return [(lb, v) for lb, v in (share or {}).items() if v and v > 5e-4]
 
 
-def client_text(c: Mapping[str, Any] | None) -> str:
+def client_text(c: ClientSummary | None) -> str:
     """Terminal block for one run's client boundary ('' when the run has none)."""
     if not c:
         return ""
-    itl = c["itl_ms"]
+    itl = c.itl_ms
+    err = c.reconcile_max_err_ms if c.reconcile_max_err_ms is not None else 0
     lines = [
-        f"Client boundary: {c['chunks']} chunks, {c['gaps']} gaps between chunks, "
-        f"{_ms(itl['tokens_per_chunk_mean'])} tokens per chunk; frontend share of gap time "
-        f"{_pct(c.get('frontend_share'))}; "
-        f"reconcile max err {c.get('reconcile_max_err_ms', 0):.1e} ms",
+        f"Client boundary: {c.num_chunks} chunks, {c.num_gaps} gaps between chunks, "
+        f"{_ms(itl.tokens_per_chunk_mean)} tokens per chunk; frontend share of gap time "
+        f"{_pct(c.frontend_share)}; "
+        f"reconcile max err {err:.1e} ms",
         f"{'ITL ms':<38}{'p50':>9}{'p90':>9}{'p99':>9}{'mean':>9}{'n':>7}",
     ]
-    for key, name in CONVENTIONS:
-        v = itl[key]
+    for key, v in itl.named():
+        name = CONVENTIONS[key]
         lines.append(
-            f"{name:<38}{_ms(v['p50']):>9}{_ms(v['p90']):>9}{_ms(v['p99']):>9}"
-            f"{_ms(v['mean']):>9}{v['n']:>7}"
+            f"{name:<38}{_ms(v.p50_ms):>9}{_ms(v.p90_ms):>9}{_ms(v.p99_ms):>9}"
+            f"{_ms(v.mean_ms):>9}{v.num_values:>7}"
         )
-    spec = c.get("spec")
+    spec = c.spec
     if spec:
         lines.append(
-            f"speculative decoding: {spec['accepted']:.0f} of {spec['drafted']:.0f} draft tokens "
-            f"accepted ({_pct(spec['acceptance'])}), {_ms(spec['tokens_per_emission'])} tokens "
-            f"per engine emission; {spec_positions_text(spec)}"
+            f"speculative decoding: {spec.num_accepted_tokens:.0f} of "
+            f"{spec.num_drafted_tokens:.0f} draft tokens accepted ({_pct(spec.acceptance)}), "
+            f"{_ms(spec.tokens_per_emission)} tokens per engine emission; "
+            f"{spec_positions_text(spec)}"
         )
-    for key, title in (("tail_share", f"client tail (gaps >= p99 {_ms(c.get('p99_ms'))} ms)"),
-                       ("all_share", "all client-gap time")):  # fmt: skip
-        parts = ", ".join(f"{lb} {_pct(v)}" for lb, v in _shares(c, key))
+    for share, title in ((c.tail_share, f"client tail (gaps >= p99 {_ms(c.p99_ms)} ms)"),
+                         (c.all_share, "all client-gap time")):  # fmt: skip
+        parts = ", ".join(f"{lb} {_pct(v)}" for lb, v in _shares(share))
         lines.append(f"{title}: {parts}")
-    lines += [f"unrecorded: {u['line']}" for u in c.get("unrecorded", ())]
+    lines += [f"unrecorded: {u['line']}" for u in c.unrecorded]
     return "\n".join(lines)
 
 
-def spec_positions_text(s: Mapping[str, Any]) -> str:
+def spec_positions_text(s: SpecAcceptance) -> str:
     """Mean accepted length and acceptance per draft position, one line (positions
     1-based, as vLLM's log prints them)."""
-    rates = s.get("acceptance_per_pos") or []
-    per = ", ".join(f"{k + 1}: {_pct(r)}" for k, r in enumerate(rates)) or "-"
+    per = ", ".join(f"{k + 1}: {_pct(r)}" for k, r in enumerate(s.acceptance_per_pos)) or "-"
     return (
-        f"mean accepted length {_ms(s.get('mean_accepted_length'))}, acceptance by position {per}"
+        f"mean accepted length {_ms(s.mean_accepted_length_tokens)}, acceptance by position {per}"
     )
 
 
-def spec_text(a: Any) -> str:
+def spec_text(a: RunAnalysis) -> str:
     """One line for a run with speculative decoding: acceptance next to ITL."""
     s = a.spec
+    assert s is not None, "spec_text: a run with speculative decoding"
     return (
-        f"speculative decoding: {s['accepted']:.0f} of {s['drafted']:.0f} draft tokens "
-        f"accepted ({_pct(s['acceptance'])}), {_ms(s['tokens_per_emission'])} tokens per "
-        f"engine emission; ITL (per engine emission) p50 {_ms(a.itl_p50)} ms, "
+        f"speculative decoding: {s.num_accepted_tokens:.0f} of {s.num_drafted_tokens:.0f} "
+        f"draft tokens accepted ({_pct(s.acceptance)}), {_ms(s.tokens_per_emission)} tokens "
+        f"per engine emission; ITL (per engine emission) p50 {_ms(a.itl_p50)} ms, "
         f"p99 {_ms(a.itl_p99)} ms; {spec_positions_text(s)}"
     )
 
 
-def spec_positions_html(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+def spec_positions_html(runs: Sequence[tuple[str, SpecAcceptance]]) -> str:
     """A table of acceptance by draft position, one row per run: drafts checked, mean
     accepted length, then per position the share of drafts with that position accepted
     (and the count)."""
-    n_pos = max((len(s.get("acceptance_per_pos") or []) for _, s in runs), default=0)
+    n_pos = max((len(s.acceptance_per_pos) for _, s in runs), default=0)
     if not n_pos:
         return ""
     head = "".join(f"<th>position {k + 1}</th>" for k in range(n_pos))
     rows = []
     for name, s in runs:
-        rates = list(s.get("acceptance_per_pos") or [])
-        counts = list(s.get("accepted_per_pos") or [])
+        rates, counts = s.acceptance_per_pos, s.num_accepted_per_pos
         cells = "".join(
             f"<td>{_pct(rates[k])} ({counts[k]:.0f})</td>" if k < len(rates) else "<td>-</td>"
             for k in range(n_pos)
         )
-        drafts = s.get("drafts")
         rows.append(
-            f"<tr><td>{html.escape(name)}</td><td>{_ms(drafts, 0)}</td>"
-            f"<td>{_ms(s.get('mean_accepted_length'))}</td>{cells}</tr>"
+            f"<tr><td>{html.escape(name)}</td><td>{_ms(s.num_drafts, 0)}</td>"
+            f"<td>{_ms(s.mean_accepted_length_tokens)}</td>{cells}</tr>"
         )
     return (
         "<table class=spec-pos><tr><th>run</th><th>drafts</th><th>mean accepted length</th>"
@@ -115,19 +120,19 @@ def spec_positions_html(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     )
 
 
-def spec_html(runs: Sequence[tuple[str, Any]]) -> str:
+def spec_html(runs: Sequence[tuple[str, RunAnalysis]]) -> str:
     """Acceptance next to ITL for runs with speculative decoding but no client boundary
     (a run with one shows it in its client-boundary section)."""
-    have = [(n, a) for n, a in runs if a.spec and not a.client]
+    have = [(n, a, a.spec) for n, a in runs if a.spec and not a.client]
     if not have:
         return ""
     rows = "".join(
-        f"<tr><td>{html.escape(n)}</td><td>{_pct(a.spec['acceptance'])}</td>"
-        f"<td>{a.spec['accepted']:.0f} / {a.spec['drafted']:.0f}</td>"
-        f"<td>{_ms(a.spec.get('mean_accepted_length'))}</td>"
-        f"<td>{_ms(a.spec['tokens_per_emission'])}</td><td>{_ms(a.itl_p50)}</td>"
+        f"<tr><td>{html.escape(n)}</td><td>{_pct(s.acceptance)}</td>"
+        f"<td>{s.num_accepted_tokens:.0f} / {s.num_drafted_tokens:.0f}</td>"
+        f"<td>{_ms(s.mean_accepted_length_tokens)}</td>"
+        f"<td>{_ms(s.tokens_per_emission)}</td><td>{_ms(a.itl_p50)}</td>"
         f"<td>{_ms(a.itl_p99)}</td></tr>"
-        for n, a in have
+        for n, a, s in have
     )
     return (
         "<h2>Speculative decoding</h2><p class=note>Draft tokens accepted, and ITL between "
@@ -135,11 +140,11 @@ def spec_html(runs: Sequence[tuple[str, Any]]) -> str:
         "<th>run</th><th>acceptance</th><th>accepted / drafted</th><th>mean accepted length"
         "</th><th>tokens per emission"
         f"</th><th>ITL p50 ms</th><th>ITL p99 ms</th></tr>{rows}</table>"
-        + spec_positions_html([(n, a.spec) for n, a in have])
+        + spec_positions_html([(n, s) for n, _, s in have])
     )
 
 
-def client_html(runs: Sequence[tuple[str, Mapping[str, Any] | None]]) -> str:
+def client_html(runs: Sequence[tuple[str, ClientSummary | None]]) -> str:
     """HTML section for the runs that have a client boundary ('' when none has)."""
     have = [(n, c) for n, c in runs if c]
     if not have:
@@ -152,28 +157,30 @@ def client_html(runs: Sequence[tuple[str, Mapping[str, Any] | None]]) -> str:
         "frontend GC, the SSE write, other). ITL in three conventions side by side.</p>"
     ]
     for name, c in have:
-        itl = c["itl_ms"]
+        assert c is not None
+        itl = c.itl_ms
+        tail = c.tail_share or {}
         rows = "".join(
-            f"<tr><td>{e(label)}</td><td>{_ms(itl[k]['p50'])}</td><td>{_ms(itl[k]['p90'])}</td>"
-            f"<td>{_ms(itl[k]['p99'])}</td><td>{_ms(itl[k]['mean'])}</td><td>{itl[k]['n']}</td></tr>"
-            for k, label in CONVENTIONS
+            f"<tr><td>{e(CONVENTIONS[k])}</td><td>{_ms(v.p50_ms)}</td><td>{_ms(v.p90_ms)}</td>"
+            f"<td>{_ms(v.p99_ms)}</td><td>{_ms(v.mean_ms)}</td><td>{v.num_values}</td></tr>"
+            for k, v in itl.named()
         )
         share = "".join(
-            f"<tr><td>{e(lb)}</td><td>{_pct(c['all_share'].get(lb))}</td>"
-            f"<td>{_pct(c.get('tail_share', {}).get(lb))}</td></tr>"
-            for lb, _ in _shares(c, "all_share")
+            f"<tr><td>{e(lb)}</td><td>{_pct(c.all_share.get(lb))}</td>"
+            f"<td>{_pct(tail.get(lb))}</td></tr>"
+            for lb, _ in _shares(c.all_share)
         )
-        spec = c.get("spec")
+        spec = c.spec
         spec_p = (
-            f"<p>Speculative decoding: acceptance {_pct(spec['acceptance'])} "
-            f"({spec['accepted']:.0f} of {spec['drafted']:.0f} draft tokens), "
-            f"{_ms(spec['tokens_per_emission'])} tokens per engine emission, mean accepted "
-            f"length {_ms(spec.get('mean_accepted_length'))}.</p>"
+            f"<p>Speculative decoding: acceptance {_pct(spec.acceptance)} "
+            f"({spec.num_accepted_tokens:.0f} of {spec.num_drafted_tokens:.0f} draft tokens), "
+            f"{_ms(spec.tokens_per_emission)} tokens per engine emission, mean accepted "
+            f"length {_ms(spec.mean_accepted_length_tokens)}.</p>"
             + spec_positions_html([(name, spec)])
             if spec
             else ""
         )
-        unrec = "".join(f"<li>{e(u['line'])}</li>" for u in c.get("unrecorded", ()))
+        unrec = "".join(f"<li>{e(u['line'])}</li>" for u in c.unrecorded)
         unrec = (
             "<p class=note>Unrecorded: where a process recorded nothing, client-gap time is "
             f"<code>unrecorded:ROLE</code>, never another process's cause.</p><ul>{unrec}</ul>"
@@ -181,8 +188,8 @@ def client_html(runs: Sequence[tuple[str, Mapping[str, Any] | None]]) -> str:
             else ""
         )
         out.append(
-            f"<h3>{e(name)}</h3><p>{c['chunks']} chunks, {_ms(itl['tokens_per_chunk_mean'])} "
-            f"tokens per chunk, frontend share of gap time {_pct(c.get('frontend_share'))}.</p>"
+            f"<h3>{e(name)}</h3><p>{c.num_chunks} chunks, {_ms(itl.tokens_per_chunk_mean)} "
+            f"tokens per chunk, frontend share of gap time {_pct(c.frontend_share)}.</p>"
             f"{spec_p}<table><tr><th>ITL ms</th><th>p50</th><th>p90</th><th>p99</th>"
             f"<th>mean</th><th>n</th></tr>{rows}</table>"
             f"<table><tr><th>label</th><th>all gap time</th><th>tail time</th></tr>{share}</table>"
@@ -238,7 +245,9 @@ def window_lanes_reference(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, in
     return lane_of, len(lane_end)
 
 
-def process_events(log: Any, window_s: tuple[float, float] | None = None) -> list[dict[str, Any]]:
+def process_events(
+    log: RawLog, window_s: tuple[float, float] | None = None
+) -> list[dict[str, Any]]:
     """Chrome trace events for a merged server run: one process track per process other
     than the engine core (API server, workers), one thread per window label, the client
     chunks (instants, with request and tokens) and the arrival of each step's outputs.

@@ -540,31 +540,31 @@ def ttft_section(
 ) -> str:
     """The report's TTFT section: where TTFT went per run and per group (phases, tail share
     by cause, primary causes). `chart(div_id, figure, note)` places a figure."""
-    have = [(a, n) for a, n in zip(runs, names, strict=True) if a.ttft]
+    have = [(t, n) for a, n in zip(runs, names, strict=True) if (t := a.ttft) is not None]
     if not have:
         return ""
     labels: list[str] = []
-    for a, _ in have:
-        labels += [lb for lb in a.ttft["all_share"] if lb not in labels]
-    grouped = any(g.num_runs > 1 for g in cmp.groups) and all(g.ttft for g in cmp.groups)
+    for t, _ in have:
+        labels += [lb for lb in t.all_share if lb not in labels]
+    g_ttft = [(g, gt) for g in cmp.groups if (gt := g.ttft) is not None]
+    grouped = any(g.num_runs > 1 for g in cmp.groups) and len(g_ttft) == len(cmp.groups)
     if grouped:
-        rows = [(g.key, g.ttft["tail_share"]) for g in cmp.groups]
+        rows = [(g.key, gt.tail_share) for g, gt in g_ttft]
         per = cmp.by
     else:
-        rows = [(n, a.ttft["tail_share"]) for a, n in have]
+        rows = [(n, t.tail_share) for t, n in have]
         per = "run"
     header = ["run", "TTFT p50", "p90", "p99", "max", *_TTFT_PHASES, "tail primary causes",
               "reconcile err (ms)"]  # fmt: skip
     body = []
-    for a, n in have:
-        t = a.ttft
+    for t, n in have:
         counts = ", ".join(
-            f"{esc(k)} {v}" for k, v in sorted(t["tail_count"].items(), key=lambda kv: -kv[1])
+            f"{esc(k)} {v}" for k, v in sorted(t.tail_count.items(), key=lambda kv: -kv[1])
         )
         body.append(
-            [esc(n), *(num(t[k], 0) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms"))]
-            + [f"{100 * t['phase_share'].get(ph, 0.0):.1f}%" for ph in _TTFT_PHASES]
-            + [counts or "-", f"{t['reconcile_max_err_ms']:.1e}"]
+            [esc(n), *(num(x, 0) for x in (t.p50_ms, t.p90_ms, t.p99_ms, t.max_ms))]
+            + [f"{100 * t.phase_share.get(ph, 0.0):.1f}%" for ph in _TTFT_PHASES]
+            + [counts or "-", f"{t.reconcile_max_err_ms:.1e}"]
         )
     out = [
         "<h2>Where TTFT went</h2><p class=note>Each request's window [arrival, first token] "
@@ -581,16 +581,16 @@ def ttft_section(
         g_head = [cmp.by, "queued", "prefilling", "evicted", *labels]
         g_rows = [
             [esc(g.key)]
-            + [f"{100 * g.ttft['phase_share'].get(ph, 0.0):.1f}%" for ph in _TTFT_PHASES[:3]]
-            + [f"{100 * g.ttft['tail_share'].get(lb, 0.0):.1f}%" for lb in labels]
-            for g in cmp.groups
+            + [f"{100 * gt.phase_share.get(ph, 0.0):.1f}%" for ph in _TTFT_PHASES[:3]]
+            + [f"{100 * gt.tail_share.get(lb, 0.0):.1f}%" for lb in labels]
+            for g, gt in g_ttft
         ]
         out.append(
             f"<p class=note>Per {esc(cmp.by)}: median phase share and median tail TTFT share "
             "by cause across runs (a row need not sum to 100%):</p>"
             + _table([esc(h) if h not in labels else _swatch(h) for h in g_head], g_rows)
         )
-    notes = sorted({nt for a, _ in have for nt in a.ttft.get("notes", [])})
+    notes = sorted({nt for t, _ in have for nt in t.notes})
     if notes:
         out.append("<p class=note>" + "<br>".join(esc(nt) for nt in notes) + "</p>")
     return "".join(out)
@@ -780,7 +780,7 @@ def tp_ranks_html(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
     """Tensor parallel: per rank, the slow steps it held, the wait charged to it and its
     top cause; then each slow step with its wait on every rank ('' when no run has rank
     waits). `RunAnalysis.tp_ranks` holds the figures (`tracekit.analysis.ranks`)."""
-    have = [(n, a.tp_ranks) for a, n in zip(runs, names, strict=True) if a.tp_ranks]
+    have = [(n, v) for a, n in zip(runs, names, strict=True) if (v := a.tp_ranks) is not None]
     if not have:
         return ""
     out = [
@@ -793,30 +793,30 @@ def tp_ranks_html(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
     for name, v in have:
         rows = [
             [
-                f"rank {r['rank']}",
-                str(r["slow_steps_held"]),
-                num(r["charged_slow_ms"], 2),
-                num(r["charged_run_ms"], 2),
-                _rank_cause(r["rank"], r["top_cause"], r["top_cause_ms"]),
+                f"rank {r.rank}",
+                str(r.slow_steps_held),
+                num(r.charged_slow_ms, 2),
+                num(r.charged_run_ms, 2),
+                _rank_cause(r.rank, r.top_cause, r.top_cause_ms),
             ]
-            for r in v["ranks"]
+            for r in v.ranks
         ]
         ranks_table = _table(
             ["rank", "slow steps held", "charged in slow steps (ms)", "charged in the run (ms)",
              "top cause in slow steps (ms)"],
             rows, "ranks",
         )  # fmt: skip
-        rank_ids = [str(r["rank"]) for r in v["ranks"]]
+        rank_ids = [str(r.rank) for r in v.ranks]
         step_rows = [
             [
-                str(s["step"]),
-                f"{s['t_start_s']:.4f}",
-                num(s["dur_ms"], 2),
-                "-" if s["holder"] is None else f"rank {s['holder']}",
-                "-" if s["holder"] is None else esc(f"rank{s['holder']}:{s['holder_cause']}"),
-                *(num(s["wait_ms"].get(r, 0.0), 2) for r in rank_ids),
+                str(s.step),
+                f"{s.t_start_s:.4f}",
+                num(s.dur_ms, 2),
+                "-" if s.holder is None else f"rank {s.holder}",
+                "-" if s.holder is None else esc(f"rank{s.holder}:{s.holder_cause}"),
+                *(num(s.wait_ms.get(r, 0.0), 2) for r in rank_ids),
             ]
-            for s in v["slow_steps"]
+            for s in v.slow_steps
         ]
         steps_table = _table(
             ["step", "start (s)", "ms", "held by", "its cause",
@@ -824,8 +824,8 @@ def tp_ranks_html(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
             step_rows, "rank-steps",
         )  # fmt: skip
         out.append(
-            f"<h3>{esc(name)}</h3><p>{len(v['slow_steps'])} slow steps (tail: gaps at or "
-            f"above {num(v['itl_p99_ms'], 2)} ms).</p>{ranks_table}"
+            f"<h3>{esc(name)}</h3><p>{len(v.slow_steps)} slow steps (tail: gaps at or "
+            f"above {num(v.itl_p99_ms, 2)} ms).</p>{ranks_table}"
             f"<details><summary>slow steps</summary>{steps_table}</details>"
         )
     return "".join(out)

@@ -10,6 +10,8 @@ from typing import Any
 
 from tracekit.analysis.compare import FIGURES, Comparison, Spread
 from tracekit.analysis.figures import RunAnalysis
+from tracekit.analysis.ranks import RankView
+from tracekit.attribution.ttft import TtftFigures
 from tracekit.errors import one_line
 from tracekit.formats import num
 from tracekit.labels import STANDARD_LABELS, glyphs
@@ -153,20 +155,20 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
     return "\n".join(parts)
 
 
-def tp_ranks_text(v: dict[str, Any]) -> str:
+def tp_ranks_text(v: RankView) -> str:
     """Tensor parallel: per rank, the slow steps it held (`tracekit.analysis.ranks`)."""
     lines = [
-        f"tensor parallel: {len(v['slow_steps'])} slow steps (closing gaps >= p99 "
-        f"{num(v['itl_p99_ms'], 2)} ms); which rank held them:",
+        f"tensor parallel: {len(v.slow_steps)} slow steps (closing gaps >= p99 "
+        f"{num(v.itl_p99_ms, 2)} ms); which rank held them:",
         f"{'rank':<8}{'held':>6}{'slow ms':>10}{'run ms':>10}  top cause in slow steps",
     ]
-    for r in v["ranks"]:
+    for r in v.ranks:
         top = "-"
-        if r["top_cause"]:
-            top = f"rank{r['rank']}:{r['top_cause']} {num(r['top_cause_ms'], 2)} ms"
+        if r.top_cause:
+            top = f"rank{r.rank}:{r.top_cause} {num(r.top_cause_ms, 2)} ms"
         lines.append(
-            f"{r['rank']:<8}{r['slow_steps_held']:>6}{num(r['charged_slow_ms'], 2):>10}"
-            f"{num(r['charged_run_ms'], 2):>10}  {top}"
+            f"{r.rank:<8}{r.slow_steps_held:>6}{num(r.charged_slow_ms, 2):>10}"
+            f"{num(r.charged_run_ms, 2):>10}  {top}"
         )
     return "\n".join(lines)
 
@@ -315,22 +317,22 @@ def ttft_runs(runs: Sequence[RunAnalysis]) -> str:
     phases = ("queued", "prefilling", "evicted", "unsplit")
     rows, share_rows = [], []
     labels = [
-        lb for lb in TTFT_TABLE_LABELS if any(a.ttft.get("all_share", {}).get(lb) for a in runs)
+        lb for lb in TTFT_TABLE_LABELS if any(a.ttft and a.ttft.all_share.get(lb) for a in runs)
     ]
     for a in runs:
         t = a.ttft
         if not t:
             continue
         name = run_name(a)
-        pct = [num(t[k], 0) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")]
-        phase_cells = _ttft_share_cells(t["phase_share"], phases)
-        err = f"{t['reconcile_max_err_ms']:.1e}"
-        rows.append([name, str(t["requests"]), *pct, *phase_cells, err])
-        share_rows.append([name, *_ttft_share_cells(t["tail_share"], labels)])
+        pct = [num(x, 0) for x in (t.p50_ms, t.p90_ms, t.p99_ms, t.max_ms)]
+        phase_cells = _ttft_share_cells(t.phase_share, phases)
+        err = f"{t.reconcile_max_err_ms:.1e}"
+        rows.append([name, str(t.requests), *pct, *phase_cells, err])
+        share_rows.append([name, *_ttft_share_cells(t.tail_share, labels)])
     if not rows:
         return "TTFT: no request with an arrival and a first token"
     head = ["run", "reqs", "p50", "p90", "p99", "max", *phases, "err ms"]
-    notes = [f"{run_name(a)}: {one_line(n)}" for a in runs for n in a.ttft.get("notes", ())]
+    notes = [f"{run_name(a)}: {one_line(n)}" for a in runs if a.ttft for n in a.ttft.notes]
     return "\n".join(
         [
             "TTFT  (ms; phase share of all TTFT time)",
@@ -346,21 +348,21 @@ def ttft_runs(runs: Sequence[RunAnalysis]) -> str:
 def ttft_comparison(cmp: Comparison, *, markdown: bool = False) -> str:
     """Per group: TTFT p50/p90/p99 (median [min-max]), the median queued share, and the
     median TTFT tail share by cause: what each rung did to TTFT's causes."""
-    groups = [g for g in cmp.groups if g.ttft]
+    groups = [(g, t) for g in cmp.groups if (t := g.ttft) is not None]
     if not groups:
         return ""
-    labels = [lb for lb in TTFT_TABLE_LABELS if any(g.ttft["tail_share"].get(lb) for g in groups)]
+    labels = [lb for lb in TTFT_TABLE_LABELS if any(t.tail_share.get(lb) for _, t in groups)]
     head = [cmp.by, "ttft p50", "ttft p90", "ttft p99", "queued", *labels]
     rows = [
         [
             g.key,
             spread_cell(g.figures["ttft_p50"], 0),
-            spread_cell(g.ttft["p90_ms"], 0),
-            spread_cell(g.ttft["p99_ms"], 0),
-            f"{100 * g.ttft['phase_share'].get('queued', 0.0):.1f}%",
-            *_ttft_share_cells(g.ttft["tail_share"], labels),
+            spread_cell(t.p90_ms, 0),
+            spread_cell(t.p99_ms, 0),
+            f"{100 * t.phase_share.get('queued', 0.0):.1f}%",
+            *_ttft_share_cells(t.tail_share, labels),
         ]
-        for g in groups
+        for g, t in groups
     ]
     what = (
         "(ms, median [min-max] across runs; queued: median share of TTFT time; then the "
@@ -375,17 +377,19 @@ def ttft_comparison(cmp: Comparison, *, markdown: bool = False) -> str:
     return "\n".join([f"TTFT PER {one_line(cmp.by).upper()}  {what}", table(rows, head, align)])
 
 
-def ttft_requests(name: str, figures: Mapping, records: Sequence[Mapping], top: int) -> str:
+def ttft_requests(
+    name: str, figures: TtftFigures, records: Sequence[Mapping[str, Any]], top: int
+) -> str:
     """`tracekit ttft RUN`: the run's TTFT figures, then the slowest requests' partitions."""
     f = figures
     out = [
-        f"{name}: {f['requests']} requests with a first token; TTFT p50 {num(f['p50_ms'])} "
-        f"p90 {num(f['p90_ms'])} p99 {num(f['p99_ms'])} max {num(f['max_ms'])} ms; "
-        f"reconcile max err {f['reconcile_max_err_ms']:.2e} ms",
+        f"{name}: {f.requests} requests with a first token; TTFT p50 {num(f.p50_ms)} "
+        f"p90 {num(f.p90_ms)} p99 {num(f.p99_ms)} max {num(f.max_ms)} ms; "
+        f"reconcile max err {f.reconcile_max_err_ms:.2e} ms",
         "phases (share of all TTFT time): "
-        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in f["phase_share"].items() if v),
+        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in f.phase_share.items() if v),
         "tail (>= p90) by primary cause: "
-        + (", ".join(f"{k} {v}" for k, v in f["tail_count"].items()) or "-"),
+        + (", ".join(f"{k} {v}" for k, v in f.tail_count.items()) or "-"),
     ]
     slow = sorted(records, key=lambda r: -r["ttft_ms"])[:top]
     if slow:
