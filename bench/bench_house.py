@@ -1,0 +1,130 @@
+"""Does a structural change keep tracekit's speed? This tree against the previous main, in
+one process, as ratios.
+
+    python bench/bench_house.py [--baseline /work/base] [--rounds 7]
+
+Both checkouts' packages are imported side by side (`bench/base_main.py`) and timed in
+interleaved rounds, so a busy patch of a shared machine hits both alike:
+
+- analysis in process: ``analyze(load(path))`` on a log of ~112,000 gaps in the published
+  layout (the synthetic busy engine of `bench/synthetic.py`, saved as the published method
+  wrote its logs), wall time per call;
+- recording, per engine step at batch 512: a step with 10 segments and one `emit_handles`
+  of the whole batch, on an in-memory recorder, the loop thread's CPU time
+  (`time.thread_time`: what the engine thread spends, whatever else runs).
+
+Printed: each side's median [min-max] over the rounds and the ratio of medians (this tree /
+the baseline: below 1 is faster). Benchmarks live outside the tests: nothing asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from base_main import DEFAULT_CHECKOUT, BaseMain  # noqa: E402
+from synthetic import synthetic_log  # noqa: E402
+
+from tracekit.analysis.figures import analyze  # noqa: E402
+from tracekit.capture.recorder import Recorder  # noqa: E402
+from tracekit.log.published import save_published  # noqa: E402
+from tracekit.log.reader import load  # noqa: E402
+
+LABELS = ("schedule", "prepare", "prefill", "decode", "sample", "detokenize", "update",
+          "draft", "verify", "output")  # fmt: skip
+
+
+def record_steps(recorder_cls: Any, batch: int, steps: int) -> float:
+    """Thread CPU seconds per step of a recorded loop: 10 segments, one emit_handles."""
+    import numpy as np
+
+    rec = recorder_cls(None, gc=False, handle_signals=False, flush_interval_s=1e9)
+    rec.start()
+    handles = np.array([rec.request(f"r{i}") for i in range(batch)], dtype=np.int64)
+    t = time.thread_time()
+    for _ in range(steps):
+        with rec.step():
+            for lb in LABELS:
+                with rec.segment(lb):
+                    pass
+            rec.emit_handles(handles)
+    dt = time.thread_time() - t
+    rec.stop()
+    return dt / steps
+
+
+def rounds(ours: Callable[[], float], theirs: Callable[[], float], n: int):
+    a, b = [], []
+    for i in range(n):  # ABBA: neither side always goes first
+        if i % 2 == 0:
+            a.append(ours())
+            b.append(theirs())
+        else:
+            b.append(theirs())
+            a.append(ours())
+    return a, b
+
+
+def line(what: str, unit: str, scale: float, a: list[float], b: list[float]) -> str:
+    ma, mb = statistics.median(a), statistics.median(b)
+    return (
+        f"{what}: this tree {ma * scale:.2f} {unit} [{min(a) * scale:.2f}-{max(a) * scale:.2f}], "
+        f"baseline {mb * scale:.2f} {unit} [{min(b) * scale:.2f}-{max(b) * scale:.2f}]: "
+        f"ratio {ma / mb:.3f} ({len(a)} interleaved rounds)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", default=DEFAULT_CHECKOUT, help="the previous main's checkout")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=2000, help="recorded steps per round")
+    args = ap.parse_args()
+    base = BaseMain(
+        args.baseline,
+        modules=("tracekit.analysis.figures", "tracekit.log.reader", "tracekit.capture.recorder"),
+    )
+    path = os.path.join(tempfile.mkdtemp(prefix="tk-house-"), "published.npz")
+    save_published(synthetic_log(3500, batch=32, seed=1), path)
+    n_gaps = analyze(load(path)).gaps
+    base_analyze = base.mods["tracekit.analysis.figures"].analyze
+    base_load = base.mods["tracekit.log.reader"].load
+
+    def ours_analysis() -> float:
+        t = time.perf_counter()
+        analyze(load(path))
+        return time.perf_counter() - t
+
+    def their_analysis() -> float:
+        def run() -> float:
+            t = time.perf_counter()
+            base_analyze(base_load(path))
+            return time.perf_counter() - t
+
+        return base.call(run)
+
+    ours_analysis(), their_analysis()  # warm both: imports, page cache
+    a, b = rounds(ours_analysis, their_analysis, args.rounds)
+    print(line(f"analysis in process, published layout, {n_gaps:,} gaps", "ms", 1e3, a, b))
+
+    base_rec = base.mods["tracekit.capture.recorder"].Recorder
+    a, b = rounds(
+        lambda: record_steps(Recorder, 512, args.steps),
+        lambda: base.call(record_steps, base_rec, 512, args.steps),
+        args.rounds,
+    )
+    print(line("recording per step, batch 512, 10 segments", "us", 1e6, a, b))
+
+
+if __name__ == "__main__":
+    main()
