@@ -632,6 +632,11 @@ def ladder_cmd(
 ) -> None:
     """Every rung x every seed, each in a fresh interpreter, all with one workload."""
     _check_pacing(rate, load, duration, steps)
+    if timer == "cpu" and rate is not None:
+        raise click.UsageError(
+            "--timer cpu needs arrivals paced in steps (no --rate): a rate in wall time on a "
+            "clock that counts CPU time would mix the two clocks"
+        )
     try:
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
         rung_list = [find_rung(r.strip()) for r in rungs.split(",") if r.strip()]
@@ -645,6 +650,8 @@ def ladder_cmd(
         pacing = ["--rate", repr(rate)] + (
             [] if duration is None else ["--duration", repr(duration)]
         )
+    if timer is not None:  # every rung's run records on the clock the ladder was given
+        pacing += ["--timer", timer]
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "ladder.json"), "w") as fh:
         json.dump(

@@ -700,3 +700,25 @@ def test_a_baseline_run_without_the_regime_says_so():
     assert "regime NOT reached: 0 preemptions (needs >= 1)" in line
     stats.num_preemptions = 3
     assert "regime" not in _summary("raw/baseline__s1.npz", "baseline", stats)
+
+
+def test_ladder_passes_its_timer_to_every_rung(tmp_path):
+    """`demo ladder --timer cpu` records every rung on the process's CPU clock: the runs say
+    so in their config and carry no OS evidence (a CPU clock is not wall time)."""
+    from click.testing import CliRunner
+
+    import tracekit
+    from demo_engine.cli import demo
+
+    args = ["ladder", "--seeds", "1", "--steps", "30", "--rungs", "baseline,+gc.freeze"]
+    res = CliRunner().invoke(demo, [*args, "--timer", "cpu", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    runs = sorted(tmp_path.glob("*.npz"))
+    assert len(runs) == 2
+    for p in runs:
+        log = tracekit.load(str(p))
+        assert log.config["timer"] == "cpu", p
+        assert len(log.os_samples) == 0, p
+    bad = CliRunner().invoke(demo, ["ladder", "--rate", "4", "--timer", "cpu", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "--timer cpu needs arrivals paced in steps" in bad.output
+    assert not (tmp_path / "x").exists()

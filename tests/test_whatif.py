@@ -426,3 +426,37 @@ def test_fix_first_ranks_by_gain_and_quotes_the_ladder_error_of_the_cause_or_its
     assert s.endswith("Next: gc (-10%).")
     # nothing that lowers p99.9: said so
     assert "no removable cause" in W.fix_first_sentence([])
+
+
+def test_removing_prefill_never_removes_an_unsplit_ttfts_prefill():
+    # docs/whatif.md, "What is removed": the ITL cause `prefill` is others' prefill in a
+    # TTFT (`prefill_other`); an unsplit TTFT's `prefill` (own and others' mixed) is never
+    # removed. Requests 0 and 1 (no admission rows: unsplit) arrive at 0. Step [0,30]:
+    # prefill [0,20], decode [20,30]; both emit at 30 (their first tokens). Steps [30,40]
+    # and [40,50]: decode; both emit at 40 and 50. Gaps: four of 10, all `forward`.
+    # TTFTs: two of [0,30] = 30, each prefill 20 (unsplit) and decode_other 10
+    # (docs/ttft.md). First order, removing `prefill`: no gap has prefill time (every gap
+    # keeps 10) and no TTFT has `prefill_other`, so both TTFTs keep 30: p50 30, p99 30
+    # (taking the unsplit `prefill` off too would give 10).
+    b = LogBuilder()
+    s0 = b.step(0, 30, n_decode=0, n_prefill=8)
+    b.seg(s0, "prefill", 0, 20)
+    b.seg(s0, "decode", 20, 30)
+    s1 = b.step(30, 40, n_decode=2)
+    b.seg(s1, "decode", 30, 40)
+    s2 = b.step(40, 50, n_decode=2)
+    b.seg(s2, "decode", 40, 50)
+    for r in range(2):
+        b.emit(r, 30, s0)
+        b.emit(r, 40, s1)
+        b.emit(r, 50, s2)
+    log = b.build(arrivals_ms=[0, 0])
+    p, t = partition(log), ttft_partition(log)
+    np.testing.assert_allclose(t.ttft_ms, [30.0, 30.0])
+    np.testing.assert_allclose(t.parts_ms[:, t.labels.index("prefill")], [20.0, 20.0])
+    r = W.find_removal(p, t, "prefill")
+    assert "prefill" not in r.ttft_labels  # others' prefill (`prefill_other`) only
+    first = W.first_order(p, t, r).figures
+    assert first["ttft_p50_ms"] == pytest.approx(30.0)
+    assert first["ttft_p99_ms"] == pytest.approx(30.0)
+    assert first["itl_max_ms"] == pytest.approx(10.0)

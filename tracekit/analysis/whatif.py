@@ -196,7 +196,9 @@ def removals(part: Partition, tpart: TtftPartition, *, only_present: bool = True
         has = set(part.labels) | tt
     out = []
     for c in itl:
-        ttl = tuple(x for x in (c, "prefill_other" if c == "prefill" else "") if x in tt)
+        # the ITL cause `prefill` is others' prefill in a TTFT; an unsplit TTFT's `prefill`
+        # (own and others' mixed) is never removed (docs/whatif.md, "What is removed")
+        ttl = tuple(x for x in ("prefill_other" if c == "prefill" else c,) if x in tt)
         r = Removal(c, "cause", (c,), ttl)
         if c in has or any(x in has for x in _second_ttft_labels(r)):
             out.append(r)
