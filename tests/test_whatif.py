@@ -460,3 +460,27 @@ def test_removing_prefill_never_removes_an_unsplit_ttfts_prefill():
     assert first["ttft_p50_ms"] == pytest.approx(30.0)
     assert first["ttft_p99_ms"] == pytest.approx(30.0)
     assert first["itl_max_ms"] == pytest.approx(10.0)
+
+
+def test_markdown_whatif_writes_a_cause_name_as_literal_text():
+    # a cause label from the log with a pipe, a newline and markdown's specials: every row
+    # of the markdown table keeps the header's column count (no unescaped `|`) and one line
+    from tracekit.render.whatif import whatif_table
+
+    b = LogBuilder()
+    s0 = b.step(0, 10, n_decode=1)
+    b.seg(s0, "decode", 0, 10)
+    s1 = b.step(10, 40, n_decode=1)
+    b.seg(s1, "evil|cause\n| x | *y*", 10, 30)
+    b.seg(s1, "decode", 30, 40)
+    b.emit(0, 10, s0)
+    b.emit(0, 40, s1)
+    log = b.build(arrivals_ms=[0])
+    p, t = partition(log), ttft_partition(log)
+    md = whatif_table([W.whatif(log, p, t)], md=True)
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    cols = len(W.FIGURE_NAMES) + 3
+    unescaped = [ln.replace("\\|", "") for ln in table]
+    assert len(table) >= 4  # header, rule, as measured, the cause's rows
+    assert all(ln.count("|") == cols + 1 for ln in unescaped), table
+    assert any("evil\\|cause" in ln for ln in table)

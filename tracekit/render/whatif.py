@@ -73,7 +73,8 @@ def whatif_table(runs: Sequence[WhatIf], models: Sequence[str] = MODELS, *, md=F
         title = f"WHAT-IF  {name}  ({w.num_gaps} gaps; ms, change against the run as measured)"
         if not w.predictions:
             title += "\n(no cause has time in this run's gaps or TTFTs: nothing to remove)"
-        if md:
+        if md:  # removal names come from the log: literal text, one line each
+            rows = [[text.md_text(c) for c in r[:3]] + r[3:] for r in rows]
             out.append(f"**{text.md_text(title)}**\n\n" + text.markdown_table(
                 rows, head, "lll" + "r" * len(FIGURE_NAMES)))  # fmt: skip
         else:
@@ -125,7 +126,8 @@ def ladder_table(checks: Sequence[LadderCheck], *, md: bool = False) -> str:
         "runs' [min-max]; error by seed: the prediction from seed s against seed s's run, "
         "the same workload)"
     )
-    if md:
+    if md:  # rung keys and the causes they fix come from the logs: literal text
+        rows = [[text.md_text(c) for c in r[:4]] + r[4:] for r in rows]
         return f"**{text.md_text(title)}**\n\n" + text.markdown_table(rows, head, "llllrrrrl")
     return title + "\n" + text.table(rows, head, "llllrrrrl")
 
