@@ -11,6 +11,7 @@ docs is run unless someone says why not.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -92,6 +93,8 @@ def test_documented_command_runs_as_written(doc, cmd, docs_dir):
         "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
         "BROWSER": "true",  # `report --open`: a browser that opens nothing and exits 0
     }
+    if re.search(r"--ray\b", cmd) and importlib.util.find_spec("ray") is None:
+        pytest.skip("needs the ray extra (pip install -e '.[ray]'); tests/test_ray.py runs it")
     if "ds/" in cmd and "export" not in cmd and not (docs_dir / "ds").exists():
         pytest.skip("runs after the export command that writes ds/")
     p = subprocess.run(
