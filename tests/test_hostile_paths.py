@@ -442,3 +442,19 @@ def test_a_retyped_column_under_ray_is_the_same_one_line(dataset):
     ours = [x for x in on_ray.stderr.splitlines() if x.startswith("tracekit:")]
     assert here.returncode == on_ray.returncode == 2
     assert ours == [here.stderr.strip()] and "gap_ms" in ours[0], on_ray.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["analyze"], ["gaps"], ["ttft", "--format", "csv"], ["whatif"], ["compare"], ["report"],
+     ["trace"], ["merge"], ["fleet"]],
+    ids=lambda a: a[0],
+)  # fmt: skip
+@pytest.mark.parametrize("where", ["missing_folder", "a_folder"])
+def test_output_into_a_missing_folder_or_onto_a_folder_is_one_line(runs, tmp_path, argv, where):
+    out = tmp_path / "nope" / "out.txt" if where == "missing_folder" else tmp_path
+    run = str(tmp_path) if argv[0] == "merge" else runs[0]
+    r = cli(*argv[:1], run, *argv[1:], "-o", str(out))
+    assert r.returncode == 2, r.stderr
+    assert ("does not exist" if where == "missing_folder" else "is a directory") in r.stderr
+    assert not (tmp_path / "nope").exists()

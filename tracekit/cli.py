@@ -69,6 +69,27 @@ def _fail(msg: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     sys.exit(code)
 
 
+class _OutputFile(click.Path):
+    """An -o FILE: refused at parse time, in one line (exit 2), when it names a folder or
+    lies in a folder that does not exist, before any run is read."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        path = os.fspath(value)
+        if os.path.isdir(path):
+            _fail(f"-o {path}: is a directory (give a file name)")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            _fail(f"-o {path}: the folder {folder} does not exist (create it first)")
+        return super().convert(value, param, ctx)
+
+
+#: the type of every -o that names one file to write
+OUTPUT_FILE = _OutputFile()
+
+
 class _DemoGroup(click.Group):
     """`tracekit demo`: the bundled demo engine's commands (`demo_engine.cli`), imported
     when used, so that `tracekit analyze` never pays for them. An import that fails is
@@ -239,7 +260,7 @@ def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str)
     "--format", "fmt", type=click.Choice(["table", "jsonl", "parquet"]), default="table",
     show_default=True, help="table: readable; jsonl: one JSON object per run; parquet: -o FILE.",
 )  # fmt: skip
-@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
 @_ray_option
@@ -302,7 +323,7 @@ def _emit(body: str, output: str | None) -> None:
               "between the chunks a server streamed (a merged server run only).")  # fmt: skip
 @click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
               help="table: show this many of the longest gaps (0: all).")  # fmt: skip
-@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @_read_limits
 def gaps(
     run: str, fmt: str | None, min_ms: float | None, request_id: str | None, boundary: str,
@@ -377,7 +398,7 @@ def gaps(
 @click.option("--request", "request_id", default=None, help="Only this request (its id).")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
               help="table: list this many of the slowest requests.")  # fmt: skip
-@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @_read_limits
 def ttft(
     run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int,
@@ -450,7 +471,7 @@ def check(runs: tuple[str, ...]) -> None:
 
 @main.command()
 @click.argument("parts_dir", type=click.Path())
-@click.option("-o", "--output", type=click.Path(), help="Default: the run's own .npz name.")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="Default: the run's own .npz name.")
 @click.option("--keep-parts/--remove-parts", default=True, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
 @_read_limits
@@ -473,7 +494,7 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
 
 @main.command()
 @click.argument("directory", type=click.Path())
-@click.option("-o", "--output", type=click.Path(), required=True, help="The merged RUN.npz.")
+@click.option("-o", "--output", type=OUTPUT_FILE, required=True, help="The merged RUN.npz.")
 @click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
 @click.option("--engine", type=click.IntRange(min=0), default=None, metavar="RANK",
               help="Data parallel: the rank of the engine core whose run to merge.")  # fmt: skip
@@ -526,7 +547,7 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
               help="Sort groups by this config key, e.g. rung_index (the demo ladder's "
               "order); default: the order of the runs. Unknown keys are an error that "
               "lists the keys there are.")  # fmt: skip
-@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
 @_ray_option
@@ -588,7 +609,7 @@ def compare(
 
 @main.command()
 @click.argument("run", type=click.Path())
-@click.option("-o", "--output", type=click.Path(), required=True,
+@click.option("-o", "--output", type=OUTPUT_FILE, required=True,
               help="trace.json, or trace.json.gz to gzip it.")  # fmt: skip
 @click.option("--requests", "request_ids", default=None,
               help="Only these requests' tracks: comma-separated ids.")  # fmt: skip
@@ -678,7 +699,7 @@ def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any
 
 @main.command()
 @click.argument("runs", nargs=-1, type=click.Path())
-@click.option("-o", "--output", type=click.Path(), default="report.html", show_default=True)
+@click.option("-o", "--output", type=OUTPUT_FILE, default="report.html", show_default=True)
 @click.option("--by", default="rung", show_default=True, help="Group runs by this config key.")
 @click.option("--order-by", default=None, metavar="KEY",
               help="Sort groups and runs (every table and chart) by this config key, e.g. "
@@ -714,9 +735,6 @@ def report(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    out_dir = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(out_dir):
-        _fail(f"-o {output}: the directory {out_dir} does not exist (create it first)")
     one = functools.partial(_report_whatif_one, n_worst=n_worst, **_limits())
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     results = [r for r, _ in pairs]
@@ -826,7 +844,7 @@ def _fix_first_verdict(v: Any, cmp: Any, whatifs: Mapping[str, Any], checks: Any
 )  # fmt: skip
 @click.option("--remove", "names", multiple=True, metavar="CAUSE",
               help="Only this cause or family (repeatable); default: all of them.")  # fmt: skip
-@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
 @_read_limits
@@ -962,7 +980,7 @@ def export_cmd(
     show_default=True,
     help="Size of a merged quantile sketch: its rank error is about gaps/points.",
 )
-@click.option("-o", "--output", type=click.Path(), help="Write here instead of stdout.")
+@click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @_ray_option
 @_read_limits
 def fleet_cmd(
