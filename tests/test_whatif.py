@@ -484,3 +484,67 @@ def test_markdown_whatif_writes_a_cause_name_as_literal_text():
     assert len(table) >= 4  # header, rule, as measured, the cause's rows
     assert all(ln.count("|") == cols + 1 for ln in unescaped), table
     assert any("evil\\|cause" in ln for ln in table)
+
+
+def test_the_verdict_quotes_the_worst_figures_ladder_error_too():
+    # the ladder checked gc on two figures: p99.9 predicted 120 against 100 measured
+    # (+20%), TTFT p50 predicted 6 against 100 (-94%). The sentence quotes p99.9's error,
+    # then the worst figure's: TTFT p50, -94%.
+    m = {k: 100.0 for k in W.FIGURE_NAMES}
+    r = W.Removal("gc", "cause", ("gc",), ("gc",))
+    w = W.WhatIf("x", {}, m, 1, (W.Prediction(r, W.SECOND, m | {"itl_p999_ms": 50.0}, 0.0, 1),))
+    checks = [
+        W.LadderCheck("a", "b", "gc", fig, W.SECOND, Spread.of([p]), Spread.of([100.0]))
+        for fig, p in (("itl_p999_ms", 120.0), ("ttft_p50_ms", 6.0), ("itl_p99_ms", 60.0))
+    ]
+    (gc,) = W.fix_first([w], checks)
+    assert gc.worst_figure == "ttft_p50_ms"
+    assert gc.worst_error_frac.median == pytest.approx(-0.94)
+    s = W.fix_first_sentence([gc])
+    assert "predictions for gc were off by +20% (1 rung). Its worst figure there: TTFT p50, " \
+        "off by -94%." in s
+
+
+def test_the_os_is_a_family_and_the_verdict_says_when_it_holds_the_tail():
+    # a run with OS evidence: every OS label of the ITL and TTFT partitions (the loop's,
+    # a rank's, the API server's) is in the `os` family, each removable by itself
+    m = {k: 100.0 for k in W.FIGURE_NAMES}
+    for lb in ("os_runqueue", "os_blocked", "rank1:os_runqueue", "frontend_os_blocked"):
+        assert W.family_of(lb) == "os", lb
+    assert W.family_of("forward") is None and W.family_of("rank1:forward") is None
+    r = W.Removal("os_runqueue", "cause", ("os_runqueue",), ("os_runqueue",))
+    w = W.WhatIf("x", {}, m, 1, (W.Prediction(r, W.SECOND, m | {"itl_p999_ms": 40.0}, 0.0, 1),))
+    (f,) = W.fix_first([w])
+    assert f.family == "os"
+    s = W.fix_first_sentence([f])
+    assert s.startswith("What to fix first: os_runqueue.")
+    assert "The OS, not the engine, holds this tail" in s
+
+
+def test_removing_the_os_family_takes_the_os_time_out_of_each_gap_first_order():
+    # Steps [0,10] and [10,20], one decode segment each, request 0 emits at 10 and 20:
+    # one gap [10,20] = 10. The loop thread's counters at the steps' ends (CPU, run-queue
+    # wait, ms totals): 0/0 at 0, 10/0 at 10 (step start and end), 16/4 at 20: the second
+    # step ran 6 ms on the CPU and waited 4 ms for one (docs/partition.md, "OS evidence",
+    # rule 1: os_runqueue 4, the rest forward 6). First order without `os`: 10 - 4 = 6.
+    from tracekit.log.rawlog import OS_STEP_END, OS_STEP_START
+
+    b = LogBuilder()
+    s0 = b.step(0, 10, n_decode=1)
+    b.seg(s0, "decode", 0, 10)
+    s1 = b.step(10, 20, n_decode=1)
+    b.seg(s1, "decode", 10, 20)
+    b.emit(0, 10, s0)
+    b.emit(0, 20, s1)
+    for t, cpu, rq, kind in ((0, 0, 0, OS_STEP_START), (10, 10, 0, OS_STEP_END),
+                             (10, 10, 0, OS_STEP_START), (20, 16, 4, OS_STEP_END)):  # fmt: skip
+        b.os_sample(t, cpu, rq, kind=kind)
+    log = b.build(arrivals_ms=[0])
+    p, t = partition(log), ttft_partition(log)
+    assert p.parts_ms[0, p.labels.index("os_runqueue")] == pytest.approx(4.0)
+    fam = next(r for r in W.removals(p, t) if r.name == "os")
+    assert fam.kind == "family" and "os_runqueue" in fam.itl_labels
+    assert W.first_order(p, t, fam).figures["itl_max_ms"] == pytest.approx(6.0)
+    assert W.first_order(p, t, W.find_removal(p, t, "os_runqueue")).figures[
+        "itl_max_ms"
+    ] == pytest.approx(6.0)

@@ -47,6 +47,18 @@ OS_RUNQUEUE = "os_runqueue"
 OS_BLOCKED = "os_blocked"
 OS_LABELS: tuple[str, ...] = (OS_RUNQUEUE, OS_BLOCKED)
 
+#: The OS's time at the API server (docs/partition.md, "Unrecorded windows", rule 5).
+FRONTEND_OS_LABELS: tuple[str, ...] = tuple(f"frontend_{lb}" for lb in OS_LABELS)
+
+
+def is_os_label(label: str) -> bool:
+    """Whether a partition label is time the OS took from a thread: `os_runqueue`,
+    `os_blocked`, their API server (`frontend_...`) and tensor-parallel rank (`rankR:...`)
+    forms, and `os` (a label an engine's cause map may name)."""
+    base = label.split(":", 1)[1] if label.startswith("rank") and ":" in label else label
+    return base == "os" or base in OS_LABELS or base in FRONTEND_OS_LABELS
+
+
 #: Labels that are not causes: the forward pass itself and uncovered time.
 NON_CAUSES: frozenset[str] = frozenset({"forward", "residual"})
 

@@ -37,7 +37,7 @@ from tracekit.attribution.ttft import (
     wait_windows,
 )
 from tracekit.errors import TracekitError
-from tracekit.labels import NON_CAUSES, STANDARD_LABELS
+from tracekit.labels import FRONTEND_OS_LABELS, NON_CAUSES, OS_LABELS, STANDARD_LABELS, is_os_label
 from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
 FIRST = "first"
@@ -69,7 +69,8 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("prefill_other", "schedule", "wait_max_num_seqs", "wait_token_budget"),
     ),
     "memory": (("preempt",), ("preempt", "wait_kv_blocks", "wait_preempted_first")),
-    "os": (("os",), ("os",)),
+    # the standard OS labels; a run's API server and rank forms join them (`removals`)
+    "os": ((*OS_LABELS, "os"), (*OS_LABELS, *FRONTEND_OS_LABELS, "os")),
 }
 #: TTFT parts that are a request's own state (not engine time): removing one removes the
 #: request's time in that state, and the engine time inside it is not removed again.
@@ -208,6 +209,9 @@ def removals(part: Partition, tpart: TtftPartition, *, only_present: bool = True
     for fam, (fi, ft) in FAMILIES.items():
         il = tuple(lb for lb in fi if lb in part.labels)
         tl = tuple(lb for lb in ft if lb in tt)
+        if fam == "os":  # and the OS's time at each rank or API server the run names
+            il += tuple(lb for lb in part.labels if is_os_label(lb) and lb not in il)
+            tl += tuple(lb for lb in tpart.labels if is_os_label(lb) and lb not in tl)
         if any(x in has for x in (*il, *tl)):
             out.append(Removal(fam, "family", il, tl))
     return out
@@ -720,7 +724,7 @@ def family_of(name: str) -> str | None:
     for fam, (il, tl) in FAMILIES.items():
         if name in il or name in tl:
             return fam
-    return None
+    return "os" if is_os_label(name) else None
 
 
 # -- what to fix first -----------------------------------------------------------------------
@@ -743,6 +747,10 @@ class FixFirst:
     #: what the ladder errors are of: rungs that fix this very cause (its name), else rungs
     #: that fix a cause of its family ("<family> causes"); "" without any
     ladder_basis: str = ""
+    #: of every figure the same ladder checks predicted for that basis, the one whose median
+    #: error was largest in size, and its errors; None without ladder checks
+    worst_figure: str | None = None
+    worst_error_frac: Spread | None = None
 
 
 def fix_first(
@@ -774,11 +782,15 @@ def fix_first(
         if not gain:
             continue
         fam = family_of(name)
-        mine = [c for c in checks if c.model == model and c.figure == figure]
-        errs, basis = [c.error_frac for c in mine if c.fixes == name], name
-        if not errs and fam is not None:
-            errs = [c.error_frac for c in mine if family_of(c.fixes) == fam]
-            basis = f"{fam} causes"
+        errs, basis = _ladder_errors(checks, model, figure, name, fam)
+        worst: tuple[float, str, Spread] | None = None
+        for fig in FIGURE_NAMES:
+            e, b = _ladder_errors(checks, model, fig, name, fam)
+            finite = [x for x in e if math.isfinite(x)]
+            if finite and b == basis:
+                sp = Spread.of(finite)
+                if worst is None or abs(sp.median) > worst[0]:
+                    worst = (abs(sp.median), fig, sp)
         out.append(
             FixFirst(
                 name=name,
@@ -791,9 +803,31 @@ def fix_first(
                 ladder_error_frac=Spread.of(errs) if errs else None,
                 family=fam,
                 ladder_basis=basis if errs else "",
+                worst_figure=worst[1] if worst else None,
+                worst_error_frac=worst[2] if worst else None,
             )
         )
     return sorted(out, key=lambda f: (-f.gain_frac.median, f.name))
+
+
+def _ladder_errors(
+    checks: Sequence[LadderCheck], model: str, figure: str, name: str, fam: str | None
+) -> tuple[list[float], str]:
+    """The ladder's errors of `model` on `figure` for rungs that fix `name`, else for rungs
+    that fix a cause of its family; and what they are of (`FixFirst.ladder_basis`)."""
+    mine = [c for c in checks if c.model == model and c.figure == figure]
+    errs = [c.error_frac for c in mine if c.fixes == name]
+    if errs or fam is None:
+        return errs, name
+    return [c.error_frac for c in mine if family_of(c.fixes) == fam], f"{fam} causes"
+
+
+#: the figures' names in a sentence
+FIGURE_WORDS = {
+    "itl_p50_ms": "ITL p50", "itl_p99_ms": "ITL p99", "itl_p999_ms": "ITL p99.9",
+    "itl_max_ms": "ITL max", "ttft_p50_ms": "TTFT p50", "ttft_p90_ms": "TTFT p90",
+    "ttft_p99_ms": "TTFT p99",
+}  # fmt: skip
 
 
 def _pct(x: float) -> str:
@@ -828,8 +862,20 @@ def fix_first_sentence(ranked_fixes: Sequence[FixFirst], group: str | None = Non
             f" On this ladder that model's p99.9 predictions for {f.ladder_basis} were off by "
             f"{_pct(e.median)} ({e.num_runs} rung{'s' if e.num_runs != 1 else ''}{rng})."
         )
+        w = f.worst_error_frac
+        if f.worst_figure is not None and w is not None and f.worst_figure != f.figure:
+            s += (
+                f" Its worst figure there: {FIGURE_WORDS.get(f.worst_figure, f.worst_figure)}, "
+                f"off by {_pct(w.median)}."
+            )
     else:
         s += " No rung in these runs fixes it or a cause of its family: the error is unchecked."
+    if f.family == "os":
+        s += (
+            " The OS, not the engine, holds this tail: the engine's threads waited for a CPU "
+            "or were off it; pin them to cores of their own, isolate those cores, or run "
+            "fewer processes per core."
+        )
     if len(ranked_fixes) > 1 and ranked_fixes[1].gain_frac.median > 0:
         g = ranked_fixes[1]
         s += f" Next: {g.name} ({_pct(-g.gain_frac.median)})."
