@@ -719,6 +719,8 @@ def test_ladder_passes_its_timer_to_every_rung(tmp_path):
         log = tracekit.load(str(p))
         assert log.config["timer"] == "cpu", p
         assert len(log.os_samples) == 0, p
-    bad = CliRunner().invoke(demo, ["ladder", "--rate", "4", "--timer", "cpu", "--out", str(tmp_path / "x")])
+    bad = CliRunner().invoke(
+        demo, ["ladder", "--rate", "4", "--timer", "cpu", "--out", str(tmp_path / "x")]
+    )
     assert bad.exit_code == 2 and "--timer cpu needs arrivals paced in steps" in bad.output
     assert not (tmp_path / "x").exists()
