@@ -19,7 +19,7 @@ from synthlog import synthetic_log
 import tracekit
 from tracekit.analysis.export import export
 from tracekit.analysis.figures import analyze
-from tracekit.analysis.fleet import QuantileSketch, rollup, rollup_logs
+from tracekit.analysis.fleet import DatasetError, QuantileSketch, rollup, rollup_logs
 from tracekit.attribution.itl import partition
 from tracekit.cli import main
 
@@ -312,3 +312,27 @@ def test_fleet_reads_a_dataset_compacted_by_duckdb(dataset, tmp_path):
             for lb, v in ga.tail_share.items():
                 assert gb.tail_share[lb] == pytest.approx(v, rel=1e-12, abs=1e-15)
             assert ga.figures == gb.figures
+
+
+@pytest.mark.parametrize("column", ["primary", "run", "gap_ms"])
+def test_a_gaps_file_with_nulls_is_refused_naming_file_and_column(dataset, tmp_path, column):
+    """A gaps file whose primary causes (or runs, or lengths) are null, as a hand-edited or
+    foreign file can be, is one error naming the file and the column, never a crash."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, root = dataset
+    out = tmp_path / "ds"
+    shutil.copytree(root, out)
+    files = sorted(p for p in out.joinpath("gaps").rglob("*.parquet"))
+    victim = next(p for p in files if pq.read_metadata(p).num_rows > 2)
+    t = pq.read_table(victim)
+    col = t.column(column).to_pylist()
+    col[1] = None
+    i = t.schema.get_field_index(column)
+    t = t.set_column(i, t.schema.field(i), pa.array(col, type=t.schema.field(i).type))
+    pq.write_table(t, victim)
+    with pytest.raises(DatasetError, match=rf"{victim.name}: column '{column}' has 1 null value"):
+        rollup(str(out), "rung")

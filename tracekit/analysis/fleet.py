@@ -380,9 +380,17 @@ def _read_gaps(path: str, columns: Sequence[str]):
     _check_gaps_schema(path, columns)
     try:
         f = pq.ParquetFile(path, read_dictionary=[c for c in ("run", "primary") if c in columns])
-        return f.read(columns=list(columns))
+        t = f.read(columns=list(columns))
     except Exception as e:
         raise DatasetError(f"{path}: unreadable gaps file ({str(e).splitlines()[0]})") from None
+    for c in columns:  # every gap has a run, a length, parts and a primary cause (`clean`)
+        n = t.column(c).null_count
+        if n:
+            raise DatasetError(
+                f"{path}: column {c!r} has {n} null value{'s' if n != 1 else ''} "
+                "(a gaps file `tracekit export` writes has none)"
+            )
+    return t
 
 
 def _codes(col: Any) -> tuple[np.ndarray, list[str]]:
