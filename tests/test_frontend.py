@@ -411,3 +411,26 @@ def test_window_lanes_equal_the_reference(windows):
         w = np.flatnonzero(got[0] == j)
         o = w[np.argsort(a[w], kind="stable")]
         assert (a[o][1:] >= b[o][:-1]).all()
+
+
+def test_process_tracks_of_a_run_whose_requests_carry_no_ids_name_them_by_index():
+    # a merged run whose processes recorded no request ids: each client chunk's instant
+    # names its request by index (the trace of such a run raised IndexError)
+    import dataclasses
+
+    from tracekit.render.client import process_events
+    from tracekit.render.perfetto import chrome_trace_events, validate_trace
+
+    b = LogBuilder()
+    b.step(0, 10)
+    b.seg(0, "decode", 0, 10)
+    b.emit(0, 10, 0)
+    b.step(10, 20)
+    b.seg(1, "decode", 10, 20)
+    b.emit(0, 20, 1)
+    log = serve_log(b, [(0, 11, 1), (0, 21, 1)], [(1, "output", 10.5, 11)])
+    log = dataclasses.replace(log, request_ids=())
+    extra = process_events(log)
+    chunks = [e for e in extra if e.get("name") == "chunk"]
+    assert [c["args"]["request"] for c in chunks] == ["0", "0"]
+    assert validate_trace(chrome_trace_events(log, partition(log)) + extra) == []

@@ -148,7 +148,7 @@ def _scalar(v: Any) -> Any:
 
 def gap_columns(log: Any, part: Any, run_id: str) -> dict[str, np.ndarray]:
     """One run's gaps as columns (see the module docstring)."""
-    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    ids = log.request_names()
     id_arr = np.asarray(ids, dtype=object)
     n = len(part)
     cols: dict[str, Any] = {

@@ -26,7 +26,7 @@ def gap_records(
         sel[index] = True
     if min_ms is not None:
         sel &= p.gap_ms >= min_ms
-    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    ids = log.request_names()
     if request_id is not None:
         sel &= np.isin(p.request, requests_named(log, request_id))
     rows = np.flatnonzero(sel) if index is None else np.asarray(index)[sel[np.asarray(index)]]
@@ -66,7 +66,7 @@ def requests_named(log: RawLog, request_id: str) -> np.ndarray:
     else every request the client knew by it: its choices (``#K``), the later requests that
     reused it (``~K``), and a completion's prompts (vLLM names them ``ID-PROMPT``: the
     client sees ``cmpl-X``, the run ``cmpl-X-0``). Raises LogError when none matches."""
-    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    ids = log.request_names()
     if request_id in ids:
         return np.array([ids.index(request_id)], dtype=np.int64)
     out = []
@@ -101,7 +101,7 @@ def client_gap_records(
         sel &= p.gap_ms >= min_ms
     if request_id is not None:
         sel &= np.isin(p.request, requests_named(log, request_id))
-    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    ids = log.request_names()
     prim = p.primary_names()
     eng, front = p.engine_ms(), p.frontend_ms()
     out = []
@@ -209,7 +209,7 @@ def worst_stalls(
         return []
     tail = np.flatnonzero(p.gap_ms >= np.percentile(p.gap_ms, 99))
     events = stall_events(p, tail)[:n]
-    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    ids = log.request_names()
     records = gap_records(log, p, index=np.array([int(g[0]) for g in events], dtype=np.int64))
     for rec, g in zip(records, events, strict=True):
         rec["num_requests"] = int(len(g))

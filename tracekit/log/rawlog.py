@@ -506,6 +506,13 @@ class RawLog:
     def source(self) -> str:
         return str(self.meta.get("source", "tracekit"))
 
+    def request_names(self) -> tuple[str, ...]:
+        """Each request's id, or its index as text where the log names none (a log that
+        recorded no ids, a merged run whose processes carried none)."""
+        if len(self.request_ids) == len(self.requests):
+            return self.request_ids
+        return tuple(str(i) for i in range(len(self.requests)))
+
     def with_path(self, path: str) -> RawLog:
         return replace(self, path=path)
 

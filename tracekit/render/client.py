@@ -254,6 +254,7 @@ def process_events(
     Times in µs on the run's clock; only what lies at or after the engine core's start."""
     procs = log.meta.get("processes") or []
     ps, ce, dl = log.proc_segments, log.client_emissions, log.deliveries
+    names = log.request_names()
     out: list[dict[str, Any]] = []
 
     def keep(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -310,7 +311,7 @@ def process_events(
                                ce.num_tokens[sel].tolist(), strict=True):  # fmt: skip
                 out.append({"ph": "i", "s": "t", "pid": pid, "tid": tid, "name": "chunk",
                             "ts": round(t * 1e6, 3),
-                            "args": {"request": log.request_ids[r], "tokens": n}})  # fmt: skip
+                            "args": {"request": names[r], "tokens": n}})  # fmt: skip
         m = dl.process == k
         if m.any():
             tid += 1

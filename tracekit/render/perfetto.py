@@ -276,7 +276,7 @@ def chrome_trace_events(
     ttft: the run's TTFT partition: each ``ttft`` slice gets its parts, phases and primary
     cause in ``args``.
     """
-    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
+    ids = log.request_names()
     if requests is not None:
         wanted = list(dict.fromkeys(requests))
         index = {rid: i for i, rid in enumerate(ids)}
