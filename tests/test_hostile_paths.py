@@ -458,3 +458,21 @@ def test_output_into_a_missing_folder_or_onto_a_folder_is_one_line(runs, tmp_pat
     assert r.returncode == 2, r.stderr
     assert ("does not exist" if where == "missing_folder" else "is a directory") in r.stderr
     assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("role", ["engine_core-1", "api_server-2"])
+def test_an_identity_without_a_pid_merges_and_says_pid_unknown(pair, tmp_path, role):
+    # a process identity is the recorder's config["process"]; `pid` names the process in
+    # the merge's table, nothing joins on it: without one the run merges and the table
+    # says "pid ?" (it raised KeyError after writing the merged file)
+    d = copy_pair(pair, tmp_path / "d")
+    log = d / f"{role}.npz"
+    doc = json_member(log, "config")
+    del doc["process"]["pid"]
+    rewrite_npz(log, config=np.array(json.dumps(doc)))
+    out = tmp_path / "m.npz"
+    r = cli("merge", str(d), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    name = role.split("-")[0]
+    assert any(ln.startswith(name) and " pid ?" in ln for ln in r.stdout.splitlines()), r.stdout
+    checked(out)

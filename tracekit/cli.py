@@ -521,7 +521,8 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
             f"{c['violations']} violations): {c['method']}"
         )  # fmt: skip
         state = "recovered from parts" if p["recovered"] else "complete"
-        click.echo(f"{p['role']:<12} pid {p['pid']:<7} {state:<21} {how}")
+        pid = p.get("pid", "?")  # an identity may name no pid (the log is still merged)
+        click.echo(f"{p['role']:<12} pid {pid:<7} {state:<21} {how}")
     click.echo(
         f"wrote {output}: {len(log.steps)} steps, {len(log.emissions)} engine emissions, "
         f"{len(log.client_emissions)} client chunks, {len(log.request_ids)} requests"
