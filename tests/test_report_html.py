@@ -211,3 +211,33 @@ def test_the_os_causes_show_like_any_other_cause():
     }
     assert "os_runqueue" in names, sorted(n for n in names if n)
     assert colour("os_runqueue") in page
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="needs a headless Chromium")
+def test_the_ladder_table_fits_the_page_at_1280_px(tmp_path):
+    """A two-seed ladder with long rung names: the "Predicted against the ladder" table fits
+    the page's width (its rung column wraps) instead of hiding its last columns."""
+    paths = []
+    rungs = [("baseline with a long name", None), ("+gc.freeze and its long name", "gc"),
+             ("+tokenizer off the loop, long", "tok")]  # fmt: skip
+    for i, (rung, fixes) in enumerate(rungs):
+        for seed in (1, 2):
+            log = synthetic_log(duration_s=1.0, seed=seed + 10 * i, rung=rung)
+            cfg = {**log.config, "rung_index": i, "seed": seed}
+            if fixes:
+                cfg["fixes"] = fixes
+            p = tmp_path / f"r{i}-{seed}.npz"
+            replace(log, config=cfg).save(p)
+            paths.append(str(p))
+    out = tmp_path / "ladder.html"
+    res = CliRunner().invoke(main, ["report", *paths, "--order-by", "rung_index", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    probe = """JSON.stringify(Array.from(document.querySelectorAll('#tk-whatif .tw'))
+      .map(d => [d.querySelector('table').className, d.scrollWidth, d.clientWidth]))"""
+    page = open_page(out.as_uri(), ready="document.body && document.body.getAttribute('data-charts')",
+                     expression=probe, width=1280, timeout_s=25)  # fmt: skip
+    import json
+
+    boxes = json.loads(page.value)
+    assert any(cls == "ladder" for cls, _, _ in boxes), boxes
+    assert all(sw <= cw for _, sw, cw in boxes), boxes

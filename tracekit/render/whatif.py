@@ -136,12 +136,14 @@ def _e(x: object) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _html_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def _html_table(head: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "") -> str:
     th = "".join(f"<th>{_e(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
     # cells stay on one line: a wide table scrolls inside its box instead of wrapping ranges
+    # (a `cls` table may let some columns wrap: see report.css)
+    klass = f" class={cls}" if cls else ""
     return (
-        '<div class=tw><table style="white-space:nowrap">'
+        f'<div class=tw><table{klass} style="white-space:nowrap">'
         f"<thead><tr>{th}</tr></thead><tbody>{body}</tbody></table></div>"
     )
 
@@ -173,7 +175,7 @@ def whatif_html(
     ]
     if checks:
         h, r = ladder_rows(checks)
-        parts.append("<h3>Predicted against the ladder</h3>" + _html_table(h, r))
+        parts.append("<h3>Predicted against the ladder</h3>" + _html_table(h, r, "ladder"))
     for w in runs:
         h, r = run_rows(w)
         parts.append(
