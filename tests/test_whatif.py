@@ -521,12 +521,15 @@ def test_the_os_is_a_family_and_the_verdict_says_when_it_holds_the_tail():
     assert "The OS, not the engine, holds this tail" in s
 
 
-def test_removing_the_os_family_takes_the_os_time_out_of_each_gap_first_order():
+def test_removing_the_os_family_takes_the_os_time_out_of_each_gap():
     # Steps [0,10] and [10,20], one decode segment each, request 0 emits at 10 and 20:
     # one gap [10,20] = 10. The loop thread's counters at the steps' ends (CPU, run-queue
     # wait, ms totals): 0/0 at 0, 10/0 at 10 (step start and end), 16/4 at 20: the second
     # step ran 6 ms on the CPU and waited 4 ms for one (docs/partition.md, "OS evidence",
     # rule 1: os_runqueue 4, the rest forward 6). First order without `os`: 10 - 4 = 6.
+    # Second order (docs/whatif.md, "Removing the OS"): the run-queue share of [10,20] is
+    # 4/10, no window is removed (f = 0), so R(20) - R(10) = 10 * 0.4 = 4: the gap 6 too, and
+    # the replayed emission times are 10 and 16.
     from tracekit.log.rawlog import OS_STEP_END, OS_STEP_START
 
     b = LogBuilder()
@@ -548,3 +551,12 @@ def test_removing_the_os_family_takes_the_os_time_out_of_each_gap_first_order():
     assert W.first_order(p, t, W.find_removal(p, t, "os_runqueue")).figures[
         "itl_max_ms"
     ] == pytest.approx(6.0)
+    w, _, _ = run(log)  # the second order, checked against its slow reference
+    for name in ("os", "os_runqueue"):
+        assert fig(w, name, W.SECOND)["itl_max_ms"] == pytest.approx(6.0), name
+    assert w.get("os_blocked", W.SECOND) is None  # no time in any gap: not listed
+    second = W.second_order(log, p, t, W.find_removal(p, t, "os_blocked")).figures
+    assert second["itl_max_ms"] == pytest.approx(10.0)  # nothing of it to take
+    bounds, cum = W.os_removed(log, ("os_runqueue",))
+    replayed = np.array([10.0, 20.0]) - np.interp([10e-3, 20e-3], bounds, cum) * 1e3
+    np.testing.assert_allclose(replayed, [10.0, 16.0], atol=1e-9)

@@ -30,6 +30,8 @@ import numpy as np
 
 from tracekit.analysis.compare import Spread
 from tracekit.attribution.itl import Partition, evicted_windows, segment_causes
+from tracekit.attribution.reference import os_taken_reference
+from tracekit.attribution.timeline import PreparedRun, has_os_evidence, os_bounds
 from tracekit.attribution.ttft import (
     TTFT_STANDARD_LABELS,
     TtftPartition,
@@ -37,7 +39,15 @@ from tracekit.attribution.ttft import (
     wait_windows,
 )
 from tracekit.errors import TracekitError
-from tracekit.labels import FRONTEND_OS_LABELS, NON_CAUSES, OS_LABELS, STANDARD_LABELS, is_os_label
+from tracekit.labels import (
+    FRONTEND_OS_LABELS,
+    NON_CAUSES,
+    OS_BLOCKED,
+    OS_LABELS,
+    OS_RUNQUEUE,
+    STANDARD_LABELS,
+    is_os_label,
+)
 from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
 FIRST = "first"
@@ -96,6 +106,8 @@ ASSUMPTIONS: dict[str, tuple[str, ...]] = {
         "removing preemption: each victim emits at every step it missed, its readmission "
         "prefill and the waits behind preempted requests go; what a policy that avoids "
         "preemption does instead (holding new requests back) is not predicted",
+        "removing the OS: the engine's threads run through the share of each instant the OS "
+        "took; a rank's or the API server's OS time is removed by the first order only",
     ),
 }
 
@@ -441,6 +453,46 @@ def _at(bounds: np.ndarray, cum: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.interp(x, bounds, cum)
 
 
+def os_removed(log: RawLog, itl_labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
+    """`(bounds_s, R_os_s)`: the time the OS took from the engine's threads, of the removed OS
+    labels (`os_runqueue`, `os_blocked`), from the run's start to each bound, on the ITL
+    partition's timeline (its shares of each instant: docs/partition.md, "OS evidence");
+    None where nothing of the OS is removed or the run has no OS evidence."""
+    want = {lb for lb in itl_labels if lb in OS_LABELS}
+    if not want:
+        return None
+    run = PreparedRun(log).corrected()  # the ITL partition's run
+    if not run.has_os:
+        return None
+    tl = run.timeline()
+    r_share, b_share = run.os_shares(tl)
+    m = len(tl.bounds)
+    rate = np.zeros(max(m - 1, 0))
+    if OS_RUNQUEUE in want:
+        rate = rate + r_share[1:m]
+    if OS_BLOCKED in want:
+        rate = rate + b_share[1:m]
+    return tl.bounds, np.concatenate([[0.0], np.cumsum(rate * np.diff(tl.bounds))])
+
+
+def with_os_removed(
+    bounds: np.ndarray, cum: np.ndarray, os_: tuple[np.ndarray, np.ndarray] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The windows' removable time and the OS's composed instant by instant: where the
+    windows remove a fraction `f` of an instant, the OS's share `o` of it is taken from what
+    is left, so the instant goes at rate `f + (1 - f) * o` (docs/whatif.md, "Removing the
+    OS")."""
+    if os_ is None:
+        return bounds, cum
+    ob, oc = os_
+    grid = np.union1d(bounds, ob)
+    width = np.diff(grid)
+    safe = np.where(width > 0, width, 1.0)
+    f = np.where(width > 0, np.diff(_at(bounds, cum, grid)) / safe, 0.0)
+    o = np.where(width > 0, np.diff(_at(ob, oc, grid)) / safe, 0.0)
+    return grid, np.concatenate([[0.0], np.cumsum((f + (1.0 - f) * o) * width)])
+
+
 def _victim_gaps(
     log: RawLog, part: Partition, bounds: np.ndarray, cum: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -498,6 +550,7 @@ def second_order(log: RawLog, part: Partition, tpart: TtftPartition, r: Removal)
     """docs/whatif.md, "Second order": the recorded schedule replayed without `r`."""
     w = removable_windows(log, part, r.itl_labels)
     bounds, cum = replay_removed(w, "gc" in r.itl_labels)
+    bounds, cum = with_os_removed(bounds, cum, os_removed(log, r.itl_labels))
     removed_ms = (_at(bounds, cum, part.t1_s) - _at(bounds, cum, part.t0_s)) * 1e3
     gap = np.maximum(part.gap_ms - removed_ms, 0.0)
     if "preempt" in r.itl_labels:
@@ -542,9 +595,25 @@ def second_order_reference(
     and wait row."""
     w = removable_windows(log, part, r.itl_labels)
     is_gc = "gc" in r.itl_labels
+    os_labels = frozenset(lb for lb in r.itl_labels if lb in OS_LABELS)
+    has_os = bool(os_labels) and has_os_evidence(log)
+    # every instant where the windows' rate or the OS's share can change
+    cuts = sorted({float(x) for x in (*w.start_s, *w.end_s)}
+                  | (set(os_bounds(log).tolist()) if has_os else set()))  # fmt: skip
 
     def rem(x: float) -> float:
-        return replay_removed_reference(w, is_gc, [x])[0]
+        if not has_os:
+            return replay_removed_reference(w, is_gc, [x])[0]
+        total = 0.0  # instant by instant: f + (1 - f) * o, each rate a cell's mean
+        for z, y in zip(cuts[:-1], cuts[1:], strict=True):
+            if z >= x:
+                break
+            y = min(y, x)
+            fw = replay_removed_reference(w, is_gc, [z, y])
+            fo = os_taken_reference(log, [z, y], os_labels)
+            f = (fw[1] - fw[0]) / (y - z)
+            total += (fw[1] - fw[0]) + (1.0 - f) * (fo[1] - fo[0])
+        return total
 
     ends = [float(t) for t in log.steps.t_end_s]
     evs = list(zip(*(a.tolist() for a in evicted_windows(log)), strict=True))

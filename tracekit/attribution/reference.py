@@ -391,6 +391,28 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
 # -- the TTFT partition ------------------------------------------------------------------
 
 
+def os_taken_reference(log: RawLog, xs: list[float], labels: frozenset[str]) -> list[float]:
+    """The time the OS took from the engine's threads, of the OS `labels` (`os_runqueue`,
+    `os_blocked`), from the run's start to each x, seconds: each instant's shares by the ITL
+    rules (docs/partition.md, "OS evidence", rules 1, 2, 5 and 7), summed over the run with
+    a walk between every boundary, one x at a time."""
+    rules = _ItlRules(drift_corrected(log), FIT_ALL_CAPTURED)
+    cuts = sorted(set(rules.points) | set(rules.os_points))
+    out = []
+    for x in xs:
+        total = 0.0
+        for z, y in zip(cuts[:-1], cuts[1:], strict=True):
+            if z >= x:
+                break
+            r_share, b_share = rules.os_shares(z, rules.host_owner(z)[0])
+            share = (r_share if OS_RUNQUEUE in labels else 0.0) + (
+                b_share if OS_BLOCKED in labels else 0.0
+            )
+            total += (min(y, x) - z) * share
+        out.append(total)
+    return out
+
+
 def _add_host(into: dict[str, float], who: str, ms: float, rate: float) -> None:
     """Context: what the host ran, by label (prefill that ran while held was others'; time
     nothing covered is `residual`)."""
