@@ -102,9 +102,36 @@ GLYPHS: dict[str, str] = {
 }
 
 
+#: Labels only the partitions produce, from evidence other than a recorded window: the
+#: decode split (`graph`), time no window covered (`residual`), the OS's counters, a
+#: request's own prefill, others' work and waits in its TTFT, its stages before the engine
+#: had it (`http`, `frontend`), the client boundary's hop and the API server's other time,
+#: a gap's primary cause `clean`, and time a process did not record (`unrecorded:...`). An
+#: engine may not record a window under one (the recorder refuses it at the call); a log
+#: that has one (recorded before the rule) keeps that window's time as its own cause,
+#: `engine_<label>`, never the partition's (docs/input-validation.md, "Labels").
+#: `forward` is not among them: a forward pass an engine records (vLLM's workers) is what
+#: the partition calls forward.
+PRODUCED_LABELS: frozenset[str] = frozenset(
+    {"graph", "residual", "clean", "prefill_own", "prefill_other", "decode_other", "http",
+     "frontend", "hop", "frontend_other", *OS_LABELS, *FRONTEND_OS_LABELS}
+)  # fmt: skip
+#: ... and every label with one of these prefixes (a TTFT's `wait_<reason>`, the client
+#: boundary's `unrecorded:<process>`)
+PRODUCED_PREFIXES: tuple[str, ...] = ("wait_", "unrecorded:")
+
+
+def is_produced(label: str) -> bool:
+    """Whether only a partition may produce `label` (`PRODUCED_LABELS`)."""
+    return label in PRODUCED_LABELS or label.startswith(PRODUCED_PREFIXES)
+
+
 def cause_of(label: str, cause_map: Mapping[str, str]) -> str:
-    """The partition label a segment label maps to; unknown labels are their own cause."""
-    return cause_map.get(label, label)
+    """The partition label a segment label maps to; unknown labels are their own cause. A
+    cause only the partitions produce (`PRODUCED_LABELS`) is the engine's own instead:
+    `engine_<cause>`, so a window recorded under it never passes for the partition's."""
+    cause = cause_map.get(label, label)
+    return f"engine_{cause}" if is_produced(cause) else cause
 
 
 def precedence(causes: Iterable[str]) -> list[str]:

@@ -62,6 +62,7 @@ import numpy as np
 from tracekit.attribution.itl import RECONCILE_TOL_MS, itl_labels, partition, primary_of
 from tracekit.attribution.timeline import PreparedRun, prepared
 from tracekit.errors import ReconcileError
+from tracekit.labels import FRONTEND_OS_LABELS  # the OS's time at an API server (rule 5)
 from tracekit.log.rawlog import Emissions, Evictions, RawLog, Requests
 from tracekit.log.serve_contract import CORE, FRONTEND
 
@@ -72,9 +73,6 @@ FRONTEND_LABELS = (*FRONTEND_PRECEDENCE, "hop", "frontend_other")
 #: role (docs/partition.md, "Unrecorded windows"); a column only where some gap has any.
 UNRECORDED_CORE, UNRECORDED_API = "unrecorded:engine_core", "unrecorded:api_server"
 UNRECORDED_LABELS = (UNRECORDED_CORE, UNRECORDED_API)
-#: What the OS took of an API server's thread in the frontend part (docs/partition.md,
-#: "Unrecorded windows", rule 5); columns only where the run has that evidence.
-FRONTEND_OS_LABELS = ("frontend_os_runqueue", "frontend_os_blocked")
 #: proc_segments label -> frontend label
 FRONTEND_WINDOW = {"gc": "frontend_gc", "sse_write": "sse_write", "output": "output",
                    "input": "input"}  # fmt: skip

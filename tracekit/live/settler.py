@@ -54,7 +54,7 @@ import numpy as np
 from tracekit.analysis.figures import HIST_EDGES_MS
 from tracekit.attribution.itl import CLEAN, partition, primary_of
 from tracekit.attribution.ttft import TTFT_STANDARD_LABELS, ttft_partition
-from tracekit.labels import DEFAULT_CAUSE_MAP, OS_LABELS, STANDARD_LABELS, cause_of
+from tracekit.labels import DEFAULT_CAUSE_MAP, OS_LABELS, STANDARD_LABELS
 from tracekit.live.buffers import NO_TICK, Ring
 from tracekit.live.graph import GraphRefit, eager_weights
 from tracekit.live.requests import RequestState
@@ -98,9 +98,6 @@ TtftPartitioner = Callable[[RawLog, np.ndarray], tuple[tuple[str, ...], np.ndarr
 # column positions in the flushed rows (`tracekit.log.flush.TABLES`), by name
 _SG = {c: i for i, c in enumerate(TABLES["segments"])}
 _EM = {c: i for i, c in enumerate(TABLES["emissions"])}
-#: Parts the partition derives (decode's split, time no window covers): an engine label of
-#: that name becomes the cause ``engine_<name>``, so that the two never add up.
-DERIVED_CAUSES = frozenset({"graph", "forward", "residual", "decode_other", "prefill_own"})
 #: Where a flushed row starts, per table: one that starts before what is settled is late.
 _STARTS = (("segments", "t0_tick"), ("gc_pauses", "t0_tick"), ("emissions", "t_tick"),
            ("events", "t_tick"), ("steps", "t0_tick"))  # fmt: skip
@@ -261,12 +258,8 @@ class Settler:
         rows = b.rows
         if b.t0_tick is not None and not self._t0_tick:
             self._t0_tick = b.t0_tick
-        if b.labels is not None:
+        if b.labels is not None:  # (an engine label named like a produced part: `cause_of`)
             self._labels = b.labels
-            for lb in b.labels:  # an engine label named like a derived part: its own cause
-                cause = cause_of(lb, self._cause_map)
-                if cause in DERIVED_CAUSES:
-                    self._cause_map[lb] = f"engine_{cause}"
         self._requests.set_ids(b.request_ids_start, b.request_ids)
         # a row that starts before what is settled was open longer than hold_s: late
         late = 0
