@@ -4,6 +4,7 @@ The `prometheus` fixture yields (a `Prom` client, the target port the sink must 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -44,21 +45,22 @@ class Prom:
         return float(res[0]["value"][1])
 
 
-@pytest.fixture
-def prometheus(tmp_path):
-    if PROMETHEUS is None:
-        pytest.skip(NO_PROMETHEUS)
-    target, web = _free_port(), _free_port()
-    cfg = tmp_path / "prometheus.yml"
+@contextlib.contextmanager
+def running_prometheus(folder, target: int):
+    """A Prometheus server scraping 127.0.0.1:`target` every second, its files in
+    `folder`, ready when this yields its client; stopped on exit."""
+    folder.mkdir(parents=True, exist_ok=True)
+    web = _free_port()
+    cfg = folder / "prometheus.yml"
     cfg.write_text(
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
         "scrape_configs:\n  - job_name: tracekit\n"
         f"    static_configs:\n      - targets: ['127.0.0.1:{target}']\n"
     )
     proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+        [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={folder / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{web}", "--enable-feature=exemplar-storage"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"),
+        stdout=subprocess.DEVNULL, stderr=open(folder / "prometheus.log", "w"),
     )  # fmt: skip
     try:
         for _ in range(300):
@@ -69,13 +71,20 @@ def prometheus(tmp_path):
             except OSError:
                 time.sleep(0.1)
         else:
-            pytest.fail(
-                "prometheus never became ready: " + (tmp_path / "prometheus.log").read_text()
-            )
-        yield Prom(web), target
+            pytest.fail("prometheus never became ready: " + (folder / "prometheus.log").read_text())
+        yield Prom(web)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    if PROMETHEUS is None:
+        pytest.skip(NO_PROMETHEUS)
+    target = _free_port()
+    with running_prometheus(tmp_path, target) as prom:
+        yield prom, target
 
 
 def wait_for(prom: Prom, expr: str, timeout_s: float = 30) -> float:

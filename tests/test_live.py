@@ -1170,37 +1170,37 @@ def test_a_wait_longer_than_max_retain_is_counted_without_its_causes():
     assert sum(s["ttft_cause_ms"].values()) == pytest.approx(10.0)
 
 
-def test_a_label_that_appears_mid_run_is_scraped_at_zero_first():
-    """Prometheus' `increase()` counts a counter from its first sample, so a series first
-    scraped above 0 loses that value (docs/live.md). An engine's own label (`prepare`) that
-    first settles between two scrapes shows 0 at the first scrape that sees it and its
-    settled value from the next on; a series already scraped shows its value at once."""
-    from prometheus_client import CollectorRegistry, generate_latest
+def test_a_label_that_appears_mid_run_is_at_zero_from_the_flush_that_names_it():
+    """docs/live.md, "Series that appear mid-run": an engine's own label (`prepare`, the
+    side thread's window [150, 950] of the hand-built run) has its series at 0 from the
+    first flush that names it, long before its window's gaps settle, with the time it was
+    created; then its value. Every scraper reads the same values: one that joins at the end
+    reads the settled 800 ms at once (each scraper saw a mid-run label at 0 first before)."""
+    from prometheus_client import generate_latest
 
-    from tracekit.live.prometheus import LiveCollector
-    from tracekit.live.stats import LiveTotals, WallView, WorkerStats
-
-    totals = LiveTotals(cause_ms={"gc": 0.0}, tail_count={"gc": 0}, tail_ms={"gc": 0.0},
-                        ttft_cause_ms={"queued": 0.0}, gap_le=np.zeros(2, dtype=np.int64),
-                        ttft_hist=np.zeros(2, dtype=np.int64))  # fmt: skip
-    col = LiveCollector(lambda: (totals, WorkerStats(), WallView()), const_labels={"run": "r"},
-                        gap_buckets_s=(0.1,), ttft_buckets_s=(1.0,))  # fmt: skip
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(col)
-
-    def scrape() -> str:
-        return generate_latest(reg).decode()
-
-    assert 'tracekit_gap_cause_seconds_total{cause="gc",run="r"} 0.0' in scrape()
-    totals.cause_ms.update(gc=2000.0, prepare=1500.0)  # settled between two scrapes
-    totals.tail_count["prepare"] = 3
-    totals.ttft_cause_ms["prepare"] = 500.0
-    first = scrape()
-    assert 'tracekit_gap_cause_seconds_total{cause="gc",run="r"} 2.0' in first
-    assert 'tracekit_gap_cause_seconds_total{cause="prepare",run="r"} 0.0' in first
-    assert 'tracekit_tail_gaps_total{primary_cause="prepare",run="r"} 0.0' in first
-    assert 'tracekit_ttft_cause_seconds_total{cause="prepare",run="r"} 0.0' in first
-    second = scrape()
-    assert 'tracekit_gap_cause_seconds_total{cause="prepare",run="r"} 1.5' in second
-    assert 'tracekit_tail_gaps_total{primary_cause="prepare",run="r"} 3.0' in second
-    assert 'tracekit_ttft_cause_seconds_total{cause="prepare",run="r"} 0.5' in second
+    live = LiveMetrics(hold_s=1.2)
+    chunks = _hand_chunks(labels=("decode", "prepare"))
+    live.open(META)
+    live.write(chunks[0])  # flushed at 1014: names `prepare`; its window ends at 1050
+    _wait_idle(live)
+    t, _, _ = live._read()
+    assert t.cause_ms["prepare"] == 0.0 and t.tail_count["prepare"] == 0
+    assert t.created_s["prepare"] > 0 and t.created_s["prepare"] >= t.created_s["gc"]
+    early = generate_latest(live.registry).decode().splitlines()
+    prepare = 'tracekit_gap_cause_seconds_total{cause="prepare",'
+    assert float(next(ln for ln in early if ln.startswith(prepare)).rsplit(" ", 1)[1]) == 0.0
+    assert any(ln.startswith('tracekit_gap_cause_seconds_created{cause="prepare",') for ln in early)
+    for c in chunks[1:]:
+        live.write(c)
+    live.close({})
+    # a scraper that reads the run for the first time after it (a one-off curl, a
+    # Prometheus that joined late) reads the same settled values as the one that was there
+    fresh = LiveMetrics(hold_s=1.2)
+    _replay(fresh, _hand_chunks(labels=("decode", "prepare")))
+    texts = [generate_latest(x.registry).decode() for x in (live, fresh)]
+    drop = ("tracekit_live_", "# ")  # the sink's own health and the help lines
+    keep = [[ln for ln in t.splitlines() if not ln.startswith(drop) and "_created" not in ln]
+            for t in texts]  # fmt: skip
+    assert keep[0] == keep[1]
+    line = next(ln for ln in keep[1] if ln.startswith(prepare))
+    assert float(line.rsplit(" ", 1)[1]) == pytest.approx(0.8)

@@ -124,3 +124,61 @@ def test_prometheus_sees_the_offline_partition_of_a_real_demo_run(prometheus, tm
     found = [e for series in ex["data"] for e in series["exemplars"]]
     assert found and all(len(e["labels"]["trace_id"]) == 32 for e in found)
     assert all(float(e["value"]) >= 0.040 for e in found)  # only gaps >= the SLO
+
+
+def test_every_scraper_reads_the_same_series_whenever_it_joins(tmp_path):
+    """docs/live.md, "Series that appear mid-run": a series is the same for every reader
+    at every instant. Prometheus B joins a demo run mid-way, Prometheus A only after its
+    final values; neither scraped before. On B, what the causes' counters increased by
+    over its samples adds up to what `tracekit_gap_seconds_sum` increased by (a series
+    shown at 0 to a new reader and then at its value counted the run's past twice); A's
+    last values are B's, series for series."""
+    from promserver import _free_port, running_prometheus
+
+    target = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "demo_engine.cli", "run", "--rung", "baseline", "--seed", "3",
+         "--rate", "12", "--duration", "16", "--out", str(tmp_path), "--quiet",
+         "--metrics-port", str(target), "--lead-s", "1", "--linger-s", "15"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+    def until(cond, timeout_s=120.0) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if cond():
+                return
+            assert run.poll() is None, run.stderr.read()
+            time.sleep(0.2)
+        pytest.fail("the demo run never got there")
+
+    try:
+        # nothing scrapes the run before B: a scrape of our own would be a first reader
+        time.sleep(8)  # the interpreter's start, --lead-s, then gaps for a few seconds
+        with running_prometheus(tmp_path / "b", target) as b:
+            sel = '{job="tracekit"}'
+            until(lambda: b.query(f"tracekit_live_final{sel} == 1", time.time()) != [])
+            with running_prometheus(tmp_path / "a", target) as a:
+                until(lambda: a.query(f"count_over_time(tracekit_live_final{sel}[1m]) >= 2",
+                                      time.time()) != [])  # fmt: skip
+                now = time.time()
+                first = b.one(
+                    f"min(min_over_time(timestamp(tracekit_gaps_total{sel})[5m:1s]))", now
+                )
+                last = b.one(f"max(max_over_time(timestamp(tracekit_gaps_total{sel})[5m:1s]))", now)
+                span = f"[{int(last - first) + 2}s]"
+                causes = b.query(f"increase(tracekit_gap_cause_seconds_total{sel}{span})", last)
+                total = b.one(f"increase(tracekit_gap_seconds_sum{sel}{span})", last)
+                assert len(causes) >= 5 and total > 0
+                assert sum(float(r["value"][1]) for r in causes) == pytest.approx(total, rel=0.02)
+                for p in (a, b):
+                    q = f"last_over_time(tracekit_gap_cause_seconds_total{sel}[1m])"
+                    got = {r["metric"]["cause"]: float(r["value"][1]) for r in p.query(q, now)}
+                    if p is a:
+                        in_a = got
+                    else:
+                        assert got == in_a
+    finally:
+        run.wait(120)
+    assert run.returncode == 0, run.stderr.read()

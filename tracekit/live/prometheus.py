@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -77,27 +76,6 @@ class LiveCollector:
             self.set_const_labels(const_labels)
         self.gap_buckets_s = gap_buckets_s
         self.ttft_buckets_s = ttft_buckets_s
-        # (counter family, label value) pairs some scrape has already seen: a label that
-        # appears mid-run (an engine's own segment label) is exported at 0 the first time,
-        # its value from the next scrape on
-        self._scraped: set[tuple[str, str]] = set()
-        self._scraped_lock = threading.Lock()
-
-    def _since_zero(self, family: str, label: str, value: float) -> float:
-        """A counter series' value for this scrape: 0 the first time its label is scraped.
-
-        Prometheus' ``increase()`` and ``rate()`` count a counter from the first sample they
-        see (extrapolating towards 0 by at most half a scrape interval), so a series first
-        seen above 0 loses that first value. Every standard series is there at 0 from the
-        start; a label that only the run names (``prepare``, ``rank1:gc``) first shows 0 for
-        one scrape, then its settled value (delayed by one scrape interval, never lost)."""
-        key = (family, label)
-        with self._scraped_lock:
-            if key in self._scraped:
-                return value
-            self._scraped.add(key)
-        return 0.0 if value else value
-
     def set_const_labels(self, labels: Mapping[str, str]) -> None:
         for k in labels:
             if not _LABEL_NAME.fullmatch(str(k)) or str(k).startswith("__"):
@@ -164,8 +142,8 @@ class LiveCollector:
         )
         for lb, ms in sorted(s.cause_ms.items()):
             if lb not in DECODE_SPLIT:
-                self._add(c, (lb,), self._since_zero("gap_cause", lb, ms / 1e3))
-        self._add(c, ("decode",), s.decode_ms / 1e3)
+                self._add(c, (lb,), ms / 1e3, created=s.created_s.get(lb))
+        self._add(c, ("decode",), s.decode_ms / 1e3, created=s.created_s.get("decode"))
         yield c
         g = self._fam(
             GaugeMetricFamily,
@@ -185,7 +163,7 @@ class LiveCollector:
             ("primary_cause",),
         )
         for lb, n in sorted(s.tail_count.items()):
-            self._add(t, (lb,), self._since_zero("tail_gaps", lb, n))
+            self._add(t, (lb,), n, created=s.created_s.get(lb))
         yield t
         tm = self._fam(
             CounterMetricFamily,
@@ -195,7 +173,7 @@ class LiveCollector:
             ("cause",),
         )
         for lb, ms in sorted(s.tail_ms.items()):
-            self._add(tm, (lb,), self._since_zero("tail_cause", lb, ms / 1e3))
+            self._add(tm, (lb,), ms / 1e3, created=s.created_s.get(lb))
         yield tm
         yield self._one(GaugeMetricFamily, "tracekit_itl_window_p99_seconds",
                         "p99 of the sliding window of recent gaps, seconds.",
@@ -226,8 +204,8 @@ class LiveCollector:
                 if lb in TTFT_DECODE_PARTS:
                     dec += ms
                 else:
-                    self._add(tt, (lb,), self._since_zero("ttft_cause", lb, ms / 1e3))
-            self._add(tt, ("decode",), self._since_zero("ttft_cause", "decode", dec / 1e3))
+                    self._add(tt, (lb,), ms / 1e3, created=s.created_s.get(lb))
+            self._add(tt, ("decode",), dec / 1e3, created=s.created_s.get("decode"))
             yield tt
 
     def _worker_families(self, s: LiveTotals, w: WorkerStats, v: WallView) -> Iterator[Any]:

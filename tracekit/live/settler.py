@@ -45,7 +45,8 @@ fit and the graph total).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,7 +55,7 @@ import numpy as np
 from tracekit.analysis.figures import HIST_EDGES_MS
 from tracekit.attribution.itl import CLEAN, partition, primary_of
 from tracekit.attribution.ttft import TTFT_STANDARD_LABELS, ttft_partition
-from tracekit.labels import DEFAULT_CAUSE_MAP, OS_LABELS, STANDARD_LABELS
+from tracekit.labels import DEFAULT_CAUSE_MAP, OS_LABELS, STANDARD_LABELS, cause_of
 from tracekit.live.buffers import NO_TICK, Ring
 from tracekit.live.graph import GraphRefit, eager_weights
 from tracekit.live.requests import RequestState
@@ -205,6 +206,7 @@ class Settler:
         self.totals = _zero_totals(self.gap_buckets_s, self.ttft_buckets_s)
         if ttft_partitioner is ttft_by_cause:  # its standard labels, at 0 from the start
             self.totals.ttft_cause_ms = dict.fromkeys(TTFT_STANDARD_LABELS, 0.0)
+        self._note_created()
 
     def open(self, meta: Mapping[str, Any]) -> None:
         """The run's clock and cause map (the recorder's start meta)."""
@@ -219,6 +221,31 @@ class Settler:
         if isinstance(os_ev, Mapping) and os_ev.get("recorded"):
             self._os_series_at_zero()
 
+    def _note_created(self) -> None:
+        """Every cause label with a series now and no creation time yet: created now."""
+        t, now = self.totals, time.time()
+        for d in (t.cause_ms, t.tail_count, t.tail_ms, t.ttft_cause_ms):
+            for lb in d:
+                t.created_s.setdefault(lb, now)
+        t.created_s.setdefault("decode", now)
+
+    def _series_at_zero(self, labels: Sequence[str]) -> None:
+        """A series at 0 for the cause of every label the recorder has named, from the flush
+        that first names it: every scraper then sees it begin at 0, long before the gaps
+        that carry its time settle (`hold_s` later), and its creation time is set
+        (docs/live.md, "Series that appear mid-run")."""
+        t = self.totals
+        for lb in labels:
+            cause = cause_of(lb, self._cause_map)
+            if cause == "decode":  # decode is graph + forward, exported as it settles
+                continue
+            t.cause_ms.setdefault(cause, 0.0)
+            t.tail_ms.setdefault(cause, 0.0)
+            t.tail_count.setdefault(cause, 0)
+            if self._ttft_partitioner is ttft_by_cause:
+                t.ttft_cause_ms.setdefault(cause, 0.0)
+        self._note_created()
+
     def _os_series_at_zero(self) -> None:
         """The OS causes' series, at 0 before the first settlement (a run that records OS
         evidence may have them in every partition). A counter series first scraped above 0
@@ -231,6 +258,7 @@ class Settler:
             t.tail_count.setdefault(lb, 0)
             if self._ttft_partitioner is ttft_by_cause:
                 t.ttft_cause_ms.setdefault(lb, 0.0)
+        self._note_created()
 
     @property
     def flush_s(self) -> float:
@@ -260,6 +288,7 @@ class Settler:
             self._t0_tick = b.t0_tick
         if b.labels is not None:  # (an engine label named like a produced part: `cause_of`)
             self._labels = b.labels
+            self._series_at_zero(b.labels)
         self._requests.set_ids(b.request_ids_start, b.request_ids)
         # a row that starts before what is settled was open longer than hold_s: late
         late = 0

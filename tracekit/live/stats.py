@@ -79,6 +79,9 @@ class LiveTotals:
     fit_steps: int = 0
     settled_to_s: float = math.nan
     final: bool = False
+    #: per cause label: when its series began, wall-clock seconds since the epoch (the
+    #: sink's start for the standard labels, the flush that first named it for the others)
+    created_s: dict[str, float] = field(default_factory=dict)
 
     def copy(self) -> LiveTotals:
         return LiveTotals(
@@ -103,6 +106,7 @@ class LiveTotals:
             fit_steps=self.fit_steps,
             settled_to_s=self.settled_to_s,
             final=self.final,
+            created_s=dict(self.created_s),
         )
 
 
