@@ -598,14 +598,15 @@ def second_order_reference(
     os_labels = frozenset(lb for lb in r.itl_labels if lb in OS_LABELS)
     has_os = bool(os_labels) and has_os_evidence(log)
     # every instant where the windows' rate or the OS's share can change
-    cuts = sorted({float(x) for x in (*w.start_s, *w.end_s)}
-                  | (set(os_bounds(log).tolist()) if has_os else set()))  # fmt: skip
+    ends_os = os_bounds(log) if has_os else None
+    rate_cuts = sorted({float(x) for x in (*w.start_s, *w.end_s)}
+                       | (set(ends_os.tolist()) if ends_os is not None else set()))  # fmt: skip
 
     def rem(x: float) -> float:
         if not has_os:
             return replay_removed_reference(w, is_gc, [x])[0]
         total = 0.0  # instant by instant: f + (1 - f) * o, each rate a cell's mean
-        for z, y in zip(cuts[:-1], cuts[1:], strict=True):
+        for z, y in zip(rate_cuts[:-1], rate_cuts[1:], strict=True):
             if z >= x:
                 break
             y = min(y, x)

@@ -76,6 +76,7 @@ class LiveCollector:
             self.set_const_labels(const_labels)
         self.gap_buckets_s = gap_buckets_s
         self.ttft_buckets_s = ttft_buckets_s
+
     def set_const_labels(self, labels: Mapping[str, str]) -> None:
         for k in labels:
             if not _LABEL_NAME.fullmatch(str(k)) or str(k).startswith("__"):
