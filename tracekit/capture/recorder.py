@@ -194,7 +194,7 @@ class Recorder:
         self._lock = self._rows.lock
         self._step = OpenStep()
         self._threads = Threads(self._step, self._rows)
-        self._probes = self._threads.probes = Probes(self._threads, self._rows)
+        self._probes = self._threads.probes = Probes(self._threads, self._rows, clock)
         self._book = RequestBook(self._rows, self._step)
         self._step_cm = StepContext(self._begin_step, self._end_step, self._probes)
         # interned vocabularies (request names: `_book`)
@@ -449,14 +449,14 @@ class Recorder:
             st.begin(t0)
         probes = self._probes
         if probes.os is not None:
-            probes.os_sample(OS_STEP_START, t0)
+            probes.os_sample(OS_STEP_START)
 
     def _end_step(self) -> None:
         """Where a step ends: its row, then the device poll and the flush."""
         t1 = self._clock()
         probes = self._probes
         if probes.os is not None:
-            probes.os_sample(OS_STEP_END, t1)
+            probes.os_sample(OS_STEP_END)
         st = self._step
         row = st.row(t1)
         rows = self._rows
