@@ -686,3 +686,31 @@ def test_a_tick_from_another_clock_before_start_is_refused_not_kept(tmp_path):
     rec.stop()
     log = tracekit.load(out)
     assert list(log.labels) == ["x"] and len(log.segments) == 1
+
+
+def test_handles_given_to_emit_as_ids_are_warned_about_at_the_call_and_in_the_log():
+    """`request()` returns handles; `emit()` takes ids. New integer ids that are other
+    requests' handles are recorded as asked (new requests), with a warning at the engine's
+    call, once, and a count in the log's warnings; ids that are the run's own are quiet."""
+    clk = ManualClock()
+    rec = tracekit.Recorder(None, clock=clk, gc=False, handle_signals=False)
+    rec.start()
+    handles = [rec.request(f"r{i}") for i in range(4)]
+    with pytest.warns(UserWarning, match="emit_handles takes the handles") as got:
+        with rec.step():
+            clk.tick()
+            rec.emit(handles)
+    assert [w.filename for w in got] == [__file__]  # the engine's line, not tracekit's
+    with rec.step():  # the same ids again: known now, no warning
+        clk.tick()
+        rec.emit(handles)
+    log = rec.stop()
+    assert len(log.requests) == 8  # four named requests, four recorded from the ints
+    assert any(w.startswith("4 new integer request id(s) given to emit()") for w in log.warnings)
+    quiet = tracekit.Recorder(None, clock=clk, gc=False, handle_signals=False)
+    quiet.start()
+    quiet.request(7)
+    with quiet.step():
+        clk.tick()
+        quiet.emit([7, 8])  # 7 is its own id; 8 is no request's handle (one request): quiet
+    assert not [w for w in quiet.stop().warnings if "emit()" in w]
