@@ -252,3 +252,27 @@ def test_ttft_command_at_the_client_boundary(tmp_path):
     b.emit(0, 1, 0)
     r = tk("ttft", str(b.build().save(tmp_path / "engine.npz")), "--boundary", "client")
     assert r.returncode == 2 and "client_emissions" in r.stderr
+
+
+def test_analyze_and_the_report_show_both_boundaries():
+    """analyze's client block carries the client-boundary TTFT (the hand case: one request,
+    9 ms; 5 ms to the first token) after its older keys; the terminal block and the HTML
+    report's client section show it beside the engine boundary's."""
+    from tracekit.analysis.figures import analyze  # the analysis stage, for this test only
+    from tracekit.render.client import client_html, client_text
+
+    c = analyze(_hand_log()).client
+    assert c is not None
+    rec = c.to_record()
+    assert list(rec)[-5:] == ["ttft_p50_ms", "ttft_p99_ms", "ttft_engine_p50_ms",
+                              "ttft_engine_p99_ms", "ttft_share"]  # fmt: skip
+    assert np.allclose([rec["ttft_p50_ms"], rec["ttft_p99_ms"], rec["ttft_engine_p50_ms"],
+                        rec["ttft_engine_p99_ms"]], [9, 9, 5, 5])  # fmt: skip
+    got = {k: round(v * 9, 9) for k, v in rec["ttft_share"].items() if v}
+    assert got == HAND
+    line = next(x for x in client_text(c).splitlines() if x.startswith("TTFT ms"))
+    assert "p50 9.00 p99 9.00" in line and "p50 5.00 p99 5.00" in line
+    page = client_html([("serve", c)])
+    assert ("client boundary (arrival to the first chunk's write)</td><td>9.00</td><td>9.00"
+            in page)  # fmt: skip
+    assert "engine boundary (arrival to the first token)</td><td>5.00</td><td>5.00" in page
