@@ -806,7 +806,8 @@ def client_ttft_reference(log: RawLog) -> ClientTtft:
             fe_hi=[fe_hi],
         )
         row = [0.0] * (len(FRONTEND_LABELS) + len(FRONTEND_OS_LABELS))
-        _, u_api = _client_gap(g, 0, f, False, *_api_server(log, proc), row, 0)
+        wins, osi = _api_server(log, proc)
+        _, u_api = _client_gap(g, 0, f, False, wins, osi, row, 0)
         rows.append((i, r, a, f, w, proc))
         front_rows.append(row)
         unrec.append(u_api)
