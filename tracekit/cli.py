@@ -398,10 +398,14 @@ def gaps(
 @click.option("--request", "request_id", default=None, help="Only this request (its id).")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
               help="table: list this many of the slowest requests.")  # fmt: skip
+@click.option("--boundary", type=click.Choice(["engine", "client"]), default="engine",
+              show_default=True,
+              help="engine: arrival to the engine core's first token; client: arrival to the "
+              "write of the first streamed chunk (a merged server run only).")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @_read_limits
 def ttft(
-    run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int,
+    run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int, boundary: str,
     output: str | None,
 ) -> None:  # fmt: skip
     """Where each request's time to first token went (docs/ttft.md).
@@ -413,7 +417,9 @@ def ttft(
     prefill_own / prefill_other (a step's prefill time split by the request's token share),
     decode_other and graph (others' decoding), residual. Parts and phases each sum to the
     TTFT (checked; a mismatch is an error). A log without admission events (schema v1, the
-    published layout) is unsplit: the output says so.
+    published layout) is unsplit: the output says so. With --boundary client, the window
+    ends at the write of the request's first streamed chunk: the engine boundary's parts to
+    the first token, then the API server's (docs/ttft.md, "The client boundary").
     """
     from tracekit.analysis.run import open_run
     from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
@@ -423,7 +429,11 @@ def ttft(
     _warn(log.path, log.warnings)
     p = ttft_partition(log)
     _warn(log.path, [f"TTFT: {n}" for n in p.notes])
-    records = ttft_records(log, p, min_ms=min_ms, request_id=request_id)
+    if boundary == "client":
+        records, table_of = _client_ttft(run, log, p, min_ms, request_id, top)
+    else:
+        records = ttft_records(log, p, min_ms=min_ms, request_id=request_id)
+        table_of = lambda: text.ttft_requests(run, ttft_figures(p), records, top)  # noqa: E731
     if fmt == "parquet":
         _write_parquet(records, output, "parquet files")
         return
@@ -438,8 +448,24 @@ def ttft(
         pd.json_normalize(records, sep=".").to_csv(buf, index=False)
         body = buf.getvalue()
     else:
-        body = text.ttft_requests(run, ttft_figures(p), records, top) + "\n"
+        body = table_of() + "\n"
     _emit(body, output)
+
+
+def _client_ttft(run, log, engine, min_ms, request_id, top):
+    """`tracekit ttft --boundary client`: (the client-boundary TTFT records, the table)."""
+    # attribution and rendering are imported per command (startup time of the CLI)
+    from tracekit.attribution import client_ttft as ct
+    from tracekit.render import text
+
+    if not len(log.client_emissions):
+        raise LogError(log.path, "client_emissions", "empty: --boundary client needs a merged "
+                       "server run (tracekit merge DIR, see docs/adapters.md)")  # fmt: skip
+    cp = ct.client_ttft_partition(log, engine=engine)
+    _warn(log.path, [f"TTFT at the client boundary: {n}" for n in cp.notes])
+    records = ct.client_ttft_records(log, cp, min_ms=min_ms, request_id=request_id)
+    return records, lambda: text.client_ttft_requests(run, ct.client_ttft_figures(cp), records,
+                                                      top)  # fmt: skip
 
 
 # -- check and recover ---------------------------------------------------------------------

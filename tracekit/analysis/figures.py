@@ -191,12 +191,15 @@ def analyze(
     warnings = list(log.warnings) + list(p.warnings)
     from tracekit.analysis.unrecorded import unrecorded_report
     from tracekit.attribution.client import client_partition
+    from tracekit.attribution.client_ttft import client_ttft_partition  # beside client's
 
     spec = spec_result(log)
     ranks = rank_view(log, p)
     cp = client_partition(log, run=run) if len(log.client_emissions) else None
     unrecorded = unrecorded_report(log, cp)  # partial or missing evidence, per process
-    client = client_result(log, cp, gap, spec, unrecorded) if cp is not None else None
+    # the TTFT to the first chunk's write (docs/ttft.md, "The client boundary")
+    ct = client_ttft_partition(log, engine=tp) if cp is not None else None
+    client = client_result(log, cp, gap, spec, unrecorded, ct) if cp is not None else None
     if unrecorded:
         warnings += [u["line"] for u in unrecorded]
     return RunAnalysis(
