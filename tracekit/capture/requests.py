@@ -15,7 +15,7 @@ import os
 import struct
 import warnings
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -206,7 +206,7 @@ class RequestBook:
                     self._handles_as_ids(ids, n)
         return np.array(found, dtype=np.int64)
 
-    def _handles_as_ids(self, ids: list[Any], n: int) -> None:
+    def _handles_as_ids(self, ids: Sequence[Any], n: int) -> None:
         """Of the ids an `emit` call interned (requests n.. are new), the integers that are
         handles of requests before them (0..n-1): most likely handles passed where ids
         belong (`request()` returns handles; `emit_handles` takes them). Recorded as asked
