@@ -635,6 +635,14 @@ def worker_ranks(proc: Any) -> dict[str, int]:
         dp = getattr(par, "data_parallel_rank", None)
     if isinstance(dp, int):
         out["dp_rank"] = dp
+    # the rank whose outputs the engine core waits for (vLLM's multiproc executor: the
+    # first tensor-parallel rank of the last pipeline stage); the others may still run a
+    # step after the engine core's wait for it returned
+    sizes = [getattr(par, x, None) for x in
+             ("world_size", "tensor_parallel_size", "prefill_context_parallel_size")]  # fmt: skip
+    if all(isinstance(x, int) for x in sizes[:2]):
+        pcp = sizes[2] if isinstance(sizes[2], int) else 1
+        out["output_rank"] = int(sizes[0] - sizes[1] * pcp)
     return out
 
 
