@@ -426,3 +426,19 @@ def test_every_worker_clock_pair_holds(tp_run):
             assert fit["violations"] == 0, (p.get("tp_rank"), fit)
             assert fit["pairs"] > 0
     assert not [w for w in tp_run.meta["warnings"] if "violate causality" in w]
+
+
+def test_each_rank_samples_its_os_counters_at_every_collective(tp, tp_run):
+    """Each collective is an OS interval of its own (its entry and exit are samples of the
+    rank's thread): the evidence for a rank held by the OS after its entry stamp."""
+    from tracekit.log.processes import process_logs, windows
+
+    workers = [p for p in process_logs(tp["dir"]) if p.role == "worker"]
+    assert len(workers) == 2
+    for p in workers:
+        col = windows(p.log, ("collective",), steps_only=False)
+        samples = np.round(p.log.os_samples.t_s * 1e9)
+        assert len(col) and np.isin(np.round(col * 1e9), samples).all(), p.path
+    print("os_runqueue past the entry stamps:",
+          {k: round(v * 1e3, 3) for k, v in tp_run.meta["tensor_parallel"]["charged_s"].items()
+           if k.endswith("os_runqueue")})  # fmt: skip

@@ -388,3 +388,36 @@ def test_a_rank_that_ends_after_the_core_stopped_waiting_keeps_its_clock(tmp_pat
     assert p.reconcile_max_err_ms < 1e-6
     assert np.allclose(p.column("rank1:forward"), 0.1, atol=1e-6)
     assert np.allclose(p.gap_ms, 10.0)
+
+
+def test_a_rank_held_by_the_os_after_its_entry_stamp_is_charged_its_run_queue(tmp_path):
+    """The rule past the last entry stamp (docs/adapters.md), by hand. `record_tp` without
+    a stall: rank 0 enters each step's collective at 10k+2.0, rank 1 stamps its entry at
+    10k+2.1, both leave at 10k+4.0. Rank 1 samples its OS counters at each collective's
+    entry and exit (as the plugin does): in each collective window (1.9 ms) it is on the
+    CPU throughout, except step 2's, where it waits 1.5 ms in the run queue (0.4 ms CPU);
+    between collectives (8.1 ms) it is on the CPU throughout. Rank 0 sampled nothing.
+    From the last entry stamp (10k+2.1) until the first rank left (10k+4.0), 1.9 ms, rank
+    1's share is 1.9 x R / 1.9 = R: step 2, 1.5 ms rank1:os_runqueue, from 22.1 to 23.6;
+    every other step, none. The 0.1 ms before the stamp stays rank1:forward (its interval
+    [10k-6, 10k+2.1] is all CPU)."""
+    d = record_tp(tmp_path, stall_step=99)
+    rows, cpu, rq = [], 0.0, 0.0
+    for k in range(6):
+        rows.append((10.0 * k + 2.1, cpu, rq))  # entry
+        cpu, rq = (cpu + 0.4, rq + 1.5) if k == 2 else (cpu + 1.9, rq)
+        rows.append((10.0 * k + 4.0, cpu, rq))  # exit
+        cpu += 8.1
+    _add_os_samples(tmp_path / "worker-11.npz", rows)
+    run = merge_dir(d)
+    p = partition(run)
+    assert p.reconcile_max_err_ms < 1e-6
+    assert "rank1:os_runqueue" in p.labels
+    col_rq, col_fwd = p.column("rank1:os_runqueue"), p.column("rank1:forward")
+    for k in range(1, 6):
+        g = int(np.flatnonzero(np.isclose(p.t1_s, (10.0 * k + 7.5) * 1e-3))[0])
+        assert col_rq[g] == pytest.approx(1.5 if k == 2 else 0.0, abs=1e-9), k
+        assert col_fwd[g] == pytest.approx(0.1, abs=1e-9), k
+    assert np.allclose(p.gap_ms, 10.0)  # carved out of the forward window, never added
+    assert run.meta["tensor_parallel"]["charged_s"]["rank1:os_runqueue"] == pytest.approx(1.5e-3)
+    assert not [lb for lb in p.labels if lb.startswith("rank0:")]
