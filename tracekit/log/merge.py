@@ -18,8 +18,10 @@ Each log says who wrote it in ``config["process"]`` (``role``, ``pid``, ``host``
     ``EngineCoreOutputs.timestamp`` as the pair's key) before they arrive (``serve.recv``):
     at least ``out - recv`` ahead;
   - engine core -> worker: the engine core asks for the forward pass before the worker
-    starts it, and the worker ends it before the engine core's wait returns (the n-th
-    forward window of each, in order, from the engine core's first step).
+    starts it (the n-th forward window of each, in order, from the engine core's first
+    step), and the rank whose outputs the engine core waits for ends it before that wait
+    returns; another rank may end it later, but it entered the window's last collective
+    before then (`tracekit.log.clocks.worker_bounds`).
 
   Each pair bounds the remaining correction ``theta`` (``lo <= theta <= hi``); on one clock
   0 must lie in every bound (`violations` counts pairs where it does not) and the reported
