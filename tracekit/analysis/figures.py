@@ -14,6 +14,8 @@ import numpy as np
 
 from tracekit.analysis.ranks import RankView, rank_view
 from tracekit.analysis.results import ClientSummary, SpecAcceptance, client_result, spec_result
+from tracekit.analysis.unrecorded import unrecorded_report
+from tracekit.attribution.client import client_partition
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TtftFigures, TtftPartition, ttft_figures, ttft_partition
@@ -189,8 +191,6 @@ def analyze(
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
-    from tracekit.analysis.unrecorded import unrecorded_report
-    from tracekit.attribution.client import client_partition
 
     spec = spec_result(log)
     ranks = rank_view(log, p)

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.analysis.export import DATASET_META, GAPS_DIR, RUNS_DIR, DatasetError
+from tracekit.analysis.compare import config_value
+from tracekit.analysis.export import DATASET_META, GAPS_DIR, RUNS_DIR, DatasetError, export
 from tracekit.errors import LogError
 from tracekit.log.archive import describe_non_regular, open_regular
 
@@ -221,7 +222,7 @@ def _files(root: str, table: str) -> list[str]:
 
 def _runs_table(root: str):
     """The runs table as a pandas frame, in the export's run order, with the hive keys."""
-    import pyarrow.dataset as ds
+    import pyarrow.dataset as ds  # deferred: pyarrow/pandas load when a dataset is read
 
     files = _files(root, RUNS_DIR)
     try:
@@ -252,7 +253,7 @@ def _runs_table(root: str):
 
 
 def _is_string(t: Any) -> bool:
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
 
     if pa.types.is_dictionary(t):
         t = t.value_type
@@ -261,7 +262,7 @@ def _is_string(t: Any) -> bool:
 
 def _check_runs_schema(schema: Any, where: str) -> None:
     """The runs table's columns the rollup trusts: `run` strings, `gaps` integers."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
 
     if "run" not in schema.names:
         raise DatasetError(f"{where}: no 'run' column")
@@ -277,7 +278,7 @@ def _check_gaps_schema(path: str, columns: Sequence[str]) -> None:
     """A gaps file holds the columns the rollup reads, of the types `export` writes:
     `run` and `primary` strings, `gap_ms` and every `part_LABEL_ms` floats. Read from the
     file's footer, before any row."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
     import pyarrow.parquet as pq
 
     try:
@@ -325,7 +326,6 @@ def _partition_keys(root: str) -> list[str]:
 def _group_of_run(df: Any, by: str) -> list[str]:
     """Each run's group text: the config value (as `tracekit compare` groups), else the
     column `by` of the runs table (a figure or a hive key), else MISSING."""
-    from tracekit.analysis.compare import config_value
 
     out = []
     for i in range(len(df)):
@@ -350,7 +350,7 @@ def _group_of_run(df: Any, by: str) -> list[str]:
 
 
 def _figure_columns(df: Any, skip: set[str]) -> list[str]:
-    import pandas as pd
+    import pandas as pd  # deferred: pyarrow/pandas load when a dataset is read
 
     cols = []
     for c in df.columns:
@@ -375,7 +375,7 @@ def _spread(values: np.ndarray) -> tuple[float, float, float, int]:
 
 
 def _read_gaps(path: str, columns: Sequence[str]):
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: pyarrow/pandas load when a dataset is read
 
     _check_gaps_schema(path, columns)
     try:
@@ -388,7 +388,7 @@ def _read_gaps(path: str, columns: Sequence[str]):
 def _codes(col: Any) -> tuple[np.ndarray, list[str]]:
     """A string column as (integer code per row, the distinct strings): no Python string
     per row (a run's gaps file has one run id and a handful of primary causes)."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
 
     if not pa.types.is_dictionary(col.type):
         col = col.dictionary_encode()
@@ -580,7 +580,7 @@ def rollup(
 
 
 def _labels(gaps_file: str) -> list[str]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: pyarrow/pandas load when a dataset is read
 
     try:
         names = pq.read_schema(gaps_file).names
@@ -601,7 +601,6 @@ def rollup_logs(
 ) -> FleetRollup:
     """The same rollup over raw logs: they are exported to a temporary dataset first (so
     both inputs give the same numbers by construction), which is removed afterwards."""
-    from tracekit.analysis.export import export
 
     limits = kwargs.pop("limits", None)
     with tempfile.TemporaryDirectory(prefix="tracekit-fleet-") as tmp:

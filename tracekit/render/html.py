@@ -39,6 +39,7 @@ from tracekit.analysis.verdict import Verdict
 from tracekit.formats import json_safe, num
 from tracekit.labels import colour
 from tracekit.render import text
+from tracekit.render.client import client_html, spec_html
 from tracekit.version import __version__
 
 #: Colours that are not labels: the two sides of the forward-share and TTFT charts.
@@ -856,7 +857,7 @@ def render_report(
     has no verdict section. `whatif_section` (`tracekit.render.whatif.whatif_html`) goes
     right after the verdict. `plotly_js` overrides the inlined bundle (tests)."""
     if plotly_js is None:
-        from plotly.offline import get_plotlyjs
+        from plotly.offline import get_plotlyjs  # deferred: plotly only where the page inlines it
 
         plotly_js = get_plotlyjs()
     analyses = [r.analysis for r in runs]
@@ -951,7 +952,6 @@ def render_report(
         f"<h2>TTFT</h2>{chart('tk-ttft', ttft_figure(analyses, names))}"
     )
     sections.append(ttft_section(analyses, names, comparison, chart))
-    from tracekit.render.client import client_html, spec_html
 
     sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
     sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))

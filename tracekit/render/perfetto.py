@@ -57,6 +57,7 @@ from tracekit.attribution.itl import Partition, evicted_windows
 from tracekit.attribution.ttft import PHASES as TTFT_PHASES
 from tracekit.attribution.ttft import TtftPartition
 from tracekit.errors import UsageError
+from tracekit.fsio import atomic_write
 from tracekit.labels import cause_of
 from tracekit.log.rawlog import RawLog
 
@@ -630,7 +631,6 @@ def write_trace(events: list[dict[str, Any]], path: str, *, meta=None) -> int:
         with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
             gz.write(data)
         data = buf.getvalue()
-    from tracekit.fsio import atomic_write
 
     atomic_write(path, data, fsync=False)
     return len(data)
