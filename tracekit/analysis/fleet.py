@@ -465,6 +465,89 @@ def pass_tail(files: Sequence[str], run_group: Mapping[str, str],
 # -- the rollup ---------------------------------------------------------------------------
 
 
+def _exact_groups(
+    df: Any, group_of: Sequence[str], groups: Sequence[str], memory_budget_bytes: int
+) -> set[str]:
+    """The groups whose gaps are pooled exactly: in order, while their gaps (8 bytes each)
+    fit the memory budget; the others get a sketch."""
+    # exact where the group's gaps fit the budget (groups in order, until it is spent)
+    n_gaps = df.groupby(np.asarray(group_of), sort=False)["gaps"].sum() if "gaps" in df else None
+    exact: set[str] = set()
+    spent = 0
+    for g in groups:
+        need = 8 * int(n_gaps[g]) if n_gaps is not None else memory_budget_bytes + 1
+        if spent + need <= memory_budget_bytes:
+            exact.add(g)
+            spent += need
+    return exact
+
+
+def _pool_gaps(
+    mapper: Mapper,
+    batches: list[list[str]],
+    run_group: Mapping[str, str],
+    exact: set[str],
+    groups: Sequence[str],
+    sketch_points: int,
+) -> tuple[dict[str, dict[str, tuple[float, int]]], dict[str, float], dict[str, int]]:
+    """The first pass: each group's pooled ITL percentiles (exact, or from the merged
+    sketch with its rank error), its tail threshold (the pooled p99) and its gap count."""
+    exact_f = frozenset(exact)
+    # combined as each batch's result arrives (in batch order), then dropped
+    arrays: dict[str, list[np.ndarray]] = {g: [] for g in exact}
+    sketches: dict[str, QuantileSketch] = {}
+    for res in mapper(pass_gaps, [(b, run_group, exact_f, sketch_points) for b in batches]):
+        for g, piece in res.items():
+            if g in exact:
+                arrays[g].append(piece)
+            else:
+                sketches[g] = sketches[g].merge(piece, sketch_points) if g in sketches else piece
+        del res
+    pooled: dict[str, dict[str, tuple[float, int]]] = {}
+    threshold: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for g in groups:
+        if g in exact:
+            gaps = np.concatenate(arrays.pop(g)) if arrays[g] else np.zeros(0)
+            n = len(gaps)
+            qs = np.percentile(gaps, [q for _, q in POOLED]) if n else [math.nan] * len(POOLED)
+            pooled[g] = {name: (float(v), 0) for (name, _), v in zip(POOLED, qs, strict=True)}
+            pooled[g]["itl_max"] = (float(gaps.max()) if n else math.nan, 0)
+            del gaps
+        else:
+            sk = sketches.pop(g, QuantileSketch.of(np.zeros(0)))
+            n = sk.count
+            pooled[g] = {name: sk.quantile(q) for name, q in POOLED}
+            pooled[g]["itl_max"] = (sk.max, 0)
+        threshold[g] = pooled[g]["itl_p99"][0]
+        counts[g] = n
+    return pooled, threshold, counts
+
+
+def _tail_totals(
+    mapper: Mapper,
+    batches: list[list[str]],
+    run_group: Mapping[str, str],
+    threshold: Mapping[str, float],
+    labels: list[str],
+) -> dict[str, tuple[int, float, list[float], dict[str, int]]]:
+    """The second pass: per group, the gaps at or above its threshold, their total ms, the
+    ms by label and the count by primary cause, summed in batch order."""
+    tail: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
+    for res in mapper(pass_tail, [(b, run_group, threshold, labels) for b in batches]):
+        for g, (k, ms, lab, cause) in res.items():
+            n_tail, tail_ms, by_label, by_cause = tail.get(g, (0, 0.0, [0.0] * len(labels), {}))
+            for c, v in cause.items():
+                by_cause[c] = by_cause.get(c, 0) + v
+            tail[g] = (
+                n_tail + k,
+                tail_ms + ms,
+                [a + b for a, b in zip(by_label, lab, strict=True)],
+                by_cause,
+            )
+    return tail
+
+
 def rollup(
     root: str,
     by: str,
@@ -494,61 +577,12 @@ def rollup(
     files = _files(root, GAPS_DIR)
     labels = _labels(files[0])
 
-    # exact where the group's gaps fit the budget (groups in order, until it is spent)
-    n_gaps = df.groupby(np.asarray(group_of), sort=False)["gaps"].sum() if "gaps" in df else None
-    exact: set[str] = set()
-    spent = 0
-    for g in groups:
-        need = 8 * int(n_gaps[g]) if n_gaps is not None else memory_budget_bytes + 1
-        if spent + need <= memory_budget_bytes:
-            exact.add(g)
-            spent += need
-    exact_f = frozenset(exact)
-
+    exact = _exact_groups(df, group_of, groups, memory_budget_bytes)
     # files in fixed batches (one task each): the same batches here and on Ray, so the
     # same merges in the same order and the same numbers
     batches = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
-    # combined as each batch's result arrives (in batch order), then dropped
-    arrays: dict[str, list[np.ndarray]] = {g: [] for g in exact}
-    sketches: dict[str, QuantileSketch] = {}
-    for res in mapper(pass_gaps, [(b, run_group, exact_f, sketch_points) for b in batches]):
-        for g, piece in res.items():
-            if g in exact:
-                arrays[g].append(piece)
-            else:
-                sketches[g] = sketches[g].merge(piece, sketch_points) if g in sketches else piece
-        del res
-    pooled: dict[str, dict[str, tuple[float, int]]] = {}
-    threshold: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for g in groups:
-        if g in exact:
-            gaps = np.concatenate(arrays.pop(g)) if arrays[g] else np.zeros(0)
-            n = len(gaps)
-            qs = np.percentile(gaps, [q for _, q in POOLED]) if n else [math.nan] * len(POOLED)
-            pooled[g] = {name: (float(v), 0) for (name, _), v in zip(POOLED, qs, strict=True)}
-            pooled[g]["itl_max"] = (float(gaps.max()) if n else math.nan, 0)
-            del gaps
-        else:
-            sk = sketches.pop(g, QuantileSketch.of(np.zeros(0)))
-            n = sk.count
-            pooled[g] = {name: sk.quantile(q) for name, q in POOLED}
-            pooled[g]["itl_max"] = (sk.max, 0)
-        threshold[g] = pooled[g]["itl_p99"][0]
-        counts[g] = n
-
-    tail: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
-    for res in mapper(pass_tail, [(b, run_group, threshold, labels) for b in batches]):
-        for g, (k, ms, lab, cause) in res.items():
-            n_tail, tail_ms, by_label, by_cause = tail.get(g, (0, 0.0, [0.0] * len(labels), {}))
-            for c, v in cause.items():
-                by_cause[c] = by_cause.get(c, 0) + v
-            tail[g] = (
-                n_tail + k,
-                tail_ms + ms,
-                [a + b for a, b in zip(by_label, lab, strict=True)],
-                by_cause,
-            )
+    pooled, threshold, counts = _pool_gaps(mapper, batches, run_group, exact, groups, sketch_points)
+    tail = _tail_totals(mapper, batches, run_group, threshold, labels)
     out = []
     group_arr = np.asarray(group_of)
     for g in groups:
