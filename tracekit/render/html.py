@@ -844,6 +844,139 @@ _CSS = "\n" + _asset("report.css")  # the page's style sheet
 _LOADER = "\n" + _asset("report.js")  # draws every figure from the JSON in the page
 
 
+class _Charts:
+    """The page's charts: each call places a chart's div (and its note) and keeps its
+    figure for the page's one JSON block, in the order placed."""
+
+    def __init__(self) -> None:
+        self.figs: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, div_id: str, fig: dict[str, Any], note: str = "") -> str:
+        self.figs[div_id] = fig
+        h = int(fig["layout"].get("height", 400))
+        n = f"<p class=note>{note}</p>" if note else ""
+        return f'<div id="{div_id}" class="chart" style="height:{h}px"></div>{n}'
+
+
+def _title_section(title: str, comparison: Comparison, n_runs: int) -> str:
+    """The title, and what the page's figures are: units, the tail, runs as evidence."""
+    return (
+        f"<h1>{esc(title)}</h1><p class=note>{n_runs} run{'s' if n_runs != 1 else ''}, "
+        f"{len(comparison.groups)} group{'s' if len(comparison.groups) != 1 else ''} by "
+        f"<code>{esc(comparison.by)}</code>. ITL and TTFT in ms. The tail of a run is its gaps at "
+        "or above its own p99; runs are the unit of evidence (figures are per run, or the "
+        f"median and [min-max] across runs). tracekit {esc(__version__)}.</p>"
+    )
+
+
+def _table_sections(
+    analyses: Sequence[RunAnalysis], names: Sequence[str], labels: list[str], comparison: Comparison
+) -> list[str]:
+    """The runs table, each run's share of tail time by label, the groups, the warnings."""
+    sections = ["<h2>Runs</h2><div class=tw>" + run_table(analyses, names) + "</div>"]
+    sections.append(
+        "<p class=note>Share of tail time by label, per run (each row sums to 100%):</p>"
+        "<div class=tw>" + run_share_table(analyses, names, labels) + "</div>"
+    )
+    sections.append(
+        f"<h2>Groups by {esc(comparison.by)}</h2><div class=tw>"
+        + group_tables(comparison)
+        + "</div>"
+    )
+    warn = [(n, w) for a, n in zip(analyses, names, strict=True) for w in a.warnings]
+    if warn:
+        sections.append(
+            "<h2>Warnings</h2><ul>"
+            + "".join(f"<li>{esc(n)}: {esc(w)}</li>" for n, w in warn)
+            + "</ul>"
+        )
+    return sections
+
+
+def _itl_time_section(runs: Sequence[ReportRun], names: Sequence[str], chart: _Charts) -> str:
+    """ITL over time, where every run has its series ("" where one has none)."""
+    series = [r.series for r in runs]
+    if not (all(x is not None for x in series) and series):
+        return ""
+    return "<h2>ITL over time</h2>" + chart(
+        "tk-itl-time",
+        itl_time_figure(series, names),  # type: ignore[arg-type]
+        "Each point is one gap, at the time it ended, coloured by its primary cause; "
+        "every tail gap (at or above the run's p99) is drawn, the others thinned "
+        "evenly in long runs ("
+        + ", ".join(
+            f"{esc(n)}: {len(x['t_s'])} of {x['num_gaps']}"  # type: ignore[index]
+            for n, x in zip(names, series, strict=True)
+        )
+        + "). Pick the run in the menu.",
+    )
+
+
+def _tail_section(
+    analyses: Sequence[RunAnalysis],
+    names: Sequence[str],
+    comparison: Comparison,
+    labels: list[str],
+    causes: list[str],
+    chart: _Charts,
+) -> str:
+    """Where the tail went: per group (medians) where a group has several runs, else per
+    run."""
+    if any(g.num_runs > 1 for g in comparison.groups):
+        rows = [(g.key, g.tail_share, g.tail_count) for g in comparison.groups]
+        per, note = comparison.by, "Medians across the runs of each group."
+    else:
+        rows = [(n, a.tail_share, a.tail_count) for a, n in zip(analyses, names, strict=True)]
+        per, note = "run", ""
+    return "<h2>Where the tail went</h2>" + chart(
+        "tk-tail",
+        tail_share_figure(rows, labels, causes, per),
+        "Time and count disagree: a cause can cross p99 often and hold little tail time, "
+        "or rarely and hold most of it. " + note,
+    )
+
+
+def _worst_stalls_section(runs: Sequence[ReportRun], names: Sequence[str]) -> str:
+    """Each run's worst stalls (the first run's open)."""
+    worst = "".join(
+        worst_stalls_html(n, r.worst_stalls, open_=(k == 0))
+        for k, (r, n) in enumerate(zip(runs, names, strict=True))
+    )
+    return (
+        '<h2 id="tk-stalls">Worst stalls</h2><p class=note>The worst stalls of each run '
+        "among its tail gaps: gaps closed by the same step with the same primary cause are "
+        "one stall (a GC pause or a long prefill stalls the whole batch at once), listed "
+        "once with every request it hit; the partition (parts sum to the gap) and steps are "
+        "those of its longest gap.</p>" + worst
+    )
+
+
+def _page(
+    title: str, sections: list[str], legend: str, figs: dict[str, Any], plotly_js: str
+) -> str:
+    """The document: head and style, the title section, the colour legend, the other
+    sections, then the figures, the plot config, plotly.js and the loader."""
+    return "".join(
+        [
+            "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>",
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>\n",
+            sections[0],
+            f"\n<p class=note>Colours: {legend}</p>\n",
+            "\n".join(sections[1:]),
+            '\n<script type="application/json" id="tk-figures">',
+            script_json(figs),
+            '</script>\n<script type="application/json" id="tk-config">',
+            script_json(_CONFIG),
+            "</script>\n<script>",
+            plotly_js,
+            "</script>\n<script>",
+            _LOADER,
+            "</script>\n</body></html>\n",
+        ]
+    )
+
+
 def render_report(
     runs: Sequence[ReportRun],
     comparison: Comparison,
@@ -864,63 +997,16 @@ def render_report(
     names = run_labels(analyses)
     labels = list(comparison.labels)
     causes = _causes(analyses)
-    grouped = any(g.num_runs > 1 for g in comparison.groups)
-
-    figs: dict[str, dict[str, Any]] = {}
-    sections: list[str] = []
-
-    def chart(div_id: str, fig: dict[str, Any], note: str = "") -> str:
-        figs[div_id] = fig
-        h = int(fig["layout"].get("height", 400))
-        n = f"<p class=note>{note}</p>" if note else ""
-        return f'<div id="{div_id}" class="chart" style="height:{h}px"></div>{n}'
-
-    n_runs = len(analyses)
-    sections.append(
-        f"<h1>{esc(title)}</h1><p class=note>{n_runs} run{'s' if n_runs != 1 else ''}, "
-        f"{len(comparison.groups)} group{'s' if len(comparison.groups) != 1 else ''} by "
-        f"<code>{esc(comparison.by)}</code>. ITL and TTFT in ms. The tail of a run is its gaps at "
-        "or above its own p99; runs are the unit of evidence (figures are per run, or the "
-        f"median and [min-max] across runs). tracekit {esc(__version__)}.</p>"
-    )
+    chart = _Charts()
+    sections = [_title_section(title, comparison, len(analyses))]
     if verdict is not None:
         sections.append(verdict_html(verdict))
     if whatif_section:
         sections.append(whatif_section)
-    sections.append("<h2>Runs</h2><div class=tw>" + run_table(analyses, names) + "</div>")
-    sections.append(
-        "<p class=note>Share of tail time by label, per run (each row sums to 100%):</p>"
-        "<div class=tw>" + run_share_table(analyses, names, labels) + "</div>"
-    )
-    sections.append(
-        f"<h2>Groups by {esc(comparison.by)}</h2><div class=tw>"
-        + group_tables(comparison)
-        + "</div>"
-    )
-    warn = [(n, w) for a, n in zip(analyses, names, strict=True) for w in a.warnings]
-    if warn:
-        sections.append(
-            "<h2>Warnings</h2><ul>"
-            + "".join(f"<li>{esc(n)}: {esc(w)}</li>" for n, w in warn)
-            + "</ul>"
-        )
-    series = [r.series for r in runs]
-    if all(x is not None for x in series) and series:
-        sections.append(
-            "<h2>ITL over time</h2>"
-            + chart(
-                "tk-itl-time",
-                itl_time_figure(series, names),  # type: ignore[arg-type]
-                "Each point is one gap, at the time it ended, coloured by its primary cause; "
-                "every tail gap (at or above the run's p99) is drawn, the others thinned "
-                "evenly in long runs ("
-                + ", ".join(
-                    f"{esc(n)}: {len(x['t_s'])} of {x['num_gaps']}"  # type: ignore[index]
-                    for n, x in zip(names, series, strict=True)
-                )
-                + "). Pick the run in the menu.",
-            )
-        )
+    sections += _table_sections(analyses, names, labels, comparison)
+    itl_time = _itl_time_section(runs, names, chart)
+    if itl_time:
+        sections.append(itl_time)
     sections.append(
         "<h2>ITL histogram by primary cause</h2>"
         + chart(
@@ -930,21 +1016,7 @@ def render_report(
             "the gap; otherwise it is clean. Pick the run in the menu; runs are not pooled.",
         )
     )
-    if grouped:
-        rows = [(g.key, g.tail_share, g.tail_count) for g in comparison.groups]
-        per, note = comparison.by, "Medians across the runs of each group."
-    else:
-        rows = [(n, a.tail_share, a.tail_count) for a, n in zip(analyses, names, strict=True)]
-        per, note = "run", ""
-    sections.append(
-        "<h2>Where the tail went</h2>"
-        + chart(
-            "tk-tail",
-            tail_share_figure(rows, labels, causes, per),
-            "Time and count disagree: a cause can cross p99 often and hold little tail time, "
-            "or rarely and hold most of it. " + note,
-        )
-    )
+    sections.append(_tail_section(analyses, names, comparison, labels, causes, chart))
     sections.append(
         f"<h2>The ladder</h2>{chart('tk-ladder', ladder_figure(comparison))}"
         f"<h2>Forward pass in clean and tail gaps</h2>"
@@ -952,39 +1024,9 @@ def render_report(
         f"<h2>TTFT</h2>{chart('tk-ttft', ttft_figure(analyses, names))}"
     )
     sections.append(ttft_section(analyses, names, comparison, chart))
-
     sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
     sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))
     sections.append(tp_ranks_html(analyses, names))
-    worst = "".join(
-        worst_stalls_html(n, r.worst_stalls, open_=(k == 0))
-        for k, (r, n) in enumerate(zip(runs, names, strict=True))
-    )
-    sections.append(
-        '<h2 id="tk-stalls">Worst stalls</h2><p class=note>The worst stalls of each run '
-        "among its tail gaps: gaps closed by the same step with the same primary cause are "
-        "one stall (a GC pause or a long prefill stalls the whole batch at once), listed "
-        "once with every request it hit; the partition (parts sum to the gap) and steps are "
-        "those of its longest gap.</p>" + worst
-    )
-
+    sections.append(_worst_stalls_section(runs, names))
     legend = " ".join(_swatch(c) for c in dict.fromkeys([*labels, *causes]))
-    return "".join(
-        [
-            "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>",
-            '<meta name="viewport" content="width=device-width, initial-scale=1">',
-            f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>\n",
-            sections[0],
-            f"\n<p class=note>Colours: {legend}</p>\n",
-            "\n".join(sections[1:]),
-            '\n<script type="application/json" id="tk-figures">',
-            script_json(figs),
-            '</script>\n<script type="application/json" id="tk-config">',
-            script_json(_CONFIG),
-            "</script>\n<script>",
-            plotly_js,
-            "</script>\n<script>",
-            _LOADER,
-            "</script>\n</body></html>\n",
-        ]
-    )
+    return _page(title, sections, legend, chart.figs, plotly_js)
