@@ -221,6 +221,30 @@ def test_no_class_reaches_into_another_objects_private_state():
 # -- sizes, and why an import is local ------------------------------------------------------
 
 
+MAX_FUNCTION_LINES = 100
+MAX_MODULE_LINES = 1000
+
+
+def test_no_function_over_100_lines():
+    long = [
+        f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for p in MODULES.values()
+        for n in ast.walk(ast.parse(p.read_text(), str(p)))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, "split these into named steps:\n" + "\n".join(long)
+
+
+def test_no_module_over_1000_lines():
+    big = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not big, "split these modules:\n" + "\n".join(big)
+
+
 def uncommented_local_imports(path: pathlib.Path) -> list[str]:
     """Every import inside a function with no comment saying why it is local: on its own
     line(s), or on the nearest line above that is not blank or `try:`. One comment covers a
