@@ -345,7 +345,6 @@ class PartsSink:
         self._meta: dict[str, Any] = {}
 
     def open(self, meta: Mapping[str, Any]) -> None:
-
         self._meta = dict(meta)
         os.makedirs(os.path.dirname(os.path.abspath(self.dir)), exist_ok=True)
         try:

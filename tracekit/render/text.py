@@ -40,7 +40,6 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | Non
 
 
 def run_name(a: RunAnalysis) -> str:
-
     return os.path.basename(a.path)
 
 
