@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from tracekit.formats import json_safe
+from tracekit.fsio import atomic_write
 from tracekit.log.flush import FlushedRows, build_flushed
 from tracekit.log.parts import (
     LOCK_NAME,
@@ -344,8 +345,6 @@ class PartsSink:
         self._meta: dict[str, Any] = {}
 
     def open(self, meta: Mapping[str, Any]) -> None:
-        from tracekit.fsio import atomic_write
-
         self._meta = dict(meta)
         os.makedirs(os.path.dirname(os.path.abspath(self.dir)), exist_ok=True)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from tracekit.attribution.ttft import TtftFigures
 from tracekit.errors import one_line
 from tracekit.formats import num
 from tracekit.labels import STANDARD_LABELS, glyphs
+from tracekit.render.client import client_text, spec_text
 
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | None = None) -> str:
@@ -38,8 +40,6 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | Non
 
 
 def run_name(a: RunAnalysis) -> str:
-    import os
-
     return os.path.basename(a.path)
 
 
@@ -147,7 +147,6 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
     parts = [summary(runs), "", shares(runs, "tail_share")]
     if len(runs) == 1:
         parts += ["", histogram(runs[0]), "", run_details(runs[0])]
-    from tracekit.render.client import client_text, spec_text
 
     parts += [f"\n{run_name(a)}: {spec_text(a)}" for a in runs if a.spec and not a.client]
     parts += [f"\n{run_name(a)}: {client_text(a.client)}" for a in runs if a.client]
