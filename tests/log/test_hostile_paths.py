@@ -79,7 +79,7 @@ def json_member(path: Path, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Path:
-    """A valid directory: an engine core and an API server (tests.test_merge)."""
+    """A valid directory: an engine core and an API server (tests/log/test_merge.py)."""
     d = tmp_path_factory.mktemp("pair")
     record_pair(d, n=40)
     return d

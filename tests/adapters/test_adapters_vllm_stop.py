@@ -122,7 +122,7 @@ def test_the_engine_core_window_after_its_last_flush_is_unrecorded_not_the_api_s
     assert np.all(cp.unrecorded_ms()[~cut] <= 1e-9) or core_end < g.b.max()
 
     # what was lost: tokens the API server streamed (its client-boundary record, which
-    # tests/test_adapters_vllm_serve.py checks against the client chunk by chunk) that the
+    # tests/adapters/test_adapters_vllm_serve.py checks against the client chunk by chunk) that the
     # engine core's log lacks, and the client-gap time left unrecorded
     sent = collections.Counter()
     ce = merged.client_emissions

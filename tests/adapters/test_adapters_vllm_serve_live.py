@@ -37,7 +37,7 @@ import pytest
 
 pytestmark = [pytest.mark.adapters, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 32
 N_REQUESTS = 6
 SLO_MS = 5.0

@@ -127,7 +127,7 @@ def test_reference_agrees_on_the_hand_cases():
 
 
 def served_log(seed: int):
-    """`random_log(seed)` (tests/test_ttft_properties.py) as a server run (None if that
+    """`random_log(seed)` (tests/attribution/test_ttft_properties.py) as a server run (None if that
     seed's is not one), its first chunks written 0-4 ms after the first token (one in ten
     0-1 ms before: left out), some requests with a later chunk, each API server's windows,
     deliveries of some steps, and half the time API server spans that start or end

@@ -1,6 +1,6 @@
 """Live mode where an engine idles (a server between bursts), and the `vllm serve`
 plugin's live options as it reads them from the environment (no vLLM needed: the real
-server runs in tests/test_adapters_vllm_serve_live.py).
+server runs in tests/adapters/test_adapters_vllm_serve_live.py).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def served(tmp_path_factory):
     template = base / "chat.jinja"
     template.write_text(sh.CHAT_TEMPLATE)
     # vLLM's bare stop (SIGTERM and SIGKILL at once, no flush wait): the engine core's and
-    # the worker's logs are parts for recover (tests/test_adapters_vllm_stop.py: the wait)
+    # the worker's logs are parts for recover (tests/adapters/test_adapters_vllm_stop.py: the wait)
     server = sh.start_server(model, record_dir=rec_dir, log_path=str(base / "server.log"),
                              extra_args=[*sh.PREEMPTING_ARGS, *sh.NGRAM_ARGS,
                                          "--chat-template", str(template)],

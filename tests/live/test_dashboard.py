@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "tracekit-live.json"
 
 

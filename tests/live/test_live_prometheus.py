@@ -24,7 +24,7 @@ from promserver import NO_PROMETHEUS, PROMETHEUS, get_json
 pytest.importorskip("prometheus_client")
 pytest.importorskip("opentelemetry.sdk")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS)
 
 

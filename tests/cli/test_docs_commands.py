@@ -21,21 +21,21 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: command prefix -> why it does not run here (checked elsewhere where it can be)
 NOT_HERE = {
-    "tracekit merge raw/serve": "needs a `vllm serve` run (tests/test_adapters_vllm_serve.py)",
-    "tracekit analyze raw/serve": "needs a `vllm serve` run (tests/test_adapters_vllm_serve.py)",
-    "tracekit report raw/serve": "needs a `vllm serve` run (tests/test_adapters_vllm_serve.py)",
-    "tracekit trace raw/serve": "needs a `vllm serve` run (tests/test_adapters_vllm_serve.py)",
-    "tracekit analyze /shared/raw": "a cluster's shared folder and address (tests/test_ray.py)",
+    "tracekit merge raw/serve": "needs a `vllm serve` run (tests/adapters/test_adapters_vllm_serve.py)",
+    "tracekit analyze raw/serve": "needs a `vllm serve` run (tests/adapters/test_adapters_vllm_serve.py)",
+    "tracekit report raw/serve": "needs a `vllm serve` run (tests/adapters/test_adapters_vllm_serve.py)",
+    "tracekit trace raw/serve": "needs a `vllm serve` run (tests/adapters/test_adapters_vllm_serve.py)",
+    "tracekit analyze /shared/raw": "a cluster's shared folder and address (tests/analysis/test_ray.py)",
     "tracekit fleet ds/ --by replica --format jsonl --ray auto": "a Ray cluster to join",
-    "tracekit analyze raw/*.npz --ray auto": "a Ray cluster to join (tests/test_ray.py)",
+    "tracekit analyze raw/*.npz --ray auto": "a Ray cluster to join (tests/analysis/test_ray.py)",
     "tracekit demo ladder": "records a whole ladder (the README's first command; CI time)",
     "tracekit demo run --rate 8 --duration 60 --metrics-port 9400": "serves for a minute on a "
-    "fixed port (tests/test_live.py and tests/test_live_prometheus.py run it short)",
+    "fixed port (tests/live/test_live.py and tests/live/test_live_prometheus.py run it short)",
 }
 
 
@@ -94,7 +94,7 @@ def test_documented_command_runs_as_written(doc, cmd, docs_dir):
         "BROWSER": "true",  # `report --open`: a browser that opens nothing and exits 0
     }
     if re.search(r"--ray\b", cmd) and importlib.util.find_spec("ray") is None:
-        pytest.skip("needs the ray extra (pip install -e '.[ray]'); tests/test_ray.py runs it")
+        pytest.skip("needs the ray extra (pip install -e '.[ray]'); tests/analysis/test_ray.py runs it")
     if "ds/" in cmd and "export" not in cmd and not (docs_dir / "ds").exists():
         pytest.skip("runs after the export command that writes ds/")
     p = subprocess.run(

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None or not os.path.exists("/proc/thread-self/schedstat"),
     reason="OS evidence needs Linux with schedstat",
 )
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _shares(path: str) -> tuple[float, float]:
