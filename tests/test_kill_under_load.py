@@ -106,8 +106,8 @@ def test_kill_9_under_cpu_and_disk_load_loses_at_most_six_intervals(tmp_path, fs
         try:
             assert proc.stdout.readline() == "started\n", proc.stderr.read()[-2000:]
             # kill once 25 intervals are recorded (the bound is 6), however long it takes;
-            # an engine stuck waiting for a stalled writer is killed after 20 s
-            t_end = time.monotonic() + 20.0
+            # an engine stuck waiting for a stalled writer is killed after 60 s
+            t_end = time.monotonic() + 60.0
             while (
                 struct.unpack("q", mm[:8])[0] < 25 * steps_per_interval and time.monotonic() < t_end
             ):

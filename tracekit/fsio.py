@@ -134,15 +134,15 @@ class Syncer:
                     return
                 batch = list(self._queue)
                 self._queue.clear()
-            try:
-                for path in batch:
+            for path in batch:
+                try:
                     fsync_file(path)
-                for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in batch):
-                    fsync_folder(folder)
-            except OSError as e:
-                if not self._warned:
-                    logger.warning("tracekit: cannot fsync %s (%s)", batch[-1], e)
-                self._warned = True
+                except OSError as e:  # the file stays visible; the OS writes it back later
+                    if not self._warned:
+                        logger.warning("tracekit: cannot fsync %s (%s)", path, e)
+                    self._warned = True
+            for folder in dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in batch):
+                fsync_folder(folder)
             with self._cond:
                 self.num_synced += len(batch)
                 self._cond.notify_all()
