@@ -212,3 +212,37 @@ def test_a_part_a_power_loss_left_empty_or_torn_is_named_and_the_parts_before_ar
     assert any(hit.name in w for w in again.warnings)
     left = [Path(p) for p in part_paths(str(parts))]
     assert left == [f for f in files if damage != "missing" or f != hit]  # nothing deleted
+
+
+def test_a_failing_fsync_is_logged_once_and_the_other_parts_are_still_synced(
+    tmp_path, monkeypatch, caplog
+):
+    """The syncer's fsyncs (`tracekit.fsio.Syncer`) never stop a run: one that fails (EIO)
+    is one warning, the files added after it are still synced, and `close` returns once
+    every file added was handled."""
+    from tracekit.fsio import Syncer
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}") if os.path.isdir("/proc/self/fd") else ""
+        if name.endswith("bad"):
+            raise OSError(5, "Input/output error")
+        synced.append(fd)
+        real_fsync(fd)
+
+    paths = [tmp_path / n for n in ("a", "bad", "c", "bad2", "bad")]
+    for p in paths:
+        p.write_bytes(b"x")
+    monkeypatch.setattr(os, "fsync", fsync)
+    syncer = Syncer()
+    with caplog.at_level("WARNING", logger="tracekit"):
+        for p in paths:
+            syncer.add(str(p))
+        syncer.close()
+    assert syncer.num_synced == len(paths)
+    warnings = [r for r in caplog.records if "cannot fsync" in r.getMessage()]
+    assert len(warnings) == 1 and "bad" in warnings[0].getMessage()
+    if os.path.isdir("/proc/self/fd"):  # a, c, bad2, then the folder once or more
+        assert len(synced) >= 4
