@@ -26,7 +26,8 @@ names an output directory. Then it installs class-level wrappers that start a
   to the end of ``execute_model``), ``sample`` (``sample_tokens``) and, with speculative
   decoding, ``draft`` (``propose_draft_token_ids``, the proposer); with tensor
   parallelism, ``collective`` (each call of the TP group's device communicator, entered to
-  left: `COLLECTIVES`). Its ranks (``rank``, ``tp_rank``, ``dp_rank``) are in its
+  left: `COLLECTIVES`, the thread's OS counters sampled at both ends). Its ranks
+  (``rank``, ``tp_rank``, ``dp_rank``, ``output_rank``) are in its
   ``config["process"]``; the merge charges a step's wait on its slowest rank to that
   rank's own causes (docs/adapters.md).
 - **API server** (``AsyncLLM``, the completion and chat streams), started at its first
@@ -635,6 +636,14 @@ def worker_ranks(proc: Any) -> dict[str, int]:
         dp = getattr(par, "data_parallel_rank", None)
     if isinstance(dp, int):
         out["dp_rank"] = dp
+    # the rank whose outputs the engine core waits for (vLLM's multiproc executor: the
+    # first tensor-parallel rank of the last pipeline stage); the others may still run a
+    # step after the engine core's wait for it returned
+    sizes = [getattr(par, x, None) for x in
+             ("world_size", "tensor_parallel_size", "prefill_context_parallel_size")]  # fmt: skip
+    if all(isinstance(x, int) for x in sizes[:2]):
+        pcp = sizes[2] if isinstance(sizes[2], int) else 1
+        out["output_rank"] = int(sizes[0] - sizes[1] * pcp)
     return out
 
 
@@ -656,13 +665,15 @@ def _instrument_collectives(rec: Any, p: Patches) -> None:
     if comm is None or getattr(group, "world_size", 1) < 2:
         return
 
+    # a segment, not a window added afterwards: the worker's thread samples its OS counters
+    # at each collective's entry and exit (an OS interval of its own), the evidence of a
+    # rank held by the OS between its entry stamp and the call (docs/adapters.md)
+    seg = rec.segment("collective")
+
     def make(fn: Callable[..., Any]) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
-            t0 = rec.now()
-            try:
+            with seg:
                 return fn(*args, **kwargs)
-            finally:
-                rec.add_segment("collective", t0, rec.now())
 
         return collective
 

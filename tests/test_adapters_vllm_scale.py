@@ -413,3 +413,32 @@ def test_the_slowest_gap_was_held_by_the_stalled_rank(tp_run):
     assert rank1["slow_steps_held"] >= 1 and rank1["top_cause"] in ("injected", "gc")
     print({r["rank"]: (r["slow_steps_held"], round(r["charged_slow_ms"], 2), r["top_cause"])
            for r in v["ranks"]})  # fmt: skip
+
+
+def test_every_worker_clock_pair_holds(tp_run):
+    """The paired stamps that check each worker's clock (docs/adapters.md, "The merge")
+    hold on one host: rank 1 may end its ``execute_model`` after the engine core's wait
+    for rank 0 returned, and that is no violation (its end side is its collective entries)."""
+    for p in tp_run.meta["processes"]:
+        if p["role"] == "worker":
+            fit = p["clock_fit"]
+            print(p.get("tp_rank"), fit["pairs"], fit["bound_s"], fit["violations"])
+            assert fit["violations"] == 0, (p.get("tp_rank"), fit)
+            assert fit["pairs"] > 0
+    assert not [w for w in tp_run.meta["warnings"] if "violate causality" in w]
+
+
+def test_each_rank_samples_its_os_counters_at_every_collective(tp, tp_run):
+    """Each collective is an OS interval of its own (its entry and exit are samples of the
+    rank's thread): the evidence for a rank held by the OS after its entry stamp."""
+    from tracekit.log.processes import process_logs, windows
+
+    workers = [p for p in process_logs(tp["dir"]) if p.role == "worker"]
+    assert len(workers) == 2
+    for p in workers:
+        col = windows(p.log, ("collective",), steps_only=False)
+        samples = np.round(p.log.os_samples.t_s * 1e9)
+        assert len(col) and np.isin(np.round(col * 1e9), samples).all(), p.path
+    print("os_runqueue past the entry stamps:",
+          {k: round(v * 1e3, 3) for k, v in tp_run.meta["tensor_parallel"]["charged_s"].items()
+           if k.endswith("os_runqueue")})  # fmt: skip

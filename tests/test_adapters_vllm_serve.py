@@ -253,6 +253,48 @@ def test_arrival_is_the_http_receipt_after_the_client_sent(served, merged):
     assert tp.parts_ms[:, col].sum() > 0
 
 
+def test_client_boundary_ttft_is_the_streaming_clients_less_the_two_hops(served, merged):
+    """docs/ttft.md, "The client boundary": per request, the client's TTFT (its first token
+    chunk's arrival less its send: what vllm bench serve measures) is tracekit's
+    client-boundary TTFT (HTTP receipt to the first chunk's write) plus what only the
+    client sees: before the server's first byte, its send (connecting included: no server
+    process is there yet), and after the write, the socket hop to its read. Both are >= 0
+    on one clock, so tracekit's is never above the client's; the hop after the write is a
+    loopback hop (the client-gap test above measures the same hop for every chunk)."""
+    from tracekit.attribution.client_ttft import client_ttft_partition
+
+    t0_s = merged.meta["t0_tick"] * merged.meta["seconds_per_tick"]
+    ct = client_ttft_partition(merged)  # reconciles or raises
+    row = {merged.request_ids[int(r)]: i for i, r in enumerate(ct.request)}
+    client_ms, ours_ms, hops_ms, engine_ms = [], [], [], []
+    for s in served["streams"]:
+        if s.id == f"cmpl-{DUP_ID}":
+            continue
+        for k in range(s.n):
+            i = row[s.name(k)]  # every streamed request has a client-boundary TTFT
+            first_ns = min(t for j, t in zip(s.index, s.t_ns, strict=True) if j == k)
+            send_s, first_s = s.t_send_ns * 1e-9 - t0_s, first_ns * 1e-9 - t0_s
+            client_ms.append((first_s - send_s) * 1e3)
+            ours_ms.append(ct.ttft_ms[i])
+            engine_ms.append(ct.engine_ttft_ms[i])
+            # client - ours = (receipt - send) + (first read - write): the two hops
+            hops_ms.append(((ct.arrival_s[i] - send_s) * 1e3, (first_s - ct.write_s[i]) * 1e3))
+    client, ours = np.array(client_ms), np.array(ours_ms)
+    hops, margin = np.array(hops_ms), client - ours
+    print(f"client TTFT ms median {np.median(client):.3f}; tracekit client boundary median "
+          f"{np.median(ours):.3f}, engine boundary median {np.median(engine_ms):.3f}; "
+          f"client - client boundary ms: median {np.median(margin):.3f}, max "
+          f"{margin.max():.3f} (send -> receipt median {np.median(hops[:, 0]):.3f}, write -> "
+          f"read median {np.median(hops[:, 1]):.3f}); engine boundary short by median "
+          f"{np.median(client - np.array(engine_ms)):.3f} ms")  # fmt: skip
+    assert len(client) == len(served["bodies"]) - len(DUP_TOKENS) + N_SIBLINGS - 1
+    assert np.all(hops >= 0)  # causality on one clock: never above what the client measured
+    # the socket hop after the write, on one host's loopback (the client's loop reads a
+    # dozen streams at once: a median, as for the client gaps)
+    assert np.median(hops[:, 1]) < 2.0
+    assert np.all(ours >= np.array(engine_ms))
+
+
 def test_one_request_id_twice_stays_two_requests(served, merged, tmp_path):
     import json
     import subprocess

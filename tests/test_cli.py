@@ -200,14 +200,14 @@ def test_a_newline_in_a_path_keeps_every_message_on_one_line(tmp_path):
 def test_a_reconcile_error_is_an_internal_error_with_exit_3(tmp_path, monkeypatch):
     """A partition that does not reconcile is a bug in tracekit: exit 3, and the message
     says so, where a bad input is exit 2."""
-    import tracekit.analysis.figures
+    import tracekit.analysis.workers
     from tracekit.errors import ReconcileError
 
     def broken(*args, **kw):
         raise ReconcileError("gap 0 of request 'r0': parts sum to 7.0 ms, the gap is 8.0 ms")
 
     p = _many_labels_log(2).save(tmp_path / "ok.npz")
-    monkeypatch.setattr(tracekit.analysis.figures, "analyze", broken)
+    monkeypatch.setattr(tracekit.analysis.workers, "analyze", broken)  # analyze's worker
     r = CliRunner().invoke(main, ["analyze", p])
     assert r.exit_code == 3, r.output
     assert r.stderr.startswith("tracekit: error: internal error: gap 0 of request 'r0'")

@@ -21,8 +21,10 @@ needs a local import, it is a third-party module and not checked here).
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
+import tokenize
 
 import pytest
 
@@ -184,9 +186,9 @@ def test_public_api_at_the_top(name):
     assert getattr(tracekit, name) is not None
 
 
-#: Where no class reaches into another object's private state (`other._name`); the other
-#: stages join as they are split the same way.
-OWN_STATE_PACKAGES = ("tracekit.capture",)
+#: Where no class reaches into another object's private state (`other._name`): the whole
+#: package.
+OWN_STATE_PACKAGES = ("tracekit",)
 
 
 def private_reach_ins(path: pathlib.Path) -> list[str]:
@@ -214,6 +216,76 @@ def test_no_class_reaches_into_another_objects_private_state():
         for hit in private_reach_ins(path)
     ]
     assert not bad, "private state reached from outside its object:\n" + "\n".join(bad)
+
+
+# -- sizes, and why an import is local ------------------------------------------------------
+
+
+MAX_FUNCTION_LINES = 100
+MAX_MODULE_LINES = 1000
+
+
+def test_no_function_over_100_lines():
+    long = [
+        f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for p in MODULES.values()
+        for n in ast.walk(ast.parse(p.read_text(), str(p)))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, "split these into named steps:\n" + "\n".join(long)
+
+
+def test_no_module_over_1000_lines():
+    big = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not big, "split these modules:\n" + "\n".join(big)
+
+
+def uncommented_local_imports(path: pathlib.Path) -> list[str]:
+    """Every import inside a function with no comment saying why it is local: on its own
+    line(s), or on the nearest line above that is not blank or `try:`. One comment covers a
+    block of consecutive local imports (each import's line above is the previous one)."""
+    text = path.read_text()
+    lines = text.splitlines()
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    comments = {t.start[0] for t in tokens if t.type == tokenize.COMMENT}
+    tree = ast.parse(text, str(path))
+    local = {
+        (n.lineno, n.end_lineno): n
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(fn)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    }
+    by_end = {end: n for (_, end), n in local.items()}
+
+    def says_why(n: ast.stmt) -> bool:
+        assert n.end_lineno is not None
+        if comments & set(range(n.lineno, n.end_lineno + 1)):
+            return True
+        ln = n.lineno - 1
+        while ln >= 1 and ln not in comments and lines[ln - 1].strip() in ("", "try:"):
+            ln -= 1
+        if ln in comments:
+            return True
+        return ln in by_end and says_why(by_end[ln])
+
+    return [
+        f"{path.relative_to(ROOT)}:{n.lineno} {ast.unparse(n)}"
+        for n in sorted(local.values(), key=lambda n: n.lineno)
+        if not says_why(n)
+    ]
+
+
+def test_every_function_local_import_says_why():
+    """A local import is deferred (a heavy module only where it is used), an optional extra,
+    or breaks a cycle; a silent one hides which (module-level is the default)."""
+    bad = [hit for path in MODULES.values() for hit in uncommented_local_imports(path)]
+    assert not bad, "say why each import is local, or move it to the top:\n" + "\n".join(bad)
 
 
 # -- the serve wire contract: spelled out in one module -----------------------------------

@@ -301,3 +301,123 @@ def test_a_ranks_waits_are_counted_once_where_they_overlap():
     got = _covered(w, np.array([0.0, 2.5, 7.0, -1.0]), np.array([10.0, 5.5, 8.0, 0.5]))
     assert got.tolist() == pytest.approx([4.0, 1.0, 0.0, 0.5])
     assert _covered(np.zeros((0, 2)), np.array([0.0]), np.array([1.0])).tolist() == [0.0]
+
+
+def record_late_rank(tmp_path, shifts_s=(0.0, 0.0), n_steps=6):
+    """An engine core and two TP workers whose rank 1 ends each `execute_model` after the
+    engine core's wait returned (the engine core waits for rank 0's outputs only). True
+    times in ms from 0: step k runs [10k, 10k+8], its forward window [10k+1, 10k+7], one
+    request emits at 10k+7.5. Both workers' windows start at 10k+1.5; rank 0's ends at
+    10k+6.5, rank 1's at 10k+7.5. Two collectives per step: both enter the first at 10k+3
+    and leave at 10k+3.2; rank 0 enters the second at 10k+6.4, rank 1 at 10k+6.5, both leave
+    at 10k+6.5. Worker r's clock reads the true time + `shifts_s[r]`: with a shift it has a
+    boot id of its own (not one clock with the engine core) and records its output rank
+    (as the plugin does); without, neither (as an older log)."""
+    core_clk = Clock()
+    core = _rec(tmp_path / "engine_core-1.npz", core_clk, "engine_core", 1, dp_rank=0)
+    clocks, w = [], []
+    for r, shift in enumerate(shifts_s):
+        clk = _ShiftedClock(core_clk, shift)
+        ident = {"tp_rank": r, "rank": r}
+        if shift:
+            ident.update(boot_id=f"b{r}", output_rank=0)
+        clocks.append(clk)
+        w.append(_rec(tmp_path / f"worker-{10 + r}.npz", clk, "worker", 10 + r, **ident))
+
+    def at(t_ms):
+        core_clk.true_s = t_ms * 1e-3
+
+    def tick(t_ms, r=None):
+        return round((100.0 + (shifts_s[r] if r is not None else 0.0) + t_ms * 1e-3) * 1e9)
+
+    at(0.5)
+    core.request("r0")
+    for k in range(n_steps):
+        b = 10.0 * k
+        at(b)
+        with core.step():
+            core.add_segment("decode", tick(b + 1.0), tick(b + 7.0))
+            at(b + 7.5)
+            core.emit(["r0"])
+            at(b + 8.0)
+        for r, rec in enumerate(w):
+            rec.add_segment("forward", tick(b + 1.5, r), tick(b + (7.5 if r else 6.5), r))
+            rec.add_segment("collective", tick(b + 3.0, r), tick(b + 3.2, r))
+            rec.add_segment("collective", tick(b + (6.5 if r else 6.4), r), tick(b + 6.5, r))
+    at(10.0 * n_steps + 1)
+    for rec in (core, *w):
+        rec.stop()
+    return str(tmp_path)
+
+
+class _ShiftedClock:
+    """Another process's clock: the true time of `base` plus `shift_s`."""
+
+    def __init__(self, base: Clock, shift_s: float) -> None:
+        self.base, self.shift_s = base, shift_s
+
+    def __call__(self) -> int:
+        return round((100.0 + self.shift_s + self.base.true_s) * 1e9)
+
+
+@pytest.mark.parametrize("shifts_s", [(0.0, 0.0), (2.5, 0.75)])
+def test_a_rank_that_ends_after_the_core_stopped_waiting_keeps_its_clock(tmp_path, shifts_s):
+    """The worker clock rule (docs/adapters.md, "The merge"), by hand. Each worker's window
+    starts 0.5 ms after the engine core's forward window began: lo = -0.5 ms. Rank 0, the
+    rank the engine core waits for, ends 0.5 ms before that window closes: hi = +0.5 ms.
+    Rank 1 ends 0.5 ms after it closes, so its end is no bound; it entered its last
+    collective (10k+6.5) 0.5 ms before: hi = +0.5 ms. So on one clock 0 lies in every
+    bound (no violation, no warning); with a shift d, every bound moves by -d, each bin's
+    midpoint is -d: correction -d, no drift, uncertainty 0.5 ms, and each worker's times
+    land on the engine core's. Rank 1 entered the second collective 0.1 ms late, in its
+    forward: rank1:forward 0.1 ms in every gap, whatever the shift."""
+    run = merge_dir(record_late_rank(tmp_path, shifts_s))
+    assert not [x for x in run.meta["warnings"] if "violate causality" in x]
+    workers = [p for p in run.meta["processes"] if p["role"] == "worker"]
+    assert [p["tp_rank"] for p in workers] == [0, 1]
+    for p, shift in zip(workers, shifts_s, strict=True):
+        fit = p["clock_fit"]
+        assert fit["violations"] == 0
+        assert fit["pairs"] == 12  # 6 steps, a start and an end bound each
+        assert fit["bound_s"] == pytest.approx([-0.5e-3 - shift, 0.5e-3 - shift], abs=1e-9)
+        assert fit["offset_s"] == pytest.approx(shift, abs=1e-9)  # the start ticks' difference
+        assert fit["correction_s"] == pytest.approx(-shift, abs=1e-9)
+        assert fit["drift_ppm"] == pytest.approx(0.0, abs=1e-3)
+        assert fit["uncertainty_s"] == pytest.approx(0.0 if not shift else 0.5e-3, abs=1e-9)
+    p = partition(run)
+    assert p.reconcile_max_err_ms < 1e-6
+    assert np.allclose(p.column("rank1:forward"), 0.1, atol=1e-6)
+    assert np.allclose(p.gap_ms, 10.0)
+
+
+def test_a_rank_held_by_the_os_after_its_entry_stamp_is_charged_its_run_queue(tmp_path):
+    """The rule past the last entry stamp (docs/adapters.md), by hand. `record_tp` without
+    a stall: rank 0 enters each step's collective at 10k+2.0, rank 1 stamps its entry at
+    10k+2.1, both leave at 10k+4.0. Rank 1 samples its OS counters at each collective's
+    entry and exit (as the plugin does): in each collective window (1.9 ms) it is on the
+    CPU throughout, except step 2's, where it waits 1.5 ms in the run queue (0.4 ms CPU);
+    between collectives (8.1 ms) it is on the CPU throughout. Rank 0 sampled nothing.
+    From the last entry stamp (10k+2.1) until the first rank left (10k+4.0), 1.9 ms, rank
+    1's share is 1.9 x R / 1.9 = R: step 2, 1.5 ms rank1:os_runqueue, from 22.1 to 23.6;
+    every other step, none. The 0.1 ms before the stamp stays rank1:forward (its interval
+    [10k-6, 10k+2.1] is all CPU)."""
+    d = record_tp(tmp_path, stall_step=99)
+    rows, cpu, rq = [], 0.0, 0.0
+    for k in range(6):
+        rows.append((10.0 * k + 2.1, cpu, rq))  # entry
+        cpu, rq = (cpu + 0.4, rq + 1.5) if k == 2 else (cpu + 1.9, rq)
+        rows.append((10.0 * k + 4.0, cpu, rq))  # exit
+        cpu += 8.1
+    _add_os_samples(tmp_path / "worker-11.npz", rows)
+    run = merge_dir(d)
+    p = partition(run)
+    assert p.reconcile_max_err_ms < 1e-6
+    assert "rank1:os_runqueue" in p.labels
+    col_rq, col_fwd = p.column("rank1:os_runqueue"), p.column("rank1:forward")
+    for k in range(1, 6):
+        g = int(np.flatnonzero(np.isclose(p.t1_s, (10.0 * k + 7.5) * 1e-3))[0])
+        assert col_rq[g] == pytest.approx(1.5 if k == 2 else 0.0, abs=1e-9), k
+        assert col_fwd[g] == pytest.approx(0.1, abs=1e-9), k
+    assert np.allclose(p.gap_ms, 10.0)  # carved out of the forward window, never added
+    assert run.meta["tensor_parallel"]["charged_s"]["rank1:os_runqueue"] == pytest.approx(1.5e-3)
+    assert not [lb for lb in p.labels if lb.startswith("rank0:")]

@@ -167,6 +167,11 @@ BAD_CALLS = {
     "add_segment label int": lambda r: r.add_segment(3, 1, 2),
     "add_segment float tick": lambda r: r.add_segment("x", 1.5, 2),
     "segment label None": lambda r: r.segment(None),
+    # labels only the partitions produce (docs/input-validation.md, "Labels")
+    "segment produced label": lambda r: r.segment("residual"),
+    "add_segment produced label": lambda r: r.add_segment("os_runqueue", r.now(), r.now()),
+    "add_segment produced wait label": lambda r: r.add_segment("wait_kv_blocks", r.now(), r.now()),
+    "emit_chunk produced label": lambda r: r.emit_chunk(0, r.now(), r.now(), label="hop"),
     "counter name int": lambda r: r.counter(5, 1.0),
     "counter value str": lambda r: r.counter("c", "x"),
     "evict bad mode": lambda r: r.evict("zz", mode="bogus"),
@@ -652,3 +657,60 @@ def test_an_emission_stamped_before_its_admission_is_taken_at_the_admission(how)
     assert log.admissions.t_s.tolist() == pytest.approx([t0 + 0.001], abs=1e-9)
     assert log.warnings == ("1 emission tick(s) before the request's admission, taken as it",)
     tracekit.partition(log)  # the log is valid: it loads and partitions
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"os_evidence": "false"}, {"os_evidence": 2}, {"os_evidence": "yes"},
+     {"seconds_per_tick": True}, {"seconds_per_tick": "1e-9"}],
+    ids=repr,
+)  # fmt: skip
+def test_recorder_arguments_of_the_wrong_type_are_refused(kw):
+    # "false" is truthy and True is 1: taken as given, each meant something else
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        tracekit.Recorder(None, handle_signals=False, **kw)
+
+
+def test_a_tick_from_another_clock_before_start_is_refused_not_kept(tmp_path):
+    """Before start() the run has no start tick; a window's ticks are checked against the
+    clock's reading instead, so one absurd call cannot make the saved log fail `check`."""
+    clk = ManualClock()
+    out = tmp_path / "run.npz"
+    rec = tracekit.Recorder(out, clock=clk, gc=False, handle_signals=False)
+    with pytest.raises(ValueError, match="not this clock's tick"):
+        rec.add_segment("x", 10**18, 10**18 + 5)
+    rec.add_segment("x", clk(), clk() + 5)  # a window of this clock before start: kept
+    rec.start()
+    with rec.step():
+        clk.tick()
+    rec.stop()
+    log = tracekit.load(out)
+    assert list(log.labels) == ["x"] and len(log.segments) == 1
+
+
+def test_handles_given_to_emit_as_ids_are_warned_about_at_the_call_and_in_the_log():
+    """`request()` returns handles; `emit()` takes ids. New integer ids that are other
+    requests' handles are recorded as asked (new requests), with a warning at the engine's
+    call, once, and a count in the log's warnings; ids that are the run's own are quiet."""
+    clk = ManualClock()
+    rec = tracekit.Recorder(None, clock=clk, gc=False, handle_signals=False)
+    rec.start()
+    handles = [rec.request(f"r{i}") for i in range(4)]
+    with pytest.warns(UserWarning, match="emit_handles takes the handles") as got:
+        with rec.step():
+            clk.tick()
+            rec.emit(handles)
+    assert [w.filename for w in got] == [__file__]  # the engine's line, not tracekit's
+    with rec.step():  # the same ids again: known now, no warning
+        clk.tick()
+        rec.emit(handles)
+    log = rec.stop()
+    assert len(log.requests) == 8  # four named requests, four recorded from the ints
+    assert any(w.startswith("4 new integer request id(s) given to emit()") for w in log.warnings)
+    quiet = tracekit.Recorder(None, clock=clk, gc=False, handle_signals=False)
+    quiet.start()
+    quiet.request(7)
+    with quiet.step():
+        clk.tick()
+        quiet.emit([7, 8])  # 7 is its own id; 8 is no request's handle (one request): quiet
+    assert not [w for w in quiet.stop().warnings if "emit()" in w]

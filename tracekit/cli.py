@@ -1,17 +1,21 @@
 """The `tracekit` command line. A thin edge: load, call the pure stages, render, print.
 
 Every error is one line on stderr, never a traceback (set TRACEKIT_DEBUG=1 to see one
-anyway): exit code 2 for bad input or a bad option, 3 for a bug in tracekit.
+anyway): exit code 2 for bad input or a bad option, 3 for a bug in tracekit. A command
+imports the stages it runs inside itself (`# deferred`), so `tracekit --help` loads none.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import io
 import json
 import os
+import pathlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, NoReturn
 
@@ -174,15 +178,6 @@ def _limits() -> dict[str, Any]:
     return dict(click.get_current_context().meta.get(_LIMITS_KEY, {}))
 
 
-def _analyze_one(path: str, **limits: Any) -> Any:
-    from tracekit.allocator import keep_freed_memory
-    from tracekit.analysis.figures import analyze
-    from tracekit.analysis.run import open_run
-
-    keep_freed_memory()  # once per process: ~40% of a run's analysis was page faults
-    return analyze(open_run(path, **limits))
-
-
 def _map_with_progress(
     fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str, ray: str | None = None
 ):
@@ -197,7 +192,7 @@ def _map_with_progress(
         ) as bar,
     ):
         if ray is not None:
-            from tracekit.analysis.cluster import ray_map
+            from tracekit.analysis.cluster import ray_map  # optional extra: ray only with --ray
 
             out = ray_map(fn, [(p,) for p in paths], ray, on_result=lambda: bar.update(1))
         elif jobs <= 1 or len(paths) <= 1:
@@ -245,7 +240,7 @@ def _expand(paths: Sequence[str]) -> list[str]:
 def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str) -> None:
     if not output:
         _fail(f"--format parquet needs -o/--output FILE ({what} are binary)")
-    import pandas as pd
+    import pandas as pd  # deferred: pandas only for this format
 
     pd.json_normalize(records, sep=".").to_parquet(output, index=False)
     click.echo(f"wrote {one_line(output)}", err=True)
@@ -276,11 +271,12 @@ def analyze(
     added); tail gaps by primary cause; the reconciliation error (max |gap - sum of parts|);
     GC counts and generation-2 pauses; the ITL histogram by primary cause.
     """
-    from tracekit.render import text
+    from tracekit.analysis import workers  # deferred: loaded per command
+    from tracekit.render import text  # deferred: loaded per command
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    one = functools.partial(_analyze_one, **_limits())
+    one = functools.partial(workers.analyze_path, **_limits())
     results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     for a in results:
         _warn(a.path, a.warnings)
@@ -333,6 +329,7 @@ def gaps(
     parts and context (ms by label; parts sum to gap_ms) and the primary cause. With
     --boundary client, the gaps between a server's streamed chunks (engine labels, then
     the API server's), with each chunk's tokens and the engine/frontend split."""
+    # deferred: loaded per command
     from tracekit.analysis.gaps import client_gap_records, gap_records
     from tracekit.analysis.run import open_run
     from tracekit.attribution.itl import partition
@@ -367,15 +364,13 @@ def gaps(
         _write_parquet(records, output, "parquet files")
         return
     if fmt == "table":
-        from tracekit.render import text
+        from tracekit.render import text  # deferred: loaded per command
 
         body = text.gaps_table(records, top) + "\n" if records else ""
     elif fmt == "jsonl":
         body = "".join(json.dumps(r) + "\n" for r in records)
     else:
-        import io
-
-        import pandas as pd
+        import pandas as pd  # deferred: pandas only for this format
 
         buf = io.StringIO()
         pd.json_normalize(records, sep=".").to_csv(buf, index=False)
@@ -398,10 +393,14 @@ def gaps(
 @click.option("--request", "request_id", default=None, help="Only this request (its id).")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
               help="table: list this many of the slowest requests.")  # fmt: skip
+@click.option("--boundary", type=click.Choice(["engine", "client"]), default="engine",
+              show_default=True,
+              help="engine: arrival to the engine core's first token; client: arrival to the "
+              "write of the first streamed chunk (a merged server run only).")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @_read_limits
 def ttft(
-    run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int,
+    run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int, boundary: str,
     output: str | None,
 ) -> None:  # fmt: skip
     """Where each request's time to first token went (docs/ttft.md).
@@ -413,9 +412,11 @@ def ttft(
     prefill_own / prefill_other (a step's prefill time split by the request's token share),
     decode_other and graph (others' decoding), residual. Parts and phases each sum to the
     TTFT (checked; a mismatch is an error). A log without admission events (schema v1, the
-    published layout) is unsplit: the output says so.
+    published layout) is unsplit: the output says so. With --boundary client, the window
+    ends at the write of the request's first streamed chunk: the engine boundary's parts to
+    the first token, then the API server's (docs/ttft.md, "The client boundary").
     """
-    from tracekit.analysis.run import open_run
+    from tracekit.analysis.run import open_run  # deferred: loaded per command
     from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
     from tracekit.render import text
 
@@ -423,23 +424,41 @@ def ttft(
     _warn(log.path, log.warnings)
     p = ttft_partition(log)
     _warn(log.path, [f"TTFT: {n}" for n in p.notes])
-    records = ttft_records(log, p, min_ms=min_ms, request_id=request_id)
+    if boundary == "client":
+        records, table_of = _client_ttft(run, log, p, min_ms, request_id, top)
+    else:
+        records = ttft_records(log, p, min_ms=min_ms, request_id=request_id)
+        table_of = lambda: text.ttft_requests(run, ttft_figures(p), records, top)  # noqa: E731
     if fmt == "parquet":
         _write_parquet(records, output, "parquet files")
         return
     if fmt == "jsonl":
         body = "".join(json.dumps(r) + "\n" for r in records)
     elif fmt == "csv":
-        import io
-
-        import pandas as pd
+        import pandas as pd  # deferred: pandas only for this format
 
         buf = io.StringIO()
         pd.json_normalize(records, sep=".").to_csv(buf, index=False)
         body = buf.getvalue()
     else:
-        body = text.ttft_requests(run, ttft_figures(p), records, top) + "\n"
+        body = table_of() + "\n"
     _emit(body, output)
+
+
+def _client_ttft(run, log, engine, min_ms, request_id, top):
+    """`tracekit ttft --boundary client`: (the client-boundary TTFT records, the table)."""
+    # attribution and rendering are imported per command (startup time of the CLI)
+    from tracekit.attribution import client_ttft as ct
+    from tracekit.render import text
+
+    if not len(log.client_emissions):
+        raise LogError(log.path, "client_emissions", "empty: --boundary client needs a merged "
+                       "server run (tracekit merge DIR, see docs/adapters.md)")  # fmt: skip
+    cp = ct.client_ttft_partition(log, engine=engine)
+    _warn(log.path, [f"TTFT at the client boundary: {n}" for n in cp.notes])
+    records = ct.client_ttft_records(log, cp, min_ms=min_ms, request_id=request_id)
+    return records, lambda: text.client_ttft_requests(run, ct.client_ttft_figures(cp), records,
+                                                      top)  # fmt: skip
 
 
 # -- check and recover ---------------------------------------------------------------------
@@ -450,7 +469,7 @@ def ttft(
 @_read_limits
 def check(runs: tuple[str, ...]) -> None:
     """Validate raw logs without analysing them: one line per file, exit 2 if any is bad."""
-    from tracekit.log.reader import load
+    from tracekit.log.reader import load  # deferred: loaded per command
 
     bad = 0
     for path in _expand(runs):
@@ -479,7 +498,7 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
     """Turn an interrupted run's parts folder (RUN.npz.parts/) into the one RUN.npz a clean
     stop writes. Everything flushed before the interruption is kept. An existing RUN.npz
     (or -o file) is never replaced without --force; the parts are validated first."""
-    from tracekit.log.parts import recover as do_recover
+    from tracekit.log.parts import recover as do_recover  # deferred: loaded per command
     from tracekit.log.reader import load
 
     if not os.path.isdir(parts_dir):
@@ -507,7 +526,7 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     against the engine core and its uncertainty. `analyze`, `report` and `trace` also
     accept DIRECTORY itself. A data-parallel server has one engine core per rank: merge
     each rank's run with --engine RANK (its steps, workers and requests)."""
-    from tracekit.analysis.run import save_merged
+    from tracekit.analysis.run import save_merged  # deferred: loaded per command
     from tracekit.analysis.unrecorded import unrecorded_report
 
     log = save_merged(directory, output, force=force, engine=engine, **_limits())
@@ -569,29 +588,30 @@ def compare(
     `fixes`, as the demo ladder writes it), each rung's measured p99, p99.9 and TTFT p50 are
     set against the prediction from the rung before it, by both what-if models, with each
     model's error and where it misses the measured runs' [min-max]."""
+    from tracekit.analysis import workers  # deferred: loaded per command
     from tracekit.analysis.compare import compare as do_compare
-    from tracekit.analysis.verdict import verdict
+    from tracekit.analysis.verdict import ladder_of, verdict, with_fix_first
     from tracekit.render import text
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    one = functools.partial(_analyze_whatif_one, **_limits())
+    one = functools.partial(workers.analyze_whatif_path, **_limits())
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     results = [a for a, _ in pairs]
     whatifs = {a.path: w for a, w in pairs}  # the what-if of each run (docs/whatif.md)
     for a in results:
         _warn(a.path, a.warnings)
     cmp = do_compare(results, by=by, order_by=order_by)
-    checks = _ladder_whatif(cmp, whatifs)
+    checks = ladder_of(cmp, whatifs)
     if fmt == "jsonl":
         records = cmp.to_records()
         for rec in records:  # each rung's fix, predicted from the rung before it
             rec["whatif_check"] = [c.to_dict() for c in checks if c.to_key == rec["group"]]
         body = "".join(json.dumps(r) + "\n" for r in records)
     else:
-        from tracekit.render.whatif import ladder_table
+        from tracekit.render.whatif import ladder_table  # deferred: loaded per command
 
-        v, _ = _fix_first_verdict(verdict(cmp), cmp, whatifs, checks)
+        v, _ = with_fix_first(verdict(cmp), cmp, whatifs, checks)
         is_md = fmt == "markdown"
         # sentences that quote group keys from the logs: literal text in either format
         inert = text.md_text if is_md else one_line
@@ -627,9 +647,8 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
     track per process (API server, workers) with their windows, the chunks written to
     clients and the arrival of each step's outputs. Use --requests / --window to cut large
     runs."""
-    import time
 
-    from tracekit.analysis.run import open_run
+    from tracekit.analysis.run import open_run  # deferred: loaded per command
     from tracekit.attribution.itl import partition
     from tracekit.attribution.timeline import PreparedRun
     from tracekit.attribution.ttft import ttft_partition
@@ -671,7 +690,7 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
 
 def _run_span_s(log: Any) -> tuple[float, float]:
     """First and last moment the run recorded (steps, emissions), seconds from start."""
-    import numpy as np
+    import numpy as np  # deferred: loaded per command
 
     ts = [log.steps.t_start_s, log.steps.t_end_s, log.emissions.t_s]
     t = np.concatenate([np.asarray(a, dtype=float) for a in ts])
@@ -682,14 +701,15 @@ def _run_span_s(log: Any) -> tuple[float, float]:
 def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any]:
     """`report`'s worker: a run's figures, worst stalls and ITL series for the page, and
     its what-if (docs/whatif.md), all from one partition."""
-    from tracekit.allocator import keep_freed_memory
+    from tracekit.allocator import keep_freed_memory  # deferred: loaded per command
+    from tracekit.analysis import workers
     from tracekit.analysis.figures import analyze
     from tracekit.analysis.gaps import itl_series, worst_stalls
     from tracekit.analysis.whatif import whatif as do_whatif
     from tracekit.render.html import ReportRun
 
     keep_freed_memory()
-    log, part, tpart = _whatif_parts(path, **limits)
+    log, part, tpart = workers.partitions(path, **limits)
     run = ReportRun(
         analysis=analyze(log, part, tpart),
         worst_stalls=worst_stalls(log, part, n_worst),
@@ -726,11 +746,10 @@ def report(
     the ladder (p99 and p99.9 per group), forward share of clean vs tail gaps, TTFT, and
     the worst stalls (gaps grouped by the event that caused them) with their partition and
     steps."""
-    import functools
 
-    from tracekit.analysis.compare import compare as do_compare
+    from tracekit.analysis.compare import compare as do_compare  # deferred: loaded per command
     from tracekit.analysis.compare import order_runs
-    from tracekit.analysis.verdict import verdict
+    from tracekit.analysis.verdict import ladder_of, verdict, with_fix_first
     from tracekit.render.html import render_report
     from tracekit.render.whatif import whatif_html
 
@@ -745,8 +764,8 @@ def report(
     cmp = do_compare([r.analysis for r in results], by=by, order_by=order_by)
     order = order_runs([r.analysis for r in results], order_by)
     results = sorted(results, key=lambda r: order.index(r.analysis))
-    checks = _ladder_whatif(cmp, whatifs)
-    v, fixes = _fix_first_verdict(verdict(cmp), cmp, whatifs, checks)
+    checks = ladder_of(cmp, whatifs)
+    v, fixes = with_fix_first(verdict(cmp), cmp, whatifs, checks)
     first = cmp.groups[0] if cmp.groups else None
     section = (
         whatif_html(fixes, first.key, [whatifs[p] for p in first.paths], checks) if first else ""
@@ -762,8 +781,7 @@ def report(
 
 
 def _open_in_browser(path: str) -> None:
-    import pathlib
-    import webbrowser
+    import webbrowser  # deferred: only with --open
 
     url = pathlib.Path(os.path.abspath(path)).as_uri()
     try:
@@ -777,59 +795,6 @@ def _open_in_browser(path: str) -> None:
 
 
 # -- whatif (docs/whatif.md) ---------------------------------------------------------------
-
-
-def _whatif_parts(path: str, **limits: Any) -> tuple[Any, Any, Any]:
-    """A log, its ITL partition and its TTFT partition."""
-    from tracekit.analysis.run import open_run
-    from tracekit.attribution.itl import partition
-    from tracekit.attribution.timeline import PreparedRun
-    from tracekit.attribution.ttft import ttft_partition
-
-    log = open_run(path, **limits)
-    prep = PreparedRun(log)  # one timeline for both partitions
-    return log, partition(log, run=prep), ttft_partition(log, run=prep)
-
-
-def _whatif_one(path: str, names: Sequence[str] | None = None, **limits: Any) -> Any:
-    from tracekit.allocator import keep_freed_memory
-    from tracekit.analysis.whatif import whatif as do_whatif
-
-    keep_freed_memory()
-    log, part, tpart = _whatif_parts(path, **limits)
-    return do_whatif(log, part, tpart, names)
-
-
-def _analyze_whatif_one(path: str, **limits: Any) -> tuple[Any, Any]:
-    """`compare`'s worker: a run's figures and its what-if, from one partition."""
-    from tracekit.allocator import keep_freed_memory
-    from tracekit.analysis.figures import analyze
-    from tracekit.analysis.whatif import whatif as do_whatif
-
-    keep_freed_memory()
-    log, part, tpart = _whatif_parts(path, **limits)
-    return analyze(log, part, tpart), do_whatif(log, part, tpart)
-
-
-def _ladder_whatif(cmp: Any, whatifs: Mapping[str, Any]) -> list[Any]:
-    """The what-if checked against the ladder: groups in the comparison's order."""
-    from tracekit.analysis.whatif import ladder_checks
-
-    return ladder_checks([(g.key, [whatifs[p] for p in g.paths]) for g in cmp.groups])
-
-
-def _fix_first_verdict(v: Any, cmp: Any, whatifs: Mapping[str, Any], checks: Any) -> Any:
-    """The verdict, opening with what to fix first in the first group (docs/whatif.md)."""
-    import dataclasses
-
-    from tracekit.analysis.whatif import fix_first, fix_first_sentence
-
-    if not cmp.groups:
-        return v, []
-    g = cmp.groups[0]
-    fixes = fix_first([whatifs[p] for p in g.paths], checks)
-    group = g.key if len(cmp.groups) > 1 else None
-    return dataclasses.replace(v, findings=(fix_first_sentence(fixes, group), *v.findings)), fixes
 
 
 @main.command()
@@ -875,10 +840,11 @@ def whatif(
       tracekit whatif raw/baseline__s1.npz
       tracekit whatif raw/*.npz --remove preempt --remove host --format jsonl
     """
-    from tracekit.render.whatif import whatif_table
+    from tracekit.analysis import workers  # deferred: loaded per command
+    from tracekit.render.whatif import whatif_table  # deferred: loaded per command
 
     paths = _expand(runs)
-    one = functools.partial(_whatif_one, names=list(names) or None, **_limits())
+    one = functools.partial(workers.whatif_path, names=list(names) or None, **_limits())
     results = _map_with_progress(one, paths, jobs, "analysing")
     for w in results:
         _warn(w.path, w.warnings)
@@ -896,7 +862,7 @@ def whatif(
 def _ray_mapper(ray_address: str | None, jobs: int = 1):
     """A `mapper(fn, arg_tuples)` running each call as a Ray task, in a process pool, or here."""
     if ray_address is not None:
-        from tracekit.analysis.cluster import ray_map
+        from tracekit.analysis.cluster import ray_map  # optional extra: ray only with --ray
 
         return lambda fn, args: ray_map(fn, args, ray_address)
     if jobs > 1:
@@ -934,7 +900,7 @@ def export_cmd(
       pandas:  pd.read_parquet("DATASET/gaps")
       DuckDB:  SELECT * FROM read_parquet('DATASET/gaps/**/*.parquet', hive_partitioning=true)
     """
-    from tracekit.analysis.export import export
+    from tracekit.analysis.export import export  # deferred: loaded per command
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
@@ -996,7 +962,7 @@ def fleet_cmd(
     by primary cause. Pooled percentiles are exact when they fit --memory-mb, else from a
     mergeable quantile sketch whose rank error is printed with each value.
     """
-    from tracekit.analysis.fleet import rollup, rollup_logs
+    from tracekit.analysis.fleet import rollup, rollup_logs  # deferred: loaded per command
     from tracekit.analysis.run import is_run_dir
     from tracekit.render.fleet import fleet_table
 

@@ -48,7 +48,7 @@ def _call(fn: Callable[..., Any], args: tuple) -> Any:
 
 def _ray():
     try:
-        import ray
+        import ray  # optional extra: ray only with --ray
     except ImportError:
         raise ClusterError(
             "--ray needs Ray: pip install 'tracekit[ray]' (or run without --ray)"

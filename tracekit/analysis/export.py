@@ -38,7 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import keep_freed_memory
+from tracekit.analysis.compare import config_value
+from tracekit.analysis.figures import analyze
+from tracekit.analysis.run import is_run_dir, open_run
+from tracekit.attribution.itl import partition
 from tracekit.errors import TracekitError
+from tracekit.log.archive import read_npz
 
 #: Written at the dataset's root (readers skip files starting with "_").
 DATASET_META = "_tracekit_dataset.json"
@@ -83,7 +89,6 @@ def column_name(text: str) -> str:
 def partition_value(config: Mapping[str, Any], key: str) -> str:
     """The directory value of `key` for a run: strings as they are, other values as compact
     JSON, URI-escaped where not plain (`%2F` for `/`); missing: the hive null."""
-    from tracekit.analysis.compare import config_value
 
     v = config_value(config, key)
     if v is None:
@@ -211,10 +216,6 @@ def export_one(
 ) -> ExportedRun:
     """Load, partition and analyse one run; write its gaps and runs files under `root`.
     `limits`: `load`'s bounds on reading the log (``max_inflate_mb``, ...)."""
-    from tracekit.allocator import keep_freed_memory
-    from tracekit.analysis.figures import analyze
-    from tracekit.analysis.run import open_run
-    from tracekit.attribution.itl import partition
 
     keep_freed_memory()
     log = open_run(path, **dict(limits or {}))
@@ -253,7 +254,6 @@ def export_one(
 
 def _absent_keys(paths: Sequence[str], keys: Sequence[str], limits: Mapping[str, Any]) -> list[str]:
     """The keys no run's config has. Reads each log's config only (its `config` member)."""
-    from tracekit.analysis.compare import config_value
 
     absent = list(keys)
     for p in paths:
@@ -267,8 +267,6 @@ def _absent_keys(paths: Sequence[str], keys: Sequence[str], limits: Mapping[str,
 def _config_of(path: str, limits: Mapping[str, Any]) -> Mapping[str, Any]:
     """A log's config: its `config` member alone where it has one (v1), else the opened
     run's (the published layout keeps it elsewhere; a run directory is opened whole)."""
-    from tracekit.analysis.run import is_run_dir, open_run
-    from tracekit.log.archive import read_npz
 
     if is_run_dir(path):
         return open_run(path, **dict(limits)).config
@@ -285,7 +283,7 @@ def _config_of(path: str, limits: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _table(cols: Mapping[str, Any]):
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow loads when a table is written
 
     arrays = {}
     for k, v in cols.items():
@@ -311,7 +309,7 @@ _STRING_LISTS = frozenset({"labels", "warnings"})
 
 
 def _write(path: str, table: Any) -> None:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: pyarrow loads when a table is written
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -321,7 +319,7 @@ def _write(path: str, table: Any) -> None:
 
 def _zeros(field: Any, n: int):
     """A column of `n` zeros of `field`'s type (nulls for a non-numeric type)."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow loads when a table is written
 
     t = field.type
     if pa.types.is_integer(t):
@@ -335,7 +333,7 @@ def _unify(root: str, files: Sequence[str], columns: Sequence[Sequence[str]]) ->
     """Give every file of a table the same columns in the same order: the union, in order
     of first appearance (standard labels come first in every run). A column a file lacks
     is a label that run never saw: 0 (ms, share or count). Returns the union."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: pyarrow loads when a table is written
 
     union = list(dict.fromkeys(c for cols in columns for c in cols))
     schemas: dict[str, Any] = {}

@@ -14,6 +14,9 @@ import numpy as np
 
 from tracekit.analysis.ranks import RankView, rank_view
 from tracekit.analysis.results import ClientSummary, SpecAcceptance, client_result, spec_result
+from tracekit.analysis.unrecorded import unrecorded_report
+from tracekit.attribution.client import client_partition
+from tracekit.attribution.client_ttft import client_ttft_partition
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TtftFigures, TtftPartition, ttft_figures, ttft_partition
@@ -124,6 +127,62 @@ def _counts(prim: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
     return {name: int(v) for name, v in zip((*causes, "clean"), c, strict=True)}
 
 
+def _gc_figures(log: RawLog) -> tuple[dict[str, int], list[float], list[float]]:
+    """GC counts by generation, and the generation-2 pauses (ms) that ended before the
+    first engine step (startup) and after it (serving)."""
+    st = log.steps
+    gcp = log.gc_pauses
+    gens = np.bincount(gcp.generation, minlength=3) if len(gcp) else np.zeros(3, int)
+    first_step = float(st.t_start_s.min()) if len(st) else math.inf
+    g2 = gcp.generation == 2
+    g2_ms = (gcp.t_end_s[g2] - gcp.t_start_s[g2]) * 1e3
+    g2_end = gcp.t_end_s[g2]
+    return (
+        {str(g): int(c) for g, c in enumerate(gens)},
+        [round(float(x), 1) for x in g2_ms[g2_end <= first_step]],
+        [round(float(x), 1) for x in g2_ms[g2_end > first_step]],
+    )
+
+
+def _itl_histogram(gap: np.ndarray, prim: np.ndarray, causes: tuple[str, ...]) -> list[HistBin]:
+    """The ITL histogram (`HIST_EDGES_MS`) with each bin's count by primary cause (`prim`:
+    an index into `causes`, or ``len(causes)`` for clean), in one pass."""
+    hist = []
+    edges = np.array(HIST_EDGES_MS)
+    which = np.searchsorted(edges, gap, side="right") - 1
+    n_bins, n_prim = len(edges) - 1, len(causes) + 1
+    in_range = (which >= 0) & (which < n_bins)
+    grid = np.bincount((which * n_prim + prim)[in_range], minlength=n_bins * n_prim).reshape(
+        n_bins, n_prim
+    )
+    for b in range(n_bins):
+        hist.append(
+            HistBin(
+                lo_ms=float(edges[b]),
+                hi_ms=float(edges[b + 1]),
+                count=int(grid[b].sum()),
+                by_primary={
+                    name: int(v) for name, v in zip((*causes, "clean"), grid[b], strict=True)
+                },
+            )
+        )
+    return hist
+
+
+def _client_figures(
+    log: RawLog, run: PreparedRun, tp: TtftPartition, gap: np.ndarray, spec: Any
+) -> tuple[ClientSummary | None, list[dict[str, Any]]]:
+    """A merged server run's client boundary (its gaps and, docs/ttft.md "The client
+    boundary", its TTFTs to the first chunk's write), and what each process left
+    unrecorded (docs/partition.md, "Unrecorded windows")."""
+    cp = client_partition(log, run=run) if len(log.client_emissions) else None
+    unrecorded = unrecorded_report(log, cp)  # partial or missing evidence, per process
+    if cp is None:
+        return None, unrecorded
+    ct = client_ttft_partition(log, engine=tp)
+    return client_result(log, cp, gap, spec, unrecorded, ct), unrecorded
+
+
 def analyze(
     log: RawLog,
     part: Partition | None = None,
@@ -158,45 +217,17 @@ def analyze(
     skipped = (p.step1 - p.step0 > 1) & (p.num_evictions == 0)
 
     st = log.steps
-    gcp = log.gc_pauses
-    gens = np.bincount(gcp.generation, minlength=3) if len(gcp) else np.zeros(3, int)
-    first_step = float(st.t_start_s.min()) if len(st) else math.inf
-    g2 = gcp.generation == 2
-    g2_ms = (gcp.t_end_s[g2] - gcp.t_start_s[g2]) * 1e3
-    g2_end = gcp.t_end_s[g2]
-
-    hist = []
-    edges = np.array(HIST_EDGES_MS)
-    which = np.searchsorted(edges, gap, side="right") - 1
-    # (bin, primary cause) counts in one pass: causes, then "clean" last, as `_counts`
-    n_bins, n_prim = len(edges) - 1, len(p.causes) + 1
+    gc_counts, gen2_startup_ms, gen2_serving_ms = _gc_figures(log)
+    # primary causes, then "clean" last, as `_counts`
     prim = np.where(p.primary == CLEAN, len(p.causes), p.primary)
-    in_range = (which >= 0) & (which < n_bins)
-    grid = np.bincount((which * n_prim + prim)[in_range], minlength=n_bins * n_prim).reshape(
-        n_bins, n_prim
-    )
-    for b in range(n_bins):
-        hist.append(
-            HistBin(
-                lo_ms=float(edges[b]),
-                hi_ms=float(edges[b + 1]),
-                count=int(grid[b].sum()),
-                by_primary={
-                    name: int(v) for name, v in zip((*p.causes, "clean"), grid[b], strict=True)
-                },
-            )
-        )
+    hist = _itl_histogram(gap, prim, p.causes)
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
-    from tracekit.analysis.unrecorded import unrecorded_report
-    from tracekit.attribution.client import client_partition
 
     spec = spec_result(log)
     ranks = rank_view(log, p)
-    cp = client_partition(log, run=run) if len(log.client_emissions) else None
-    unrecorded = unrecorded_report(log, cp)  # partial or missing evidence, per process
-    client = client_result(log, cp, gap, spec, unrecorded) if cp is not None else None
+    client, unrecorded = _client_figures(log, run, tp, gap, spec)
     if unrecorded:
         warnings += [u["line"] for u in unrecorded]
     return RunAnalysis(
@@ -229,9 +260,9 @@ def analyze(
         eager_steps=int((st.graph_size == GRAPH_EAGER).sum()),
         max_decode_B=int(st.num_decode.max()) if len(st) else 0,
         steps=len(st),
-        gc_counts={str(g): int(c) for g, c in enumerate(gens)},
-        gen2_startup_ms=[round(float(x), 1) for x in g2_ms[g2_end <= first_step]],
-        gen2_serving_ms=[round(float(x), 1) for x in g2_ms[g2_end > first_step]],
+        gc_counts=gc_counts,
+        gen2_startup_ms=gen2_startup_ms,
+        gen2_serving_ms=gen2_serving_ms,
         hist=hist,
         graph_baseline={
             "slope_ms_per_row": p.baseline.slope_ms_per_row,

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.analysis.export import DATASET_META, GAPS_DIR, RUNS_DIR, DatasetError
+from tracekit.analysis.compare import config_value
+from tracekit.analysis.export import DATASET_META, GAPS_DIR, RUNS_DIR, DatasetError, export
 from tracekit.errors import LogError
 from tracekit.log.archive import describe_non_regular, open_regular
 
@@ -221,7 +222,7 @@ def _files(root: str, table: str) -> list[str]:
 
 def _runs_table(root: str):
     """The runs table as a pandas frame, in the export's run order, with the hive keys."""
-    import pyarrow.dataset as ds
+    import pyarrow.dataset as ds  # deferred: pyarrow/pandas load when a dataset is read
 
     files = _files(root, RUNS_DIR)
     try:
@@ -252,7 +253,7 @@ def _runs_table(root: str):
 
 
 def _is_string(t: Any) -> bool:
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
 
     if pa.types.is_dictionary(t):
         t = t.value_type
@@ -261,7 +262,7 @@ def _is_string(t: Any) -> bool:
 
 def _check_runs_schema(schema: Any, where: str) -> None:
     """The runs table's columns the rollup trusts: `run` strings, `gaps` integers."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
 
     if "run" not in schema.names:
         raise DatasetError(f"{where}: no 'run' column")
@@ -277,7 +278,7 @@ def _check_gaps_schema(path: str, columns: Sequence[str]) -> None:
     """A gaps file holds the columns the rollup reads, of the types `export` writes:
     `run` and `primary` strings, `gap_ms` and every `part_LABEL_ms` floats. Read from the
     file's footer, before any row."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
     import pyarrow.parquet as pq
 
     try:
@@ -325,7 +326,6 @@ def _partition_keys(root: str) -> list[str]:
 def _group_of_run(df: Any, by: str) -> list[str]:
     """Each run's group text: the config value (as `tracekit compare` groups), else the
     column `by` of the runs table (a figure or a hive key), else MISSING."""
-    from tracekit.analysis.compare import config_value
 
     out = []
     for i in range(len(df)):
@@ -350,7 +350,7 @@ def _group_of_run(df: Any, by: str) -> list[str]:
 
 
 def _figure_columns(df: Any, skip: set[str]) -> list[str]:
-    import pandas as pd
+    import pandas as pd  # deferred: pyarrow/pandas load when a dataset is read
 
     cols = []
     for c in df.columns:
@@ -375,7 +375,7 @@ def _spread(values: np.ndarray) -> tuple[float, float, float, int]:
 
 
 def _read_gaps(path: str, columns: Sequence[str]):
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: pyarrow/pandas load when a dataset is read
 
     _check_gaps_schema(path, columns)
     try:
@@ -396,7 +396,7 @@ def _read_gaps(path: str, columns: Sequence[str]):
 def _codes(col: Any) -> tuple[np.ndarray, list[str]]:
     """A string column as (integer code per row, the distinct strings): no Python string
     per row (a run's gaps file has one run id and a handful of primary causes)."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
 
     if not pa.types.is_dictionary(col.type):
         col = col.dictionary_encode()
@@ -473,6 +473,89 @@ def pass_tail(files: Sequence[str], run_group: Mapping[str, str],
 # -- the rollup ---------------------------------------------------------------------------
 
 
+def _exact_groups(
+    df: Any, group_of: Sequence[str], groups: Sequence[str], memory_budget_bytes: int
+) -> set[str]:
+    """The groups whose gaps are pooled exactly: in order, while their gaps (8 bytes each)
+    fit the memory budget; the others get a sketch."""
+    # exact where the group's gaps fit the budget (groups in order, until it is spent)
+    n_gaps = df.groupby(np.asarray(group_of), sort=False)["gaps"].sum() if "gaps" in df else None
+    exact: set[str] = set()
+    spent = 0
+    for g in groups:
+        need = 8 * int(n_gaps[g]) if n_gaps is not None else memory_budget_bytes + 1
+        if spent + need <= memory_budget_bytes:
+            exact.add(g)
+            spent += need
+    return exact
+
+
+def _pool_gaps(
+    mapper: Mapper,
+    batches: list[list[str]],
+    run_group: Mapping[str, str],
+    exact: set[str],
+    groups: Sequence[str],
+    sketch_points: int,
+) -> tuple[dict[str, dict[str, tuple[float, int]]], dict[str, float], dict[str, int]]:
+    """The first pass: each group's pooled ITL percentiles (exact, or from the merged
+    sketch with its rank error), its tail threshold (the pooled p99) and its gap count."""
+    exact_f = frozenset(exact)
+    # combined as each batch's result arrives (in batch order), then dropped
+    arrays: dict[str, list[np.ndarray]] = {g: [] for g in exact}
+    sketches: dict[str, QuantileSketch] = {}
+    for res in mapper(pass_gaps, [(b, run_group, exact_f, sketch_points) for b in batches]):
+        for g, piece in res.items():
+            if g in exact:
+                arrays[g].append(piece)
+            else:
+                sketches[g] = sketches[g].merge(piece, sketch_points) if g in sketches else piece
+        del res
+    pooled: dict[str, dict[str, tuple[float, int]]] = {}
+    threshold: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for g in groups:
+        if g in exact:
+            gaps = np.concatenate(arrays.pop(g)) if arrays[g] else np.zeros(0)
+            n = len(gaps)
+            qs = np.percentile(gaps, [q for _, q in POOLED]) if n else [math.nan] * len(POOLED)
+            pooled[g] = {name: (float(v), 0) for (name, _), v in zip(POOLED, qs, strict=True)}
+            pooled[g]["itl_max"] = (float(gaps.max()) if n else math.nan, 0)
+            del gaps
+        else:
+            sk = sketches.pop(g, QuantileSketch.of(np.zeros(0)))
+            n = sk.count
+            pooled[g] = {name: sk.quantile(q) for name, q in POOLED}
+            pooled[g]["itl_max"] = (sk.max, 0)
+        threshold[g] = pooled[g]["itl_p99"][0]
+        counts[g] = n
+    return pooled, threshold, counts
+
+
+def _tail_totals(
+    mapper: Mapper,
+    batches: list[list[str]],
+    run_group: Mapping[str, str],
+    threshold: Mapping[str, float],
+    labels: list[str],
+) -> dict[str, tuple[int, float, list[float], dict[str, int]]]:
+    """The second pass: per group, the gaps at or above its threshold, their total ms, the
+    ms by label and the count by primary cause, summed in batch order."""
+    tail: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
+    for res in mapper(pass_tail, [(b, run_group, threshold, labels) for b in batches]):
+        for g, (k, ms, lab, cause) in res.items():
+            n_tail, tail_ms, by_label, by_cause = tail.get(g, (0, 0.0, [0.0] * len(labels), {}))
+            for c, v in cause.items():
+                by_cause[c] = by_cause.get(c, 0) + v
+            tail[g] = (
+                n_tail + k,
+                tail_ms + ms,
+                [a + b for a, b in zip(by_label, lab, strict=True)],
+                by_cause,
+            )
+    return tail
+
+
 def rollup(
     root: str,
     by: str,
@@ -502,61 +585,12 @@ def rollup(
     files = _files(root, GAPS_DIR)
     labels = _labels(files[0])
 
-    # exact where the group's gaps fit the budget (groups in order, until it is spent)
-    n_gaps = df.groupby(np.asarray(group_of), sort=False)["gaps"].sum() if "gaps" in df else None
-    exact: set[str] = set()
-    spent = 0
-    for g in groups:
-        need = 8 * int(n_gaps[g]) if n_gaps is not None else memory_budget_bytes + 1
-        if spent + need <= memory_budget_bytes:
-            exact.add(g)
-            spent += need
-    exact_f = frozenset(exact)
-
+    exact = _exact_groups(df, group_of, groups, memory_budget_bytes)
     # files in fixed batches (one task each): the same batches here and on Ray, so the
     # same merges in the same order and the same numbers
     batches = [files[i : i + FILES_PER_TASK] for i in range(0, len(files), FILES_PER_TASK)]
-    # combined as each batch's result arrives (in batch order), then dropped
-    arrays: dict[str, list[np.ndarray]] = {g: [] for g in exact}
-    sketches: dict[str, QuantileSketch] = {}
-    for res in mapper(pass_gaps, [(b, run_group, exact_f, sketch_points) for b in batches]):
-        for g, piece in res.items():
-            if g in exact:
-                arrays[g].append(piece)
-            else:
-                sketches[g] = sketches[g].merge(piece, sketch_points) if g in sketches else piece
-        del res
-    pooled: dict[str, dict[str, tuple[float, int]]] = {}
-    threshold: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for g in groups:
-        if g in exact:
-            gaps = np.concatenate(arrays.pop(g)) if arrays[g] else np.zeros(0)
-            n = len(gaps)
-            qs = np.percentile(gaps, [q for _, q in POOLED]) if n else [math.nan] * len(POOLED)
-            pooled[g] = {name: (float(v), 0) for (name, _), v in zip(POOLED, qs, strict=True)}
-            pooled[g]["itl_max"] = (float(gaps.max()) if n else math.nan, 0)
-            del gaps
-        else:
-            sk = sketches.pop(g, QuantileSketch.of(np.zeros(0)))
-            n = sk.count
-            pooled[g] = {name: sk.quantile(q) for name, q in POOLED}
-            pooled[g]["itl_max"] = (sk.max, 0)
-        threshold[g] = pooled[g]["itl_p99"][0]
-        counts[g] = n
-
-    tail: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
-    for res in mapper(pass_tail, [(b, run_group, threshold, labels) for b in batches]):
-        for g, (k, ms, lab, cause) in res.items():
-            n_tail, tail_ms, by_label, by_cause = tail.get(g, (0, 0.0, [0.0] * len(labels), {}))
-            for c, v in cause.items():
-                by_cause[c] = by_cause.get(c, 0) + v
-            tail[g] = (
-                n_tail + k,
-                tail_ms + ms,
-                [a + b for a, b in zip(by_label, lab, strict=True)],
-                by_cause,
-            )
+    pooled, threshold, counts = _pool_gaps(mapper, batches, run_group, exact, groups, sketch_points)
+    tail = _tail_totals(mapper, batches, run_group, threshold, labels)
     out = []
     group_arr = np.asarray(group_of)
     for g in groups:
@@ -588,7 +622,7 @@ def rollup(
 
 
 def _labels(gaps_file: str) -> list[str]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: pyarrow/pandas load when a dataset is read
 
     try:
         names = pq.read_schema(gaps_file).names
@@ -609,7 +643,6 @@ def rollup_logs(
 ) -> FleetRollup:
     """The same rollup over raw logs: they are exported to a temporary dataset first (so
     both inputs give the same numbers by construction), which is removed afterwards."""
-    from tracekit.analysis.export import export
 
     limits = kwargs.pop("limits", None)
     with tempfile.TemporaryDirectory(prefix="tracekit-fleet-") as tmp:

@@ -6,7 +6,9 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.attribution.client import client_partition
 from tracekit.attribution.itl import Partition, partition
+from tracekit.errors import LogError
 from tracekit.log.rawlog import RawLog
 
 
@@ -76,8 +78,6 @@ def requests_named(log: RawLog, request_id: str) -> np.ndarray:
         if base == request_id or (dash and head == request_id and tail.isdigit()):
             out.append(i)
     if not out:
-        from tracekit.errors import LogError
-
         raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
     return np.array(out, dtype=np.int64)
 
@@ -93,7 +93,6 @@ def client_gap_records(
     request, t0_s, t1_s (the two chunk writes, run clock), gap_ms, parts (ms by label, sum
     to gap_ms; engine labels, then the frontend's), primary, tokens (the later chunk's),
     engine_ms and frontend_ms."""
-    from tracekit.attribution.client import client_partition
 
     p = cp if cp is not None else client_partition(log)
     sel = np.ones(len(p), dtype=bool)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.attribution.client import ClientPartition, client_summary, spec_acceptance
+from tracekit.attribution.client_ttft import ClientTtft, client_ttft_figures
 from tracekit.log.rawlog import RawLog
 
 
@@ -143,6 +144,15 @@ class ClientSummary:
     spec: SpecAcceptance | None = None  # speculative decoding, where recorded
     #: processes whose evidence is partial or missing (`tracekit.analysis.unrecorded`)
     unrecorded: tuple[Mapping[str, Any], ...] = ()
+    #: TTFT at the client boundary (arrival to the first chunk's write, docs/ttft.md, "The
+    #: client boundary"), numpy's linear percentiles over the requests with one, and the
+    #: engine boundary's (arrival to the first token) over the same requests; NaN: none
+    ttft_p50_ms: float = float("nan")
+    ttft_p99_ms: float = float("nan")
+    ttft_engine_p50_ms: float = float("nan")
+    ttft_engine_p99_ms: float = float("nan")
+    #: per label: its time / all client-boundary TTFT time
+    ttft_share: dict[str, float] | None = None
 
     def to_record(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -159,6 +169,11 @@ class ClientSummary:
         out["spec"] = self.spec.to_record() if self.spec is not None else None
         if self.unrecorded:
             out["unrecorded"] = [dict(u) for u in self.unrecorded]
+        out["ttft_p50_ms"] = self.ttft_p50_ms
+        out["ttft_p99_ms"] = self.ttft_p99_ms
+        out["ttft_engine_p50_ms"] = self.ttft_engine_p50_ms
+        out["ttft_engine_p99_ms"] = self.ttft_engine_p99_ms
+        out["ttft_share"] = dict(self.ttft_share or {})
         return out
 
 
@@ -168,10 +183,13 @@ def client_result(
     engine_gap_ms: np.ndarray,
     spec: SpecAcceptance | None,
     unrecorded: Sequence[Mapping[str, Any]],
+    ttft: ClientTtft | None = None,
 ) -> ClientSummary:
     """The run's client-boundary figures (`tracekit.attribution.client.client_summary`),
-    with its speculative decoding and its unrecorded processes."""
+    with its speculative decoding, its unrecorded processes and its client-boundary TTFT
+    (`tracekit.attribution.client_ttft`, if given)."""
     d = client_summary(log, cp, engine_gap_ms)
+    t = client_ttft_figures(ttft) if ttft is not None else None
     return ClientSummary(
         num_gaps=d["gaps"],
         num_chunks=d["chunks"],
@@ -183,7 +201,14 @@ def client_result(
         reconcile_max_err_ms=d.get("reconcile_max_err_ms"),
         spec=spec,
         unrecorded=tuple(unrecorded),
-    )
+        **(
+            {"ttft_p50_ms": t["p50_ms"], "ttft_p99_ms": t["p99_ms"],
+             "ttft_engine_p50_ms": t["engine_p50_ms"], "ttft_engine_p99_ms": t["engine_p99_ms"],
+             "ttft_share": t["share"]}
+            if t is not None
+            else {}
+        ),
+    )  # fmt: skip
 
 
 __all__ = [

@@ -27,10 +27,18 @@ nothing to act on), runs that missed what their engine said they need (`config.e
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from tracekit.analysis.compare import Comparison, GroupSummary, Spread
+from tracekit.analysis.whatif import (
+    FixFirst,
+    LadderCheck,
+    WhatIf,
+    fix_first,
+    fix_first_sentence,
+    ladder_checks,
+)
 from tracekit.labels import NON_CAUSES
 
 #: Runs of a group "disagree" when their largest p99.9 is at least this many times their
@@ -184,3 +192,22 @@ def verdict(cmp: Comparison) -> Verdict:
         if len(groups) > 2:
             findings.append(end_to_end(groups[0], groups[-1]))
     return Verdict(by=cmp.by, findings=tuple(findings), caveats=tuple(caveats(cmp)))
+
+
+def ladder_of(cmp: Comparison, whatifs: Mapping[str, WhatIf]) -> list[LadderCheck]:
+    """The what-if checked against the ladder (docs/whatif.md, "Checked against a
+    ladder"): each group's runs' what-ifs, groups in the comparison's order."""
+    return ladder_checks([(g.key, [whatifs[p] for p in g.paths]) for g in cmp.groups])
+
+
+def with_fix_first(
+    v: Verdict, cmp: Comparison, whatifs: Mapping[str, WhatIf], checks: Sequence[LadderCheck]
+) -> tuple[Verdict, list[FixFirst]]:
+    """The verdict opening with what to fix first in the first group (docs/whatif.md, "The
+    verdict"), and the ranked fixes it is taken from."""
+    if not cmp.groups:
+        return v, []
+    g = cmp.groups[0]
+    fixes = fix_first([whatifs[p] for p in g.paths], checks)
+    group = g.key if len(cmp.groups) > 1 else None
+    return replace(v, findings=(fix_first_sentence(fixes, group), *v.findings)), fixes

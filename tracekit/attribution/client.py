@@ -54,7 +54,7 @@ boundary's gaps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -199,20 +199,7 @@ def client_gaps(log: RawLog) -> ClientGaps:
     dstep = np.full(len(r), -1, dtype=np.int64)
     step[ok] = em.step[eo][j[ok]]
     dstep[ok] = em.device_step[eo][j[ok]]
-    recv = np.full(len(r), np.nan)
-    dl = log.deliveries
-    if len(dl) and ok.any():
-        # the step's outputs as the API server that wrote the chunk received them (each
-        # API server gets its own requests' outputs of a step)
-        big_p = float(max(int(dl.process.max(initial=0)), int(proc.max(initial=0))) + 1)
-        dkey = dl.step.astype(np.float64) * big_p + dl.process
-        d_order = np.argsort(dkey, kind="stable")
-        ds, dr = dkey[d_order], dl.t_recv_s[d_order]
-        want = step.astype(np.float64) * big_p + proc
-        p = np.searchsorted(ds, want)
-        hit = (p < len(ds)) & ok
-        hit[hit] = ds[p[hit]] == want[hit]
-        recv[hit] = dr[p[hit]]
+    recv = received_at(log, step, proc)
     pair = np.flatnonzero(r[1:] == r[:-1])
     a, b = t[pair], t[pair + 1]
     e1 = e[pair + 1]
@@ -236,6 +223,26 @@ def client_gaps(log: RawLog) -> ClientGaps:
         fe_lo=fe_lo,
         fe_hi=fe_hi,
     )
+
+
+def received_at(log: RawLog, step: np.ndarray, process: np.ndarray) -> np.ndarray:
+    """When API server `process` received engine step `step`'s outputs (each API server
+    gets its own requests' outputs of a step), per row; NaN where unknown (step -1, or no
+    delivery row)."""
+    recv = np.full(len(step), np.nan)
+    dl = log.deliveries
+    ok = np.asarray(step) >= 0
+    if len(dl) and ok.any():
+        big_p = float(max(int(dl.process.max(initial=0)), int(np.max(process, initial=0))) + 1)
+        dkey = dl.step.astype(np.float64) * big_p + dl.process
+        d_order = np.argsort(dkey, kind="stable")
+        ds, dr = dkey[d_order], dl.t_recv_s[d_order]
+        want = step.astype(np.float64) * big_p + process
+        p = np.searchsorted(ds, want)
+        hit = (p < len(ds)) & ok
+        hit[hit] = ds[p[hit]] == want[hit]
+        recv[hit] = dr[p[hit]]
+    return recv
 
 
 def _cum_by_request(r: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -351,11 +358,10 @@ def client_partition(
     lo = np.clip(g.core_lo, g.a, x)  # [lo, hi]: the engine part [a, x] within the core's span
     hi = np.clip(g.core_hi, lo, x)
     fx = np.where(cut, g.b, x)  # [fx, b]: the frontend part (empty when cut)
-    flo = np.clip(g.fe_lo, fx, g.b)  # [flo, fhi]: the frontend part within the API server's
-    fhi = np.clip(g.fe_hi, flo, g.b)
+    front, unrec_api = frontend_part(log, g.process, fx, g.b, g.e, g.recv)
     unrec = {
-        UNRECORDED_CORE: (x - g.a) - (hi - lo) + np.where(cut, g.b - x, 0.0),
-        UNRECORDED_API: (g.b - fx) - (fhi - flo),
+        UNRECORDED_CORE: ((x - g.a) - (hi - lo) + np.where(cut, g.b - x, 0.0)) * 1e3,
+        UNRECORDED_API: unrec_api,
     }
     unrec_labels = tuple(k for k, v in unrec.items() if (v > 0).any())
     live = np.flatnonzero(hi > lo)
@@ -368,14 +374,9 @@ def client_partition(
     parts = np.zeros((n, len(labels)))
     if eng is not None:
         parts[live[eng.request], :ne] = eng.parts_ms
-    # frontend part: per API server, one timeline of its windows, owner by precedence, and
-    # of its OS intervals, for the gaps whose later chunk it wrote, over the time it recorded
-    gf = replace(g, x=flo, b=fhi)
-    for proc in np.unique(g.process).tolist():
-        rows = np.flatnonzero(g.process == proc)
-        parts[rows, ne : ne + nfl] = _frontend_parts(log, gf, rows, int(proc))[:, :nfl]
+    parts[:, ne : ne + nfl] = front[:, :nfl]
     for j, name in enumerate(unrec_labels):
-        parts[:, ne + nfl + j] = unrec[name] * 1e3
+        parts[:, ne + nfl + j] = unrec[name]
     out = ClientPartition(
         labels=labels,
         request=g.request,
@@ -389,14 +390,39 @@ def client_partition(
     return check_client_reconciled(out, log.path) if check else out
 
 
-def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: int) -> np.ndarray:
-    """The frontend columns of gaps `rows`, all written by `process` (ms): FRONTEND_LABELS
-    then FRONTEND_OS_LABELS. Its windows own the frontend part by precedence, the hop and
-    ``frontend_other`` the time no window owns; at an instant inside one of its OS
-    intervals (``proc_os``), that interval's run-queue share of the instant is
-    ``frontend_os_runqueue`` and, inside a segment, its off-CPU share
-    ``frontend_os_blocked``, taken from whichever label owns the instant."""
-    g = replace(gaps, **{f.name: getattr(gaps, f.name)[rows] for f in fields(gaps)})
+def frontend_part(
+    log: RawLog, process: np.ndarray, x: np.ndarray, b: np.ndarray, e: np.ndarray,
+    recv: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The frontend part ``[x, b]`` of windows that end where API server `process` wrote a
+    chunk at `b` (a client gap's, rule 2; a client-boundary TTFT's, docs/ttft.md), with `e`
+    when the engine core emitted the token the chunk waited for and `recv` when that API
+    server received that step's outputs (NaN: unknown). Returns (its columns in ms,
+    FRONTEND_LABELS then FRONTEND_OS_LABELS, over the time that API server recorded; the
+    rest, ``unrecorded:api_server``, in ms): the module docstring's rules 2-3 and
+    "Unrecorded windows" rule 3, the one place they are applied."""
+    fe_lo, fe_hi = process_spans(log, process)
+    flo = np.clip(fe_lo, x, b)  # [flo, fhi]: the part within the API server's span
+    fhi = np.clip(fe_hi, flo, b)
+    parts = np.zeros((len(x), len(FRONTEND_LABELS) + len(FRONTEND_OS_LABELS)))
+    # per API server, one timeline of its windows, owner by precedence, and of its OS
+    # intervals, for the windows whose chunk it wrote
+    for proc in np.unique(process).tolist():
+        rows = np.flatnonzero(process == proc)
+        parts[rows] = _frontend_parts(log, int(proc), flo[rows], fhi[rows], e[rows], recv[rows])
+    return parts, ((b - x) - (fhi - flo)) * 1e3
+
+
+def _frontend_parts(
+    log: RawLog, process: int, x: np.ndarray, b: np.ndarray, e: np.ndarray, recv: np.ndarray
+) -> np.ndarray:
+    """The frontend columns of windows [x, b] inside the span of `process`, which wrote
+    their chunks (ms): FRONTEND_LABELS then FRONTEND_OS_LABELS. Its windows own the
+    frontend part by precedence, the hop (e to recv) and ``frontend_other`` the time no
+    window owns; at an instant inside one of its OS intervals (``proc_os``), that
+    interval's run-queue share of the instant is ``frontend_os_runqueue`` and, inside a
+    segment, its off-CPU share ``frontend_os_blocked``, taken from whichever label owns
+    the instant."""
     nf = len(FRONTEND_PRECEDENCE)
     w = np.array(frontend_windows(log, process), dtype=np.float64).reshape(-1, 3)
     po = log.proc_os
@@ -433,9 +459,8 @@ def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: in
         cum = np.concatenate([[0.0], np.cumsum(width * rate)])
         return lambda lo, hi: np.interp(hi, bounds, cum) - np.interp(lo, bounds, cum)
 
-    x, b = g.x, g.b
-    parts = np.zeros((len(rows), len(FRONTEND_LABELS) + len(FRONTEND_OS_LABELS)))
-    os_rq, os_bl = np.zeros(len(rows)), np.zeros(len(rows))
+    parts = np.zeros((len(x), len(FRONTEND_LABELS) + len(FRONTEND_OS_LABELS)))
+    os_rq, os_bl = np.zeros(len(x)), np.zeros(len(x))
     for c in range(nf):
         is_c = (owner == c).astype(np.float64)
         own, r_c, b_c = over(is_c)(x, b), over(is_c * rq)(x, b), over(is_c * bl)(x, b)
@@ -444,8 +469,8 @@ def _frontend_parts(log: RawLog, gaps: ClientGaps, rows: np.ndarray, process: in
     # the time no window owns: the hop (from e until the API server received the step's
     # outputs), the rest frontend_other
     none = (owner < 0).astype(np.float64)
-    hop_lo = np.clip(np.where(np.isnan(g.e), b, g.e), x, b)
-    hop_hi = np.clip(np.where(np.isnan(g.recv), hop_lo, g.recv), hop_lo, b)
+    hop_lo = np.clip(np.where(np.isnan(e), b, e), x, b)
+    hop_hi = np.clip(np.where(np.isnan(recv), hop_lo, recv), hop_lo, b)
     owned_in_hop = over((owner >= 0).astype(np.float64))(hop_lo, hop_hi)
     r_hop, b_hop = over(none * rq)(hop_lo, hop_hi), over(none * bl)(hop_lo, hop_hi)
     r_none, b_none = over(none * rq)(x, b), over(none * bl)(x, b)

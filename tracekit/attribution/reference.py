@@ -9,6 +9,8 @@ gap (or request) and one elementary interval at a time, straight from the writte
   docs/ttft.md);
 - `client_partition_reference`: the client-boundary partition
   (`tracekit.attribution.client`), with `partition_reference` for the engine part.
+- `client_ttft_reference`: the client-boundary TTFT (`tracekit.attribution.client_ttft`),
+  with `ttft_partition_reference` up to the first token.
 
 The tests check that each agrees with its vectorised counterpart. They share with it only
 the inputs both read the same way (segment causes, evicted windows, the graph baseline's
@@ -16,6 +18,8 @@ fit, drift correction, gap and window extraction), never the timeline arithmetic
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -29,6 +33,7 @@ from tracekit.attribution.client import (
     engine_part_log,
     frontend_windows,
 )
+from tracekit.attribution.client_ttft import ClientTtft
 from tracekit.attribution.itl import (
     FIT_ALL_CAPTURED,
     PRIMARY_TOL_MS,
@@ -749,4 +754,101 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
     )
 
 
-__all__ = ["client_partition_reference", "partition_reference", "ttft_partition_reference"]
+# -- the client-boundary TTFT ---------------------------------------------------------------
+
+
+def _first_of(rows: list[tuple[float, int, int]]) -> tuple[float, int] | None:
+    """(t, value) of the earliest (t, row, value), the first row among equal times."""
+    if not rows:
+        return None
+    t, _, value = min(rows)
+    return t, value
+
+
+def client_ttft_reference(log: RawLog) -> ClientTtft:
+    """`client_ttft_partition` with plain loops: the engine boundary's TTFT parts
+    (`ttft_partition_reference`) up to the first token, then the first chunk's window [first
+    token, write] cut at every window, OS interval and span edge inside it, each piece named
+    by the client gap's frontend rules (`_client_gap`, as for a gap's frontend part)."""
+    eng = ttft_partition_reference(log)
+    ce, em, dl, cov = log.client_emissions, log.emissions, log.deliveries, log.coverage
+    notes: list[str] = []
+    rows, front_rows, unrec = [], [], []
+    none = early = 0
+    for i in range(len(eng)):
+        r, a, f = int(eng.request[i]), float(eng.arrival_s[i]), float(eng.first_token_s[i])
+        chunk = _first_of([(float(ce.t_s[j]), j, int(ce.process[j]))
+                           for j in range(len(ce)) if int(ce.request[j]) == r])  # fmt: skip
+        if chunk is None:
+            none += 1
+            continue
+        w, proc = chunk
+        if w < f:
+            early += 1
+            continue
+        first = _first_of([(float(em.t_s[j]), j, int(em.step[j]))
+                           for j in range(len(em)) if int(em.request[j]) == r])  # fmt: skip
+        step = first[1] if first is not None else -1
+        recv = [float(dl.t_recv_s[j]) for j in range(len(dl))
+                if int(dl.step[j]) == step and int(dl.process[j]) == proc]  # fmt: skip
+        span = [(float(cov.t_start_s[j]), float(cov.t_end_s[j]))
+                for j in range(len(cov)) if int(cov.process[j]) == proc]  # fmt: skip
+        fe_lo, fe_hi = span[0] if span else (-np.inf, np.inf)
+        # one pseudo gap [f, w]: the engine part is empty (x = a = f), the core's span all time
+        g = SimpleNamespace(
+            a=[f],
+            b=[w],
+            e=[f],
+            recv=[recv[0] if recv else np.nan],
+            core_lo=[-np.inf],
+            core_hi=[np.inf],
+            fe_lo=[fe_lo],
+            fe_hi=[fe_hi],
+        )
+        row = [0.0] * (len(FRONTEND_LABELS) + len(FRONTEND_OS_LABELS))
+        wins, osi = _api_server(log, proc)
+        _, u_api = _client_gap(g, 0, f, False, wins, osi, row, 0)
+        rows.append((i, r, a, f, w, proc))
+        front_rows.append(row)
+        unrec.append(u_api)
+    if none:
+        notes.append(f"{none} request(s) with a TTFT have no client-boundary TTFT: no chunk was "
+                     "written for them")  # fmt: skip
+    if early:
+        notes.append(
+            f"{early} request(s) left out of the client boundary: first chunk written "
+            "before the engine core's first token (the processes' clocks disagree)"
+        )
+    labels = tuple(eng.labels) + FRONTEND_LABELS
+    if len(log.proc_os):
+        labels += tuple(lb for lb in FRONTEND_OS_LABELS if lb not in eng.labels)
+    if any(u > 0 for u in unrec):
+        labels += (UNRECORDED_LABELS[1],)
+    parts = np.zeros((len(rows), len(labels)))
+    for k, (i, *_rest) in enumerate(rows):
+        named = dict(zip(eng.labels, eng.parts_ms[i].tolist(), strict=True))
+        for lb, v in zip((*FRONTEND_LABELS, *FRONTEND_OS_LABELS), front_rows[k], strict=True):
+            named[lb] = named.get(lb, 0.0) + v
+        named[UNRECORDED_LABELS[1]] = unrec[k]
+        parts[k] = [named.get(lb, 0.0) for lb in labels]
+    col = np.array([[r, a, f, w, p] for _, r, a, f, w, p in rows], dtype=np.float64).reshape(-1, 5)
+    return ClientTtft(
+        labels=labels,
+        request=col[:, 0].astype(np.int64),
+        arrival_s=col[:, 1],
+        first_token_s=col[:, 2],
+        write_s=col[:, 3],
+        process=col[:, 4].astype(np.int64),
+        ttft_ms=(col[:, 3] - col[:, 1]) * 1e3,
+        engine_ttft_ms=eng.ttft_ms[[i for i, *_ in rows]],
+        parts_ms=parts,
+        notes=tuple(notes),
+    )
+
+
+__all__ = [
+    "client_partition_reference",
+    "client_ttft_reference",
+    "partition_reference",
+    "ttft_partition_reference",
+]

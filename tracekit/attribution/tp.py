@@ -41,8 +41,9 @@ def tp_waits(
     what it was doing during the wait (its recorded segments by `RANK_PRECEDENCE`, else
     ``other``), less the shares of it the rank's own OS counters give to ``os_runqueue``
     and ``os_blocked`` (`_RankOs`). The pieces are laid out in that order from the first
-    entry. Ranks that recorded no collective (one worker, no tensor parallelism):
-    nothing."""
+    entry. Past the last entry stamp, a rank's run-queue wait inside its own collective
+    window is its ``os_runqueue`` (`_held_entries`). Ranks that recorded no collective (one
+    worker, no tensor parallelism): nothing."""
     ranks: dict[int, tuple[ProcessLog, ClockFit]] = {}
     for p, fit in zip(others, fits, strict=True):
         r = tp_rank(p)
@@ -103,6 +104,38 @@ def tp_waits(
                 d = left * d / total if total > 0 else left
                 out.append((r, t, t + d, cause))
                 t += d
+    return out + _held_entries(order, calls, os_shares, n)
+
+
+#: Times of one tick read by two samplers, on the run's clock, within float rounding
+_SAME_S = 1e-9
+
+
+def _held_entries(
+    order: list[int], calls: dict[int, np.ndarray], os_shares: dict[int, _RankOs], n: int
+) -> list[tuple[int, float, float, str]]:
+    """The wait past the last entry stamp of each of the first `n` collectives: from the
+    last rank's entry stamp until the first rank left, no rank was waiting on a stamp any
+    more, but one may not have reached the call yet (held by the OS after its stamp). Each
+    rank's run-queue wait within its own window of that collective (`_RankOs`), spread
+    evenly over the window (the kernel says how much, not when), gives its share of that
+    span; the rank with the largest share is charged it as ``os_runqueue``, from the last
+    entry stamp on. The rest of the span is the collective's own work (not charged)."""
+    out: list[tuple[int, float, float, str]] = []
+    entries = np.stack([calls[r][:n, 0] for r in order])
+    exits = np.stack([calls[r][:n, 1] for r in order])
+    last, first_exit = entries.max(axis=0), exits.min(axis=0)
+    for c in np.flatnonzero(first_exit > last).tolist():
+        span = float(first_exit[c] - last[c])
+        best, rank = 0.0, -1
+        for i, r in enumerate(order):
+            a, b = float(entries[i, c]), float(exits[i, c])
+            if b > a:
+                share = span * min(os_shares[r].runqueue_within(a, b) / (b - a), 1.0)
+                if share > best:
+                    best, rank = share, r
+        if rank >= 0:
+            out.append((rank, float(last[c]), float(last[c]) + best, "os_runqueue"))
     return out
 
 
@@ -117,6 +150,7 @@ class _RankOs:
     t1: np.ndarray
     runqueue: np.ndarray  # fraction of each interval's time outside its waits
     blocked: np.ndarray
+    runqueue_s: np.ndarray  # each interval's run-queue wait, seconds
 
     @classmethod
     def of(cls, p: ProcessLog, fit: ClockFit, calls: np.ndarray) -> _RankOs:
@@ -125,10 +159,10 @@ class _RankOs:
         threads = lg.segments.thread[lg.segments.label == col]
         z = np.zeros(0)
         if not len(threads) or not len(lg.os_samples):
-            return cls(z, z, z, z)
+            return cls(z, z, z, z, z)
         osi = thread_os_intervals(lg, int(np.bincount(threads).argmax()))
         if not len(osi):
-            return cls(z, z, z, z)
+            return cls(z, z, z, z, z)
         t0, t1 = fit.apply(osi.t0_s), fit.apply(osi.t1_s)
         # the rank's waits: its collectives and its stalls (GC, an injected stall)
         gc = lg.gc_pauses
@@ -142,7 +176,15 @@ class _RankOs:
         with np.errstate(divide="ignore", invalid="ignore"):
             rq = np.where(free > 0, np.minimum(osi.runqueue_s, free) / free, 0.0)
             bl = np.where(free > 0, np.maximum(osi.offcpu_s - w_in, 0.0) / free, 0.0)
-        return cls(t0, t1, rq, np.minimum(bl, 1.0 - rq))
+        return cls(t0, t1, rq, np.minimum(bl, 1.0 - rq), np.asarray(osi.runqueue_s))
+
+    def runqueue_within(self, a: float, b: float) -> float:
+        """The run-queue wait of the intervals that lie within [a, b] (a collective's own
+        interval, where the rank sampled at its entry and exit), seconds."""
+        i0 = int(np.searchsorted(self.t0, a - _SAME_S, side="left"))
+        i1 = int(np.searchsorted(self.t0, b + _SAME_S, side="right"))
+        inside = self.t1[i0:i1] <= b + _SAME_S
+        return float(self.runqueue_s[i0:i1][inside].sum())
 
     def split(self, a: float, b: float, cause: str) -> list[tuple[float, str]]:
         """[a, b], owned by `cause`, as (length, cause) pieces: what each OS interval over

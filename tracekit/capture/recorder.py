@@ -68,7 +68,7 @@ from tracekit.capture.segments import (
     Threads,
 )
 from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, call_sink
-from tracekit.labels import DEFAULT_CAUSE_MAP
+from tracekit.labels import DEFAULT_CAUSE_MAP, is_produced
 from tracekit.log.clocks import STEADY_CLOCK_FUNCTIONS
 from tracekit.log.flush import UNKNOWN_TICK
 from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
@@ -82,6 +82,17 @@ _NULL_CM = contextlib.nullcontext()
 def _check_label(label: Any, name: str) -> str:
     if not isinstance(label, str):
         raise TypeError(f"{name}: expected a str, got {type(label).__name__} {label!r:.80}")
+    return label
+
+
+def _engine_label(label: str) -> str:
+    """A label an engine may record a window under: not one only the partitions produce."""
+    if is_produced(label):
+        raise ValueError(
+            f"label {label!r:.80}: only tracekit's partitions produce it (time no window "
+            f"covered, the OS's, a request's stages and waits...): record the window under a "
+            f'name of its own (docs/input-validation.md, "Labels")'
+        )
     return label
 
 
@@ -157,8 +168,18 @@ class Recorder:
         self._want_nvtx = nvtx
         self._device = device_timer if enabled else None
         self._clock = clock
-        if not (isinstance(seconds_per_tick, (int, float)) and 0 < seconds_per_tick < 1e6):
+        if isinstance(seconds_per_tick, bool) or not isinstance(seconds_per_tick, (int, float)):
+            raise TypeError(
+                f"Recorder(seconds_per_tick=): expected a number of seconds, got "
+                f"{type(seconds_per_tick).__name__} {seconds_per_tick!r:.80}"
+            )
+        if not 0 < seconds_per_tick < 1e6:
             raise ValueError(f"Recorder(seconds_per_tick=): {seconds_per_tick!r} is not > 0")
+        if os_evidence is not None and not isinstance(os_evidence, bool):
+            raise TypeError(
+                f"Recorder(os_evidence=): expected True, False or None (the default: on where "
+                f"the clock is wall time), got {type(os_evidence).__name__} {os_evidence!r:.80}"
+            )
         self._seconds_per_tick = float(seconds_per_tick)
         self._max_ticks = int(MAX_ABS_TIME_S / self._seconds_per_tick)
         self._flush_interval_s = flush_interval_s
@@ -173,7 +194,7 @@ class Recorder:
         self._lock = self._rows.lock
         self._step = OpenStep()
         self._threads = Threads(self._step, self._rows)
-        self._probes = self._threads.probes = Probes(self._threads, self._rows)
+        self._probes = self._threads.probes = Probes(self._threads, self._rows, clock)
         self._book = RequestBook(self._rows, self._step)
         self._step_cm = StepContext(self._begin_step, self._end_step, self._probes)
         # interned vocabularies (request names: `_book`)
@@ -428,14 +449,14 @@ class Recorder:
             st.begin(t0)
         probes = self._probes
         if probes.os is not None:
-            probes.os_sample(OS_STEP_START, t0)
+            probes.os_sample(OS_STEP_START)
 
     def _end_step(self) -> None:
         """Where a step ends: its row, then the device poll and the flush."""
         t1 = self._clock()
         probes = self._probes
         if probes.os is not None:
-            probes.os_sample(OS_STEP_END, t1)
+            probes.os_sample(OS_STEP_END)
         st = self._step
         row = st.row(t1)
         rows = self._rows
@@ -526,7 +547,7 @@ class Recorder:
         with self._lock:
             idx = self._label_index.get(label)
             if idx is None:
-                self._labels.append(label)
+                self._labels.append(_engine_label(label))  # once per label: off the hot path
                 idx = self._label_index[label] = len(self._labels) - 1
             return idx
 
@@ -537,10 +558,13 @@ class Recorder:
     def _check_tick(self, value: Any, name: str) -> int:
         """A tick of this recorder's clock, within what a log accepts of engine time."""
         t = as_tick(value, name)
-        if self._running and abs(t - self._t0_tick) > self._max_ticks:
+        # before start() there is no start tick yet: the clock's reading now stands for it
+        ref = self._t0_tick if self._running else int(self._clock())
+        if abs(t - ref) > self._max_ticks:
+            what = "the run's start" if self._running else "this clock's reading now"
             raise ValueError(
-                f"{name}: tick {t} is {abs(t - self._t0_tick) * self._seconds_per_tick:.3g} s "
-                f"from the run's start (more than {MAX_ABS_TIME_S:g} s: not this clock's tick)"
+                f"{name}: tick {t} is {abs(t - ref) * self._seconds_per_tick:.3g} s from "
+                f"{what} (more than {MAX_ABS_TIME_S:g} s: not this clock's tick)"
             )
         return t
 

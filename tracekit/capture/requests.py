@@ -11,9 +11,11 @@ tick, counting the adjustment in `notes` (warnings at stop).
 
 from __future__ import annotations
 
+import os
 import struct
+import warnings
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,26 @@ from tracekit.capture.checks import as_int, as_int_vector, small_ints
 from tracekit.capture.segments import OpenStep
 from tracekit.capture.sinks import EMIT_CALLS, EMIT_HANDLES
 from tracekit.log.flush import EVICT, READMIT, UNKNOWN_TICK
+
+
+def _caller_level() -> int:
+    """`warnings.warn`'s stacklevel that names the first frame outside tracekit/capture:
+    the engine's call (as `skip_file_prefixes` does from Python 3.12 on)."""
+    import inspect  # only when warning: the recorder's import stays light
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    level, frame = 1, inspect.currentframe()
+    frame = frame.f_back if frame is not None else None
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+#: What the log's warnings say of a new integer id that was another request's handle
+HANDLE_AS_ID = (
+    "new integer request id(s) given to emit() that were other requests' handles, recorded "
+    "as new requests (emit takes ids; emit_handles takes the handles request() returns)"
+)
 
 _ROW6 = struct.Struct("6q").pack
 _ROW4 = struct.Struct("4q").pack
@@ -152,6 +174,17 @@ class RequestBook:
         self.names.append(name)
         return idx
 
+    def _handle_as_id(self, request_id: int) -> None:
+        """One new integer id given to `emit` that is another request's handle."""
+        if HANDLE_AS_ID not in self.notes:
+            warnings.warn(
+                f"emit(): request id {request_id} is new, and is the handle of request "
+                f"{self.names[request_id]!r:.80}; emit takes ids (a new request is recorded), "
+                "emit_handles takes the handles request() returns",
+                stacklevel=_caller_level(),
+            )
+        self.note(HANDLE_AS_ID)
+
     def intern_all(self, request_ids: Iterable[Any], what: str) -> np.ndarray:
         """The handles of `request_ids`, interning new ones in order (one dict lookup per
         id, no object per id kept)."""
@@ -169,7 +202,23 @@ class RequestBook:
                 except BaseException:
                     self.forget_since(n)
                     raise
+                if what == "emit":
+                    self._handles_as_ids(ids, n)
         return np.array(found, dtype=np.int64)
+
+    def _handles_as_ids(self, ids: Sequence[Any], n: int) -> None:
+        """Of the ids an `emit` call interned (requests n.. are new), the integers that are
+        handles of requests before them (0..n-1): most likely handles passed where ids
+        belong (`request()` returns handles; `emit_handles` takes them). Recorded as asked
+        (new requests); warned about at the call, once, and counted in the log's warnings."""
+        new = {
+            k
+            for k in self._keys[n:]
+            if isinstance(k, (int, np.integer)) and not isinstance(k, bool)
+        }
+        for rid in ids:
+            if rid in new and 0 <= rid < n:
+                self._handle_as_id(int(rid))
 
     def forget_since(self, n: int) -> None:
         """Undo the interning of requests n.. (a call refused after interning them;

@@ -118,13 +118,14 @@ class Probes:
     """The optional instruments the hooks call: the `nvtx` module (set at start when asked
     for) and the OS counters reader (`tracekit.capture.osstats`, open while the run is)."""
 
-    __slots__ = ("nvtx", "os", "threads", "rows")
+    __slots__ = ("nvtx", "os", "threads", "rows", "clock")
 
-    def __init__(self, threads: Threads, rows: RowBuffers) -> None:
+    def __init__(self, threads: Threads, rows: RowBuffers, clock: Callable[[], int]) -> None:
         self.nvtx: Any = None
         self.os: ThreadStats | None = None
         self.threads = threads
         self.rows = rows
+        self.clock = clock
 
     def open_nvtx(self) -> None:
         """Import `nvtx` (the `gpu` extra): only a recorder that asks for it does."""
@@ -163,16 +164,25 @@ class Probes:
             reader.close()
             self.os = None
 
-    def os_sample(self, kind: int, t: int) -> None:
-        """One `os_samples` row for the calling thread, at tick `t`: the loop thread's at
-        its open step's start and end, another thread's at its segments' (`Segment`).
-        Switches and faults are read at ends only (the partition reads CPU time and
-        run-queue wait; bench/bench_os.py measures what that saves)."""
+    def os_sample(self, kind: int) -> None:
+        """One `os_samples` row for the calling thread: the loop thread's at its open
+        step's start and end, another thread's at its segments' (`Segment`). Switches and
+        faults are read at ends only (the partition reads CPU time and run-queue wait;
+        bench/bench_os.py measures what that saves).
+
+        The counters are read first and the row's tick right after, with nothing between:
+        an OS interval (two consecutive samples) then holds on the clock exactly what its
+        counters counted, but for a wait inside that one clock read (docs/partition.md,
+        "OS evidence", "When the counters are read"). Stamped before the read, a thread
+        descheduled between the stamp and the read had its wait counted in one interval
+        and placed, by the stamps, in the next (which then showed off-CPU time the kernel
+        never saw)."""
         reader = self.os
         if reader is None:  # stop() closed it meanwhile, from another thread
             return
         ends = kind == OS_STEP_END or kind == OS_SEGMENT_END
-        row = OS_ROW(self.threads.tid(), kind, t, *reader.read(ends))
+        counters = reader.read(ends)
+        row = OS_ROW(self.threads.tid(), kind, self.clock(), *counters)
         rows = self.rows
         if kind <= OS_STEP_END:
             # the loop thread inside its open step: no lock, as for its segment rows (only
@@ -283,7 +293,7 @@ class Segment:
         th.stack.append(t0)
         if th.sample_os:  # a side thread's segment: its OS counters at both ends
             if th.ident != self._step.loop_ident:
-                probes.os_sample(OS_SEGMENT_START, t0)
+                probes.os_sample(OS_SEGMENT_START)
             else:  # it became the loop thread: its steps are sampled, not its segments
                 th.sample_os = False
         return self
@@ -313,7 +323,7 @@ class Segment:
                         pass
                 else:
                     if th.sample_os and th.ident != step.loop_ident:
-                        self._probes.os_sample(OS_SEGMENT_END, t1)
+                        self._probes.os_sample(OS_SEGMENT_END)
                     rows = self._rows
                     with rows.lock:
                         rows.segments.frombytes(SEG_ROW(-1, self._label, t0, t1, th.tid, 0))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.errors import LogError
-from tracekit.log.processes import ProcessLog, counter, windows
+from tracekit.log.processes import ProcessLog, counter, waited_on, windows
 from tracekit.log.serve_contract import ADDED, FRONT_SEP, FRONTEND, OUT, RECV, SENT, SHARED_CLOCK
 
 #: Recorder clocks (``meta["clock"]``: the clock function's name) that count wall time:
@@ -140,8 +140,11 @@ def frontend_bounds(core: ProcessLog, fe: ProcessLog, offset_s: float,
 
 def worker_bounds(core: ProcessLog, wk: ProcessLog, offset_s: float,
                   index: CoreIndex | None = None):  # fmt: skip
-    """Paired-stamp bounds on a worker's correction: the engine core's n-th forward window
-    (from ``execute_model`` to its wait returning) contains the worker's n-th."""
+    """Paired-stamp bounds on a worker's correction: the worker starts its n-th window
+    (``execute_model``) after the engine core began its n-th forward window; it ends it
+    before the engine core's wait returns if the engine core waits for its outputs
+    (`waited_on`), else it entered that window's last collective before then (the rank the
+    engine core waits for leaves a collective only after every rank entered it)."""
     c = (index or CoreIndex.of(core)).forward
     w_prep = windows(wk.log, ("prepare",), steps_only=False)
     w_fwd = windows(wk.log, ("forward",), steps_only=False)
@@ -160,8 +163,24 @@ def worker_bounds(core: ProcessLog, wk: ProcessLog, offset_s: float,
     n = min(len(c), len(w))
     c, w = c[:n], w[:n]
     lo = c[:, 0] - (w[:, 0] + offset_s)  # the worker started after the core asked
-    hi = c[:, 1] - (w[:, 1] + offset_s)  # and ended before the core's wait returned
-    return w[:, 0], lo, w[:, 1], hi
+    if waited_on(wk):
+        t_end = w[:, 1]  # and ended before the core's wait for its outputs returned
+    else:
+        t_end = last_entry(wk, w)  # and entered its last collective before that
+    has = ~np.isnan(t_end)
+    hi = c[has, 1] - (t_end[has] + offset_s)
+    return w[:, 0], lo, t_end[has], hi
+
+
+def last_entry(wk: ProcessLog, w: np.ndarray) -> np.ndarray:
+    """Per window [start, end] of `w`, the entry of the worker's last ``collective``
+    entered within it (NaN where none was)."""
+    col = windows(wk.log, ("collective",), steps_only=False)
+    entries = np.sort(col[:, 0]) if len(col) else np.zeros(0)
+    k = np.searchsorted(entries, w[:, 1], side="right") - 1
+    found = k >= 0
+    found[found] = entries[k[found]] >= w[found, 0]
+    return np.where(found, entries[np.clip(k, 0, None)] if len(entries) else np.nan, np.nan)
 
 
 def fit_clock(t_lo, lo, t_hi, hi, *, offset_s: float, shared: bool) -> ClockFit:

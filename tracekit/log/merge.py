@@ -18,8 +18,10 @@ Each log says who wrote it in ``config["process"]`` (``role``, ``pid``, ``host``
     ``EngineCoreOutputs.timestamp`` as the pair's key) before they arrive (``serve.recv``):
     at least ``out - recv`` ahead;
   - engine core -> worker: the engine core asks for the forward pass before the worker
-    starts it, and the worker ends it before the engine core's wait returns (the n-th
-    forward window of each, in order, from the engine core's first step).
+    starts it (the n-th forward window of each, in order, from the engine core's first
+    step), and the rank whose outputs the engine core waits for ends it before that wait
+    returns; another rank may end it later, but it entered the window's last collective
+    before then (`tracekit.log.clocks.worker_bounds`).
 
   Each pair bounds the remaining correction ``theta`` (``lo <= theta <= hi``); on one clock
   0 must lie in every bound (`violations` counts pairs where it does not) and the reported
@@ -73,7 +75,7 @@ from tracekit.log.rawlog import (
     ProcSegments,
     RawLog,
 )
-from tracekit.log.request_identity import join_requests
+from tracekit.log.request_identity import RequestJoin, join_requests
 from tracekit.log.serve_contract import ADDED, CORE, FRONTEND, RECV, WORKER
 from tracekit.log.validate import validate_log
 
@@ -108,14 +110,11 @@ def merge_logs(
     return validate_log(merge_server(procs, path=path, engine=engine).log)
 
 
-def merge_server(
-    procs: list[ProcessLog], *, path: str = "<memory>", engine: int | None = None
-) -> ServerMerge:
-    """One run from the logs of a server's processes, not yet validated (`merge_logs`
-    validates it). A data-parallel server has one engine core per DP rank, each with its
-    own steps and workers: its run is that engine core's (`engine`: the DP rank), with its
-    workers, the API servers, and the requests that engine core served (the others' are
-    left out, never charged to its steps)."""
+def _pick_core(
+    procs: list[ProcessLog], path: str, engine: int | None
+) -> tuple[ProcessLog, list[ProcessLog]]:
+    """The engine core whose run this is (`engine`: its data-parallel rank; needed where
+    there are several), and all the engine cores, by rank."""
     cores = sorted((p for p in procs if p.role == CORE), key=lambda p: (dp_rank(p) or 0, p.path))
     if not cores:
         raise LogError(path, "engine_core", "found no engine core log; the merge needs one")
@@ -133,23 +132,31 @@ def merge_server(
             path, "engine", f"no engine core with data-parallel rank {engine} (ranks there: "
             f"{', '.join(map(str, ranks))})"
         )  # fmt: skip
-    core = cores[ranks.index(engine) if engine is not None else 0]
-    mine = dp_rank(core)
-    elsewhere: set[str] = set()  # engine ids another engine core served
-    for c in cores:
-        if c is not core:
-            elsewhere.update(c.log.request_ids)
-    others = [
-        p
-        for p in procs
-        if p.role != CORE
-        and not (p.role == WORKER and len(cores) > 1 and dp_rank(p) not in (None, mine))
-    ]
-    core_index = CoreIndex.of(core)
-    fits = [fit_process(core, p, core_index) for p in others]
-    ident = join_requests(core, others, fits, elsewhere)
-    req_ids = ident.names
-    renamed = ident.renamed
+    return cores[ranks.index(engine) if engine is not None else 0], cores
+
+
+@dataclass
+class _MergedRows:
+    """The rows the other processes add to the engine core's run, and the labels they use
+    (the core's first, then each new one as it is met)."""
+
+    labels: list[str]
+    processes: list[dict[str, Any]]
+    seg_rows: list[np.ndarray]
+    ce_rows: list[np.ndarray]
+    dl_rows: list[np.ndarray]
+    os_rows: list[np.ndarray]
+
+
+def _merged_rows(
+    core: ProcessLog,
+    others: list[ProcessLog],
+    fits: list[ClockFit],
+    ident: RequestJoin,
+    core_index: CoreIndex,
+) -> _MergedRows:
+    """Each other process's segments and GC pauses, and a frontend's OS samples, chunks
+    written to clients and deliveries, on the engine core's clock."""
     labels = list(core.log.labels)
     label_pos = {x: i for i, x in enumerate(labels)}
 
@@ -159,19 +166,22 @@ def merge_server(
             labels.append(name)
         return label_pos[name]
 
-    seg_rows: list[np.ndarray] = []
-    ce_rows: list[np.ndarray] = []
-    dl_rows: list[np.ndarray] = []
-    os_rows: list[np.ndarray] = []
-    processes = [{**core.identity, "path": core.path, "recovered": core.recovered}]
+    out = _MergedRows(
+        labels=labels,
+        processes=[{**core.identity, "path": core.path, "recovered": core.recovered}],
+        seg_rows=[],
+        ce_rows=[],
+        dl_rows=[],
+        os_rows=[],
+    )
     for k, (p, fit) in enumerate(zip(others, fits, strict=True), start=1):
-        processes.append(
+        out.processes.append(
             {**p.identity, "path": p.path, "recovered": p.recovered, "clock_fit": fit.as_meta()}
         )
         lg = p.log
         lab = np.array([label_id(x) for x in lg.labels], dtype=np.int64)
         if len(lg.segments):
-            seg_rows.append(
+            out.seg_rows.append(
                 np.column_stack(
                     [
                         np.full(len(lg.segments), k),
@@ -182,7 +192,7 @@ def merge_server(
                 )
             )
         if len(lg.gc_pauses):
-            seg_rows.append(
+            out.seg_rows.append(
                 np.column_stack(
                     [
                         np.full(len(lg.gc_pauses), k),
@@ -192,41 +202,56 @@ def merge_server(
                     ]
                 )
             )
-        if p.role != FRONTEND:
-            continue
-        osi, inside = _frontend_os(lg)
-        if len(osi):
-            cols = [np.full(len(osi), k), fit.apply(osi.t0_s), fit.apply(osi.t1_s)]
-            os_rows.append(np.column_stack([*cols, osi.runqueue_s, osi.offcpu_s, inside]))
-        # client-boundary emissions: the request's merged index
-        ridx = ident.index[k - 1]
-        em = lg.emissions
-        if len(em):
-            t_sent = fit.apply(em.t_s)
-            ready = _ready_times(lg, em.t_s)
-            rows = np.column_stack(
-                [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
-            )
-            ce_rows.append(rows[rows[:, 0] >= 0])  # another engine core's requests: not here
-        # deliveries: outputs built in a core step, received here
-        f_t, f_v = counter(lg, RECV)
-        ci, fi = match_sorted(core_index.out_v, f_v)
-        if len(ci):
-            st = core.log.steps
-            c_t = core_index.out_t[ci]
-            step = np.searchsorted(st.t_start_s, c_t, side="right") - 1
-            dl_rows.append(np.column_stack([step, c_t, fit.apply(f_t[fi]), np.full(len(ci), k)]))
-    log = core.log
-    requests = ident.requests
-    meta = dict(log.meta)
-    missing = missing_processes(core, others)
-    if missing:
-        meta["missing_processes"] = missing
-    meta["process"] = {k: v for k, v in core.identity.items()}
-    meta["processes"] = processes
-    meta["clock_pairs"] = clock_pairs(core, others, fits)
-    meta["merged_from"] = os.path.abspath(path) if path != "<memory>" else path
-    meta["interrupted"] = any(p.recovered for p in procs)
+        if p.role == FRONTEND:
+            _frontend_rows(out, k, p, fit, ident.index[k - 1], core, core_index)
+    return out
+
+
+def _frontend_rows(
+    out: _MergedRows,
+    k: int,
+    p: ProcessLog,
+    fit: ClockFit,
+    ridx: np.ndarray,
+    core: ProcessLog,
+    core_index: CoreIndex,
+) -> None:
+    """An API server's OS samples, its chunks written to clients (`ridx`: each of its
+    requests' merged index) and the deliveries of the core's outputs it received."""
+    lg = p.log
+    osi, inside = _frontend_os(lg)
+    if len(osi):
+        cols = [np.full(len(osi), k), fit.apply(osi.t0_s), fit.apply(osi.t1_s)]
+        out.os_rows.append(np.column_stack([*cols, osi.runqueue_s, osi.offcpu_s, inside]))
+    # client-boundary emissions: the request's merged index
+    em = lg.emissions
+    if len(em):
+        t_sent = fit.apply(em.t_s)
+        ready = _ready_times(lg, em.t_s)
+        rows = np.column_stack(
+            [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
+        )
+        out.ce_rows.append(rows[rows[:, 0] >= 0])  # another engine core's requests: not here
+    # deliveries: outputs built in a core step, received here
+    f_t, f_v = counter(lg, RECV)
+    ci, fi = match_sorted(core_index.out_v, f_v)
+    if len(ci):
+        st = core.log.steps
+        c_t = core_index.out_t[ci]
+        step = np.searchsorted(st.t_start_s, c_t, side="right") - 1
+        out.dl_rows.append(np.column_stack([step, c_t, fit.apply(f_t[fi]), np.full(len(ci), k)]))
+
+
+def _merge_warnings(
+    log: RawLog,
+    renamed: int,
+    procs: list[ProcessLog],
+    others: list[ProcessLog],
+    fits: list[ClockFit],
+    missing: list[dict[str, Any]],
+) -> list[str]:
+    """The core's warnings, then renamed requests, recovered processes, clock fits that
+    violate causality, and processes the log names but the merge did not find."""
     warnings = list(log.warnings)
     if renamed:
         warnings.append(
@@ -246,17 +271,55 @@ def merge_server(
                 f"violate causality with the clock used ({fit.method})"
             )
     warnings += [missing_line(m) for m in missing]
+    return warnings
+
+
+def merge_server(
+    procs: list[ProcessLog], *, path: str = "<memory>", engine: int | None = None
+) -> ServerMerge:
+    """One run from the logs of a server's processes, not yet validated (`merge_logs`
+    validates it). A data-parallel server has one engine core per DP rank, each with its
+    own steps and workers: its run is that engine core's (`engine`: the DP rank), with its
+    workers, the API servers, and the requests that engine core served (the others' are
+    left out, never charged to its steps)."""
+    core, cores = _pick_core(procs, path, engine)
+    mine = dp_rank(core)
+    elsewhere: set[str] = set()  # engine ids another engine core served
+    for c in cores:
+        if c is not core:
+            elsewhere.update(c.log.request_ids)
+    others = [
+        p
+        for p in procs
+        if p.role != CORE
+        and not (p.role == WORKER and len(cores) > 1 and dp_rank(p) not in (None, mine))
+    ]
+    core_index = CoreIndex.of(core)
+    fits = [fit_process(core, p, core_index) for p in others]
+    ident = join_requests(core, others, fits, elsewhere)
+    rows = _merged_rows(core, others, fits, ident, core_index)
+    log = core.log
+    meta = dict(log.meta)
+    missing = missing_processes(core, others)
+    if missing:
+        meta["missing_processes"] = missing
+    meta["process"] = {k: v for k, v in core.identity.items()}
+    meta["processes"] = rows.processes
+    meta["clock_pairs"] = clock_pairs(core, others, fits)
+    meta["merged_from"] = os.path.abspath(path) if path != "<memory>" else path
+    meta["interrupted"] = any(p.recovered for p in procs)
+    warnings = _merge_warnings(log, ident.renamed, procs, others, fits, missing)
     meta["warnings"] = warnings
     merged = replace(
         log,
         coverage=merged_coverage(core, others, fits),
-        requests=requests,
-        request_ids=tuple(req_ids),
-        labels=tuple(labels),
-        proc_segments=ProcSegments.from_columns(**_cols(seg_rows, ProcSegments)),
-        client_emissions=ClientEmissions.from_columns(**_cols(ce_rows, ClientEmissions)),
-        deliveries=Deliveries.from_columns(**_cols(dl_rows, Deliveries)),
-        proc_os=ProcOs.from_columns(**_cols(os_rows, ProcOs)),
+        requests=ident.requests,
+        request_ids=tuple(ident.names),
+        labels=tuple(rows.labels),
+        proc_segments=ProcSegments.from_columns(**_cols(rows.seg_rows, ProcSegments)),
+        client_emissions=ClientEmissions.from_columns(**_cols(rows.ce_rows, ClientEmissions)),
+        deliveries=Deliveries.from_columns(**_cols(rows.dl_rows, Deliveries)),
+        proc_os=ProcOs.from_columns(**_cols(rows.os_rows, ProcOs)),
         meta=meta,
         path=path,
         warnings=tuple(warnings),

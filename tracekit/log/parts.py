@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -275,89 +276,86 @@ def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
     }
 
 
-def merge_flushed(
-    meta: Mapping[str, Any],
-    parts: list[dict[str, Any]],
-    *,
-    final: Mapping[str, Any] | None = None,
-    path: str = "<memory>",
-    warnings: list[str] | None = None,
-) -> RawLog:
-    """The one `RawLog` of a run's parsed flushes (`parse_flushed`), in flush order: what both
-    the parts on disk and a run kept in memory become. `final`: what is known only at
-    stop (config, device calibration, ``extras``, ``warnings``)."""
-    chunks: dict[str, list[np.ndarray]] = {k: [] for k in TABLES}
-    labels: list[str] = []
-    request_ids: list[str] = []
-    counter_names: list[str] = []
-    config = dict(meta.get("config", {}))
-    last_tick = meta["t0_tick"]
-    complete_tick = meta["t0_tick"]  # rows are complete up to here (the coverage's end)
-    wall_ticks = None
-    clean_stop = False
-    warnings = list(warnings or [])
-    dropped = 0
+@dataclass
+class _Folded:
+    """What a run's flushes say together, folded in flush order (`_fold_flushes`)."""
+
+    chunks: dict[str, list[np.ndarray]]
+    labels: list[str]
+    request_ids: list[str]
+    counter_names: list[str]
+    config: dict[str, Any]
+    last_tick: int  # the last flush's tick
+    complete_tick: int  # rows are complete up to here (the coverage's end)
+    wall_ticks: int | None  # from t0 to the stop tick, where a flush saw the stop
+    clean_stop: bool
+    dropped: int  # values dropped while the disk stayed full
+
+
+def _check_request_rows(part: Mapping[str, Any], n_named: int) -> None:
+    """A flush's rows name only requests named so far (in this flush or before it)."""
+    for k in ("requests", "emissions", "events"):
+        rows = part["tables"].get(k)
+        req = None if rows is None else rows[:, column_index(k, "request")]
+        bad = None if req is None else (req < 0) | (req >= n_named)
+        if req is not None and bad is not None and bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise LogError(
+                part["where"],
+                f"{k}.request",
+                f"row {i}: request {int(req[i])} is not one of the {n_named} named so far",
+            )
+
+
+def _fold_flushes(meta: Mapping[str, Any], parts: list[dict[str, Any]]) -> _Folded:
+    """The flushes in order: their rows, the names they add, and how far the run got."""
+    f = _Folded(
+        chunks={k: [] for k in TABLES},
+        labels=[],
+        request_ids=[],
+        counter_names=[],
+        config=dict(meta.get("config", {})),
+        last_tick=meta["t0_tick"],
+        complete_tick=meta["t0_tick"],
+        wall_ticks=None,
+        clean_stop=False,
+        dropped=0,
+    )
     for part in parts:
         for k, rows in part["tables"].items():
-            chunks[k].append(rows)
-        labels, counter_names = part["labels"], part["counter_names"]
+            f.chunks[k].append(rows)
+        f.labels, f.counter_names = part["labels"], part["counter_names"]
         start, new_ids = part["request_ids_start"], part["request_ids"]
-        if start != len(request_ids):  # each flush names the ids new since the last one
+        if start != len(f.request_ids):  # each flush names the ids new since the last one
             raise LogError(
                 part["where"],
                 "request_ids_start",
-                f"{start}, but the parts before it name {len(request_ids)} request id(s) "
-                f"({'overlapping' if start < len(request_ids) else 'skipping'} them)",
+                f"{start}, but the parts before it name {len(f.request_ids)} request id(s) "
+                f"({'overlapping' if start < len(f.request_ids) else 'skipping'} them)",
             )
-        request_ids += new_ids
-        for k in ("requests", "emissions", "events"):  # rows name requests named so far
-            rows = part["tables"].get(k)
-            req = None if rows is None else rows[:, column_index(k, "request")]
-            bad = None if req is None else (req < 0) | (req >= len(request_ids))
-            if req is not None and bad is not None and bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise LogError(
-                    part["where"],
-                    f"{k}.request",
-                    f"row {i}: request {int(req[i])} is not one of the "
-                    f"{len(request_ids)} named so far",
-                )
-        config = part["config"]
-        last_tick = max(last_tick, part["flush_tick"])
+        f.request_ids += new_ids
+        _check_request_rows(part, len(f.request_ids))
+        f.config = part["config"]
+        f.last_tick = max(f.last_tick, part["flush_tick"])
         # the last flush's rows are complete up to its tick, or up to the start of a
         # window still open then (its row would have come in a later flush)
         opened = part.get("open_tick")
-        complete_tick = part["flush_tick"] if opened is None else min(part["flush_tick"], opened)
-        dropped += part["dropped_rows"]
+        f.complete_tick = part["flush_tick"] if opened is None else min(part["flush_tick"], opened)
+        f.dropped += part["dropped_rows"]
         if part["stop_tick"] is not None:
-            clean_stop = True
-            wall_ticks = part["stop_tick"] - meta["t0_tick"]
-            complete_tick = part["stop_tick"]
-    if dropped:
-        warnings.append(
-            f"{dropped} recorded value(s) were dropped: the disk stayed full longer than "
-            "the recorder could hold rows in memory"
-        )
-    if final:
-        config = dict(final.get("config", config))
-        warnings += [str(w) for w in final.get("warnings", ())]
-    t0 = int(meta["t0_tick"])
-    scale = float(meta.get("seconds_per_tick", 1e-9))
+            f.clean_stop = True
+            f.wall_ticks = part["stop_tick"] - meta["t0_tick"]
+            f.complete_tick = part["stop_tick"]
+    return f
 
-    def table(k: str) -> np.ndarray:
-        if not chunks[k]:
-            return empty_rows(k)
-        return np.concatenate(chunks[k]).astype(empty_rows(k).dtype, copy=False)
 
-    def secs(ticks: np.ndarray) -> np.ndarray:
-        return (ticks - t0).astype(np.float64) * scale
-
-    steps = to_table(Steps, "steps", table("steps"), secs)
-    segments = to_table(Segments, "segments", table("segments"), secs)
-    gcs = to_table(GcPauses, "gc_pauses", table("gc_pauses"), secs)
-    emissions = to_table(Emissions, "emissions", table("emissions"), secs)
-    n_req = len(request_ids)
-    rq = columns("requests", table("requests"))
+def _requests_of(
+    rq: Mapping[str, np.ndarray],
+    emissions: Emissions,
+    n_req: int,
+    secs: Callable[[np.ndarray], np.ndarray],
+) -> Requests:
+    """Per request: arrival (where known), prompt and budget, and its first emission."""
     arrival = np.full(n_req, np.nan)
     prompt = np.full(n_req, -1, dtype=np.int64)
     max_new = np.full(n_req, -1, dtype=np.int64)
@@ -373,6 +371,69 @@ def merge_flushed(
         head = np.ones(len(r), dtype=bool)
         head[1:] = r[1:] != r[:-1]
         first[r[head]] = emissions.t_s[order][head]
+    return Requests(
+        arrival_s=arrival, prompt_tokens=prompt, max_new_tokens=max_new, first_token_s=first
+    )
+
+
+def _merged_meta(
+    meta: Mapping[str, Any],
+    final: Mapping[str, Any] | None,
+    clean_stop: bool,
+    warnings: list[str],
+) -> dict[str, Any]:
+    """The run's meta: the recorder's, whether it was interrupted, the warnings, and what
+    only stop knew (`final`, less its config, extras and warnings)."""
+    out_meta = {k: v for k, v in meta.items() if k not in ("config", "cause_map", "schema")}
+    out_meta["interrupted"] = final is None and not clean_stop
+    if warnings:
+        out_meta["warnings"] = list(out_meta.get("warnings", [])) + warnings
+    if final:
+        out_meta.update(
+            {k: v for k, v in final.items() if k not in ("config", "extras", "warnings")}
+        )
+    return out_meta
+
+
+def merge_flushed(
+    meta: Mapping[str, Any],
+    parts: list[dict[str, Any]],
+    *,
+    final: Mapping[str, Any] | None = None,
+    path: str = "<memory>",
+    warnings: list[str] | None = None,
+) -> RawLog:
+    """The one `RawLog` of a run's parsed flushes (`parse_flushed`), in flush order: what both
+    the parts on disk and a run kept in memory become. `final`: what is known only at
+    stop (config, device calibration, ``extras``, ``warnings``)."""
+    f = _fold_flushes(meta, parts)
+    config = f.config
+    warnings = list(warnings or [])
+    if f.dropped:
+        warnings.append(
+            f"{f.dropped} recorded value(s) were dropped: the disk stayed full longer than "
+            "the recorder could hold rows in memory"
+        )
+    if final:
+        config = dict(final.get("config", config))
+        warnings += [str(w) for w in final.get("warnings", ())]
+    t0 = int(meta["t0_tick"])
+    scale = float(meta.get("seconds_per_tick", 1e-9))
+
+    def table(k: str) -> np.ndarray:
+        if not f.chunks[k]:
+            return empty_rows(k)
+        return np.concatenate(f.chunks[k]).astype(empty_rows(k).dtype, copy=False)
+
+    def secs(ticks: np.ndarray) -> np.ndarray:
+        return (ticks - t0).astype(np.float64) * scale
+
+    steps = to_table(Steps, "steps", table("steps"), secs)
+    segments = to_table(Segments, "segments", table("segments"), secs)
+    gcs = to_table(GcPauses, "gc_pauses", table("gc_pauses"), secs)
+    emissions = to_table(Emissions, "emissions", table("emissions"), secs)
+    rq = columns("requests", table("requests"))
+    requests = _requests_of(rq, emissions, len(f.request_ids), secs)
     evictions = pair_evictions(table("events"), secs)
     ct = columns("counters", table("counters"))
     counters = Counters(
@@ -385,47 +446,38 @@ def merge_flushed(
         secs,
     )
     os_samples = to_table(OsSamples, "os_samples", table("os_samples"), secs)
+    wall_ticks = f.wall_ticks
     if wall_ticks is None:  # an interrupted run: its wall time is what was flushed
-        wall_ticks = last_tick - t0
+        wall_ticks = f.last_tick - t0
     # the span this process's rows cover: from its start to the end of its complete rows (a
     # last flush with its stop tick: to the stop). Clean: stop() wrote the log (`final`); a
     # log recovered from parts is not, even if stop() flushed before the kill landed
     coverage = Coverage(
         process=np.zeros(1, dtype=np.int64),
         t_start_s=np.zeros(1),
-        t_end_s=np.array([(wall_ticks if clean_stop else complete_tick - t0) * scale]),
+        t_end_s=np.array([(wall_ticks if f.clean_stop else f.complete_tick - t0) * scale]),
         is_clean_stop=np.array([int(final is not None)], dtype=np.int64),
     )
-    out_meta = {k: v for k, v in meta.items() if k not in ("config", "cause_map", "schema")}
-    out_meta["interrupted"] = final is None and not clean_stop
-    if warnings:
-        out_meta["warnings"] = list(out_meta.get("warnings", [])) + warnings
-    if final:
-        out_meta.update(
-            {k: v for k, v in final.items() if k not in ("config", "extras", "warnings")}
-        )
     return RawLog(
         steps=steps,
         segments=segments,
         gc_pauses=gcs,
         emissions=emissions,
         evictions=evictions,
-        requests=Requests(
-            arrival_s=arrival, prompt_tokens=prompt, max_new_tokens=max_new, first_token_s=first
-        ),
+        requests=requests,
         counters=counters,
         admissions=admissions,
         prefill_chunks=prefill_chunks,
         waits=waits,
         os_samples=os_samples,
         coverage=coverage,
-        labels=tuple(labels),
-        request_ids=tuple(request_ids),
-        counter_names=tuple(counter_names),
+        labels=tuple(f.labels),
+        request_ids=tuple(f.request_ids),
+        counter_names=tuple(f.counter_names),
         cause_map=meta.get("cause_map", dict(DEFAULT_CAUSE_MAP)),
         config=config,
         wall_s=wall_ticks * scale,
-        meta=out_meta,
+        meta=_merged_meta(meta, final, f.clean_stop, warnings),
         path=path,
         warnings=tuple(warnings),
         extras=dict((final or {}).get("extras", {})),

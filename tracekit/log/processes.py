@@ -144,6 +144,18 @@ def tp_rank(p: ProcessLog) -> int | None:
     return int(r) if isinstance(r, int) and not isinstance(r, bool) else None
 
 
+def waited_on(p: ProcessLog) -> bool:
+    """Whether the engine core's forward window waits for this worker's outputs: the
+    worker whose ``rank`` is the ``output_rank`` it recorded; in a log without it, tensor
+    parallel rank 0 (vLLM's output rank with one pipeline stage) or a worker without a
+    tensor-parallel rank (the engine core's only worker)."""
+    out, rank = p.identity.get("output_rank"), p.identity.get("rank")
+    if isinstance(out, int) and isinstance(rank, int):
+        return rank == out
+    r = tp_rank(p)
+    return r is None or r == 0
+
+
 def counter(log: RawLog, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(times, values) of one counter of a log (empty if it never fired)."""
     if name not in log.counter_names:

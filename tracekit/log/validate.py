@@ -152,7 +152,24 @@ def _in_range(log: RawLog, table: str, col: str, lo: int = 0, hi: int = MAX_COUN
 
 def validate_log(log: RawLog) -> RawLog:
     """Raise `LogError` for what cannot be analysed; return the log with warnings attached."""
-    warnings: list[str] = list(log.warnings)
+    _check_times(log)
+    n_steps, n_req = len(log.steps), len(log.requests)
+    _check_references(log, n_steps, n_req)
+    _check_merged_tables(log, n_steps, n_req)
+    validate_os(log)
+    validate_proc_os(log)
+    validate_coverage(log)
+    _in_range(log, "client_emissions", "num_tokens", lo=1)
+    _check_request_ids(log, n_req)
+    _check_counts(log)
+    validate_ttft(log)
+    warnings = list(log.warnings) + _odd_but_usable(log)
+    return replace(log, warnings=tuple(dict.fromkeys(warnings)))
+
+
+def _check_times(log: RawLog) -> None:
+    """Every time is finite (NaN where a table allows "unknown"), every span ends at or
+    after its start, and no request is readmitted before it was evicted."""
     for table, cols in (
         ("steps", ("t_start_s", "t_end_s")),
         ("segments", ("t_start_s", "t_end_s")),
@@ -177,7 +194,9 @@ def validate_log(log: RawLog) -> RawLog:
         i = int(np.flatnonzero(back)[0])
         raise LogError(log.path, "evictions.t_readmit_s", f"row {i}: readmitted before evicted")
 
-    n_steps, n_req = len(log.steps), len(log.requests)
+
+def _check_references(log: RawLog, n_steps: int, n_req: int) -> None:
+    """Every label, step, request and counter a row names exists (-1: no step)."""
     _index(log, "segments", "label", len(log.labels))
     _index(log, "segments", "step", n_steps, allow_minus_one=True)
     _index(log, "emissions", "request", n_req)
@@ -185,7 +204,11 @@ def validate_log(log: RawLog) -> RawLog:
     _index(log, "emissions", "device_step", n_steps, allow_minus_one=True)
     _index(log, "evictions", "request", n_req)
     _index(log, "counters", "name", len(log.counter_names))
-    # a merged server run's tables (tracekit.log.merge); empty in every other log
+
+
+def _check_merged_tables(log: RawLog, n_steps: int, n_req: int) -> None:
+    """A merged server run's tables (tracekit.log.merge; empty in every other log): finite,
+    ordered times and indices that exist."""
     for table, cols in (
         ("proc_segments", ("t_start_s", "t_end_s")),
         ("client_emissions", ("t_s", "t_ready_s")),
@@ -197,10 +220,10 @@ def validate_log(log: RawLog) -> RawLog:
     _index(log, "proc_segments", "label", len(log.labels))
     _index(log, "client_emissions", "request", n_req)
     _index(log, "deliveries", "step", n_steps, allow_minus_one=True)
-    validate_os(log)
-    validate_proc_os(log)
-    validate_coverage(log)
-    _in_range(log, "client_emissions", "num_tokens", lo=1)
+
+
+def _check_request_ids(log: RawLog, n_req: int) -> None:
+    """One id per request, each its own."""
     if log.request_ids and len(log.request_ids) != n_req:
         raise LogError(
             log.path,
@@ -218,6 +241,10 @@ def validate_log(log: RawLog) -> RawLog:
                     "needs its own id, or gaps and --request would mix two requests",
                 )
             seen[rid] = i
+
+
+def _check_counts(log: RawLog) -> None:
+    """Counts, flags and enumerations in their ranges, and a wall time that can be one."""
     for col in ("num_decode", "num_prefill_tokens", "num_preempted", "num_swapped_in"):
         _in_range(log, "steps", col)
     _in_range(log, "steps", "graph_size", lo=-1)
@@ -232,9 +259,13 @@ def validate_log(log: RawLog) -> RawLog:
         raise LogError(log.path, "wall_s", f"{log.wall_s!r} is not a non-negative wall time")
     if log.wall_s > MAX_ABS_TIME_S:
         raise LogError(log.path, "wall_s", f"absurd wall time {log.wall_s!r} s")
-    validate_ttft(log)
 
-    # -- odd but usable ------------------------------------------------------------------
+
+def _odd_but_usable(log: RawLog) -> list[str]:
+    """The warnings of a log that is odd but can be analysed: no emissions or no gaps,
+    emissions out of order or before their request's arrival, overlapping GC pauses,
+    evictions never readmitted or overlapping."""
+    warnings: list[str] = []
     em = log.emissions
     if len(em) == 0:
         warnings.append("no emissions: the run has no gaps to partition")
@@ -257,6 +288,7 @@ def validate_log(log: RawLog) -> RawLog:
         ends = np.maximum.accumulate(gc_.t_end_s[o])
         if np.any(gc_.t_start_s[o][1:] < ends[:-1]):
             warnings.append("overlapping GC pauses (the partition uses their union)")
+    ev = log.evictions
     if len(ev):
         # open at the run's end is normal (the run stopped); odd is a request that emits
         # again without a readmission: its eviction runs to the end of that gap
@@ -275,7 +307,7 @@ def validate_log(log: RawLog) -> RawLog:
         same = r[1:] == r[:-1]
         if np.any(same & (s[1:] < e[:-1])):
             warnings.append("overlapping evictions of one request (their union is used)")
-    return replace(log, warnings=tuple(dict.fromkeys(warnings)))
+    return warnings
 
 
 #: The largest OS counter in ns a log may hold (a thread's total over `MAX_ABS_TIME_S`).

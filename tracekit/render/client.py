@@ -67,8 +67,20 @@ def client_text(c: ClientSummary | None) -> str:
                          (c.all_share, "all client-gap time")):  # fmt: skip
         parts = ", ".join(f"{lb} {_pct(v)}" for lb, v in _shares(share))
         lines.append(f"{title}: {parts}")
+    lines.append(ttft_text(c))
     lines += [f"unrecorded: {u['line']}" for u in c.unrecorded]
     return "\n".join(lines)
+
+
+def ttft_text(c: ClientSummary) -> str:
+    """The client-boundary TTFT beside the engine boundary's (same requests), one line."""
+    parts = ", ".join(f"{lb} {_pct(v)}" for lb, v in _shares(c.ttft_share))
+    return (
+        f"TTFT ms, arrival to the first chunk's write (client boundary): p50 "
+        f"{_ms(c.ttft_p50_ms)} p99 {_ms(c.ttft_p99_ms)}; to the first token (engine "
+        f"boundary): p50 {_ms(c.ttft_engine_p50_ms)} p99 {_ms(c.ttft_engine_p99_ms)}; "
+        f"client TTFT time: {parts or '-'}"
+    )
 
 
 def spec_positions_text(s: SpecAcceptance) -> str:
@@ -193,7 +205,7 @@ def client_html(runs: Sequence[tuple[str, ClientSummary | None]]) -> str:
             f"{spec_p}<table><tr><th>ITL ms</th><th>p50</th><th>p90</th><th>p99</th>"
             f"<th>mean</th><th>n</th></tr>{rows}</table>"
             f"<table><tr><th>label</th><th>all gap time</th><th>tail time</th></tr>{share}</table>"
-            f"{unrec}"
+            f"{_ttft_html(c)}{unrec}"
         )
     return "".join(out)
 
@@ -332,3 +344,22 @@ def process_events(
                     }
                 )
     return out
+
+
+def _ttft_html(c: ClientSummary) -> str:
+    """TTFT at the client boundary beside the engine boundary's, and its shares by label."""
+    e = html.escape
+    share = "".join(
+        f"<tr><td>{e(lb)}</td><td>{_pct(v)}</td></tr>" for lb, v in _shares(c.ttft_share)
+    )
+    return (
+        "<table class=client-ttft><tr><th>TTFT ms</th><th>p50</th><th>p99</th></tr>"
+        f"<tr><td>client boundary (arrival to the first chunk's write)</td>"
+        f"<td>{_ms(c.ttft_p50_ms)}</td><td>{_ms(c.ttft_p99_ms)}</td></tr>"
+        f"<tr><td>engine boundary (arrival to the first token)</td>"
+        f"<td>{_ms(c.ttft_engine_p50_ms)}</td><td>{_ms(c.ttft_engine_p99_ms)}</td></tr></table>"
+        "<p class=note>The client boundary's TTFT is what a streaming client measures (vllm "
+        "bench serve, GuideLLM, AIPerf) less the socket hop after the write: the engine "
+        "boundary's parts to the first token, then the API server's. Over the same requests."
+        f"</p><table><tr><th>label</th><th>client TTFT time</th></tr>{share}</table>"
+    )

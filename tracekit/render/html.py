@@ -24,7 +24,6 @@ Pure rendering: it consumes `RunAnalysis`, `Comparison`, `Verdict`, and
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
@@ -33,12 +32,23 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from tracekit.analysis.compare import FIGURES, Comparison
+from tracekit.analysis.compare import Comparison
 from tracekit.analysis.figures import RunAnalysis
 from tracekit.analysis.verdict import Verdict
 from tracekit.formats import json_safe, num
 from tracekit.labels import colour
-from tracekit.render import text
+from tracekit.render.client import client_html, spec_html
+from tracekit.render.html_tables import (
+    esc,
+    group_tables,
+    run_share_table,
+    run_table,
+    swatch,
+    table_html,
+    tp_ranks_html,
+    verdict_html,
+    worst_stalls_html,
+)
 from tracekit.version import __version__
 
 #: Colours that are not labels: the two sides of the forward-share and TTFT charts.
@@ -55,11 +65,6 @@ class ReportRun:
     # gaps.worst_stalls (gaps.worst_gaps records read as stalls that hit one request)
     worst_stalls: list[dict[str, Any]] = field(default_factory=list)
     series: Mapping[str, Any] | None = None  # gaps.itl_series
-
-
-def esc(x: Any) -> str:
-    """HTML-escape anything for the page (quotes too: values also go into attributes)."""
-    return html.escape(str(x), quote=True)
 
 
 def script_json(obj: Any) -> str:
@@ -575,7 +580,7 @@ def ttft_section(
         chart("tk-ttft-causes", ttft_cause_figure(rows, labels, per)),
         "<p class=note>Per run: TTFT (ms), share of TTFT time by phase, and tail requests "
         "(TTFT &gt;= p90) by primary cause:</p>",
-        _table([esc(h) for h in header], body),
+        table_html([esc(h) for h in header], body),
     ]
     if grouped:
         g_head = [cmp.by, "queued", "prefilling", "evicted", *labels]
@@ -588,246 +593,11 @@ def ttft_section(
         out.append(
             f"<p class=note>Per {esc(cmp.by)}: median phase share and median tail TTFT share "
             "by cause across runs (a row need not sum to 100%):</p>"
-            + _table([esc(h) if h not in labels else _swatch(h) for h in g_head], g_rows)
+            + table_html([esc(h) if h not in labels else swatch(h) for h in g_head], g_rows)
         )
     notes = sorted({nt for t, _ in have for nt in t.notes})
     if notes:
         out.append("<p class=note>" + "<br>".join(esc(nt) for nt in notes) + "</p>")
-    return "".join(out)
-
-
-# -- tables -----------------------------------------------------------------------------
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "") -> str:
-    """Cells are already HTML (escape before); the first column is left-aligned. A wide
-    table scrolls inside its own box (the page keeps to a 1000 px window)."""
-    head = "".join(f"<th>{h}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    c = f' class="{cls}"' if cls else ""
-    return (
-        f"<div class=tw><table{c}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
-    )
-
-
-def run_table(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
-    header = ["run", "rung", "seed", "requests", "gaps", "tok/s", "p50", "p90", "p99",
-              "p99.9", "max", "TTFT p50", "TTFT p99", "preemptions", "eager steps",
-              "gc gen 0/1/2", "reconcile err (ms)"]  # fmt: skip
-    rows = []
-    for a, n in zip(runs, names, strict=True):
-        gc = "/".join(str(a.gc_counts.get(g, 0)) for g in ("0", "1", "2"))
-        rows.append(
-            [
-                esc(n),
-                esc(a.rung if a.rung is not None else "-"),
-                esc(a.seed if a.seed is not None else "-"),
-                str(a.requests),
-                str(a.gaps),
-                num(a.tok_per_s, 0),
-                num(a.itl_p50),
-                num(a.itl_p90),
-                num(a.itl_p99),
-                num(a.itl_p999),
-                num(a.itl_max),
-                num(a.ttft_p50, 0),
-                num(a.ttft_p99, 0),
-                str(a.preemptions),
-                str(a.eager_steps),
-                gc,
-                f"{a.reconcile_max_err_ms:.1e}",
-            ]
-        )
-    return _table([esc(h) for h in header], rows)
-
-
-def run_share_table(runs: Sequence[RunAnalysis], names: Sequence[str], labels) -> str:
-    header = ["run", "p99 (ms)", *labels]
-    rows = [
-        [esc(n), num(a.itl_p99)] + [f"{100 * a.tail_share.get(lb, 0.0):.1f}%" for lb in labels]
-        for a, n in zip(runs, names, strict=True)
-    ]
-    return _table([_swatch(h) if h in labels else esc(h) for h in header], rows)
-
-
-def group_tables(cmp: Comparison) -> str:
-    names = [n for n, _ in FIGURES]
-    nds = {n: text.column_decimals([g.figures[n] for g in cmp.groups]) for n in names}
-    header = [cmp.by, "runs", *(text.FIGURE_HEADERS.get(n, n) for n in names)]
-    rows = [
-        [esc(g.key), str(g.num_runs), *(text.spread_cell(g.figures[n], nds[n]) for n in names)]
-        for g in cmp.groups
-    ]
-    shares = [
-        [esc(g.key)] + [f"{100 * g.tail_share.get(lb, 0.0):.1f}%" for lb in cmp.labels]
-        for g in cmp.groups
-    ]
-    return (
-        _table([esc(h) for h in header], rows)
-        + f"<p class=note>Median tail-time share per {esc(cmp.by)} (median across runs, "
-        "so a row need not sum to 100%):</p>"
-        + _table([esc(cmp.by)] + [_swatch(lb) for lb in cmp.labels], shares)
-    )
-
-
-def _swatch(label: str) -> str:
-    return f'<span class=sw style="background:{colour(label)}"></span>{esc(label)}'
-
-
-def _parts_bar(parts: Mapping[str, float], total_ms: float) -> str:
-    cells = []
-    for lb, v in parts.items():
-        if v <= 0 or total_ms <= 0:
-            continue
-        w = 100 * v / total_ms
-        cells.append(
-            f'<span style="width:{w:.2f}%;background:{colour(lb)}" '
-            f'title="{esc(lb)} {v:.1f} ms"></span>'
-        )
-    return f"<div class=bar>{''.join(cells)}</div>"
-
-
-def _parts_text(parts: Mapping[str, float], total_ms: float) -> str:
-    items = sorted(((v, lb) for lb, v in parts.items() if v > 0), key=lambda t: -t[0])
-    return ", ".join(
-        f"{_swatch(lb)} {v:.1f} ({100 * v / total_ms:.0f}%)" if total_ms > 0 else esc(lb)
-        for v, lb in items
-    )
-
-
-def verdict_html(v: Verdict) -> str:
-    items = "".join(f"<li>{esc(f)}</li>" for f in v.findings)
-    cav = "".join(f"<li>{esc(c)}</li>" for c in v.caveats)
-    return (
-        f'<section id="tk-verdict"><h2>Verdict</h2><ul class=verdict>{items}</ul>'
-        + (f"<h3>Caveats</h3><ul class=caveats>{cav}</ul>" if cav else "")
-        + "<p class=note>Computed from the figures below: medians across the runs of each "
-        f"group by <code>{esc(v.by)}</code>, in the groups' order.</p></section>"
-    )
-
-
-def _requests_cell(g: Mapping[str, Any]) -> str:
-    ids = g.get("requests") or [g["request"]]
-    n = int(g.get("num_requests", len(ids)))
-    more = f" and {n - len(ids)} more" if n > len(ids) else ""
-    return f"<b>{n}</b>: " + ", ".join(esc(i) for i in ids) + more
-
-
-def worst_stalls_html(name: str, records: Sequence[Mapping[str, Any]], open_: bool) -> str:
-    """One row per stall event (its longest gap's partition and steps; every request it
-    hit), longest first."""
-    if not records:
-        return f"<details><summary>{esc(name)}: no gaps</summary></details>"
-    rows = []
-    for k, g in enumerate(records, 1):
-        steps = g.get("steps", [])
-        step_rows = [
-            [
-                str(s["step"]),
-                f"{s['t_start_s']:.4f}",
-                num(s["dur_ms"], 2),
-                str(s["num_decode"]),
-                str(s["num_prefill_tokens"]),
-                {-1: "no decode", 0: "eager"}.get(s["graph_size"], str(s["graph_size"])),
-                str(s["num_preempted"]),
-                str(s["num_swapped_in"]),
-                ", ".join(f"{esc(lb)} {v:.2f}" for lb, v in s["segments_ms"].items()),
-            ]
-            for s in steps
-        ]
-        more = g.get("num_steps", len(steps)) - len(steps)
-        note = f"<p class=note>{more} steps in between not listed.</p>" if more > 0 else ""
-        step_table = _table(
-            ["step", "start (s)", "ms", "decode rows", "prefill tok", "graph", "preempted",
-             "swapped in", "segments (ms)"],
-            step_rows, "steps",
-        )  # fmt: skip
-        ctx = g.get("context") or {}
-        ctx_html = (
-            f"<p class=note>While evicted, the engine ran: {_parts_text(ctx, sum(ctx.values()))}"
-            "</p>"
-            if ctx
-            else ""
-        )
-        lo = g.get("gap_ms_min", g["gap_ms"])
-        gap = num(g["gap_ms"]) if lo >= g["gap_ms"] else f"{num(g['gap_ms'])}<br>({num(lo)} min)"
-        rows.append(
-            [
-                str(k),
-                gap,
-                _swatch(g["primary"]),
-                _requests_cell(g),
-                f"{g['t0_s']:.4f}",
-                _parts_bar(g["parts"], g["gap_ms"]) + _parts_text(g["parts"], g["gap_ms"]),
-                f"<details><summary>{g.get('num_steps', len(steps))} steps "
-                f"({g['step0']}-{g['step1']})</summary>{step_table}{note}{ctx_html}</details>",
-            ]
-        )
-    table = _table(
-        ["#", "gap (ms)", "primary", "requests hit", "t0 (s)",
-         "partition of the longest gap (ms by label)", "steps"],
-        rows, "worst",
-    )  # fmt: skip
-    op = " open" if open_ else ""
-    return f"<details{op}><summary>{esc(name)}</summary><div class=tw>{table}</div></details>"
-
-
-def _rank_cause(rank: int, cause: str | None, ms: float) -> str:
-    return "-" if cause is None else f"{_swatch(f'rank{rank}:{cause}')} {num(ms, 2)}"
-
-
-def tp_ranks_html(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
-    """Tensor parallel: per rank, the slow steps it held, the wait charged to it and its
-    top cause; then each slow step with its wait on every rank ('' when no run has rank
-    waits). `RunAnalysis.tp_ranks` holds the figures (`tracekit.analysis.ranks`)."""
-    have = [(n, v) for a, n in zip(runs, names, strict=True) if (v := a.tp_ranks) is not None]
-    if not have:
-        return ""
-    out = [
-        '<h2 id="tk-ranks">Tensor parallel: which rank held each slow step</h2><p class=note>'
-        "A step's wait on rank R is its <code>rankR:CAUSE</code> time (the other ranks "
-        "waited at a collective for R, charged to what R was doing); the rank with the most "
-        "wait held the step. Slow steps: the steps that closed a tail gap (at or above the "
-        "run's ITL p99).</p>"
-    ]
-    for name, v in have:
-        rows = [
-            [
-                f"rank {r.rank}",
-                str(r.slow_steps_held),
-                num(r.charged_slow_ms, 2),
-                num(r.charged_run_ms, 2),
-                _rank_cause(r.rank, r.top_cause, r.top_cause_ms),
-            ]
-            for r in v.ranks
-        ]
-        ranks_table = _table(
-            ["rank", "slow steps held", "charged in slow steps (ms)", "charged in the run (ms)",
-             "top cause in slow steps (ms)"],
-            rows, "ranks",
-        )  # fmt: skip
-        rank_ids = [str(r.rank) for r in v.ranks]
-        step_rows = [
-            [
-                str(s.step),
-                f"{s.t_start_s:.4f}",
-                num(s.dur_ms, 2),
-                "-" if s.holder is None else f"rank {s.holder}",
-                "-" if s.holder is None else esc(f"rank{s.holder}:{s.holder_cause}"),
-                *(num(s.wait_ms.get(r, 0.0), 2) for r in rank_ids),
-            ]
-            for s in v.slow_steps
-        ]
-        steps_table = _table(
-            ["step", "start (s)", "ms", "held by", "its cause",
-             *(f"wait on rank {r} (ms)" for r in rank_ids)],
-            step_rows, "rank-steps",
-        )  # fmt: skip
-        out.append(
-            f"<h3>{esc(name)}</h3><p>{len(v.slow_steps)} slow steps (tail: gaps at or "
-            f"above {num(v.itl_p99_ms, 2)} ms).</p>{ranks_table}"
-            f"<details><summary>slow steps</summary>{steps_table}</details>"
-        )
     return "".join(out)
 
 
@@ -843,50 +613,36 @@ _CSS = "\n" + _asset("report.css")  # the page's style sheet
 _LOADER = "\n" + _asset("report.js")  # draws every figure from the JSON in the page
 
 
-def render_report(
-    runs: Sequence[ReportRun],
-    comparison: Comparison,
-    verdict: Verdict | None = None,
-    *,
-    title: str = "tracekit report",
-    plotly_js: str | None = None,
-    whatif_section: str = "",
-) -> str:
-    """The whole page as one string, runs in the order given. Without `verdict` the page
-    has no verdict section. `whatif_section` (`tracekit.render.whatif.whatif_html`) goes
-    right after the verdict. `plotly_js` overrides the inlined bundle (tests)."""
-    if plotly_js is None:
-        from plotly.offline import get_plotlyjs
+class _Charts:
+    """The page's charts: each call places a chart's div (and its note) and keeps its
+    figure for the page's one JSON block, in the order placed."""
 
-        plotly_js = get_plotlyjs()
-    analyses = [r.analysis for r in runs]
-    names = run_labels(analyses)
-    labels = list(comparison.labels)
-    causes = _causes(analyses)
-    grouped = any(g.num_runs > 1 for g in comparison.groups)
+    def __init__(self) -> None:
+        self.figs: dict[str, dict[str, Any]] = {}
 
-    figs: dict[str, dict[str, Any]] = {}
-    sections: list[str] = []
-
-    def chart(div_id: str, fig: dict[str, Any], note: str = "") -> str:
-        figs[div_id] = fig
+    def __call__(self, div_id: str, fig: dict[str, Any], note: str = "") -> str:
+        self.figs[div_id] = fig
         h = int(fig["layout"].get("height", 400))
         n = f"<p class=note>{note}</p>" if note else ""
         return f'<div id="{div_id}" class="chart" style="height:{h}px"></div>{n}'
 
-    n_runs = len(analyses)
-    sections.append(
+
+def _title_section(title: str, comparison: Comparison, n_runs: int) -> str:
+    """The title, and what the page's figures are: units, the tail, runs as evidence."""
+    return (
         f"<h1>{esc(title)}</h1><p class=note>{n_runs} run{'s' if n_runs != 1 else ''}, "
         f"{len(comparison.groups)} group{'s' if len(comparison.groups) != 1 else ''} by "
         f"<code>{esc(comparison.by)}</code>. ITL and TTFT in ms. The tail of a run is its gaps at "
         "or above its own p99; runs are the unit of evidence (figures are per run, or the "
         f"median and [min-max] across runs). tracekit {esc(__version__)}.</p>"
     )
-    if verdict is not None:
-        sections.append(verdict_html(verdict))
-    if whatif_section:
-        sections.append(whatif_section)
-    sections.append("<h2>Runs</h2><div class=tw>" + run_table(analyses, names) + "</div>")
+
+
+def _table_sections(
+    analyses: Sequence[RunAnalysis], names: Sequence[str], labels: list[str], comparison: Comparison
+) -> list[str]:
+    """The runs table, each run's share of tail time by label, the groups, the warnings."""
+    sections = ["<h2>Runs</h2><div class=tw>" + run_table(analyses, names) + "</div>"]
     sections.append(
         "<p class=note>Share of tail time by label, per run (each row sums to 100%):</p>"
         "<div class=tw>" + run_share_table(analyses, names, labels) + "</div>"
@@ -903,64 +659,59 @@ def render_report(
             + "".join(f"<li>{esc(n)}: {esc(w)}</li>" for n, w in warn)
             + "</ul>"
         )
+    return sections
+
+
+def _itl_time_section(runs: Sequence[ReportRun], names: Sequence[str], chart: _Charts) -> str:
+    """ITL over time, where every run has its series ("" where one has none)."""
     series = [r.series for r in runs]
-    if all(x is not None for x in series) and series:
-        sections.append(
-            "<h2>ITL over time</h2>"
-            + chart(
-                "tk-itl-time",
-                itl_time_figure(series, names),  # type: ignore[arg-type]
-                "Each point is one gap, at the time it ended, coloured by its primary cause; "
-                "every tail gap (at or above the run's p99) is drawn, the others thinned "
-                "evenly in long runs ("
-                + ", ".join(
-                    f"{esc(n)}: {len(x['t_s'])} of {x['num_gaps']}"  # type: ignore[index]
-                    for n, x in zip(names, series, strict=True)
-                )
-                + "). Pick the run in the menu.",
-            )
+    if not (all(x is not None for x in series) and series):
+        return ""
+    return "<h2>ITL over time</h2>" + chart(
+        "tk-itl-time",
+        itl_time_figure(series, names),  # type: ignore[arg-type]
+        "Each point is one gap, at the time it ended, coloured by its primary cause; "
+        "every tail gap (at or above the run's p99) is drawn, the others thinned "
+        "evenly in long runs ("
+        + ", ".join(
+            f"{esc(n)}: {len(x['t_s'])} of {x['num_gaps']}"  # type: ignore[index]
+            for n, x in zip(names, series, strict=True)
         )
-    sections.append(
-        "<h2>ITL histogram by primary cause</h2>"
-        + chart(
-            "tk-hist",
-            histogram_figure(analyses, names),
-            "A gap's primary cause is its largest cause if that is at least 1 ms and 25% of "
-            "the gap; otherwise it is clean. Pick the run in the menu; runs are not pooled.",
-        )
+        + "). Pick the run in the menu.",
     )
-    if grouped:
+
+
+def _tail_section(
+    analyses: Sequence[RunAnalysis],
+    names: Sequence[str],
+    comparison: Comparison,
+    labels: list[str],
+    causes: list[str],
+    chart: _Charts,
+) -> str:
+    """Where the tail went: per group (medians) where a group has several runs, else per
+    run."""
+    if any(g.num_runs > 1 for g in comparison.groups):
         rows = [(g.key, g.tail_share, g.tail_count) for g in comparison.groups]
         per, note = comparison.by, "Medians across the runs of each group."
     else:
         rows = [(n, a.tail_share, a.tail_count) for a, n in zip(analyses, names, strict=True)]
         per, note = "run", ""
-    sections.append(
-        "<h2>Where the tail went</h2>"
-        + chart(
-            "tk-tail",
-            tail_share_figure(rows, labels, causes, per),
-            "Time and count disagree: a cause can cross p99 often and hold little tail time, "
-            "or rarely and hold most of it. " + note,
-        )
+    return "<h2>Where the tail went</h2>" + chart(
+        "tk-tail",
+        tail_share_figure(rows, labels, causes, per),
+        "Time and count disagree: a cause can cross p99 often and hold little tail time, "
+        "or rarely and hold most of it. " + note,
     )
-    sections.append(
-        f"<h2>The ladder</h2>{chart('tk-ladder', ladder_figure(comparison))}"
-        f"<h2>Forward pass in clean and tail gaps</h2>"
-        f"{chart('tk-fwd', forward_share_figure(analyses, names))}"
-        f"<h2>TTFT</h2>{chart('tk-ttft', ttft_figure(analyses, names))}"
-    )
-    sections.append(ttft_section(analyses, names, comparison, chart))
-    from tracekit.render.client import client_html, spec_html
 
-    sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
-    sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))
-    sections.append(tp_ranks_html(analyses, names))
+
+def _worst_stalls_section(runs: Sequence[ReportRun], names: Sequence[str]) -> str:
+    """Each run's worst stalls (the first run's open)."""
     worst = "".join(
         worst_stalls_html(n, r.worst_stalls, open_=(k == 0))
         for k, (r, n) in enumerate(zip(runs, names, strict=True))
     )
-    sections.append(
+    return (
         '<h2 id="tk-stalls">Worst stalls</h2><p class=note>The worst stalls of each run '
         "among its tail gaps: gaps closed by the same step with the same primary cause are "
         "one stall (a GC pause or a long prefill stalls the whole batch at once), listed "
@@ -968,7 +719,12 @@ def render_report(
         "those of its longest gap.</p>" + worst
     )
 
-    legend = " ".join(_swatch(c) for c in dict.fromkeys([*labels, *causes]))
+
+def _page(
+    title: str, sections: list[str], legend: str, figs: dict[str, Any], plotly_js: str
+) -> str:
+    """The document: head and style, the title section, the colour legend, the other
+    sections, then the figures, the plot config, plotly.js and the loader."""
     return "".join(
         [
             "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>",
@@ -988,3 +744,58 @@ def render_report(
             "</script>\n</body></html>\n",
         ]
     )
+
+
+def render_report(
+    runs: Sequence[ReportRun],
+    comparison: Comparison,
+    verdict: Verdict | None = None,
+    *,
+    title: str = "tracekit report",
+    plotly_js: str | None = None,
+    whatif_section: str = "",
+) -> str:
+    """The whole page as one string, runs in the order given. Without `verdict` the page
+    has no verdict section. `whatif_section` (`tracekit.render.whatif.whatif_html`) goes
+    right after the verdict. `plotly_js` overrides the inlined bundle (tests)."""
+    if plotly_js is None:
+        from plotly.offline import get_plotlyjs  # deferred: plotly only where the page inlines it
+
+        plotly_js = get_plotlyjs()
+    analyses = [r.analysis for r in runs]
+    names = run_labels(analyses)
+    labels = list(comparison.labels)
+    causes = _causes(analyses)
+    chart = _Charts()
+    sections = [_title_section(title, comparison, len(analyses))]
+    if verdict is not None:
+        sections.append(verdict_html(verdict))
+    if whatif_section:
+        sections.append(whatif_section)
+    sections += _table_sections(analyses, names, labels, comparison)
+    itl_time = _itl_time_section(runs, names, chart)
+    if itl_time:
+        sections.append(itl_time)
+    sections.append(
+        "<h2>ITL histogram by primary cause</h2>"
+        + chart(
+            "tk-hist",
+            histogram_figure(analyses, names),
+            "A gap's primary cause is its largest cause if that is at least 1 ms and 25% of "
+            "the gap; otherwise it is clean. Pick the run in the menu; runs are not pooled.",
+        )
+    )
+    sections.append(_tail_section(analyses, names, comparison, labels, causes, chart))
+    sections.append(
+        f"<h2>The ladder</h2>{chart('tk-ladder', ladder_figure(comparison))}"
+        f"<h2>Forward pass in clean and tail gaps</h2>"
+        f"{chart('tk-fwd', forward_share_figure(analyses, names))}"
+        f"<h2>TTFT</h2>{chart('tk-ttft', ttft_figure(analyses, names))}"
+    )
+    sections.append(ttft_section(analyses, names, comparison, chart))
+    sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
+    sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))
+    sections.append(tp_ranks_html(analyses, names))
+    sections.append(_worst_stalls_section(runs, names))
+    legend = " ".join(swatch(c) for c in dict.fromkeys([*labels, *causes]))
+    return _page(title, sections, legend, chart.figs, plotly_js)

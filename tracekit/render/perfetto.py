@@ -47,7 +47,7 @@ import heapq
 import io
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,7 @@ from tracekit.attribution.itl import Partition, evicted_windows
 from tracekit.attribution.ttft import PHASES as TTFT_PHASES
 from tracekit.attribution.ttft import TtftPartition
 from tracekit.errors import UsageError
+from tracekit.fsio import atomic_write
 from tracekit.labels import cause_of
 from tracekit.log.rawlog import RawLog
 
@@ -488,36 +489,20 @@ def _counter_events(log: RawLog, window_s) -> list[dict[str, Any]]:
     return out
 
 
-def _request_events(
-    log: RawLog, part: Partition, ids, keep_req, window_s, ttft_args=None
-) -> list[dict]:
-    out: list[dict[str, Any]] = []
-    rq = log.requests
-    n_req = len(ids)
-    t_end_s = max(
-        float(log.wall_s) if math.isfinite(log.wall_s) else 0.0,
-        float(part.t1_s.max()) if len(part) else 0.0,
-    )
-    for r in np.flatnonzero(keep_req).tolist():
-        out += track_events(PID_REQUESTS, request_tid(r), request_track_name(ids[r]), r)
-
-    # the top-level spans of each request: ttft, then its gaps (contiguous)
-    arr, first = rq.arrival_s, rq.first_token_s
-    has_ttft = (
-        np.isfinite(arr) & np.isfinite(first) & (first >= arr) if n_req else np.zeros(0, bool)
-    )
-    g_req = part.request
-    bounds = np.searchsorted(g_req, np.arange(n_req + 1))  # gaps sorted by request
-    gap0, gap1 = _ns(part.t0_s), _ns(part.t1_s)
-    keep_gap = keep_req[g_req] & _overlaps(part.t0_s, part.t1_s, window_s) if len(part) else None
-    prim = part.primary_names().tolist() if len(part) else []
-    labels = part.labels
-    parts_r = np.round(part.parts_ms, PARTS_DECIMALS).tolist()
-    gap_ms = part.gap_ms.tolist()
-    st0, st1 = part.step0.tolist(), part.step1.tolist()
-    a_ns, f_ns = _ns(np.nan_to_num(arr)), _ns(np.nan_to_num(first))
-
-    # eviction windows, cut at the spans they fall in
+def _evicted_pieces(
+    log: RawLog,
+    keep_req: np.ndarray,
+    has_ttft: np.ndarray,
+    bounds: np.ndarray,
+    gap0: np.ndarray,
+    gap1: np.ndarray,
+    a_ns: np.ndarray,
+    f_ns: np.ndarray,
+    t_end_s: float,
+) -> tuple[dict[tuple[int, int], list[tuple[int, int]]], list[tuple[int, int, int]]]:
+    """The eviction windows of the kept requests, cut at the spans they fall in (a request's
+    ttft and its gaps, ns): the pieces inside each span, by (request, span id: -1 is the
+    ttft, else the gap row), and the pieces outside every span."""
     children: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (request, span) -> pieces
     loose: list[tuple[int, int, int]] = []  # (request, a, b) outside every span
     e_req, e_a, e_b = evicted_windows(log)
@@ -551,6 +536,44 @@ def _request_events(
             x0, x1 = max(a, s0), min(b, s1)
             if x1 > x0:
                 children.setdefault((r, sid), []).append((x0, x1))
+    return children, loose
+
+
+def _request_events(
+    log: RawLog, part: Partition, ids, keep_req, window_s, ttft_args=None
+) -> list[dict]:
+    """The requests' process: one track per kept request, its ttft then its gaps as
+    contiguous top-level slices named by their primary cause, the eviction windows cut
+    into the slices they fall in, and the pieces outside every slice on their own."""
+    out: list[dict[str, Any]] = []
+    rq = log.requests
+    n_req = len(ids)
+    t_end_s = max(
+        float(log.wall_s) if math.isfinite(log.wall_s) else 0.0,
+        float(part.t1_s.max()) if len(part) else 0.0,
+    )
+    for r in np.flatnonzero(keep_req).tolist():
+        out += track_events(PID_REQUESTS, request_tid(r), request_track_name(ids[r]), r)
+
+    # the top-level spans of each request: ttft, then its gaps (contiguous)
+    arr, first = rq.arrival_s, rq.first_token_s
+    has_ttft = (
+        np.isfinite(arr) & np.isfinite(first) & (first >= arr) if n_req else np.zeros(0, bool)
+    )
+    g_req = part.request
+    bounds = np.searchsorted(g_req, np.arange(n_req + 1))  # gaps sorted by request
+    gap0, gap1 = _ns(part.t0_s), _ns(part.t1_s)
+    keep_gap = keep_req[g_req] & _overlaps(part.t0_s, part.t1_s, window_s) if len(part) else None
+    prim = part.primary_names().tolist() if len(part) else []
+    labels = part.labels
+    parts_r = np.round(part.parts_ms, PARTS_DECIMALS).tolist()
+    gap_ms = part.gap_ms.tolist()
+    st0, st1 = part.step0.tolist(), part.step1.tolist()
+    a_ns, f_ns = _ns(np.nan_to_num(arr)), _ns(np.nan_to_num(first))
+
+    children, loose = _evicted_pieces(
+        log, keep_req, has_ttft, bounds, gap0, gap1, a_ns, f_ns, t_end_s
+    )
 
     win = window_s
     for r in np.flatnonzero(keep_req).tolist():
@@ -559,22 +582,8 @@ def _request_events(
         if has_ttft[r]:
             a, b = int(a_ns[r]), int(f_ns[r])
             if win is None or (first[r] >= win[0] and arr[r] <= win[1]):
-                evs.append(
-                    (
-                        a,
-                        a - b,
-                        0,
-                        {
-                            "ph": "X",
-                            "pid": PID_REQUESTS,
-                            "tid": tid,
-                            "ts": _us(a),
-                            "dur": _us(b - a),
-                            "name": "ttft",
-                            "args": {"ttft_ms": (b - a) / 1e6, **(ttft_args or {}).get(r, {})},
-                        },
-                    )
-                )
+                args = {"ttft_ms": (b - a) / 1e6, **(ttft_args or {}).get(r, {})}
+                evs.append((a, a - b, 0, _request_slice(tid, a, b, "ttft", args)))
             for x0, x1 in children.get((r, -1), ()):
                 evs.append((x0, x0 - x1, 1, evicted_event(tid, x0, x1)))
         for j in range(int(bounds[r]), int(bounds[r + 1])):
@@ -584,22 +593,7 @@ def _request_events(
             pr = parts_r[j]
             parts = {lb: v for lb, v in zip(labels, pr, strict=True) if v}
             args = dict(zip(GAP_ARGS, (gap_ms[j], parts, st0[j], st1[j]), strict=True))
-            evs.append(
-                (
-                    a,
-                    a - b,
-                    0,
-                    {
-                        "ph": "X",
-                        "pid": PID_REQUESTS,
-                        "tid": tid,
-                        "ts": _us(a),
-                        "dur": _us(b - a),
-                        "name": prim[j],
-                        "args": args,
-                    },
-                )
-            )
+            evs.append((a, a - b, 0, _request_slice(tid, a, b, prim[j], args)))
             for x0, x1 in children.get((r, j), ()):
                 evs.append((x0, x0 - x1, 1, evicted_event(tid, x0, x1)))
         evs.sort(key=lambda e: (e[0], e[1], e[2]))
@@ -608,6 +602,19 @@ def _request_events(
         if b > a and (win is None or (b / 1e9 >= win[0] and a / 1e9 <= win[1])):
             out.append(evicted_event(request_tid(r), a, b))
     return out
+
+
+def _request_slice(tid: int, a: int, b: int, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A top-level slice on a request's track (its ttft or one of its gaps), [a, b] ns."""
+    return {
+        "ph": "X",
+        "pid": PID_REQUESTS,
+        "tid": tid,
+        "ts": _us(a),
+        "dur": _us(b - a),
+        "name": name,
+        "args": args,
+    }
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -630,7 +637,6 @@ def write_trace(events: list[dict[str, Any]], path: str, *, meta=None) -> int:
         with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
             gz.write(data)
         data = buf.getvalue()
-    from tracekit.fsio import atomic_write
 
     atomic_write(path, data, fsync=False)
     return len(data)
@@ -683,65 +689,92 @@ def validate_trace(
     named_threads: set[tuple[Any, Any]] = set()
     tracks: dict[tuple[Any, Any], list[tuple[float, float, int]]] = {}
     for i, ev in enumerate(events):
-        if not isinstance(ev, Mapping):
-            err(i, "not an object")
-            continue
-        ph = ev.get("ph")
-        name = ev.get("name")
-        if not isinstance(name, str) or not name:
-            err(i, f"name must be a non-empty string, got {name!r}")
-        if not isinstance(ev.get("pid"), int):
-            err(i, f"pid must be an integer, got {ev.get('pid')!r}")
-        if ph == "M":
-            if name not in _META_NAMES:
-                err(i, f"unknown metadata event {name!r}")
-            args = ev.get("args", {})
-            if str(name).endswith("_name"):
-                if not isinstance(args.get("name"), str):
-                    err(i, f"{name} needs args.name (a string)")
-                if name == "thread_name":
-                    named_threads.add((ev.get("pid"), ev.get("tid")))
-            elif not isinstance(args.get("sort_index"), int):
-                err(i, f"{name} needs args.sort_index (an integer)")
-            continue
-        raw_ts = ev.get("ts")
-        if not _is_num(raw_ts):
-            err(i, f"ts must be a finite number of µs, got {raw_ts!r}")
-            continue
-        ts = float(raw_ts)  # type: ignore[arg-type]
-        if ts < -TOL_US or (max_ts_us is not None and ts > max_ts_us + TOL_US):
-            bound = "" if max_ts_us is None else f", {max_ts_us}"
-            err(i, f"ts {ts} µs outside [0{bound}] µs (wrong unit, or not shifted to >= 0?)")
-        if ph == "C":
-            args = ev.get("args")
-            if not isinstance(args, Mapping) or not args or not all(map(_is_num, args.values())):
-                err(i, f"counter args must be finite numbers, got {args!r}")
-            continue
-        if ph in ("i", "I"):
-            continue
-        if ph != "X":
-            err(i, f"unsupported phase {ph!r}")
-            continue
-        if not isinstance(ev.get("tid"), int):
-            err(i, f"tid must be an integer, got {ev.get('tid')!r}")
-        raw_dur = ev.get("dur")
-        if not _is_num(raw_dur) or raw_dur < 0:  # type: ignore[operator]
-            err(i, f"dur must be a finite number >= 0 µs, got {raw_dur!r}")
-            continue
-        dur = float(raw_dur)  # type: ignore[arg-type]
-        parts = (ev.get("args") or {}).get("parts")
-        if parts is not None:
-            raw = list(parts.values()) if isinstance(parts, Mapping) else [None]
-            if not all(_is_num(v) for v in raw):
-                err(i, f"args.parts must be numbers of ms, got {parts!r}")
-            else:
-                vals = [float(v) for v in raw if v is not None]
-                if min(vals, default=0.0) < -1e-6:
-                    err(i, f"args.parts has a negative part: {parts!r}")
-                total_us = sum(vals) * 1000
-                if abs(total_us - dur) > TOL_US + 1e-9 * dur:
-                    err(i, f"args.parts sum to {total_us} µs but the slice lasts {dur} µs")
-        tracks.setdefault((ev.get("pid"), ev.get("tid")), []).append((ts, ts + dur, i))
+        slice_ = _check_event(i, ev, err, named_threads, max_ts_us)
+        if slice_ is not None:
+            tracks.setdefault(slice_[0], []).append(slice_[1])
+    _check_tracks(tracks, named_threads, errs, err)
+    return errs
+
+
+def _check_event(
+    i: int,
+    ev: Any,
+    err: Callable[[int, str], None],
+    named_threads: set[tuple[Any, Any]],
+    max_ts_us: float | None,
+) -> tuple[tuple[Any, Any], tuple[float, float, int]] | None:
+    """One event's checks (`validate_trace`); a complete slice's track and span, to check
+    the nesting with its track's others. A ``thread_name`` adds its track to
+    `named_threads`."""
+    if not isinstance(ev, Mapping):
+        err(i, "not an object")
+        return None
+    ph = ev.get("ph")
+    name = ev.get("name")
+    if not isinstance(name, str) or not name:
+        err(i, f"name must be a non-empty string, got {name!r}")
+    if not isinstance(ev.get("pid"), int):
+        err(i, f"pid must be an integer, got {ev.get('pid')!r}")
+    if ph == "M":
+        if name not in _META_NAMES:
+            err(i, f"unknown metadata event {name!r}")
+        args = ev.get("args", {})
+        if str(name).endswith("_name"):
+            if not isinstance(args.get("name"), str):
+                err(i, f"{name} needs args.name (a string)")
+            if name == "thread_name":
+                named_threads.add((ev.get("pid"), ev.get("tid")))
+        elif not isinstance(args.get("sort_index"), int):
+            err(i, f"{name} needs args.sort_index (an integer)")
+        return None
+    raw_ts = ev.get("ts")
+    if not _is_num(raw_ts):
+        err(i, f"ts must be a finite number of µs, got {raw_ts!r}")
+        return None
+    ts = float(raw_ts)  # type: ignore[arg-type]
+    if ts < -TOL_US or (max_ts_us is not None and ts > max_ts_us + TOL_US):
+        bound = "" if max_ts_us is None else f", {max_ts_us}"
+        err(i, f"ts {ts} µs outside [0{bound}] µs (wrong unit, or not shifted to >= 0?)")
+    if ph == "C":
+        args = ev.get("args")
+        if not isinstance(args, Mapping) or not args or not all(map(_is_num, args.values())):
+            err(i, f"counter args must be finite numbers, got {args!r}")
+        return None
+    if ph in ("i", "I"):
+        return None
+    if ph != "X":
+        err(i, f"unsupported phase {ph!r}")
+        return None
+    if not isinstance(ev.get("tid"), int):
+        err(i, f"tid must be an integer, got {ev.get('tid')!r}")
+    raw_dur = ev.get("dur")
+    if not _is_num(raw_dur) or raw_dur < 0:  # type: ignore[operator]
+        err(i, f"dur must be a finite number >= 0 µs, got {raw_dur!r}")
+        return None
+    dur = float(raw_dur)  # type: ignore[arg-type]
+    parts = (ev.get("args") or {}).get("parts")
+    if parts is not None:
+        raw = list(parts.values()) if isinstance(parts, Mapping) else [None]
+        if not all(_is_num(v) for v in raw):
+            err(i, f"args.parts must be numbers of ms, got {parts!r}")
+        else:
+            vals = [float(v) for v in raw if v is not None]
+            if min(vals, default=0.0) < -1e-6:
+                err(i, f"args.parts has a negative part: {parts!r}")
+            total_us = sum(vals) * 1000
+            if abs(total_us - dur) > TOL_US + 1e-9 * dur:
+                err(i, f"args.parts sum to {total_us} µs but the slice lasts {dur} µs")
+    return (ev.get("pid"), ev.get("tid")), (ts, ts + dur, i)
+
+
+def _check_tracks(
+    tracks: dict[tuple[Any, Any], list[tuple[float, float, int]]],
+    named_threads: set[tuple[Any, Any]],
+    errs: list[str],
+    err: Callable[[int, str], None],
+) -> None:
+    """No tid shared by two processes; every slice's track named; on every track the
+    complete slices well nested (a slice lies inside the enclosing one or after it)."""
     owner: dict[Any, Any] = {}
     for pid, tid in sorted(set(tracks) | named_threads, key=repr):
         if tid is not None and owner.setdefault(tid, pid) != pid:
@@ -766,7 +799,6 @@ def validate_trace(
                 )
                 continue
             stack.append((a, b, i))
-    return errs
 
 
 def _dump(ev: Mapping[str, Any]) -> str:

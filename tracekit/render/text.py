@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from tracekit.attribution.ttft import TtftFigures
 from tracekit.errors import one_line
 from tracekit.formats import num
 from tracekit.labels import STANDARD_LABELS, glyphs
+from tracekit.render.client import client_text, spec_text
 
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | None = None) -> str:
@@ -38,8 +40,6 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], align: str | Non
 
 
 def run_name(a: RunAnalysis) -> str:
-    import os
-
     return os.path.basename(a.path)
 
 
@@ -147,7 +147,6 @@ def analyze_report(runs: Sequence[RunAnalysis]) -> str:
     parts = [summary(runs), "", shares(runs, "tail_share")]
     if len(runs) == 1:
         parts += ["", histogram(runs[0]), "", run_details(runs[0])]
-    from tracekit.render.client import client_text, spec_text
 
     parts += [f"\n{run_name(a)}: {spec_text(a)}" for a in runs if a.spec and not a.client]
     parts += [f"\n{run_name(a)}: {client_text(a.client)}" for a in runs if a.client]
@@ -436,3 +435,33 @@ def gaps_table(records: Sequence[dict], top: int = 20) -> str:
             "--format jsonl or csv writes every field)"
         )
     return out
+
+
+def client_ttft_requests(
+    name: str, figures: Mapping[str, Any], records: Sequence[Mapping[str, Any]], top: int
+) -> str:
+    """`tracekit ttft RUN --boundary client`: the run's client-boundary TTFT figures beside
+    the engine boundary's (same requests), then the slowest requests' partitions."""
+    f = figures
+    share = sorted(((v, k) for k, v in f["share"].items() if v > 0), reverse=True)
+    out = [
+        f"{name}: {f['requests']} requests with a first chunk; client-boundary TTFT (arrival to "
+        f"the first chunk's write) p50 {num(f['p50_ms'])} p90 {num(f['p90_ms'])} p99 "
+        f"{num(f['p99_ms'])} ms; engine boundary (to the first token) p50 "
+        f"{num(f['engine_p50_ms'])} p99 {num(f['engine_p99_ms'])} ms; reconcile max err "
+        f"{f['reconcile_max_err_ms']:.2e} ms",
+        f"frontend part (first token to the write): {100 * f['frontend_share']:.1f}% of all "
+        "client TTFT time; by label: " + (", ".join(f"{k} {100 * v:.1f}%" for v, k in share[:8])
+                                          or "-"),
+    ]  # fmt: skip
+    slow = sorted(records, key=lambda r: -r["ttft_ms"])[:top]
+    if slow:
+        rows = []
+        for r in slow:
+            parts = sorted(((v, k) for k, v in r["parts"].items() if v > 0.05), reverse=True)
+            rows.append([str(r["request"]), num(r["ttft_ms"]), num(r["engine_ttft_ms"]),
+                         num(r["frontend_ms"]), str(r["primary"]),
+                         ", ".join(f"{k} {v:.1f}" for v, k in parts[:5])])  # fmt: skip
+        head = ["request", "ttft ms", "engine ms", "frontend ms", "primary", "parts (ms)"]
+        out += ["", f"SLOWEST {len(slow)} (ms)", table(rows, head, "lrrrll")]
+    return "\n".join(out)
