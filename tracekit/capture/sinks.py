@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from tracekit.formats import json_safe
-from tracekit.fsio import atomic_write
+from tracekit.fsio import Syncer, atomic_write, fsync_folder
 from tracekit.log.flush import FlushedRows, build_flushed
 from tracekit.log.parts import (
     LOCK_NAME,
@@ -321,10 +321,15 @@ class PartsSink:
     """Numbered parts in ``OUT.parts/`` while the run records; ``OUT`` at close.
 
     Crash-safe: each part is written whole or not at all (`tracekit.fsio`), so a killed
-    run leaves parts that `tracekit recover` merges. The folder holds a ``lock`` file with
-    the recording process's pid: a second recorder on the same path is refused while this
-    one runs, and a folder left by a killed run (unrecovered parts) is refused too, never
-    emptied (recover it, or record to another path).
+    run leaves parts that `tracekit recover` merges. A part is renamed into place as soon
+    as it is written (a kill loses nothing the kernel has) and fsynced afterwards by a
+    `tracekit.fsio.Syncer`, never on the writer's path: an fsync that takes hundreds of ms
+    under I/O load would keep the written part from view, and the next flush waiting.
+
+    The folder holds a ``lock`` file with the recording process's pid: a second recorder
+    on the same path is refused while this one runs, and a folder left by a killed run
+    (unrecovered parts) is refused too, never emptied (recover it, or record to another
+    path).
 
     A failing write (a full disk) does not stop the run: the rows are kept in memory and
     written, in order, at the next write or at close, once there is space again. At most
@@ -343,6 +348,7 @@ class PartsSink:
         self._n = 0  # parts written
         self._failing: OSError | None = None
         self._meta: dict[str, Any] = {}
+        self._syncer: Syncer | None = None  # the parts' fsyncs, off the writer's path
 
     def open(self, meta: Mapping[str, Any]) -> None:
         self._meta = dict(meta)
@@ -362,6 +368,8 @@ class PartsSink:
         with os.fdopen(fd, "w") as fh:
             fh.write(f"{os.getpid()}\n")
         atomic_write(os.path.join(self.dir, "meta.json"), json.dumps(json_safe(meta)).encode())
+        fsync_folder(os.path.dirname(os.path.abspath(self.dir)))  # the folder's own name
+        self._syncer = Syncer()
 
     def _refuse_or_reuse(self) -> None:
         owner = lock_owner(self.dir)
@@ -390,8 +398,8 @@ class PartsSink:
 
     def _drain(self) -> None:
         while self._pending:
-            try:
-                write_part(self.dir, self._n + 1, self._pending[0])
+            try:  # renamed into place at once: a kill loses nothing of it (fsio)
+                path = write_part(self.dir, self._n + 1, self._pending[0], fsync=False)
             except OSError as e:
                 if self._failing is None:
                     logger.warning(
@@ -403,6 +411,8 @@ class PartsSink:
                 self._failing = e
                 self._shed()
                 return
+            if self._syncer is not None:  # durable against a power loss, in order
+                self._syncer.add(path)
             self._pending.popleft()
             self._n += 1
         if self._failing is not None:
@@ -423,6 +433,8 @@ class PartsSink:
 
     def close(self, final: Mapping[str, Any]) -> None:
         self._drain()
+        if self._syncer is not None:  # every part durable before the merge replaces them
+            self._syncer.close()
         if not self._pending:
             log = merge_parts(self.dir, final=final)
         else:  # the disk is still refusing parts: merge what is on disk and what is held

@@ -5,7 +5,9 @@ While a run records to ``OUT.npz``, its completed events go to ``OUT.npz.parts/`
 - ``meta.json``: written at start (schema, clock, start tick, pid, config so far);
 - ``part-000001.npz``, ``part-000002.npz``, ...: each the rows the recorder flushed since
   the previous part (a `tracekit.log.flush.FlushedRows`), written to a temporary name and
-  renamed into place, so a part is either whole or absent, whatever kills the process.
+  renamed into place, so a part is either whole or absent, whatever kills the process
+  (fsynced after its rename: a power loss may leave the last parts empty or torn, and
+  `merge_parts` ends the run before the first of them, docs/capture.md).
 
 `merge_parts` turns a parts folder into a `RawLog` (seconds from engine start, evictions
 paired with their readmissions, first token per request), and `recover` writes it as the
@@ -77,10 +79,22 @@ def part_paths(parts_dir: str) -> list[str]:
     return [os.path.join(parts_dir, n) for _, n in sorted(found)]
 
 
-def write_part(parts_dir: str, number: int, chunk: Mapping[str, np.ndarray]) -> str:
-    """Write one chunk as ``part-NNNNNN.npz``, whole or not at all (`fsio.atomic_open`)."""
+def part_number(path: str) -> int:
+    """The flush number of a part (a path `part_paths` listed)."""
+    m = PART_NAME.fullmatch(os.path.basename(path))
+    if m is None:
+        raise ValueError(f"{path}: not a part's name")
+    return int(m.group(1))
+
+
+def write_part(
+    parts_dir: str, number: int, chunk: Mapping[str, np.ndarray], *, fsync: bool = True
+) -> str:
+    """Write one chunk as ``part-NNNNNN.npz``, whole or not at all (`fsio.atomic_open`).
+    `fsync=False`: renamed into place as soon as written (a kill loses nothing of it), not
+    yet durable against a power loss (the caller syncs it: `fsio.Syncer`)."""
     path = os.path.join(parts_dir, f"part-{number:06d}.npz")
-    with atomic_open(path) as fh:
+    with atomic_open(path, fsync=fsync) as fh:
         np.savez(fh, **chunk)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
     return path
 
@@ -149,14 +163,25 @@ def merge_parts(
     """Read a parts folder into one `RawLog`. `final` overrides meta known only at stop;
     `max_inflate_mb` bounds each part's arrays (`tracekit.log.archive.read_npz`).
 
-    A part that cannot be read (damaged on disk) ends the run at the flush before it, with
-    a warning; a readable part whose contents contradict the run (request ids that overlap
-    or skip, bad vocabularies) is a `LogError` naming the part and the field."""
+    A part that cannot be read (damaged on disk, or empty or torn by a power loss before
+    its fsync) or missing (a later part's name survived a power loss, its own did not) ends
+    the run at the flush before it, with a warning naming it; a readable part whose
+    contents contradict the run (request ids that overlap or skip, bad vocabularies) is a
+    `LogError` naming the part and the field."""
     meta = read_meta(parts_dir)
     paths = part_paths(parts_dir)
     warnings: list[str] = []
     parts: list[dict[str, Any]] = []
     for i, p in enumerate(paths):
+        # a power loss kept a later part's name but not the next one's (a folder missing
+        # its first parts is one whose removal stopped: its contents are checked, refused)
+        if i and part_number(p) != part_number(paths[i - 1]) + 1:
+            warnings.append(
+                f"part-{part_number(paths[i - 1]) + 1:06d}.npz is missing; the run ends at "
+                "the flush before it "
+                f"({len(paths) - i} later part(s) left out, still on disk)"
+            )
+            break
         try:  # read the whole part before using any of it (bounded: tracekit.log.archive)
             z, _ = read_npz(
                 p, lambda names: [n for n in names if n in KEYS], max_inflate_mb=max_inflate_mb
@@ -173,8 +198,9 @@ def merge_parts(
                 raise
             except Exception as e:  # a member missing or of the wrong shape
                 damaged = e
-        # Damaged on disk (a kill cannot do this: parts are renamed into place whole).
-        # Later parts refer to its steps and requests by index, so the run ends here.
+        # Damaged on disk (a kill cannot do this: parts are renamed into place whole; a
+        # power loss can, before the part's fsync, docs/capture.md). Later parts refer to
+        # its steps and requests by index, so the run ends here.
         warnings.append(
             f"{os.path.basename(p)} is unreadable ({type(damaged).__name__}: "
             f"{str(damaged)[:100]}); the run ends at the flush before it "
