@@ -480,9 +480,8 @@ def test_the_api_servers_os_intervals_follow_its_segments_and_the_client_gaps_ta
     intervals run from sample to sample of its event loop, taken at its windows' start and
     end, each stamped right after its counters were read (docs/partition.md, "When the
     counters are read"): one marked inside a segment starts inside a window it recorded
-    with `segment()` (none nested here) and ends at or after that window's end, before the
-    next one starts; one marked between segments starts after a window's end and ends
-    after the next window's start. The client partition takes the OS's shares from them:
+    with `segment()` and ends at or after that window's end; one marked between segments
+    starts after a window's end and ends after a later window's start. The client partition takes the OS's shares from them:
     its frontend OS columns, exclusive and reconciled, never more than the intervals hold."""
     from tracekit.attribution.client import client_partition
 
@@ -492,18 +491,16 @@ def test_the_api_servers_os_intervals_follow_its_segments_and_the_client_gaps_ta
     assert {0, 1} <= set(po.in_segment.tolist())
     for k in set(po.process.tolist()):
         mine = ps.process == k
-        order = np.argsort(ps.t_start_s[mine], kind="stable")
-        s0, s1 = ps.t_start_s[mine][order], ps.t_end_s[mine][order]
-        nxt = np.concatenate([s0[1:], [np.inf]])
+        # (its windows: the sampled segments and the chunks' write windows, which carry
+        # ticks measured elsewhere and may begin inside a segment)
+        s0, s1 = ps.t_start_s[mine], ps.t_end_s[mine]
         rows = np.flatnonzero(po.process == k)
         for i in rows.tolist():
             a, b = float(po.t_start_s[i]), float(po.t_end_s[i])
-            w = int(np.searchsorted(s0, a, side="right")) - 1  # the window begun last
-            assert w >= 0, (a, b)
-            if po.in_segment[i]:
-                assert s0[w] <= a <= s1[w] <= b <= nxt[w], (a, b, s0[w], s1[w])
-            else:
-                assert s1[w] <= a and nxt[w] <= b, (a, b, s1[w], nxt[w])
+            if po.in_segment[i]:  # sampled inside a window, next after that window's end
+                assert ((s0 <= a) & (a <= s1) & (s1 <= b)).any(), (a, b)
+            else:  # sampled after a window's end, next inside a later window
+                assert (s1 <= a).any() and ((a <= s0) & (s0 <= b)).any(), (a, b)
     assert np.all(po.runqueue_s + po.offcpu_s <= po.t_end_s - po.t_start_s + 1e-12)
     cp = client_partition(merged)  # reconciles or raises
     rq, bl = cp.column("frontend_os_runqueue"), cp.column("frontend_os_blocked")
