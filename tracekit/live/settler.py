@@ -233,31 +233,28 @@ class Settler:
         """A series at 0 for the cause of every label the recorder has named, from the flush
         that first names it: every scraper then sees it begin at 0, long before the gaps
         that carry its time settle (`hold_s` later), and its creation time is set
-        (docs/live.md, "Series that appear mid-run")."""
-        t = self.totals
-        for lb in labels:
-            cause = cause_of(lb, self._cause_map)
-            if cause == "decode":  # decode is graph + forward, exported as it settles
-                continue
-            t.cause_ms.setdefault(cause, 0.0)
-            t.tail_ms.setdefault(cause, 0.0)
-            t.tail_count.setdefault(cause, 0)
-            if self._ttft_partitioner is ttft_by_cause:
-                t.ttft_cause_ms.setdefault(cause, 0.0)
-        self._note_created()
+        (docs/live.md, "Series that appear mid-run"). Decode is graph + forward, exported
+        as it settles."""
+        causes = {cause_of(lb, self._cause_map) for lb in labels} - {"decode"}
+        self._causes_at_zero(sorted(causes))
 
     def _os_series_at_zero(self) -> None:
         """The OS causes' series, at 0 before the first settlement (a run that records OS
         evidence may have them in every partition). A counter series first scraped above 0
         loses that first value to Prometheus' `increase()`, which counts from the first
         sample it sees (it extrapolates towards 0 by at most half a scrape interval)."""
+        self._causes_at_zero(OS_LABELS)
+
+    def _causes_at_zero(self, causes: Sequence[str]) -> None:
+        """Each cause's series (gap time, tail time and count, TTFT time) at 0 where it has
+        none yet, created now."""
         t = self.totals
-        for lb in OS_LABELS:
-            t.cause_ms.setdefault(lb, 0.0)
-            t.tail_ms.setdefault(lb, 0.0)
-            t.tail_count.setdefault(lb, 0)
+        for cause in causes:
+            t.cause_ms.setdefault(cause, 0.0)
+            t.tail_ms.setdefault(cause, 0.0)
+            t.tail_count.setdefault(cause, 0)
             if self._ttft_partitioner is ttft_by_cause:
-                t.ttft_cause_ms.setdefault(lb, 0.0)
+                t.ttft_cause_ms.setdefault(cause, 0.0)
         self._note_created()
 
     @property
