@@ -37,6 +37,7 @@ class Page:
     requests: list[str] = field(default_factory=list)  # every URL the page asked for
     value: Any = None  # the result of `expression`
     screenshot_png: bytes | None = None
+    loaded: bool = False  # the page's load event has fired
 
 
 class _Pipe:
@@ -148,11 +149,12 @@ def open_page(
         )
         pipe.call("Page.navigate", {"url": url}, session=sid)
         deadline = time.monotonic() + timeout_s
-        loaded = False
         while time.monotonic() < deadline:
+            # whichever read takes the load event off the queue notes it (on a busy machine
+            # the drain may be the one that does)
             _drain(pipe, page)
-            if not loaded:
-                loaded = _saw(pipe, page, "Page.loadEventFired", 0.2)
+            if not page.loaded:
+                _saw(pipe, page, "Page.loadEventFired", 0.2)
                 continue
             r = pipe.call("Runtime.evaluate", {"expression": f"!!({ready})",
                                                "returnByValue": True}, session=sid)  # fmt: skip
@@ -217,7 +219,9 @@ def _sh(a: str) -> str:
 
 def _record(page: Page, msg: dict[str, Any]) -> None:
     method, p = msg.get("method"), msg.get("params", {})
-    if method == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert", "warning"):
+    if method == "Page.loadEventFired":
+        page.loaded = True
+    elif method == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert", "warning"):
         args = " ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", []))
         page.console_errors.append(f"console.{p['type']}: {args}")
     elif method == "Runtime.exceptionThrown":
