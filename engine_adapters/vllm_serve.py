@@ -896,18 +896,17 @@ def flush_before_kill(procs: list[Any], wait_s: float) -> int:
     the signal (its ``flush_tick``, on the one ``perf_counter`` clock of the host, is past
     it: an older flush the writer was still behind on does not count) or has exited, at
     most `wait_s` seconds in all. Returns how many did in time."""
-    import numpy as np
-
-    from tracekit.log.parts import part_paths
+    from tracekit.log.parts import FINAL_NAME, part_paths, read_part
 
     def flushed_since(d: str, t_tick: int) -> bool:
         try:
+            if os.path.exists(os.path.join(d, FINAL_NAME)):  # it stopped its recorder
+                return True
             last = part_paths(d)[-1:]
             if not last:
                 return False
-            with np.load(last[0], allow_pickle=False) as z:
-                return int(z["flush_tick"]) >= t_tick
-        except FileNotFoundError:  # gone: it stopped its recorder and wrote its whole log
+            return (read_part(last[0]).scalar("flush_tick") or 0) >= t_tick
+        except FileNotFoundError:  # gone: its folder was moved or removed
             return True
         except Exception:  # a part being renamed into place, or unreadable: look again
             return False

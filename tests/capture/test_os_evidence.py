@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from logbuilder import LogBuilder
+from logfiles import one_file_arrays
 
 from tracekit.attribution.itl import partition
 from tracekit.attribution.reference import partition_reference
@@ -337,8 +338,7 @@ def test_a_version_2_log_loads_with_no_os_evidence(tmp_path):
     import tracekit
 
     path = _recorded(tmp_path)
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files if not k.startswith("os_samples.")}
+    arrays = {k: v for k, v in one_file_arrays(path).items() if not k.startswith("os_samples.")}
     arrays["schema_version"] = np.array(2, dtype=np.int64)
     v2 = tmp_path / "v2.npz"
     np.savez(v2, **arrays)
@@ -353,8 +353,7 @@ def test_bad_os_samples_are_refused_naming_the_field(tmp_path):
     from tracekit.errors import LogError
 
     path = _recorded(tmp_path)
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
+    arrays = one_file_arrays(path)
     if not len(arrays["os_samples.kind"]):
         pytest.skip("no OS evidence on this platform")
     arrays["os_samples.kind"] = arrays["os_samples.kind"].copy()

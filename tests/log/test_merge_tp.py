@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+from logfiles import one_file_arrays
 
 import tracekit
 from tracekit.analysis.run import merge_run as merge_dir
@@ -237,8 +238,7 @@ def test_the_trace_has_one_track_per_rank_with_the_slow_steps_it_held(tmp_path):
 def _add_os_samples(path, rows_ms):
     """Give a saved worker log OS samples of its thread 0: rows (t ms, cpu ms, run-queue
     ms), totals since the thread started, as the recorder reads them at segment ends."""
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
+    arrays = one_file_arrays(path)
     cols = {
         "thread": [0] * len(rows_ms),
         "kind": [2 + (i % 2) for i in range(len(rows_ms))],  # segment starts and ends
