@@ -62,7 +62,10 @@ boundary; a server started with tracekit refuses nothing.
 
 With ``TRACEKIT_VLLM_METRICS_PORT`` each engine core also feeds its recorder to a live sink
 (`tracekit.live.LiveMetrics`): per-cause metrics on port + its data-parallel rank, slow-gap
-spans parented on the ``traceparent`` vLLM carries (`live_options`, docs/live.md).
+spans parented on the ``traceparent`` vLLM carries (`live_options`, docs/live.md). With
+``TRACEKIT_VLLM_API_METRICS_PORT`` each API server feeds its own recorder to
+`tracekit.live.client_ttft.ClientTtftLive`: the client-boundary TTFT on port + its index
+(`api_live_sinks`).
 """
 
 from __future__ import annotations
