@@ -241,7 +241,7 @@ def offline(served, tmp_path_factory):
     _cli("merge", d, "-o", merged)
     a = json.loads(_cli("analyze", merged, "--format", "jsonl").splitlines()[0])
     gaps = [json.loads(x) for x in _cli("gaps", merged, "--format", "jsonl").splitlines() if x]
-    (core,) = [n for n in os.listdir(d) if n.startswith("engine_core-")]
+    (core,) = [n for n in os.listdir(d) if n.startswith("engine_core-") and n.endswith(".parts")]
     core_path = os.path.join(d, core)
     ttft = [json.loads(x) for x in _cli("ttft", core_path, "--format", "jsonl").splitlines() if x]
     core_gaps = [json.loads(x) for x in _cli("gaps", core_path, "--format", "jsonl").splitlines()
