@@ -4,8 +4,10 @@ this tree against the previous main, in the same run.
     python bench/bench_long_run.py [--baseline /work/base] [--minutes 10 60] [--rounds 5]
 
 The server is `bench/busy_server.py` (batch 256, ~19 ms steps, chunked prefill, Poisson
-arrivals, an eviction now and then) on a fake clock: an hour in about a minute of CPU,
-deterministically. Each (checkout, length) records in a fresh process, so its peak memory
+arrivals, an eviction now and then) on a fake clock, deterministically, paced at
+`--speedup` simulated seconds per wall second (default 200: an hour in 18 s; unpaced, an
+engine simulated far faster than the writer encodes would keep rows in flight that no
+real server has). Each (checkout, length) records in a fresh process, so its peak memory
 is its own. Printed per length, for each side:
 
 - ``stop``: wall seconds `Recorder.stop()` takes (the last flush, closing the sinks; the
@@ -59,7 +61,8 @@ out = os.path.join(out_dir, "run.npz")
 rec = tracekit.Recorder(out, clock=clock, seconds_per_tick=1e-9, gc=False, handle_signals=False)
 rec.start()
 t = time.perf_counter()
-counts = serve(rec, clock, minutes, on_minute=lambda m: rss.append(status("VmRSS:")))
+counts = serve(rec, clock, minutes, on_minute=lambda m: rss.append(status("VmRSS:")),
+               speedup=float(sys.argv[5]) if sys.argv[5] != "none" else None)
 t_record = time.perf_counter() - t
 t = time.perf_counter()
 rec.stop()
@@ -72,10 +75,19 @@ print(json.dumps({"stop_s": t_stop, "record_s": t_record, "rss_rec": max(rss or 
 """
 
 
-def record_in_child(checkout: str, minutes: float) -> dict:
+def record_in_child(checkout: str, minutes: float, speedup: float | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="tracekit-long-") as d:
         r = subprocess.run(
-            [sys.executable, "-c", CHILD, checkout, str(minutes), d, ROOT],
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                checkout,
+                str(minutes),
+                d,
+                ROOT,
+                "none" if speedup is None else str(speedup),
+            ],
             capture_output=True,
             text=True,
             env={**os.environ, "PYTHONPATH": ""},
@@ -121,6 +133,13 @@ def main() -> None:
         help="simulated lengths to record (default: 10 and 60)",
     )
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the per-step timing")
+    ap.add_argument(
+        "--speedup",
+        type=float,
+        default=200.0,
+        help="simulated seconds per wall second at most (default 200: an hour in "
+        "18 s; a real server gives the writer a second per second of rows)",
+    )
     args = ap.parse_args()
     if not os.path.isdir(os.path.join(args.baseline, "tracekit")):
         raise SystemExit(f"{args.baseline}: no tracekit checkout there (--baseline)")
@@ -132,7 +151,7 @@ def main() -> None:
     for m in args.minutes:
         for side, checkout in (("this", ROOT), ("baseline", args.baseline)):
             t = time.perf_counter()
-            r = record_in_child(checkout, m)
+            r = record_in_child(checkout, m, args.speedup)
             print(f"{m:7.0f} {side:<9} {r['tokens']:11,d} {r['record_s']:9.1f} "
                   f"{r['stop_s']:8.3f} {r['rss_rec'] / 1e6:10.0f} {r['rss_peak'] / 1e6:11.0f} "
                   f"{r['bytes'] / r['tokens']:8.2f}   ({time.perf_counter() - t:.0f} s)",

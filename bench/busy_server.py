@@ -18,6 +18,7 @@ a simulated minute at batch 256.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,10 +58,17 @@ def serve(
     workload: Workload = Workload(),
     *,
     on_minute: Callable[[int], None] | None = None,
+    speedup: float | None = None,
 ) -> dict[str, int]:
     """Run the simulated server on `rec` (started, on `clock`) for `minutes` of its clock.
     Returns counts: steps, tokens (emissions), requests, evictions. `on_minute(m)` is
-    called at each simulated minute's end (to sample memory, say)."""
+    called at each simulated minute's end (to sample memory, say).
+
+    `speedup`: at most this many simulated seconds per wall second (the engine sleeps at
+    each simulated second to keep it). A real server gives the recorder's writer a whole
+    second for each second of rows; an engine simulated hundreds of times faster than the
+    writer can encode would have rows pile up in flight, a state no server is in. None:
+    as fast as the machine runs."""
     w = workload
     rng = np.random.default_rng(w.seed)
     # arrivals per simulated ms that keep the batch nearly full
@@ -75,6 +83,8 @@ def serve(
     evicted: list[tuple[int, int, int]] = []  # (handle, readmit at step, output tokens left)
     counts = {"steps": 0, "tokens": 0, "requests": 0, "evictions": 0}
     n_req = 0
+    start_ns, wall0 = clock.t_ns, time.perf_counter()
+    next_second_ns = start_ns + 1000 * MS
     while clock.t_ns < end_ns:
         # arrivals since the last step
         for _ in range(int(rng.poisson(rate_per_ms * w.step_ms))):
@@ -157,6 +167,11 @@ def serve(
                 counts["evictions"] += 1
         counts["steps"] += 1
         clock.advance_ms(0.2)  # the loop between steps
+        if speedup is not None and clock.t_ns >= next_second_ns:
+            next_second_ns += 1000 * MS
+            ahead_s = (clock.t_ns - start_ns) / 1e9 / speedup - (time.perf_counter() - wall0)
+            if ahead_s > 0:
+                time.sleep(ahead_s)
         if clock.t_ns >= next_minute_ns:
             minute += 1
             next_minute_ns += 60_000 * MS
