@@ -47,8 +47,10 @@ names an output directory. Then it installs class-level wrappers that start a
 
 Each process flushes at least every ``TRACEKIT_VLLM_FLUSH_S`` seconds (default 0.5, at
 most `MAX_FLUSH_S`), also while idle (a background thread), so what was recorded reaches
-disk within that interval. The API server stops its recorder at exit (SIGTERM / SIGINT of
-the server end in a normal exit there). With vLLM's default ``--shutdown-timeout 0`` the
+disk within that interval; with ``TRACEKIT_VLLM_RETAIN_S`` set, each keeps only about its
+last that many seconds of parts (`Recorder(retain_s=)`). The API server stops its
+recorder at exit (SIGTERM / SIGINT of the server end in a normal exit there). With vLLM's
+default ``--shutdown-timeout 0`` the
 engine core and workers are SIGKILLed right after their SIGTERM, so no exit hook runs
 there: their parts stay on disk and ``tracekit merge`` recovers them (without removing
 them). To lose less there, the engine core and workers flush on SIGTERM
@@ -107,6 +109,7 @@ ENV_FLUSH_S = "TRACEKIT_VLLM_FLUSH_S"
 DEFAULT_FLUSH_S = 0.5
 #: The longest flush interval under serve: what a SIGKILL without a SIGTERM first can lose.
 MAX_FLUSH_S = 1.0
+ENV_RETAIN_S = "TRACEKIT_VLLM_RETAIN_S"
 ENV_KILL_FLUSH_S = "TRACEKIT_VLLM_KILL_FLUSH_S"
 DEFAULT_KILL_FLUSH_S = 2.0
 
@@ -135,6 +138,7 @@ def register() -> None:
             return
         check_output_dir(out)
         flush_interval_s()  # a bad value fails here, at startup, with what to do
+        retain_s()
         live_options()  # a bad TRACEKIT_VLLM_* live option stops the server at startup
         api_metrics_port()
         _registered[0] = True
@@ -196,6 +200,15 @@ def flush_interval_s() -> float:
     """``TRACEKIT_VLLM_FLUSH_S``: each process's flush interval, bounded by `MAX_FLUSH_S`
     (what a SIGKILL that no SIGTERM announced can lose)."""
     return _seconds(ENV_FLUSH_S, DEFAULT_FLUSH_S, 0.01, MAX_FLUSH_S)
+
+
+def retain_s() -> float | None:
+    """``TRACEKIT_VLLM_RETAIN_S``: each process keeps only about its last this many seconds
+    of parts on disk (`Recorder(retain_s=)`: a server that runs for days keeps a bounded
+    folder); unset: every part."""
+    if not os.environ.get(ENV_RETAIN_S):
+        return None
+    return _seconds(ENV_RETAIN_S, 0.0, 1.0, 10.0 * 365 * 86400)
 
 
 def flush_on_sigterm(rec: Any) -> None:
@@ -271,6 +284,7 @@ def recorder_for(role: str, sinks: tuple[Any, ...] = (), **identity: Any) -> Any
                 flush_interval_s=flush_s,
                 handle_signals=False,  # vLLM's own handlers decide how each process ends
                 sinks=sinks,
+                retain_s=retain_s(),
             )
             rec.start()
             _rec[role] = rec  # the recorder's own idle flush bounds what a SIGKILL loses

@@ -43,6 +43,15 @@ def test_a_bad_flush_interval_fails_at_startup(monkeypatch, tmp_path, value):
     assert vllm_serve._registered == [False]
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "nan"])
+def test_a_bad_retention_fails_at_startup(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("TRACEKIT_VLLM_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACEKIT_VLLM_RETAIN_S", value)
+    with pytest.raises(RuntimeError, match=r"TRACEKIT_VLLM_RETAIN_S=.*expected seconds"):
+        vllm_serve.register()
+    assert vllm_serve._registered == [False]
+
+
 CHAINED = r"""
 import signal, sys, time
 import tracekit

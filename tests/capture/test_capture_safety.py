@@ -126,15 +126,18 @@ def test_recover_beside_a_complete_log_refuses_to_replace_it(tmp_path):
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "already exists" in r.stderr and "--force" in r.stderr and "-o" in r.stderr
     assert out.read_bytes() == good
-    # forced, the merge is still checked first: one part per step, step i names r(i mod 3)
-    # when new, so part 4 (the first left) names no new id but starts at index 3 while no
-    # part before it names any: it skips ids 0..2, refused, nothing written
+    # forced: a folder whose first parts are gone reads as the end of the run (retention,
+    # docs/design.md "The run's log on disk"): the 7 steps of parts 4..10, their three
+    # requests named in the removed parts '(removed N)'; the folder itself untouched
+    left = part_names(parts)
     r = run_cli("recover", str(parts), "--force")
-    assert r.returncode == 2 and "request_ids_start" in r.stderr, r.stderr
-    assert "part-000004.tkp" in r.stderr
-    assert out.read_bytes() == good
+    assert r.returncode == 0, r.stderr
+    log = tracekit.load(out)
+    assert len(log.steps) == 7 and log.request_ids == ("(removed 0)", "(removed 1)", "(removed 2)")
+    assert any("parts 1..3 were removed" in w for w in log.warnings), log.warnings
+    assert part_names(parts) == left
     r = run_cli("recover", str(parts), "-o", str(tmp_path / "other.npz"))
-    assert r.returncode == 2 and not (tmp_path / "other.npz").exists()
+    assert r.returncode == 0 and len(tracekit.load(tmp_path / "other.npz").steps) == 7
 
 
 # -- a recorder never deletes parts it did not write ------------------------------------

@@ -314,3 +314,101 @@ def _cli(*args: str):
 
     return subprocess.run([sys.executable, "-m", "tracekit", *args], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+
+
+# -- retention: the oldest parts removed while the run records ---------------------------
+
+
+def _long_run(rec: tracekit.Recorder, n: int = 120) -> None:
+    """Requests that live ~10 steps each, two emitting per step, one prompt chunk a step."""
+    with rec:
+        for i in range(n):
+            rec.request(f"r{i}", prompt_tokens=3)
+            with rec.step():
+                rec.admit(f"r{i}")
+                rec.prefill(f"r{i}", 3)
+                with rec.segment("decode"):
+                    pass
+                rec.emit([f"r{j}" for j in range(max(0, i - 9), i + 1)])
+
+
+def test_retention_keeps_the_last_parts_and_they_read_as_the_end_of_the_run(tmp_path):
+    """retain_s: the parts whose flush is older than retain_s before the newest are removed
+    as the run records; the folder then reads as the end of the same run (the same clock,
+    recorded in memory), steps renumbered from the first part left, the requests named only
+    in removed parts '(removed N)' with unknown arrivals, covered from the removed part's
+    flush (docs/design.md, "The run's log on disk")."""
+    # Clock: +1 us a reading; a step reads it ~6 times, a flush every 2 us: ~a part a step
+    mem = tracekit.Recorder(None, clock=Clock(), gc=False, handle_signals=False,
+                            flush_interval_s=2e-6)  # fmt: skip
+    _long_run(mem)
+    out = tmp_path / "run.npz"
+    disk = tracekit.Recorder(out, clock=Clock(), gc=False, handle_signals=False,
+                             flush_interval_s=2e-6, retain_s=100e-6)  # fmt: skip
+    _long_run(disk)
+    folder = tmp_path / "run.npz.parts"
+    numbers = sorted(int(p.name[5:11]) for p in folder.glob("part-*.tkp"))
+    assert numbers[0] > 10 and numbers == list(range(numbers[0], numbers[-1] + 1))
+    a, b = mem.log(), tracekit.load(out)
+    first = len(a.steps) - len(b.steps)
+    assert 0 < first < len(a.steps)
+    np.testing.assert_array_equal(b.steps.t_start_s, a.steps.t_start_s[first:])
+    np.testing.assert_array_equal(b.segments.step, a.segments.step[a.segments.step >= first] - first)
+    kept = a.emissions.step >= first
+    np.testing.assert_array_equal(b.emissions.step, a.emissions.step[kept] - first)
+    np.testing.assert_array_equal(b.emissions.t_s, a.emissions.t_s[kept])
+    # the requests: those named before the first part left are '(removed N)'; the rest as-is
+    n_removed = sum(r.startswith("(removed ") for r in b.request_ids)
+    assert b.request_ids[:n_removed] == tuple(f"(removed {i})" for i in range(n_removed))
+    assert b.request_ids[n_removed:] == a.request_ids[n_removed : len(b.request_ids)]
+    assert np.isnan(b.requests.arrival_s[:n_removed]).all()
+    np.testing.assert_array_equal(b.requests.arrival_s[n_removed:],
+                                  a.requests.arrival_s[n_removed : len(b.request_ids)])  # fmt: skip
+    # covered from the removed part before the first left (its flush, from the index)
+    entries, _ = read_index(str(folder))
+    before = next(e.flush_tick for e in entries if e.number == numbers[0] - 1)
+    t0_tick = json.loads((folder / "meta.json").read_text())["t0_tick"]
+    assert b.coverage.t_start_s[0] == pytest.approx((before - t0_tick) * 1e-9)
+    assert any("parts 1.." in w and "retention" in w for w in b.warnings), b.warnings
+    # every gap read is a gap of the whole run: same request, same two emissions
+    from tracekit.attribution.itl import partition
+
+    pa, pb = partition(a), partition(b)
+    names_a = {(a.request_ids[r], t0, t1) for r, t0, t1 in zip(pa.request, pa.t0_s, pa.t1_s)}
+    names_b = {(b.request_ids[r], t0, t1) for r, t0, t1 in zip(pb.request, pb.t0_s, pb.t1_s)}
+    assert len(pb) > 50 and pb.reconcile_max_err_ms < 1e-9
+    assert {x for x in names_b if not x[0].startswith("(removed")} <= names_a
+
+
+def test_a_reader_racing_retention_starts_again_at_the_oldest_part_left(tmp_path, monkeypatch):
+    import tracekit.log.parts as parts
+
+    out = tmp_path / "run.npz"
+    rec = tracekit.Recorder(out, clock=Clock(), gc=False, handle_signals=False,
+                            flush_interval_s=2e-6)  # fmt: skip
+    _long_run(rec, 20)
+    folder = tmp_path / "run.npz.parts"
+    (folder / "part-000001.tkp").unlink()  # retention already went this far
+    real = parts.read_part
+    gone: list[str] = []
+
+    def read_part(path, **kw):  # retention removes the head while the reader reads it
+        if not gone:
+            gone.append(path)
+            os.unlink(path)
+            raise FileNotFoundError(path)
+        return real(path, **kw)
+
+    monkeypatch.setattr(parts, "read_part", read_part)
+    log = parts.merge_parts(str(folder))
+    assert gone == [str(folder / "part-000002.tkp")]
+    assert any("parts 1..2 were removed" in w for w in log.warnings), log.warnings
+    assert len(log.steps) > 0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "60"])
+def test_retain_s_must_be_a_positive_number_of_seconds(tmp_path, bad):
+    with pytest.raises(ValueError, match="retain_s"):
+        tracekit.Recorder(tmp_path / "r.npz", retain_s=bad)
+    with pytest.raises(ValueError, match="on disk only"):
+        tracekit.Recorder(None, retain_s=60)

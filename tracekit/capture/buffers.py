@@ -81,7 +81,7 @@ class RowBuffers:
     ) -> None:
         """Swap the buffers and hand the rows to the dispatcher (no disk I/O and no chunk
         building here): `chunk(rows, now, stop_tick, open_tick, is_clock_only,
-        first_request)` makes what is handed over. Signals wait from the swap until the
+        first_request, first_step)` makes what is handed over. Signals wait from the swap until the
         hand-over (`tracekit.capture.signals`); `pid`: the process that started the run
         (a forked child swaps, and hands nothing over)."""
         signals.IN_FLUSH[0] += 1
@@ -92,13 +92,14 @@ class RowBuffers:
                 # after `now`, or is announced open
                 now = clock()
                 t_open = open_tick()
+                first_step = self.num_steps_flushed  # the number of this flush's first step
                 full = self.swap()
                 now = clock()
                 self.last_flush_tick = now
                 if pid != os.getpid():  # a forked child: the run is the parent's
                     return
                 first = self.num_requests_flushed
-                flush = chunk(full, now, stop_tick, t_open, is_clock_only, first)
+                flush = chunk(full, now, stop_tick, t_open, is_clock_only, first, first_step)
                 self.num_requests_flushed += len(flush.new_request_ids)
                 if self.dispatcher is not None:
                     self.dispatcher.submit(flush)

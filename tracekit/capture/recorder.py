@@ -136,6 +136,10 @@ class Recorder:
         OS took (`os_runqueue`, `os_blocked`). None (the default): on where the platform
         has the counters and the clock is wall time (the default clock), else off; the
         log's ``meta["os_evidence"]`` says which, and why not.
+    retain_s: keep only the parts of about the last `retain_s` seconds on disk (older ones
+        are removed as new ones are written: a server that runs for days keeps a bounded
+        folder); every reader starts at the oldest part left (docs/design.md,
+        "The run's log on disk"). None (the default): keep every part.
     handle_signals: turn SIGTERM into a clean stop, and keep it and Ctrl-C (SIGINT, still
         a KeyboardInterrupt) from being lost in a GC pause or a flush (re-sent once those
         end); installed at start and restored at stop, main thread only
@@ -161,8 +165,21 @@ class Recorder:
         device_timer: DeviceTimer | None = None,
         sinks: Iterable[Sink] = (),
         os_evidence: bool | None = None,
+        retain_s: float | None = None,
     ) -> None:
         self.out = None if out is None else os.fspath(out)
+        if retain_s is not None and (
+            isinstance(retain_s, bool)
+            or not isinstance(retain_s, (int, float))
+            or not 0 < retain_s < float("inf")
+        ):
+            raise ValueError(
+                f"Recorder(retain_s=): expected a positive number of seconds or None (keep "
+                f"every part), got {type(retain_s).__name__} {retain_s!r:.80}"
+            )
+        if retain_s is not None and out is None:
+            raise ValueError("Recorder(retain_s=): parts are kept on disk only (give out=PATH)")
+        self._retain_s = retain_s
         self.config: dict[str, Any] = dict(config or {})
         self.enabled = enabled
         self.cause_map = {**DEFAULT_CAUSE_MAP, **(cause_map or {})}
@@ -253,7 +270,9 @@ class Recorder:
                 self._clock, self._seconds_per_tick, self._t0_tick
             )
         self._meta = meta
-        self._own = MemorySink() if self.out is None else PartsSink(self.out)
+        self._own = (
+            MemorySink() if self.out is None else PartsSink(self.out, retain_s=self._retain_s)
+        )
         self._own.open(meta)  # the run's own output: refusing a path in use raises here
         self._sinks = [s for s in self._sinks if call_sink(s, "open", meta)]
         self._rows.dispatcher = Dispatcher(
@@ -911,7 +930,7 @@ class Recorder:
 
     def _chunk(
         self, buf: dict[str, array], now: int, stop_tick: int | None, open_tick: int | None,
-        is_clock_only: bool, first_request: int,
+        is_clock_only: bool, first_request: int, first_step: int,
     ) -> Flush:  # fmt: skip
         """What a flush hands over: the swapped-out rows, with the vocabularies so far
         (the request names from `first_request` on, the ones not handed over yet)."""
@@ -926,6 +945,7 @@ class Recorder:
             stop_tick,
             open_tick,
             is_clock_only,
+            first_step,
         )
 
     def _earliest_open_tick(self) -> int | None:

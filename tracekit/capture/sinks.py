@@ -99,6 +99,9 @@ class Flush(NamedTuple):
     open_tick: int | None = None
     # an idle engine's flush with no rows: only the clock moved (see `Dispatcher`)
     is_clock_only: bool = False
+    # the number of the first step whose row this flush holds (steps before it: earlier
+    # flushes); rows name steps by number, so a reader of later parts alone can place them
+    first_step: int = 0
 
 
 #: The recorder's compact form of emissions (`Recorder.emit_handles`): per call one
@@ -159,6 +162,7 @@ def build_chunk(flushes: list[Flush], t0_tick: int, seconds_per_tick: float) -> 
         seconds_per_tick=seconds_per_tick,
         stop_tick=last.stop_tick,
         open_tick=last.open_tick,
+        first_step=flushes[0].first_step,
     )
 
 
@@ -349,8 +353,16 @@ class PartsSink:
     saved as ``OUT`` (one `.npz`) if that works, else `CaptureError` says where the run is.
     """
 
-    def __init__(self, out: str | os.PathLike[str], *, max_pending_values: int = 20_000_000):
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        max_pending_values: int = 20_000_000,
+        retain_s: float | None = None,
+    ):
         self.out = os.fspath(out)
+        self._retain_s = retain_s
+        self._kept: deque[tuple[int, str]] = deque()  # (flush tick, path) of parts on disk
         self.dir = parts_dir_for(self.out)
         self.log: RawLog | None = None
         self._max_pending = max_pending_values
@@ -434,6 +446,8 @@ class PartsSink:
                 self._syncer.add(path)
             rows = self._pending.popleft()
             self._n += 1
+            if self._retain_s is not None:
+                self._retire(path, rows.scalar("flush_tick") or 0)
             try:  # the index is a reader's shortcut: the parts themselves are the run
                 append_index(self.dir, path, rows)
             except OSError as e:
@@ -443,6 +457,22 @@ class PartsSink:
         if self._failing is not None:
             logger.warning("tracekit: writing parts to %s again", self.dir)
             self._failing = None
+
+    def _retire(self, path: str, flush_tick: int) -> None:
+        """Remove the parts whose rows all end `retain_s` before this part's flush, oldest
+        first (the newest part always stays). A part still being synced is removed all
+        the same: its fsync then fails and is logged, nothing else."""
+        self._kept.append((flush_tick, path))
+        spt = float(self._meta.get("seconds_per_tick", 1e-9))
+        cutoff = flush_tick - int((self._retain_s or 0.0) / spt)
+        while len(self._kept) > 1 and self._kept[0][0] < cutoff:
+            _, old = self._kept.popleft()
+            try:
+                os.unlink(old)
+            except FileNotFoundError:  # a user archived it already
+                pass
+            except OSError as e:
+                logger.warning("tracekit: cannot remove %s (retain_s) (%s)", old, e)
 
     def _shed(self) -> None:
         """Drop the oldest held rows beyond the bound, keeping each flush's vocabularies."""

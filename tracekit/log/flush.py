@@ -16,7 +16,9 @@ its sinks, and the format of a part (``part-NNNNNN.npz`` holds exactly these arr
   flush of a run ``stop_tick``; ``dropped_rows`` when a sink shed rows (a full disk);
   ``open_tick`` when a window (a segment on any thread, a collection on another thread)
   was still open at the flush: the earliest start of one, whose row comes in a later
-  flush, so no gap after this tick is final yet.
+  flush, so no gap after this tick is final yet; ``first_step``: the number of the first
+  step whose row the flush holds (rows name steps by number: a reader that starts at a
+  later part, the earlier ones removed, places them with it).
 
 Readers go through `FlushedRows.table` and `FlushedRows.column` (by name), never by
 column position. A part written before a table existed lacks it (`OPTIONAL_TABLES`); it
@@ -66,7 +68,7 @@ OPTIONAL_TABLES = frozenset({"admissions", "prefill_chunks", "waits", "os_sample
 VOCAB_KEYS = ("labels", "counter_names", "request_ids")
 SCALAR_KEYS = (
     "request_ids_start", "config", "flush_tick", "t0_tick", "seconds_per_tick", "stop_tick",
-    "dropped_rows", "open_tick",
+    "dropped_rows", "open_tick", "first_step",
 )  # fmt: skip
 #: Every array a flush may hold (anything else in a part's archive is left unread).
 KEYS = frozenset(TABLES) | frozenset(VOCAB_KEYS) | frozenset(SCALAR_KEYS)
@@ -194,6 +196,7 @@ def build_flushed(
     seconds_per_tick: float,
     stop_tick: int | None = None,
     open_tick: int | None = None,
+    first_step: int | None = None,
 ) -> FlushedRows:
     """One `FlushedRows` from the row buffers of one or more consecutive flushes (each a
     mapping table -> flat buffer of that table's dtype, such as ``array.array``), in order.
@@ -218,6 +221,8 @@ def build_flushed(
         arrays["stop_tick"] = np.array(stop_tick, dtype=np.int64)
     if open_tick is not None:
         arrays["open_tick"] = np.array(open_tick, dtype=np.int64)
+    if first_step is not None:
+        arrays["first_step"] = np.array(first_step, dtype=np.int64)
     return FlushedRows(arrays)
 
 

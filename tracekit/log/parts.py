@@ -205,17 +205,32 @@ def merge_parts(
     meta = read_meta(parts_dir)
     if final is None:
         final = read_final(parts_dir, max_inflate_mb=max_inflate_mb)
-    paths = part_paths(parts_dir)
+    for _ in range(5):  # parts removed by retention while they were read: read again
+        paths = part_paths(parts_dir)
+        parts, warnings, head_gone = _read_parts(paths, max_inflate_mb)
+        if not head_gone:
+            break
+    warnings += _index_warnings(parts_dir, paths, warnings)
+    start = _retained_start(parts_dir, paths, parts, warnings)
+    return merge_flushed(
+        meta, parts, final=final, path=parts_dir, warnings=warnings, retained=start
+    )
+
+
+def _read_parts(
+    paths: list[str], max_inflate_mb: float | None
+) -> tuple[list[dict[str, Any]], list[str], bool]:
+    """The parts in order, parsed, and the warnings; the run ends at the first part missing
+    or unreadable. The flag: a part vanished while it was read, before any other was
+    read (retention removed the head of the folder: the caller lists the folder again)."""
     warnings: list[str] = []
     parts: list[dict[str, Any]] = []
     for i, p in enumerate(paths):
-        # a power loss kept a later part's name but not the next one's (a folder missing
-        # its first parts is one whose removal stopped: its contents are checked, refused)
+        # a power loss kept a later part's name but not the next one's
         if i and part_number(p) != part_number(paths[i - 1]) + 1:
             warnings.append(
                 f"part-{part_number(paths[i - 1]) + 1:06d}{os.path.splitext(p)[1]} is "
-                "missing; the run ends at "
-                "the flush before it "
+                "missing; the run ends at the flush before it "
                 f"({len(paths) - i} later part(s) left out, still on disk)"
             )
             break
@@ -223,8 +238,12 @@ def merge_parts(
             z = read_part(p, max_inflate_mb=max_inflate_mb)
         except InflateLimitError:  # over the limit the user set: an error, not a damaged part
             raise
-        except Exception as e:
+        except FileNotFoundError as e:
+            if not parts:
+                return parts, warnings, True
             damaged: BaseException = e
+        except Exception as e:
+            damaged = e
         else:  # readable: contents that contradict the run are a LogError naming the field
             try:
                 parts.append(parse_flushed(z, p))
@@ -242,8 +261,46 @@ def merge_parts(
             f"({len(paths) - i} part(s) left out, still on disk)"
         )
         break
-    warnings += _index_warnings(parts_dir, paths, warnings)
-    return merge_flushed(meta, parts, final=final, path=parts_dir, warnings=warnings)
+    return parts, warnings, False
+
+
+@dataclass(frozen=True)
+class Retained:
+    """Where a run whose first parts were removed (`Recorder(retain_s=)`, or by hand)
+    starts: its first part's number, the requests and steps the removed parts named, and
+    the tick its rows are complete from (the removed part before it's flush)."""
+
+    first_part: int
+    num_requests: int
+    first_step: int
+    from_tick: int | None
+
+
+def _retained_start(
+    parts_dir: str, paths: list[str], parts: list[dict[str, Any]], warnings: list[str]
+) -> Retained | None:
+    """None for a run read from its first part; else where it starts (the first part must
+    say which step it begins with: parts written before `first_step` cannot be read
+    without the ones before them, a `LogError`)."""
+    if not paths or part_number(paths[0]) == 1 or not parts:
+        return None
+    first = parts[0]
+    number = part_number(paths[0])
+    if first["first_step"] is None:
+        raise LogError(
+            parts_dir, os.path.basename(paths[0]), f"the folder starts at part {number} and "
+            "this part does not say which step it begins with (written before retention): "
+            "the parts before it are needed",
+        )  # fmt: skip
+    entries, _ = read_index(parts_dir)
+    before = [e.flush_tick for e in entries if e.number == number - 1]
+    warnings.append(
+        f"parts 1..{number - 1} were removed (retention): the run is read from part "
+        f"{number}; {first['request_ids_start']} request(s) named only in them are "
+        "'(removed N)', their arrivals unknown"
+    )
+    return Retained(number, first["request_ids_start"], first["first_step"],
+                    before[0] if before else None)  # fmt: skip
 
 
 def _index_warnings(parts_dir: str, paths: list[str], warned: list[str]) -> list[str]:
@@ -441,6 +498,12 @@ def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
         if a.shape != () or a.dtype.kind not in "iu":
             raise bad("open_tick", "not one integer")
         open_tick = int(a)
+    first_step = None
+    if "first_step" in z:
+        a = np.asarray(z["first_step"])
+        if a.shape != () or a.dtype.kind not in "iu" or int(a) < 0:
+            raise bad("first_step", "not one step number (an integer >= 0)")
+        first_step = int(a)
     dropped = 0
     if "dropped_rows" in z:
         a = np.asarray(z["dropped_rows"])
@@ -459,6 +522,7 @@ def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
         "stop_tick": stop_tick,
         "open_tick": open_tick,
         "dropped_rows": dropped,
+        "first_step": first_step,
     }
 
 
@@ -493,12 +557,18 @@ def _check_request_rows(part: Mapping[str, Any], n_named: int) -> None:
             )
 
 
-def _fold_flushes(meta: Mapping[str, Any], parts: list[dict[str, Any]]) -> _Folded:
-    """The flushes in order: their rows, the names they add, and how far the run got."""
+def _fold_flushes(
+    meta: Mapping[str, Any], parts: list[dict[str, Any]], retained: Retained | None = None
+) -> _Folded:
+    """The flushes in order: their rows, the names they add, and how far the run got.
+    `retained`: the run starts at a later part (the requests the removed ones named are
+    ``(removed N)``)."""
     f = _Folded(
         chunks={k: [] for k in TABLES},
         labels=[],
-        request_ids=[],
+        request_ids=[]
+        if retained is None
+        else [f"(removed {i})" for i in range(retained.num_requests)],  # fmt: skip
         counter_names=[],
         config=dict(meta.get("config", {})),
         last_tick=meta["t0_tick"],
@@ -588,11 +658,14 @@ def merge_flushed(
     final: Mapping[str, Any] | None = None,
     path: str = "<memory>",
     warnings: list[str] | None = None,
+    retained: Retained | None = None,
 ) -> RawLog:
     """The one `RawLog` of a run's parsed flushes (`parse_flushed`), in flush order: what both
     the parts on disk and a run kept in memory become. `final`: what is known only at
     stop (config, device calibration, ``extras``, ``warnings``)."""
-    f = _fold_flushes(meta, parts)
+    f = _fold_flushes(meta, parts, retained)
+    if retained is not None:
+        _renumber_steps(f.chunks, retained.first_step)
     config = f.config
     warnings = list(warnings or [])
     if f.dropped:
@@ -641,7 +714,7 @@ def merge_flushed(
     run_meta = _merged_meta(meta, final, f.clean_stop, warnings)
     coverage = Coverage(
         process=np.zeros(1, dtype=np.int64),
-        t_start_s=np.zeros(1),
+        t_start_s=np.array([_covered_from(retained, f.chunks, t0) * scale]),
         t_end_s=np.array([(wall_ticks if f.clean_stop else f.complete_tick - t0) * scale]),
         is_clean_stop=np.array([int(final is not None)], dtype=np.int64),
     )
@@ -669,6 +742,39 @@ def merge_flushed(
         warnings=tuple(warnings_of(run_meta)),  # as the one-file log of this run reads
         extras=dict((final or {}).get("extras", {})),
     )
+
+
+def _renumber_steps(chunks: dict[str, list[np.ndarray]], first_step: int) -> None:
+    """Rows of a run read from a later part name steps by their number in the whole run:
+    renumber them from that part's first step (a column ``step`` of any table; -1, no
+    step, stays). An emission reading a removed step's device work (``device_step``, only
+    in the first steps read) is taken as reading its own step's: no gap ends at such an
+    emission (its request's previous emission was removed with its part)."""
+    for k, rows_list in chunks.items():
+        cols = TABLES[k]
+        if "step" not in cols:
+            continue
+        for i, read in enumerate(rows_list):
+            rows = rows_list[i] = read.copy()  # a part's arrays may be read-only
+            if "step" in cols:
+                c = rows[:, cols.index("step")]
+                c[c >= 0] -= first_step
+            if "device_step" in cols:
+                d = rows[:, cols.index("device_step")]
+                d[d >= 0] -= first_step
+                lost = d < 0
+                d[lost] = rows[lost, cols.index("step")]
+
+
+def _covered_from(retained: Retained | None, chunks: dict[str, list[np.ndarray]], t0: int) -> int:
+    """Ticks from the run's start to where its rows are complete from: 0, or for a run read
+    from a later part the flush before it (from the index), else its first step's start."""
+    if retained is None:
+        return 0
+    if retained.from_tick is not None:
+        return retained.from_tick - t0
+    steps = [r[:, 0] for r in chunks["steps"] if len(r)]
+    return int(min(int(s.min()) for s in steps)) - t0 if steps else 0
 
 
 def _ttft_tables(
