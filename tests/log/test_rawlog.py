@@ -49,7 +49,7 @@ def test_round_trip_keeps_every_table(tmp_path):
     assert back.labels == log.labels and back.request_ids == log.request_ids
     assert back.config == log.config and back.wall_s == log.wall_s
     with np.load(path, allow_pickle=False) as z:
-        assert str(z["schema"]) == "tracekit.rawlog" and int(z["schema_version"]) == 4
+        assert str(z["schema"]) == "tracekit.rawlog" and int(z["schema_version"]) == 5
         assert "steps.t_start_s" in z.files  # units in the names
 
 
