@@ -340,3 +340,46 @@ def metric_by_label(server: Server, name: str, label: str) -> dict[str, float]:
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+#: Request ids `bench_serve` gives ``vllm bench serve`` (its k-th request is ``PREFIX{k}``,
+#: which vLLM's completions name ``cmpl-PREFIX{k}-0``).
+BENCH_ID_PREFIX = "bench-"
+
+
+def bench_serve(
+    server: Server,
+    result_dir: str,
+    *,
+    num_prompts: int = 24,
+    concurrency: int = 6,
+    input_len: int = 16,
+    output_len: int = 12,
+    timeout_s: float = 300,
+) -> dict[str, Any]:
+    """Drive `server` with vLLM's own benchmark client, ``vllm bench serve`` (random
+    dataset of `num_prompts` prompts of `input_len` tokens from the server's own local
+    tokenizer, `output_len` tokens each with ``ignore_eos``, at most `concurrency` at once,
+    request ids ``BENCH_ID_PREFIX{k}``, no ready-check request, so that every request it
+    sends is one of them), and return its saved result with ``--save-detailed``: per
+    request, in the order of the ids, ``start_times`` (its ``time.perf_counter`` before
+    the send), ``ttfts`` and ``itls`` (seconds)."""
+    os.makedirs(result_dir, exist_ok=True)
+    shim = cli_shim(os.path.join(result_dir, "vllm-cli"))
+    env = {**os.environ, **SERVE_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (shim, env.get("PYTHONPATH")) if x)
+    env.pop("TRACEKIT_VLLM_DIR", None)  # the client is not a server process to record
+    cmd = [sys.executable, "-c", CLI_MAIN, "bench", "serve", "--backend", "vllm",
+           "--base-url", server.url, "--model", server.model, "--tokenizer", server.model,
+           "--dataset-name", "random", "--random-input-len", str(input_len),
+           "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
+           "--request-id-prefix", BENCH_ID_PREFIX, "--ready-check-timeout-sec", "0",
+           "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", result_dir,
+           "--result-filename", "bench.json"]  # fmt: skip
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-3000:]}"
+                           f"\n{r.stderr[-3000:]}")  # fmt: skip
+    with open(os.path.join(result_dir, "bench.json")) as fh:
+        return dict(json.load(fh))

@@ -62,7 +62,10 @@ boundary; a server started with tracekit refuses nothing.
 
 With ``TRACEKIT_VLLM_METRICS_PORT`` each engine core also feeds its recorder to a live sink
 (`tracekit.live.LiveMetrics`): per-cause metrics on port + its data-parallel rank, slow-gap
-spans parented on the ``traceparent`` vLLM carries (`live_options`, docs/live.md).
+spans parented on the ``traceparent`` vLLM carries (`live_options`, docs/live.md). With
+``TRACEKIT_VLLM_API_METRICS_PORT`` each API server feeds its own recorder to
+`tracekit.live.client_ttft.ClientTtftLive`: the client-boundary TTFT on port + its index
+(`api_live_sinks`).
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ def register() -> None:
         check_output_dir(out)
         flush_interval_s()  # a bad value fails here, at startup, with what to do
         live_options()  # a bad TRACEKIT_VLLM_* live option stops the server at startup
+        api_metrics_port()
         _registered[0] = True
     _install_core_hooks()
     _install_worker_hooks()
@@ -415,6 +419,8 @@ ENV_OTLP_ENDPOINT = "TRACEKIT_VLLM_OTLP_ENDPOINT"
 ENV_HOLD_S = "TRACEKIT_VLLM_HOLD_S"
 ENV_LINGER_S = "TRACEKIT_VLLM_LINGER_S"
 ENV_RUN = "TRACEKIT_VLLM_RUN"
+#: Each API server's client-boundary TTFT (docs/live.md): API server K serves on port + K.
+ENV_API_METRICS_PORT = "TRACEKIT_VLLM_API_METRICS_PORT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +464,8 @@ def live_options() -> LiveOptions | None:
     raw_port = env.get(ENV_METRICS_PORT)
     live_only = [n for n in (ENV_SLO_MS, ENV_OTLP_ENDPOINT, ENV_HOLD_S, ENV_LINGER_S,
                              ENV_METRICS_ADDR) if env.get(n)]  # fmt: skip
+    if api_metrics_port() is not None and ENV_METRICS_ADDR in live_only:
+        live_only.remove(ENV_METRICS_ADDR)  # the API servers bind it too
     if not raw_port:
         if live_only:
             raise RuntimeError(
@@ -465,11 +473,7 @@ def live_options() -> LiveOptions | None:
                 f"with a metrics port (e.g. {ENV_METRICS_PORT}=9400, or 0 for any free one)"
             )
         return None
-    if not re.fullmatch(r"\d{1,5}", raw_port.strip()) or int(raw_port) > 65535:
-        raise RuntimeError(
-            f"{ENV_METRICS_PORT}={raw_port!r}: expected a port number 0-65535 (0: any free "
-            "port, printed at startup)"
-        )
+    port = _port(ENV_METRICS_PORT, raw_port)
     slo_ms = number(ENV_SLO_MS, None, lambda v: v > 0, "a number of milliseconds > 0")
     otlp = env.get(ENV_OTLP_ENDPOINT) or None
     if otlp is not None:
@@ -483,14 +487,36 @@ def live_options() -> LiveOptions | None:
                 "http://127.0.0.1:4318/v1/traces"
             )
     return LiveOptions(
-        port=int(raw_port),
+        port=port,
         addr=env.get(ENV_METRICS_ADDR) or "127.0.0.1",
         slo_ms=slo_ms,
         otlp_endpoint=otlp,
         hold_s=float(number(ENV_HOLD_S, 2.0, lambda v: v >= 0, "seconds >= 0")),
         linger_s=float(number(ENV_LINGER_S, 0.0, lambda v: v >= 0, "seconds >= 0")),
-        run=env.get(ENV_RUN) or os.path.basename(os.path.normpath(env.get(ENV_DIR, ""))),
+        run=run_label(),
     )
+
+
+def _port(name: str, raw: str) -> int:
+    if not re.fullmatch(r"\d{1,5}", raw.strip()) or int(raw) > 65535:
+        raise RuntimeError(
+            f"{name}={raw!r}: expected a port number 0-65535 (0: any free port, printed at startup)"
+        )
+    return int(raw)
+
+
+def run_label() -> str:
+    """The ``run`` label of every live series: ``TRACEKIT_VLLM_RUN``, else the recording
+    directory's name."""
+    out_dir = os.environ.get(ENV_DIR, "")
+    return os.environ.get(ENV_RUN) or os.path.basename(os.path.normpath(out_dir))
+
+
+def api_metrics_port() -> int | None:
+    """``TRACEKIT_VLLM_API_METRICS_PORT``: the first API server's port for its
+    client-boundary TTFT (None: not served); RuntimeError if it is not a port number."""
+    raw = os.environ.get(ENV_API_METRICS_PORT)
+    return None if not raw else _port(ENV_API_METRICS_PORT, raw)
 
 
 def live_sink_for_core(core: Any, dp_rank: int) -> Any:
@@ -540,6 +566,69 @@ def live_sink_for_core(core: Any, dp_rank: int) -> Any:
         flush=True,
     )
     return live
+
+
+# -- live client-boundary TTFT (API server) -----------------------------------------------
+
+#: The served model's name, as the API server's engine client knows it (the ``model`` label).
+_served_model: list[str] = []
+_api_sink: list[Any] = []  # this API server's `ClientTtftLive`, once made (at most one)
+
+
+def api_server_index() -> int:
+    """This API server's index: vLLM names API server K's process ``ApiServer_K`` with
+    ``--api-server-count`` > 1; a single API server runs in the launching process (0)."""
+    import multiprocessing
+
+    m = re.fullmatch(r"ApiServer_(\d+)", multiprocessing.current_process().name)
+    return int(m.group(1)) if m else 0
+
+
+def api_live_sinks() -> tuple[Any, ...]:
+    """This API server's live sinks: its `tracekit.live.client_ttft.ClientTtftLive` serving
+    ``tracekit_ttft_client_seconds`` on ``TRACEKIT_VLLM_API_METRICS_PORT`` + its index, made
+    and served at the first call (the engine client's start, so its series are at 0 before
+    the first request); () when the port is not set. The address is printed on stderr."""
+    port = api_metrics_port()
+    if port is None:
+        return ()
+    with _lock:
+        if not _api_sink:
+            _api_sink.append(_start_api_sink(port))
+    return (_api_sink[0],)
+
+
+def _start_api_sink(port: int) -> Any:
+    # the live extra is imported only where live mode is asked for
+    from tracekit.live.client_ttft import ClientTtftLive
+
+    k = api_server_index()
+    addr = os.environ.get(ENV_METRICS_ADDR) or "127.0.0.1"
+    sink = ClientTtftLive(
+        addr=addr,
+        const_labels={"run": run_label(), "engine": "vllm",
+                      "model": _served_model[0] if _served_model else "",
+                      "process": f"api_server-{os.getpid()}", "api_server": str(k)},
+    )  # fmt: skip
+    want = port + k if port else 0
+    try:
+        sink.serve(want)
+    except OSError as e:
+        raise RuntimeError(
+            f"{ENV_API_METRICS_PORT}: API server {k} cannot listen on {addr}:{want} "
+            f"({e.strerror or e}); pick a free port (API server K takes port + K) or another "
+            "address"
+        ) from None
+    host = f"[{addr}]" if ":" in addr else addr
+    print(f"tracekit: API server {k} (pid {os.getpid()}) client-boundary TTFT at "
+          f"http://{host}:{sink.port}/metrics", file=sys.stderr, flush=True)  # fmt: skip
+    return sink
+
+
+def frontend_recorder() -> Any:
+    """The API server's recorder (started at its first request), with its live sink."""
+    rec = _rec.get(FRONTEND)
+    return rec if rec is not None else recorder_for(FRONTEND, sinks=api_live_sinks())
 
 
 def _propagate_trace_context(live: Any, scheduler: Any, p: Patches) -> None:
@@ -896,18 +985,17 @@ def flush_before_kill(procs: list[Any], wait_s: float) -> int:
     the signal (its ``flush_tick``, on the one ``perf_counter`` clock of the host, is past
     it: an older flush the writer was still behind on does not count) or has exited, at
     most `wait_s` seconds in all. Returns how many did in time."""
-    import numpy as np
-
-    from tracekit.log.parts import part_paths
+    from tracekit.log.parts import FINAL_NAME, part_paths, read_part
 
     def flushed_since(d: str, t_tick: int) -> bool:
         try:
+            if os.path.exists(os.path.join(d, FINAL_NAME)):  # it stopped its recorder
+                return True
             last = part_paths(d)[-1:]
             if not last:
                 return False
-            with np.load(last[0], allow_pickle=False) as z:
-                return int(z["flush_tick"]) >= t_tick
-        except FileNotFoundError:  # gone: it stopped its recorder and wrote its whole log
+            return (read_part(last[0]).scalar("flush_tick") or 0) >= t_tick
+        except FileNotFoundError:  # gone: its folder was moved or removed
             return True
         except Exception:  # a part being renamed into place, or unreadable: look again
             return False
@@ -944,7 +1032,7 @@ def _install_frontend_hooks() -> None:
 
     def wrap_create(create: Callable[..., Any]) -> Callable[..., Any]:
         async def create_handler(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            now = recorder_for(FRONTEND).now()
+            now = frontend_recorder().now()
             raw = args[0] if args else kwargs.get("raw_request")
             scope = getattr(raw, "scope", None)
             receipt = scope.get(RECEIPT_KEY) if isinstance(scope, dict) else None
@@ -961,7 +1049,7 @@ def _install_frontend_hooks() -> None:
         def add_request(self: Any, request: Any, prompt: Any, parent_req: Any = None,
                         request_index: int = 0, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
             out = add(self, request, prompt, parent_req, request_index, *args, **kwargs)
-            rec = recorder_for(FRONTEND)
+            rec = frontend_recorder()
             external = getattr(request, "external_req_id", None) or request.request_id
             name = client_name(external, parent_req, request_index)
             key = f"{name}{FRONT_SEP}{request.request_id}"
@@ -988,7 +1076,7 @@ def _install_frontend_hooks() -> None:
         async def add_request_async(self: Any, request: Any) -> Any:
             idx = _front.index.pop(request.request_id, None)
             if idx is not None:
-                recorder_for(FRONTEND).counter(SENT, float(idx))
+                frontend_recorder().counter(SENT, float(idx))
             return await send(self, request)
 
         return add_request_async
@@ -997,7 +1085,7 @@ def _install_frontend_hooks() -> None:
         async def get_output_async(self: Any) -> Any:
             outputs = await get(self)
             if outputs.outputs:
-                recorder_for(FRONTEND).counter(RECV, float(outputs.timestamp))
+                frontend_recorder().counter(RECV, float(outputs.timestamp))
             return outputs
 
         return get_output_async
@@ -1005,7 +1093,7 @@ def _install_frontend_hooks() -> None:
     def wrap_timed(label: str) -> Callable[..., Callable[..., Any]]:
         def make(fn: Callable[..., Any]) -> Callable[..., Any]:
             def timed(*args: Any, **kwargs: Any) -> Any:
-                with recorder_for(FRONTEND).segment(label):
+                with frontend_recorder().segment(label):
                     return fn(*args, **kwargs)
 
             return timed
@@ -1034,7 +1122,7 @@ def _install_frontend_hooks() -> None:
 
         def wrap_tokenize(tokenize: Callable[..., Any]) -> Callable[..., Any]:
             async def tokenize_prompts_async(*args: Any, **kwargs: Any) -> Any:
-                rec = recorder_for(FRONTEND)
+                rec = frontend_recorder()
                 t0 = rec.now()
                 try:
                     return await tokenize(*args, **kwargs)
@@ -1045,6 +1133,31 @@ def _install_frontend_hooks() -> None:
 
         p.wrap(BaseRenderer, "tokenize_prompts_async", wrap_tokenize)
     _install_write_hooks(p)
+    _install_api_live_hook(p)
+
+
+def _install_api_live_hook(p: Patches) -> None:
+    """With ``TRACEKIT_VLLM_API_METRICS_PORT``, the API server's engine client, once made,
+    names the served model and starts the client-boundary TTFT's sink (serving from then
+    on; the recorder it follows starts at the first request)."""
+    if api_metrics_port() is None:
+        return
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    def make(init: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            mc = getattr(self, "model_config", None)
+            name = getattr(mc, "served_model_name", None) or getattr(mc, "model", None)
+            if isinstance(name, (list, tuple)):
+                name = name[0] if name else None
+            if name and not _served_model:
+                _served_model.append(str(name))
+            api_live_sinks()
+
+        return __init__
+
+    p.wrap(AsyncLLM, "__init__", make)
 
 
 def _install_write_hooks(p: Patches) -> None:
@@ -1100,7 +1213,7 @@ def _install_receipt_hooks(p: Patches) -> None:
 
         def wrap_begin(begin: Callable[..., Any]) -> Callable[..., Any]:
             def on_message_begin(self: Any) -> Any:
-                t = recorder_for(FRONTEND).now()
+                t = frontend_recorder().now()
                 out = begin(self)
                 scope = getattr(self, "scope", None)
                 if isinstance(scope, dict):
@@ -1117,7 +1230,7 @@ def _install_receipt_hooks(p: Patches) -> None:
 
     def wrap_received(received: Callable[..., Any]) -> Callable[..., Any]:
         def data_received(self: Any, data: Any) -> Any:
-            t = recorder_for(FRONTEND).now()
+            t = frontend_recorder().now()
             cycle = getattr(self, "cycle", None)
             if cycle is None or getattr(cycle, "response_complete", True):
                 self._tracekit_first_byte = t  # these bytes start a new request
@@ -1176,7 +1289,7 @@ def _wrap_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
     async def completion_stream_generator(self: Any, request: Any, engine_inputs: Any,
                                           result_generator: Any, *args: Any,
                                           **kwargs: Any) -> Any:  # fmt: skip
-        rec = recorder_for(FRONTEND)
+        rec = frontend_recorder()
         n = 1 if getattr(request, "n", None) is None else int(request.n)
         pending: dict[int, deque[int]] = defaultdict(deque)  # tokens of each chunk to come
         names: dict[int, str] = {}  # choice -> its request's name at the client boundary
@@ -1229,7 +1342,7 @@ def _wrap_chat_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
 
     async def chat_completion_stream_generator(self: Any, request: Any, result_generator: Any,
                                                *args: Any, **kwargs: Any) -> Any:  # fmt: skip
-        rec = recorder_for(FRONTEND)
+        rec = frontend_recorder()
         n = 1 if getattr(request, "n", None) is None else int(request.n)
         seen: dict[int, int] = defaultdict(int)  # tokens of each choice's outputs so far
         sent: dict[int, int] = defaultdict(int)  # ... that chunks carried

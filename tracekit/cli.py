@@ -525,10 +525,23 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     windows, requests named as the client knows them. Prints each process's clock offset
     against the engine core and its uncertainty. `analyze`, `report` and `trace` also
     accept DIRECTORY itself. A data-parallel server has one engine core per rank: merge
-    each rank's run with --engine RANK (its steps, workers and requests)."""
-    from tracekit.analysis.run import save_merged  # deferred: loaded per command
-    from tracekit.analysis.unrecorded import unrecorded_report
+    each rank's run with --engine RANK (its steps, workers and requests).
 
+    Given one run instead (a recorder's RUN.npz and its RUN.npz.parts/ folder, the folder
+    alone, any log), writes it as one self-contained .npz: the form to share."""
+    from tracekit.analysis.run import is_run_dir, save_merged, save_one_file  # deferred
+    from tracekit.analysis.unrecorded import unrecorded_report
+    from tracekit.log.processes import is_process_dir
+
+    if not is_process_dir(directory):
+        if engine is not None:
+            _fail(f"{directory}: --engine picks a rank of a server's process directory")
+        one = save_one_file(directory, output, force=force, **_limits())
+        _warn(directory, one.warnings)
+        form = "parts folder" if is_run_dir(directory) else "log"
+        click.echo(f"wrote {output}: one file from the {form} {one_line(directory)}, "
+                   f"{len(one.steps)} steps, {len(one.emissions)} emissions")  # fmt: skip
+        return
     log = save_merged(directory, output, force=force, engine=engine, **_limits())
     _warn(directory, log.warnings)
     for p in log.meta["processes"]:

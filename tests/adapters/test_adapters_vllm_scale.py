@@ -152,10 +152,13 @@ def scaled_runs(scaled):
 
 def test_every_api_server_left_a_whole_log_after_sigterm(scaled):
     names = sorted(os.listdir(scaled["dir"]))
-    api = [n for n in names if n.startswith("api_server-")]
+    api = [n for n in names if n.startswith("api_server-") and n.endswith(".npz")]
     assert len(api) == 2, names
-    assert all(n.endswith(".npz") for n in api), names  # whole, not parts
-    assert sum(n.startswith("engine_core-") for n in names) == 2, names
+    # whole: each stopped (its pointer written, final.json in its parts folder)
+    assert all(os.path.exists(os.path.join(scaled["dir"], n + ".parts", "final.json"))
+               for n in api), names  # fmt: skip
+    cores = [n for n in names if n.startswith("engine_core-") and n.endswith(".npz.parts")]
+    assert len(cores) == 2, names
 
 
 def test_data_parallel_runs_are_merged_per_engine_core(scaled, scaled_runs):
@@ -437,15 +440,11 @@ def test_each_rank_samples_its_os_counters_at_every_collective(tp, tp_run):
     assert len(workers) == 2
     for p in workers:
         col = windows(p.log, ("collective",), steps_only=False)
-        t = np.sort(p.log.os_samples.t_s)
-        # each stamped right after its counters were read: the entry's sample inside the
-        # collective, the exit's at or after its end (docs/partition.md, "When the counters
-        # are read")
-        assert len(col), p.path
-        at_entry = t[np.minimum(np.searchsorted(t, col[:, 0]), len(t) - 1)]
-        at_exit = t[np.minimum(np.searchsorted(t, col[:, 1]), len(t) - 1)]
-        assert (at_entry >= col[:, 0]).all() and (at_entry <= col[:, 1]).all(), p.path
-        assert (at_exit[:-1] <= col[1:, 0]).all(), p.path  # before the next collective
+        # each stamped right after its counters were read, at the one tick that is also
+        # the collective's entry (exit): the window and its OS interval are one
+        # (docs/partition.md, "When the counters are read")
+        samples = np.round(p.log.os_samples.t_s * 1e9)
+        assert len(col) and np.isin(np.round(col * 1e9), samples).all(), p.path
     print("os_runqueue past the entry stamps:",
           {k: round(v * 1e3, 3) for k, v in tp_run.meta["tensor_parallel"]["charged_s"].items()
            if k.endswith("os_runqueue")})  # fmt: skip

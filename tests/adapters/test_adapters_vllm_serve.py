@@ -5,7 +5,9 @@ worker) of the tiny local model, 4 KV blocks of 32 tokens so the scheduler preem
 speculative decoding so that steps emit and chunks carry 1-4 tokens, recorded into a
 directory with TRACEKIT_VLLM_DIR. An httpx client streams 6 completions
 at once (one with n=3) and stamps every SSE chunk's arrival with time.perf_counter_ns,
-the clock every recorder reads (CLOCK_MONOTONIC, one per host). The server is stopped with
+the clock every recorder reads (CLOCK_MONOTONIC, one per host). Then vLLM's own
+benchmark client, `vllm bench serve`, sends its random-dataset requests (ids
+cmpl-bench-K-0), stamped with time.perf_counter, the same clock. The server is stopped with
 SIGTERM; with vLLM's default --shutdown-timeout 0 the engine core and the worker are then
 SIGKILLed, so their logs are the parts they flushed, which the merge recovers.
 """
@@ -31,6 +33,8 @@ N_CHAT, CHAT_TOKENS = 2, 40
 #: Two concurrent completions sent with one X-Request-Id (vLLM accepts it), told apart by
 #: their lengths.
 DUP_ID, DUP_TOKENS = "dup-1", (12, 20)
+#: vllm bench serve: random prompts of 16 tokens, this many tokens each, 6 at a time
+BENCH_PROMPTS, BENCH_TOKENS = 24, 12
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +81,10 @@ def served(tmp_path_factory):
                 for i in range(N_CHAT)]  # fmt: skip
         streams += sh.stream_load(server, chat)
         bodies += chat
+        # vLLM's own benchmark client, on its own after them: its requests are named
+        # cmpl-bench-K-0 and left out of the comparisons with the streams above
+        bench = sh.bench_serve(server, str(base / "bench"), num_prompts=BENCH_PROMPTS,
+                               output_len=BENCH_TOKENS)  # fmt: skip
         preemptions = sh.metric(server, "vllm:num_preemptions_total")
         spec = {k: sh.metric(server, f"vllm:spec_decode_num_{k}_tokens_total")
                 for k in ("draft", "accepted")}  # fmt: skip
@@ -90,7 +98,7 @@ def served(tmp_path_factory):
     finally:
         rc = server.stop(signal.SIGTERM)
     return {"dir": rec_dir, "streams": streams, "preemptions": preemptions, "rc": rc, "spec": spec,
-            "bodies": bodies, "server_log": server.log_path}  # fmt: skip
+            "bodies": bodies, "server_log": server.log_path, "bench": bench}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +121,19 @@ def _client_chunks(served, *, chat: bool | None = None):
     return out
 
 
+def _bench_name(k: int) -> str:
+    """tracekit's name of the k-th request of vllm bench serve (its id BENCH_ID_PREFIX{k})."""
+    from engine_adapters.serve_harness import BENCH_ID_PREFIX
+
+    return f"cmpl-{BENCH_ID_PREFIX}{k}-0"
+
+
+def _is_bench(name: str) -> bool:
+    from engine_adapters.serve_harness import BENCH_ID_PREFIX
+
+    return name.startswith(f"cmpl-{BENCH_ID_PREFIX}")
+
+
 def test_every_process_recorded_and_the_killed_ones_left_parts(served, merged):
     procs = {p["role"]: p for p in merged.meta["processes"]}
     assert set(procs) == {"api_server", "engine_core", "worker"}
@@ -122,7 +143,10 @@ def test_every_process_recorded_and_the_killed_ones_left_parts(served, merged):
     # engine core and worker were SIGKILLed (--shutdown-timeout 0): parts only
     assert procs["engine_core"]["recovered"] and procs["worker"]["recovered"]
     names = sorted(os.listdir(served["dir"]))
-    assert sum(n.endswith(".npz.parts") for n in names) == 2, names
+    parts = [n for n in names if n.endswith(".npz.parts")]
+    stopped = [n for n in parts if os.path.exists(os.path.join(served["dir"], n, "final.json"))]
+    # every process's run is its parts folder; only the API server's says it stopped
+    assert len(parts) == 3 and [n.split("-")[0] for n in stopped] == ["api_server"], names
     # what each of the other processes recorded, on the run's clock
     ps = merged.proc_segments
     roles = [p["role"] for p in merged.meta["processes"]]
@@ -138,7 +162,7 @@ def test_chunk_counts_equal_client_boundary_emissions(served, merged):
     recorded = collections.Counter(merged.request_ids[i] for i in ce.request)
     dup = {f"cmpl-{DUP_ID}-0", f"cmpl-{DUP_ID}-0~2"}
     assert {k: len(v) for k, v in client.items()} == {
-        k: v for k, v in recorded.items() if k not in dup
+        k: v for k, v in recorded.items() if k not in dup and not _is_bench(k)
     }
     # siblings named ID-0#INDEX, chats chatcmpl-ID, not vLLM's internal ids
     assert len(client) == 5 + N_SIBLINGS + N_CHAT
@@ -155,6 +179,8 @@ def test_every_token_reached_the_log_of_both_boundaries(served, merged):
     expect = {s.name(i): b["max_tokens"] for s, b in pairs for i in range(s.n)}
     dup = f"cmpl-{DUP_ID}-0"
     del expect[dup]
+    # the bench's requests: output_len tokens each (ignore_eos)
+    expect |= {_bench_name(k): BENCH_TOKENS for k in range(BENCH_PROMPTS)}
     got_client = {n: int(c) for n, c in zip(merged.request_ids, client_tok, strict=True)}
     got_engine = {n: int(c) for n, c in zip(merged.request_ids, engine_tok, strict=True)}
     # one X-Request-Id, two requests: each kept its own tokens at both boundaries
@@ -297,6 +323,71 @@ def test_client_boundary_ttft_is_the_streaming_clients_less_the_two_hops(served,
     assert np.all(ours >= np.array(engine_ms))
 
 
+def test_vllm_bench_serve_sees_the_client_boundary_plus_two_hops(served, merged):
+    """vLLM's own benchmark client against tracekit's client boundary, request by request
+    (docs/ttft.md, "The client boundary"). For the bench's request k (id bench-K, so
+    tracekit's cmpl-bench-K-0), on the one CLOCK_MONOTONIC both read (time.perf_counter):
+    S its start (stamped before the send), R_j its read of chunk j (R_0 = S + its TTFT,
+    R_j = R_{j-1} + its j-th ITL), A tracekit's arrival (the server read the request's first
+    byte) and W_j tracekit's write of chunk j (stamped just before the send's system call).
+    The client's window contains the server's: S <= A and W_j <= R_j, so
+
+    - the bench's TTFT R_0 - S = ours (W_0 - A) + (A - S) + (R_0 - W_0): never below ours,
+      by the send before the server's first byte (a new connection included) and the
+      socket hop after the write, both >= 0 (checked per request, to 1 us of rounding);
+    - each bench ITL R_j - R_{j-1} = ours (W_j - W_{j-1}) + hop_j - hop_{j-1}, with
+      hop_j = R_j - W_j >= 0 a loopback hop (checked per chunk): the two differ by the
+      change of that hop only, and the hop's median is a loopback hop's (< 2 ms, as for the
+      httpx client above: the bench's event loop reads 6 streams at once);
+    - one chunk of the bench (its TTFT, then one ITL a chunk) is one chunk written;
+    - the engine boundary's TTFT ends at the engine core's first token, before the API
+      server wrote the chunk that carries it: below the client boundary's, every request.
+
+    The values are `tracekit ttft --boundary client --format jsonl`'s, what a user
+    compares with the bench."""
+    import json
+    import subprocess
+
+    bench = served["bench"]
+    assert bench["completed"] == BENCH_PROMPTS and bench["failed"] == 0
+    t0_s = merged.meta["t0_tick"] * merged.meta["seconds_per_tick"]
+    r = subprocess.run([sys.executable, "-m", "tracekit", "ttft", served["dir"], "--boundary",
+                        "client", "--format", "jsonl"], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    ours = {x["request"]: x for x in map(json.loads, r.stdout.splitlines())}
+    ce = merged.client_emissions
+    eps_s = 1e-6  # float rounding of the bench's seconds and the run clock's origin
+    send, hop0, hops, itl_d, rows = [], [], [], [], []
+    for k in range(BENCH_PROMPTS):
+        rec = ours[_bench_name(k)]
+        start_s = bench["start_times"][k] - t0_s  # S on the run's clock
+        read_s = start_s + bench["ttfts"][k] + np.cumsum([0.0, *bench["itls"][k]])  # R_j
+        mine = ce.request == merged.request_ids.index(_bench_name(k))
+        write_s = np.sort(ce.t_s[mine])  # W_j
+        assert len(write_s) == len(read_s)  # one bench chunk, one chunk written
+        assert abs(write_s[0] - rec["first_chunk"]) < 1e-9
+        assert start_s <= rec["arrival"] + eps_s  # S <= A
+        assert np.all(write_s <= read_s + eps_s)  # W_j <= R_j
+        assert bench["ttfts"][k] * 1e3 >= rec["ttft_ms"] - eps_s * 1e3
+        assert rec["engine_ttft_ms"] < rec["ttft_ms"]
+        send.append((rec["arrival"] - start_s) * 1e3)
+        hop0.append((read_s[0] - write_s[0]) * 1e3)
+        hops.append((read_s - write_s) * 1e3)
+        itl_d.append(np.asarray(bench["itls"][k]) * 1e3 - np.diff(write_s) * 1e3)
+        rows.append((bench["ttfts"][k] * 1e3, rec["ttft_ms"], rec["engine_ttft_ms"]))
+    hop_ms, d_ms = np.concatenate(hops), np.abs(np.concatenate(itl_d))
+    b, c, e = np.array(rows).T
+    print(f"vllm bench serve TTFT ms median {np.median(b):.3f}; tracekit client boundary "
+          f"{np.median(c):.3f} (below by median {np.median((b - c) / b) * 100:.1f}%), engine "
+          f"boundary {np.median(e):.3f} (below by median {np.median((b - e) / b) * 100:.1f}%); "
+          f"send -> receipt ms median {np.median(send):.3f}, max {max(send):.3f}; write -> "
+          f"read ms median {np.median(hop_ms):.3f} (first chunk {np.median(hop0):.3f}), max "
+          f"{hop_ms.max():.3f}; |bench ITL - client ITL| ms median {np.median(d_ms):.4f}, "
+          f"max {d_ms.max():.3f} over {len(d_ms)} ITLs")  # fmt: skip
+    assert np.median(hop_ms) < 2.0
+
+
 def test_one_request_id_twice_stays_two_requests(served, merged, tmp_path):
     import json
     import subprocess
@@ -402,7 +493,8 @@ def test_analyze_report_and_trace_read_the_directory(served, tmp_path):
     assert r.returncode == 0, r.stderr
     client = json.loads(r.stdout)["client"]
     assert set(client["itl_ms"]) >= {"per_chunk", "per_token", "per_engine_step"}
-    assert client["chunks"] == sum(len(s.t_ns) for s in served["streams"])
+    bench_chunks = sum(1 + len(x) for x in served["bench"]["itls"])  # a TTFT, then ITLs
+    assert client["chunks"] == sum(len(s.t_ns) for s in served["streams"]) + bench_chunks
     trace = str(tmp_path / "t.json")
     r = subprocess.run([*cli, "trace", served["dir"], "-o", trace], capture_output=True,
                        text=True, timeout=300)  # fmt: skip
@@ -490,8 +582,9 @@ def test_the_api_servers_os_intervals_follow_its_segments_and_the_client_gaps_ta
     end, each stamped right after its counters were read (docs/partition.md, "When the
     counters are read"): one marked inside a segment starts inside a window it recorded
     with `segment()` and ends at or after that window's end; one marked between segments
-    starts after a window's end and ends after a later window's start. The client partition takes the OS's shares from them:
-    its frontend OS columns, exclusive and reconciled, never more than the intervals hold."""
+    starts after a window's end and ends after a later window's start. The client partition
+    takes the OS's shares from them: its frontend OS columns, exclusive and reconciled,
+    never more than the intervals hold."""
     from tracekit.attribution.client import client_partition
 
     po, ps = merged.proc_os, merged.proc_segments

@@ -53,7 +53,7 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float]:
     """Every sample of the metrics port, keyed (name, labels without the constant ones)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    const = {"run", "engine", "model", "process", "dp_rank"}
+    const = {"run", "engine", "model", "process", "dp_rank", "api_server"}
     with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         body = r.read().decode()
     out = {}
@@ -131,11 +131,12 @@ def served(tmp_path_factory):
     base = tmp_path_factory.mktemp("serve_live")
     model = build_tiny_llama(str(base / "model"))
     rec_dir = str(base / "rec")
-    mport = sh.free_port()
+    mport, aport = sh.free_port(), sh.free_port()
     prom, prom_url = _start_prometheus(base, mport)
     rx = OtlpReceiver().__enter__()
     env = {
         "TRACEKIT_VLLM_METRICS_PORT": str(mport),
+        "TRACEKIT_VLLM_API_METRICS_PORT": str(aport),
         "TRACEKIT_VLLM_SLO_MS": str(SLO_MS),
         "TRACEKIT_VLLM_OTLP_ENDPOINT": rx.url,
         "TRACEKIT_VLLM_HOLD_S": str(HOLD_S),
@@ -156,7 +157,8 @@ def served(tmp_path_factory):
                 pass
             stop.wait(0.3)
 
-    out: dict = {"dir": rec_dir, "receiver": rx, "port": mport, "prom": prom_url}
+    out: dict = {"dir": rec_dir, "receiver": rx, "port": mport, "prom": prom_url,
+                 "api_port": aport}  # fmt: skip
     try:
         server = sh.start_server(
             model, record_dir=rec_dir, log_path=str(base / "server.log"), flush_s=FLUSH_S,
@@ -167,6 +169,7 @@ def served(tmp_path_factory):
         out["server_log"] = server.log_path
         try:
             out["before"] = _scrape(mport)  # the engine core serves from its start
+            out["api_before"] = _scrape(aport)  # the API server too, from its engine client's
             t = threading.Thread(target=scraper, args=(during,), daemon=True)
             t.start()
             bodies = [
@@ -189,6 +192,12 @@ def served(tmp_path_factory):
                     break
                 time.sleep(0.2)
             out["settled"] = s
+            while time.monotonic() < deadline:  # the API server's flush of the first chunks
+                a = _scrape(aport)
+                if a[("tracekit_ttft_client_seconds_count", ())] >= N_REQUESTS:
+                    break
+                time.sleep(0.2)
+            out["api_settled"] = a
             req = Request(f"http://127.0.0.1:{mport}/metrics",
                           headers={"Accept": "application/openmetrics-text"})  # fmt: skip
             with urlopen(req, timeout=5) as r:  # what Prometheus asks for with exemplars on
@@ -232,7 +241,7 @@ def offline(served, tmp_path_factory):
     _cli("merge", d, "-o", merged)
     a = json.loads(_cli("analyze", merged, "--format", "jsonl").splitlines()[0])
     gaps = [json.loads(x) for x in _cli("gaps", merged, "--format", "jsonl").splitlines() if x]
-    (core,) = [n for n in os.listdir(d) if n.startswith("engine_core-")]
+    (core,) = [n for n in os.listdir(d) if n.startswith("engine_core-") and n.endswith(".parts")]
     core_path = os.path.join(d, core)
     ttft = [json.loads(x) for x in _cli("ttft", core_path, "--format", "jsonl").splitlines() if x]
     core_gaps = [json.loads(x) for x in _cli("gaps", core_path, "--format", "jsonl").splitlines()
@@ -279,6 +288,36 @@ def test_settled_totals_equal_the_offline_partition_of_the_merged_run(served, of
                       for r in ttft) / 1e3  # fmt: skip
         live = s.get(("tracekit_ttft_cause_seconds_total", (("cause", key),)), 0.0)
         assert live == pytest.approx(off, rel=1e-2, abs=1e-4), lb
+
+
+def test_the_api_servers_client_boundary_ttft_equals_the_offline_one(served):
+    """docs/live.md, "TTFT at the client boundary": the API server's live histogram of
+    arrival -> first chunk's write, from its own rows, equals `tracekit ttft --boundary
+    client` of the merged run, request for request: the same count, every bucket's count
+    of TTFTs <= its bound, and the sum to float rounding (the merge moves the API server's
+    rows by one offset, which a difference of two of them does not see)."""
+    from tracekit.live import TTFT_BUCKETS_S
+
+    log = Path(served["server_log"]).read_text(errors="replace")
+    assert f"client-boundary TTFT at http://127.0.0.1:{served['api_port']}/metrics" in log
+    b = served["api_before"]  # served before the first request, at 0
+    assert b[("tracekit_ttft_client_seconds_count", ())] == 0
+    assert b[("tracekit_ttft_client_seconds_bucket", (("le", "+Inf"),))] == 0
+    off = [json.loads(x) for x in _cli("ttft", served["dir"], "--boundary", "client",
+                                       "--format", "jsonl").splitlines() if x]  # fmt: skip
+    ttft_s = [r["ttft_ms"] / 1e3 for r in off]
+    a = served["api_settled"]
+    assert len(ttft_s) == N_REQUESTS == a[("tracekit_ttft_client_seconds_count", ())]
+    for bound in TTFT_BUCKETS_S:
+        le = (("le", repr(float(bound))),)
+        n = sum(t <= bound for t in ttft_s)
+        assert a[("tracekit_ttft_client_seconds_bucket", le)] == n, bound
+    assert a[("tracekit_ttft_client_seconds_bucket", (("le", "+Inf"),))] == N_REQUESTS
+    assert a[("tracekit_ttft_client_seconds_sum", ())] == pytest.approx(sum(ttft_s), rel=1e-9)
+    print(
+        f"client-boundary TTFT: live sum {a[('tracekit_ttft_client_seconds_sum', ())]:.9f} s,"
+        f" offline {sum(ttft_s):.9f} s over {len(ttft_s)} requests"
+    )
 
 
 def test_counters_never_decrease_and_the_lingering_values_are_final(served, offline):

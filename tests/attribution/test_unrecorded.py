@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,7 +235,8 @@ def test_a_killed_engine_core_in_a_merged_run(tmp_path):
 
 def test_a_directory_without_the_api_server_says_it_is_missing(tmp_path):
     d, _, _ = record_pair(_dir(tmp_path), n=5)
-    os.unlink(os.path.join(d, "api_server-2.npz"))
+    os.unlink(os.path.join(d, "api_server-2.npz"))  # its pointer and its parts: no log
+    shutil.rmtree(os.path.join(d, "api_server-2.npz.parts"))
     log = merge_dir(d)
     (m,) = log.meta["missing_processes"]
     assert m["role"] == "api_server" and m["named_by"] == "engine_core-1"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from logfiles import part_files
 from procs import python, run_cli
 
 import tracekit
@@ -25,7 +26,7 @@ from tracekit.capture.recorder import Recorder
 from tracekit.capture.sinks import CaptureError, Dispatcher, Flush, PartsSink
 from tracekit.errors import LogError, TracekitError
 from tracekit.log.flush import TABLES as TABLE_COLS
-from tracekit.log.parts import merge_parts, recover
+from tracekit.log.parts import merge_parts, read_part, recover
 
 
 def wait_for(predicate, timeout: float = 20.0, what: str = "") -> None:
@@ -57,13 +58,8 @@ rec = tracekit.Recorder(out, flush_interval_s=0.0, gc=False)
 rec.start()
 parts = out + ".parts"
 def on_disk():
-    import numpy as np
-    k = 0
-    for f in os.listdir(parts):
-        if f.startswith("part-") and f.endswith(".npz"):
-            with np.load(os.path.join(parts, f)) as z:
-                k += len(z["steps"]) // 7
-    return k
+    from tracekit.log.parts import part_paths, read_part
+    return sum(len(read_part(p).table("steps")) for p in part_paths(parts))
 t_end = time.monotonic() + 30
 for i in range(n):  # one part per step: each is on disk before the next step
     with rec.step():
@@ -116,16 +112,14 @@ def test_an_output_path_with_glob_characters_keeps_every_row(tmp_path):
 
 
 def test_recover_beside_a_complete_log_refuses_to_replace_it(tmp_path):
-    """A clean stop killed while removing its parts leaves RUN.npz (complete) and a
-    partly removed RUN.npz.parts: recovering that must not overwrite the good log."""
+    """A cleanly stopped run (RUN.npz, pointing to RUN.npz.parts/) whose first parts a user
+    removed by hand: recovering that folder must not overwrite RUN.npz."""
     out = tmp_path / "run.npz"
-    saved = tmp_path / "saved.parts"
-    record_parts(out, 10, copy_to=str(saved), how="stop")
+    record_parts(out, 10, how="stop")
     good = out.read_bytes()
     assert len(tracekit.load(out).steps) == 10
     parts = tmp_path / "run.npz.parts"
-    shutil.move(saved, parts)
-    for name in part_names(parts)[:3]:  # the removal got this far
+    for name in part_names(parts)[:3]:
         (parts / name).unlink()
 
     r = run_cli("recover", str(parts))
@@ -137,7 +131,7 @@ def test_recover_beside_a_complete_log_refuses_to_replace_it(tmp_path):
     # part before it names any: it skips ids 0..2, refused, nothing written
     r = run_cli("recover", str(parts), "--force")
     assert r.returncode == 2 and "request_ids_start" in r.stderr, r.stderr
-    assert "part-000004.npz" in r.stderr
+    assert "part-000004.tkp" in r.stderr
     assert out.read_bytes() == good
     r = run_cli("recover", str(parts), "-o", str(tmp_path / "other.npz"))
     assert r.returncode == 2 and not (tmp_path / "other.npz").exists()
@@ -296,18 +290,22 @@ def test_fork_while_another_thread_holds_the_recorder_lock_does_not_deadlock(tmp
 def full_disk(monkeypatch):
     """While `full[0]` is set, writing a part fails like a full disk: some bytes reach the
     temporary file, then ENOSPC."""
+    import contextlib
+
     import tracekit.log.parts as stream
 
-    real = np.savez
+    real = stream.atomic_open
     full = [False]
 
-    def savez(fh, *args, **kw):
-        if full[0]:
-            fh.write(b"\0" * 100)
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fh, *args, **kw)
+    @contextlib.contextmanager
+    def atomic_open(path, **kw):
+        with real(path, **kw) as fh:
+            if full[0] and os.path.basename(path).startswith("part-"):
+                fh.write(b"\0" * 100)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            yield fh
 
-    monkeypatch.setattr(stream.np, "savez", savez)
+    monkeypatch.setattr(stream, "atomic_open", atomic_open)
     return full
 
 
@@ -344,7 +342,8 @@ def test_a_temporarily_full_disk_loses_nothing(tmp_path, full_disk, caplog):
     assert on_disk
     log = tracekit.load(out)
     assert assert_steps_are_a_prefix(log) == 35
-    assert not parts.exists() and not list(tmp_path.glob("*.tmp")) and not log.warnings
+    assert not list(parts.glob("*.tmp")) and not list(tmp_path.glob("*.tmp")) and not log.warnings
+    assert (parts / "final.json").exists()  # stopped cleanly: the folder is the run
     full_warnings = [r for r in caplog.records if "cannot write parts" in r.getMessage()]
     assert len(full_warnings) == 1  # once, not once per flush
 
@@ -394,19 +393,11 @@ def test_a_disk_full_for_long_drops_the_oldest_held_rows_and_says_so(tmp_path, f
 
 
 def steps_on_disk(parts: Path) -> int:
-    n = 0
-    for name in part_names(parts):
-        with np.load(parts / name) as z:
-            n += len(z["steps"]) // 7
-    return n
+    return sum(len(read_part(str(p)).table("steps")) for p in part_files(parts))
 
 
 def emissions_on_disk(parts: Path) -> int:
-    n = 0
-    for name in part_names(parts):
-        with np.load(parts / name) as z:
-            n += len(z["emissions"]) // 5
-    return n
+    return sum(len(read_part(str(p)).table("emissions")) for p in part_files(parts))
 
 
 def test_rows_recorded_just_before_the_engine_goes_idle_reach_disk(tmp_path):
@@ -434,9 +425,8 @@ def test_the_idle_timer_never_splits_an_open_step(tmp_path):
                 pass
             time.sleep(0.3)  # many intervals inside one step: the timer must wait
             assert steps_on_disk(parts) == 0
-            for name in part_names(parts):
-                with np.load(parts / name) as z:
-                    assert len(z["segments"]) == 0  # the step's segment waits with it
+            for p in part_files(parts):
+                assert len(read_part(str(p)).table("segments")) == 0  # waits with its step
         wait_for(lambda: steps_on_disk(parts) == 1, timeout=10, what="the step's flush")
 
 

@@ -16,13 +16,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import logfiles
 import numpy as np
 import pytest
 from procs import python, run_cli
 
 import tracekit
-from tracekit.errors import LogError
-from tracekit.log.parts import merge_parts
+from tracekit.log.parts import merge_parts, read_part
 
 #: A small engine loop. Step i records prefill tokens = i (so a log shows which steps it
 #: holds), a decode segment and one emission; it stops as argv[3] says.
@@ -73,15 +73,11 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "") -> None:
 
 
 def part_files(parts: Path) -> list[Path]:
-    return sorted(parts.glob("part-*.npz"))
+    return logfiles.part_files(parts) if parts.is_dir() else []
 
 
 def steps_in_parts(paths: list[Path]) -> int:
-    n = 0
-    for p in paths:
-        with np.load(p, allow_pickle=False) as z:
-            n += len(z["steps"]) // 7
-    return n
+    return sum(len(read_part(str(p)).table("steps")) for p in paths)
 
 
 def assert_steps_are_a_prefix(log: tracekit.RawLog, *, signalled: bool = False) -> int:
@@ -113,9 +109,11 @@ def test_kill_9_leaves_parts_that_recover_into_a_log_with_every_flushed_part(tmp
     left = part_files(parts)
     assert set(seen) <= set(left)
 
-    # the parts folder is not a log yet, and says what to do
-    with pytest.raises(LogError, match="tracekit recover"):
-        tracekit.load(parts)
+    # the parts folder is read in place, as an interrupted run (nothing written)
+    in_place = tracekit.load(parts)
+    assert in_place.meta["interrupted"] is True
+    assert any("interrupted recording" in w for w in in_place.warnings)
+    assert not out.exists()
 
     r = run_cli("recover", str(parts))
     assert r.returncode == 0, r.stderr
@@ -123,6 +121,7 @@ def test_kill_9_leaves_parts_that_recover_into_a_log_with_every_flushed_part(tmp
     log = tracekit.load(out)
     n = assert_steps_are_a_prefix(log)
     assert n == steps_in_parts(left) >= steps_seen > 0
+    assert len(in_place.steps) == n
     assert log.meta["interrupted"] is True
     assert any("interrupted recording" in w for w in log.warnings)
     assert log.config["rung"] == "crash-test"
@@ -150,7 +149,7 @@ def test_sigterm_and_sigint_flush_every_step_into_one_npz(tmp_path, sig):
     assert proc.returncode == (128 + signal.SIGTERM if sig == signal.SIGTERM else 130), stderr
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
     steps_run = int(stdout.split()[-1])
-    assert out.exists() and not (tmp_path / "run.npz.parts").exists()
+    assert out.exists() and (tmp_path / "run.npz.parts" / "final.json").exists()
     log = tracekit.load(out)
     n = assert_steps_are_a_prefix(log, signalled=True)
     # the signal may land inside a step: that step is recorded, its loop count not yet
@@ -169,7 +168,7 @@ def test_a_run_never_stopped_is_written_at_interpreter_exit(tmp_path, how):
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == {"end": 0, "exit": 3, "raise": 1}[how], stderr
     assert ("RuntimeError: the engine crashed" in stderr) == (how == "raise")
-    assert out.exists() and not (tmp_path / "run.npz.parts").exists()
+    assert out.exists() and (tmp_path / "run.npz.parts" / "final.json").exists()
     log = tracekit.load(out)
     assert assert_steps_are_a_prefix(log) == 200
     assert log.meta["interrupted"] is False

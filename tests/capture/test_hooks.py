@@ -71,7 +71,8 @@ def test_step_segments_emissions_and_evictions_with_a_fake_clock(tmp_path):
     assert log.requests.prompt_tokens.tolist() == [12, 7]
     assert log.wall_s == pytest.approx(15 * ms)
     assert log.config == {"rung": "baseline", "seed": 3}
-    assert not (tmp_path / "run.npz.parts").exists()
+    # the run is its parts folder, stopped (final.json); run.npz names it
+    assert (tmp_path / "run.npz.parts" / "final.json").exists()
 
 
 def test_decorators_record_and_disabled_recorder_returns_the_original_function():

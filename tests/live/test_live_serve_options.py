@@ -212,3 +212,22 @@ def test_float_rounding_never_makes_a_counter_go_down():
     assert calls == [1, 1]  # two settlements, one request each
     assert seen[-1] == 0.5
     assert all(a <= b for a, b in zip(seen, seen[1:], strict=False))
+
+
+def test_the_api_servers_port_option(env, monkeypatch):
+    import multiprocessing
+
+    assert vllm_serve.api_metrics_port() is None  # unset: no API server serves
+    env.setenv("TRACEKIT_VLLM_API_METRICS_PORT", "9500")
+    assert vllm_serve.api_metrics_port() == 9500
+    # its address comes from TRACEKIT_VLLM_METRICS_ADDR, allowed without the engine port
+    env.setenv("TRACEKIT_VLLM_METRICS_ADDR", "0.0.0.0")
+    assert vllm_serve.live_options() is None
+    env.setenv("TRACEKIT_VLLM_API_METRICS_PORT", "95oo")
+    with pytest.raises(RuntimeError, match=r"TRACEKIT_VLLM_API_METRICS_PORT='95oo'.*0-65535"):
+        vllm_serve.api_metrics_port()
+    # API server K (vLLM names its process ApiServer_K) serves on port + K; one API server
+    # runs in the launching process: 0
+    assert vllm_serve.api_server_index() == 0
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "ApiServer_3")
+    assert vllm_serve.api_server_index() == 3

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
+from logfiles import one_file
 from procs import env, tracekit_cmd
 from synthlog import synthetic_log
 from test_merge import record_pair
@@ -65,15 +66,16 @@ def checked(path: str | Path) -> None:
 
 
 def rewrite_npz(path: Path, **members) -> None:
-    """Replace members of a log's archive (the rest kept as they are)."""
-    with np.load(path, allow_pickle=False) as z:
+    """Replace members of a log's archive (the rest kept as they are), in its one-file
+    form."""
+    with np.load(one_file(path), allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     arrays.update(members)
     np.savez(path, **arrays)
 
 
 def json_member(path: Path, name: str) -> dict:
-    with np.load(path, allow_pickle=False) as z:
+    with np.load(one_file(path), allow_pickle=False) as z:
         return json.loads(str(z[name]))
 
 
@@ -179,7 +181,7 @@ def test_hostile_process_metadata_is_one_line_before_any_output(pair, tmp_path, 
 def test_colliding_client_ids_make_a_log_check_accepts(pair, tmp_path):
     d = copy_pair(pair, tmp_path / "d")
     fe = d / "api_server-2.npz"
-    with np.load(fe) as z:
+    with np.load(one_file(fe)) as z:
         ids = [str(x) for x in z["request_ids"]]
     # two engine requests the API server names alike (two clients reusing an id)
     ids[1] = ids[0].split("\x1f")[0] + "\x1f" + ids[1].split("\x1f")[1]
@@ -262,7 +264,7 @@ def test_chunks_claiming_2_31_tokens_cost_their_bytes(pair, tmp_path):
     per-token percentiles once expanded one value per token."""
     d = copy_pair(pair, tmp_path / "d")
     fe_log = d / "api_server-2.npz"
-    with np.load(fe_log) as z:
+    with np.load(one_file(fe_log)) as z:
         n = z["emissions.num_tokens"].copy()
     n[:] = 2**31 - 1
     rewrite_npz(fe_log, **{"emissions.num_tokens": n})

@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+from logfiles import one_file_arrays
 
 import tracekit
 from tracekit.analysis.run import merge_run as merge_dir
@@ -237,8 +238,7 @@ def test_the_trace_has_one_track_per_rank_with_the_slow_steps_it_held(tmp_path):
 def _add_os_samples(path, rows_ms):
     """Give a saved worker log OS samples of its thread 0: rows (t ms, cpu ms, run-queue
     ms), totals since the thread started, as the recorder reads them at segment ends."""
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
+    arrays = one_file_arrays(path)
     cols = {
         "thread": [0] * len(rows_ms),
         "kind": [2 + (i % 2) for i in range(len(rows_ms))],  # segment starts and ends
@@ -421,3 +421,83 @@ def test_a_rank_held_by_the_os_after_its_entry_stamp_is_charged_its_run_queue(tm
     assert np.allclose(p.gap_ms, 10.0)  # carved out of the forward window, never added
     assert run.meta["tensor_parallel"]["charged_s"]["rank1:os_runqueue"] == pytest.approx(1.5e-3)
     assert not [lb for lb in p.labels if lb.startswith("rank0:")]
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="OS evidence")
+def test_a_rank_held_after_its_entry_stamp_by_the_recorders_own_samples(tmp_path, monkeypatch):
+    """The same rule on what the recorder itself writes (docs/partition.md, "Tensor
+    parallel: a rank held after its entry stamp"): rank 1 records its collectives with
+    ``rec.segment("collective")`` on its own thread, its OS counters sampled at both ends,
+    on a clock that, as a real one, moves while the counters are read (0.01 ms a read here:
+    the read's own cost). Times in ms; the thread is on a CPU whenever it is not in the
+    run queue (CPU time = time - run-queue wait, so nothing is off-CPU). Step k (b =
+    10k + 1): rank 0 is in the collective [b + 1.0, b + 3.0]; rank 1 comes to it at
+    b + 1.1 and, in step 2, is held 1.5 ms in the run queue inside its window before the
+    call. Each end of rank 1's window is one tick with its sample, taken after the counters
+    are read: its window is [b + 1.11, b + 3.01] (1.9 ms, run-queue wait R = 1.5 in step 2,
+    0 otherwise). From the last entry stamp (b + 1.11) to the first exit (rank 0's,
+    b + 3.0), 1.89 ms, rank 1's share is 1.89 x R / 1.9: step 2's gap has
+    rank1:os_runqueue 1.89 x 1.5 / 1.9 ms, the others none; its lateness before the stamp,
+    0.11 ms every step, is rank1:forward (its interval from the last exit holds no OS
+    wait). A sample stamped apart from the window's own stamp (after it, at each end) left
+    the collective's interval ending after the window it measures: nothing charged."""
+    from tracekit.capture.osstats import ThreadStats
+
+    clk = Clock()
+    ms = 1e-3
+    held = {"rq_ms": 0.0}
+
+    def read(self, switches=True):
+        clk.true_s += 0.01 * ms  # the read takes time on the recorder's clock
+        t_ms = clk.true_s / ms
+        rq_ms = held["rq_ms"]
+        return round((t_ms - rq_ms) * 1e6), round(rq_ms * 1e6), 0, 0, 0
+
+    monkeypatch.setattr(ThreadStats, "read", read)
+
+    def at(t_ms):
+        clk.true_s = t_ms * ms
+
+    def tick(t_ms):
+        return round((100.0 + t_ms * ms) * 1e9)
+
+    core = _rec(tmp_path / "engine_core-1.npz", clk, "engine_core", 1, dp_rank=0)
+    w0 = _rec(tmp_path / "worker-10.npz", clk, "worker", 10, tp_rank=0, rank=0)
+    config = {"process": {"role": "worker", "pid": 11, "host": "h", "name": "worker",
+                          "boot_id": "b", "clock": SHARED, "tp_rank": 1, "rank": 1}}  # fmt: skip
+    w1 = tracekit.Recorder(str(tmp_path / "worker-11.npz"), clock=clk, gc=False,
+                           handle_signals=False, flush_interval_s=1e9, config=config,
+                           os_evidence=True)  # fmt: skip
+    w1.start()
+    at(0.5)
+    core.request("r0")
+    for k in range(6):
+        b = 10.0 * k + 1.0
+        at(b - 1.0)
+        with core.step():
+            core.add_segment("decode", tick(b), tick(b + 6.0))
+            for rec in (w0, w1):
+                rec.add_segment("forward", tick(b + 0.2), tick(b + 5.8))
+            w0.add_segment("collective", tick(b + 1.0), tick(b + 3.0))
+            at(b + 1.1)
+            with w1.segment("collective"):
+                if k == 2:  # held by the OS before the call
+                    clk.true_s += 1.5 * ms
+                    held["rq_ms"] += 1.5
+                at(b + 3.0)
+            at(b + 6.5)
+            core.emit(["r0"])
+    at(61.0)
+    for rec in (core, w0, w1):
+        rec.stop()
+    run = merge_dir(str(tmp_path))
+    p = partition(run)
+    assert p.reconcile_max_err_ms < 1e-6
+    col_rq = p.column("rank1:os_runqueue") if "rank1:os_runqueue" in p.labels else p.t1_s * 0
+    col_fwd = p.column("rank1:forward")
+    gap = [int(np.flatnonzero(np.isclose(p.t1_s, (10.0 * k + 7.5) * 1e-3))[0])
+           for k in range(1, 6)]  # fmt: skip
+    want = [1.89 * 1.5 / 1.9 if k == 2 else 0.0 for k in range(1, 6)]
+    assert col_rq[gap] == pytest.approx(want, abs=1e-6)
+    assert col_fwd[gap] == pytest.approx([0.11] * 5, abs=1e-6)
+    assert np.allclose(p.gap_ms, 10.0)

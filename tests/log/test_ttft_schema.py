@@ -9,6 +9,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from logfiles import one_file
 
 import tracekit
 from tracekit.attribution.ttft import ttft_partition
@@ -37,6 +38,8 @@ def _record(out=None):
             with rec.segment("decode"):
                 pass
             rec.emit(["a", "b"])
+    if out is not None:
+        one_file(out)  # the tests below rewrite the one-file form's members
     return rec
 
 

@@ -95,6 +95,26 @@ def save_merged(
     return log.with_path(out)
 
 
+def save_one_file(path: str, out: str, *, force: bool = False, **limits: Any) -> RawLog:
+    """The run at `path`, in any form (`open_run`), written as one `.npz` (the form to
+    share: one file, no folder; `tracekit.log.rawlog`). An existing `out` is refused unless
+    `force`; a parts folder is never modified or removed."""
+    if os.path.lexists(out) and not force:
+        raise LogError(
+            out, "output", "already exists; write elsewhere with -o NEW.npz, or pass --force "
+            "to replace it",
+        )  # fmt: skip
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(out)))
+    if any(x.endswith(PARTS_SUFFIX) for x in parent.split(os.sep)):
+        raise LogError(
+            out, "output", "is inside a parts folder: the next read of that folder would "
+            "take it for a part; write it elsewhere",
+        )  # fmt: skip
+    log = open_run(path, **limits)
+    log.save(out)
+    return log.with_path(out)
+
+
 def _inside_parts(directory: str, out: str) -> bool:
     """`out` would land inside one of `directory`'s parts folders."""
     d = os.path.realpath(directory)

@@ -71,13 +71,8 @@ from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sin
 from tracekit.labels import DEFAULT_CAUSE_MAP, is_produced
 from tracekit.log.clocks import STEADY_CLOCK_FUNCTIONS
 from tracekit.log.flush import UNKNOWN_TICK
-from tracekit.log.rawlog import (
-    MODES,
-    OS_STEP_END,
-    OS_STEP_START,
-    WAIT_REASON_CODES,
-    RawLog,
-)
+from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
+from tracekit.log.reader import load
 from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -114,8 +109,9 @@ def active_recorders() -> frozenset[Recorder]:
 class Recorder:
     """Records one run. See the module docstring for the whole API in one example.
 
-    out: where the run's `.npz` goes (parts stream to ``OUT.parts/`` meanwhile,
-        `tracekit.capture.sinks.PartsSink`; a path another recorder uses, or holding an unrecovered
+    out: where the run goes: its parts stream to ``OUT.parts/`` and, at stop, ``OUT``
+        names them (`tracekit.capture.sinks.PartsSink`; docs/design.md,
+        "The run's log on disk"; a path another recorder uses, or holding an unrecovered
         run, is refused at start); None keeps the run in memory, never on disk (`log()`
         returns it either way).
     config: JSON-able metadata saved with the run (`rung`, `seed`, engine settings...).
@@ -283,7 +279,10 @@ class Recorder:
         self._sinks.append(sink)
 
     def stop(self) -> RawLog | None:
-        """Stop the run: remove every hook, flush, close the sinks (write the `.npz`).
+        """Stop the run: remove every hook, flush, close the sinks (on disk: the last part
+        and what only the stop knows; nothing is merged, so it costs the same whatever the
+        run's length). Returns the run kept in memory (``out=None``), else None: `log()`
+        reads the run back from disk when asked.
 
         Safe whatever instant the engine was stopped at: a step begun and not ended is
         closed at the stop time (a warning says so), so every row that names it stays
@@ -360,9 +359,13 @@ class Recorder:
         self._extras[name] = a
 
     def log(self) -> RawLog:
-        """The recorded run (after `stop`)."""
+        """The recorded run (after `stop`; a run on disk is read back at the first call)."""
         if self._log is None:
-            raise RuntimeError("the run has not stopped yet: call stop() first")
+            if not self._stopped:
+                raise RuntimeError("the run has not stopped yet: call stop() first")
+            if self.out is None:
+                raise RuntimeError("the run was lost at stop (see the error stop() raised)")
+            self._log = load(self.out)
         return self._log
 
     def __enter__(self) -> Recorder:
@@ -786,22 +789,20 @@ class Recorder:
         by: Iterable[Any] | None = None, num_computed_tokens_lost: int | None = None,
         num_free_blocks: int | None = None, num_used_blocks: int | None = None,
     ) -> None:  # fmt: skip
-        """The scheduler evicted `request_id` now (`swap` or `recompute`); where it decides,
-        why (docs/capture.md, "Eviction causes"): `reason` (``kv_full``, ``priority``,
-        ``other``), `by` (the ids whose need took the blocks), the victim's computed tokens
-        lost, free and used KV blocks. A cause needs `reason`; a count left out is -1."""
+        """The scheduler evicted `request_id` now (`swap` or `recompute`); where it decides, why
+        (docs/capture.md, "Eviction causes"): `reason` (kv_full, priority, other), `by` (the
+        ids whose need took the blocks), computed tokens lost, free and used KV blocks."""
         if not self.enabled:
             return
         code = MODES.get(mode) if isinstance(mode, str) else None
         if code is None:
             raise ValueError(f"evict(mode=): {mode!r:.80} is not one of {list(MODES)}")
-        # no cause told (all five None): the plain eviction, as cheap as before causes existed
         if reason is by is num_computed_tokens_lost is num_free_blocks is num_used_blocks is None:
             self._book.evict(self._book.intern(request_id, "evict"), self._clock(), code)
-            return
+            return  # no cause told: the plain eviction, as cheap as before causes existed
+        step = self._step.no if self._step.is_open else -1
         counts = (num_computed_tokens_lost, num_free_blocks, num_used_blocks)
-        st = self._step
-        cause, by = eviction_cause(request_id, reason, by, st.no if st.is_open else -1, counts)
+        cause, by = eviction_cause(request_id, reason, by, step, counts)
         self._book.evict_with_cause(request_id, by, self._clock(), code, cause)
 
     def readmit(self, request_id: Any) -> None:

@@ -164,7 +164,7 @@ class Probes:
             reader.close()
             self.os = None
 
-    def os_sample(self, kind: int) -> None:
+    def os_sample(self, kind: int) -> int | None:
         """One `os_samples` row for the calling thread: the loop thread's at its open
         step's start and end, another thread's at its segments' (`Segment`). Switches and
         faults are read at ends only (the partition reads CPU time and run-queue wait;
@@ -176,13 +176,17 @@ class Probes:
         "OS evidence", "When the counters are read"). Stamped before the read, a thread
         descheduled between the stamp and the read had its wait counted in one interval
         and placed, by the stamps, in the next (which then showed off-CPU time the kernel
-        never saw)."""
+        never saw).
+
+        Returns the row's tick (None: no reader), which a side thread's segment takes as
+        its own start or end: its window and its OS interval are then one (`Segment`)."""
         reader = self.os
         if reader is None:  # stop() closed it meanwhile, from another thread
-            return
+            return None
         ends = kind == OS_STEP_END or kind == OS_SEGMENT_END
         counters = reader.read(ends)
-        row = OS_ROW(self.threads.tid(), kind, self.clock(), *counters)
+        t = self.clock()
+        row = OS_ROW(self.threads.tid(), kind, t, *counters)
         rows = self.rows
         if kind <= OS_STEP_END:
             # the loop thread inside its open step: no lock, as for its segment rows (only
@@ -194,6 +198,7 @@ class Probes:
         else:
             with rows.lock:
                 rows.tables["os_samples"].frombytes(row)
+        return t
 
 
 class Threads:
@@ -289,27 +294,36 @@ class Segment:
             th = self._tls.th
         except AttributeError:
             th = self._threads.here()
-        t0 = self._clock()
-        th.stack.append(t0)
+        t0 = None
         if th.sample_os:  # a side thread's segment: its OS counters at both ends
             if th.ident != self._step.loop_ident:
-                probes.os_sample(OS_SEGMENT_START)
+                # the counters first, then one tick: the sample's and the window's start
+                # (docs/partition.md, "When the counters are read")
+                t0 = probes.os_sample(OS_SEGMENT_START)
             else:  # it became the loop thread: its steps are sampled, not its segments
                 th.sample_os = False
+        if t0 is None:
+            t0 = self._clock()
+        th.stack.append(t0)
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            t1 = self._clock()
             try:
                 th = self._tls.th
             except AttributeError:  # entered on another thread: nothing to close here
                 th = self._threads.here()
+            step = self._step
             stack = th.stack
-            t0 = stack[-1]
             # popped once its row is in: a flush sees the window open or its row
             try:
-                step = self._step
+                t1 = None
+                if th.sample_os and th.ident != step.loop_ident:
+                    # the counters first, then one tick: the sample's and the window's end
+                    t1 = self._probes.os_sample(OS_SEGMENT_END)
+                if t1 is None:
+                    t1 = self._clock()
+                t0 = stack[-1]
                 # the segment ends here: its row names the step open on this thread (or -1)
                 if step.is_open and th.ident == step.loop_ident:
                     # no lock: while a step is open only its own thread swaps the buffers
@@ -322,8 +336,6 @@ class Segment:
                     except BufferError:  # handed to the sinks by that stop() meanwhile
                         pass
                 else:
-                    if th.sample_os and th.ident != step.loop_ident:
-                        self._probes.os_sample(OS_SEGMENT_END)
                     rows = self._rows
                     with rows.lock:
                         rows.segments.frombytes(SEG_ROW(-1, self._label, t0, t1, th.tid, 0))

@@ -39,19 +39,24 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from tracekit.errors import LogError
 from tracekit.formats import json_safe
 from tracekit.fsio import Syncer, atomic_write, fsync_folder
 from tracekit.log.flush import FlushedRows, build_flushed
 from tracekit.log.parts import (
+    FINAL_NAME,
     LOCK_NAME,
     RECOVERED_NAME,
+    append_index,
     lock_owner,
     merge_flushed,
-    merge_parts,
     parse_flushed,
     part_paths,
     parts_dir_for,
+    read_part,
+    write_final,
     write_part,
+    write_pointer,
 )
 from tracekit.log.rawlog import RawLog
 
@@ -318,10 +323,14 @@ def _guard(fn: Callable[[], None], what: str) -> None:
 
 
 class PartsSink:
-    """Numbered parts in ``OUT.parts/`` while the run records; ``OUT`` at close.
+    """Numbered parts in ``OUT.parts/`` while the run records; at close, what only the
+    stop knows (``final.json``) and ``OUT``, a small file naming the folder: nothing is
+    merged or copied, so closing costs the same for a run of a minute or of a day
+    (docs/design.md, "The run's log on disk").
 
     Crash-safe: each part is written whole or not at all (`tracekit.fsio`), so a killed
-    run leaves parts that `tracekit recover` merges. A part is renamed into place as soon
+    run leaves parts that every command reads in place (and `tracekit recover` writes as
+    one `.npz`). A part is renamed into place as soon
     as it is written (a kill loses nothing the kernel has) and fsynced afterwards by a
     `tracekit.fsio.Syncer`, never on the writer's path: an fsync that takes hundreds of ms
     under I/O load would keep the written part from view, and the next flush waiting.
@@ -329,14 +338,15 @@ class PartsSink:
     The folder holds a ``lock`` file with the recording process's pid: a second recorder
     on the same path is refused while this one runs, and a folder left by a killed run
     (unrecovered parts) is refused too, never emptied (recover it, or record to another
-    path).
+    path). A folder of a run that stopped cleanly is replaced, as the file ``OUT`` was
+    before: recording twice to one path keeps the second run.
 
     A failing write (a full disk) does not stop the run: the rows are kept in memory and
     written, in order, at the next write or at close, once there is space again. At most
     `max_pending_values` table values are held; beyond that the oldest held rows are
     dropped (their vocabularies kept, so later parts stay consistent) and the log says how
     many. If the parts still cannot be written at close, the run is merged in memory and
-    saved as ``OUT`` if that works, else `CaptureError` says where the run is.
+    saved as ``OUT`` (one `.npz`) if that works, else `CaptureError` says where the run is.
     """
 
     def __init__(self, out: str | os.PathLike[str], *, max_pending_values: int = 20_000_000):
@@ -349,6 +359,7 @@ class PartsSink:
         self._failing: OSError | None = None
         self._meta: dict[str, Any] = {}
         self._syncer: Syncer | None = None  # the parts' fsyncs, off the writer's path
+        self._index_failed = False
 
     def open(self, meta: Mapping[str, Any]) -> None:
         self._meta = dict(meta)
@@ -385,6 +396,14 @@ class PartsSink:
                 f"{self.dir}: holds the parts of an earlier run, already recovered into "
                 f"{recovered!r}; remove the folder, or record to another path"
             )
+        if os.path.isfile(os.path.join(self.dir, FINAL_NAME)):
+            # a run that stopped cleanly: replaced, as one file OUT was (its pointer first,
+            # so OUT never names a folder being emptied)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.out)
+            shutil.rmtree(self.dir)
+            os.mkdir(self.dir)
+            return
         if os.listdir(self.dir):
             raise CaptureError(
                 f"{self.dir}: holds the parts of an earlier run that did not stop cleanly; "
@@ -413,8 +432,14 @@ class PartsSink:
                 return
             if self._syncer is not None:  # durable against a power loss, in order
                 self._syncer.add(path)
-            self._pending.popleft()
+            rows = self._pending.popleft()
             self._n += 1
+            try:  # the index is a reader's shortcut: the parts themselves are the run
+                append_index(self.dir, path, rows)
+            except OSError as e:
+                if not self._index_failed:
+                    logger.warning("tracekit: cannot append to %s's index (%s)", self.dir, e)
+                self._index_failed = True
         if self._failing is not None:
             logger.warning("tracekit: writing parts to %s again", self.dir)
             self._failing = None
@@ -433,18 +458,30 @@ class PartsSink:
 
     def close(self, final: Mapping[str, Any]) -> None:
         self._drain()
-        if self._syncer is not None:  # every part durable before the merge replaces them
+        if self._syncer is not None:  # every part durable before the run is called stopped
             self._syncer.close()
         if not self._pending:
-            log = merge_parts(self.dir, final=final)
-        else:  # the disk is still refusing parts: merge what is on disk and what is held
-            parts = []
-            with contextlib.suppress(OSError):
-                for p in part_paths(self.dir):
-                    with np.load(p, allow_pickle=False) as z:
-                        parts.append(parse_flushed(z, p))
-            parts += [parse_flushed(c, f"{self.dir} (held flush)") for c in self._pending]
-            log = merge_flushed(self._meta, parts, final=final, path=self.dir)
+            try:
+                write_final(self.dir, final)  # whole, and its name durable (atomic_write)
+                write_pointer(self.out, self.dir)
+            except OSError as e:
+                raise CaptureError(
+                    f"{self.out}: the run's parts are all in {self.dir}, but its stop could "
+                    f"not be written ({e}); every command reads the folder as it is (an "
+                    "interrupted run), or free space and run tracekit recover on it"
+                ) from e
+            finally:
+                with contextlib.suppress(OSError):  # no process records here any more
+                    os.unlink(os.path.join(self.dir, LOCK_NAME))
+            return
+        # the disk is still refusing parts: merge what is on disk and what is held, and
+        # save the run as one file if the disk takes that
+        parts = []
+        with contextlib.suppress(OSError, LogError):
+            for p in part_paths(self.dir):
+                parts.append(parse_flushed(read_part(p), p))
+        parts += [parse_flushed(c, f"{self.dir} (held flush)") for c in self._pending]
+        log = merge_flushed(self._meta, parts, final=final, path=self.dir)
         self.log = log.with_path(self.out)
         try:
             log.save(self.out)

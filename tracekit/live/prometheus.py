@@ -28,6 +28,9 @@ from prometheus_client.samples import Exemplar
 from tracekit.live.stats import LiveTotals, WallView, WorkerStats
 
 Reader = Callable[[], tuple[LiveTotals, WorkerStats, WallView]]
+#: What a scrape of the client-boundary TTFT reads, consistently: counts per bucket (the
+#: last one +Inf), their sum in seconds, and whether the recorder has stopped.
+ClientReader = Callable[[], tuple[np.ndarray, float, bool]]
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 #: Decode's parts (the graph baseline's split), exported as a gauge, never as a counter.
 DECODE_SPLIT = ("graph", "forward")
@@ -43,6 +46,13 @@ def make_registry(read: Reader, **collector: Any) -> tuple[CollectorRegistry, Li
     return registry, col
 
 
+def client_ttft_registry(read: ClientReader, **collector: Any) -> CollectorRegistry:
+    """A registry of its own holding one `ClientTtftCollector` over `read`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClientTtftCollector(read, **collector))
+    return registry
+
+
 def serve(registry: CollectorRegistry, port: int, addr: str) -> Any:
     """Serve ``/metrics`` from `registry` on its own threads; returns the server."""
     server, _ = start_http_server(port, addr=addr, registry=registry)
@@ -55,27 +65,11 @@ def safe_label(v: Any) -> str:
     return str(v).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-class LiveCollector:
-    """Builds the metric families from one consistent read of the totals at each scrape.
+class _Families:
+    """What every tracekit collector shares: the constant labels on every series, and
+    families built with them (a histogram's buckets cumulative, ``le`` counting <=)."""
 
-    const_labels: added to every series (names must be Prometheus label names).
-    gap_buckets_s / ttft_buckets_s: the settler's bucket bounds (its counts are per bucket).
-    """
-
-    def __init__(
-        self,
-        read: Reader,
-        *,
-        const_labels: Mapping[str, str] | None = None,
-        gap_buckets_s: tuple[float, ...],
-        ttft_buckets_s: tuple[float, ...],
-    ) -> None:
-        self.read = read
-        self.const: dict[str, str] | None = None
-        if const_labels is not None:
-            self.set_const_labels(const_labels)
-        self.gap_buckets_s = gap_buckets_s
-        self.ttft_buckets_s = ttft_buckets_s
+    const: dict[str, str] | None = None
 
     def set_const_labels(self, labels: Mapping[str, str]) -> None:
         for k in labels:
@@ -115,6 +109,28 @@ class LiveCollector:
                 buckets.append((le, n, Exemplar(labels, ex.gap_s, ex.unix_s)))
         self._add(f, (), buckets=buckets, sum_value=sum_s)
         return f
+
+
+class LiveCollector(_Families):
+    """Builds the metric families from one consistent read of the totals at each scrape.
+
+    const_labels: added to every series (names must be Prometheus label names).
+    gap_buckets_s / ttft_buckets_s: the settler's bucket bounds (its counts are per bucket).
+    """
+
+    def __init__(
+        self,
+        read: Reader,
+        *,
+        const_labels: Mapping[str, str] | None = None,
+        gap_buckets_s: tuple[float, ...],
+        ttft_buckets_s: tuple[float, ...],
+    ) -> None:
+        self.read = read
+        if const_labels is not None:
+            self.set_const_labels(const_labels)
+        self.gap_buckets_s = gap_buckets_s
+        self.ttft_buckets_s = ttft_buckets_s
 
     def collect(self) -> Iterator[Any]:
         if self.const is None:  # the run has not started: its labels are not known yet
@@ -257,3 +273,28 @@ class LiveCollector:
             "1 once the run has closed: every gap settled, graph/forward on the whole run's fit.",
             1.0 if s.final else 0.0,
         )
+
+
+class ClientTtftCollector(_Families):
+    """An API server's ``tracekit_ttft_client_seconds`` (`tracekit.live.client_ttft`), with
+    its constant labels, at 0 from the first scrape; ``tracekit_live_final`` 1 once its
+    recorder stopped."""
+
+    def __init__(self, read: ClientReader, *, const_labels: Mapping[str, str],
+                 buckets_s: tuple[float, ...]) -> None:  # fmt: skip
+        self.read = read
+        self.set_const_labels(const_labels)
+        self.buckets_s = buckets_s
+
+    def collect(self) -> Iterator[Any]:
+        counts, sum_s, final = self.read()
+        yield self._hist(
+            "tracekit_ttft_client_seconds",
+            "Time to first token at the client boundary per streamed request: its arrival at "
+            "this API server (the HTTP request's first byte) to its first chunk's write, "
+            "seconds.",
+            self.buckets_s, counts, sum_s,
+        )  # fmt: skip
+        yield self._one(GaugeMetricFamily, "tracekit_live_final",
+                        "1 once this API server's recorder has stopped (every TTFT counted).",
+                        1.0 if final else 0.0)  # fmt: skip

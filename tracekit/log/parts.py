@@ -1,18 +1,26 @@
-"""Crash-safe capture storage: numbered `.npz` parts while a run records, one `.npz` after.
+"""A run's log on disk: numbered parts, written once while the run records, never rewritten.
 
-While a run records to ``OUT.npz``, its completed events go to ``OUT.npz.parts/``:
+While a run records to ``OUT``, its completed events go to ``OUT.parts/`` (docs/design.md,
+"The run's log on disk"):
 
 - ``meta.json``: written at start (schema, clock, start tick, pid, config so far);
-- ``part-000001.npz``, ``part-000002.npz``, ...: each the rows the recorder flushed since
-  the previous part (a `tracekit.log.flush.FlushedRows`), written to a temporary name and
-  renamed into place, so a part is either whole or absent, whatever kills the process
-  (fsynced after its rename: a power loss may leave the last parts empty or torn, and
-  `merge_parts` ends the run before the first of them, docs/capture.md).
+- ``part-000001.tkp``, ``part-000002.tkp``, ...: each the rows the recorder flushed since
+  the previous part (a `tracekit.log.flush.FlushedRows`, compact: `tracekit.log.partfile`),
+  written to a temporary name and renamed into place, so a part is either whole or absent,
+  whatever kills the process (fsynced after its rename: a power loss may leave the last
+  parts empty or torn, and `merge_parts` ends the run before the first of them,
+  docs/capture.md). Folders written before this format hold ``part-NNNNNN.npz`` parts,
+  read alike;
+- ``index``: one line appended per part once it is in place (`append_index`);
+- ``final.json`` (and ``extras.npz`` when arrays were attached): written at a clean stop,
+  what only the stop knows. Then ``OUT`` itself is written: a small `.npz` naming the
+  folder (`write_pointer`), so that ``OUT`` opens the run. Stopping costs the same
+  whatever the run's length: nothing is merged or copied.
 
 `merge_parts` turns a parts folder into a `RawLog` (seconds from engine start, evictions
-paired with their readmissions, first token per request), and `recover` writes it as the
-one `.npz` a clean stop would have written. A `kill -9` loses at most the events recorded
-since the last flush (the recorder flushes at a bounded interval).
+paired with their readmissions, first token per request), and `recover` writes a killed
+run's folder as one `.npz`. A `kill -9` loses at most the events recorded since the last
+flush (the recorder flushes at a bounded interval).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.errors import LogError, TracekitError
+from tracekit.formats import json_safe
 from tracekit.fsio import atomic_open, atomic_write
 from tracekit.labels import DEFAULT_CAUSE_MAP
 from tracekit.log.archive import InflateLimitError, open_regular, read_npz
@@ -37,12 +47,14 @@ from tracekit.log.flush import (
     OPTIONAL_TABLES,
     TABLES,
     UNKNOWN_TICK,
+    FlushedRows,
     column_index,
     columns,
     empty_rows,
     pair_evictions,
     to_table,
 )
+from tracekit.log.partfile import encode_part, read_part_file
 from tracekit.log.rawlog import (
     Admissions,
     Counters,
@@ -58,13 +70,16 @@ from tracekit.log.rawlog import (
     Segments,
     Steps,
     Waits,
+    warnings_of,
 )
 from tracekit.log.validate import validate_log
 
 PARTS_SUFFIX = ".parts"
-#: A part's file name: its flush number, six digits or more. Parts are listed by matching
-#: names (never by a glob pattern built from the folder's path, which may hold ``[``).
-PART_NAME = re.compile(r"part-(\d{6,})\.npz")
+#: A part's file name: its flush number, six digits or more, and its format (``.tkp``:
+#: `tracekit.log.partfile`; ``.npz``: folders written before it). Parts are listed by
+#: matching names (never by a glob pattern built from the folder's path, which may hold ``[``).
+PART_NAME = re.compile(r"part-(\d{6,})\.(tkp|npz)")
+PART_SUFFIX = ".tkp"
 #: The file a recording process keeps in its parts folder: its pid, one line.
 LOCK_NAME = "lock"
 #: Written by `recover` into the folder it merged: the log it wrote, one line.
@@ -76,9 +91,14 @@ def parts_dir_for(out: str) -> str:
 
 
 def part_paths(parts_dir: str) -> list[str]:
-    """The folder's part files in flush order."""
+    """The folder's part files in flush order (a number written in both formats, which no
+    recorder does, is a `LogError`)."""
     found = [(int(m.group(1)), n) for n in os.listdir(parts_dir) if (m := PART_NAME.fullmatch(n))]
-    return [os.path.join(parts_dir, n) for _, n in sorted(found)]
+    found.sort()
+    for (a, x), (b, y) in zip(found, found[1:], strict=False):
+        if a == b:
+            raise LogError(parts_dir, y, f"part {a} is there twice ({x} and {y}); move one away")
+    return [os.path.join(parts_dir, n) for _, n in found]
 
 
 def part_number(path: str) -> int:
@@ -90,15 +110,28 @@ def part_number(path: str) -> int:
 
 
 def write_part(
-    parts_dir: str, number: int, chunk: Mapping[str, np.ndarray], *, fsync: bool = True
+    parts_dir: str, number: int, rows: Mapping[str, np.ndarray], *, fsync: bool = True
 ) -> str:
-    """Write one chunk as ``part-NNNNNN.npz``, whole or not at all (`fsio.atomic_open`).
+    """Write one flush as ``part-NNNNNN.tkp``, whole or not at all (`fsio.atomic_open`).
     `fsync=False`: renamed into place as soon as written (a kill loses nothing of it), not
     yet durable against a power loss (the caller syncs it: `fsio.Syncer`)."""
-    path = os.path.join(parts_dir, f"part-{number:06d}.npz")
+    path = os.path.join(parts_dir, f"part-{number:06d}{PART_SUFFIX}")
+    data = encode_part(rows)
     with atomic_open(path, fsync=fsync) as fh:
-        np.savez(fh, **chunk)  # type: ignore[arg-type]  # stub: kwargs could be allow_pickle
+        fh.write(data)
     return path
+
+
+def read_part(path: str, *, max_inflate_mb: float | None = None) -> FlushedRows:
+    """One part's flush, either format, as the recorder handed it over (bounded by the
+    file's size: `tracekit.log.archive`). Raises `LogError` (or an `OSError`) for a part
+    that is not whole."""
+    if path.endswith(".npz"):
+        z, _ = read_npz(
+            path, lambda names: [n for n in names if n in KEYS], max_inflate_mb=max_inflate_mb
+        )
+        return FlushedRows(z)
+    return FlushedRows(read_part_file(path, max_inflate_mb=max_inflate_mb))
 
 
 def lock_owner(parts_dir: str) -> int | None:
@@ -162,8 +195,9 @@ def merge_parts(
     final: Mapping[str, Any] | None = None,
     max_inflate_mb: float | None = None,
 ) -> RawLog:
-    """Read a parts folder into one `RawLog`. `final` overrides meta known only at stop;
-    `max_inflate_mb` bounds each part's arrays (`tracekit.log.archive.read_npz`).
+    """Read a parts folder into one `RawLog`. `final` overrides meta known only at stop
+    (by default, the folder's ``final.json`` where a clean stop wrote one);
+    `max_inflate_mb` bounds each part's arrays (`tracekit.log.archive`).
 
     A part that cannot be read (damaged on disk, or empty or torn by a power loss before
     its fsync) or missing (a later part's name survived a power loss, its own did not) ends
@@ -171,6 +205,8 @@ def merge_parts(
     contents contradict the run (request ids that overlap or skip, bad vocabularies) is a
     `LogError` naming the part and the field."""
     meta = read_meta(parts_dir)
+    if final is None:
+        final = read_final(parts_dir, max_inflate_mb=max_inflate_mb)
     paths = part_paths(parts_dir)
     warnings: list[str] = []
     parts: list[dict[str, Any]] = []
@@ -179,15 +215,14 @@ def merge_parts(
         # its first parts is one whose removal stopped: its contents are checked, refused)
         if i and part_number(p) != part_number(paths[i - 1]) + 1:
             warnings.append(
-                f"part-{part_number(paths[i - 1]) + 1:06d}.npz is missing; the run ends at "
+                f"part-{part_number(paths[i - 1]) + 1:06d}{os.path.splitext(p)[1]} is "
+                "missing; the run ends at "
                 "the flush before it "
                 f"({len(paths) - i} later part(s) left out, still on disk)"
             )
             break
         try:  # read the whole part before using any of it (bounded: tracekit.log.archive)
-            z, _ = read_npz(
-                p, lambda names: [n for n in names if n in KEYS], max_inflate_mb=max_inflate_mb
-            )
+            z = read_part(p, max_inflate_mb=max_inflate_mb)
         except InflateLimitError:  # over the limit the user set: an error, not a damaged part
             raise
         except Exception as e:
@@ -209,7 +244,158 @@ def merge_parts(
             f"({len(paths) - i} part(s) left out, still on disk)"
         )
         break
+    warnings += _index_warnings(parts_dir, paths, warnings)
     return merge_flushed(meta, parts, final=final, path=parts_dir, warnings=warnings)
+
+
+def _index_warnings(parts_dir: str, paths: list[str], warned: list[str]) -> list[str]:
+    """What the folder's index says that its parts do not: torn lines, parts it lists that
+    are not on disk (a power loss before their names were durable, or a hand that removed
+    them), unless a missing part was already named."""
+    try:
+        entries, out = read_index(parts_dir)
+    except (OSError, LogError) as e:
+        return [f"{INDEX_NAME} is unreadable ({e}); the parts are read without it"]
+    last = part_number(paths[-1]) if paths else 0
+    gone = [e.number for e in entries if e.number > last]
+    if gone and not warned:
+        out.append(
+            f"{INDEX_NAME} lists part(s) {gone[0]}..{gone[-1]} after the last one on disk "
+            f"(part {last}): the run ends at part {last}"
+        )
+    return out
+
+
+# -- what a clean stop writes: final.json, extras.npz, the pointer OUT ------------------
+
+FINAL_NAME = "final.json"
+EXTRAS_NAME = "extras.npz"
+#: The one member of the pointer file ``OUT``: JSON naming the parts folder beside it.
+POINTER_MEMBER = "tracekit_parts_log"
+
+
+def write_final(parts_dir: str, final: Mapping[str, Any]) -> None:
+    """What only the stop knows (config, device figures, warnings; attached arrays in
+    ``extras.npz``), written whole (`fsio.atomic_write`): the folder is a stopped run."""
+    extras = dict(final.get("extras", {}))
+    if extras:
+        with atomic_open(os.path.join(parts_dir, EXTRAS_NAME)) as fh:
+            np.savez(fh, **extras)  # type: ignore[arg-type]  # kwargs could be allow_pickle
+    rest = {k: v for k, v in final.items() if k != "extras"}
+    atomic_write(os.path.join(parts_dir, FINAL_NAME), json.dumps(json_safe(rest)).encode())
+
+
+def read_final(parts_dir: str, *, max_inflate_mb: float | None = None) -> dict[str, Any] | None:
+    """The folder's ``final.json`` (and ``extras.npz``), checked; None where the run did not
+    stop cleanly (killed, or still recording)."""
+    path = os.path.join(parts_dir, FINAL_NAME)
+    if not os.path.lexists(path):
+        return None
+    with open_regular(path) as fh:
+        raw = fh.read(1 << 24)
+    try:
+        final = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise LogError(parts_dir, FINAL_NAME, f"unreadable ({e})") from None
+    if not isinstance(final, dict):
+        raise LogError(parts_dir, FINAL_NAME, "not a JSON object")
+    if not isinstance(final.get("config", {}), dict):
+        raise LogError(parts_dir, f"{FINAL_NAME}: config", "not a JSON object")
+    if not isinstance(final.get("warnings", []), list):
+        raise LogError(parts_dir, f"{FINAL_NAME}: warnings", "not a list")
+    extras_path = os.path.join(parts_dir, EXTRAS_NAME)
+    if os.path.lexists(extras_path):
+        z, _ = read_npz(extras_path, lambda names: list(names), max_inflate_mb=max_inflate_mb)
+        final["extras"] = dict(z)
+    return final
+
+
+def write_pointer(out: str, parts_dir: str) -> None:
+    """``OUT``: a small `.npz` whose one member names the parts folder beside it (its base
+    name only: the two move together), written whole."""
+    if os.path.dirname(os.path.abspath(parts_dir)) != os.path.dirname(os.path.abspath(out)):
+        raise ValueError(f"{parts_dir}: not beside {out}")
+    doc = {"format": "tracekit parts log", "parts": os.path.basename(parts_dir.rstrip(os.sep))}
+    with atomic_open(out) as fh:
+        np.savez(fh, **{POINTER_MEMBER: np.array(json.dumps(doc))})  # type: ignore[arg-type]
+
+
+def pointed_parts(path: str, members: Mapping[str, np.ndarray]) -> str:
+    """The parts folder a pointer file (its members read) names; a `LogError` if it names
+    anything but a folder beside it that holds a run."""
+    try:
+        doc = json.loads(str(np.asarray(members[POINTER_MEMBER])))
+        name = doc["parts"]
+    except (ValueError, RecursionError, KeyError, TypeError) as e:
+        raise LogError(path, POINTER_MEMBER, f"unreadable ({type(e).__name__})") from None
+    if not isinstance(name, str) or not name or os.sep in name or name in (".", ".."):
+        raise LogError(path, POINTER_MEMBER, f"names {name!r:.80}, not a folder beside it")
+    parts_dir = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+    if not os.path.isfile(os.path.join(parts_dir, "meta.json")):
+        raise LogError(
+            path, "parts", f"its run is in {name}/ beside it, which is missing or not a run's "
+            "parts folder (move the two together)"
+        )  # fmt: skip
+    return parts_dir
+
+
+# -- the index: a line per part, appended once it is in place ---------------------------
+
+INDEX_NAME = "index"
+
+
+def append_index(parts_dir: str, path: str, rows: FlushedRows) -> None:
+    """Add a part to the folder's index: number, bytes, flush tick, open tick (or -),
+    emissions, and a CRC of the line (a line torn by a power loss is known as such).
+    One `write` of one line to a file opened for appending: a kill leaves it whole."""
+    fields = [
+        str(part_number(path)),
+        str(os.stat(path).st_size),
+        str(rows.scalar("flush_tick", 0)),
+        str(opened) if (opened := rows.scalar("open_tick")) is not None else "-",
+        str(len(rows.table("emissions"))),
+    ]
+    body = " ".join(fields)
+    line = f"{body} {zlib.crc32(body.encode()):08x}\n".encode()
+    fd = os.open(os.path.join(parts_dir, INDEX_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    number: int
+    num_bytes: int
+    flush_tick: int
+    open_tick: int | None
+    num_emissions: int
+
+
+def read_index(parts_dir: str) -> tuple[list[IndexEntry], list[str]]:
+    """The index's whole lines, and a warning per line that is not (torn, corrupt)."""
+    path = os.path.join(parts_dir, INDEX_NAME)
+    if not os.path.lexists(path):
+        return [], []
+    with open_regular(path) as fh:
+        raw = fh.read()
+    entries, bad = [], []
+    for i, line in enumerate(raw.split(b"\n")):
+        if not line:
+            continue
+        fields = line.split(b" ")
+        try:
+            body, crc = b" ".join(fields[:-1]), int(fields[-1], 16)
+            vals = [None if x == b"-" else int(x) for x in fields[:-1]]
+            if zlib.crc32(body) != crc or len(vals) != 5 or None in vals[:3] + vals[4:]:
+                raise ValueError
+        except ValueError:
+            bad.append(f"{INDEX_NAME} line {i + 1} is torn or corrupt (ignored)")
+            continue
+        n, size, flush, opened, emitted = vals
+        entries.append(IndexEntry(n, size, flush, opened, emitted))  # type: ignore[arg-type]
+    return entries, bad
 
 
 def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
@@ -456,6 +642,7 @@ def merge_flushed(
     # the span this process's rows cover: from its start to the end of its complete rows (a
     # last flush with its stop tick: to the stop). Clean: stop() wrote the log (`final`); a
     # log recovered from parts is not, even if stop() flushed before the kill landed
+    run_meta = _merged_meta(meta, final, f.clean_stop, warnings)
     coverage = Coverage(
         process=np.zeros(1, dtype=np.int64),
         t_start_s=np.zeros(1),
@@ -483,9 +670,9 @@ def merge_flushed(
         cause_map=meta.get("cause_map", dict(DEFAULT_CAUSE_MAP)),
         config=config,
         wall_s=wall_ticks * scale,
-        meta=_merged_meta(meta, final, f.clean_stop, warnings),
+        meta=run_meta,
         path=path,
-        warnings=tuple(warnings),
+        warnings=tuple(warnings_of(run_meta)),  # as the one-file log of this run reads
         extras=dict((final or {}).get("extras", {})),
     )
 

@@ -623,6 +623,22 @@ NAN_DEFAULT_COLUMNS = frozenset({"requests.handler_s", "requests.engine_s"})
 OPTIONAL_COLUMNS = frozenset({"emissions.device_step", "requests.handler_s", "requests.engine_s"})
 
 
+def warnings_of(meta: Mapping[str, Any]) -> list[str]:
+    """A run's warnings from its meta: that it was interrupted (read from the parts of a
+    recording that did not stop), then what capture or recovery noted (the first 20, each
+    one line of at most 300 characters)."""
+    warnings: list[str] = []
+    if meta.get("interrupted") is True:
+        warnings.append(
+            "recovered from the parts of an interrupted recording: "
+            "events after its last flush are lost"
+        )
+    noted = meta.get("warnings")
+    if isinstance(noted, list):
+        warnings += [one_line(str(w))[:300] for w in noted[:20]]
+    return warnings
+
+
 def from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     schema = scalar_str(path, arrays, "schema")
     if schema != SCHEMA:
@@ -669,15 +685,7 @@ def from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     if not all(isinstance(k, str) and isinstance(x, str) for k, x in cause_map.items()):
         raise LogError(path, "cause_map", "expected an object of label -> cause strings")
     extras = {k[len("extra.") :]: a for k, a in arrays.items() if k.startswith("extra.")}
-    warnings: list[str] = []
-    if meta.get("interrupted") is True:
-        warnings.append(
-            "recovered from the parts of an interrupted recording: "
-            "events after its last flush are lost"
-        )
-    noted = meta.get("warnings")  # what capture or recovery noted about this run
-    if isinstance(noted, list):
-        warnings += [one_line(str(w))[:300] for w in noted[:20]]
+    warnings = warnings_of(meta)
     return RawLog(
         **tables,  # type: ignore[arg-type]
         labels=str_list(path, arrays, "labels"),

@@ -1,9 +1,11 @@
 """`load`: one raw log from a file, whichever layout it is in, validated.
 
-Reads the tracekit layout (`tracekit.log.rawlog`, versions 1 and 2) and the published
-layout (`tracekit.log.published`) through the bounded archive reader
+Reads a run's parts folder (`tracekit.log.parts`: what a recorder writes, read in place,
+stopped or not) through the pointer file a clean stop writes beside it or the folder
+itself, the one-file tracekit layout (`tracekit.log.rawlog`, versions 1 to 4) and the
+published layout (`tracekit.log.published`) through the bounded archive reader
 (`tracekit.log.archive`), shortens over-long names, and validates the result
-(`tracekit.log.validate`). This module sits above the three so that none of them needs
+(`tracekit.log.validate`). This module sits above them so that none of them needs
 another's loader.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import replace
 
 from tracekit.errors import LogError, UsageError
 from tracekit.log.archive import read_npz
+from tracekit.log.parts import POINTER_MEMBER, merge_parts, pointed_parts
 from tracekit.log.published import PUBLISHED_MEMBERS, from_published
 from tracekit.log.rawlog import V1_MEMBERS, RawLog, from_v1
 from tracekit.log.validate import validate_log
@@ -33,7 +36,8 @@ def load(
     max_inflate_mb: float | None = None,
     max_label_chars: int | None = None,
 ) -> RawLog:
-    """Read a raw log (v1 or the published layout). Raises `LogError` naming file and field.
+    """Read a raw log (a run's parts folder or the pointer file naming it, a one-file log,
+    or the published layout). Raises `LogError` naming file and field.
 
     Reading is bounded by the file: `max_inflate_mb` (default: `tracekit.log.archive`'s limit
     proportional to the file size) bounds what its arrays may inflate to, and names longer
@@ -43,11 +47,14 @@ def load(
     if not os.path.exists(path):
         raise LogError(path, "file", "does not exist")
     if os.path.isdir(path):
-        hint = f"`tracekit recover {path}` merges it into one .npz"
-        if not os.path.exists(os.path.join(path, "meta.json")):
-            hint = "expected a raw log .npz"
-        raise LogError(path, "file", f"is a directory (an interrupted run's parts? {hint})")
+        if not os.path.isfile(os.path.join(path, "meta.json")):
+            raise LogError(path, "file", "is a directory, not a run's parts folder (no meta.json)")
+        log = merge_parts(path, max_inflate_mb=max_inflate_mb)
+        return _checked(log, [], max_label_chars, validate)
     arrays, ignored = read_npz(path, _layout_members, max_inflate_mb=max_inflate_mb)
+    if POINTER_MEMBER in arrays:  # a clean stop's OUT: the run is its parts folder
+        log = merge_parts(pointed_parts(path, arrays), max_inflate_mb=max_inflate_mb)
+        return _checked(log.with_path(path), ignored, max_label_chars, validate)
     if "schema" in arrays:
         log = from_v1(path, arrays)
     elif "steps" in arrays or "segs" in arrays:
@@ -56,6 +63,13 @@ def load(
         raise LogError(
             path, "schema", "no 'schema' array and not the published layout: not a tracekit log"
         )
+    return _checked(log, ignored, max_label_chars, validate)
+
+
+def _checked(
+    log: RawLog, ignored: list[str], max_label_chars: int | None, validate: bool
+) -> RawLog:
+    """The log with its unknown members named, long names shortened, validated."""
     if ignored:
         shown = ", ".join(repr(n) for n in ignored[:5]) + (", ..." if len(ignored) > 5 else "")
         log = replace(
@@ -130,6 +144,8 @@ def _shorten_names(log: RawLog, max_chars: int) -> RawLog:
 
 def _layout_members(keys: Collection[str]) -> set[str]:
     """The archive members a log's layout defines: v1 (with its ``extra.*``) or published."""
+    if POINTER_MEMBER in keys:
+        return {POINTER_MEMBER}
     if "schema" in keys:
         return {k for k in keys if k in V1_MEMBERS or k.startswith("extra.")}
     return {k for k in keys if k in PUBLISHED_MEMBERS}

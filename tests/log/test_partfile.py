@@ -1,0 +1,316 @@
+"""The run's log on disk: the compact part encoding (docs/design.md, "The run's log on disk"),
+its checks on hostile bytes, a stop that merges nothing, and the pointer file."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tracekit
+from tracekit.errors import LogError
+from tracekit.log.archive import InflateLimitError
+from tracekit.log.flush import TABLES
+from tracekit.log.partfile import MAGIC, decode_part, encode_part
+from tracekit.log.parts import (
+    FINAL_NAME,
+    INDEX_NAME,
+    POINTER_MEMBER,
+    merge_parts,
+    read_index,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+I64 = np.iinfo(np.int64)
+
+
+def _flush(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    """A flush's arrays with `n` rows per table: ticks that grow, handles, extremes."""
+    out: dict[str, np.ndarray] = {}
+    for k, cols in TABLES.items():
+        if k == "counters":
+            v = rng.normal(size=(n, len(cols)))
+            if n:
+                v[0, 2] = np.nan
+                v[-1, 2] = np.inf
+            out[k] = v.reshape(-1)
+            continue
+        a = rng.integers(-5, 5, size=(n, len(cols)), dtype=np.int64)
+        for j, c in enumerate(cols):
+            if c.endswith("_tick"):
+                a[:, j] = 10**15 + np.cumsum(rng.integers(0, 10**6, size=n))
+        if n > 2:
+            a[1, 0], a[2, 0] = I64.min, I64.max  # wraps when delta-coded: must round-trip
+        out[k] = a.reshape(-1)
+    out.update(
+        labels=np.array(["decode", "prefill", "é \x1f|"]),
+        counter_names=np.array([], dtype=str),
+        request_ids=np.array([f"req-{i}" for i in range(3)]),
+        request_ids_start=np.array(7),
+        config=np.array('{"rung": "baseline"}'),
+        flush_tick=np.array(10**15 + 123),
+        t0_tick=np.array(10**15),
+        seconds_per_tick=np.array(1e-9),
+        open_tick=np.array(-(2**63)),
+    )
+    return out
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        x, y = np.asarray(a[k]), np.asarray(b[k])
+        assert x.shape == y.shape, k
+        if x.dtype.kind in "US":
+            assert y.dtype.kind == "U" and x.tolist() == y.tolist(), k
+        else:
+            assert x.dtype == y.dtype, (k, x.dtype, y.dtype)
+            assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), k
+
+
+@given(n=st.integers(0, 300), seed=st.integers(0, 2**32 - 1))
+def test_a_part_holds_exactly_the_flush_it_was_given(n, seed):
+    a = _flush(np.random.default_rng(seed), n)
+    _assert_same(a, decode_part(encode_part(a), "p"))
+
+
+def test_a_realistic_flush_takes_under_4_bytes_a_token():
+    """The busy server of bench/busy_server.py (batch 256, deterministic): the issue's goal
+    is at most 4 bytes per emitted token on disk, every table included."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from busy_server import FakeClock, serve
+
+    class Keep:
+        def open(self, meta):
+            self.rows = []
+
+        def write(self, rows):
+            self.rows.append(rows)
+
+        def close(self, final):
+            pass
+
+    keep, clock = Keep(), FakeClock()
+    rec = tracekit.Recorder(None, clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, sinks=[keep])  # fmt: skip
+    with rec:
+        counts = serve(rec, clock, minutes=0.5)
+    size = sum(len(encode_part(r)) for r in keep.rows)
+    assert counts["tokens"] > 100_000
+    assert size / counts["tokens"] <= 4.0, size / counts["tokens"]
+
+
+# -- hostile bytes: every damage is one LogError naming the field, nothing else ---------
+
+
+def test_every_truncation_of_a_part_is_a_log_error():
+    data = encode_part(_flush(np.random.default_rng(1), 40))
+    for cut in range(0, len(data), max(1, len(data) // 400)):
+        with pytest.raises(LogError):
+            decode_part(data[:cut], "p")
+
+
+def test_a_flipped_byte_anywhere_is_a_log_error_or_the_same_flush():
+    """A CRC covers the header and each blob: a flipped byte is named, never decoded into
+    other values."""
+    a = _flush(np.random.default_rng(2), 40)
+    data = encode_part(a)
+    for i in range(0, len(data), 7):
+        bad = bytearray(data)
+        bad[i] ^= 0x55
+        with pytest.raises(LogError):
+            decode_part(bytes(bad), "p")
+
+
+def _rebuilt(data: bytes, edit) -> bytes:
+    """`data` with its header edited by `edit(header)` (the header's CRC made right)."""
+    _, n, _ = struct.unpack_from("<8sII", data)
+    header = json.loads(data[16 : 16 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    return struct.pack("<8sII", MAGIC, len(raw), zlib.crc32(raw)) + raw + data[16 + n :]
+
+
+def test_claimed_sizes_beyond_the_file_are_refused_before_anything_is_inflated():
+    data = encode_part(_flush(np.random.default_rng(3), 40))
+
+    def huge(h):  # a column claiming 2**40 rows: checked against the file, not allocated
+        e = next(e for e in h["arrays"] if e["codec"] == "zlib")
+        e["rows"] = 2**40
+        e["raw_bytes"] = 2**40 * np.dtype(e["stored"]).itemsize
+
+    with pytest.raises(InflateLimitError, match="would inflate beyond"):
+        decode_part(_rebuilt(data, huge), "p")
+
+    def lie(h):  # fewer rows than the blob inflates to: it stops at the claim, then refuses
+        e = next(e for e in h["arrays"] if e["codec"] == "zlib" and e["rows"] > 2)
+        e["rows"] -= 1
+        e["raw_bytes"] -= np.dtype(e["stored"]).itemsize
+
+    with pytest.raises(LogError, match="inflates to other than"):
+        decode_part(_rebuilt(data, lie), "p")
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda h: h["arrays"][0].update(dtype="object"), "steps.t0_tick"),
+        (lambda h: h["arrays"][0].update(codec="pickle"), "steps.t0_tick"),
+        (lambda h: h["arrays"][0].pop("crc32"), "steps.t0_tick: crc32"),
+        (lambda h: h["arrays"][0].update(column=99), "steps"),
+        (lambda h: h["arrays"].append(dict(h["arrays"][0])), "file"),
+        (lambda h: h["values"].update(config={"a": 1}), "config"),
+        (lambda h: h["values"].update(flush_tick=2**70), "flush_tick"),
+        (lambda h: h.update(arrays="x"), "header"),
+    ],
+    ids=["dtype", "codec", "no crc", "column", "twice", "value type", "int64", "arrays"],
+)
+def test_a_bad_header_names_its_field(edit, field):
+    data = encode_part(_flush(np.random.default_rng(4), 10))
+    with pytest.raises(LogError) as e:
+        decode_part(_rebuilt(data, edit), "p")
+    assert e.value.field.startswith(field), (e.value.field, str(e.value))
+    assert "\n" not in str(e.value)
+
+
+def test_another_format_is_named_with_what_to_do():
+    data = bytearray(encode_part(_flush(np.random.default_rng(5), 3)))
+    data[7] = 9
+    with pytest.raises(LogError, match="part format 9; this tracekit reads 1"):
+        decode_part(bytes(data), "p")
+    with pytest.raises(LogError, match="not a tracekit part"):
+        decode_part(b"PK\x03\x04" + bytes(40), "p")
+
+
+# -- the recorder's folder: stop merges nothing, OUT names the folder -------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        self.t += 1000
+        return self.t
+
+
+def _run(rec: tracekit.Recorder) -> None:
+    with rec:
+        for i in range(50):
+            rec.request(f"r{i}", prompt_tokens=i)
+            with rec.step():
+                with rec.segment("decode"):
+                    pass
+                rec.emit([f"r{j}" for j in range(max(0, i - 5), i + 1)])
+                if i == 20:
+                    rec.evict("r18", mode="recompute")
+                if i == 30:
+                    rec.readmit("r18")
+        rec.attach("trace", np.arange(5.0))
+
+
+def test_the_folder_reads_back_as_the_run_kept_in_memory(tmp_path, monkeypatch):
+    """The same run (a deterministic clock) recorded to disk and to memory: the folder, read
+    through OUT, is the in-memory run, table for table. stop() reads no part back (it
+    merges nothing: a read would be the cost that grows with the run)."""
+    import tracekit.log.parts as parts
+
+    mem = tracekit.Recorder(None, clock=Clock(), gc=False, handle_signals=False,
+                            flush_interval_s=2e-6)  # fmt: skip
+    _run(mem)
+    out = tmp_path / "run.npz"
+    disk = tracekit.Recorder(out, clock=Clock(), gc=False, handle_signals=False,
+                             flush_interval_s=2e-6)  # fmt: skip
+
+    def no_read(*a, **k):
+        raise AssertionError("stop() read a part back")
+
+    monkeypatch.setattr(parts, "read_part", no_read)
+    monkeypatch.setattr(parts, "merge_parts", no_read)
+    assert _run(disk) is None
+    monkeypatch.undo()
+    folder = tmp_path / "run.npz.parts"
+    assert (folder / FINAL_NAME).exists() and not (folder / "lock").exists()
+    assert len(list(folder.glob("part-*.tkp"))) > 5  # many flushes: the merge is exercised
+    a, b = mem.log(), tracekit.load(out)
+    for table in ("steps", "segments", "emissions", "evictions", "requests", "gc_pauses"):
+        for col, x in getattr(a, table).columns().items():
+            np.testing.assert_array_equal(getattr(getattr(b, table), col), x, err_msg=col)
+    assert a.request_ids == b.request_ids and a.config == b.config and a.wall_s == b.wall_s
+    np.testing.assert_array_equal(b.extras["trace"], np.arange(5.0))
+    assert b.coverage.is_clean_stop.tolist() == [1] and b.meta["interrupted"] is False
+    assert disk.log().request_ids == a.request_ids  # log(): read back when asked
+    # the folder alone is the same run
+    assert tracekit.load(folder).request_ids == a.request_ids
+    # one file to share: the same run again
+    one = tmp_path / "one.npz"
+    r = _cli("merge", str(out), "-o", str(one))
+    assert r.returncode == 0, r.stderr
+    assert tracekit.load(one).request_ids == a.request_ids and folder.exists()
+    entries, bad = read_index(str(folder))
+    assert [e.number for e in entries] == list(range(1, len(entries) + 1)) and not bad
+    assert sum(e.num_emissions for e in entries) == len(a.emissions)
+
+
+def test_recording_twice_to_one_path_keeps_the_second_run(tmp_path):
+    out = tmp_path / "run.npz"
+    for n in (3, 5):
+        rec = tracekit.Recorder(out, gc=False, handle_signals=False)
+        with rec:
+            for _ in range(n):
+                with rec.step():
+                    rec.emit(["a"])
+        assert len(tracekit.load(out).steps) == n
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [("../elsewhere.parts", "not a folder beside it"), ("/etc", "not a folder beside it"),
+     ("gone.parts", "missing or not a run's parts folder"), ("", "not a folder beside it")],
+)  # fmt: skip
+def test_a_pointer_names_only_a_run_folder_beside_it(tmp_path, name, problem):
+    p = tmp_path / "run.npz"
+    np.savez(p, **{POINTER_MEMBER: np.array(json.dumps({"parts": name}))})
+    with pytest.raises(LogError, match=problem) as e:
+        tracekit.load(p)
+    assert str(p) in str(e.value)
+
+
+def test_a_torn_index_line_is_named_and_the_parts_still_read(tmp_path):
+    out = tmp_path / "run.npz"
+    rec = tracekit.Recorder(out, gc=False, handle_signals=False, flush_interval_s=0.0)
+    with rec:
+        for _ in range(4):
+            with rec.step():
+                rec.emit(["a"])
+    folder = tmp_path / "run.npz.parts"
+    with open(folder / INDEX_NAME, "ab") as fh:
+        fh.write(b"5 100 7")  # a power loss cut the line short
+    entries, bad = read_index(str(folder))
+    assert len(entries) >= 1 and bad == [
+        f"{INDEX_NAME} line {len(entries) + 1} is torn or corrupt (ignored)"
+    ]
+    log = merge_parts(str(folder))
+    assert len(log.steps) == 4
+    assert any(f"{INDEX_NAME} line" in w and "torn" in w for w in log.warnings), log.warnings
+    # the last part's name lost (a power loss): the index still lists it, and says so
+    last = sorted(folder.glob("part-*.tkp"))[-1]
+    last.unlink()
+    log = merge_parts(str(folder))
+    assert len(log.steps) < 4
+    assert any("after the last one on disk" in w for w in log.warnings), log.warnings
+
+
+def _cli(*args: str):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "tracekit", *args], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
