@@ -8,14 +8,14 @@ Evictors) and the recorder's docstring (-1: a count not told)."""
 
 from __future__ import annotations
 
+import os
 import shutil
-import time
 
 import numpy as np
 import pytest
 
 import tracekit
-from tracekit.log.parts import merge_parts
+from tracekit.log.parts import merge_parts, part_paths, read_part
 from tracekit.log.rawlog import PREEMPT_REASONS, Evictions
 from tracekit.log.validate import validate_log
 
@@ -97,12 +97,10 @@ def test_a_run_in_memory_records_the_same_causes():
 
 
 def test_parts_keep_the_causes_and_a_part_written_before_them_reads_as_empty(tmp_path):
-    """The parts `recover` reads hold the cause rows; a part without the two tables (one
-    written before they existed) merges with none, and the log is valid."""
+    """The run's parts folder holds the cause rows; parts without the two tables (the
+    `.npz` parts written before they existed) merge with none, and the log is valid."""
     out = tmp_path / "run.npz"
-    rec = tracekit.Recorder(out, gc=False, handle_signals=False, flush_interval_s=0.0)
-    rec.start()
-    try:
+    with tracekit.Recorder(out, gc=False, handle_signals=False, flush_interval_s=0.0) as rec:
         rec.request("a", prompt_tokens=3)
         rec.request("b", prompt_tokens=3)
         with rec.step():
@@ -110,26 +108,21 @@ def test_parts_keep_the_causes_and_a_part_written_before_them_reads_as_empty(tmp
             rec.admit("b")
             rec.evict("a", mode="recompute", reason="kv_full", by=["b"], num_free_blocks=0)
             rec.emit(["b"])
-        parts = tmp_path / "run.npz.parts"
-        t_end = time.monotonic() + 20
-        while not list(parts.glob("part-*.npz")):
-            assert time.monotonic() < t_end, "no part reached the disk"
-            time.sleep(0.01)
-        time.sleep(0.05)
-        log = validate_log(merge_parts(str(parts)))  # as recover does
-        assert log.preemptions.request.tolist() == [0]
-        assert log.preemptions.num_free_blocks.tolist() == [0]
-        assert log.evictors.evictor.tolist() == [1]
-        old = tmp_path / "old.parts"
-        shutil.copytree(parts, old)
-        for p in old.glob("part-*.npz"):
-            with np.load(p, allow_pickle=False) as z:
-                kept = {k: z[k] for k in z.files if k not in ("preemptions", "evictors")}
-            np.savez(p, **kept)
-        log = validate_log(merge_parts(str(old)))
-        assert len(log.preemptions) == len(log.evictors) == 0 and len(log.evictions) == 1
-    finally:
-        rec.stop()
+    parts = tmp_path / "run.npz.parts"
+    log = validate_log(merge_parts(str(parts)))
+    assert log.preemptions.request.tolist() == [0]
+    assert log.preemptions.num_free_blocks.tolist() == [0]
+    assert log.evictors.evictor.tolist() == [1]
+    old = tmp_path / "old.parts"
+    shutil.copytree(parts, old)
+    for p in part_paths(str(old)):  # each part as an `.npz` part of the earlier format
+        rows = read_part(p)
+        kept = {k: np.asarray(rows[k]) for k in rows if k not in ("preemptions", "evictors")}
+        np.savez(os.path.splitext(p)[0] + ".npz", **kept)
+        os.remove(p)
+    (old / "index").unlink(missing_ok=True)  # it names the parts of the new format
+    log = validate_log(merge_parts(str(old)))
+    assert len(log.preemptions) == len(log.evictors) == 0 and len(log.evictions) == 1
 
 
 BAD = {
