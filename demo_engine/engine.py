@@ -357,12 +357,11 @@ class Engine:
 
     def _do_kv_op(self, op: KvOp) -> None:
         r, rec = op.req, self.rec
-        if op.kind == "swap_out":
-            rec.evict(r.rid, mode="swap")  # it stops running now
-            with self._seg_swap:
-                r.host_kv = self.runner.swap_out(op.slots)  # type: ignore[arg-type]
-        elif op.kind == "drop":
-            rec.evict(r.rid, mode="recompute")
+        if op.kind in ("swap_out", "drop"):
+            self._record_eviction(op)  # it stops running now
+            if op.kind == "swap_out":
+                with self._seg_swap:
+                    r.host_kv = self.runner.swap_out(op.slots)  # type: ignore[arg-type]
         elif op.kind == "swap_in":
             with self._seg_swap:
                 self.runner.swap_in(r.host_kv, op.slots)  # type: ignore[arg-type]
@@ -372,6 +371,24 @@ class Engine:
             rec.readmit(r.rid)
         else:
             raise ValueError(f"unknown KV op {op.kind!r}")
+
+    def _record_eviction(self, op: KvOp) -> None:
+        """The eviction, with the cause the scheduler kept when it decided (docs/capture.md,
+        "Eviction causes")."""
+        mode = "swap" if op.kind == "swap_out" else "recompute"
+        c = op.cause
+        if c is None:
+            self.rec.evict(op.req.rid, mode=mode)
+            return
+        self.rec.evict(
+            op.req.rid,
+            mode=mode,
+            reason=c.reason,
+            by=[] if c.evictor is None else [c.evictor.rid],
+            num_computed_tokens_lost=c.num_computed_tokens_lost,
+            num_free_blocks=c.num_free_blocks,
+            num_used_blocks=c.num_used_blocks,
+        )
 
     # -- serving -------------------------------------------------------------------------------
     def serve(

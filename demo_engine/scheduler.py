@@ -5,7 +5,10 @@ Each step the scheduler decides, in this order (the reference post's order):
 1. readmission: preempted requests come back, oldest first, when their KV fits again
    (swap: copy back in; recompute: blocks for a full re-prefill);
 2. KV reservation for every decoding request, oldest first: one more slot each; when the
-   pool is dry, the newest running request is preempted (swap or recompute) until it fits;
+   pool is dry, the newest running request is preempted (swap or recompute) until it fits.
+   The decision keeps its cause (`Eviction`): the request whose growth needed the block
+   (none when the victim is that request itself), the victim's computed tokens thrown
+   away (0 with swap: its KV is copied out) and the pool when it decided;
 3. prefill chunks for running requests still in prefill, oldest first, within the budget
    left after the decode rows (`max_num_batched_tokens - num_decode`);
 4. admission of waiting requests (FCFS, none while a preempted request waits), under
@@ -78,15 +81,31 @@ class Request:
         return self.num_output_tokens >= self.max_new_tokens
 
 
+@dataclass(slots=True, frozen=True)
+class Eviction:
+    """Why the scheduler preempted a request, as it stood when it decided: the reason
+    (tracekit's PREEMPT_REASONS: this scheduler evicts only when the KV pool is dry), the
+    request whose decode growth needed the block (None: the victim itself could not grow),
+    the victim's computed tokens thrown away, and the pool's free and used blocks."""
+
+    evictor: Request | None
+    num_computed_tokens_lost: int
+    num_free_blocks: int
+    num_used_blocks: int
+    reason: str = "kv_full"
+
+
 @dataclass(slots=True)
 class KvOp:
     """A KV move the engine must carry out, in order: `swap_in`, `swap_out`, `readmit`
     (recompute: nothing to copy) or `drop` (recompute eviction). `slots` are where the KV
-    is (swap_out) or goes (swap_in), fixed when the scheduler decided."""
+    is (swap_out) or goes (swap_in), fixed when the scheduler decided; `cause`: why an
+    eviction (swap_out, drop) was decided."""
 
     kind: str
     req: Request
     slots: np.ndarray | None = None
+    cause: Eviction | None = None
 
 
 @dataclass(slots=True)
@@ -164,7 +183,7 @@ class Scheduler:
                 continue
             while not bm.can_append(r, r.num_computed_tokens + 1):
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self._preempt(victim, out, None if victim is r else r)
                 if victim is r:
                     break
             else:
@@ -217,21 +236,31 @@ class Scheduler:
                 out.wait_reason = "kv_blocks"  # the head's blocks (or the watermark) do not fit
         return out
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput, evictor: Request | None) -> None:
         """Take `victim` off the running list and free its blocks (its KV is copied out
-        first by the engine, from the slots recorded here)."""
+        first by the engine, from the slots recorded here); `evictor`: the request whose
+        decode growth needed the block."""
+        bm = self.bm
+        cause = Eviction(
+            evictor=evictor,
+            num_computed_tokens_lost=(
+                0 if self.config.preemption_mode == "swap" else victim.num_computed_tokens
+            ),
+            num_free_blocks=bm.num_free_blocks,
+            num_used_blocks=bm.num_blocks - bm.num_free_blocks,
+        )
         self.running.remove(victim)
         victim.status = Status.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap":
             slots = self.bm.slots(victim, victim.num_computed_tokens)
-            out.kv_ops.append(KvOp("swap_out", victim, slots))
+            out.kv_ops.append(KvOp("swap_out", victim, slots, cause))
         else:
             victim.num_computed_tokens = 0
             victim.is_recomputing = True
             victim.host_kv = None
-            out.kv_ops.append(KvOp("drop", victim))
+            out.kv_ops.append(KvOp("drop", victim, cause=cause))
         self.bm.free(victim)
         # a victim whose chunk was already planned this step cannot happen: victims are
         # taken while reserving decode slots, before any chunk is planned

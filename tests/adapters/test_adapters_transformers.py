@@ -80,11 +80,13 @@ def batch_run(model, tmp_path_factory):
     m, inputs = model
     out = str(tmp_path_factory.mktemp("cb") / "cb.npz")
     resets: list[str] = []
+    positions: list[tuple[str, int]] = []
     state_cls = cb_api.RequestState
     original = state_cls.create_equivalent_initial_request
 
     def counting(self):  # the engine's own soft reset, counted independently of tracekit
         resets.append(self.request_id)
+        positions.append((self.request_id, self.position_offset))  # what it had computed
         return original(self)
 
     rec = tracekit.Recorder(out, config={"engine": "transformers-cb"})
@@ -103,6 +105,7 @@ def batch_run(model, tmp_path_factory):
         "results": results,
         "inputs": inputs,
         "resets": resets,
+        "positions": positions,
         "adapter": adapter,
     }
 
@@ -125,6 +128,26 @@ def test_every_engine_preemption_is_an_explicit_eviction(batch_run):
     assert np.isfinite(ev.t_readmit_s).all()  # every request finished, so each came back
     assert int(log.steps.num_preempted.sum()) == len(resets)
     assert batch_run["adapter"].num_evictions == {"swap": 0, "recompute": len(resets)}
+
+
+def test_every_soft_reset_has_one_cause_and_the_tokens_it_threw_away(batch_run):
+    """Each soft reset the engine did has exactly one recorded cause (kv_full); per
+    request, in time order, its computed tokens lost are the position_offset the engine's
+    own reset read; its evictors are other requests."""
+    log, positions = batch_run["log"], batch_run["positions"]
+    pe = log.preemptions
+    assert len(pe) == len(log.evictions) == len(positions) >= 2
+    assert {tracekit.log.rawlog.PREEMPT_REASONS[c] for c in pe.reason} == {"kv_full"}
+    got = collections.defaultdict(list)
+    for i in np.lexsort((pe.t_s, pe.request)).tolist():
+        got[log.request_ids[pe.request[i]]].append(int(pe.num_computed_tokens_lost[i]))
+    want = collections.defaultdict(list)
+    for rid, n in positions:
+        want[rid].append(n)
+    assert dict(got) == dict(want) and sum(n for _, n in positions) > 0
+    by = log.evictors
+    assert (by.evictor != by.request).all()
+    assert len(by) >= 1  # some offloads made room for another starved request
 
 
 def test_emission_times_agree_with_the_engines_timestamps(batch_run):

@@ -125,6 +125,75 @@ def test_every_engine_preemption_is_an_explicit_eviction(vllm_run):
     assert vllm_run["adapter"].num_evictions == sum(engine.values())
 
 
+@pytest.fixture(scope="module")
+def vllm_causes_run(llm, vllm_mod, tmp_path_factory):
+    """A second run on the same engine with a probe under the adapter: the scheduler's own
+    `_preempt_request` reads each victim's `num_computed_tokens` and the block pool when
+    vLLM calls it (before it frees anything), independently of tracekit."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    seen: list[tuple[str, int, int]] = []
+    original = Scheduler._preempt_request
+
+    def probe(self, request, *args, **kwargs):
+        pool = self.kv_cache_manager.block_pool
+        seen.append((request.request_id, request.num_computed_tokens, pool.num_gpu_blocks))
+        return original(self, request, *args, **kwargs)
+
+    out = str(tmp_path_factory.mktemp("vllm-causes") / "vllm.npz")
+    params = vllm_mod.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0)
+    prompts = tiny_prompts(NUM_REQUESTS, seed=2)
+    rec = tracekit.Recorder(out, config={"engine": "vllm"})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scheduler, "_preempt_request", probe)
+        with one_torch_thread(), rec, instrument_vllm(rec, llm):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    # vLLM's internal id is the caller's id and a random suffix (n = 1 here)
+    names = {o.request_id: o.request_id for o in outputs}
+    names = {rid: rid.rsplit("-", 1)[0] for rid, _, _ in seen if rid.rsplit("-", 1)[0] in names}
+    return {"log": tracekit.load(out), "outputs": outputs, "seen": seen, "names": names}
+
+
+def test_every_preemption_has_one_cause_and_the_tokens_vllm_recomputed(vllm_causes_run):
+    """Every preemption in vLLM's bookkeeping (RequestOutput.metrics.num_preemptions, and
+    each `_preempt_request` call the probe saw) has exactly one recorded cause; its
+    computed tokens lost are the victim's num_computed_tokens when vLLM preempted it (read
+    by the probe, in order per request); the pool's free and used blocks add up to vLLM's
+    block count; schedule() preempts only for KV (kv_full) for another request, or the
+    victim itself (no evictor)."""
+    r = vllm_causes_run
+    log, outputs, seen = r["log"], r["outputs"], r["seen"]
+    engine = {o.request_id: o.metrics.num_preemptions for o in outputs}
+    assert sum(engine.values()) >= 2, "the KV pool was meant to force preemption"
+    assert len(seen) == sum(engine.values())
+    pe = log.preemptions
+    assert len(pe) == len(log.evictions) == len(seen)
+    victims = collections.Counter(log.request_ids[i] for i in pe.request)
+    assert {rid: victims.get(rid, 0) for rid in engine} == engine
+    # per victim, in time order: the tokens lost are what vLLM had computed for it
+    order = np.lexsort((pe.t_s, pe.request))
+    got = collections.defaultdict(list)
+    for i in order.tolist():
+        got[log.request_ids[pe.request[i]]].append(int(pe.num_computed_tokens_lost[i]))
+    want = collections.defaultdict(list)
+    assert set(r["names"]) == {rid for rid, _, _ in seen}
+    for rid, n, _ in seen:
+        want[r["names"][rid]].append(n)
+    assert dict(got) == dict(want)
+    assert sum(n for _, n, _ in seen) > 0
+    blocks = {b for _, _, b in seen}
+    assert set((pe.num_free_blocks + pe.num_used_blocks).tolist()) == blocks
+    assert {tracekit.log.rawlog.PREEMPT_REASONS[c] for c in pe.reason} == {"kv_full"}
+    assert (pe.step >= 0).all()
+    by = log.evictors
+    assert (by.evictor != by.request).all()
+    # most of this run's preemptions are the scheduled request's own (it is the newest);
+    # at least one took another's blocks (this engine and seed schedule deterministically)
+    assert len(by) >= 1
+    pairs = collections.Counter(zip(by.request.tolist(), by.t_s.tolist(), strict=True))
+    assert max(pairs.values(), default=1) == 1  # at most one evictor: the request scheduled
+
+
 def test_emission_times_agree_with_the_engines_timestamps(vllm_run):
     outputs, log = vllm_run["outputs"], vllm_run["log"]
     # monotonic seconds -> the log's clock: seconds from the recorder's start

@@ -23,6 +23,8 @@ import sys
 import numpy as np
 import pytest
 
+from tracekit.log.rawlog import PREEMPT_REASON_CODES
+
 pytestmark = [pytest.mark.adapters, pytest.mark.slow]
 
 MAX_TOKENS = 40
@@ -438,6 +440,13 @@ def test_gaps_boundary_client_and_the_client_id(served, merged):
 def test_preemptions_equal_vllm_metrics_counter(served, merged):
     assert served["preemptions"] >= 1, "4 KV blocks were meant to force preemption"
     assert len(merged.evictions) == served["preemptions"]
+    # each with exactly one cause, recorded in the engine core (recovered from its parts)
+    # and kept by the merge: KV full, with the blocks it held (4 in all) and its tokens
+    pe = merged.preemptions
+    assert len(pe) == served["preemptions"]
+    assert set(pe.reason.tolist()) == {PREEMPT_REASON_CODES["kv_full"]}
+    assert set((pe.num_free_blocks + pe.num_used_blocks).tolist()) <= {4, 5}
+    assert (pe.num_computed_tokens_lost > 0).all()
 
 
 def test_one_clock_is_proved_by_paired_stamps(merged):

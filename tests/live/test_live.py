@@ -692,6 +692,11 @@ _step = st.fixed_dictionaries(
         "size": st.sampled_from([1, 2, 4]),
         "emit": st.sets(st.integers(0, 2)),  # which requests emit (unless evicted)
         "evict": st.one_of(st.none(), st.integers(0, 2)),
+        # the eviction's cause (recompute mode): reason and computed tokens lost
+        "cause": st.one_of(
+            st.none(),
+            st.tuples(st.sampled_from(("kv_full", "priority", "other")), st.integers(0, 500)),
+        ),
         "readmit": st.booleans(),
         "tok_back": st.one_of(st.none(), st.integers(1, 40)),  # side-thread window ending now
         "gc": st.one_of(st.none(), st.integers(1, 5)),
@@ -735,7 +740,12 @@ def _random_run(steps, *, device: bool, os_evidence: bool = False, at_start=None
             clk.t += s["gap"] * ms
             with rec.step():
                 if s["evict"] is not None and s["evict"] not in evicted:
-                    rec.evict(s["evict"])
+                    if s.get("cause") is None:
+                        rec.evict(s["evict"])
+                    else:
+                        rec.evict(s["evict"], mode="recompute", reason=s["cause"][0],
+                                  by=[(s["evict"] + 1) % 3],
+                                  num_computed_tokens_lost=s["cause"][1])  # fmt: skip
                     evicted.add(s["evict"])
                 elif s["readmit"] and evicted:
                     r = min(evicted)
@@ -786,6 +796,15 @@ def _assert_live_equals_offline(log, snap):
     off = float(tp.column("graph").sum() + tp.column("decode_other").sum())
     dec = got.get("graph", 0.0) + got.get("decode_other", 0.0)
     assert dec == pytest.approx(off, rel=1e-9, abs=1e-9)
+    # who evicted whom: the counters equal the offline summary
+    from tracekit.analysis.evictions import eviction_summary
+
+    e = eviction_summary(log)
+    by = {} if e is None else e.by_reason
+    assert {k: n for k, n in snap["evictions_by_reason"].items() if n} == {
+        k: n for k, n in by.items() if n
+    }
+    assert snap["recomputed_tokens"] == (0 if e is None else e.recomputed_tokens)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

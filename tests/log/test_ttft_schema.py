@@ -56,7 +56,7 @@ def test_recorder_writes_the_ttft_tables_and_they_round_trip(tmp_path):
     assert log.waits.step.tolist() == [0] and log.waits.request.tolist() == [1]
     assert WAIT_REASONS[int(log.waits.reason[0])] == "max_num_seqs"
     with np.load(out, allow_pickle=False) as z:
-        assert int(z["schema_version"]) == SCHEMA_VERSION == 4
+        assert int(z["schema_version"]) == SCHEMA_VERSION == 5
         assert tuple(z["wait_reasons"].tolist()) == WAIT_REASONS
     p = ttft_partition(log)
     assert len(p) == 2 and p.is_split.all() and p.reconcile_max_err_ms < 1e-9
@@ -99,12 +99,12 @@ def test_version_1_log_loads_with_empty_ttft_tables_and_an_unsplit_partition(tmp
 def test_unknown_version_and_a_foreign_reason_vocabulary_are_refused(tmp_path):
     out = str(tmp_path / "run.npz")
     _record(out)
-    v5 = str(tmp_path / "v5.npz")
-    _rewrite(out, v5, schema_version=np.array(5, dtype=np.int64))
+    v6 = str(tmp_path / "v6.npz")
+    _rewrite(out, v6, schema_version=np.array(6, dtype=np.int64))
     with pytest.raises(
-        LogError, match="schema_version: is 5; this tracekit reads versions 1, 2, 3, 4"
+        LogError, match="schema_version: is 6; this tracekit reads versions 1, 2, 3, 4, 5"
     ):
-        tracekit.load(v5)
+        tracekit.load(v6)
     other = str(tmp_path / "other.npz")
     _rewrite(out, other, wait_reasons=np.array(["memory", "seqs"]))
     with pytest.raises(LogError, match="wait_reasons: vocabulary"):

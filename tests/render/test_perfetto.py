@@ -498,3 +498,39 @@ def _plain():
     b.emit(0, 8, s)
     log = b.build()
     return log, partition(log)
+
+
+def test_an_eviction_with_a_cause_is_an_arrow_from_its_step_to_its_victim():
+    """r1's decode evicts r0 at 12 ms in step 1 [10, 20] (kv_full, 50 tokens lost); r2 is
+    evicted at 15 ms with no cause told. One arrow: its start on the engine loop at 12 ms
+    (inside step 1's slice), its end on r0's track at 12 ms (where its `evicted` slice
+    begins), the cause in the start's args; none for r2."""
+    b = LogBuilder()
+    for i, (t0, t1) in enumerate(((0, 10), (10, 20), (20, 40))):
+        b.step(t0, t1)
+        b.seg(i, "decode", t0, t1)
+    for r in (0, 1, 2):
+        b.emit(r, 10, 0)
+        b.emit(r, 40, 2)
+    b.emit(1, 20, 1)
+    b.evict(0, 12, 21, mode=1)
+    b.cause(0, 12, 1, "kv_full", by=(1,), lost=50, free=0, used=4)
+    b.evict(2, 15, 22, mode=1)
+    log = b.build()
+    events = chrome_trace_events(log, partition(log))
+    assert validate_trace(events) == []
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    assert [(e["ph"], e["pid"], e["tid"], e["ts"], e["id"]) for e in flows] == [
+        ("s", PID_ENGINE, TID_LOOP, 12000.0, 0),
+        ("f", PID_REQUESTS, TID_REQUESTS + 0, 12000.0, 0),
+    ]
+    assert flows[1]["bp"] == "e" and {e["name"] for e in flows} == {"eviction"}
+    assert flows[0]["args"] == {
+        "victim": "r0", "evictors": ["r1"], "reason": "kv_full", "step": 1,
+        "num_computed_tokens_lost": 50,
+    }  # fmt: skip
+    (step1,) = [e for e in slices(events, PID_ENGINE, "step") if e["ts"] == 10000.0]
+    assert step1["ts"] <= flows[0]["ts"] <= step1["ts"] + step1["dur"]
+    (evicted,) = [e for e in slices(events, PID_REQUESTS, "evicted") if e["tid"] == TID_REQUESTS]
+    assert evicted["ts"] == flows[1]["ts"]
+    assert validate_trace([*events, {"ph": "s", "pid": 1, "tid": 0, "ts": 1.0, "name": "x"}])

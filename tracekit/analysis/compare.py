@@ -32,8 +32,9 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("tok_per_s", "tok/s"),
 )
 
-#: Per-run counts a group also summarises: what the fixes of a ladder act on.
-COUNTS: tuple[str, ...] = ("preemptions", "eager_steps")
+#: Per-run counts a group also summarises: what the fixes of a ladder act on (and the
+#: recompute tax, a share: recomputed / computed tokens, docs/partition.md "Who evicted whom").
+COUNTS: tuple[str, ...] = ("preemptions", "eager_steps", "recompute_tax")
 
 #: What a run without the grouping key is grouped under.
 MISSING = "(none)"

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.analysis.evictions import EvictionSummary, eviction_summary
 from tracekit.analysis.ranks import RankView, rank_view
 from tracekit.analysis.results import ClientSummary, SpecAcceptance, client_result, spec_result
 from tracekit.analysis.unrecorded import unrecorded_report
@@ -93,6 +94,12 @@ class RunAnalysis:
     #: tensor parallel: which rank held each slow step (`tracekit.analysis.ranks.RankView`),
     #: or None without rank waits
     tp_ranks: RankView | None = None
+    #: recomputed tokens / computed tokens (`evictions.recompute_tax`; 0 without evictions,
+    #: NaN without computed tokens)
+    recompute_tax: float = 0.0
+    #: who evicted whom (`tracekit.analysis.evictions.EvictionSummary`), or None without
+    #: evictions
+    evictions: EvictionSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite numbers become None. The typed results are written by
@@ -102,6 +109,7 @@ class RunAnalysis:
         d["client"] = self.client.to_record() if self.client is not None else None
         d["spec"] = self.spec.to_record() if self.spec is not None else None
         d["tp_ranks"] = self.tp_ranks.to_dict() if self.tp_ranks is not None else None
+        d["evictions"] = self.evictions.to_record() if self.evictions is not None else None
         return json_safe(d)
 
 
@@ -228,6 +236,7 @@ def analyze(
     spec = spec_result(log)
     ranks = rank_view(log, p)
     client, unrecorded = _client_figures(log, run, tp, gap, spec)
+    evictions = eviction_summary(log)
     if unrecorded:
         warnings += [u["line"] for u in unrecorded]
     return RunAnalysis(
@@ -279,4 +288,6 @@ def analyze(
         client=client,
         spec=spec,
         tp_ranks=ranks,
+        recompute_tax=evictions.recompute_tax if evictions is not None else 0.0,
+        evictions=evictions,
     )

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.attribution.client import client_partition
+from tracekit.attribution.evictions import preempt_causes
 from tracekit.attribution.itl import Partition, partition
 from tracekit.errors import LogError
 from tracekit.log.rawlog import RawLog
@@ -21,7 +22,10 @@ def gap_records(
     index: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
     """One dict per gap: request (its id), t0_s, t1_s (engine clock), gap_ms, parts and
-    context (ms by label; parts sum to gap_ms), primary, and the steps it spans."""
+    context (ms by label; parts sum to gap_ms), primary, and the steps it spans; a gap
+    with `preempt` time also has ``preempt_causes``: the pieces of that part, each naming
+    the eviction it comes from (victim, step, reason, evictors; docs/partition.md, "Who
+    evicted whom")."""
     p = part if part is not None else partition(log)
     sel = np.ones(len(p), dtype=bool) if index is None else np.zeros(len(p), dtype=bool)
     if index is not None:
@@ -33,6 +37,7 @@ def gap_records(
         sel &= np.isin(p.request, requests_named(log, request_id))
     rows = np.flatnonzero(sel) if index is None else np.asarray(index)[sel[np.asarray(index)]]
     prim = p.primary_names()
+    causes = preempt_causes(log, p, rows)
     out = []
     for i in rows.tolist():
         out.append(
@@ -50,6 +55,8 @@ def gap_records(
                 "step1": int(p.step1[i]),
             }
         )
+        if i in causes:
+            out[-1]["preempt_causes"] = causes[i]
     return out
 
 

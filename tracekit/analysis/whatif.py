@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.analysis.compare import Spread
+from tracekit.analysis.victim_policy import VictimPolicy, victim_policy
 from tracekit.attribution.itl import Partition, evicted_windows, segment_causes
 from tracekit.attribution.reference import os_taken_reference
 from tracekit.attribution.timeline import PreparedRun, has_os_evidence, os_bounds
@@ -151,6 +152,8 @@ class WhatIf:
     predictions: tuple[Prediction, ...]
     assumptions: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(ASSUMPTIONS))
     warnings: tuple[str, ...] = ()  # the log's and its partition's, as `analyze` reports them
+    #: the recompute tax under the least-computed-victim policy (`victim_policy`), or None
+    victim_policy: VictimPolicy | None = None
 
     def get(self, name: str, model: str) -> Prediction | None:
         for p in self.predictions:
@@ -674,6 +677,7 @@ def whatif(
         num_gaps=len(part),
         predictions=tuple(preds),
         warnings=tuple(log.warnings) + tuple(part.warnings),
+        victim_policy=victim_policy(log),
     )
 
 

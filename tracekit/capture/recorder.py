@@ -55,7 +55,7 @@ from tracekit.capture.buffers import RowBuffers
 from tracekit.capture.checks import as_int, as_int_vector, as_tick, small_ints
 from tracekit.capture.device import DeviceTimer
 from tracekit.capture.gcpauses import GcPauses
-from tracekit.capture.requests import RequestBook, few
+from tracekit.capture.requests import RequestBook, eviction_cause, few
 from tracekit.capture.segments import (
     NULL_SEGMENT,
     NVTX_DOMAIN,
@@ -803,15 +803,26 @@ class Recorder:
             return None
         return as_int_vector(num_tokens, "emit(num_tokens)", 1)
 
-    def evict(self, request_id: Any, *, mode: str = "swap") -> None:
-        """The scheduler evicted `request_id` now (`swap` or `recompute`)."""
+    def evict(
+        self, request_id: Any, *, mode: str = "swap", reason: str | None = None,
+        by: Iterable[Any] | None = None, num_computed_tokens_lost: int | None = None,
+        num_free_blocks: int | None = None, num_used_blocks: int | None = None,
+    ) -> None:  # fmt: skip
+        """The scheduler evicted `request_id` now (`swap` or `recompute`); where it decides, why
+        (docs/capture.md, "Eviction causes"): `reason` (kv_full, priority, other), `by` (the
+        ids whose need took the blocks), computed tokens lost, free and used KV blocks."""
         if not self.enabled:
             return
         code = MODES.get(mode) if isinstance(mode, str) else None
         if code is None:
             raise ValueError(f"evict(mode=): {mode!r:.80} is not one of {list(MODES)}")
-        idx = self._book.intern(request_id, "evict")
-        self._book.evict(idx, self._clock(), code)
+        if reason is by is num_computed_tokens_lost is num_free_blocks is num_used_blocks is None:
+            self._book.evict(self._book.intern(request_id, "evict"), self._clock(), code)
+            return  # no cause told: the plain eviction, as cheap as before causes existed
+        step = self._step.no if self._step.is_open else -1
+        counts = (num_computed_tokens_lost, num_free_blocks, num_used_blocks)
+        cause, by = eviction_cause(request_id, reason, by, step, counts)
+        self._book.evict_with_cause(request_id, by, self._clock(), code, cause)
 
     def readmit(self, request_id: Any) -> None:
         """The scheduler readmitted an evicted `request_id` now."""

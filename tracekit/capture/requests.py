@@ -25,6 +25,7 @@ from tracekit.capture.checks import as_int, as_int_vector, small_ints
 from tracekit.capture.segments import OpenStep
 from tracekit.capture.sinks import EMIT_CALLS, EMIT_HANDLES
 from tracekit.log.flush import EVICT, READMIT, UNKNOWN_TICK
+from tracekit.log.rawlog import PREEMPT_REASON_CODES, PREEMPT_REASONS
 
 
 def _caller_level() -> int:
@@ -46,6 +47,7 @@ HANDLE_AS_ID = (
     "as new requests (emit takes ids; emit_handles takes the handles request() returns)"
 )
 
+_ROW7 = struct.Struct("7q").pack
 _ROW6 = struct.Struct("6q").pack
 _ROW4 = struct.Struct("4q").pack
 _ROW3 = struct.Struct("3q").pack
@@ -70,6 +72,39 @@ def few(values: Any) -> bool:
     if type(values) is np.ndarray:
         return values.ndim == 1 and values.size <= SMALL
     return isinstance(values, (list, tuple)) and len(values) <= SMALL
+
+
+#: `eviction_cause`'s names of the counts it checks, in `preemptions` column order.
+CAUSE_COUNTS = ("num_computed_tokens_lost", "num_free_blocks", "num_used_blocks")
+
+
+def eviction_cause(
+    victim: Any, reason: Any, by: Any, step: int, counts: Sequence[Any]
+) -> tuple[tuple[int, ...], list[Any]]:
+    """`Recorder.evict`'s cause, checked before anything is recorded: the `preemptions`
+    row's values after the victim (step, reason code, then `counts` with None as -1: not
+    told) and the evictors' ids as a list. Raises naming the argument that is wrong."""
+    why = PREEMPT_REASON_CODES.get(reason) if isinstance(reason, str) else None
+    if why is None:
+        raise ValueError(
+            f"evict(reason=): {reason!r:.80} is not one of {list(PREEMPT_REASONS)} "
+            f"(evicting {victim!r:.80}: a cause needs its reason)"
+        )
+    told = tuple(
+        -1 if v is None else as_int(v, f"evict({name})")
+        for name, v in zip(CAUSE_COUNTS, counts, strict=True)
+    )
+    if by is None:
+        return (step, why, *told), []
+    if isinstance(by, (str, bytes)) or not isinstance(by, Iterable):
+        raise TypeError(f"evict(by=): expected a list of request ids, got {by!r:.80}")
+    evictors = list(by)
+    for i, e in enumerate(evictors):
+        if e == victim:
+            raise ValueError(f"evict(by=): {victim!r:.80} cannot be its own evictor")
+        if e in evictors[:i]:
+            raise ValueError(f"evict(by=): {e!r:.80} is named twice")
+    return (step, why, *told), evictors
 
 
 class RequestColumns:
@@ -379,6 +414,31 @@ class RequestBook:
             r = self._req
             r.first_evict[idx] = min(r.first_evict[idx], t)
             rows.tables["events"].frombytes(_ROW4(idx, EVICT, t, code))
+            self._step.num_evictions += 1
+
+    def evict_with_cause(
+        self, victim: Any, by: Sequence[Any], t: int, mode: int, cause: tuple[int, ...]
+    ) -> None:
+        """`Recorder.evict`'s rows with a cause: the eviction, its `preemptions` row (`cause`:
+        step, reason, computed tokens lost, free and used blocks) and one `evictors` row per
+        request in `by`; the ids are interned with the rows, or none of it (a refused id)."""
+        rows = self._rows
+        with rows.lock:
+            n = len(self.names)
+            try:
+                idx = self.intern(victim, "evict")
+                hs = self.intern_all(by, "evict(by=)").tolist() if by else []
+            except BaseException:
+                self.forget_since(n)
+                raise
+            r = self._req
+            r.first_evict[idx] = min(r.first_evict[idx], t)
+            tables = rows.tables
+            tables["events"].frombytes(_ROW4(idx, EVICT, t, mode))
+            step, *counts = cause
+            tables["preemptions"].frombytes(_ROW7(step, idx, t, *counts))
+            for h in hs:
+                tables["evictors"].frombytes(_ROW3(idx, t, h))
             self._step.num_evictions += 1
 
     def readmit(self, idx: int, t: int) -> None:

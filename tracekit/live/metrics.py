@@ -379,4 +379,6 @@ class LiveMetrics:
             "fit_steps": t.fit_steps,
             "settled_to_s": t.settled_to_s,
             "final": t.final,
+            "evictions_by_reason": dict(t.evictions_by_reason),
+            "recomputed_tokens": t.recomputed_tokens,
         }

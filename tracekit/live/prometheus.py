@@ -138,7 +138,24 @@ class LiveCollector(_Families):
         s, w, v = self.read()
         yield from self._gap_families(s, v)
         yield from self._ttft_families(s)
+        yield from self._eviction_families(s)
         yield from self._worker_families(s, w, v)
+
+    def _eviction_families(self, s: LiveTotals) -> Iterator[Any]:
+        """Evictions by their cause's reason, and the tokens recompute threw away."""
+        c = self._fam(
+            CounterMetricFamily,
+            "tracekit_evictions",
+            "Evictions, by the reason the scheduler gave (unknown: no cause told).",
+            ("reason",),
+        )
+        for reason, n in sorted(s.evictions_by_reason.items()):
+            self._add(c, (reason,), n)
+        yield c
+        yield self._one(CounterMetricFamily, "tracekit_recomputed_tokens",
+                        "Computed tokens that recompute evictions threw away (as the scheduler "
+                        "told them): the recompute tax's numerator.",
+                        s.recomputed_tokens)  # fmt: skip
 
     def _gap_families(self, s: LiveTotals, v: WallView) -> Iterator[Any]:
         """The gaps: count, histogram, time by cause, decode's split, the sliding tail."""

@@ -64,6 +64,7 @@ from tracekit.live.retention import Retention
 from tracekit.live.stats import LiveTotals, Settlement, SlowGap
 from tracekit.live.steps import StepState
 from tracekit.log.flush import (
+    EVICT,
     TABLES,
     FlushedRows,
     column_index,
@@ -72,6 +73,8 @@ from tracekit.log.flush import (
 )
 from tracekit.log.rawlog import (
     GRAPH_EAGER,
+    MODE_RECOMPUTE,
+    PREEMPT_REASONS,
     Counters,
     Emissions,
     GcPauses,
@@ -99,6 +102,10 @@ TtftPartitioner = Callable[[RawLog, np.ndarray], tuple[tuple[str, ...], np.ndarr
 # column positions in the flushed rows (`tracekit.log.flush.TABLES`), by name
 _SG = {c: i for i, c in enumerate(TABLES["segments"])}
 _EM = {c: i for i, c in enumerate(TABLES["emissions"])}
+_PE = {c: i for i, c in enumerate(TABLES["preemptions"])}
+_EV = {c: i for i, c in enumerate(TABLES["events"])}
+#: The reason an eviction without a recorded cause is counted under.
+UNKNOWN = "unknown"
 #: Where a flushed row starts, per table: one that starts before what is settled is late.
 _STARTS = (("segments", "t0_tick"), ("gc_pauses", "t0_tick"), ("emissions", "t_tick"),
            ("events", "t_tick"), ("steps", "t0_tick"))  # fmt: skip
@@ -301,6 +308,7 @@ class Settler:
         em = rows.get("emissions")
         if em is not None and len(em):
             self._requests.add_emissions(em)
+        _count_evictions(self.totals, rows)
         if b.flush_tick is not None:
             self._flush_tick = b.flush_tick
             self._open_tick = b.open_tick
@@ -596,6 +604,32 @@ def _check_args(
             raise ValueError(f"{name}: {v!r} is out of range")
 
 
+def _count_evictions(t: LiveTotals, rows: Mapping[str, np.ndarray]) -> None:
+    """A batch's evictions by reason and recomputed tokens. An eviction's cause is written
+    with its `events` row under one lock, so both are in the same batch."""
+    ev = rows.get("events")
+    if ev is None or not len(ev):
+        return
+    pe = rows.get("preemptions")
+    if pe is None:
+        pe = np.zeros((0, len(_PE)), dtype=np.int64)
+    by = t.evictions_by_reason
+    n_ev = int((ev[:, _EV["kind"]] == EVICT).sum())
+    by[UNKNOWN] = by.get(UNKNOWN, 0) + n_ev - len(pe)
+    for code in pe[:, _PE["reason"]].tolist():
+        name = PREEMPT_REASONS[code] if 0 <= code < len(PREEMPT_REASONS) else "other"
+        by[name] = by.get(name, 0) + 1
+    recompute = {
+        (r, x)
+        for r, k, x, m in ev[:, [_EV["request"], _EV["kind"], _EV["t_tick"], _EV["mode"]]].tolist()
+        if k == EVICT and m == MODE_RECOMPUTE
+    }
+    cols = [_PE["request"], _PE["t_tick"], _PE["num_computed_tokens_lost"]]
+    for r, x, lost in pe[:, cols].tolist():
+        if lost > 0 and (r, x) in recompute:
+            t.recomputed_tokens += lost
+
+
 def _zero_totals(gap_buckets_s: tuple[float, ...], ttft_buckets_s: tuple[float, ...]):
     """Totals before the first settlement: every standard series at 0."""
     return LiveTotals(
@@ -607,6 +641,7 @@ def _zero_totals(gap_buckets_s: tuple[float, ...], ttft_buckets_s: tuple[float, 
         ),
         tail_ms=dict.fromkeys(STANDARD_LABELS, 0.0),
         ttft_hist=np.zeros(len(ttft_buckets_s) + 1, dtype=np.int64),
+        evictions_by_reason=dict.fromkeys((*PREEMPT_REASONS, UNKNOWN), 0),
     )
 
 

@@ -56,6 +56,9 @@ class LiveTotals:
     cause_ms: gap time by label, graph/forward under the fit so far (exact once final);
     decode_ms: graph + forward (fit-free). tail_*: the gaps at or above the sliding p99.
     settled_to_s: engine-clock seconds up to which every gap is settled (NaN: none yet).
+    evictions_by_reason: evictions received, by their cause's reason (``unknown``: no cause
+    told); recomputed_tokens: the computed tokens recompute evictions threw away, as told
+    (counted as their rows arrive, not as gaps settle).
     """
 
     gaps: int = 0
@@ -82,6 +85,8 @@ class LiveTotals:
     #: per cause label: when its series began, wall-clock seconds since the epoch (the
     #: sink's start for the standard labels, the flush that first named it for the others)
     created_s: dict[str, float] = field(default_factory=dict)
+    evictions_by_reason: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0
 
     def copy(self) -> LiveTotals:
         return LiveTotals(
@@ -107,6 +112,8 @@ class LiveTotals:
             settled_to_s=self.settled_to_s,
             final=self.final,
             created_s=dict(self.created_s),
+            evictions_by_reason=dict(self.evictions_by_reason),
+            recomputed_tokens=self.recomputed_tokens,
         )
 
 

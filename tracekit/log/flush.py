@@ -57,13 +57,21 @@ TABLES: dict[str, tuple[str, ...]] = {
         "thread", "kind", "t_tick", "cpu_ns", "runqueue_ns", "num_voluntary_switches",
         "num_involuntary_switches", "num_major_faults",
     ),
+    # why an eviction happened (at its `events` row's tick; -1: a count not told)
+    "preemptions": (
+        "step", "request", "t_tick", "reason", "num_computed_tokens_lost", "num_free_blocks",
+        "num_used_blocks",
+    ),
+    "evictors": ("request", "t_tick", "evictor"),  # whose need evicted `request` at `t_tick`
 }  # fmt: skip
 #: Each table's dtype (every column of a table shares it).
 DTYPES: dict[str, type[np.generic]] = {
     k: (np.float64 if k == "counters" else np.int64) for k in TABLES
 }
 #: Tables added after the first parts format: a part written before them lacks them.
-OPTIONAL_TABLES = frozenset({"admissions", "prefill_chunks", "waits", "os_samples"})
+OPTIONAL_TABLES = frozenset(
+    {"admissions", "prefill_chunks", "waits", "os_samples", "preemptions", "evictors"}
+)
 #: The scalar and vocabulary arrays beside the tables.
 VOCAB_KEYS = ("labels", "counter_names", "request_ids")
 SCALAR_KEYS = (

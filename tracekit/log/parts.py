@@ -60,8 +60,10 @@ from tracekit.log.rawlog import (
     Counters,
     Coverage,
     Emissions,
+    Evictors,
     GcPauses,
     OsSamples,
+    Preemptions,
     PrefillChunks,
     RawLog,
     Requests,
@@ -705,6 +707,8 @@ def merge_flushed(
         secs,
     )
     os_samples = to_table(OsSamples, "os_samples", table("os_samples"), secs)
+    preemptions = to_table(Preemptions, "preemptions", table("preemptions"), secs)
+    evictors = to_table(Evictors, "evictors", table("evictors"), secs)
     wall_ticks = f.wall_ticks
     if wall_ticks is None:  # an interrupted run: its wall time is what was flushed
         wall_ticks = f.last_tick - t0
@@ -731,6 +735,8 @@ def merge_flushed(
         waits=waits,
         os_samples=os_samples,
         coverage=coverage,
+        preemptions=preemptions,
+        evictors=evictors,
         labels=tuple(f.labels),
         request_ids=tuple(f.request_ids),
         counter_names=tuple(f.counter_names),

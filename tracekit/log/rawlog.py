@@ -5,16 +5,19 @@ recorder's start). Capture writes one; analysis reads one and never sees a live 
 
 On disk it is one `.npz` per run (`save`/`load`), self-describing:
 
-- ``schema`` = ``"tracekit.rawlog"``, ``schema_version`` = 4 (version 3, which has no
-  ``coverage``, version 2, which has no ``os_samples`` either, and version 1, which has no
-  TTFT tables either, still load: the tables they lack are empty; an empty ``coverage``
-  means the span each process covers is unknown, never that it is partial);
+- ``schema`` = ``"tracekit.rawlog"``, ``schema_version`` = 5 (version 4, which has no
+  ``preemptions`` and ``evictors``, version 3, which has no ``coverage`` either, version 2,
+  which has no ``os_samples`` either, and version 1, which has no TTFT tables either, still
+  load: the tables they lack are empty; an empty ``coverage`` means the span each process
+  covers is unknown, never that it is partial; empty ``preemptions``, that no eviction's
+  cause was recorded);
 - one array per table column, named ``TABLE.COLUMN`` with the unit in the column name
   (``steps.t_start_s``, ``segments.label``, ...);
 - ``labels`` (segment label vocabulary), ``cause_map`` (JSON), ``config`` (JSON),
   ``meta`` (JSON: clock source, tracekit version, warnings recorded at capture),
   ``request_ids`` (strings), ``counter_names``, ``wall_s``, ``wait_reasons`` (the
-  vocabulary of ``waits.reason``, written so a log explains its own codes);
+  vocabulary of ``waits.reason``, written so a log explains its own codes),
+  ``preempt_reasons`` (the same for ``preemptions.reason``);
 - a run merged from a multi-process server (`tracekit.log.merge`) also has the optional tables
   ``proc_segments``, ``client_emissions``, ``deliveries`` and ``proc_os`` (absent in other
   logs: loaded as empty).
@@ -45,10 +48,11 @@ from tracekit.labels import DEFAULT_CAUSE_MAP
 from tracekit.log.archive import column, json_member, scalar_str, str_list
 
 SCHEMA = "tracekit.rawlog"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: Versions `load` reads: 1 lacks the TTFT tables (admissions, prefill_chunks, waits), 2
-#: lacks the OS evidence (os_samples), 3 the span each recording process covers (coverage).
-READABLE_VERSIONS = (1, 2, 3, 4)
+#: lacks the OS evidence (os_samples), 3 the span each recording process covers (coverage),
+#: 4 the causes of evictions (preemptions, evictors).
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 #: Why the scheduler did not admit a waiting request in a step (`waits.reason` codes).
 #: `kv_blocks`: not enough free KV blocks (including a watermark's headroom);
@@ -66,6 +70,14 @@ WAIT_REASONS: tuple[str, ...] = (
     "tokenizing",
 )
 WAIT_REASON_CODES: dict[str, int] = {name: i for i, name in enumerate(WAIT_REASONS)}
+
+#: Why the scheduler evicted a running request (`preemptions.reason` codes). `kv_full`:
+#: the KV cache had no free block for what another request needed (its admission, a
+#: prefill chunk, a decode step's growth); `priority`: a request of higher priority took
+#: its place; `other`: a reason the engine has but this vocabulary does not name. New
+#: reasons are only appended (codes never change; each log stores its vocabulary).
+PREEMPT_REASONS: tuple[str, ...] = ("kv_full", "priority", "other")
+PREEMPT_REASON_CODES: dict[str, int] = {name: i for i, name in enumerate(PREEMPT_REASONS)}
 
 # Eviction modes.
 MODE_SWAP = 0
@@ -288,6 +300,46 @@ class Waits(_Table):
     DTYPES = {"step": np.int64, "request": np.int64, "reason": np.int64}
 
 
+@dataclass(frozen=True)
+class Preemptions(_Table):
+    """Why each eviction happened (schema v5): one row per eviction whose cause the
+    scheduler told, where it decided it (`Recorder.evict(..., reason=...)`).
+
+    A row belongs to the `Evictions` row of the same request evicted at the same time
+    (`t_s` equals its `t_evict_s`: both are the one reading of the clock). The requests
+    whose need took the blocks (its evictors) are `Evictors` rows with the same
+    (`request`, `t_s`). -1 in a count: not told."""
+
+    step: np.ndarray  # the step that decided it (-1: outside any step)
+    request: np.ndarray  # the victim, index into RawLog.requests
+    t_s: np.ndarray  # when it was evicted (its eviction's t_evict_s)
+    reason: np.ndarray  # index into PREEMPT_REASONS
+    num_computed_tokens_lost: np.ndarray  # the victim's computed tokens thrown away
+    num_free_blocks: np.ndarray  # free KV blocks when the scheduler decided
+    num_used_blocks: np.ndarray  # KV blocks in use when the scheduler decided
+    DTYPES = {
+        "step": np.int64,
+        "request": np.int64,
+        "t_s": np.float64,
+        "reason": np.int64,
+        "num_computed_tokens_lost": np.int64,
+        "num_free_blocks": np.int64,
+        "num_used_blocks": np.int64,
+    }
+
+
+@dataclass(frozen=True)
+class Evictors(_Table):
+    """The requests whose need evicted another (schema v5): one row per (eviction,
+    evictor), the eviction named by its `Preemptions` row's (`request`, `t_s`). An
+    eviction may have several evictors (a step's admissions together) or none told."""
+
+    request: np.ndarray  # the victim, index into RawLog.requests
+    t_s: np.ndarray  # its eviction's time (the Preemptions row's t_s)
+    evictor: np.ndarray  # the request whose admission, prefill chunk or decode needed blocks
+    DTYPES = {"request": np.int64, "t_s": np.float64, "evictor": np.int64}
+
+
 #: `OsSamples.kind`: where a sample was read (a step's start or end, a segment's start or end).
 OS_STEP_START, OS_STEP_END, OS_SEGMENT_START, OS_SEGMENT_END = 0, 1, 2, 3
 
@@ -450,6 +502,8 @@ TABLES: dict[str, type[_Table]] = {
     "deliveries": Deliveries,
     "coverage": Coverage,
     "proc_os": ProcOs,
+    "preemptions": Preemptions,
+    "evictors": Evictors,
 }
 #: The tables of a merged multi-process server run (`tracekit.log.merge`).
 SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries", "proc_os"})
@@ -457,6 +511,7 @@ SERVER_TABLES = frozenset({"proc_segments", "client_emissions", "deliveries", "p
 #: process): empty on load.
 OPTIONAL_TABLES = (
     frozenset({"counters", "admissions", "prefill_chunks", "waits", "os_samples", "coverage"})
+    | frozenset({"preemptions", "evictors"})
     | SERVER_TABLES
 )
 
@@ -481,6 +536,8 @@ class RawLog:
     deliveries: Deliveries = field(default_factory=Deliveries.empty)
     coverage: Coverage = field(default_factory=Coverage.empty)
     proc_os: ProcOs = field(default_factory=ProcOs.empty)
+    preemptions: Preemptions = field(default_factory=Preemptions.empty)
+    evictors: Evictors = field(default_factory=Evictors.empty)
     labels: tuple[str, ...] = ()
     request_ids: tuple[str, ...] = ()
     counter_names: tuple[str, ...] = ()
@@ -531,6 +588,7 @@ class RawLog:
             "meta": np.array(json.dumps(json_safe(self.meta), sort_keys=True)),
             "wall_s": np.array(float(self.wall_s)),
             "wait_reasons": np.array(WAIT_REASONS, dtype=str),
+            "preempt_reasons": np.array(PREEMPT_REASONS, dtype=str),
         }
         for tname in TABLES:
             if tname in SERVER_TABLES and not len(getattr(self, tname)):
@@ -553,7 +611,7 @@ class RawLog:
 
 V1_SCALARS = frozenset(
     {"schema", "schema_version", "labels", "request_ids", "counter_names", "cause_map",
-     "config", "meta", "wall_s", "wait_reasons"}
+     "config", "meta", "wall_s", "wait_reasons", "preempt_reasons"}
 )  # fmt: skip
 V1_COLUMNS = frozenset(f"{t}.{c}" for t, cls in TABLES.items() for c in cls.DTYPES)
 V1_MEMBERS = V1_SCALARS | V1_COLUMNS
@@ -596,7 +654,9 @@ def from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
             f"{', '.join(map(str, READABLE_VERSIONS))} (upgrade tracekit)",
         )
     if int(v) >= 2:
-        _check_wait_reasons(path, arrays)
+        _check_vocabulary(path, arrays, "wait_reasons", WAIT_REASONS)
+    if int(v) >= 5:
+        _check_vocabulary(path, arrays, "preempt_reasons", PREEMPT_REASONS)
     tables: dict[str, _Table] = {}
     for tname, cls in TABLES.items():
         keys = [f"{tname}.{c}" for c in cls.DTYPES]
@@ -641,12 +701,13 @@ def from_v1(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
     )
 
 
-def _check_wait_reasons(path: str, arrays: dict[str, np.ndarray]) -> None:
-    """A v2 log names its wait-reason codes; they must be the ones this tracekit knows."""
-    names = str_list(path, arrays, "wait_reasons")
-    if names and names != WAIT_REASONS[: len(names)]:
+def _check_vocabulary(
+    path: str, arrays: dict[str, np.ndarray], key: str, known: tuple[str, ...]
+) -> None:
+    """A log names its reason codes (``wait_reasons`` from v2, ``preempt_reasons`` from
+    v5); they must be the ones this tracekit knows (a prefix: codes are only appended)."""
+    names = str_list(path, arrays, key)
+    if names and names != known[: len(names)]:
         raise LogError(
-            path,
-            "wait_reasons",
-            f"vocabulary {list(names)} differs from this tracekit's {list(WAIT_REASONS)}",
+            path, key, f"vocabulary {list(names)} differs from this tracekit's {list(known)}"
         )

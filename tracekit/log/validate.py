@@ -15,11 +15,12 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
 - arrays that would inflate beyond the inflate limit (a deflate bomb, zero-filled columns):
   their declared sizes are summed before anything is inflated
 - a tracekit log without `schema`, with another schema name, or a `schema_version` other than 1,
-  2, 3 or 4
+  2, 3, 4 or 5
 - neither a `schema` array nor the published layout's `steps` and `segs`
 - a missing required array or column (only the counters table, the TTFT tables `admissions`,
-  `prefill_chunks` and `waits`, the OS evidence `os_samples` and `coverage` as whole tables,
-  `emissions.device_step` and the JSON fields are optional)
+  `prefill_chunks` and `waits`, the OS evidence `os_samples`, `coverage` and the eviction
+  causes `preemptions` and `evictors` as whole tables, `emissions.device_step` and the JSON
+  fields are optional)
 - a column that is not 1-D, not numeric (strings, complex, datetimes, records), or of unequal length
   within its table
 - a published array that is not 2-D with its documented number of columns
@@ -52,6 +53,11 @@ Rejected (a `LogError` naming file, field and problem; the CLI prints one line, 
   starts, a negative share, run-queue and off-CPU time that exceed the interval, an
   `in_segment` other than 0 or 1, a process index outside the run's processes, rows out of
   (process, time) order or overlapping within a process
+- in `preemptions`: a non-finite time, a victim outside the requests, a step outside the
+  steps (-1: outside any step), a reason outside `preempt_reasons`, a count below -1 (-1:
+  not told), a row with no eviction of its request at its time, two rows for one eviction;
+  in `evictors`: a victim or evictor outside the requests, a request its own evictor, a
+  row with no `preemptions` row of its eviction, an evictor named twice for one eviction
 
 Accepted with a warning (kept on `RawLog.warnings`, printed by the CLI on stderr):
 
@@ -84,6 +90,7 @@ from tracekit.log.rawlog import (
     MODE_RECOMPUTE,
     MODE_UNKNOWN,
     OS_SEGMENT_END,
+    PREEMPT_REASONS,
     WAIT_REASONS,
     RawLog,
 )
@@ -163,6 +170,7 @@ def validate_log(log: RawLog) -> RawLog:
     _check_request_ids(log, n_req)
     _check_counts(log)
     validate_ttft(log)
+    validate_preemptions(log)
     warnings = list(log.warnings) + _odd_but_usable(log)
     return replace(log, warnings=tuple(dict.fromkeys(warnings)))
 
@@ -392,6 +400,61 @@ def validate_coverage(log: RawLog) -> None:
     missing = log.meta.get("missing_processes", [])
     if not isinstance(missing, list) or not all(isinstance(m, dict) for m in missing):
         raise LogError(log.path, "meta.missing_processes", "not a list of objects")
+
+
+def _row_of_pair(log: RawLog, field: str, i: int, what: str) -> LogError:
+    return LogError(log.path, field, f"row {i}: {what}")
+
+
+def validate_preemptions(log: RawLog) -> None:
+    """The causes of evictions (schema v5, ``preemptions`` and ``evictors``): raise
+    `LogError` for rows the eviction analysis cannot join (docs/partition.md, "Who evicted
+    whom"). A preemption row is its eviction's: same request, same time (one clock reading
+    both were written from); an evictors row is a preemption row's."""
+    pe, ev, by = log.preemptions, log.evictions, log.evictors
+    n_steps, n_req = len(log.steps), len(log.requests)
+    _finite_times(log, "preemptions", "t_s")
+    _index(log, "preemptions", "request", n_req)
+    _index(log, "preemptions", "step", n_steps, allow_minus_one=True)
+    _index(log, "preemptions", "reason", len(PREEMPT_REASONS))
+    for c in ("num_computed_tokens_lost", "num_free_blocks", "num_used_blocks"):
+        _in_range(log, "preemptions", c, lo=-1)
+    _finite_times(log, "evictors", "t_s")
+    _index(log, "evictors", "request", n_req)
+    _index(log, "evictors", "evictor", n_req)
+    if not len(pe) and not len(by):
+        return
+    evicted = set(zip(ev.request.tolist(), ev.t_evict_s.tolist(), strict=True))
+    seen: set[tuple[int, float]] = set()
+    for i, key in enumerate(zip(pe.request.tolist(), pe.t_s.tolist(), strict=True)):
+        if key not in evicted:
+            raise _row_of_pair(
+                log, "preemptions.t_s", i,
+                f"request {key[0]} has no eviction at {key[1]!r} s (a preemption row is the "
+                "cause of an eviction recorded at the same instant)",
+            )  # fmt: skip
+        if key in seen:
+            raise _row_of_pair(
+                log, "preemptions.request", i,
+                f"request {key[0]} has two causes for its eviction at {key[1]!r} s",
+            )  # fmt: skip
+        seen.add(key)
+    pairs: set[tuple[int, float, int]] = set()
+    for i, (r, t, e) in enumerate(
+        zip(by.request.tolist(), by.t_s.tolist(), by.evictor.tolist(), strict=True)
+    ):
+        if r == e:
+            raise _row_of_pair(log, "evictors.evictor", i, f"request {r} is its own evictor")
+        if (r, t) not in seen:
+            raise _row_of_pair(
+                log, "evictors.t_s", i, f"request {r} has no preemptions row at {t!r} s"
+            )
+        if (r, t, e) in pairs:
+            raise _row_of_pair(
+                log, "evictors.evictor", i,
+                f"request {e} named twice as the evictor of request {r} at {t!r} s",
+            )  # fmt: skip
+        pairs.add((r, t, e))
 
 
 def validate_ttft(log: RawLog) -> None:

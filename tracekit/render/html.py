@@ -13,8 +13,10 @@ Sections: the verdict in words with its caveats (`tracekit.analysis.verdict`); s
 and per group; ITL over time per run (each gap a point coloured by primary cause,
 evictions and GC pauses marked); the ITL histogram by primary cause; tail-time share by
 cause with tail-gap counts beside it; the ladder (p99 and p99.9, median with [min-max]
-whiskers per group); forward-pass share of clean vs tail gaps; TTFT; the worst stalls of
-each run (gaps grouped by the event that caused them) with their partition and steps.
+whiskers per group); forward-pass share of clean vs tail gaps; TTFT; who evicted whom
+(each run's evictions by reason, recompute tax, top evictors, thrash and costliest
+evictions); the worst stalls of each run (gaps grouped by the event that caused them)
+with their partition and steps.
 Runs appear in the order given (the CLI sorts them by `--order-by`). The page fits a
 1000 px window: wide tables scroll inside their box.
 
@@ -40,6 +42,7 @@ from tracekit.labels import colour
 from tracekit.render.client import client_html, spec_html
 from tracekit.render.html_tables import (
     esc,
+    evictions_html,
     group_tables,
     run_share_table,
     run_table,
@@ -796,6 +799,7 @@ def render_report(
     sections.append(client_html([(n, a.client) for a, n in zip(analyses, names, strict=True)]))
     sections.append(spec_html([(n, a) for a, n in zip(analyses, names, strict=True)]))
     sections.append(tp_ranks_html(analyses, names))
+    sections.append(evictions_html(analyses, names))
     sections.append(_worst_stalls_section(runs, names))
     legend = " ".join(swatch(c) for c in dict.fromkeys([*labels, *causes]))
     return _page(title, sections, legend, chart.figs, plotly_js)

@@ -252,3 +252,60 @@ def tp_ranks_html(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
             f"<details><summary>slow steps</summary>{steps_table}</details>"
         )
     return "".join(out)
+
+
+def _count_or_dash(n: int) -> str:
+    return "-" if n < 0 else str(n)
+
+
+def evictions_html(runs: Sequence[RunAnalysis], names: Sequence[str]) -> str:
+    """Who evicted whom: per run with evictions, its evictions by reason, the recompute
+    tax, the top evictors and thrash, then the evictions that cost their victim most, each
+    with who needed the blocks ('' when no run has evictions). `RunAnalysis.evictions`
+    holds the figures (`tracekit.analysis.evictions`)."""
+    have = [(n, e) for a, n in zip(runs, names, strict=True) if (e := a.evictions) is not None]
+    if not have:
+        return ""
+    out = [
+        '<h2 id="tk-evictions">Who evicted whom</h2><p class=note>An eviction\'s cause is '
+        "recorded where the scheduler decided it: the victim, the request(s) whose admission, "
+        "prefill chunk or decode growth needed the KV blocks (its evictors), the reason, the "
+        "computed tokens it lost and the pool then. Its debt is the victim's evicted time "
+        "plus readmission to its next token (the re-prefill of what recompute threw away). "
+        "Recompute tax: recomputed tokens / all computed tokens.</p>"
+    ]
+    for name, e in have:
+        reasons = ", ".join(f"{esc(k)} {v}" for k, v in e.by_reason.items())
+        top = ", ".join(
+            f"{esc(r)} ({n} victim{'s' * (n != 1)}, {num(ms, 1)} ms)"
+            for r, n, ms in e.top_evictors[:5]
+        )
+        thrash = ", ".join(f"{esc(r)} &times;{n}" for r, n in e.thrash[:5])
+        rows = [
+            [
+                esc(w.victim),
+                ", ".join(esc(x) for x in w.evictors) or "-",
+                "-" if w.step is None else str(w.step),
+                esc(w.reason),
+                _count_or_dash(w.num_computed_tokens_lost),
+                f"{_count_or_dash(w.num_free_blocks)} / {_count_or_dash(w.num_used_blocks)}",
+                num(w.evicted_ms, 2),
+                num(w.resume_ms, 2),
+                num(w.debt_ms, 2),
+            ]
+            for w in e.worst
+        ]
+        worst = table_html(
+            ["victim", "evicted by", "step", "reason", "tokens lost", "free / used blocks",
+             "evicted (ms)", "to next token (ms)", "debt (ms)"],
+            rows, "evictions",
+        )  # fmt: skip
+        out.append(
+            f"<h3>{esc(name)}</h3><p>{e.num_evictions} evictions ({e.num_with_cause} with a "
+            f"recorded cause; {reasons}); recompute tax {num(100 * e.recompute_tax, 1)}% "
+            f"({e.recomputed_tokens} of {e.computed_tokens} computed tokens, "
+            f"{num(e.recompute_ms, 1)} ms in recompute). Top evictors: {top or 'none recorded'}."
+            f" Evicted more than once: {e.num_thrashed} request(s){': ' + thrash if thrash else ''}"
+            f".</p>{worst}"
+        )
+    return "".join(out)

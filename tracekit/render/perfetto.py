@@ -25,7 +25,12 @@ before the recorder started, so that no ``ts`` is negative: see `engine_start_us
     with ``args.parts`` (ms by label; they sum to the slice's duration), ``args.gap_ms``
     and the two emissions' steps;
   - ``evicted``: the time the request was evicted, nested inside the slice it falls in
-    (it is the gap's ``preempt`` part), or on its own where no slice covers it.
+    (it is the gap's ``preempt`` part), or on its own where no slice covers it;
+- flow arrows (``ph: s`` / ``f``, name ``eviction``, category ``eviction``) from the step
+  that decided an eviction (on ``engine loop``, at the eviction's time) to the victim's
+  track, one per eviction with a recorded cause (docs/partition.md, "Who evicted whom");
+  the arrow's start carries ``args`` ``victim``, ``evictors``, ``reason``, ``step`` and
+  ``num_computed_tokens_lost``. Post-run only: the live trace draws none.
 
 Slice names are the partition's labels, so one cause has one colour throughout Perfetto
 (it colours slices by name; ``cname`` is ignored).
@@ -59,7 +64,7 @@ from tracekit.attribution.ttft import TtftPartition
 from tracekit.errors import UsageError
 from tracekit.fsio import atomic_write
 from tracekit.labels import cause_of
-from tracekit.log.rawlog import RawLog
+from tracekit.log.rawlog import PREEMPT_REASONS, RawLog
 
 PID_ENGINE = 1
 PID_REQUESTS = 2
@@ -297,7 +302,37 @@ def chrome_trace_events(
     events += _rank_events(log, part, window_s)
     events += _counter_events(log, window_s)
     events += _request_events(log, part, ids, keep_req, window_s, _ttft_args(ttft))
+    events += _eviction_flows(log, ids, keep_req, window_s)
     return _shift_to_zero(events)
+
+
+def _eviction_flows(
+    log: RawLog, ids: Sequence[str], keep_req: np.ndarray, window_s
+) -> list[dict[str, Any]]:
+    """One flow arrow per eviction with a recorded cause, from the deciding step on the
+    engine loop to the victim's track, both at the eviction's time (see module doc)."""
+    pe = log.preemptions
+    keep = (pe.step >= 0) & keep_req[pe.request] if len(pe) else np.zeros(0, dtype=bool)
+    keep &= _overlaps(pe.t_s, pe.t_s, window_s)
+    t_ns = _ns(pe.t_s)
+    by: dict[tuple[int, float], list[str]] = {}
+    ev = log.evictors
+    for r, t, e in zip(ev.request.tolist(), ev.t_s.tolist(), ev.evictor.tolist(), strict=True):
+        by.setdefault((r, t), []).append(ids[e])
+    out: list[dict[str, Any]] = []
+    for k, i in enumerate(np.flatnonzero(keep).tolist()):
+        r, reason = int(pe.request[i]), int(pe.reason[i])
+        common = {"name": "eviction", "cat": "eviction", "id": k, "ts": _us(int(t_ns[i]))}
+        args = {
+            "victim": ids[r],
+            "evictors": by.get((r, float(pe.t_s[i])), []),
+            "reason": PREEMPT_REASONS[reason] if reason < len(PREEMPT_REASONS) else "other",
+            "step": int(pe.step[i]),
+            "num_computed_tokens_lost": int(pe.num_computed_tokens_lost[i]),
+        }
+        out.append({"ph": "s", "pid": PID_ENGINE, "tid": TID_LOOP, **common, "args": args})
+        out.append({"ph": "f", "bp": "e", "pid": PID_REQUESTS, "tid": request_tid(r), **common})
+    return out
 
 
 def _ttft_args(ttft: TtftPartition | None) -> dict[int, dict[str, Any]]:
@@ -673,7 +708,8 @@ def validate_trace(
 ) -> list[str]:
     """Problems that would make Perfetto drop or misdraw events; empty if none.
 
-    Checks: known phases (X, M, C, i); numeric ``pid``/``tid``; a non-empty string name;
+    Checks: known phases (X, M, C, i, and the flow ends s, t, f with an integer id);
+    numeric ``pid``/``tid``; a non-empty string name;
     ``ts`` (and ``dur``) finite numbers of microseconds, ``dur >= 0``, and within
     ``[0, max_ts_us]`` when given (catches seconds or nanoseconds passed as µs); metadata
     names and args; counter args all finite numbers; on every (pid, tid) track the
@@ -741,6 +777,10 @@ def _check_event(
             err(i, f"counter args must be finite numbers, got {args!r}")
         return None
     if ph in ("i", "I"):
+        return None
+    if ph in ("s", "t", "f"):  # a flow arrow's ends: bound to the slice they fall in
+        if not isinstance(ev.get("id"), int) or not isinstance(ev.get("tid"), int):
+            err(i, f"a flow event needs an integer id and tid, got {ev.get('id')!r}")
         return None
     if ph != "X":
         err(i, f"unsupported phase {ph!r}")

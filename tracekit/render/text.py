@@ -115,6 +115,27 @@ def tail_counts(a: RunAnalysis) -> str:
     )
 
 
+def evictions_lines(a: RunAnalysis) -> list[str]:
+    """Who evicted whom (docs/partition.md): by reason, the recompute tax, top evictors and
+    thrash; nothing for a run without evictions."""
+    e = a.evictions
+    if e is None:
+        return []
+    reasons = ", ".join(f"{one_line(k)} {v}" for k, v in e.by_reason.items())
+    top = ", ".join(
+        f"{one_line(r)} ({n} victim{'s' * (n != 1)}, {num(ms, 1)} ms)"
+        for r, n, ms in e.top_evictors[:3]
+    )
+    thrash = ", ".join(f"{one_line(r)} x{n}" for r, n in e.thrash[:3])
+    return [
+        f"evictions {e.num_evictions} ({e.num_with_cause} with a recorded cause; by reason: "
+        f"{reasons}); recompute tax {num(100 * e.recompute_tax, 1)}% ({e.recomputed_tokens} of "
+        f"{e.computed_tokens} computed tokens, {num(e.recompute_ms, 1)} ms in recompute)",
+        f"top evictors (their victims' debt): {top or 'none recorded'}; evicted more than "
+        f"once: {e.num_thrashed} request(s){': ' + thrash if thrash else ''}",
+    ]
+
+
 def run_details(a: RunAnalysis) -> str:
     g2s = ", ".join(f"{x:g}" for x in a.gen2_serving_ms) or "none"
     return "\n".join(
@@ -127,6 +148,7 @@ def run_details(a: RunAnalysis) -> str:
             f"{a.skipped_steps_without_eviction}",
             f"GC collections by generation {a.gc_counts}; gen-2 pauses while serving (ms): {g2s}",
         ]
+        + evictions_lines(a)
         + (
             [
                 f"device windows {a.device_windows}; device clock drift "

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 
 from tracekit.analysis.compare import Spread
+from tracekit.analysis.victim_policy import VictimPolicy
 from tracekit.analysis.whatif import (
     ASSUMPTIONS,
     FIGURE_NAMES,
@@ -64,6 +65,17 @@ def assumptions_lines(models: Sequence[str] = MODELS) -> list[str]:
     return [f"{m} order: {a}" for m in models for a in ASSUMPTIONS[m]]
 
 
+def victim_policy_line(v: VictimPolicy) -> str:
+    """The least-computed-victim estimate in one line (docs/whatif.md, "Victim policy")."""
+    return (
+        f"Victim policy (first order): evicting the least-computed running request at each "
+        f"of the {v.num_decisions} recorded recompute decisions ({v.num_changed} would change "
+        f"victim): recompute tax {num(100 * v.recompute_tax, 1)}% -> "
+        f"{num(100 * v.policy_recompute_tax, 1)}% ({v.recomputed_tokens} -> "
+        f"{v.policy_recomputed_tokens} recomputed tokens)"
+    )
+
+
 def whatif_table(runs: Sequence[WhatIf], models: Sequence[str] = MODELS, *, md=False) -> str:
     """`tracekit whatif`: one table per run, then the models' assumptions."""
     out = []
@@ -79,6 +91,8 @@ def whatif_table(runs: Sequence[WhatIf], models: Sequence[str] = MODELS, *, md=F
                 rows, head, "lll" + "r" * len(FIGURE_NAMES)))  # fmt: skip
         else:
             out.append(title + "\n" + text.table(rows, head, "lll" + "r" * len(FIGURE_NAMES)))
+        if w.victim_policy is not None:
+            out[-1] += "\n" + victim_policy_line(w.victim_policy)
     lines = assumptions_lines(models)
     if md:
         out.append("**ASSUMPTIONS**\n\n" + "\n".join(f"- {a}" for a in lines))
