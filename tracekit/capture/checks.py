@@ -22,6 +22,34 @@ from tracekit.log.validate import MAX_COUNT
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+def check_recorder_args(out: Any, seconds_per_tick: Any, os_evidence: Any, retain_s: Any) -> None:
+    """`Recorder`'s arguments that a typo would turn into a wrong run, checked at
+    construction (TypeError/ValueError naming the argument)."""
+    if isinstance(seconds_per_tick, bool) or not isinstance(seconds_per_tick, (int, float)):
+        raise TypeError(
+            f"Recorder(seconds_per_tick=): expected a number of seconds, got "
+            f"{type(seconds_per_tick).__name__} {seconds_per_tick!r:.80}"
+        )
+    if not 0 < seconds_per_tick < 1e6:
+        raise ValueError(f"Recorder(seconds_per_tick=): {seconds_per_tick!r} is not > 0")
+    if os_evidence is not None and not isinstance(os_evidence, bool):
+        raise TypeError(
+            f"Recorder(os_evidence=): expected True, False or None (the default: on where "
+            f"the clock is wall time), got {type(os_evidence).__name__} {os_evidence!r:.80}"
+        )
+    if retain_s is not None and (
+        isinstance(retain_s, bool)
+        or not isinstance(retain_s, (int, float))
+        or not 0 < retain_s < math.inf
+    ):
+        raise ValueError(
+            f"Recorder(retain_s=): expected a positive number of seconds or None (keep "
+            f"every part), got {type(retain_s).__name__} {retain_s!r:.80}"
+        )
+    if retain_s is not None and out is None:
+        raise ValueError("Recorder(retain_s=): parts are kept on disk only (give out=PATH)")
+
+
 def as_int(value: Any, name: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
     """`value` as an int in [lo, hi], or TypeError/ValueError naming `name`."""
     if type(value) is int:  # the common cases first (an ABC check costs a microsecond)

@@ -52,7 +52,7 @@ import numpy as np
 
 from tracekit.capture import signals
 from tracekit.capture.buffers import RowBuffers
-from tracekit.capture.checks import as_int, as_int_vector, as_tick, small_ints
+from tracekit.capture.checks import as_int, as_int_vector, as_tick, check_recorder_args, small_ints
 from tracekit.capture.device import DeviceTimer
 from tracekit.capture.gcpauses import GcPauses
 from tracekit.capture.requests import RequestBook, eviction_cause, few
@@ -167,18 +167,8 @@ class Recorder:
         os_evidence: bool | None = None,
         retain_s: float | None = None,
     ) -> None:
+        check_recorder_args(out, seconds_per_tick, os_evidence, retain_s)
         self.out = None if out is None else os.fspath(out)
-        if retain_s is not None and (
-            isinstance(retain_s, bool)
-            or not isinstance(retain_s, (int, float))
-            or not 0 < retain_s < float("inf")
-        ):
-            raise ValueError(
-                f"Recorder(retain_s=): expected a positive number of seconds or None (keep "
-                f"every part), got {type(retain_s).__name__} {retain_s!r:.80}"
-            )
-        if retain_s is not None and out is None:
-            raise ValueError("Recorder(retain_s=): parts are kept on disk only (give out=PATH)")
         self._retain_s = retain_s
         self.config: dict[str, Any] = dict(config or {})
         self.enabled = enabled
@@ -187,18 +177,6 @@ class Recorder:
         self._want_nvtx = nvtx
         self._device = device_timer if enabled else None
         self._clock = clock
-        if isinstance(seconds_per_tick, bool) or not isinstance(seconds_per_tick, (int, float)):
-            raise TypeError(
-                f"Recorder(seconds_per_tick=): expected a number of seconds, got "
-                f"{type(seconds_per_tick).__name__} {seconds_per_tick!r:.80}"
-            )
-        if not 0 < seconds_per_tick < 1e6:
-            raise ValueError(f"Recorder(seconds_per_tick=): {seconds_per_tick!r} is not > 0")
-        if os_evidence is not None and not isinstance(os_evidence, bool):
-            raise TypeError(
-                f"Recorder(os_evidence=): expected True, False or None (the default: on where "
-                f"the clock is wall time), got {type(os_evidence).__name__} {os_evidence!r:.80}"
-            )
         self._seconds_per_tick = float(seconds_per_tick)
         self._max_ticks = int(MAX_ABS_TIME_S / self._seconds_per_tick)
         self._flush_interval_s = flush_interval_s
