@@ -412,3 +412,18 @@ def test_retain_s_must_be_a_positive_number_of_seconds(tmp_path, bad):
         tracekit.Recorder(tmp_path / "r.npz", retain_s=bad)
     with pytest.raises(ValueError, match="on disk only"):
         tracekit.Recorder(None, retain_s=60)
+
+
+def test_a_stopped_run_reached_through_a_symlink_is_never_emptied(tmp_path):
+    """A new recorder on a path replaces a cleanly stopped run there, but never a folder it
+    reaches through a symbolic link (it could be anything)."""
+    elsewhere = tmp_path / "precious"
+    rec = tracekit.Recorder(elsewhere / "run.npz", gc=False, handle_signals=False)
+    with rec:
+        with rec.step():
+            rec.emit(["a"])
+    (tmp_path / "run.npz.parts").symlink_to(elsewhere / "run.npz.parts")
+    again = tracekit.Recorder(tmp_path / "run.npz", gc=False, handle_signals=False)
+    with pytest.raises(tracekit.capture.sinks.CaptureError, match="symbolic link"):
+        again.start()
+    assert len(tracekit.load(elsewhere / "run.npz").steps) == 1

@@ -408,6 +408,11 @@ class PartsSink:
                 f"{self.dir}: holds the parts of an earlier run, already recovered into "
                 f"{recovered!r}; remove the folder, or record to another path"
             )
+        if os.path.islink(self.dir):
+            raise CaptureError(
+                f"{self.dir}: is a symbolic link; a recorder never empties a folder it reaches "
+                "through one: record to another path"
+            )
         if os.path.isfile(os.path.join(self.dir, FINAL_NAME)):
             # a run that stopped cleanly: replaced, as one file OUT was (its pointer first,
             # so OUT never names a folder being emptied)
