@@ -175,7 +175,33 @@ def _read_limits(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _limits() -> dict[str, Any]:
     """The --max-* options given to the running command, as `load`'s keyword arguments."""
-    return dict(click.get_current_context().meta.get(_LIMITS_KEY, {}))
+    given = click.get_current_context().meta.get(_LIMITS_KEY, {})
+    return {k: v for k, v in given.items() if k.startswith("max_")}
+
+
+_WINDOW_OPTIONS = (  # (option, type, metavar, help): tracekit.analysis.window
+    ("--window", str, "FROM..TO", "Only the gaps ending in [FROM, TO) and the TTFTs whose "
+     "first token lands in it, partitioned as in the whole run: seconds from engine start "
+     "(..30, 600.. open) or wall-clock times (docs/reports.md, \"Windows\")."),
+    ("--around", str, "worst|pNN", "A window centred on the end of the worst gap, or of the "
+     "gap at the NN-th ITL percentile (p99, p99.9)."),
+    ("--width", click.FloatRange(min=0, min_open=True), "S", "--around's width (default 2 s)."),
+)  # fmt: skip
+
+
+def _window_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for name, kind, meta, text in reversed(_WINDOW_OPTIONS):
+        fn = click.option(name, type=kind, default=None, metavar=meta, help=text,
+                          expose_value=False, callback=_store_limit)(fn)  # fmt: skip
+    return fn
+
+
+def _view() -> Any:
+    """The running command's --window/--around/--width, as a `WindowOptions`."""
+    from tracekit.analysis.window import DEFAULT_WIDTH_S, WindowOptions  # deferred
+
+    o = click.get_current_context().meta.get(_LIMITS_KEY, {})
+    return WindowOptions(o.get("window"), o.get("around"), o.get("width", DEFAULT_WIDTH_S))
 
 
 def _map_with_progress(
@@ -258,35 +284,69 @@ def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str)
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@click.option("--by", "by", default=None, metavar="DURATION",
+              help="One row per time bucket (30s, 1m, 1h) instead of per run.")  # fmt: skip
+@_window_options
 @_ray_option
 @_read_limits
 def analyze(
-    runs: tuple[str, ...], fmt: str, output: str | None, jobs: int, ray_address: str | None
-) -> None:
+    runs: tuple[str, ...], fmt: str, output: str | None, jobs: int, ray_address: str | None,
+    by: str | None,
+) -> None:  # fmt: skip
     """Per-run breakdown of every inter-token gap by cause.
 
     For each RUN (a raw .npz log): requests, tokens, gaps, tokens/s; ITL p50/p90/p99/p99.9/max
     and TTFT p50/p99 (ms); the share of tail time (gaps >= the run's p99) and of all gap time
     by label (preempt, gc, tok, prefill, graph, forward, residual, and any label the engine
     added); tail gaps by primary cause; the reconciliation error (max |gap - sum of parts|);
-    GC counts and generation-2 pauses; the ITL histogram by primary cause.
+    GC counts and generation-2 pauses; the ITL histogram by primary cause. --window and
+    --around: the per-gap figures of part of the run; --by: the tail over time.
     """
     from tracekit.analysis import workers  # deferred: loaded per command
     from tracekit.render import text  # deferred: loaded per command
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    one = functools.partial(workers.analyze_path, **_limits())
+    if by is not None:
+        from tracekit.analysis.window import parse_duration  # deferred: loaded per command
+
+        by_s = functools.partial(
+            workers.over_time_path, width_s=parse_duration(by), view=_view(), **_limits()
+        )
+        runs_rows = _map_with_progress(by_s, paths, jobs, "analysing", ray_address)
+        rows = [b.to_record() for bs in runs_rows for b in bs]
+        return _write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
+    one = functools.partial(workers.analyze_path, view=_view(), **_limits())
     results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     for a in results:
         _warn(a.path, a.warnings)
+    table = lambda: text.analyze_report(results) + "\n\n" + text.ttft_runs(results) + "\n"  # noqa: E731
+    _write_records([a.to_dict() for a in results], fmt, output, table)
+
+
+def _say_window(run: str, win: Any) -> Any:
+    """Print which window a command shows (stderr), and pass it on."""
+    if win is not None:
+        click.echo(f"tracekit: {one_line(run)}: {win.describe()}", err=True)
+    return win
+
+
+def _write_records(
+    records: list[dict[str, Any]], fmt: str, output: str | None, table: Callable[[], str]
+) -> None:
+    """`records` as --format asks: parquet (-o FILE), jsonl, csv, or `table()`."""
     if fmt == "parquet":
-        _write_parquet([a.to_dict() for a in results], output, "tables")
-        return
+        return _write_parquet(records, output, "parquet files")
     if fmt == "jsonl":
-        body = "".join(json.dumps(a.to_dict(), sort_keys=False) + "\n" for a in results)
+        body = "".join(json.dumps(r) + "\n" for r in records)
+    elif fmt == "csv":
+        import pandas as pd  # deferred: pandas only for this format
+
+        buf = io.StringIO()
+        pd.json_normalize(records, sep=".").to_csv(buf, index=False)
+        body = buf.getvalue()
     else:
-        body = text.analyze_report(results) + "\n\n" + text.ttft_runs(results) + "\n"
+        body = table()
     _emit(body, output)
 
 
@@ -320,6 +380,7 @@ def _emit(body: str, output: str | None) -> None:
 @click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
               help="table: show this many of the longest gaps (0: all).")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
+@_window_options
 @_read_limits
 def gaps(
     run: str, fmt: str | None, min_ms: float | None, request_id: str | None, boundary: str,
@@ -332,12 +393,15 @@ def gaps(
     # deferred: loaded per command
     from tracekit.analysis.gaps import client_gap_records, gap_records
     from tracekit.analysis.run import open_run
+    from tracekit.analysis.window import select_gaps
     from tracekit.attribution.itl import partition
 
     if fmt is None:
         fmt = "table" if output is None and sys.stdout.isatty() else "jsonl"
     log = open_run(run, **_limits())
     _warn(log.path, log.warnings)
+    part = partition(log)
+    win = _say_window(run, _view().resolve(log, part))
     if boundary == "client":
         if not len(log.client_emissions):
             raise LogError(
@@ -348,34 +412,23 @@ def gaps(
 
         cpart = client_partition(log)
         gap_ms = cpart.gap_ms
-        records = client_gap_records(log, cpart, min_ms=min_ms, request_id=request_id)
+        records = client_gap_records(log, cpart, min_ms=min_ms, request_id=request_id, window=win)
     else:
-        part = partition(log)
         gap_ms = part.gap_ms
-        records = gap_records(log, part, min_ms=min_ms, request_id=request_id)
+        records = gap_records(log, select_gaps(part, win), min_ms=min_ms, request_id=request_id)
     if not records:
         longest = f"{float(gap_ms.max()):.1f} ms" if len(gap_ms) else "none: no gaps"
         what = f" of request {request_id!r}" if request_id is not None else ""
+        what += " in the window" if win is not None else ""
         above = f" at least {min_ms:g} ms long" if min_ms is not None else ""
         click.echo(
             f"tracekit: {run}: no gap{what}{above} (the run's longest gap: {longest})", err=True
         )
-    if fmt == "parquet":
-        _write_parquet(records, output, "parquet files")
-        return
-    if fmt == "table":
-        from tracekit.render import text  # deferred: loaded per command
+    from tracekit.render import text  # deferred: loaded per command
 
-        body = text.gaps_table(records, top) + "\n" if records else ""
-    elif fmt == "jsonl":
-        body = "".join(json.dumps(r) + "\n" for r in records)
-    else:
-        import pandas as pd  # deferred: pandas only for this format
-
-        buf = io.StringIO()
-        pd.json_normalize(records, sep=".").to_csv(buf, index=False)
-        body = buf.getvalue()
-    _emit(body, output)
+    _write_records(
+        records, fmt, output, lambda: text.gaps_table(records, top) + "\n" if records else ""
+    )
 
 
 # -- ttft ----------------------------------------------------------------------------------
@@ -398,6 +451,7 @@ def gaps(
               help="engine: arrival to the engine core's first token; client: arrival to the "
               "write of the first streamed chunk (a merged server run only).")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
+@_window_options
 @_read_limits
 def ttft(
     run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int, boundary: str,
@@ -417,35 +471,27 @@ def ttft(
     the first token, then the API server's (docs/ttft.md, "The client boundary").
     """
     from tracekit.analysis.run import open_run  # deferred: loaded per command
+    from tracekit.analysis.window import select_ttfts
+    from tracekit.attribution.itl import partition
     from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
     from tracekit.render import text
 
     log = open_run(run, **_limits())
     _warn(log.path, log.warnings)
-    p = ttft_partition(log)
-    _warn(log.path, [f"TTFT: {n}" for n in p.notes])
+    view = _view()
+    win = _say_window(run, view.resolve(log, partition(log) if view.around else None))
+    whole = ttft_partition(log)
+    _warn(log.path, [f"TTFT: {n}" for n in whole.notes])
+    p = select_ttfts(whole, win)
     if boundary == "client":
-        records, table_of = _client_ttft(run, log, p, min_ms, request_id, top)
+        records, table_of = _client_ttft(run, log, whole, min_ms, request_id, top, win)
     else:
         records = ttft_records(log, p, min_ms=min_ms, request_id=request_id)
         table_of = lambda: text.ttft_requests(run, ttft_figures(p), records, top)  # noqa: E731
-    if fmt == "parquet":
-        _write_parquet(records, output, "parquet files")
-        return
-    if fmt == "jsonl":
-        body = "".join(json.dumps(r) + "\n" for r in records)
-    elif fmt == "csv":
-        import pandas as pd  # deferred: pandas only for this format
-
-        buf = io.StringIO()
-        pd.json_normalize(records, sep=".").to_csv(buf, index=False)
-        body = buf.getvalue()
-    else:
-        body = table_of() + "\n"
-    _emit(body, output)
+    _write_records(records, fmt, output, lambda: table_of() + "\n")
 
 
-def _client_ttft(run, log, engine, min_ms, request_id, top):
+def _client_ttft(run, log, engine, min_ms, request_id, top, win):
     """`tracekit ttft --boundary client`: (the client-boundary TTFT records, the table)."""
     # attribution and rendering are imported per command (startup time of the CLI)
     from tracekit.attribution import client_ttft as ct
@@ -455,6 +501,8 @@ def _client_ttft(run, log, engine, min_ms, request_id, top):
         raise LogError(log.path, "client_emissions", "empty: --boundary client needs a merged "
                        "server run (tracekit merge DIR, see docs/adapters.md)")  # fmt: skip
     cp = ct.client_ttft_partition(log, engine=engine)
+    if win is not None:  # the requests whose first chunk is written in the window
+        cp = cp.take(win.contains(cp.write_s))
     _warn(log.path, [f"TTFT at the client boundary: {n}" for n in cp.notes])
     records = ct.client_ttft_records(log, cp, min_ms=min_ms, request_id=request_id)
     return records, lambda: text.client_ttft_requests(run, ct.client_ttft_figures(cp), records,
@@ -544,17 +592,10 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
         return
     log = save_merged(directory, output, force=force, engine=engine, **_limits())
     _warn(directory, log.warnings)
+    from tracekit.render.text import process_line  # deferred: loaded per command
+
     for p in log.meta["processes"]:
-        c = p.get("clock_fit")
-        how = "reference clock" if c is None else (
-            f"offset {c['offset_s']:+.6f} s, correction {c['correction_s'] * 1e6:+.1f} us, "
-            f"uncertainty {c['uncertainty_s'] * 1e6:.1f} us, paired stamps {c['pairs']} "
-            f"(bound {c['bound_s'][0] * 1e6:+.1f}..{c['bound_s'][1] * 1e6:+.1f} us, "
-            f"{c['violations']} violations): {c['method']}"
-        )  # fmt: skip
-        state = "recovered from parts" if p["recovered"] else "complete"
-        pid = p.get("pid", "?")  # an identity may name no pid (the log is still merged)
-        click.echo(f"{p['role']:<12} pid {pid:<7} {state:<21} {how}")
+        click.echo(process_line(p))
     click.echo(
         f"wrote {output}: {len(log.steps)} steps, {len(log.emissions)} engine emissions, "
         f"{len(log.client_emissions)} client chunks, {len(log.request_ids)} requests"
@@ -604,7 +645,6 @@ def compare(
     from tracekit.analysis import workers  # deferred: loaded per command
     from tracekit.analysis.compare import compare as do_compare
     from tracekit.analysis.verdict import ladder_of, verdict, with_fix_first
-    from tracekit.render import text
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
@@ -622,22 +662,10 @@ def compare(
             rec["whatif_check"] = [c.to_dict() for c in checks if c.to_key == rec["group"]]
         body = "".join(json.dumps(r) + "\n" for r in records)
     else:
-        from tracekit.render.whatif import ladder_table  # deferred: loaded per command
+        from tracekit.render.whatif import compare_text  # deferred: loaded per command
 
         v, _ = with_fix_first(verdict(cmp), cmp, whatifs, checks)
-        is_md = fmt == "markdown"
-        # sentences that quote group keys from the logs: literal text in either format
-        inert = text.md_text if is_md else one_line
-        lines = ["", "**VERDICT**" if is_md else "VERDICT", *(f"- {inert(f)}" for f in v.findings)]
-        if v.caveats:
-            lines += ["", "**CAVEATS**" if is_md else "CAVEATS"]
-            lines += [f"- {inert(c)}" for c in v.caveats]
-        tables = text.comparison_markdown(cmp) if is_md else text.comparison(cmp)
-        if ttft_tables := text.ttft_comparison(cmp, markdown=is_md):
-            tables += "\n\n" + ttft_tables
-        if ladder := ladder_table(checks, md=is_md):
-            tables += "\n\n" + ladder
-        body = tables + "\n" + "\n".join(lines) + "\n"
+        body = compare_text(cmp, v, checks, md=fmt == "markdown")
     _emit(body, output)
 
 
@@ -647,48 +675,40 @@ def compare(
               help="trace.json, or trace.json.gz to gzip it.")  # fmt: skip
 @click.option("--requests", "request_ids", default=None,
               help="Only these requests' tracks: comma-separated ids.")  # fmt: skip
-@click.option(
-    "--window", default=None, metavar="T0:T1",
-    help="Only events overlapping [T0, T1], seconds from engine start ('10:' ok).",
-)  # fmt: skip
+@_window_options
 @_read_limits
-def trace(run: str, output: str, request_ids: str | None, window: str | None) -> None:
+def trace(run: str, output: str, request_ids: str | None) -> None:
     """Write RUN as a Chrome trace for Perfetto (ui.perfetto.dev -> Open trace file): the
     engine loop (steps with their segments nested), gc, counters (batch size, free KV
     blocks), and one track per request with every gap named by its primary cause and its
     partition in args.parts; for a merged server run (or its directory) also one process
     track per process (API server, workers) with their windows, the chunks written to
-    clients and the arrival of each step's outputs. Use --requests / --window to cut large
-    runs."""
+    clients and the arrival of each step's outputs. Use --requests / --window / --around to
+    cut large runs: a window keeps the events overlapping it and the gaps ending in it."""
 
     from tracekit.analysis.run import open_run  # deferred: loaded per command
+    from tracekit.analysis.window import trace_span_s
     from tracekit.attribution.itl import partition
     from tracekit.attribution.timeline import PreparedRun
     from tracekit.attribution.ttft import ttft_partition
     from tracekit.render import perfetto
 
     t_start = time.perf_counter()
-    win = perfetto.parse_window(window) if window else None
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
     log = open_run(run, **_limits())
     _warn(log.path, log.warnings)
-    if win is not None:
-        lo, hi = _run_span_s(log)
-        if not (win[0] <= hi and win[1] >= lo):
-            _fail(
-                f"{run}: --window {window}: outside the run, which spans {lo:.3f}-{hi:.3f} s "
-                "from engine start"
-            )
     prep = PreparedRun(log)  # one timeline for both partitions
+    part = partition(log, run=prep)
+    win = _say_window(run, _view().resolve(log, part))
     events = perfetto.chrome_trace_events(
-        log, partition(log, run=prep), requests=ids, window_s=win,
+        log, part, requests=ids, window_s=trace_span_s(part, win) if win else None,
         ttft=ttft_partition(log, run=prep),
     )  # fmt: skip
     if log.meta.get("processes"):  # a merged server run: one track per process
         from tracekit.render.client import process_events
 
         shift = perfetto.engine_start_us(events)
-        extra = process_events(log, win)
+        extra = process_events(log, trace_span_s(part, win) if win else None)
         for e in extra:
             if "ts" in e:
                 e["ts"] = round(e["ts"] + shift, 3)
@@ -699,16 +719,6 @@ def trace(run: str, output: str, request_ids: str | None, window: str | None) ->
         f"{time.perf_counter() - t_start:.1f} s (open it at ui.perfetto.dev)",
         err=True,
     )
-
-
-def _run_span_s(log: Any) -> tuple[float, float]:
-    """First and last moment the run recorded (steps, emissions), seconds from start."""
-    import numpy as np  # deferred: loaded per command
-
-    ts = [log.steps.t_start_s, log.steps.t_end_s, log.emissions.t_s]
-    t = np.concatenate([np.asarray(a, dtype=float) for a in ts])
-    t = t[np.isfinite(t)]
-    return (float(t.min()), float(t.max())) if len(t) else (0.0, 0.0)
 
 
 def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any]:
@@ -935,31 +945,18 @@ def export_cmd(
 
 @main.command("fleet")
 @click.argument("source", nargs=-1, type=click.Path())
-@click.option(
-    "--by",
-    required=True,
-    metavar="KEY",
-    help="Group runs by this config key (or a hive key / run figure of the dataset).",
-)
+@click.option("--by", required=True, metavar="KEY", help="Group runs by this config key "
+              "(or a hive key / run figure of the dataset).")  # fmt: skip
 @click.option(
     "--format", "fmt", type=click.Choice(["table", "jsonl"]), default="table",
     show_default=True, help="table: terminal; jsonl: one object per group, every figure.",
 )  # fmt: skip
-@click.option(
-    "--memory-mb",
-    type=click.FloatRange(min=0),
-    default=1024,
-    show_default=True,
-    help="Pooled percentiles are exact while the gaps held (8 bytes each) fit in "
-    "this; larger groups use a quantile sketch and print its rank error.",
-)
-@click.option(
-    "--sketch-points",
-    type=click.IntRange(min=16),
-    default=100_000,
-    show_default=True,
-    help="Size of a merged quantile sketch: its rank error is about gaps/points.",
-)
+@click.option("--memory-mb", type=click.FloatRange(min=0), default=1024, show_default=True,
+              help="Pooled percentiles are exact while the gaps held (8 bytes each) fit in "
+              "this; larger groups use a quantile sketch and print its rank error.")  # fmt: skip
+@click.option("--sketch-points", type=click.IntRange(min=16), default=100_000, show_default=True,
+              help="Size of a merged quantile sketch: its rank error is about "
+              "gaps/points.")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @_ray_option
 @_read_limits

@@ -16,6 +16,7 @@ from tracekit.analysis.evictions import EvictionSummary, eviction_summary
 from tracekit.analysis.ranks import RankView, rank_view
 from tracekit.analysis.results import ClientSummary, SpecAcceptance, client_result, spec_result
 from tracekit.analysis.unrecorded import unrecorded_report
+from tracekit.analysis.window import Window, select_gaps, select_ttfts
 from tracekit.attribution.client import client_partition
 from tracekit.attribution.client_ttft import client_ttft_partition
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
@@ -100,6 +101,9 @@ class RunAnalysis:
     #: who evicted whom (`tracekit.analysis.evictions.EvictionSummary`), or None without
     #: evictions
     evictions: EvictionSummary | None = None
+    #: the window the per-gap figures are of (`tracekit.analysis.window.Window.to_dict`:
+    #: from_s, to_s, how), or None for the whole run (docs/reports.md, "Windows")
+    window: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite numbers become None. The typed results are written by
@@ -110,6 +114,8 @@ class RunAnalysis:
         d["spec"] = self.spec.to_record() if self.spec is not None else None
         d["tp_ranks"] = self.tp_ranks.to_dict() if self.tp_ranks is not None else None
         d["evictions"] = self.evictions.to_record() if self.evictions is not None else None
+        if self.window is None:  # the whole run: its record as it has always been
+            del d["window"]
         return json_safe(d)
 
 
@@ -191,35 +197,62 @@ def _client_figures(
     return client_result(log, cp, gap, spec, unrecorded, ct), unrecorded
 
 
+def _device_figures(log: RawLog) -> dict[str, Any]:
+    """The run's device timing: its windows, clock drift and worst placement error."""
+    calibration = dict(log.meta.get("device_calibration") or {})
+    return {
+        "device_windows": int((log.segments.is_device == 1).sum()),
+        "device_clock_drift_ppm": float(log.meta.get("device_clock_drift_ppm", math.nan)),
+        "device_max_placement_err_ms": float(calibration.get("max_placement_err_ms", math.nan)),
+    }
+
+
+def _ttft_ms(log: RawLog, window: Window | None) -> np.ndarray:
+    """First token - arrival (ms) of the requests with both, whose first token lands in
+    `window` (if given)."""
+    rq = log.requests
+    has_first = np.isfinite(rq.first_token_s) & np.isfinite(rq.arrival_s)
+    if window is not None:
+        has_first &= window.contains(rq.first_token_s)
+    return (rq.first_token_s[has_first] - rq.arrival_s[has_first]) * 1e3
+
+
 def analyze(
     log: RawLog,
     part: Partition | None = None,
     ttft_part: TtftPartition | None = None,
     *,
     baseline_fit: str = FIT_ALL_CAPTURED,
+    window: Window | None = None,
 ) -> RunAnalysis:
     """Every per-run figure of design.md for one log (partitioning it if not given, with the
     graph baseline fitted by `baseline_fit`: `tracekit.attribution.itl.BASELINE_FITS`), and the
-    TTFT partition's figures (docs/ttft.md)."""
+    TTFT partition's figures (docs/ttft.md). With a `window`, the per-gap and per-TTFT
+    figures are of the gaps ending in it and the TTFTs whose first token lands in it, from
+    the whole run's partitions; the per-run figures stay the whole run's (docs/reports.md,
+    "Windows")."""
     run = PreparedRun(log)  # what the ITL, TTFT and client partitions derive alike, once
-    p = part if part is not None else partition(log, baseline_fit=baseline_fit, run=run)
+    whole = part if part is not None else partition(log, baseline_fit=baseline_fit, run=run)
     tp = ttft_part if ttft_part is not None else ttft_partition(log, run=run)
+    spec = spec_result(log)  # per run, as the client boundary and the ranks: the whole run
+    ranks = rank_view(log, whole)
+    client, unrecorded = _client_figures(log, run, tp, whole.gap_ms, spec)
+    evictions = eviction_summary(log)
+    p, tp = select_gaps(whole, window), select_ttfts(tp, window)
     gap = p.gap_ms
     labels = p.labels
     fwd = p.column("forward")
 
     # one selection pass for all four (numpy's linear percentiles, the same values as four calls)
     qs = np.percentile(gap, [q for _, q in PERCENTILES]) if len(gap) else [math.nan] * 4
-    pct = {name: float(v) for (name, _), v in zip(PERCENTILES, qs, strict=True)}
+    pct: dict[str, Any] = {name: float(v) for (name, _), v in zip(PERCENTILES, qs, strict=True)}
     p99 = pct["itl_p99"]
     tail = gap >= p99 if len(gap) else np.zeros(0, bool)
     clean = p.primary == CLEAN
     with np.errstate(divide="ignore", invalid="ignore"):
         fwd_share = np.where(gap > 0, fwd / gap, np.nan)
 
-    rq = log.requests
-    has_first = np.isfinite(rq.first_token_s) & np.isfinite(rq.arrival_s)
-    ttft = (rq.first_token_s[has_first] - rq.arrival_s[has_first]) * 1e3
+    ttft = _ttft_ms(log, window)
 
     # a gap that skips engine steps needs an eviction of its request to explain it
     skipped = (p.step1 - p.step0 > 1) & (p.num_evictions == 0)
@@ -233,10 +266,6 @@ def analyze(
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
 
-    spec = spec_result(log)
-    ranks = rank_view(log, p)
-    client, unrecorded = _client_figures(log, run, tp, gap, spec)
-    evictions = eviction_summary(log)
     if unrecorded:
         warnings += [u["line"] for u in unrecorded]
     return RunAnalysis(
@@ -245,7 +274,7 @@ def analyze(
         seed=log.seed,
         config=dict(log.config),
         labels=labels,
-        requests=len(rq),
+        requests=len(log.requests),
         tokens=tokens,
         gaps=len(gap),
         wall_s=float(log.wall_s),
@@ -278,11 +307,7 @@ def analyze(
             "intercept_ms": p.baseline.intercept_ms,
             "num_fit_steps": p.baseline.num_fit_steps,
         },
-        device_windows=int((log.segments.is_device == 1).sum()),
-        device_clock_drift_ppm=float(log.meta.get("device_clock_drift_ppm", math.nan)),
-        device_max_placement_err_ms=float(
-            dict(log.meta.get("device_calibration") or {}).get("max_placement_err_ms", math.nan)
-        ),
+        **_device_figures(log),
         warnings=warnings,  # the TTFT partition's own notes stay in `ttft.notes`
         ttft=ttft_figures(tp),
         client=client,
@@ -290,4 +315,5 @@ def analyze(
         tp_ranks=ranks,
         recompute_tax=evictions.recompute_tax if evictions is not None else 0.0,
         evictions=evictions,
+        window=window.to_dict() if window is not None else None,
     )

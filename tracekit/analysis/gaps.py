@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.analysis.window import Window
 from tracekit.attribution.client import client_partition
 from tracekit.attribution.evictions import preempt_causes
 from tracekit.attribution.itl import Partition, partition
@@ -95,14 +96,15 @@ def client_gap_records(
     *,
     min_ms: float | None = None,
     request_id: str | None = None,
+    window: Window | None = None,
 ) -> list[dict[str, Any]]:
     """One dict per client-boundary gap of a server run (`tracekit.attribution.client`):
     request, t0_s, t1_s (the two chunk writes, run clock), gap_ms, parts (ms by label, sum
     to gap_ms; engine labels, then the frontend's), primary, tokens (the later chunk's),
-    engine_ms and frontend_ms."""
+    engine_ms and frontend_ms. `window`: only the gaps whose later chunk lands in it."""
 
     p = cp if cp is not None else client_partition(log)
-    sel = np.ones(len(p), dtype=bool)
+    sel = np.ones(len(p), dtype=bool) if window is None else window.contains(p.t1_s)
     if min_ms is not None:
         sel &= p.gap_ms >= min_ms
     if request_id is not None:

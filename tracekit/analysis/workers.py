@@ -11,18 +11,34 @@ from typing import Any
 
 from tracekit.allocator import keep_freed_memory
 from tracekit.analysis.figures import RunAnalysis, analyze
+from tracekit.analysis.overtime import Bucket, over_time
 from tracekit.analysis.run import open_run
 from tracekit.analysis.whatif import WhatIf, whatif
+from tracekit.analysis.window import WindowOptions
 from tracekit.attribution.itl import Partition, partition
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TtftPartition, ttft_partition
 from tracekit.log.rawlog import RawLog
 
 
-def analyze_path(path: str, **limits: Any) -> RunAnalysis:
-    """`analyze`'s work on one run: every figure of design.md."""
+def analyze_path(path: str, view: WindowOptions | None = None, **limits: Any) -> RunAnalysis:
+    """`analyze`'s work on one run: every figure of design.md (of the window `view` asks
+    for, if any: docs/reports.md, "Windows")."""
     keep_freed_memory()  # once per process: ~40% of a run's analysis was page faults
-    return analyze(open_run(path, **limits))
+    if view is None or view.is_whole_run:
+        return analyze(open_run(path, **limits))
+    log, part, tpart = partitions(path, **limits)
+    return analyze(log, part, tpart, window=view.resolve(log, part))
+
+
+def over_time_path(
+    path: str, width_s: float, view: WindowOptions | None = None, **limits: Any
+) -> list[Bucket]:
+    """`analyze --by`'s work on one run: its buckets of `width_s` seconds."""
+    keep_freed_memory()
+    log = open_run(path, **limits)
+    part = partition(log)
+    return over_time(log, part, width_s, view.resolve(log, part) if view else None)
 
 
 def partitions(path: str, **limits: Any) -> tuple[RawLog, Partition, TtftPartition]:

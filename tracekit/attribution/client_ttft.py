@@ -27,7 +27,7 @@ each request's pieces. Tests check they agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,12 @@ class ClientTtft:
 
     def __len__(self) -> int:
         return len(self.ttft_ms)
+
+    def take(self, rows: np.ndarray) -> ClientTtft:
+        """The requests at `rows` (indices or a boolean mask), each partitioned as here."""
+        cols = ("request", "arrival_s", "first_token_s", "write_s", "process", "ttft_ms",
+                "engine_ttft_ms", "parts_ms")  # fmt: skip
+        return replace(self, **{f: getattr(self, f)[rows] for f in cols})
 
     @property
     def reconcile_err_ms(self) -> np.ndarray:

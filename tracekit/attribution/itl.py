@@ -109,6 +109,11 @@ PRIMARY_TOL_MS = 1e-9
 CLEAN = -1
 
 
+#: `Partition`'s per-gap columns: what `Partition.take` selects rows of
+_GAP_COLUMNS = ("request", "t0_s", "t1_s", "step0", "step1", "gap_ms", "parts_ms",
+                "context_ms", "num_evictions", "primary")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Partition:
     """Every gap of a run, partitioned. Rows are gaps, sorted by request then time."""
@@ -131,6 +136,12 @@ class Partition:
 
     def __len__(self) -> int:
         return len(self.gap_ms)
+
+    def take(self, rows: np.ndarray) -> Partition:
+        """The gaps at `rows` (indices or a boolean mask), each partitioned as here: a
+        selection of this partition, never a new one (docs/reports.md, "Windows")."""
+        cut = {f: getattr(self, f)[rows] for f in _GAP_COLUMNS}
+        return replace(self, **cut, _cache={})
 
     @property
     def reconcile_err_ms(self) -> np.ndarray:

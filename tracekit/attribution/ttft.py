@@ -54,7 +54,7 @@ elementary interval at a time. Tests check that they agree.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -107,6 +107,11 @@ TTFT_NON_CAUSES = frozenset({"prefill_own", "residual"})
 CLEAN = -1
 
 
+#: `TtftPartition`'s per-request columns: what `TtftPartition.take` selects rows of
+_TTFT_COLUMNS = ("request", "arrival_s", "admit_s", "first_token_s", "ttft_ms", "parts_ms",
+                 "context_ms", "phases_ms", "primary")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TtftPartition:
     """Every TTFT of a run, partitioned. Rows are requests with an arrival and a first token,
@@ -127,6 +132,10 @@ class TtftPartition:
 
     def __len__(self) -> int:
         return len(self.ttft_ms)
+
+    def take(self, rows: np.ndarray) -> TtftPartition:
+        """The requests at `rows` (indices or a boolean mask), each partitioned as here."""
+        return replace(self, **{f: getattr(self, f)[rows] for f in _TTFT_COLUMNS})
 
     @property
     def is_split(self) -> np.ndarray:

@@ -165,8 +165,19 @@ def _pct(x: float) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
 
 
+def window_text(w: Mapping[str, Any]) -> str:
+    """A `RunAnalysis.window` in words: which part of the run the per-gap figures are of."""
+    lo = "" if w["from_s"] is None else f"{w['from_s']:.6g}"
+    hi = "" if w["to_s"] is None else f"{w['to_s']:.6g}"
+    return (
+        f"window {lo}..{hi} s from engine start ({w['how']}): gaps ending in it, TTFTs whose "
+        "first token lands in it; requests, steps, GC, preemptions: the whole run"
+    )
+
+
 def analyze_report(runs: Sequence[RunAnalysis]) -> str:
-    parts = [summary(runs), "", shares(runs, "tail_share")]
+    parts = [f"{run_name(a)}: {window_text(a.window)}" for a in runs if a.window]
+    parts += [summary(runs), "", shares(runs, "tail_share")]
     if len(runs) == 1:
         parts += ["", histogram(runs[0]), "", run_details(runs[0])]
 
@@ -487,3 +498,37 @@ def client_ttft_requests(
         head = ["request", "ttft ms", "engine ms", "frontend ms", "primary", "parts (ms)"]
         out += ["", f"SLOWEST {len(slow)} (ms)", table(rows, head, "lrrrll")]
     return "\n".join(out)
+
+
+def process_line(p: Mapping[str, Any]) -> str:
+    """`tracekit merge`'s line for one process of a server run (meta ``processes``): its
+    role, pid, whether it was recovered from parts, and its clock fit to the engine core."""
+    c = p.get("clock_fit")
+    how = "reference clock" if c is None else (
+        f"offset {c['offset_s']:+.6f} s, correction {c['correction_s'] * 1e6:+.1f} us, "
+        f"uncertainty {c['uncertainty_s'] * 1e6:.1f} us, paired stamps {c['pairs']} "
+        f"(bound {c['bound_s'][0] * 1e6:+.1f}..{c['bound_s'][1] * 1e6:+.1f} us, "
+        f"{c['violations']} violations): {c['method']}"
+    )  # fmt: skip
+    state = "recovered from parts" if p["recovered"] else "complete"
+    pid = p.get("pid", "?")  # an identity may name no pid (the log is still merged)
+    return f"{p['role']:<12} pid {pid:<7} {state:<21} {how}"
+
+
+def over_time(rows: Sequence[Mapping[str, Any]]) -> str:
+    """`analyze --by`: one line per time bucket (`tracekit.analysis.overtime.Bucket`'s
+    records): its gaps, ITL percentiles, the run's tail gaps in it, and the label with the
+    largest share of the bucket's own tail."""
+    header = ["run", "from s", "to s", "gaps", "p50", "p99", "p99.9", "run tail",
+              "bucket tail: top label"]  # fmt: skip
+    body = []
+    for r in rows:
+        share = r["tail_share"]
+        top = max(share, key=lambda lb: share[lb] or 0.0) if share else None
+        top_text = f"{top} {100 * share[top]:.0f}%" if top and r["gaps"] and share[top] else "-"
+        body.append([
+            os.path.basename(r["run"]), f"{r['bucket_start_s']:g}", f"{r['bucket_end_s']:g}",
+            str(r["gaps"]), num(r["itl_p50"]), num(r["itl_p99"]), num(r["itl_p999"]),
+            str(r["run_tail_gaps"]), top_text,
+        ])  # fmt: skip
+    return table(body, header, "lrrrrrrrl")

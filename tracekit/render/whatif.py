@@ -9,7 +9,8 @@ import math
 import os
 from collections.abc import Sequence
 
-from tracekit.analysis.compare import Spread
+from tracekit.analysis.compare import Comparison, Spread
+from tracekit.analysis.verdict import Verdict
 from tracekit.analysis.victim_policy import VictimPolicy
 from tracekit.analysis.whatif import (
     ASSUMPTIONS,
@@ -20,6 +21,7 @@ from tracekit.analysis.whatif import (
     WhatIf,
     ranked,
 )
+from tracekit.errors import one_line
 from tracekit.formats import num
 from tracekit.render import text
 
@@ -199,3 +201,20 @@ def whatif_html(
     items = "".join(f"<li>{_e(a)}</li>" for a in assumptions_lines())
     parts.append(f"<h3>Assumptions</h3><ul class=note>{items}</ul></section>")
     return "".join(parts)
+
+
+def compare_text(cmp: Comparison, v: Verdict, checks: Sequence[LadderCheck], md: bool) -> str:
+    """`tracekit compare`'s page (table or markdown): the comparison, the TTFT comparison,
+    the ladder's checks, then the verdict and its caveats."""
+    # sentences that quote group keys from the logs: literal text in either format
+    inert = text.md_text if md else one_line
+    lines = ["", "**VERDICT**" if md else "VERDICT", *(f"- {inert(f)}" for f in v.findings)]
+    if v.caveats:
+        lines += ["", "**CAVEATS**" if md else "CAVEATS"]
+        lines += [f"- {inert(c)}" for c in v.caveats]
+    tables = text.comparison_markdown(cmp) if md else text.comparison(cmp)
+    if ttft_tables := text.ttft_comparison(cmp, markdown=md):
+        tables += "\n\n" + ttft_tables
+    if ladder := ladder_table(checks, md=md):
+        tables += "\n\n" + ladder
+    return tables + "\n" + "\n".join(lines) + "\n"

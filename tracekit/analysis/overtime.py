@@ -1,0 +1,126 @@
+"""The tail over time: a run's gaps in buckets of fixed width (`analyze --by 1m`).
+
+Rules (docs/reports.md, "The tail over time"): bucket k is ``[k*width, (k+1)*width)``
+seconds from engine start; a gap belongs to the bucket its end (`t1_s`) lies in, so a gap
+ending exactly on an edge belongs to the later bucket. Buckets run from the one holding
+the run's start (or the window's FROM) to the one holding its last recorded moment (or the
+window's TO, exclusive), the first and last cut to the window; a bucket without gaps is
+listed with 0 gaps, never dropped. Every
+gap keeps the whole run's partition (partition the whole run, then select).
+
+Per bucket: its gaps; numpy's linear ITL p50/p99/p99.9 of its gaps; its own tail (gaps >=
+the bucket's p99) with each label's share of that tail's time; and the run's tail (gaps >=
+the whole run's p99) counted in the bucket, by primary cause.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tracekit.analysis.window import Window, run_span_s, select_gaps
+from tracekit.attribution.itl import CLEAN, Partition
+from tracekit.formats import json_safe
+from tracekit.log.rawlog import RawLog
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One time bucket of a run (ms unless the name says otherwise; shares are fractions)."""
+
+    run: str
+    start_s: float
+    end_s: float
+    gaps: int
+    itl_p50: float  # NaN: no gaps
+    itl_p99: float
+    itl_p999: float
+    tail_gaps: int  # the bucket's own tail: its gaps >= its p99
+    tail_share: dict[str, float]  # per label: its time in that tail / the tail's time
+    run_tail_gaps: int  # the run's tail: gaps >= the whole run's p99, ending in the bucket
+    run_tail_count: dict[str, int]  # the same by primary cause ("clean" last)
+
+    def to_record(self) -> dict[str, Any]:
+        """JSON-ready (NaN becomes null), in the fields' order."""
+        return json_safe({
+            "run": self.run, "bucket_start_s": self.start_s, "bucket_end_s": self.end_s,
+            "gaps": self.gaps, "itl_p50": self.itl_p50, "itl_p99": self.itl_p99,
+            "itl_p999": self.itl_p999, "tail_gaps": self.tail_gaps,
+            "tail_share": dict(self.tail_share), "run_tail_gaps": self.run_tail_gaps,
+            "run_tail_count": dict(self.run_tail_count),
+        })  # fmt: skip
+
+
+def bucket_of(t_s: np.ndarray, width_s: float) -> np.ndarray:
+    """The bucket index of each time: k with ``k*width <= t < (k+1)*width``, the edges
+    computed as written (so float rounding of ``t / width`` never moves a time across one)."""
+    t = np.asarray(t_s, dtype=float)
+    k = np.floor(t / width_s)
+    k = np.where(t >= (k + 1) * width_s, k + 1, k)
+    k = np.where(t < k * width_s, k - 1, k)
+    return k.astype(np.int64)
+
+
+def _bucket_range(
+    log: RawLog, part: Partition, width_s: float, win: Window | None
+) -> tuple[int, int]:
+    """(first, last) bucket index to list (both included)."""
+    lo, hi = run_span_s(log)
+    if len(part):
+        lo, hi = min(lo, float(part.t1_s.min())), max(hi, float(part.t1_s.max()))
+    lo = min(lo, 0.0)  # from the run's start
+    if win is not None and math.isfinite(win.t0_s):
+        lo = win.t0_s
+    first = int(bucket_of(np.array([lo]), width_s)[0])
+    if win is not None and math.isfinite(win.t1_s):  # the window's TO is not in it
+        last = int(bucket_of(np.array([win.t1_s]), width_s)[0])
+        if last * width_s >= win.t1_s:
+            last -= 1
+    else:
+        last = int(bucket_of(np.array([hi]), width_s)[0])
+    return first, max(first, last)
+
+
+def over_time(
+    log: RawLog, part: Partition, width_s: float, window: Window | None = None
+) -> list[Bucket]:
+    """The run's buckets of `width_s` seconds (module docstring), over `window` if given.
+    `part`: the whole run's partition."""
+    whole_p99 = float(np.percentile(part.gap_ms, 99.0)) if len(part) else math.nan
+    first, last = _bucket_range(log, part, width_s, window)
+    p = select_gaps(part, window)
+    lo, hi = (window.t0_s, window.t1_s) if window is not None else (-math.inf, math.inf)
+    k = bucket_of(p.t1_s, width_s)
+    order = np.argsort(k, kind="stable")
+    ks = np.arange(first, last + 1)
+    bounds = np.searchsorted(k[order], np.concatenate([ks, [last + 1]]), side="left")
+    names = (*p.causes, "clean")
+    prim = np.where(p.primary == CLEAN, len(p.causes), p.primary)
+    out = []
+    for j, b in enumerate(ks.tolist()):
+        rows = order[bounds[j] : bounds[j + 1]]
+        g = p.gap_ms[rows]
+        qs = np.percentile(g, [50.0, 99.0, 99.9]) if len(g) else [math.nan] * 3
+        tail = rows[g >= qs[1]] if len(g) else rows
+        tail_ms = float(p.gap_ms[tail].sum())
+        shares = p.parts_ms[tail].sum(axis=0) / tail_ms if tail_ms > 0 else np.zeros(len(p.labels))
+        run_tail = rows[g >= whole_p99]
+        counts = np.bincount(prim[run_tail], minlength=len(names))
+        out.append(
+            Bucket(
+                run=log.path, start_s=max(b * width_s, lo), end_s=min((b + 1) * width_s, hi),
+                gaps=len(rows),
+                itl_p50=float(qs[0]), itl_p99=float(qs[1]), itl_p999=float(qs[2]),
+                tail_gaps=len(tail),
+                tail_share={lb: float(v) for lb, v in zip(p.labels, shares, strict=True)},
+                run_tail_gaps=len(run_tail),
+                run_tail_count={n: int(c) for n, c in zip(names, counts, strict=True)},
+            )
+        )  # fmt: skip
+    return out
+
+
+__all__ = ["Bucket", "bucket_of", "over_time"]
