@@ -728,6 +728,7 @@ def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any
     from tracekit.analysis import workers
     from tracekit.analysis.figures import analyze
     from tracekit.analysis.gaps import itl_series, worst_stalls
+    from tracekit.analysis.overtime import report_buckets
     from tracekit.analysis.whatif import whatif as do_whatif
     from tracekit.render.html import ReportRun
 
@@ -737,6 +738,7 @@ def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any
         analysis=analyze(log, part, tpart),
         worst_stalls=worst_stalls(log, part, n_worst),
         series=itl_series(log, part),
+        buckets=report_buckets(log, part),
     )
     return run, do_whatif(log, part, tpart)
 

@@ -123,4 +123,44 @@ def over_time(
     return out
 
 
-__all__ = ["Bucket", "bucket_of", "over_time"]
+#: bucket widths the HTML report picks from (s): the smallest that gives a run at most
+#: `REPORT_MAX_BUCKETS` buckets
+NICE_WIDTHS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
+REPORT_MAX_BUCKETS = 60
+#: a run is long enough for the report's over-time view from this many buckets on
+REPORT_MIN_BUCKETS = 10
+
+
+def report_width_s(log: RawLog) -> float:
+    """The bucket width of the report's over-time view of `log` (`NICE_WIDTHS_S`)."""
+    lo, hi = run_span_s(log)
+    span_s = hi - min(lo, 0.0)
+    for w in NICE_WIDTHS_S:
+        if span_s / w <= REPORT_MAX_BUCKETS:
+            return float(w)
+    return float(math.ceil(span_s / REPORT_MAX_BUCKETS / 86400) * 86400)
+
+
+def report_buckets(log: RawLog, part: Partition) -> list[Bucket]:
+    """The report's over-time view: the run's buckets of `report_width_s`, or none for a
+    run shorter than `REPORT_MIN_BUCKETS` of them."""
+    rows = over_time(log, part, report_width_s(log))
+    return rows if len(rows) >= REPORT_MIN_BUCKETS else []
+
+
+def worst_buckets(rows: list[Bucket], n: int = 5) -> list[Bucket]:
+    """The `n` buckets with the highest ITL p99.9 (ties: the earlier), of those with gaps."""
+    return sorted((b for b in rows if b.gaps), key=lambda b: (-b.itl_p999, b.start_s))[:n]
+
+
+__all__ = [
+    "NICE_WIDTHS_S",
+    "REPORT_MAX_BUCKETS",
+    "REPORT_MIN_BUCKETS",
+    "Bucket",
+    "bucket_of",
+    "over_time",
+    "report_buckets",
+    "report_width_s",
+    "worst_buckets",
+]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -36,6 +37,7 @@ from typing import Any
 
 from tracekit.analysis.compare import Comparison
 from tracekit.analysis.figures import RunAnalysis
+from tracekit.analysis.overtime import Bucket, worst_buckets
 from tracekit.analysis.verdict import Verdict
 from tracekit.formats import json_safe, num
 from tracekit.labels import colour
@@ -68,6 +70,8 @@ class ReportRun:
     # gaps.worst_stalls (gaps.worst_gaps records read as stalls that hit one request)
     worst_stalls: list[dict[str, Any]] = field(default_factory=list)
     series: Mapping[str, Any] | None = None  # gaps.itl_series
+    #: the tail over time (`tracekit.analysis.overtime.report_buckets`): none for a short run
+    buckets: Sequence[Bucket] = ()
 
 
 def script_json(obj: Any) -> str:
@@ -684,6 +688,115 @@ def _itl_time_section(runs: Sequence[ReportRun], names: Sequence[str], chart: _C
     )
 
 
+def over_time_figure(runs: Sequence[Sequence[Bucket]], names: Sequence[str]) -> dict[str, Any]:
+    """ITL p50, p99 and p99.9 per time bucket, one run at a time (a menu picks it). Log y."""
+    data: list[dict[str, Any]] = []
+    owner: list[int] = []
+    styles = (
+        ("p50", "itl_p50", _LIGHT),
+        ("p99", "itl_p99", _INK),
+        ("p99.9", "itl_p999", "#D62728"),
+    )
+    for k, rows in enumerate(runs):
+        x = [(b.start_s + b.end_s) / 2 for b in rows]
+        for name, attr, ink in styles:
+            y = [getattr(b, attr) if b.gaps else None for b in rows]
+            data.append({
+                "type": "scatter", "mode": "lines+markers", "name": name, "x": x, "y": y,
+                "line": {"color": ink}, "marker": {"color": ink, "size": 5},
+                "visible": k == 0, "connectgaps": False,
+                "hovertemplate": f"%{{x:.1f}} s: {name} %{{y:.1f}} ms<extra></extra>",
+            })  # fmt: skip
+            owner.append(k)
+    ys = [v for rows in runs for b in rows if b.gaps for v in (b.itl_p50, b.itl_p999)]
+    lo, hi = _log_range(ys)
+    title = "ITL percentiles over time" + (f" ({names[0]})" if len(runs) == 1 else "")
+    return {
+        "data": data,
+        "layout": _layout(
+            title, height=400, margin={"l": 60, "r": 20, "t": 90, "b": 60},
+            xaxis=_axis("engine clock (s), bucket middle"),
+            yaxis=_axis("ITL (ms)", type="log", **log_ticks(lo, hi)),
+            updatemenus=[_run_menu(names, owner)] if len(runs) > 1 else [],
+        ),
+    }  # fmt: skip
+
+
+def tail_mix_figure(runs: Sequence[Sequence[Bucket]], names: Sequence[str]) -> dict[str, Any]:
+    """Each bucket's own tail (its gaps >= its p99) by label: stacked shares of its time,
+    one run at a time, so a change of the tail's cause shows as a change of colour."""
+    data: list[dict[str, Any]] = []
+    owner: list[int] = []
+    for k, rows in enumerate(runs):
+        labels = [lb for lb in (rows[0].tail_share if rows else {})
+                  if any(b.tail_share.get(lb, 0.0) > 0 for b in rows)]  # fmt: skip
+        x = [(b.start_s + b.end_s) / 2 for b in rows]
+        width = [b.end_s - b.start_s for b in rows]
+        for lb in labels:
+            data.append({
+                "type": "bar", "name": esc(lb), "legendgroup": esc(lb), "x": x, "width": width,
+                "y": [100 * b.tail_share.get(lb, 0.0) for b in rows],
+                "marker": {"color": colour(lb)}, "visible": k == 0,
+                "hovertemplate": f"%{{x:.1f}} s: {esc(lb)} %{{y:.0f}}% of the tail<extra></extra>",
+            })  # fmt: skip
+            owner.append(k)
+    title = "The tail's cause mix over time" + (f" ({names[0]})" if len(runs) == 1 else "")
+    return {
+        "data": data,
+        "layout": _layout(
+            title, height=420, barmode="stack", margin={"l": 60, "r": 20, "t": 90, "b": 80},
+            legend={"orientation": "h", "y": -0.25},
+            xaxis=_axis("engine clock (s)"),
+            yaxis=_axis("share of the bucket's tail time (%)", range=[0, 100]),
+            updatemenus=[_run_menu(names, owner)] if len(runs) > 1 else [],
+        ),
+    }  # fmt: skip
+
+
+def worst_windows_html(runs: Sequence[ReportRun], names: Sequence[str], n: int = 5) -> str:
+    """Per run, the buckets with the highest p99.9, each with the command that drills in."""
+    rows = []
+    for r, name in zip(runs, names, strict=True):
+        for b in worst_buckets(list(r.buckets), n):
+            top = max(b.tail_share, key=lambda lb: b.tail_share[lb], default="")
+            window = f"{b.start_s:g}..{b.end_s:g}"
+            cmd = f"tracekit analyze {shlex.quote(r.analysis.path)} --window {window}"
+            share = num(100 * b.tail_share.get(top, 0.0), 0)
+            rows.append(
+                f"<tr><td>{esc(name)}</td><td class=num>{window}</td>"
+                f"<td class=num>{b.gaps}</td><td class=num>{num(b.itl_p99)}</td>"
+                f"<td class=num>{num(b.itl_p999)}</td><td>{esc(top)} {share}%</td>"
+                f"<td><code>{esc(cmd)}</code></td></tr>"
+            )
+    return (
+        "<div class=tw><table class=worst-windows><thead><tr><th>run</th><th>window (s)</th>"
+        "<th>gaps</th><th>p99</th><th>p99.9</th><th>top label of its tail</th><th>drill in"
+        "</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table></div>"
+    )
+
+
+def _over_time_section(runs: Sequence[ReportRun], names: Sequence[str], chart: _Charts) -> str:
+    """The tail over time, for the runs long enough to have it ("" where none is)."""
+    long = [(r, nm) for r, nm in zip(runs, names, strict=True) if r.buckets]
+    if not long:
+        return ""
+    rs, ns = [r for r, _ in long], [nm for _, nm in long]
+    width = ", ".join(
+        f"{esc(nm)}: {r.buckets[0].end_s - r.buckets[0].start_s:g} s" for r, nm in long
+    )
+    return (
+        "<h2 id=tk-over-time-h>The tail over time</h2>"
+        + chart("tk-over-time", over_time_figure([r.buckets for r in rs], ns),
+                f"Each point is one time bucket ({width}): the percentiles of the gaps that "
+                "ended in it. An empty bucket leaves a hole.")
+        + chart("tk-tail-mix", tail_mix_figure([r.buckets for r in rs], ns),
+                "Each bar is a bucket's own tail (its gaps at or above its p99): the share of "
+                "its time by label.")
+        + "<p class=note>The worst windows (highest p99.9), each with the command that "
+        "shows its gaps partitioned as in the whole run:</p>" + worst_windows_html(rs, ns)
+    )  # fmt: skip
+
+
 def _tail_section(
     analyses: Sequence[RunAnalysis],
     names: Sequence[str],
@@ -789,6 +902,7 @@ def render_report(
         )
     )
     sections.append(_tail_section(analyses, names, comparison, labels, causes, chart))
+    sections.append(_over_time_section(runs, names, chart))
     sections.append(
         f"<h2>The ladder</h2>{chart('tk-ladder', ladder_figure(comparison))}"
         f"<h2>Forward pass in clean and tail gaps</h2>"
