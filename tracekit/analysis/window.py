@@ -132,7 +132,7 @@ def check_inside(log: RawLog, win: Window) -> None:
     lo, hi = run_span_s(log)
     if win.t0_s > hi or win.t1_s <= lo:
         raise UsageError(
-            f"{log.path}: {win.how}: outside the run, which spans {lo:.3f}..{hi:.3f} s from "
+            f"{log.path}: {win.how}: outside the run, which spans {lo:.3f}-{hi:.3f} s from "
             "engine start"
         )
 
