@@ -136,3 +136,11 @@ def test_bad_windows_are_one_line_exit_2(run, args, says):
 def test_bad_by_is_exit_2(run):
     r = CliRunner().invoke(main, ["analyze", run, "--by", "1d"])
     assert r.exit_code == 2 and "--by '1d'" in r.stderr
+
+
+def test_window_and_by_travel_to_worker_processes(run):
+    one = invoke("analyze", run, run, "--window", "1..2", "--format", "jsonl").stdout
+    two = invoke("analyze", run, run, "--window", "1..2", "--format", "jsonl", "-j", "2").stdout
+    assert one == two and len(jsonl(two)) == 2
+    by1 = invoke("analyze", run, run, "--by", "1s", "--format", "jsonl").stdout
+    assert invoke("analyze", run, run, "--by", "1s", "--format", "jsonl", "-j", "2").stdout == by1
