@@ -427,3 +427,23 @@ def test_a_stopped_run_reached_through_a_symlink_is_never_emptied(tmp_path):
     with pytest.raises(tracekit.capture.sinks.CaptureError, match="symbolic link"):
         again.start()
     assert len(tracekit.load(elsewhere / "run.npz").steps) == 1
+
+
+def test_a_huge_or_garbled_index_costs_its_bytes_and_says_so_once(tmp_path):
+    """The index is read line by line, each line bounded, keeping only the entries a reader
+    needs: a 20 MB index of garbage and of valid lines for parts that are not there reads
+    with a few warnings, not one per line."""
+    out = tmp_path / "run.npz"
+    rec = tracekit.Recorder(out, gc=False, handle_signals=False, flush_interval_s=0.0)
+    with rec:
+        for _ in range(3):
+            with rec.step():
+                rec.emit(["a"])
+    folder = tmp_path / "run.npz.parts"
+    with open(folder / INDEX_NAME, "ab") as fh:
+        fh.write(b"x" * 10_000_000)  # one endless line
+        fh.write(b"\n" + b"1 2 3 - 4 deadbeef\n" * 500_000)  # bad CRCs
+    log = merge_parts(str(folder))
+    assert len(log.steps) == 3
+    torn = [w for w in log.warnings if w.startswith(INDEX_NAME)]
+    assert 1 <= len(torn) <= 6 and "more torn or corrupt" in torn[-1], torn

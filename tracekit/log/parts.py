@@ -294,7 +294,7 @@ def _retained_start(
             "this part does not say which step it begins with (written before retention): "
             "the parts before it are needed",
         )  # fmt: skip
-    entries, _ = read_index(parts_dir)
+    entries, _ = read_index(parts_dir, numbers=(number - 1, number - 1))
     before = [e.flush_tick for e in entries if e.number == number - 1]
     warnings.append(
         f"parts 1..{number - 1} were removed (retention): the run is read from part "
@@ -309,16 +309,15 @@ def _index_warnings(parts_dir: str, paths: list[str], warned: list[str]) -> list
     """What the folder's index says that its parts do not: torn lines, parts it lists that
     are not on disk (a power loss before their names were durable, or a hand that removed
     them), unless a missing part was already named."""
-    try:
-        entries, out = read_index(parts_dir)
+    last = part_number(paths[-1]) if paths else 0
+    try:  # only the part after the last on disk: a huge index costs nothing more
+        entries, out = read_index(parts_dir, numbers=(last + 1, last + 1))
     except (OSError, LogError) as e:
         return [f"{INDEX_NAME} is unreadable ({e}); the parts are read without it"]
-    last = part_number(paths[-1]) if paths else 0
-    gone = [e.number for e in entries if e.number > last]
-    if gone and not warned:
+    if entries and not warned:
         out.append(
-            f"{INDEX_NAME} lists part(s) {gone[0]}..{gone[-1]} after the last one on disk "
-            f"(part {last}): the run ends at part {last}"
+            f"{INDEX_NAME} lists part {last + 1}, after the last one on disk (part {last}): "
+            f"the run ends at part {last}"
         )
     return out
 
@@ -430,29 +429,54 @@ class IndexEntry:
     num_emissions: int
 
 
-def read_index(parts_dir: str) -> tuple[list[IndexEntry], list[str]]:
-    """The index's whole lines, and a warning per line that is not (torn, corrupt)."""
+#: The longest index line read whole (a line is ~60 bytes; a longer one is corrupt).
+_MAX_INDEX_LINE = 256
+#: Torn or corrupt index lines named one by one; beyond, counted.
+_MAX_INDEX_WARNINGS = 5
+
+
+def read_index(
+    parts_dir: str, *, numbers: tuple[int, int] = (0, 2**63 - 1)
+) -> tuple[list[IndexEntry], list[str]]:
+    """The index's whole lines for the parts numbered in `numbers` (inclusive), and a
+    warning for the lines that are not whole (torn, corrupt). Read line by line, each line
+    at most `_MAX_INDEX_LINE` bytes: memory holds only the entries asked for, whatever the
+    file's size."""
     path = os.path.join(parts_dir, INDEX_NAME)
     if not os.path.lexists(path):
         return [], []
+    lo, hi = numbers
+    entries: list[IndexEntry] = []
+    bad: list[int] = []
     with open_regular(path) as fh:
-        raw = fh.read()
-    entries, bad = [], []
-    for i, line in enumerate(raw.split(b"\n")):
-        if not line:
-            continue
-        fields = line.split(b" ")
-        try:
-            body, crc = b" ".join(fields[:-1]), int(fields[-1], 16)
-            vals = [None if x == b"-" else int(x) for x in fields[:-1]]
-            if zlib.crc32(body) != crc or len(vals) != 5 or None in vals[:3] + vals[4:]:
-                raise ValueError
-        except ValueError:
-            bad.append(f"{INDEX_NAME} line {i + 1} is torn or corrupt (ignored)")
-            continue
-        n, size, flush, opened, emitted = vals
-        entries.append(IndexEntry(n, size, flush, opened, emitted))  # type: ignore[arg-type]
-    return entries, bad
+        for i, line in enumerate(iter(lambda: fh.readline(_MAX_INDEX_LINE), b"")):
+            if line == b"\n":
+                continue
+            entry = _index_entry(line)
+            if entry is None:
+                bad.append(i + 1)
+            elif lo <= entry.number <= hi:
+                entries.append(entry)
+    out = [f"{INDEX_NAME} line {n} is torn or corrupt (ignored)" for n in bad[:_MAX_INDEX_WARNINGS]]
+    if len(bad) > _MAX_INDEX_WARNINGS:
+        out.append(f"{INDEX_NAME}: {len(bad) - _MAX_INDEX_WARNINGS} more torn or corrupt line(s)")
+    return entries, out
+
+
+def _index_entry(line: bytes) -> IndexEntry | None:
+    """One whole index line (ending in a newline, its CRC right), else None."""
+    if not line.endswith(b"\n"):
+        return None
+    fields = line[:-1].split(b" ")
+    try:
+        body, crc = b" ".join(fields[:-1]), int(fields[-1], 16)
+        vals = [None if x == b"-" else int(x) for x in fields[:-1]]
+    except ValueError:
+        return None
+    if zlib.crc32(body) != crc or len(vals) != 5 or None in vals[:3] + vals[4:]:
+        return None
+    n, size, flush, opened, emitted = vals
+    return IndexEntry(n, size, flush, opened, emitted)  # type: ignore[arg-type]
 
 
 def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
