@@ -447,3 +447,24 @@ def test_a_huge_or_garbled_index_costs_its_bytes_and_says_so_once(tmp_path):
     assert len(log.steps) == 3
     torn = [w for w in log.warnings if w.startswith(INDEX_NAME)]
     assert 1 <= len(torn) <= 6 and "more torn or corrupt" in torn[-1], torn
+
+
+def test_a_run_killed_before_its_pointer_was_written_opens_by_its_name(tmp_path):
+    """`OUT` is written last at stop, and a killed process never writes it: asking for
+    `OUT` reads `OUT.parts/` (interrupted, or stopped if final.json made it)."""
+    out = tmp_path / "engine_core-7.npz"
+    rec = tracekit.Recorder(out, gc=False, handle_signals=False, flush_interval_s=0.0)
+    with rec:
+        for _ in range(3):
+            with rec.step():
+                rec.emit(["a"])
+    out.unlink()  # the kill came between final.json and OUT
+    log = tracekit.load(out)
+    assert len(log.steps) == 3 and log.meta["interrupted"] is False
+    # killed earlier, after the stop's last flush but before final.json: the rows are
+    # whole (the last part carries the stop tick), but the stop did not write the log
+    (tmp_path / "engine_core-7.npz.parts" / FINAL_NAME).unlink()
+    log = tracekit.load(out)
+    assert len(log.steps) == 3 and log.coverage.is_clean_stop.tolist() == [0]
+    with pytest.raises(LogError, match="does not exist"):
+        tracekit.load(tmp_path / "other.npz")

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from tracekit.errors import LogError, UsageError
 from tracekit.log.archive import read_npz
-from tracekit.log.parts import POINTER_MEMBER, merge_parts, pointed_parts
+from tracekit.log.parts import PARTS_SUFFIX, POINTER_MEMBER, merge_parts, pointed_parts
 from tracekit.log.published import PUBLISHED_MEMBERS, from_published
 from tracekit.log.rawlog import V1_MEMBERS, RawLog, from_v1
 from tracekit.log.validate import validate_log
@@ -37,7 +37,9 @@ def load(
     max_label_chars: int | None = None,
 ) -> RawLog:
     """Read a raw log (a run's parts folder or the pointer file naming it, a one-file log,
-    or the published layout). Raises `LogError` naming file and field.
+    or the published layout). Raises `LogError` naming file and field. A recorder's `OUT`
+    that does not exist while ``OUT.parts/`` does (a process killed before its stop wrote
+    `OUT`) reads that folder.
 
     Reading is bounded by the file: `max_inflate_mb` (default: `tracekit.log.archive`'s limit
     proportional to the file size) bounds what its arrays may inflate to, and names longer
@@ -45,7 +47,11 @@ def load(
     shortened, with a warning, so that no output repeats a huge string per gap."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise LogError(path, "file", "does not exist")
+        parts = path + PARTS_SUFFIX
+        if os.path.isfile(os.path.join(parts, "meta.json")):  # killed before its stop wrote
+            path = parts  # OUT, or at the instant between final.json and OUT: the run is here
+        else:
+            raise LogError(path, "file", "does not exist")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "meta.json")):
             raise LogError(path, "file", "is a directory, not a run's parts folder (no meta.json)")
