@@ -317,6 +317,9 @@ def analyze(
         rows = [b.to_record() for bs in runs_rows for b in bs]
         return _write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
     one = functools.partial(workers.analyze_path, view=_view(), **_limits())
+    for p in paths if _view().is_whole_run else ():  # docs/reports.md, "in slices"
+        if workers.reads_in_slices(p):
+            click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
     results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     for a in results:
         _warn(a.path, a.warnings)

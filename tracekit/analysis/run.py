@@ -22,8 +22,9 @@ from typing import Any
 
 from tracekit.attribution.tp import charge_tp_waits
 from tracekit.errors import LogError
+from tracekit.log.archive import read_npz
 from tracekit.log.merge import merge_server
-from tracekit.log.parts import PARTS_SUFFIX, merge_parts
+from tracekit.log.parts import PARTS_SUFFIX, POINTER_MEMBER, merge_parts, pointed_parts
 from tracekit.log.processes import is_process_dir, process_logs
 from tracekit.log.rawlog import RawLog
 from tracekit.log.reader import load
@@ -33,6 +34,24 @@ from tracekit.log.validate import validate_log
 def is_parts_dir(path: str) -> bool:
     """True for the parts folder of one recorder (its ``meta.json`` and flushed parts)."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "meta.json"))
+
+
+def parts_dir_of(path: str | os.PathLike[str]) -> str | None:
+    """The parts folder of the one-process run at `path` (the folder itself, the pointer
+    file a clean stop writes, or ``OUT`` never written beside ``OUT.parts/``), or None for
+    any other form (a one-file log, a process directory, nothing)."""
+    path = os.fspath(path)
+    if is_parts_dir(path):
+        return path
+    if not os.path.exists(path):
+        return path + PARTS_SUFFIX if is_parts_dir(path + PARTS_SUFFIX) else None
+    if not os.path.isfile(path):
+        return None
+    try:
+        arrays, _ = read_npz(path, lambda names: [n for n in names if n == POINTER_MEMBER])
+        return pointed_parts(path, arrays) if POINTER_MEMBER in arrays else None
+    except (LogError, OSError, ValueError):
+        return None  # the readers say what is wrong with it
 
 
 def is_run_dir(path: str) -> bool:

@@ -6,18 +6,22 @@ Ray pickles it by name."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from tracekit.allocator import keep_freed_memory
 from tracekit.analysis.figures import RunAnalysis, analyze
 from tracekit.analysis.overtime import Bucket, over_time
-from tracekit.analysis.run import open_run
+from tracekit.analysis.run import open_run, parts_dir_of
+from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
 from tracekit.analysis.whatif import WhatIf, whatif
 from tracekit.analysis.window import WindowOptions
 from tracekit.attribution.itl import Partition, partition
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TtftPartition, ttft_partition
+from tracekit.errors import UsageError
+from tracekit.log.parts import read_index
 from tracekit.log.rawlog import RawLog
 
 
@@ -26,9 +30,60 @@ def analyze_path(path: str, view: WindowOptions | None = None, **limits: Any) ->
     for, if any: docs/reports.md, "Windows")."""
     keep_freed_memory()  # once per process: ~40% of a run's analysis was page faults
     if view is None or view.is_whole_run:
-        return analyze(open_run(path, **limits))
+        sliced = _analyze_in_slices(path, **limits)
+        return sliced if sliced is not None else analyze(open_run(path, **limits))
     log, part, tpart = partitions(path, **limits)
     return analyze(log, part, tpart, window=view.resolve(log, part))
+
+
+#: environment variable: the emissions a slice reads (`DEFAULT_SLICE_EMISSIONS`)
+SLICE_ENV = "TRACEKIT_SLICE_EMISSIONS"
+
+
+def slice_budget() -> int:
+    """Emissions a slice reads: `SLICE_ENV`, else the default."""
+    raw = os.environ.get(SLICE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SLICE_EMISSIONS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UsageError(f"{SLICE_ENV}={raw!r}: expected a whole number of emissions >= 1")
+    return n
+
+
+def reads_in_slices(path: str) -> bool:
+    """Whether `analyze` reads the run at `path` in slices: one process's parts, more
+    emissions than one slice holds (by its index)."""
+    parts_dir = parts_dir_of(path)
+    return parts_dir is not None and _emissions(parts_dir) > slice_budget()
+
+
+def _analyze_in_slices(path: str, **limits: Any) -> RunAnalysis | None:
+    """A one-process run longer than one slice, analysed slice by slice in bounded memory
+    (`tracekit.analysis.stream`: the same figures); None where it is read whole."""
+    parts_dir = parts_dir_of(path)
+    if parts_dir is None or not reads_in_slices(path):
+        return None
+    try:
+        return analyze_sliced(parts_dir, path=_shown_path(path, parts_dir),
+                              max_emissions=slice_budget(),
+                              max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+    except NotSliceable:  # damaged or written before parts said their first step
+        return None
+
+
+def _emissions(parts_dir: str) -> int:
+    """The run's emissions as its index counts them (0 without an index: read whole)."""
+    entries, _ = read_index(parts_dir)
+    return sum(e.num_emissions for e in entries)
+
+
+def _shown_path(path: str, parts_dir: str) -> str:
+    """The run's path as the whole-run reader names it."""
+    return parts_dir if os.path.isdir(path) or not os.path.exists(path) else path
 
 
 def over_time_path(

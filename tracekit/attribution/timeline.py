@@ -569,16 +569,27 @@ def fit_baseline(
 
     `fit`: which captured steps the line is fitted over, `FIT_ALL_CAPTURED` (design.md, the
     default) or `FIT_MEASURED_CAPTURED`."""
+    st = log.steps
+    return fit_baseline_steps(st.graph_size, st.num_decode, decode_net_ms, fit)
+
+
+def fit_baseline_steps(
+    graph_size: np.ndarray,
+    num_decode: np.ndarray,
+    decode_net_ms: np.ndarray,
+    fit: str = FIT_ALL_CAPTURED,
+) -> GraphBaseline:
+    """`fit_baseline` from the steps' columns it reads (a run read in slices has those of
+    every step, not its whole log)."""
     if fit not in BASELINE_FITS:
         raise ValueError(f"baseline fit {fit!r}: expected one of {', '.join(BASELINE_FITS)}")
-    st = log.steps
     has_decode = decode_net_ms > 0
     # design.md: "over the steps that ran on a captured size" (graph_size > 0), whatever
     # their GC-free decode time
-    captured = st.graph_size > 0
+    captured = graph_size > 0
     if fit == FIT_MEASURED_CAPTURED:
         captured &= has_decode
-    x = st.graph_size[captured].astype(np.float64)
+    x = graph_size[captured].astype(np.float64)
     y = decode_net_ms[captured]
     if len(np.unique(x)) >= 2:
         slope, icpt = np.polyfit(x, y, 1)
@@ -586,11 +597,11 @@ def fit_baseline(
         slope, icpt = 0.0, float(np.mean(y))
     else:
         slope, icpt = float("nan"), float("nan")
-    frac = np.zeros(len(st))
-    eager = (st.graph_size == GRAPH_EAGER) & has_decode
+    frac = np.zeros(len(graph_size))
+    eager = (graph_size == GRAPH_EAGER) & has_decode
     if np.isfinite(slope) and eager.any():
         net = decode_net_ms[eager]
-        pred = slope * st.num_decode[eager] + icpt
+        pred = slope * num_decode[eager] + icpt
         # at most all of it: a line extrapolated below zero cannot charge more than net
         frac[eager] = np.minimum(1.0, np.maximum(0.0, net - pred) / net)
     return GraphBaseline(
@@ -666,6 +677,12 @@ class PreparedRun:
         if self._net_ms is None:
             self._net_ms = decode_net_ms(self.log, self.causes)
         return self._net_ms
+
+    def use_baseline(self, fit: str, base: GraphBaseline) -> None:
+        """Take `base` as this run's baseline for `fit` (a slice of a run read in slices
+        takes the whole run's, its rows cut to the slice's steps), before any timeline."""
+        self._baselines[fit] = base
+        self._timelines.pop(fit, None)
 
     def baseline(self, fit: str = FIT_ALL_CAPTURED) -> GraphBaseline:
         """The graph baseline fitted by `fit` (`fit_baseline`)."""

@@ -1,0 +1,198 @@
+"""A run read in slices (docs/reports.md, "Reading a long run in slices"): the same figures
+as the whole run's analysis, whatever the slices' size; exact percentiles from pieces."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tracekit
+from tracekit.analysis.figures import analyze
+from tracekit.analysis.quantiles import ExactQuantiles
+from tracekit.analysis.stream import analyze_sliced
+from tracekit.log.slices import SlicedRun
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_NS = 10_000_000  # 10 ms
+
+
+def _differences(x, y, path=""):
+    """Where two analysis records differ: floats beyond float rounding (1e-9 relative; sums
+    add in another order in slices), anything else at all."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        if list(x) != list(y):
+            return [f"{path}: keys {list(x)} != {list(y)}"]
+        return [d for k in x for d in _differences(x[k], y[k], f"{path}.{k}")]
+    if isinstance(x, list) and isinstance(y, list):
+        if len(x) != len(y):
+            return [f"{path}: {len(x)} != {len(y)} items"]
+        return [d for i, (a, b) in enumerate(zip(x, y, strict=True))
+                for d in _differences(a, b, f"{path}[{i}]")]  # fmt: skip
+    if isinstance(x, float) and isinstance(y, float):
+        same = x == y or abs(x - y) <= 1e-9 * max(1.0, abs(x))
+        return [] if same else [f"{path}: {x!r} != {y!r}"]
+    return [] if x == y else [f"{path}: {x!r} != {y!r}"]
+
+
+# exact figures: compared with ==, never a tolerance
+EXACT = ("gaps", "tokens", "requests", "steps", "itl_p50", "itl_p90", "itl_p99", "itl_p999",
+         "itl_max", "tail_count", "all_count", "hist", "fwd_share_clean_median",
+         "fwd_share_tail_median", "ttft_p50", "ttft_p99", "preemptions", "eager_steps")  # fmt: skip
+
+
+def _assert_same(whole: dict, sliced: dict) -> None:
+    assert _differences(whole, sliced) == []
+    for k in EXACT:
+        assert json.dumps(whole[k]) == json.dumps(sliced[k]), k
+
+
+class FakeClock:
+    """Moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        return self.t
+
+
+def _hand_run(out: Path) -> None:
+    """30 steps of 10 ms (a `decode` segment each); request "alive" emits at every step's
+    end, "long" at steps 0 and 23 only: evicted at step 2's end, readmitted at step 22's
+    end (swap). A part per step."""
+    clock = FakeClock()
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=1e-3)  # fmt: skip
+    with rec:
+        rec.request("alive")
+        rec.request("long")
+        for k in range(30):
+            with rec.step():
+                with rec.segment("decode"):
+                    clock.t += STEP_NS
+                rec.emit(["alive", "long"] if k in (0, 23) else ["alive"])
+                if k == 2:
+                    rec.evict("long", mode="swap")
+                if k == 22:
+                    rec.readmit("long")
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+def _wait_for_parts(out: Path, n: int) -> None:
+    """Until the writer has put `n` parts on disk (a part per step: the slices are parts)."""
+    import time
+
+    folder = Path(str(out) + ".parts")
+    for _ in range(2000):
+        if len(list(folder.glob("part-*.tkp"))) >= n:
+            return
+        time.sleep(0.005)
+
+
+def test_a_gap_across_twenty_slices_and_its_eviction_read_as_the_whole_run(tmp_path):
+    """Hand case (docs/partition.md rules 1-3): "long"'s one gap runs from step 0's end
+    (10 ms) to step 23's end (240 ms): 230 ms, the run's longest. Of it, 30..230 ms it was
+    evicted (preempt, 200 ms); the rest (10..30, 230..240) is decode: forward 30 ms.
+    "alive" has 29 gaps of 10 ms, all decode. Total gap time 29 x 10 + 230 = 520 ms.
+    Read one part a slice, the long gap's slice reaches back 23 parts."""
+    out = tmp_path / "run.npz"
+    _hand_run(out)
+    run = SlicedRun(str(out) + ".parts")
+    run.index()
+    assert len(run.parts) >= 24  # a part per step, at least up to the long gap's end
+    bounds = run.bounds(1)
+    assert all(b == a + 1 for _, a, b in bounds)  # one part owned by each slice
+    assert min(c for c, _, _ in bounds) == 0 and max(a - c for c, a, _ in bounds) >= 20
+    whole = analyze(tracekit.load(out)).to_dict()
+    sliced = analyze_sliced(str(out) + ".parts", max_emissions=1, path=whole["path"]).to_dict()
+    _assert_same(whole, sliced)
+    assert sliced["gaps"] == 30 and sliced["itl_max"] == pytest.approx(230.0)
+    total = 29 * 10 + 230
+    assert sliced["all_share"]["preempt"] == pytest.approx(200 / total)
+    assert sliced["all_share"]["forward"] == pytest.approx((29 * 10 + 30) / total)
+    # p99 of 29 x 10 ms and one 230 ms: numpy's linear rank 0.99 x 29 = 28.71, between
+    # the 29th (10) and the 30th (230) value: 10 + 0.71 x 220
+    assert sliced["itl_p99"] == pytest.approx(10 + 0.71 * 220)
+    assert sliced["tail_count"]["preempt"] == 1  # the one gap >= p99
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> str:
+    """A demo run with recompute evictions, GC and eager steps, in several parts."""
+    d = tmp_path_factory.mktemp("sliced")
+    r = subprocess.run(
+        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
+         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return str(d / "baseline__s1.npz")
+
+
+@settings(max_examples=8, deadline=None)
+@given(budget=st.integers(min_value=1, max_value=20_000))
+def test_any_slice_size_gives_the_whole_runs_figures(demo_run, budget):
+    whole = analyze(tracekit.load(demo_run)).to_dict()
+    parts = demo_run + ".parts"
+    assert len(SlicedRun(parts).paths) >= 3
+    sliced = analyze_sliced(parts, max_emissions=budget, path=whole["path"]).to_dict()
+    _assert_same(whole, sliced)
+    assert sliced["evictions"]["num_evictions"] > 0 and sliced["gc_counts"]["0"] > 0
+
+
+def test_analyze_reads_a_run_in_slices_when_it_is_longer_than_one(demo_run):
+    """The command: a run over the slice budget (`TRACEKIT_SLICE_EMISSIONS`) is read in
+    slices, with the whole run's figures."""
+
+    def run(env_extra):
+        env = {**os.environ, **env_extra}
+        r = subprocess.run([sys.executable, "-m", "tracekit", "analyze", demo_run, "--format",
+                            "jsonl"], capture_output=True, text=True, cwd=REPO, env=env,
+                           timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout), r.stderr
+
+    whole, err_whole = run({"TRACEKIT_SLICE_EMISSIONS": "100000000"})
+    sliced, err_sliced = run({"TRACEKIT_SLICE_EMISSIONS": "500"})
+    assert "in slices" in err_sliced and "in slices" not in err_whole
+    _assert_same(whole, sliced)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=1,
+                    max_size=300),
+    cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=5),
+)  # fmt: skip
+def test_exact_quantiles_are_numpys_bit_for_bit(values, cuts):
+    a = np.array(values)
+    qs = [0.0, 50.0, 90.0, 99.0, 99.9, 100.0]
+    q = ExactQuantiles(qs)
+    pieces = np.split(a, sorted({min(c, len(a)) for c in cuts}))
+    for p in pieces:
+        q.count(p)
+    q.wanted()
+    for p in reversed(pieces):  # any order
+        q.keep(p)
+    assert q.percentiles() == [float(x) for x in np.percentile(a, qs)]
+    assert q.median() == float(np.median(a))
+
+
+def test_exact_quantiles_of_nothing_and_bad_values():
+    q = ExactQuantiles([50.0])
+    q.wanted()
+    assert all(math.isnan(x) for x in q.percentiles()) and math.isnan(q.median())
+    with pytest.raises(ValueError):
+        ExactQuantiles([50.0]).count(np.array([1.0, -1.0]))
+    with pytest.raises(ValueError):
+        ExactQuantiles([50.0]).count(np.array([np.nan]))

@@ -1,0 +1,142 @@
+"""Exact percentiles of values seen in pieces, in memory bounded by a histogram, not by the
+values (docs/reports.md, "Reading a long run in slices").
+
+numpy's linear percentile of n values needs, for each q, two order statistics (ranks
+``floor(v)`` and ``floor(v) + 1`` of the virtual index ``v``) and the fraction between
+them. `ExactQuantiles` finds them in two passes over the same values: the first counts
+the values in 2^20 buckets of their float64 bit pattern (ordered like the values for the
+non-negative numbers every figure here is: gap and TTFT times, shares); the second keeps
+only the values of the buckets holding the ranks wanted, and sorts those. The result is
+the value `np.percentile` (`np.median`) gives on all of them at once, bit for bit:
+`percentiles` follows numpy's own arithmetic (tested against it on random arrays).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+#: the top 20 bits of a float64 (sign, exponent, 8 bits of mantissa): 1 Mi buckets
+_SHIFT = np.uint64(44)
+_NUM_BUCKETS = 1 << 20
+
+
+def _buckets(values: np.ndarray) -> np.ndarray:
+    """Each value's bucket; a non-negative float's bit pattern orders like the value."""
+    v = np.ascontiguousarray(values, dtype=np.float64)
+    if len(v) and not (v.min() >= 0.0):  # also NaN
+        raise ValueError("exact quantiles take non-negative numbers only")
+    v = v + 0.0  # -0.0 -> 0.0: one bit pattern for zero
+    return (v.view(np.uint64) >> _SHIFT).astype(np.int64)
+
+
+def virtual_ranks(n: int, qs: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy's linear method for `n` values and percentiles `qs` (0-100): the lower and upper
+    ranks and the fraction between them, with numpy's own arithmetic (clamped at the ends as
+    numpy clamps them)."""
+    q = np.true_divide(np.asarray(qs, dtype=np.float64), 100)
+    v = (n - 1) * q  # numpy's linear method
+    prev = np.floor(v)
+    nxt = prev + 1
+    above = v >= n - 1
+    prev[above] = n - 1
+    nxt[above] = n - 1
+    below = v < 0
+    prev[below] = 0
+    nxt[below] = 0
+    # numpy takes gamma from the clamped index (-1 for "the last"): the same value once
+    # both neighbours are the last one
+    clamped_prev = np.where(above, -1.0, prev)
+    gamma = v - clamped_prev
+    return prev.astype(np.int64), nxt.astype(np.int64), gamma
+
+
+def lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """numpy's interpolation between neighbours (`numpy.lib._function_base_impl._lerp`)."""
+    diff = b - a
+    out = np.add(a, diff * t)
+    np.subtract(b, diff * (1 - t), out=out, where=t >= 0.5)
+    return out
+
+
+class ExactQuantiles:
+    """Percentiles (and the median) of a stream of non-negative values, exactly.
+
+    Pass 1: `count` every piece. Then `wanted` says the ranks; pass 2: `keep` every piece
+    again, in any order; then `percentiles` / `median`. Memory: the histogram (8 MiB) and
+    the values of the few buckets that hold the wanted ranks."""
+
+    def __init__(self, qs: Sequence[float] = ()) -> None:
+        self.qs = tuple(float(q) for q in qs)
+        self.counts = np.zeros(_NUM_BUCKETS, dtype=np.int64)
+        self.n = 0
+        self.max = -math.inf
+        self._kept: list[np.ndarray] = []
+        self._keep_buckets: np.ndarray | None = None
+        self._first: np.ndarray | None = None  # rank of each kept bucket's first value
+
+    def count(self, values: np.ndarray) -> None:
+        """Pass 1: count a piece of the values."""
+        if not len(values):
+            return
+        self.counts += np.bincount(_buckets(values), minlength=_NUM_BUCKETS)
+        self.n += len(values)
+        self.max = max(self.max, float(np.max(values)))
+
+    def _ranks(self) -> np.ndarray:
+        ranks: list[int] = []
+        if self.qs and self.n:
+            lo, hi, _ = virtual_ranks(self.n, self.qs)
+            ranks += [*lo.tolist(), *hi.tolist()]
+        if self.n:  # the median's one or two middle values
+            ranks += [(self.n - 1) // 2, self.n // 2]
+        return np.array(sorted(set(ranks)), dtype=np.int64)
+
+    def wanted(self) -> None:
+        """Between the passes: which buckets pass 2 keeps."""
+        cum = np.cumsum(self.counts)
+        ranks = self._ranks()
+        b = np.searchsorted(cum, ranks, side="right")  # the bucket holding each rank
+        self._keep_buckets = np.unique(b)
+        starts = cum - self.counts
+        self._first = starts[self._keep_buckets]
+
+    def keep(self, values: np.ndarray) -> None:
+        """Pass 2: keep the values of the wanted buckets."""
+        if self._keep_buckets is None:
+            self.wanted()
+        assert self._keep_buckets is not None
+        if len(values) and len(self._keep_buckets):
+            v = np.asarray(values, dtype=np.float64)
+            self._kept.append(v[np.isin(_buckets(v), self._keep_buckets)])
+
+    def _value_at(self, ranks: np.ndarray) -> np.ndarray:
+        assert self._keep_buckets is not None and self._first is not None
+        kept = np.sort(np.concatenate(self._kept)) if self._kept else np.zeros(0)
+        kb = _buckets(kept)
+        out = np.empty(len(ranks))
+        cum = np.cumsum(self.counts)
+        for i, r in enumerate(ranks.tolist()):
+            b = int(np.searchsorted(cum, r, side="right"))
+            j = int(np.searchsorted(self._keep_buckets, b))
+            in_b = kept[kb == b]
+            if len(in_b) != self.counts[b]:
+                raise RuntimeError("pass 2 did not see the values pass 1 counted")
+            out[i] = in_b[r - int(self._first[j])]
+        return out
+
+    def percentiles(self) -> list[float]:
+        """`np.percentile(all values, qs)`; NaN for each with no values."""
+        if not self.n:
+            return [math.nan] * len(self.qs)
+        lo, hi, gamma = virtual_ranks(self.n, self.qs)
+        return [float(x) for x in lerp(self._value_at(lo), self._value_at(hi), gamma)]
+
+    def median(self) -> float:
+        """`np.median(all values)`; NaN with none."""
+        if not self.n:
+            return math.nan
+        a, b = self._value_at(np.array([(self.n - 1) // 2, self.n // 2]))
+        return float(np.mean(np.array([a, b]))) if self.n % 2 == 0 else float(a)

@@ -1,0 +1,477 @@
+"""One run's analysis read in slices, in memory bounded by a slice, not by the run
+(docs/reports.md, "Reading a long run in slices").
+
+The figures are `tracekit.analysis.figures.analyze`'s, by the same rules: each slice of the
+run (`tracekit.log.slices`) is partitioned as the whole run is (its graph baseline is the
+whole run's, fitted once from every step's GC-free decode time), and each gap is counted
+in the one slice its later emission lies in. Three passes over the parts:
+
+1. the index pass: every part once; per step its decode time and shape (the baseline),
+   per request its last emission tick (so every gap's length: the ITL percentiles, counted
+   in `tracekit.analysis.quantiles.ExactQuantiles`), GC pauses, tokens, steps;
+2. every slice partitioned: sums, counts and the histogram by cause, the TTFT partition
+   of the requests whose first token lies in it; the gaps of the ITL p99's own histogram
+   buckets are kept until p99 is known, to decide which are in the tail;
+3. every slice partitioned again, for the two medians of the forward share (exact, as
+   the percentiles).
+
+Equal to the whole-run analysis: every count, percentile, maximum and histogram bin
+exactly; sums and shares to float rounding (the sums add in another order); the TTFT
+figures are computed on the TTFT partition's rows gathered from the slices (one row per
+request: memory by requests, not tokens). Not computed in slices (None, said in the
+run's warnings): the eviction summary and recompute tax, speculative decoding, the client
+boundary and tensor-parallel ranks, which belong to runs the whole-run reader reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from tracekit.analysis.evictions import RECOMPUTE_LABEL, eviction_summary
+from tracekit.analysis.figures import (
+    HIST_EDGES_MS,
+    PERCENTILES,
+    HistBin,
+    RunAnalysis,
+)
+from tracekit.analysis.quantiles import ExactQuantiles
+from tracekit.analysis.results import spec_result
+from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
+from tracekit.attribution.timeline import PreparedRun, fit_baseline_steps
+from tracekit.attribution.ttft import (
+    PRE_ENGINE_LABELS,
+    TTFT_STANDARD_LABELS,
+    TtftPartition,
+    ttft_figures,
+    ttft_partition,
+)
+from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, partition_labels
+from tracekit.log.flush import EVICT, TABLES
+from tracekit.log.parts import merge_flushed
+from tracekit.log.rawlog import GRAPH_EAGER
+from tracekit.log.slices import NotSliceable, SlicedRun
+
+__all__ = ["NotSliceable", "analyze_sliced"]
+
+_ST = {c: TABLES["steps"].index(c) for c in TABLES["steps"]}
+_EM = {c: TABLES["emissions"].index(c) for c in TABLES["emissions"]}
+_GC = {c: TABLES["gc_pauses"].index(c) for c in TABLES["gc_pauses"]}
+_STEP_TABLES = frozenset({"steps", "segments", "gc_pauses", "os_samples"})
+_QS = tuple(q for _, q in PERCENTILES)
+#: the TTFT partition's label order (`tracekit.attribution.ttft.ttft_labels`)
+TTFT_LABEL_GROUPS = (PRE_ENGINE_LABELS, FRONTEND_OS_LABELS, TTFT_STANDARD_LABELS, OS_LABELS)
+#: emissions a slice reads by default: the whole-run partition holds ~340 bytes a gap, so
+#: a slice ~150 MB (a busy server's ~10 s)
+DEFAULT_SLICE_EMISSIONS = 400_000
+
+
+@dataclass
+class _Index:
+    """What the index pass gathers: per step, per request, per run."""
+
+    decode_net: list[np.ndarray] = field(default_factory=list)
+    decode_net_itl: list[np.ndarray] = field(default_factory=list)
+    graph_size: list[np.ndarray] = field(default_factory=list)
+    num_decode: list[np.ndarray] = field(default_factory=list)
+    num_preempted: int = 0
+    max_decode: int = 0
+    first_step_tick: int | None = None
+    gc: list[np.ndarray] = field(default_factory=list)
+    tokens: int = 0
+    device_windows: int = 0
+    last_tick: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    gaps: ExactQuantiles = field(default_factory=lambda: ExactQuantiles(_QS))
+    computed_tokens: int = 0
+    victim: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    #: each part's rows the run's evictions and speculative figures read: its eviction
+    #: tables, counters, `recompute` segments and the emissions of requests evicted so far
+    sparse: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _sparse_part(ix: _Index, part: dict[str, Any]) -> dict[str, Any]:
+    """What of `part` the per-run eviction and speculative figures read (few rows)."""
+    t = part["tables"]
+    keep = {k: t[k] for k in ("events", "preemptions", "evictors", "counters") if k in t}
+    ev = t.get("events")
+    if ev is not None and len(ev):
+        ix.victim[ev[ev[:, 1] == EVICT, 0]] = True
+    em = t.get("emissions")
+    if em is not None and len(em):
+        keep["emissions"] = em[ix.victim[em[:, _EM["request"]]]]
+    sg = t.get("segments")
+    if sg is not None and len(sg) and RECOMPUTE_LABEL in part["labels"]:
+        keep["segments"] = sg[sg[:, 1] == part["labels"].index(RECOMPUTE_LABEL)]
+    return {**part, "tables": keep}
+
+
+def _index_pass(run: SlicedRun, fit: str, progress: Callable[[str], None]) -> _Index:
+    ix = _Index()
+    n_paths = len(run.paths)
+
+    def visit(i: int, part: dict[str, Any]) -> None:
+        t = part["tables"]
+        st = t.get("steps")
+        if st is not None and len(st):
+            ix.graph_size.append(st[:, _ST["graph_size"]].copy())
+            ix.num_decode.append(st[:, _ST["num_decode"]].copy())
+            ix.num_preempted += int(st[:, _ST["num_preempted"]].sum())
+            ix.computed_tokens += int(st[:, _ST["num_prefill_tokens"]].sum())
+            ix.computed_tokens += int(st[:, _ST["num_decode"]].sum())
+            ix.max_decode = max(ix.max_decode, int(st[:, _ST["num_decode"]].max()))
+            first = int(st[:, _ST["t0_tick"]].min())
+            if ix.first_step_tick is None or first < ix.first_step_tick:
+                ix.first_step_tick = first
+            # GC-free decode time of this part's steps, from it and the part before it
+            mini = run.log_of(max(0, i - 1), i + 1, tables=_STEP_TABLES)
+            prep = PreparedRun(mini)
+            ix.decode_net.append(prep.decode_net_ms[-len(st) :].copy())
+            ix.decode_net_itl.append(prep.corrected().decode_net_ms[-len(st) :].copy())
+            ix.device_windows += int((mini.segments.is_device[-_part_segments(part) :] == 1).sum())
+        gc = t.get("gc_pauses")
+        if gc is not None and len(gc):
+            ix.gc.append(gc.copy())
+        em = t.get("emissions")
+        n_req = part["request_ids_start"] + len(part["request_ids"])
+        if n_req > len(ix.last_tick):
+            pad = np.full(n_req - len(ix.last_tick), np.iinfo(np.int64).min)
+            ix.last_tick = np.concatenate([ix.last_tick, pad])
+            ix.victim = np.concatenate([ix.victim, np.zeros(len(pad), dtype=bool)])
+        ix.sparse.append(_sparse_part(ix, part))
+        if em is not None and len(em):
+            ix.tokens += int(em[:, _EM["num_tokens"]].sum())
+            ix.gaps.count(_gap_ms(run, ix.last_tick, em))
+        if i % 200 == 0 or i == n_paths - 1:
+            progress(f"index: part {i + 1} of {n_paths}")
+
+    run.index(visit)
+    return ix
+
+
+def _gap_ms(run: SlicedRun, last_tick: np.ndarray, em: np.ndarray) -> np.ndarray:
+    """The gaps (ms, as the partition computes them) that end at a part's emissions `em`,
+    each after its request's previous emission (in this part, else `last_tick`, which this
+    moves on to each request's last emission here)."""
+    o = np.argsort(em[:, _EM["t_tick"]], kind="stable")
+    r, tk = em[o, _EM["request"]], em[o, _EM["t_tick"]]
+    o2 = np.argsort(r, kind="stable")
+    rs, ts = r[o2], tk[o2]
+    head = np.ones(len(rs), dtype=bool)
+    head[1:] = rs[1:] != rs[:-1]
+    prev = np.empty(len(ts), dtype=np.int64)
+    prev[1:] = ts[:-1]
+    prev[head] = last_tick[rs[head]]
+    has = prev != np.iinfo(np.int64).min
+    last_tick[rs] = ts  # the last of each request wins (sorted by time)
+    return (run.secs(ts[has]) - run.secs(prev[has])) * 1e3
+
+
+def _keep_gap_values(run: SlicedRun, ix: _Index) -> None:
+    """Between the index pass and the partitions: the gaps' lengths again (emissions only),
+    keeping the values the ITL percentiles are (so the tail's threshold is known before
+    any slice is partitioned)."""
+    ix.gaps.wanted()
+    last = np.full(len(ix.last_tick), np.iinfo(np.int64).min)
+    for i in range(len(run.parts)):
+        em = run.read(i)["tables"].get("emissions")
+        if em is not None and len(em):
+            ix.gaps.keep(_gap_ms(run, last, em))
+
+
+def _part_segments(part: dict[str, Any]) -> int:
+    sg = part["tables"].get("segments")
+    return 0 if sg is None else len(sg)
+
+
+@dataclass
+class _Sums:
+    """Per-gap figures added up over the slices, by label and primary-cause name."""
+
+    all_parts: dict[str, float] = field(default_factory=dict)
+    tail_parts: dict[str, float] = field(default_factory=dict)
+    context: dict[str, float] = field(default_factory=dict)
+    all_count: dict[str, int] = field(default_factory=dict)
+    tail_count: dict[str, int] = field(default_factory=dict)
+    hist: dict[tuple[int, str], int] = field(default_factory=dict)
+    labels: set[str] = field(default_factory=set)
+    causes: set[str] = field(default_factory=set)
+    gap_total: float = 0.0
+    tail_total: float = 0.0
+    n: int = 0
+    n_tail: int = 0
+    max_gap: float = -math.inf
+    max_err: float = 0.0
+    skipped: int = 0
+    ttft: list[TtftPartition] = field(default_factory=list)
+    ttft_ms: list[np.ndarray] = field(default_factory=list)
+
+
+def _add(d: dict, key: Any, v: Any) -> None:
+    d[key] = d.get(key, 0) + v
+
+
+def _own_gaps(p: Partition, t_from: float, t_to: float) -> Partition:
+    return p.take((p.t1_s >= t_from) & (p.t1_s < t_to))
+
+
+def _slice_partitions(run: SlicedRun, ix: _Index, fit: str, max_emissions: int, progress):
+    """Each slice's own gaps and own TTFTs, partitioned with the whole run's baselines."""
+    net = np.concatenate(ix.decode_net) if ix.decode_net else np.zeros(0)
+    net_itl = np.concatenate(ix.decode_net_itl) if ix.decode_net_itl else np.zeros(0)
+    gs = np.concatenate(ix.graph_size) if ix.graph_size else np.zeros(0, np.int64)
+    nd = np.concatenate(ix.num_decode) if ix.num_decode else np.zeros(0, np.int64)
+    base_itl = fit_baseline_steps(gs, nd, net_itl, fit)
+    base_ttft = fit_baseline_steps(gs, nd, net, FIT_ALL_CAPTURED)
+    step0 = run.parts[0].first_step
+    n_slices = len(run.bounds(max_emissions))
+    for j, sl in enumerate(run.slices(max_emissions)):
+        a = run.parts[sl.first].first_step - step0
+        b = a + len(sl.log.steps)
+        prep = PreparedRun(sl.log)
+        prep.use_baseline(FIT_ALL_CAPTURED, _cut(base_ttft, a, b))
+        prep.corrected().use_baseline(fit, _cut(base_itl, a, b))
+        p = partition(sl.log, baseline_fit=fit, run=prep)
+        tp = ttft_partition(sl.log, run=prep)
+        own_t = (tp.first_token_s >= sl.t_from_s) & (tp.first_token_s < sl.t_to_s)
+        progress(f"slice {j + 1} of {n_slices}")
+        yield sl, _own_gaps(p, sl.t_from_s, sl.t_to_s), tp.take(own_t)
+    run.base_itl = base_itl  # type: ignore[attr-defined]
+
+
+def _cut(base, a: int, b: int):
+    return replace(base, eager_excess_frac=base.eager_excess_frac[a:b],
+                   decode_net_ms=base.decode_net_ms[a:b])  # fmt: skip
+
+
+def _fwd_share(p: Partition) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(p.gap_ms > 0, p.column("forward") / p.gap_ms, np.nan)
+
+
+def _add_gaps(s: _Sums, p: Partition, p99: float, fwd_clean: ExactQuantiles,
+              fwd_tail: ExactQuantiles) -> None:  # fmt: skip
+    """Pass 2's sums over one slice's own gaps."""
+    names = np.array([*p.causes, "clean"], dtype=object)
+    prim = names[np.where(p.primary == CLEAN, len(p.causes), p.primary)]
+    s.labels |= set(p.labels)
+    s.causes |= set(p.causes)
+    gap = p.gap_ms
+    s.n += len(gap)
+    if not len(gap):
+        return
+    s.gap_total += float(gap.sum())
+    s.max_gap = max(s.max_gap, float(gap.max()))
+    s.max_err = max(s.max_err, p.reconcile_max_err_ms)
+    s.skipped += int(((p.step1 - p.step0 > 1) & (p.num_evictions == 0)).sum())
+    for j, lb in enumerate(p.labels):
+        _add(s.all_parts, lb, float(p.parts_ms[:, j].sum()))
+        _add(s.context, lb, float(p.context_ms[:, j].sum()))
+    for name, c in zip(*np.unique(prim, return_counts=True), strict=True):
+        _add(s.all_count, str(name), int(c))
+    edges = np.array(HIST_EDGES_MS)
+    which = np.searchsorted(edges, gap, side="right") - 1
+    ok = (which >= 0) & (which < len(edges) - 1)
+    for (w, name), c in zip(*_pairs(which[ok], prim[ok]), strict=True):
+        _add(s.hist, (int(w), str(name)), int(c))
+    fwd = _fwd_share(p)
+    clean = (p.primary == CLEAN) & (gap > 0)
+    fwd_clean.count(fwd[clean])
+    _add_tail(s, p, gap >= p99, prim, fwd_tail, fwd)
+
+
+def _pairs(w: np.ndarray, prim: np.ndarray):
+    keys = np.array([f"{a}\x00{b}" for a, b in zip(w.tolist(), prim.tolist(), strict=True)])
+    u, c = np.unique(keys, return_counts=True)
+    split = [k.split("\x00") for k in u.tolist()]
+    return list(zip([int(a) for a, _ in split], [b for _, b in split], strict=True)), c.tolist()
+
+
+def _add_tail(s: _Sums, p: Partition, tail: np.ndarray, prim: np.ndarray,
+              fwd_tail: ExactQuantiles, fwd: np.ndarray) -> None:  # fmt: skip
+    if not tail.any():
+        return
+    s.n_tail += int(tail.sum())
+    s.tail_total += float(p.gap_ms[tail].sum())
+    for j, lb in enumerate(p.labels):
+        _add(s.tail_parts, lb, float(p.parts_ms[tail, j].sum()))
+    for name, c in zip(*np.unique(prim[tail], return_counts=True), strict=True):
+        _add(s.tail_count, str(name), int(c))
+    f = fwd[tail & (p.gap_ms > 0)]
+    fwd_tail.count(f)
+
+
+def analyze_sliced(
+    parts_dir: str,
+    *,
+    baseline_fit: str = FIT_ALL_CAPTURED,
+    max_emissions: int = DEFAULT_SLICE_EMISSIONS,
+    max_inflate_mb: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    path: str | None = None,
+) -> RunAnalysis:
+    """`tracekit.analysis.figures.analyze` of a run's parts folder, read in slices of
+    at most `max_emissions` emissions each (see the module's docstring). Raises `NotSliceable` for a
+    folder that must be read whole."""
+    say = progress or (lambda _msg: None)
+    run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
+    ix = _index_pass(run, baseline_fit, say)
+    _keep_gap_values(run, ix)
+    pct = ix.gaps.percentiles()
+    p99 = pct[2]
+    s = _Sums()
+    fwd_clean, fwd_tail = ExactQuantiles(), ExactQuantiles()
+    for _sl, p, tp in _slice_partitions(run, ix, baseline_fit, max_emissions, say):
+        _add_gaps(s, p, p99, fwd_clean, fwd_tail)
+        s.ttft.append(tp)
+    if fwd_clean.n or fwd_tail.n:  # pass 3: the medians' values
+        fwd_clean.wanted()
+        fwd_tail.wanted()
+        for _sl, p, _tp in _slice_partitions(run, ix, baseline_fit, max_emissions, say):
+            fwd = _fwd_share(p)
+            fwd_clean.keep(fwd[(p.primary == CLEAN) & (p.gap_ms > 0)])
+            fwd_tail.keep(fwd[(p.gap_ms >= p99) & (p.gap_ms > 0)])
+    return _result(run, ix, s, pct, path or parts_dir, fwd_clean, fwd_tail)
+
+
+def _ordered(union: set[str], groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    """`union` in the order of `groups`, then the rest sorted (how both partitions order
+    their labels)."""
+    known = [lb for g in groups for lb in g if lb in union]
+    return tuple(dict.fromkeys(known)) + tuple(sorted(union - set(known)))
+
+
+def _ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
+    """The slices' own TTFT rows as one partition: columns aligned by label name."""
+    if not pieces:
+        return None
+    labels = _ordered(set().union(*(set(p.labels) for p in pieces)), TTFT_LABEL_GROUPS)
+    causes_all = set().union(*(set(p.causes) for p in pieces))
+    causes = tuple(lb for lb in labels if lb in causes_all)
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("parts_ms", "context_ms", "primary")}
+    for p in pieces:
+        where = [labels.index(lb) for lb in p.labels]
+        for k in ("parts_ms", "context_ms"):
+            m = np.zeros((len(p), len(labels)))
+            m[:, where] = getattr(p, k)
+            cols[k].append(m)
+        remap = np.array([causes.index(c) for c in p.causes] + [CLEAN], dtype=np.int64)
+        cols["primary"].append(remap[p.primary])  # CLEAN (-1) indexes the last: CLEAN
+    first = pieces[0]
+    cat = {
+        f: np.concatenate([getattr(p, f) for p in pieces])
+        for f in ("request", "arrival_s", "admit_s", "first_token_s", "ttft_ms", "phases_ms")
+    }
+    notes = tuple(dict.fromkeys(n for p in pieces for n in p.notes))
+    return replace(first, labels=labels, causes=causes, notes=notes, **cat,
+                   **{k: np.concatenate(v) for k, v in cols.items()})  # fmt: skip
+
+
+def _share(parts: dict[str, float], total: float, labels: tuple[str, ...]) -> dict[str, float]:
+    if total <= 0:
+        return {lb: 0.0 for lb in labels}
+    return {lb: float(parts.get(lb, 0.0) / total) for lb in labels}
+
+
+def _gc_figures(run: SlicedRun, ix: _Index) -> tuple[dict[str, int], list[float], list[float]]:
+    """`figures._gc_figures` from the GC rows the index pass kept."""
+    rows = np.concatenate(ix.gc) if ix.gc else np.zeros((0, len(_GC)), dtype=np.int64)
+    gen = rows[:, _GC["generation"]]
+    gens = np.bincount(gen, minlength=3) if len(rows) else np.zeros(3, int)
+    t0, t1 = run.secs(rows[:, _GC["t0_tick"]]), run.secs(rows[:, _GC["t1_tick"]])
+    tick = ix.first_step_tick
+    first = math.inf if tick is None else float(run.secs(np.array(tick)))
+    g2 = gen == 2
+    g2_ms, g2_end = (t1[g2] - t0[g2]) * 1e3, t1[g2]
+    return (
+        {str(g): int(c) for g, c in enumerate(gens)},
+        [round(float(x), 1) for x in g2_ms[g2_end <= first]],
+        [round(float(x), 1) for x in g2_ms[g2_end > first]],
+    )
+
+
+def _result(run: SlicedRun, ix: _Index, s: _Sums, pct: list[float], path: str,
+            fwd_clean: ExactQuantiles, fwd_tail: ExactQuantiles) -> RunAnalysis:  # fmt: skip
+    tail_log = run.log_of(len(run.parts) - 1, len(run.parts), tables=frozenset(), final=True)
+    sparse = merge_flushed(run.meta, ix.sparse, path=path, retained=run.retained(0))
+    evictions = eviction_summary(sparse)
+    if evictions is not None:  # the steps' computed tokens: counted in the index pass
+        c = ix.computed_tokens
+        evictions = replace(evictions, computed_tokens=c, recompute_tax=(
+            evictions.recomputed_tokens / c if c else math.nan))  # fmt: skip
+    labels = tuple(partition_labels(s.labels)) if s.labels else ()
+    causes = tuple(lb for lb in labels if lb in s.causes)
+    names = (*causes, "clean")
+    base = run.base_itl  # type: ignore[attr-defined]
+    gs = np.concatenate(ix.graph_size) if ix.graph_size else np.zeros(0, np.int64)
+    tp = _ttft_rows(s.ttft)
+    ttft = tp.ttft_ms if tp is not None else np.zeros(0)
+    n_req = run.parts[-1].request_ids_start + len(run.read(len(run.parts) - 1)["request_ids"])
+    wall_s = float(tail_log.wall_s)
+    gc_counts, g2_startup, g2_serving = _gc_figures(run, ix)
+    warnings = list(tail_log.warnings)
+    if (gs == GRAPH_EAGER).any() and base.num_fit_steps == 0:
+        warnings.append("eager steps but no captured steps to fit a baseline: graph excess "
+                        "not measured")  # fmt: skip
+    calibration = dict(tail_log.meta.get("device_calibration") or {})
+    edges = HIST_EDGES_MS
+    return RunAnalysis(
+        path=path,
+        rung=tail_log.rung,
+        seed=tail_log.seed,
+        config=dict(tail_log.config),
+        labels=labels,
+        requests=n_req,
+        tokens=ix.tokens,
+        gaps=s.n,
+        wall_s=wall_s,
+        tok_per_s=ix.tokens / wall_s if wall_s > 0 else math.nan,
+        itl_p50=pct[0],
+        itl_p90=pct[1],
+        itl_p99=pct[2],
+        itl_p999=pct[3],
+        itl_max=s.max_gap if s.n else math.nan,
+        ttft_p50=float(np.percentile(ttft, 50.0)) if len(ttft) else math.nan,
+        ttft_p99=float(np.percentile(ttft, 99.0)) if len(ttft) else math.nan,
+        tail_share=_share(s.tail_parts, s.tail_total, labels),
+        all_share=_share(s.all_parts, s.gap_total, labels),
+        tail_count={n: s.tail_count.get(n, 0) for n in names},
+        all_count={n: s.all_count.get(n, 0) for n in names},
+        fwd_share_clean_median=fwd_clean.median(),
+        fwd_share_tail_median=fwd_tail.median(),
+        evicted_context_ms={lb: float(s.context.get(lb, 0.0)) for lb in labels},
+        reconcile_max_err_ms=s.max_err,
+        skipped_steps_without_eviction=s.skipped,
+        preemptions=ix.num_preempted,
+        eager_steps=int((gs == GRAPH_EAGER).sum()),
+        max_decode_B=ix.max_decode,
+        steps=len(gs),
+        gc_counts=gc_counts,
+        gen2_startup_ms=g2_startup,
+        gen2_serving_ms=g2_serving,
+        hist=[
+            HistBin(
+                lo_ms=float(edges[b]),
+                hi_ms=float(edges[b + 1]),
+                count=sum(s.hist.get((b, n), 0) for n in names),
+                by_primary={n: s.hist.get((b, n), 0) for n in names},
+            )  # fmt: skip
+            for b in range(len(edges) - 1)
+        ],
+        graph_baseline={
+            "slope_ms_per_row": base.slope_ms_per_row,
+            "intercept_ms": base.intercept_ms,
+            "num_fit_steps": base.num_fit_steps,
+        },
+        device_windows=ix.device_windows,
+        device_clock_drift_ppm=float(tail_log.meta.get("device_clock_drift_ppm", math.nan)),
+        device_max_placement_err_ms=float(calibration.get("max_placement_err_ms", math.nan)),
+        warnings=warnings,
+        ttft=ttft_figures(tp) if tp is not None else None,
+        spec=spec_result(sparse),
+        recompute_tax=evictions.recompute_tax if evictions is not None else 0.0,
+        evictions=evictions,
+    )

@@ -1,0 +1,240 @@
+"""A parts folder read in slices of consecutive parts, each with the parts before it that
+its gaps and TTFTs need (docs/reports.md, "Reading a long run in slices").
+
+A reader that holds a whole run in memory holds every row of it. This one reads a run's
+parts twice over at most a few at a time:
+
+- `SlicedRun` lists the folder and makes one *index pass*: every part read once, in order,
+  handed to a visitor (the analysis takes its per-run figures there), and from each part's
+  emissions and requests, the part that the gaps and TTFTs ending in it reach back to (a
+  request's previous emission, or its arrival for its first token);
+- `SlicedRun.slices` then yields, for consecutive parts ``[a, b)``, the `RawLog` of parts
+  ``[c, b)``, where ``c`` is the earliest part any gap or TTFT ending in ``[a, b)`` reaches
+  back to, and at least one part before ``a`` (a GC pause or a window flushed a part early),
+  with the times ``[from, to)`` its own gaps end in: from the first emission of part ``a``
+  on, to the first of part ``b``. Each slice's log is read from part ``c`` as a run whose
+  earlier parts were removed is (`tracekit.log.parts.Retained`: steps numbered from part
+  ``c``'s first, requests named only before it ``(removed N)``).
+
+Memory: a slice's parts, bounded by the longest gap or queueing wait in the run plus the
+slice's width, never by the run's length; the index pass keeps per request two small
+integers and its last emission tick.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tracekit.errors import LogError
+from tracekit.log.flush import TABLES
+from tracekit.log.parts import (
+    Retained,
+    merge_flushed,
+    parse_flushed,
+    part_number,
+    part_paths,
+    read_final,
+    read_meta,
+    read_part,
+)
+from tracekit.log.rawlog import RawLog
+
+_EMIT = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick")}
+_REQ = TABLES["requests"].index("request")
+
+
+class NotSliceable(Exception):
+    """The folder cannot be read in slices (its reader reads it whole): why, in words."""
+
+
+@dataclass(frozen=True, slots=True)
+class PartEntry:
+    """One part as the index pass saw it."""
+
+    number: int
+    path: str
+    first_step: int
+    num_steps: int
+    request_ids_start: int
+    flush_tick: int
+    num_emissions: int
+    #: the earliest part (an index into `SlicedRun.parts`) that a gap or a TTFT ending in
+    #: this part reaches back to
+    reaches_back_to: int
+    #: the earliest emission tick in this part or any later one (None: none from here on)
+    cut_tick: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """A run's parts ``[first, last]`` read as one log, owning the gaps and TTFTs that end
+    in ``[t_from_s, t_to_s)`` (seconds from engine start); ``own_parts``: the parts it owns."""
+
+    log: RawLog
+    t_from_s: float
+    t_to_s: float
+    first: int
+    own_parts: tuple[int, int]
+
+
+class SlicedRun:
+    """A parts folder read part by part (see the module's docstring)."""
+
+    def __init__(self, parts_dir: str, *, max_inflate_mb: float | None = None) -> None:
+        self.parts_dir = parts_dir
+        self.max_inflate_mb = max_inflate_mb
+        self.meta = read_meta(parts_dir)
+        self.final = read_final(parts_dir, max_inflate_mb=max_inflate_mb)
+        self.t0_tick = int(self.meta["t0_tick"])
+        self.seconds_per_tick = float(self.meta.get("seconds_per_tick", 1e-9))
+        self.paths = part_paths(parts_dir)
+        self.parts: list[PartEntry] = []
+        self.warnings: list[str] = []
+        self._cache: dict[int, dict[str, Any]] = {}
+
+    def secs(self, ticks: np.ndarray) -> np.ndarray:
+        """Ticks as seconds from engine start, as every reader computes them."""
+        return (ticks - self.t0_tick).astype(np.float64) * self.seconds_per_tick
+
+    def read(self, i: int) -> dict[str, Any]:
+        """Part `i` (of `paths`), parsed (the last few read are kept)."""
+        hit = self._cache.get(i)
+        if hit is None:
+            hit = parse_flushed(read_part(self.paths[i], max_inflate_mb=self.max_inflate_mb),
+                                self.paths[i])  # fmt: skip
+            if len(self._cache) >= 4:
+                self._cache.pop(min(self._cache))
+            self._cache[i] = hit
+        return hit
+
+    def index(self, visit: Callable[[int, dict[str, Any]], None] | None = None) -> None:
+        """The index pass: every part once, in order (`visit(i, part)` for each). Raises
+        `NotSliceable` for a folder whose parts do not say where they begin or whose part
+        numbers skip (a damaged folder is read whole, where its warnings are said)."""
+        if not self.paths:
+            raise NotSliceable("no parts")
+        last_part = np.zeros(0, dtype=np.int64)  # per request: its latest emission's part
+        last_tick = np.zeros(0, dtype=np.int64)
+        arrival_part = np.zeros(0, dtype=np.int64)
+        reach: list[int] = []
+        min_tick: list[int | None] = []
+        entries: list[tuple[Any, ...]] = []
+        for i, path in enumerate(self.paths):
+            if i and part_number(path) != part_number(self.paths[i - 1]) + 1:
+                raise NotSliceable(f"{os.path.basename(path)}: a part before it is missing")
+            try:
+                part = self.read(i)
+            except LogError:
+                raise
+            except Exception as e:  # damaged: the whole-run reader ends the run there
+                raise NotSliceable(f"{os.path.basename(path)} is unreadable ({e})") from None
+            if part["first_step"] is None:
+                raise NotSliceable(f"{os.path.basename(path)} does not say its first step")
+            n_req = part["request_ids_start"] + len(part["request_ids"])
+            grow = n_req - len(last_part)
+            if grow > 0:
+                last_part = np.concatenate([last_part, np.full(grow, -1, np.int64)])
+                last_tick = np.concatenate([last_tick, np.full(grow, np.iinfo(np.int64).min)])
+                arrival_part = np.concatenate([arrival_part, np.full(grow, -1, np.int64)])
+            rq = part["tables"].get("requests")
+            if rq is not None and len(rq):
+                arrival_part[rq[:, _REQ]] = i
+            back = i
+            em = part["tables"].get("emissions")
+            if em is not None and len(em):
+                o = np.argsort(em[:, _EMIT["t_tick"]], kind="stable")
+                r, t = em[o, _EMIT["request"]], em[o, _EMIT["t_tick"]]
+                u = np.unique(r)
+                if np.any(t < last_tick[r]):  # a request's emissions in time order
+                    raise NotSliceable(f"{os.path.basename(path)}: emissions out of time order")
+                seen = last_part[u]
+                back = min(back, int(seen[seen >= 0].min()) if (seen >= 0).any() else back)
+                first_time = u[seen < 0]  # their first token: reach back to their arrival
+                arr = arrival_part[first_time]
+                if (arr >= 0).any():
+                    back = min(back, int(arr[arr >= 0].min()))
+                last_part[r] = i
+                np.maximum.at(last_tick, r, t)
+                min_tick.append(int(t[0]))
+            else:
+                min_tick.append(None)
+            reach.append(back)
+            steps = part["tables"].get("steps")
+            entries.append((part_number(path), path, part["first_step"],
+                            0 if steps is None else len(steps), part["request_ids_start"],
+                            part["flush_tick"], 0 if em is None else len(em)))  # fmt: skip
+            if visit is not None:
+                visit(i, part)
+        cut: list[int | None] = [None] * (len(entries) + 1)
+        for i in range(len(entries) - 1, -1, -1):
+            m, later = min_tick[i], cut[i + 1]
+            cut[i] = m if later is None else (later if m is None else min(m, later))
+        self.parts = [PartEntry(*e, reaches_back_to=reach[i], cut_tick=cut[i])  # type: ignore[misc]
+                      for i, e in enumerate(entries)]  # fmt: skip
+
+    def retained(self, c: int) -> Retained | None:
+        """How a log read from part `c` starts (None: from the run's first part)."""
+        if c == 0 and part_number(self.paths[0]) == 1:
+            return None
+        e = self.parts[c] if self.parts else None
+        part = self.read(c)
+        before = self.parts[c - 1].flush_tick if c > 0 and self.parts else None
+        return Retained(
+            e.number if e else part_number(self.paths[c]),
+            part["request_ids_start"],
+            part["first_step"],
+            before,
+        )
+
+    def log_of(
+        self, c: int, b: int, *, tables: frozenset[str] | None = None, final: bool = False
+    ) -> RawLog:
+        """The `RawLog` of parts ``[c, b)``; `tables`: keep only these (the others empty);
+        `final`: with what the run's clean stop wrote (its config, wall time, warnings)."""
+        parts = [self.read(i) for i in range(c, b)]
+        if tables is not None:
+            parts = [{**p, "tables": {k: v for k, v in p["tables"].items() if k in tables}}
+                     for p in parts]  # fmt: skip
+        return merge_flushed(self.meta, parts, path=self.parts_dir, retained=self.retained(c),
+                             final=self.final if final else None)  # fmt: skip
+
+    def _cut_s(self, i: int) -> float:
+        """Where the gaps of parts `i`.. begin: their earliest emission (inf: none)."""
+        tick = self.parts[i].cut_tick
+        return np.inf if tick is None else float(self.secs(np.array(tick)))
+
+    def bounds(self, max_emissions: int) -> list[tuple[int, int, int]]:
+        """Each slice's parts (after `index`): ``(c, a, b)``, read ``[c, b)``, own
+        ``[a, b)``; as many parts as keep the emissions read within `max_emissions` (at
+        least one part a slice)."""
+        out: list[tuple[int, int, int]] = []
+        n, a = len(self.parts), 0
+        counts = np.array([e.num_emissions for e in self.parts], dtype=np.int64)
+        cum = np.concatenate([[0], np.cumsum(counts)])
+        while a < n:
+            b, c = a + 1, min(self.parts[a].reaches_back_to, max(0, a - 1))
+            while b < n:
+                c2 = min(c, self.parts[b].reaches_back_to)
+                if cum[b + 1] - cum[c2] > max_emissions:
+                    break
+                b, c = b + 1, c2
+            out.append((c, a, b))
+            a = b
+        return out
+
+    def slices(self, max_emissions: int) -> Iterator[Slice]:
+        """The slices of `bounds`, each read as one log (after `index`)."""
+        n = len(self.parts)
+        for c, a, b in self.bounds(max_emissions):
+            yield Slice(
+                log=self.log_of(c, b),
+                t_from_s=-np.inf if a == 0 else self._cut_s(a),
+                t_to_s=np.inf if b == n else self._cut_s(b),
+                first=c,
+                own_parts=(a, b),
+            )
