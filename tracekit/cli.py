@@ -519,6 +519,7 @@ def check(runs: tuple[str, ...]) -> None:
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Default: the run's own .npz name.")
 @click.option("--keep-parts/--remove-parts", default=True, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
+@no_window_options("writes a whole log from its parts and reads no gaps")
 @_read_limits
 def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -> None:
     """Turn an interrupted run's parts folder (RUN.npz.parts/) into the one RUN.npz a clean
@@ -543,6 +544,7 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
 @click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
 @click.option("--engine", type=click.IntRange(min=0), default=None, metavar="RANK",
               help="Data parallel: the rank of the engine core whose run to merge.")  # fmt: skip
+@no_window_options("joins whole logs into one run and reads no gaps")
 @_read_limits
 def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     """Join the per-process logs of one server run (DIRECTORY/ROLE-PID.npz, or the parts of

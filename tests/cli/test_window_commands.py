@@ -292,6 +292,19 @@ def test_check_refuses_a_window_saying_why(runs, args):
     assert r.stdout == ""  # refused before any log is read
 
 
+@pytest.mark.parametrize(
+    ("cmd", "says"),
+    [("recover", "writes a whole log from its parts"), ("merge", "joins whole logs")],
+)
+def test_log_writing_commands_refuse_a_window_saying_why(tmp_path, cmd, says):
+    args = [str(tmp_path), "-o", str(tmp_path / "out.npz"), "--window", "1..2"]
+    r = CliRunner().invoke(main, [cmd, *args])
+    assert r.exit_code == 2
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and f"--window: {cmd} {says}" in err
+    assert not (tmp_path / "out.npz").exists()
+
+
 def test_width_without_around_is_refused_everywhere(runs):
     for cmd in ("analyze", "gaps", "ttft"):
         r = CliRunner().invoke(main, [cmd, runs[0], "--width", "3"])
