@@ -11,7 +11,7 @@ The stage order, bottom first (README, "Layout"):
     analysis     per-run figures, gaps, compare, verdict, what-if, fleet, export
     render       text, HTML, Perfetto
     live         metrics and traces while the engine serves
-    cli          the command line
+    cli          the command line (cli.py, and cli_window.py: the window options)
 
 A module may import its own stage or any stage below it. The check reads the source with
 `ast`, so a function-local import counts like one at the top (where an optional dependency
@@ -33,6 +33,8 @@ PKG = ROOT / "tracekit"
 
 STAGES = ("base", "log", "capture", "attribution", "analysis", "render", "live", "cli")
 BASE = {"errors", "labels", "formats", "fsio", "allocator", "version", "__main__"}
+#: modules of the `cli` stage beside `cli.py` (what the command line shares, moved out of it)
+CLI_MODULES = {"cli_window"}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -47,7 +49,7 @@ def stage_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:  # the package itself (its __init__ is the public facade)
         return "facade"
-    if parts[1] == "__main__":
+    if parts[1] == "__main__" or parts[1] in CLI_MODULES:
         return "cli"
     if parts[1] in STAGES:
         return parts[1]

@@ -21,7 +21,15 @@ from typing import Any, NoReturn
 
 import click
 
-from tracekit.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, LogError, TracekitError, one_line
+from tracekit.cli_window import no_window_options, say_window, say_windows, view, window_options
+from tracekit.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    LogError,
+    TracekitError,
+    UsageError,
+    one_line,
+)
 
 #: Modules only some commands need -> the extra that installs them.
 OPTIONAL_MODULES = {"torch": "gpu", "nvtx": "gpu", "tokenizers": "demo"}
@@ -179,31 +187,6 @@ def _limits() -> dict[str, Any]:
     return {k: v for k, v in given.items() if k.startswith("max_")}
 
 
-_WINDOW_OPTIONS = (  # (option, type, metavar, help): tracekit.analysis.window
-    ("--window", str, "FROM..TO", "Only the gaps ending in [FROM, TO) and the TTFTs whose "
-     "first token lands in it, partitioned as in the whole run: seconds from engine start "
-     "(..30, 600.. open) or wall-clock times (docs/reports.md, \"Windows\")."),
-    ("--around", str, "worst|pNN", "A window centred on the end of the worst gap, or of the "
-     "gap at the NN-th ITL percentile (p99, p99.9)."),
-    ("--width", click.FloatRange(min=0, min_open=True), "S", "--around's width (default 2 s)."),
-)  # fmt: skip
-
-
-def _window_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    for name, kind, meta, text in reversed(_WINDOW_OPTIONS):
-        fn = click.option(name, type=kind, default=None, metavar=meta, help=text,
-                          expose_value=False, callback=_store_limit)(fn)  # fmt: skip
-    return fn
-
-
-def _view() -> Any:
-    """The running command's --window/--around/--width, as a `WindowOptions`."""
-    from tracekit.analysis.window import DEFAULT_WIDTH_S, WindowOptions  # deferred
-
-    o = click.get_current_context().meta.get(_LIMITS_KEY, {})
-    return WindowOptions(o.get("window"), o.get("around"), o.get("width", DEFAULT_WIDTH_S))
-
-
 def _map_with_progress(
     fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str, ray: str | None = None
 ):
@@ -286,7 +269,7 @@ def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str)
               help="Analyse runs in this many processes.")  # fmt: skip
 @click.option("--by", "by", default=None, metavar="DURATION",
               help="One row per time bucket (30s, 1m, 1h) instead of per run.")  # fmt: skip
-@_window_options
+@window_options
 @_ray_option
 @_read_limits
 def analyze(
@@ -311,13 +294,13 @@ def analyze(
         from tracekit.analysis.window import parse_duration  # deferred: loaded per command
 
         by_s = functools.partial(
-            workers.over_time_path, width_s=parse_duration(by), view=_view(), **_limits()
+            workers.over_time_path, width_s=parse_duration(by), view=view(), **_limits()
         )
         runs_rows = _map_with_progress(by_s, paths, jobs, "analysing", ray_address)
         rows = [b.to_record() for bs in runs_rows for b in bs]
         return _write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
-    one = functools.partial(workers.analyze_path, view=_view(), **_limits())
-    for p in paths if _view().is_whole_run else ():  # docs/reports.md, "in slices"
+    one = functools.partial(workers.analyze_path, view=view(), **_limits())
+    for p in paths if view().is_whole_run else ():  # docs/reports.md, "in slices"
         if workers.reads_in_slices(p):
             click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
     results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
@@ -325,13 +308,6 @@ def analyze(
         _warn(a.path, a.warnings)
     table = lambda: text.analyze_report(results) + "\n\n" + text.ttft_runs(results) + "\n"  # noqa: E731
     _write_records([a.to_dict() for a in results], fmt, output, table)
-
-
-def _say_window(run: str, win: Any) -> Any:
-    """Print which window a command shows (stderr), and pass it on."""
-    if win is not None:
-        click.echo(f"tracekit: {one_line(run)}: {win.describe()}", err=True)
-    return win
 
 
 def _write_records(
@@ -383,7 +359,7 @@ def _emit(body: str, output: str | None) -> None:
 @click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
               help="table: show this many of the longest gaps (0: all).")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
-@_window_options
+@window_options
 @_read_limits
 def gaps(
     run: str, fmt: str | None, min_ms: float | None, request_id: str | None, boundary: str,
@@ -404,7 +380,7 @@ def gaps(
     log = open_run(run, **_limits())
     _warn(log.path, log.warnings)
     part = partition(log)
-    win = _say_window(run, _view().resolve(log, part))
+    win = say_window(run, view().resolve(log, part))
     if boundary == "client":
         if not len(log.client_emissions):
             raise LogError(
@@ -454,7 +430,7 @@ def gaps(
               help="engine: arrival to the engine core's first token; client: arrival to the "
               "write of the first streamed chunk (a merged server run only).")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
-@_window_options
+@window_options
 @_read_limits
 def ttft(
     run: str, fmt: str, min_ms: float | None, request_id: str | None, top: int, boundary: str,
@@ -481,8 +457,8 @@ def ttft(
 
     log = open_run(run, **_limits())
     _warn(log.path, log.warnings)
-    view = _view()
-    win = _say_window(run, view.resolve(log, partition(log) if view.around else None))
+    opts = view()
+    win = say_window(run, opts.resolve(log, partition(log) if opts.around else None))
     whole = ttft_partition(log)
     _warn(log.path, [f"TTFT: {n}" for n in whole.notes])
     p = select_ttfts(whole, win)
@@ -517,6 +493,8 @@ def _client_ttft(run, log, engine, min_ms, request_id, top, win):
 
 @main.command()
 @click.argument("runs", nargs=-1, type=click.Path())
+@no_window_options("validates whole logs and reads no gaps: give the window to the command "
+                   "that reads them (analyze, gaps, ttft, ...)")  # fmt: skip
 @_read_limits
 def check(runs: tuple[str, ...]) -> None:
     """Validate raw logs without analysing them: one line per file, exit 2 if any is bad."""
@@ -544,6 +522,7 @@ def check(runs: tuple[str, ...]) -> None:
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Default: the run's own .npz name.")
 @click.option("--keep-parts/--remove-parts", default=True, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
+@no_window_options("writes a whole log from its parts and reads no gaps")
 @_read_limits
 def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -> None:
     """Turn an interrupted run's parts folder (RUN.npz.parts/) into the one RUN.npz a clean
@@ -568,6 +547,7 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
 @click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
 @click.option("--engine", type=click.IntRange(min=0), default=None, metavar="RANK",
               help="Data parallel: the rank of the engine core whose run to merge.")  # fmt: skip
+@no_window_options("joins whole logs into one run and reads no gaps")
 @_read_limits
 def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     """Join the per-process logs of one server run (DIRECTORY/ROLE-PID.npz, or the parts of
@@ -627,6 +607,7 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@window_options
 @_ray_option
 @_read_limits
 def compare(
@@ -644,17 +625,19 @@ def compare(
     whose removal lowers p99.9 most). Where runs name the cause their rung fixes (config
     `fixes`, as the demo ladder writes it), each rung's measured p99, p99.9 and TTFT p50 are
     set against the prediction from the rung before it, by both what-if models, with each
-    model's error and where it misses the measured runs' [min-max]."""
+    model's error and where it misses the measured runs' [min-max]. --window / --around:
+    each run's own window (--around: centred on each run's own gap; docs/reports.md)."""
     from tracekit.analysis import workers  # deferred: loaded per command
     from tracekit.analysis.compare import compare as do_compare
     from tracekit.analysis.verdict import ladder_of, verdict, with_fix_first
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    one = functools.partial(workers.analyze_whatif_path, **_limits())
+    one = functools.partial(workers.analyze_whatif_path, view=view(), **_limits())
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     results = [a for a, _ in pairs]
     whatifs = {a.path: w for a, w in pairs}  # the what-if of each run (docs/whatif.md)
+    say_windows(paths, [a.window for a in results])  # each run's own
     for a in results:
         _warn(a.path, a.warnings)
     cmp = do_compare(results, by=by, order_by=order_by)
@@ -663,12 +646,17 @@ def compare(
         records = cmp.to_records()
         for rec in records:  # each rung's fix, predicted from the rung before it
             rec["whatif_check"] = [c.to_dict() for c in checks if c.to_key == rec["group"]]
+            if any(a.window for a in results):  # each run's window, in the group's order
+                rec["windows"] = [a.window for p in rec["paths"] for a in results if a.path == p]
         body = "".join(json.dumps(r) + "\n" for r in records)
     else:
-        from tracekit.render.whatif import compare_text  # deferred: loaded per command
+        from tracekit.render import text  # deferred: loaded per command
+        from tracekit.render.whatif import compare_text
 
         v, _ = with_fix_first(verdict(cmp), cmp, whatifs, checks)
         body = compare_text(cmp, v, checks, md=fmt == "markdown")
+        body = "".join(f"{text.run_name(a)}: {text.window_text(a.window)}\n" for a in results
+                       if a.window) + body  # fmt: skip
     _emit(body, output)
 
 
@@ -678,7 +666,7 @@ def compare(
               help="trace.json, or trace.json.gz to gzip it.")  # fmt: skip
 @click.option("--requests", "request_ids", default=None,
               help="Only these requests' tracks: comma-separated ids.")  # fmt: skip
-@_window_options
+@window_options
 @_read_limits
 def trace(run: str, output: str, request_ids: str | None) -> None:
     """Write RUN as a Chrome trace for Perfetto (ui.perfetto.dev -> Open trace file): the
@@ -702,7 +690,7 @@ def trace(run: str, output: str, request_ids: str | None) -> None:
     _warn(log.path, log.warnings)
     prep = PreparedRun(log)  # one timeline for both partitions
     part = partition(log, run=prep)
-    win = _say_window(run, _view().resolve(log, part))
+    win = say_window(run, view().resolve(log, part))
     events = perfetto.chrome_trace_events(
         log, part, requests=ids, window_s=trace_span_s(part, win) if win else None,
         ttft=ttft_partition(log, run=prep),
@@ -724,28 +712,6 @@ def trace(run: str, output: str, request_ids: str | None) -> None:
     )
 
 
-def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any]:
-    """`report`'s worker: a run's figures, worst stalls and ITL series for the page, and
-    its what-if (docs/whatif.md), all from one partition."""
-    from tracekit.allocator import keep_freed_memory  # deferred: loaded per command
-    from tracekit.analysis import workers
-    from tracekit.analysis.figures import analyze
-    from tracekit.analysis.gaps import itl_series, worst_stalls
-    from tracekit.analysis.overtime import report_buckets
-    from tracekit.analysis.whatif import whatif as do_whatif
-    from tracekit.render.html import ReportRun
-
-    keep_freed_memory()
-    log, part, tpart = workers.partitions(path, **limits)
-    run = ReportRun(
-        analysis=analyze(log, part, tpart),
-        worst_stalls=worst_stalls(log, part, n_worst),
-        series=itl_series(log, part),
-        buckets=report_buckets(log, part),
-    )
-    return run, do_whatif(log, part, tpart)
-
-
 @main.command()
 @click.argument("runs", nargs=-1, type=click.Path())
 @click.option("-o", "--output", type=OUTPUT_FILE, default="report.html", show_default=True)
@@ -758,6 +724,7 @@ def _report_whatif_one(path: str, n_worst: int, **limits: Any) -> tuple[Any, Any
 @click.option("--title", default="tracekit report", show_default=True)
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@window_options
 @_ray_option
 @_read_limits
 @click.option(
@@ -773,20 +740,23 @@ def report(
     run, the ITL histogram by primary cause, tail-time share and tail-gap counts by cause,
     the ladder (p99 and p99.9 per group), forward share of clean vs tail gaps, TTFT, and
     the worst stalls (gaps grouped by the event that caused them) with their partition and
-    steps."""
+    steps. --window / --around: the page of each run's window, which says which figures
+    stay per run."""
 
-    from tracekit.analysis.compare import compare as do_compare  # deferred: loaded per command
+    from tracekit.analysis import workers  # deferred: loaded per command
+    from tracekit.analysis.compare import compare as do_compare
     from tracekit.analysis.compare import order_runs
     from tracekit.analysis.verdict import ladder_of, verdict, with_fix_first
-    from tracekit.render.html import render_report
+    from tracekit.render.html import ReportRun, render_report
     from tracekit.render.whatif import whatif_html
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    one = functools.partial(_report_whatif_one, n_worst=n_worst, **_limits())
+    one = functools.partial(workers.report_path, n_worst=n_worst, view=view(), **_limits())
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
-    results = [r for r, _ in pairs]
-    whatifs = {r.analysis.path: w for r, w in pairs}
+    results = [ReportRun(**r) for r, _ in pairs]
+    whatifs = {r.analysis.path: w for r, (_, w) in zip(results, pairs, strict=True)}
+    say_windows(paths, [r.analysis.window for r in results])  # each run's own
     for r in results:
         _warn(r.analysis.path, r.analysis.warnings)
     cmp = do_compare([r.analysis for r in results], by=by, order_by=order_by)
@@ -841,6 +811,7 @@ def _open_in_browser(path: str) -> None:
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
+@window_options
 @_read_limits
 def whatif(
     runs: tuple[str, ...], fmt: str, model: str, names: tuple[str, ...], output: str | None,
@@ -856,7 +827,8 @@ def whatif(
     instant goes only where everything running then goes (a stall hidden under a longer one
     stays), a preempted request emits at every step it missed and its readmission prefill
     goes. Rows are sorted by the second-order p99.9 gain; the assumptions follow the table.
-    Time no instrument covered (residual) is never removed.
+    Time no instrument covered (residual) is never removed. --window / --around: the
+    prediction for the gaps and TTFTs of the window (docs/whatif.md, "A window").
 
     Families: host (gc, tok, graph and engine host labels such as sample, detokenize),
     scheduling (prefill, schedule; in TTFT others' prefill and waits for a batch slot or
@@ -872,8 +844,11 @@ def whatif(
     from tracekit.render.whatif import whatif_table  # deferred: loaded per command
 
     paths = _expand(runs)
-    one = functools.partial(workers.whatif_path, names=list(names) or None, **_limits())
+    one = functools.partial(
+        workers.whatif_path, names=list(names) or None, view=view(), **_limits()
+    )
     results = _map_with_progress(one, paths, jobs, "analysing")
+    say_windows(paths, [w.window for w in results])  # each run's own
     for w in results:
         _warn(w.path, w.warnings)
     if fmt == "jsonl":
@@ -914,6 +889,7 @@ def _ray_mapper(ray_address: str | None, jobs: int = 1):
 )  # fmt: skip
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Export runs in this many processes.")  # fmt: skip
+@window_options
 @_ray_option
 @_read_limits
 def export_cmd(
@@ -923,6 +899,7 @@ def export_cmd(
     DuckDB, Ray Data, Spark): DATASET/gaps/ has one row per gap (run, request, t0_s, t1_s,
     gap_ms, steps, primary cause, part_LABEL_ms for every label, summing to gap_ms);
     DATASET/runs/ one row per run with every per-run figure of `tracekit analyze`.
+    --window / --around: each run's window's gaps and its `analyze --window` figures.
 
     \b
       pandas:  pd.read_parquet("DATASET/gaps")
@@ -933,7 +910,8 @@ def export_cmd(
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     keys = [k.strip() for k in partition_by.split(",") if k.strip()]
-    meta = export(paths, output, keys, mapper=_ray_mapper(ray_address, jobs), limits=_limits())
+    meta = export(paths, output, keys, mapper=_ray_mapper(ray_address, jobs), limits=_limits(),
+                  view=view())  # fmt: skip
     used, absent = meta["partition_by"], meta["partition_by_absent"]
     if absent:
         click.echo(
@@ -963,6 +941,7 @@ def export_cmd(
               help="Size of a merged quantile sketch: its rank error is about "
               "gaps/points.")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
+@window_options
 @_ray_option
 @_read_limits
 def fleet_cmd(
@@ -975,7 +954,8 @@ def fleet_cmd(
     figure (exact), and pooled over all the group's gaps the ITL p50/p90/p99/p99.9/max, the
     pooled tail (gaps >= the pooled p99) with each label's share of its time and its gaps
     by primary cause. Pooled percentiles are exact when they fit --memory-mb, else from a
-    mergeable quantile sketch whose rank error is printed with each value.
+    mergeable quantile sketch whose rank error is printed with each value. --window /
+    --around (raw logs only): the rollup of each run's window.
     """
     from tracekit.analysis.fleet import rollup, rollup_logs  # deferred: loaded per command
     from tracekit.analysis.run import is_run_dir
@@ -983,6 +963,7 @@ def fleet_cmd(
 
     ray_address, source = _ray_runs(ray_address, source, 1)
     paths = _expand(source)
+    win = view()
     mapper = _ray_mapper(ray_address)
     if ray_address is not None:  # results combined as they arrive, not all held at once
         from tracekit.analysis.cluster import ray_imap
@@ -990,11 +971,17 @@ def fleet_cmd(
         mapper = lambda fn, args: ray_imap(fn, args, ray_address)  # noqa: E731
     opts = {"memory_budget_bytes": int(memory_mb * (1 << 20)), "sketch_points": sketch_points}
     if len(paths) == 1 and os.path.isdir(paths[0]) and not is_run_dir(paths[0]):  # a dataset
+        if not win.is_whole_run:
+            raise UsageError(f"{paths[0]}: a dataset holds the rows `tracekit export` wrote: "
+                             "give the window to export (export --window), or run fleet on "
+                             "the raw logs")  # fmt: skip
         r = rollup(paths[0], by, mapper=mapper, **opts)
     else:
-        r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, limits=_limits(), **opts)
+        r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, limits=_limits(),
+                        view=win, **opts)  # fmt: skip
+    said = {} if win.is_whole_run else {"window": win.to_dict()}
     if fmt == "jsonl":
-        body = "".join(json.dumps(rec) + "\n" for rec in r.to_records())
+        body = "".join(json.dumps({**rec, **said}) + "\n" for rec in r.to_records())
     else:
-        body = fleet_table(r) + "\n"
+        body = ("" if win.is_whole_run else win.describe() + "\n") + fleet_table(r) + "\n"
     _emit(body, output)

@@ -18,6 +18,11 @@ as `tail_share_LABEL`, `all_share_LABEL`, `tail_count_CAUSE`, `evicted_context_m
 `hist_json` (counts by primary cause); `gen2_startup_ms`/`gen2_serving_ms` and `labels`
 as lists; `config_json` (the run's config) and `warnings`.
 
+Exported with `--window`/`--around` (docs/reports.md, "Windows"): `gaps` holds the gaps
+that end in each run's window, each partitioned as in the whole run; `runs` holds the
+figures `tracekit analyze --window` gives (per gap of the window, per run of the whole
+run) and `window_from_s`, `window_to_s` (null: open) and `window_how`.
+
 Every file of a table has the same columns in the same order: labels an engine adds
 (`part_schedule_ms`, `tail_share_schedule`) appear in every file, 0 where a run has none
 (a label with no time owns 0 ms and a 0 share). The partition key columns come from the
@@ -42,6 +47,7 @@ from tracekit.allocator import keep_freed_memory
 from tracekit.analysis.compare import config_value
 from tracekit.analysis.figures import analyze
 from tracekit.analysis.run import is_run_dir, open_run
+from tracekit.analysis.window import WindowOptions, select_gaps
 from tracekit.attribution.itl import partition
 from tracekit.errors import TracekitError
 from tracekit.log.archive import read_npz
@@ -117,6 +123,10 @@ def run_row(analysis: Any, run_id: str) -> dict[str, Any]:
     d.pop("seed", None)
     row["labels"] = list(d.pop("labels"))
     row["warnings"] = [str(w) for w in d.pop("warnings")]
+    window = d.pop("window", None)  # exported with --window/--around: which part of the run
+    if window is not None:
+        row["window_from_s"], row["window_to_s"] = window["from_s"], window["to_s"]
+        row["window_how"] = str(window["how"])
     hist = d.pop("hist")
     for b in hist:
         hi = "inf" if b["hi_ms"] is None or not math.isfinite(b["hi_ms"]) else f"{b['hi_ms']:g}"
@@ -212,20 +222,28 @@ def run_ids(paths: Sequence[str]) -> list[str]:
 
 
 def export_one(
-    path: str, run_id: str, root: str, keys: Sequence[str], limits: Mapping[str, Any] | None = None
+    path: str,
+    run_id: str,
+    root: str,
+    keys: Sequence[str],
+    limits: Mapping[str, Any] | None = None,
+    view: WindowOptions | None = None,
 ) -> ExportedRun:
     """Load, partition and analyse one run; write its gaps and runs files under `root`.
-    `limits`: `load`'s bounds on reading the log (``max_inflate_mb``, ...)."""
+    `limits`: `load`'s bounds on reading the log (``max_inflate_mb``, ...). `view`: the
+    window to export (docs/reports.md, "Windows"): its gaps, and the run's figures of it."""
 
     keep_freed_memory()
     log = open_run(path, **dict(limits or {}))
-    part = partition(log)
+    whole = partition(log)
+    win = view.resolve(log, whole) if view is not None else None
+    part = select_gaps(whole, win)
     if "clean" in part.causes:  # `primary` says `clean` for a gap without a cause
         raise DatasetError(
             f"{path}: a label maps to the cause 'clean', the name the gaps table gives a gap "
             "without a cause: rename that label when recording"
         )
-    analysis = analyze(log, part)
+    analysis = analyze(log, whole, window=win)
     hive = [f"{k}={partition_value(log.config, k)}" for k in keys]
     fname = f"{urllib.parse.quote(run_id, safe='')}.parquet"
     gaps_rel = os.path.join(GAPS_DIR, *hive, fname)
@@ -363,10 +381,12 @@ def export(
     *,
     mapper: Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]] | None = None,
     limits: Mapping[str, Any] | None = None,
+    view: WindowOptions | None = None,
 ) -> dict[str, Any]:
     """Export runs to a dataset at `root`. `mapper(fn, arg_tuples)` runs `export_one` over
     the runs (in order; a process pool or Ray); default: one by one here. `limits`: `load`'s
-    bounds on reading each log. Returns the dataset's metadata (also written to
+    bounds on reading each log. `view`: each run's window (`--window`/`--around`), or
+    None for whole runs. Returns the dataset's metadata (also written to
     `root/_tracekit_dataset.json`).
 
     A run without a partition key is filed under the hive null. A key that *no* run has is
@@ -402,7 +422,7 @@ def export(
     try:
         absent = _absent_keys(paths, keys, lim) if keys else []
         used = tuple(k for k in keys if k not in absent)
-        args = [(p, r, root, used, lim) for p, r in zip(paths, ids, strict=True)]
+        args = [(p, r, root, used, lim, view) for p, r in zip(paths, ids, strict=True)]
         done = [export_one(*a) for a in args] if mapper is None else list(mapper(export_one, args))
         gap_cols = _unify(root, [d.gaps_file for d in done], [d.gap_columns for d in done])
         _unify(root, [d.runs_file for d in done], [d.run_columns for d in done])
@@ -419,6 +439,8 @@ def export(
         "runs": [{"run": d.run, "path": d.path, "gaps": d.gaps} for d in done],
         "gaps": int(sum(d.gaps for d in done)),
     }
+    if view is not None and not view.is_whole_run:  # each run's own: its runs row says which
+        meta["window"] = view.to_dict()
     with open(meta_path, "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=1)
     return meta

@@ -349,12 +349,16 @@ def _group_of_run(df: Any, by: str) -> list[str]:
     return out
 
 
+#: a windowed export's runs columns that say where each run's window lies: not figures
+WINDOW_COLUMNS = frozenset({"window_from_s", "window_to_s", "window_how"})
+
+
 def _figure_columns(df: Any, skip: set[str]) -> list[str]:
     import pandas as pd  # deferred: pyarrow/pandas load when a dataset is read
 
     cols = []
     for c in df.columns:
-        if c in skip or c == "run":
+        if c in skip or c == "run" or c in WINDOW_COLUMNS:  # where, not what was measured
             continue
         dt = df[c].dtype
         if pd.api.types.is_bool_dtype(dt) or not pd.api.types.is_numeric_dtype(dt):
@@ -645,7 +649,8 @@ def rollup_logs(
     both inputs give the same numbers by construction), which is removed afterwards."""
 
     limits = kwargs.pop("limits", None)
+    view = kwargs.pop("view", None)  # each run's window (docs/reports.md, "Windows")
     with tempfile.TemporaryDirectory(prefix="tracekit-fleet-") as tmp:
         root = os.path.join(tmp, "dataset")
-        export(paths, root, (), mapper=export_mapper, limits=limits)
+        export(paths, root, (), mapper=export_mapper, limits=limits, view=view)
         return rollup(root, by, **kwargs)

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.analysis.window import Window
+from tracekit.analysis.window import Window, select_gaps
 from tracekit.attribution.client import client_partition
 from tracekit.attribution.evictions import preempt_causes
 from tracekit.attribution.itl import Partition, partition
@@ -228,14 +228,20 @@ def worst_stalls(
 
 
 def itl_series(
-    log: RawLog, part: Partition | None = None, *, max_points: int = 2500, min_gc_ms: float = 1.0
+    log: RawLog,
+    part: Partition | None = None,
+    *,
+    max_points: int = 2500,
+    min_gc_ms: float = 1.0,
+    window: Window | None = None,
 ) -> dict:
     """Every gap of the run as a point in time (`t_s`: when it ended, `gap_ms`, `primary`),
     for an ITL-over-time chart, thinned for long runs: every gap at or above the run's
     p99 is kept, the others by an even stride, so at most about `max_points` remain
     (`num_gaps` counts all). Plus the marks: evictions (`evict_t_s`) and GC pauses
-    (`gc_t_s`, `gc_ms`, `gc_generation`) of at least `min_gc_ms`."""
-    p = part if part is not None else partition(log)
+    (`gc_t_s`, `gc_ms`, `gc_generation`) of at least `min_gc_ms`. With a `window`: the
+    gaps of `part` (the whole run's) that end in it, and the marks inside it."""
+    p = select_gaps(part if part is not None else partition(log), window)
     n = len(p)
     keep = np.zeros(n, dtype=bool)
     if n:
@@ -251,12 +257,16 @@ def itl_series(
     gc = log.gc_pauses
     gc_ms = (gc.t_end_s - gc.t_start_s) * 1e3
     big = gc_ms >= min_gc_ms
+    evict_t_s = log.evictions.t_evict_s
+    if window is not None:  # the marks inside the window only
+        big &= window.contains(gc.t_start_s)
+        evict_t_s = evict_t_s[window.contains(evict_t_s)]
     return {
         "num_gaps": int(n),
         "t_s": p.t1_s[sel].tolist(),
         "gap_ms": p.gap_ms[sel].tolist(),
         "primary": p.primary_names()[sel].tolist(),
-        "evict_t_s": log.evictions.t_evict_s.tolist(),
+        "evict_t_s": evict_t_s.tolist(),
         "gc_t_s": gc.t_start_s[big].tolist(),
         "gc_ms": gc_ms[big].tolist(),
         "gc_generation": gc.generation[big].tolist(),

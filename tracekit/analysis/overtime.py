@@ -131,20 +131,25 @@ REPORT_MAX_BUCKETS = 60
 REPORT_MIN_BUCKETS = 10
 
 
-def report_width_s(log: RawLog) -> float:
-    """The bucket width of the report's over-time view of `log` (`NICE_WIDTHS_S`)."""
+def report_width_s(log: RawLog, window: Window | None = None) -> float:
+    """The bucket width of the report's over-time view of `log` (`NICE_WIDTHS_S`), or of
+    the part of it `window` covers."""
     lo, hi = run_span_s(log)
-    span_s = hi - min(lo, 0.0)
+    lo = min(lo, 0.0)
+    if window is not None:  # the window's span, within the run's
+        lo, hi = max(lo, window.t0_s), min(hi, window.t1_s)
+    span_s = max(hi - lo, 0.0)
     for w in NICE_WIDTHS_S:
         if span_s / w <= REPORT_MAX_BUCKETS:
             return float(w)
     return float(math.ceil(span_s / REPORT_MAX_BUCKETS / 86400) * 86400)
 
 
-def report_buckets(log: RawLog, part: Partition) -> list[Bucket]:
-    """The report's over-time view: the run's buckets of `report_width_s`, or none for a
-    run shorter than `REPORT_MIN_BUCKETS` of them."""
-    rows = over_time(log, part, report_width_s(log))
+def report_buckets(log: RawLog, part: Partition, window: Window | None = None) -> list[Bucket]:
+    """The report's over-time view: the run's (or the window's) buckets of
+    `report_width_s`, or none for a span shorter than `REPORT_MIN_BUCKETS` of them.
+    `part`: the whole run's partition."""
+    rows = over_time(log, part, report_width_s(log, window), window)
     return rows if len(rows) >= REPORT_MIN_BUCKETS else []
 
 

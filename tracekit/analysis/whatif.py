@@ -30,6 +30,7 @@ import numpy as np
 
 from tracekit.analysis.compare import Spread
 from tracekit.analysis.victim_policy import VictimPolicy, victim_policy
+from tracekit.analysis.window import Window, select_gaps, select_ttfts
 from tracekit.attribution.itl import Partition, evicted_windows, segment_causes
 from tracekit.attribution.reference import os_taken_reference
 from tracekit.attribution.timeline import PreparedRun, has_os_evidence, os_bounds
@@ -154,6 +155,8 @@ class WhatIf:
     warnings: tuple[str, ...] = ()  # the log's and its partition's, as `analyze` reports them
     #: the recompute tax under the least-computed-victim policy (`victim_policy`), or None
     victim_policy: VictimPolicy | None = None
+    #: the window the figures are of (`Window.to_dict`), or None for the whole run
+    window: Mapping[str, Any] | None = None
 
     def get(self, name: str, model: str) -> Prediction | None:
         for p in self.predictions:
@@ -176,6 +179,8 @@ class WhatIf:
                 "removed_ms": _finite(p.removed_ms),
                 "gaps": p.num_gaps,
             }
+            if self.window is not None:
+                rec["window"] = dict(self.window)
             change = p.change_ms(self.measured)
             for k in FIGURE_NAMES:
                 rec[k] = _finite(p.figures[k])
@@ -662,22 +667,31 @@ def second_order_reference(
 
 
 def whatif(
-    log: RawLog, part: Partition, tpart: TtftPartition, names: Sequence[str] | None = None
+    log: RawLog,
+    part: Partition,
+    tpart: TtftPartition,
+    names: Sequence[str] | None = None,
+    window: Window | None = None,
 ) -> WhatIf:
-    """Every removal of the run (or those named), by both models."""
-    rs = removals(part, tpart) if names is None else [find_removal(part, tpart, n) for n in names]
+    """Every removal of the run (or those named), by both models. With a `window`: the
+    prediction for the gaps ending in it and the TTFTs whose first token lands in it, each
+    from the whole run's partition and (second order) the whole run's replayed timeline
+    (docs/whatif.md, "A window"); the removals are the causes with time in those."""
+    p, tp = select_gaps(part, window), select_ttfts(tpart, window)
+    rs = removals(p, tp) if names is None else [find_removal(p, tp, n) for n in names]
     preds = []
     for r in rs:
-        preds.append(first_order(part, tpart, r))
-        preds.append(second_order(log, part, tpart, r))
+        preds.append(first_order(p, tp, r))
+        preds.append(second_order(log, p, tp, r))
     return WhatIf(
         path=log.path,
         config=dict(log.config),
-        measured=_figures(part.gap_ms, tpart.ttft_ms),
-        num_gaps=len(part),
+        measured=_figures(p.gap_ms, tp.ttft_ms),
+        num_gaps=len(p),
         predictions=tuple(preds),
         warnings=tuple(log.warnings) + tuple(part.warnings),
         victim_policy=victim_policy(log),
+        window=window.to_dict() if window is not None else None,
     )
 
 

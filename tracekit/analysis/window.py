@@ -180,6 +180,20 @@ class WindowOptions:
     def is_whole_run(self) -> bool:
         return self.window is None and self.around is None
 
+    def to_dict(self) -> dict[str, Any]:
+        """As asked, for a record of many runs (each run's own window is its record's)."""
+        return {"window": self.window, "around": self.around, "width_s": self.width_s}
+
+    def describe(self) -> str:
+        """One line for the output of many runs: the window each run shows."""
+        how = (f"--window {self.window}" if self.window is not None
+               else f"--around {self.around} --width {self.width_s:g}")  # fmt: skip
+        return (
+            f"each run's window ({how}): the gaps ending in it and the TTFTs whose first "
+            "token lands in it, partitioned as in the whole run; per-run figures (requests, "
+            "steps, GC, preemptions): the whole run"
+        )
+
     def resolve(self, log: RawLog, part: Partition | None) -> Window | None:
         """The window these options pick in `log` (None: the whole run). `part`: the run's
         partition, which `--around` needs."""

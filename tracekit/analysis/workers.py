@@ -12,11 +12,12 @@ from typing import Any
 
 from tracekit.allocator import keep_freed_memory
 from tracekit.analysis.figures import RunAnalysis, analyze
-from tracekit.analysis.overtime import Bucket, over_time
+from tracekit.analysis.gaps import itl_series, worst_stalls
+from tracekit.analysis.overtime import Bucket, over_time, report_buckets
 from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
 from tracekit.analysis.whatif import WhatIf, whatif
-from tracekit.analysis.window import WindowOptions
+from tracekit.analysis.window import Window, WindowOptions, select_gaps
 from tracekit.attribution.itl import Partition, partition
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TtftPartition, ttft_partition
@@ -103,15 +104,47 @@ def partitions(path: str, **limits: Any) -> tuple[RawLog, Partition, TtftPartiti
     return log, partition(log, run=prep), ttft_partition(log, run=prep)
 
 
-def whatif_path(path: str, names: Sequence[str] | None = None, **limits: Any) -> WhatIf:
-    """`whatif`'s work on one run: every removal (or those named), by both models."""
+def whatif_path(
+    path: str,
+    names: Sequence[str] | None = None,
+    view: WindowOptions | None = None,
+    **limits: Any,
+) -> WhatIf:
+    """`whatif`'s work on one run: every removal (or those named), by both models, for the
+    window `view` asks for, if any."""
     keep_freed_memory()
     log, part, tpart = partitions(path, **limits)
-    return whatif(log, part, tpart, names)
+    return whatif(log, part, tpart, names, window=_resolve(view, log, part))
 
 
-def analyze_whatif_path(path: str, **limits: Any) -> tuple[RunAnalysis, WhatIf]:
-    """`compare`'s work on one run: its figures and its what-if, from one partition."""
+def analyze_whatif_path(
+    path: str, view: WindowOptions | None = None, **limits: Any
+) -> tuple[RunAnalysis, WhatIf]:
+    """`compare`'s work on one run: its figures and its what-if, from one partition (of the
+    run's own window `view` asks for, if any)."""
     keep_freed_memory()
     log, part, tpart = partitions(path, **limits)
-    return analyze(log, part, tpart), whatif(log, part, tpart)
+    win = _resolve(view, log, part)
+    return analyze(log, part, tpart, window=win), whatif(log, part, tpart, window=win)
+
+
+def report_path(
+    path: str, n_worst: int, view: WindowOptions | None = None, **limits: Any
+) -> tuple[dict[str, Any], WhatIf]:
+    """`report`'s work on one run, all from one partition: the page's view of it (the
+    fields of `tracekit.render.html.ReportRun`: figures, worst stalls, ITL series, the
+    tail over time) and its what-if, of the window `view` asks for, if any."""
+    keep_freed_memory()
+    log, part, tpart = partitions(path, **limits)
+    win = _resolve(view, log, part)
+    page = {
+        "analysis": analyze(log, part, tpart, window=win),
+        "worst_stalls": worst_stalls(log, select_gaps(part, win), n_worst),
+        "series": itl_series(log, part, window=win),
+        "buckets": report_buckets(log, part, win),
+    }
+    return page, whatif(log, part, tpart, window=win)
+
+
+def _resolve(view: WindowOptions | None, log: RawLog, part: Partition) -> Window | None:
+    return view.resolve(log, part) if view is not None else None

@@ -645,6 +645,31 @@ def _title_section(title: str, comparison: Comparison, n_runs: int) -> str:
     )
 
 
+def _window_section(analyses: Sequence[RunAnalysis], names: Sequence[str]) -> str:
+    """Which window each run shows (`report --window/--around`), and which figures stay the
+    whole run's (docs/reports.md, "Windows: part of a long run"); empty for whole runs."""
+    rows = []
+    for a, name in zip(analyses, names, strict=True):
+        w = a.window
+        span = "the whole run" if w is None else (
+            f"{'' if w['from_s'] is None else format(w['from_s'], '.6g')}.."
+            f"{'' if w['to_s'] is None else format(w['to_s'], '.6g')} s from engine start "
+            f"({esc(str(w['how']))})")  # fmt: skip
+        rows.append(f"<li><b>{esc(name)}</b>: {span}</li>")
+    if all(a.window is None for a in analyses):
+        return ""
+    return (
+        "<h2>Window</h2><p class=note>This page shows part of each run: the gaps that end in "
+        "its window and the TTFTs whose first token lands in it, each partitioned as in the "
+        "whole run. Of the window: gaps, ITL percentiles, the tail (gaps at or above the "
+        "window's p99) and its shares, the histogram, ITL over time, the tail over time, the "
+        "worst stalls, TTFT figures and the what-if. Of the whole run: requests, tokens, "
+        "tok/s, steps, preemptions, GC counts and pauses, the graph baseline, device timing, "
+        "the client boundary, speculative decoding, tensor-parallel ranks, the recompute tax "
+        "and the eviction summary.</p><ul>" + "".join(rows) + "</ul>"
+    )
+
+
 def _table_sections(
     analyses: Sequence[RunAnalysis], names: Sequence[str], labels: list[str], comparison: Comparison
 ) -> list[str]:
@@ -884,6 +909,9 @@ def render_report(
     causes = _causes(analyses)
     chart = _Charts()
     sections = [_title_section(title, comparison, len(analyses))]
+    window = _window_section(analyses, names)
+    if window:
+        sections.append(window)
     if verdict is not None:
         sections.append(verdict_html(verdict))
     if whatif_section:

@@ -165,13 +165,16 @@ def _pct(x: float) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
 
 
-def window_text(w: Mapping[str, Any]) -> str:
-    """A `RunAnalysis.window` in words: which part of the run the per-gap figures are of."""
+def window_text(
+    w: Mapping[str, Any], per_run: str = "requests, steps, GC, preemptions: the whole run"
+) -> str:
+    """A `RunAnalysis.window` (or a `WhatIf.window`) in words: which part of the run the
+    per-gap figures are of, and (`per_run`) which figures stay the whole run's."""
     lo = "" if w["from_s"] is None else f"{w['from_s']:.6g}"
     hi = "" if w["to_s"] is None else f"{w['to_s']:.6g}"
     return (
         f"window {lo}..{hi} s from engine start ({w['how']}): gaps ending in it, TTFTs whose "
-        "first token lands in it; requests, steps, GC, preemptions: the whole run"
+        f"first token lands in it; {per_run}"
     )
 
 

@@ -78,6 +78,12 @@ def victim_policy_line(v: VictimPolicy) -> str:
     )
 
 
+#: what stays the whole run's in a window's what-if (docs/whatif.md, "A window")
+WINDOW_PER_RUN = (
+    "each removal's timeline replayed over the whole run; the recompute tax: the whole run"
+)
+
+
 def whatif_table(runs: Sequence[WhatIf], models: Sequence[str] = MODELS, *, md=False) -> str:
     """`tracekit whatif`: one table per run, then the models' assumptions."""
     out = []
@@ -85,6 +91,8 @@ def whatif_table(runs: Sequence[WhatIf], models: Sequence[str] = MODELS, *, md=F
         name = os.path.basename(w.path)
         head, rows = run_rows(w, models)
         title = f"WHAT-IF  {name}  ({w.num_gaps} gaps; ms, change against the run as measured)"
+        if w.window is not None:  # the prediction for the window's gaps and TTFTs
+            title += "\n" + text.window_text(w.window, WINDOW_PER_RUN)
         if not w.predictions:
             title += "\n(no cause has time in this run's gaps or TTFTs: nothing to remove)"
         if md:  # removal names come from the log: literal text, one line each
