@@ -370,17 +370,15 @@ def gaps(
     --boundary client, the gaps between a server's streamed chunks (engine labels, then
     the API server's), with each chunk's tokens and the engine/frontend split."""
     # deferred: loaded per command
+    from tracekit.analysis import workers
     from tracekit.analysis.gaps import client_gap_records, gap_records
-    from tracekit.analysis.run import open_run
     from tracekit.analysis.window import select_gaps
-    from tracekit.attribution.itl import partition
 
     if fmt is None:
         fmt = "table" if output is None and sys.stdout.isatty() else "jsonl"
-    log = open_run(run, **_limits())
+    log, part, _, win = workers.opened(run, view(), **_limits())  # a long run: in slices
     _warn(log.path, log.warnings)
-    part = partition(log)
-    win = say_window(run, view().resolve(log, part))
+    win = say_window(run, win)
     if boundary == "client":
         if not len(log.client_emissions):
             raise LogError(
@@ -449,17 +447,14 @@ def ttft(
     ends at the write of the request's first streamed chunk: the engine boundary's parts to
     the first token, then the API server's (docs/ttft.md, "The client boundary").
     """
-    from tracekit.analysis.run import open_run  # deferred: loaded per command
+    from tracekit.analysis import workers  # deferred: loaded per command
     from tracekit.analysis.window import select_ttfts
-    from tracekit.attribution.itl import partition
-    from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
+    from tracekit.attribution.ttft import ttft_figures, ttft_records
     from tracekit.render import text
 
-    log = open_run(run, **_limits())
+    log, _, whole, win = workers.opened(run, view(), **_limits())  # a long run: in slices
     _warn(log.path, log.warnings)
-    opts = view()
-    win = say_window(run, opts.resolve(log, partition(log) if opts.around else None))
-    whole = ttft_partition(log)
+    win = say_window(run, win)
     _warn(log.path, [f"TTFT: {n}" for n in whole.notes])
     p = select_ttfts(whole, win)
     if boundary == "client":
@@ -677,23 +672,17 @@ def trace(run: str, output: str, request_ids: str | None) -> None:
     clients and the arrival of each step's outputs. Use --requests / --window / --around to
     cut large runs: a window keeps the events overlapping it and the gaps ending in it."""
 
-    from tracekit.analysis.run import open_run  # deferred: loaded per command
+    from tracekit.analysis import workers  # deferred: loaded per command
     from tracekit.analysis.window import trace_span_s
-    from tracekit.attribution.itl import partition
-    from tracekit.attribution.timeline import PreparedRun
-    from tracekit.attribution.ttft import ttft_partition
     from tracekit.render import perfetto
 
     t_start = time.perf_counter()
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
-    log = open_run(run, **_limits())
+    log, part, tpart, win = workers.opened(run, view(), **_limits())  # a long run: in slices
     _warn(log.path, log.warnings)
-    prep = PreparedRun(log)  # one timeline for both partitions
-    part = partition(log, run=prep)
-    win = say_window(run, view().resolve(log, part))
+    win = say_window(run, win)
     events = perfetto.chrome_trace_events(
-        log, part, requests=ids, window_s=trace_span_s(part, win) if win else None,
-        ttft=ttft_partition(log, run=prep),
+        log, part, requests=ids, window_s=trace_span_s(part, win) if win else None, ttft=tpart,
     )  # fmt: skip
     if log.meta.get("processes"):  # a merged server run: one track per process
         from tracekit.render.client import process_events

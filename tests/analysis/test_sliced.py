@@ -196,3 +196,36 @@ def test_exact_quantiles_of_nothing_and_bad_values():
         ExactQuantiles([50.0]).count(np.array([1.0, -1.0]))
     with pytest.raises(ValueError):
         ExactQuantiles([50.0]).count(np.array([np.nan]))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("analyze", "--window", "1..2", "--format", "jsonl"),
+        ("analyze", "--around", "worst", "--width", "0.5", "--format", "jsonl"),
+        ("analyze", "--around", "p99", "--width", "0.3", "--format", "jsonl"),
+        ("gaps", "--window", "2..", "--format", "jsonl"),
+        ("gaps", "--around", "p50", "--width", "0.2", "--format", "jsonl"),
+        ("ttft", "--window", "..1.5", "--format", "jsonl"),
+        ("trace", "--window", "1..1.5"),
+    ],
+)  # fmt: skip
+def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, tmp_path, args):
+    """The window of a run read in slices (only the parts its gaps and TTFTs need) is the
+    window of the run read whole: records, figures and trace events."""
+
+    def run(budget: str, name: str):
+        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+        out = ["-o", str(tmp_path / name)] if args[0] == "trace" else []
+        r = subprocess.run([sys.executable, "-m", "tracekit", args[0], demo_run, *args[1:],
+                            *out], capture_output=True, text=True, cwd=REPO, env=env,
+                           timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        if args[0] == "trace":
+            doc = json.loads((tmp_path / name).read_text())
+            return [e for e in doc["traceEvents"] if e.get("ph") != "M" or "source" not in
+                    json.dumps(e)]  # fmt: skip
+        return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+    whole, sliced = run("100000000", "whole.json"), run("500", "sliced.json")
+    assert whole and _differences(whole, sliced) == []

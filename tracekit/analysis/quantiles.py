@@ -73,7 +73,9 @@ class ExactQuantiles:
         self.counts = np.zeros(_NUM_BUCKETS, dtype=np.int64)
         self.n = 0
         self.max = -math.inf
-        self._kept: list[np.ndarray] = []
+        # pass 2's values of the wanted buckets, as (distinct values, their counts): a run
+        # whose gaps repeat (a fixed step time) keeps each value once
+        self._kept: list[tuple[np.ndarray, np.ndarray]] = []
         self._keep_buckets: np.ndarray | None = None
         self._first: np.ndarray | None = None  # rank of each kept bucket's first value
 
@@ -109,22 +111,35 @@ class ExactQuantiles:
             self.wanted()
         assert self._keep_buckets is not None
         if len(values) and len(self._keep_buckets):
-            v = np.asarray(values, dtype=np.float64)
-            self._kept.append(v[np.isin(_buckets(v), self._keep_buckets)])
+            v = np.asarray(values, dtype=np.float64) + 0.0  # -0.0 -> 0.0
+            self._kept.append(np.unique(v[np.isin(_buckets(v), self._keep_buckets)],
+                                        return_counts=True))  # fmt: skip
+            if len(self._kept) > 64:  # fold the pieces: memory by distinct values
+                self._kept = [self._folded()]
+
+    def _folded(self) -> tuple[np.ndarray, np.ndarray]:
+        if not self._kept:
+            return np.zeros(0), np.zeros(0, dtype=np.int64)
+        vals = np.concatenate([v for v, _ in self._kept])
+        counts = np.concatenate([c for _, c in self._kept])
+        u, inv = np.unique(vals, return_inverse=True)
+        return u, np.bincount(inv, weights=counts, minlength=len(u)).astype(np.int64)
 
     def _value_at(self, ranks: np.ndarray) -> np.ndarray:
+        """The values at `ranks` (0-based, in sorted order) of all values seen."""
         assert self._keep_buckets is not None and self._first is not None
-        kept = np.sort(np.concatenate(self._kept)) if self._kept else np.zeros(0)
-        kb = _buckets(kept)
+        vals, counts = self._folded()  # sorted distinct values of the wanted buckets
+        vb = _buckets(vals)
         out = np.empty(len(ranks))
         cum = np.cumsum(self.counts)
         for i, r in enumerate(ranks.tolist()):
             b = int(np.searchsorted(cum, r, side="right"))
             j = int(np.searchsorted(self._keep_buckets, b))
-            in_b = kept[kb == b]
-            if len(in_b) != self.counts[b]:
+            in_b = vb == b
+            c = np.cumsum(counts[in_b])
+            if not len(c) or c[-1] != self.counts[b]:
                 raise RuntimeError("pass 2 did not see the values pass 1 counted")
-            out[i] = in_b[r - int(self._first[j])]
+            out[i] = vals[in_b][int(np.searchsorted(c, r - int(self._first[j]), side="right"))]
         return out
 
     def percentiles(self) -> list[float]:

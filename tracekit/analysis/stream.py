@@ -41,13 +41,14 @@ from tracekit.analysis.figures import (
 )
 from tracekit.analysis.quantiles import ExactQuantiles
 from tracekit.analysis.results import spec_result
-from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
-from tracekit.attribution.timeline import PreparedRun, fit_baseline_steps
+from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, itl_labels, partition
+from tracekit.attribution.timeline import GraphBaseline, PreparedRun, fit_baseline_steps
 from tracekit.attribution.ttft import (
     PRE_ENGINE_LABELS,
     TTFT_STANDARD_LABELS,
     TtftPartition,
     ttft_figures,
+    ttft_labels,
     ttft_partition,
 )
 from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, partition_labels
@@ -61,6 +62,8 @@ __all__ = ["NotSliceable", "analyze_sliced"]
 _ST = {c: TABLES["steps"].index(c) for c in TABLES["steps"]}
 _EM = {c: TABLES["emissions"].index(c) for c in TABLES["emissions"]}
 _GC = {c: TABLES["gc_pauses"].index(c) for c in TABLES["gc_pauses"]}
+_RQ = {c: TABLES["requests"].index(c) for c in TABLES["requests"]}
+NEVER = np.iinfo(np.int64).max  # a request's first emission, before it has one
 _STEP_TABLES = frozenset({"steps", "segments", "gc_pauses", "os_samples"})
 _QS = tuple(q for _, q in PERCENTILES)
 #: the TTFT partition's label order (`tracekit.attribution.ttft.ttft_labels`)
@@ -71,7 +74,7 @@ DEFAULT_SLICE_EMISSIONS = 400_000
 
 
 @dataclass
-class _Index:
+class Index:
     """What the index pass gathers: per step, per request, per run."""
 
     decode_net: list[np.ndarray] = field(default_factory=list)
@@ -91,9 +94,23 @@ class _Index:
     #: each part's rows the run's evictions and speculative figures read: its eviction
     #: tables, counters, `recompute` segments and the emissions of requests evicted so far
     sparse: list[dict[str, Any]] = field(default_factory=list)
+    #: the longest gap (ms) and where it ends (s; the first of equal ones)
+    worst: tuple[float, float] = (-math.inf, math.inf)
+    span_ticks: tuple[int, int] | None = None  # the run's first and last recorded tick
+    first_part: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    first_tick: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    arrival_tick: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    labels: set[str] = field(default_factory=set)  # the ITL partition's labels, whole run
+    ttft_labels: set[str] = field(default_factory=set)
+    has_os: bool = False
+    #: for a window's log (`light=True`): each part's steps, requests and eviction rows
+    light: list[dict[str, Any]] | None = None
+    fit: str = FIT_ALL_CAPTURED  # the ITL baseline's fit
+    baselines: tuple[GraphBaseline, GraphBaseline] | None = None  # `whole_baselines`
+    extra: ExactQuantiles = field(default_factory=ExactQuantiles)  # `index_pass`'s extra_qs
 
 
-def _sparse_part(ix: _Index, part: dict[str, Any]) -> dict[str, Any]:
+def _sparse_part(ix: Index, part: dict[str, Any]) -> dict[str, Any]:
     """What of `part` the per-run eviction and speculative figures read (few rows)."""
     t = part["tables"]
     keep = {k: t[k] for k in ("events", "preemptions", "evictors", "counters") if k in t}
@@ -109,8 +126,19 @@ def _sparse_part(ix: _Index, part: dict[str, Any]) -> dict[str, Any]:
     return {**part, "tables": keep}
 
 
-def _index_pass(run: SlicedRun, fit: str, progress: Callable[[str], None]) -> _Index:
-    ix = _Index()
+def index_pass(
+    run: SlicedRun,
+    fit: str,
+    progress: Callable[[str], None],
+    *,
+    light: bool = False,
+    extra_qs: tuple[float, ...] = (),
+) -> Index:
+    """Every part once (`SlicedRun.index`): what the slices and the per-run figures need.
+    `light`: keep each part's steps, requests and eviction rows (a window's log);
+    `extra_qs`: also count the gaps for these percentiles (`Index.extra`)."""
+    ix = Index(light=[] if light else None, fit=fit)
+    ix.extra = ExactQuantiles(extra_qs)
     n_paths = len(run.paths)
 
     def visit(i: int, part: dict[str, Any]) -> None:
@@ -129,6 +157,8 @@ def _index_pass(run: SlicedRun, fit: str, progress: Callable[[str], None]) -> _I
             # GC-free decode time of this part's steps, from it and the part before it
             mini = run.log_of(max(0, i - 1), i + 1, tables=_STEP_TABLES)
             prep = PreparedRun(mini)
+            ix.labels |= set(itl_labels(prep))
+            ix.ttft_labels |= set(ttft_labels(mini, run=prep))
             ix.decode_net.append(prep.decode_net_ms[-len(st) :].copy())
             ix.decode_net_itl.append(prep.corrected().decode_net_ms[-len(st) :].copy())
             ix.device_windows += int((mini.segments.is_device[-_part_segments(part) :] == 1).sum())
@@ -141,10 +171,32 @@ def _index_pass(run: SlicedRun, fit: str, progress: Callable[[str], None]) -> _I
             pad = np.full(n_req - len(ix.last_tick), np.iinfo(np.int64).min)
             ix.last_tick = np.concatenate([ix.last_tick, pad])
             ix.victim = np.concatenate([ix.victim, np.zeros(len(pad), dtype=bool)])
+            ix.first_part = np.concatenate([ix.first_part, np.full(len(pad), -1, np.int64)])
+            ix.first_tick = np.concatenate([ix.first_tick, np.full(len(pad), NEVER)])
+            ix.arrival_tick = np.concatenate([ix.arrival_tick, pad])
+        rq = t.get("requests")
+        if rq is not None and len(rq):
+            ix.arrival_tick[rq[:, _RQ["request"]]] = rq[:, _RQ["arrival_tick"]]
         ix.sparse.append(_sparse_part(ix, part))
+        if ix.light is not None:
+            keep = ("steps", "requests", "admissions", "events", "preemptions", "evictors")
+            ix.light.append({**part, "tables": {k: v for k, v in t.items() if k in keep}})
+        _span(ix, t)
         if em is not None and len(em):
             ix.tokens += int(em[:, _EM["num_tokens"]].sum())
-            ix.gaps.count(_gap_ms(run, ix.last_tick, em))
+            r = em[:, _EM["request"]]
+            new = ix.first_part[r] < 0
+            ix.first_part[r[new]] = i
+            np.minimum.at(ix.first_tick, r[new], em[new, _EM["t_tick"]])
+            gap, t1 = gap_lengths(run, ix.last_tick, em)
+            ix.gaps.count(gap)
+            if ix.extra.qs:
+                ix.extra.count(gap)
+            if len(gap) and gap.max() >= ix.worst[0]:
+                at = gap == gap.max()
+                end = float(t1[at].min())
+                if gap.max() > ix.worst[0] or end < ix.worst[1]:
+                    ix.worst = (float(gap.max()), end)
         if i % 200 == 0 or i == n_paths - 1:
             progress(f"index: part {i + 1} of {n_paths}")
 
@@ -152,10 +204,12 @@ def _index_pass(run: SlicedRun, fit: str, progress: Callable[[str], None]) -> _I
     return ix
 
 
-def _gap_ms(run: SlicedRun, last_tick: np.ndarray, em: np.ndarray) -> np.ndarray:
+def gap_lengths(
+    run: SlicedRun, last_tick: np.ndarray, em: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """The gaps (ms, as the partition computes them) that end at a part's emissions `em`,
     each after its request's previous emission (in this part, else `last_tick`, which this
-    moves on to each request's last emission here)."""
+    moves on to each request's last emission here), and where each ends (s)."""
     o = np.argsort(em[:, _EM["t_tick"]], kind="stable")
     r, tk = em[o, _EM["request"]], em[o, _EM["t_tick"]]
     o2 = np.argsort(r, kind="stable")
@@ -167,10 +221,25 @@ def _gap_ms(run: SlicedRun, last_tick: np.ndarray, em: np.ndarray) -> np.ndarray
     prev[head] = last_tick[rs[head]]
     has = prev != np.iinfo(np.int64).min
     last_tick[rs] = ts  # the last of each request wins (sorted by time)
-    return (run.secs(ts[has]) - run.secs(prev[has])) * 1e3
+    t1 = run.secs(ts[has])
+    return (t1 - run.secs(prev[has])) * 1e3, t1
 
 
-def _keep_gap_values(run: SlicedRun, ix: _Index) -> None:
+def _span(ix: Index, t: dict[str, np.ndarray]) -> None:
+    """The run's first and last recorded moment (steps, emissions: `run_span_s`)."""
+    ticks = []
+    st, em = t.get("steps"), t.get("emissions")
+    if st is not None and len(st):
+        ticks += [st[:, _ST["t0_tick"]], st[:, _ST["t1_tick"]]]
+    if em is not None and len(em):
+        ticks.append(em[:, _EM["t_tick"]])
+    if ticks:
+        lo, hi = int(min(a.min() for a in ticks)), int(max(a.max() for a in ticks))
+        old = ix.span_ticks
+        ix.span_ticks = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+
+
+def _keep_gap_values(run: SlicedRun, ix: Index) -> None:
     """Between the index pass and the partitions: the gaps' lengths again (emissions only),
     keeping the values the ITL percentiles are (so the tail's threshold is known before
     any slice is partitioned)."""
@@ -179,7 +248,7 @@ def _keep_gap_values(run: SlicedRun, ix: _Index) -> None:
     for i in range(len(run.parts)):
         em = run.read(i)["tables"].get("emissions")
         if em is not None and len(em):
-            ix.gaps.keep(_gap_ms(run, last, em))
+            ix.gaps.keep(gap_lengths(run, last, em)[0])
 
 
 def _part_segments(part: dict[str, Any]) -> int:
@@ -218,14 +287,9 @@ def _own_gaps(p: Partition, t_from: float, t_to: float) -> Partition:
     return p.take((p.t1_s >= t_from) & (p.t1_s < t_to))
 
 
-def _slice_partitions(run: SlicedRun, ix: _Index, fit: str, max_emissions: int, progress):
+def _slice_partitions(run: SlicedRun, ix: Index, fit: str, max_emissions: int, progress):
     """Each slice's own gaps and own TTFTs, partitioned with the whole run's baselines."""
-    net = np.concatenate(ix.decode_net) if ix.decode_net else np.zeros(0)
-    net_itl = np.concatenate(ix.decode_net_itl) if ix.decode_net_itl else np.zeros(0)
-    gs = np.concatenate(ix.graph_size) if ix.graph_size else np.zeros(0, np.int64)
-    nd = np.concatenate(ix.num_decode) if ix.num_decode else np.zeros(0, np.int64)
-    base_itl = fit_baseline_steps(gs, nd, net_itl, fit)
-    base_ttft = fit_baseline_steps(gs, nd, net, FIT_ALL_CAPTURED)
+    base_itl, base_ttft = whole_baselines(run, ix)
     step0 = run.parts[0].first_step
     n_slices = len(run.bounds(max_emissions))
     for j, sl in enumerate(run.slices(max_emissions)):
@@ -239,7 +303,19 @@ def _slice_partitions(run: SlicedRun, ix: _Index, fit: str, max_emissions: int, 
         own_t = (tp.first_token_s >= sl.t_from_s) & (tp.first_token_s < sl.t_to_s)
         progress(f"slice {j + 1} of {n_slices}")
         yield sl, _own_gaps(p, sl.t_from_s, sl.t_to_s), tp.take(own_t)
-    run.base_itl = base_itl  # type: ignore[attr-defined]
+
+
+def whole_baselines(run: SlicedRun, ix: Index) -> tuple[GraphBaseline, GraphBaseline]:
+    """The whole run's graph baselines: the ITL partition's (fitted by `ix.fit`, on the
+    drift-corrected decode times) and the TTFT partition's (design.md's fit), once."""
+    if ix.baselines is None:
+        net = np.concatenate(ix.decode_net) if ix.decode_net else np.zeros(0)
+        net_itl = np.concatenate(ix.decode_net_itl) if ix.decode_net_itl else np.zeros(0)
+        gs = np.concatenate(ix.graph_size) if ix.graph_size else np.zeros(0, np.int64)
+        nd = np.concatenate(ix.num_decode) if ix.num_decode else np.zeros(0, np.int64)
+        ix.baselines = (fit_baseline_steps(gs, nd, net_itl, ix.fit),
+                        fit_baseline_steps(gs, nd, net, FIT_ALL_CAPTURED))  # fmt: skip
+    return ix.baselines
 
 
 def _cut(base, a: int, b: int):
@@ -318,7 +394,7 @@ def analyze_sliced(
     folder that must be read whole."""
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
-    ix = _index_pass(run, baseline_fit, say)
+    ix = index_pass(run, baseline_fit, say)
     _keep_gap_values(run, ix)
     pct = ix.gaps.percentiles()
     p99 = pct[2]
@@ -337,7 +413,7 @@ def analyze_sliced(
     return _result(run, ix, s, pct, path or parts_dir, fwd_clean, fwd_tail)
 
 
-def _ordered(union: set[str], groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+def ordered(union: set[str], groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
     """`union` in the order of `groups`, then the rest sorted (how both partitions order
     their labels)."""
     known = [lb for g in groups for lb in g if lb in union]
@@ -348,7 +424,7 @@ def _ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
     """The slices' own TTFT rows as one partition: columns aligned by label name."""
     if not pieces:
         return None
-    labels = _ordered(set().union(*(set(p.labels) for p in pieces)), TTFT_LABEL_GROUPS)
+    labels = ordered(set().union(*(set(p.labels) for p in pieces)), TTFT_LABEL_GROUPS)
     causes_all = set().union(*(set(p.causes) for p in pieces))
     causes = tuple(lb for lb in labels if lb in causes_all)
     cols: dict[str, list[np.ndarray]] = {k: [] for k in ("parts_ms", "context_ms", "primary")}
@@ -376,7 +452,7 @@ def _share(parts: dict[str, float], total: float, labels: tuple[str, ...]) -> di
     return {lb: float(parts.get(lb, 0.0) / total) for lb in labels}
 
 
-def _gc_figures(run: SlicedRun, ix: _Index) -> tuple[dict[str, int], list[float], list[float]]:
+def _gc_figures(run: SlicedRun, ix: Index) -> tuple[dict[str, int], list[float], list[float]]:
     """`figures._gc_figures` from the GC rows the index pass kept."""
     rows = np.concatenate(ix.gc) if ix.gc else np.zeros((0, len(_GC)), dtype=np.int64)
     gen = rows[:, _GC["generation"]]
@@ -393,8 +469,9 @@ def _gc_figures(run: SlicedRun, ix: _Index) -> tuple[dict[str, int], list[float]
     )
 
 
-def _result(run: SlicedRun, ix: _Index, s: _Sums, pct: list[float], path: str,
-            fwd_clean: ExactQuantiles, fwd_tail: ExactQuantiles) -> RunAnalysis:  # fmt: skip
+def run_fields(run: SlicedRun, ix: Index, path: str) -> dict[str, Any]:
+    """The per-run figures of `RunAnalysis` (those a window does not cut), from the index
+    pass and the run's eviction rows."""
     tail_log = run.log_of(len(run.parts) - 1, len(run.parts), tables=frozenset(), final=True)
     sparse = merge_flushed(run.meta, ix.sparse, path=path, retained=run.retained(0))
     evictions = eviction_summary(sparse)
@@ -402,13 +479,8 @@ def _result(run: SlicedRun, ix: _Index, s: _Sums, pct: list[float], path: str,
         c = ix.computed_tokens
         evictions = replace(evictions, computed_tokens=c, recompute_tax=(
             evictions.recomputed_tokens / c if c else math.nan))  # fmt: skip
-    labels = tuple(partition_labels(s.labels)) if s.labels else ()
-    causes = tuple(lb for lb in labels if lb in s.causes)
-    names = (*causes, "clean")
-    base = run.base_itl  # type: ignore[attr-defined]
+    base = whole_baselines(run, ix)[0]
     gs = np.concatenate(ix.graph_size) if ix.graph_size else np.zeros(0, np.int64)
-    tp = _ttft_rows(s.ttft)
-    ttft = tp.ttft_ms if tp is not None else np.zeros(0)
     n_req = run.parts[-1].request_ids_start + len(run.read(len(run.parts) - 1)["request_ids"])
     wall_s = float(tail_log.wall_s)
     gc_counts, g2_startup, g2_serving = _gc_figures(run, ix)
@@ -417,18 +489,48 @@ def _result(run: SlicedRun, ix: _Index, s: _Sums, pct: list[float], path: str,
         warnings.append("eager steps but no captured steps to fit a baseline: graph excess "
                         "not measured")  # fmt: skip
     calibration = dict(tail_log.meta.get("device_calibration") or {})
+    return {
+        "path": path,
+        "rung": tail_log.rung,
+        "seed": tail_log.seed,
+        "config": dict(tail_log.config),
+        "requests": n_req,
+        "tokens": ix.tokens,
+        "wall_s": wall_s,
+        "tok_per_s": ix.tokens / wall_s if wall_s > 0 else math.nan,
+        "preemptions": ix.num_preempted,
+        "eager_steps": int((gs == GRAPH_EAGER).sum()),
+        "max_decode_B": ix.max_decode,
+        "steps": len(gs),
+        "gc_counts": gc_counts,
+        "gen2_startup_ms": g2_startup,
+        "gen2_serving_ms": g2_serving,
+        "graph_baseline": {
+            "slope_ms_per_row": base.slope_ms_per_row,
+            "intercept_ms": base.intercept_ms,
+            "num_fit_steps": base.num_fit_steps,
+        },
+        "device_windows": ix.device_windows,
+        "device_clock_drift_ppm": float(tail_log.meta.get("device_clock_drift_ppm", math.nan)),
+        "device_max_placement_err_ms": float(calibration.get("max_placement_err_ms", math.nan)),
+        "warnings": warnings,
+        "spec": spec_result(sparse),
+        "recompute_tax": evictions.recompute_tax if evictions is not None else 0.0,
+        "evictions": evictions,
+    }
+
+
+def _result(run: SlicedRun, ix: Index, s: _Sums, pct: list[float], path: str,
+            fwd_clean: ExactQuantiles, fwd_tail: ExactQuantiles) -> RunAnalysis:  # fmt: skip
+    labels = tuple(partition_labels(s.labels)) if s.labels else ()
+    causes = tuple(lb for lb in labels if lb in s.causes)
+    names = (*causes, "clean")
+    tp = _ttft_rows(s.ttft)
+    ttft = tp.ttft_ms if tp is not None else np.zeros(0)
     edges = HIST_EDGES_MS
     return RunAnalysis(
-        path=path,
-        rung=tail_log.rung,
-        seed=tail_log.seed,
-        config=dict(tail_log.config),
         labels=labels,
-        requests=n_req,
-        tokens=ix.tokens,
         gaps=s.n,
-        wall_s=wall_s,
-        tok_per_s=ix.tokens / wall_s if wall_s > 0 else math.nan,
         itl_p50=pct[0],
         itl_p90=pct[1],
         itl_p99=pct[2],
@@ -445,13 +547,6 @@ def _result(run: SlicedRun, ix: _Index, s: _Sums, pct: list[float], path: str,
         evicted_context_ms={lb: float(s.context.get(lb, 0.0)) for lb in labels},
         reconcile_max_err_ms=s.max_err,
         skipped_steps_without_eviction=s.skipped,
-        preemptions=ix.num_preempted,
-        eager_steps=int((gs == GRAPH_EAGER).sum()),
-        max_decode_B=ix.max_decode,
-        steps=len(gs),
-        gc_counts=gc_counts,
-        gen2_startup_ms=g2_startup,
-        gen2_serving_ms=g2_serving,
         hist=[
             HistBin(
                 lo_ms=float(edges[b]),
@@ -461,17 +556,6 @@ def _result(run: SlicedRun, ix: _Index, s: _Sums, pct: list[float], path: str,
             )  # fmt: skip
             for b in range(len(edges) - 1)
         ],
-        graph_baseline={
-            "slope_ms_per_row": base.slope_ms_per_row,
-            "intercept_ms": base.intercept_ms,
-            "num_fit_steps": base.num_fit_steps,
-        },
-        device_windows=ix.device_windows,
-        device_clock_drift_ppm=float(tail_log.meta.get("device_clock_drift_ppm", math.nan)),
-        device_max_placement_err_ms=float(calibration.get("max_placement_err_ms", math.nan)),
-        warnings=warnings,
         ttft=ttft_figures(tp) if tp is not None else None,
-        spec=spec_result(sparse),
-        recompute_tax=evictions.recompute_tax if evictions is not None else 0.0,
-        evictions=evictions,
+        **run_fields(run, ix, path),
     )

@@ -16,6 +16,7 @@ from tracekit.analysis.gaps import itl_series, worst_stalls
 from tracekit.analysis.overtime import Bucket, over_time, report_buckets
 from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
+from tracekit.analysis.stream_window import WindowRead, analyze_window, read_window
 from tracekit.analysis.whatif import WhatIf, whatif
 from tracekit.analysis.window import Window, WindowOptions, select_gaps
 from tracekit.attribution.itl import Partition, partition
@@ -33,6 +34,9 @@ def analyze_path(path: str, view: WindowOptions | None = None, **limits: Any) ->
     if view is None or view.is_whole_run:
         sliced = _analyze_in_slices(path, **limits)
         return sliced if sliced is not None else analyze(open_run(path, **limits))
+    wr = _window_in_slices(path, view, **limits)
+    if wr is not None:
+        return analyze_window(wr)
     log, part, tpart = partitions(path, **limits)
     return analyze(log, part, tpart, window=view.resolve(log, part))
 
@@ -74,6 +78,33 @@ def _analyze_in_slices(path: str, **limits: Any) -> RunAnalysis | None:
                               max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
     except NotSliceable:  # damaged or written before parts said their first step
         return None
+
+
+def _window_in_slices(path: str, view: WindowOptions, **limits: Any) -> WindowRead | None:
+    """A window of a one-process run longer than one slice, read from the parts it needs
+    (`tracekit.analysis.stream_window`); None where the run is read whole."""
+    parts_dir = parts_dir_of(path)
+    if parts_dir is None or not reads_in_slices(path):
+        return None
+    try:
+        return read_window(parts_dir, view, path=_shown_path(path, parts_dir),
+                           max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+    except NotSliceable:
+        return None
+
+
+def opened(
+    path: str, view: WindowOptions, **limits: Any
+) -> tuple[RawLog, Partition, TtftPartition, Window | None]:
+    """A run's log, its two partitions and the window `view` picks in it. A window of a
+    long one-process run is read in slices: the log is the window's (its gaps and TTFTs
+    the whole run's), never the whole run (docs/reports.md, "Reading a long run in
+    slices")."""
+    wr = None if view.is_whole_run else _window_in_slices(path, view, **limits)
+    if wr is not None:
+        return wr.log, wr.part, wr.tpart, wr.window
+    log, part, tpart = partitions(path, **limits)
+    return log, part, tpart, view.resolve(log, part)
 
 
 def _emissions(parts_dir: str) -> int:

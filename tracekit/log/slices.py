@@ -94,6 +94,8 @@ class SlicedRun:
         self.seconds_per_tick = float(self.meta.get("seconds_per_tick", 1e-9))
         self.paths = part_paths(parts_dir)
         self.parts: list[PartEntry] = []
+        #: per request, the part its arrival row is in (-1: none), after `index`
+        self.arrival_part = np.zeros(0, dtype=np.int64)
         self.warnings: list[str] = []
         self._cache: dict[int, dict[str, Any]] = {}
 
@@ -174,6 +176,7 @@ class SlicedRun:
         for i in range(len(entries) - 1, -1, -1):
             m, later = min_tick[i], cut[i + 1]
             cut[i] = m if later is None else (later if m is None else min(m, later))
+        self.arrival_part = arrival_part
         self.parts = [PartEntry(*e, reaches_back_to=reach[i], cut_tick=cut[i])  # type: ignore[misc]
                       for i, e in enumerate(entries)]  # fmt: skip
 
@@ -203,7 +206,7 @@ class SlicedRun:
         return merge_flushed(self.meta, parts, path=self.parts_dir, retained=self.retained(c),
                              final=self.final if final else None)  # fmt: skip
 
-    def _cut_s(self, i: int) -> float:
+    def cut_s(self, i: int) -> float:
         """Where the gaps of parts `i`.. begin: their earliest emission (inf: none)."""
         tick = self.parts[i].cut_tick
         return np.inf if tick is None else float(self.secs(np.array(tick)))
@@ -233,8 +236,8 @@ class SlicedRun:
         for c, a, b in self.bounds(max_emissions):
             yield Slice(
                 log=self.log_of(c, b),
-                t_from_s=-np.inf if a == 0 else self._cut_s(a),
-                t_to_s=np.inf if b == n else self._cut_s(b),
+                t_from_s=-np.inf if a == 0 else self.cut_s(a),
+                t_to_s=np.inf if b == n else self.cut_s(b),
                 first=c,
                 own_parts=(a, b),
             )

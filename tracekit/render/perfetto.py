@@ -587,8 +587,19 @@ def _request_events(
         float(log.wall_s) if math.isfinite(log.wall_s) else 0.0,
         float(part.t1_s.max()) if len(part) else 0.0,
     )
-    for r in np.flatnonzero(keep_req).tolist():
-        out += track_events(PID_REQUESTS, request_tid(r), request_track_name(ids[r]), r)
+    # a track per kept request; with a window, only the requests with an event in it (a
+    # window of a day-long run names the few hundred it shows, not every request)
+    named: set[int] = set()
+
+    def name(r: int) -> list[dict]:
+        if r in named:
+            return []
+        named.add(r)
+        return track_events(PID_REQUESTS, request_tid(r), request_track_name(ids[r]), r)
+
+    if window_s is None:
+        for r in np.flatnonzero(keep_req).tolist():
+            out += name(r)
 
     # the top-level spans of each request: ttft, then its gaps (contiguous)
     arr, first = rq.arrival_s, rq.first_token_s
@@ -632,10 +643,10 @@ def _request_events(
             for x0, x1 in children.get((r, j), ()):
                 evs.append((x0, x0 - x1, 1, evicted_event(tid, x0, x1)))
         evs.sort(key=lambda e: (e[0], e[1], e[2]))
-        out += [e[3] for e in evs]
+        out += (name(r) if evs else []) + [e[3] for e in evs]
     for r, a, b in sorted(loose):
         if b > a and (win is None or (b / 1e9 >= win[0] and a / 1e9 <= win[1])):
-            out.append(evicted_event(request_tid(r), a, b))
+            out += name(r) + [evicted_event(request_tid(r), a, b)]
     return out
 
 
