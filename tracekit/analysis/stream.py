@@ -54,7 +54,7 @@ from tracekit.attribution.ttft import (
 from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, partition_labels
 from tracekit.log.flush import EVICT, TABLES
 from tracekit.log.parts import merge_flushed
-from tracekit.log.rawlog import GRAPH_EAGER
+from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 from tracekit.log.slices import NotSliceable, SlicedRun
 
 __all__ = ["NotSliceable", "analyze_sliced"]
@@ -295,11 +295,12 @@ def _slice_partitions(run: SlicedRun, ix: Index, fit: str, max_emissions: int, p
     for j, sl in enumerate(run.slices(max_emissions)):
         a = run.parts[sl.first].first_step - step0
         b = a + len(sl.log.steps)
-        prep = PreparedRun(sl.log)
+        log = replace(sl.log, emissions=sl.log.emissions.take(_needed(sl.log, sl.t_from_s)))
+        prep = PreparedRun(log)
         prep.use_baseline(FIT_ALL_CAPTURED, _cut(base_ttft, a, b))
         prep.corrected().use_baseline(fit, _cut(base_itl, a, b))
-        p = partition(sl.log, baseline_fit=fit, run=prep)
-        tp = ttft_partition(sl.log, run=prep)
+        p = partition(log, baseline_fit=fit, run=prep)
+        tp = ttft_partition(log, run=prep)
         own_t = (tp.first_token_s >= sl.t_from_s) & (tp.first_token_s < sl.t_to_s)
         progress(f"slice {j + 1} of {n_slices}")
         yield sl, _own_gaps(p, sl.t_from_s, sl.t_to_s), tp.take(own_t)
@@ -316,6 +317,25 @@ def whole_baselines(run: SlicedRun, ix: Index) -> tuple[GraphBaseline, GraphBase
         ix.baselines = (fit_baseline_steps(gs, nd, net_itl, ix.fit),
                         fit_baseline_steps(gs, nd, net, FIT_ALL_CAPTURED))  # fmt: skip
     return ix.baselines
+
+
+def _needed(log: RawLog, t_from_s: float) -> np.ndarray:
+    """The emissions a slice's own gaps and TTFTs need: its own (from `t_from_s`) and, of
+    each request with one, the emission before its first own one (where its first own gap
+    starts). A request's earlier emissions make gaps the slice does not own: left out, the
+    slice partitions a fraction of what it reads. (A request whose first emission lies
+    before the slice keeps one there, so its first token is never taken for a later one.)"""
+    em = log.emissions
+    if not len(em) or not np.isfinite(t_from_s):
+        return np.arange(len(em))
+    o = np.lexsort((em.t_s, em.request))
+    r, own = em.request[o], em.t_s[o] >= t_from_s
+    prev_same = np.zeros(len(o), dtype=bool)
+    prev_same[1:] = r[1:] == r[:-1]
+    first_own = own & ~np.concatenate([[False], own[:-1] & prev_same[1:]])
+    before = np.zeros(len(o), dtype=bool)
+    before[:-1] = first_own[1:] & prev_same[1:]  # the row before a request's first own row
+    return np.sort(o[own | before])
 
 
 def _cut(base, a: int, b: int):
