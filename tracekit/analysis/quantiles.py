@@ -61,6 +61,25 @@ def lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
     return out
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+def bucket_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """A piece's pass-1 counts, small: (its buckets, their counts, its largest value)."""
+    if not len(values):
+        return _NONE, _NONE, -math.inf
+    b, c = np.unique(_buckets(values), return_counts=True)
+    return b, c, float(np.max(values))
+
+
+def kept_values(values: np.ndarray, keep_buckets: np.ndarray | None) -> tuple[np.ndarray, ...]:
+    """A piece's pass-2 values in `keep_buckets`: (distinct values, their counts)."""
+    if not len(values) or keep_buckets is None or not len(keep_buckets):
+        return _NONE.astype(np.float64), _NONE
+    v = np.asarray(values, dtype=np.float64) + 0.0
+    return np.unique(v[np.isin(_buckets(v), keep_buckets)], return_counts=True)
+
+
 class ExactQuantiles:
     """Percentiles (and the median) of a stream of non-negative values, exactly.
 
@@ -95,6 +114,27 @@ class ExactQuantiles:
         if self.n:  # the median's one or two middle values
             ranks += [(self.n - 1) // 2, self.n // 2]
         return np.array(sorted(set(ranks)), dtype=np.int64)
+
+    def add_counts(self, buckets: np.ndarray = _NONE, counts: np.ndarray = _NONE,
+                   vmax: float = -math.inf) -> None:  # fmt: skip
+        """Pass 1 with the counting done elsewhere (`bucket_counts` of a piece)."""
+        if len(buckets):
+            np.add.at(self.counts, buckets, counts)
+            self.n += int(counts.sum())
+            self.max = max(self.max, vmax)
+
+    def add_kept(self, values: np.ndarray = _NONE, counts: np.ndarray = _NONE) -> None:
+        """Pass 2 with the keeping done elsewhere (`kept_values` of a piece)."""
+        if len(values):
+            self._kept.append((values, counts))
+            if len(self._kept) > 64:
+                self._kept = [self._folded()]
+
+    @property
+    def keep_buckets(self) -> np.ndarray:
+        """The buckets pass 2 keeps (after `wanted`)."""
+        assert self._keep_buckets is not None
+        return self._keep_buckets
 
     def wanted(self) -> None:
         """Between the passes: which buckets pass 2 keeps."""

@@ -26,7 +26,7 @@ boundary and tensor-parallel ranks, which belong to runs the whole-run reader re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,10 +39,19 @@ from tracekit.analysis.figures import (
     HistBin,
     RunAnalysis,
 )
-from tracekit.analysis.quantiles import ExactQuantiles
+from tracekit.analysis.quantiles import ExactQuantiles, bucket_counts, kept_values
 from tracekit.analysis.results import spec_result
-from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, itl_labels, partition
-from tracekit.attribution.timeline import GraphBaseline, PreparedRun, fit_baseline_steps
+from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
+from tracekit.attribution.timeline import (
+    GraphBaseline,
+    PreparedRun,
+    decode_net_ms,
+    drift_corrected,
+    fit_baseline_steps,
+    has_os_evidence,
+    host_classes,
+    segment_causes,
+)
 from tracekit.attribution.ttft import (
     PRE_ENGINE_LABELS,
     TTFT_STANDARD_LABELS,
@@ -53,7 +62,7 @@ from tracekit.attribution.ttft import (
 )
 from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, partition_labels
 from tracekit.log.flush import EVICT, TABLES
-from tracekit.log.parts import merge_flushed
+from tracekit.log.parts import Retained, merge_flushed
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 from tracekit.log.slices import NotSliceable, SlicedRun
 
@@ -156,12 +165,7 @@ def index_pass(
                 ix.first_step_tick = first
             # GC-free decode time of this part's steps, from it and the part before it
             mini = run.log_of(max(0, i - 1), i + 1, tables=_STEP_TABLES)
-            prep = PreparedRun(mini)
-            ix.labels |= set(itl_labels(prep))
-            ix.ttft_labels |= set(ttft_labels(mini, run=prep))
-            ix.decode_net.append(prep.decode_net_ms[-len(st) :].copy())
-            ix.decode_net_itl.append(prep.corrected().decode_net_ms[-len(st) :].copy())
-            ix.device_windows += int((mini.segments.is_device[-_part_segments(part) :] == 1).sum())
+            _step_figures(ix, mini, len(st), _part_segments(part))
         gc = t.get("gc_pauses")
         if gc is not None and len(gc):
             ix.gc.append(gc.copy())
@@ -251,6 +255,28 @@ def _keep_gap_values(run: SlicedRun, ix: Index) -> None:
             ix.gaps.keep(gap_lengths(run, last, em)[0])
 
 
+def _step_figures(ix: Index, mini: RawLog, n_steps: int, n_segments: int) -> None:
+    """From a part's steps read with the part before it (`mini`): their GC-free decode
+    time (`decode_net_ms`: as recorded for the TTFT partition, drift-corrected for the ITL
+    one, design.md rule 4), and the labels the partitions will have (`itl_labels`,
+    `ttft_labels`), without preparing the whole timeline."""
+    causes = segment_causes(mini)
+    is_dev = mini.segments.is_device == 1
+    if not ix.has_os and len(mini.os_samples):
+        ix.has_os = has_os_evidence(mini)
+    classes = host_classes(causes, is_dev)
+    os_labels = set(OS_LABELS) if ix.has_os else set()
+    ix.labels |= {c for c, _ in classes} | set(causes[is_dev].tolist()) | os_labels
+    ix.ttft_labels |= set(ttft_labels(mini, has_os=ix.has_os))
+    net = decode_net_ms(mini, causes)
+    ix.decode_net.append(net[-n_steps:].copy())
+    corrected = drift_corrected(mini)
+    if corrected is not mini:
+        net = decode_net_ms(corrected, segment_causes(corrected))
+    ix.decode_net_itl.append(net[-n_steps:].copy())
+    ix.device_windows += int((is_dev[len(is_dev) - n_segments :]).sum())
+
+
 def _part_segments(part: dict[str, Any]) -> int:
     sg = part["tables"].get("segments")
     return 0 if sg is None else len(sg)
@@ -287,23 +313,76 @@ def _own_gaps(p: Partition, t_from: float, t_to: float) -> Partition:
     return p.take((p.t1_s >= t_from) & (p.t1_s < t_to))
 
 
-def _slice_partitions(run: SlicedRun, ix: Index, fit: str, max_emissions: int, progress):
-    """Each slice's own gaps and own TTFTs, partitioned with the whole run's baselines."""
+@dataclass(frozen=True)
+class SliceTask:
+    """One slice's work, with all a worker needs (picklable: a process pool or Ray runs it,
+    reading the parts from the same folder): the parts to read ``[c, b)``, the times its
+    own gaps end in, how a log read from part `c` starts, the whole run's baselines cut to
+    its steps, the tail's threshold and, in pass 3, the histogram buckets to keep."""
+
+    parts_dir: str
+    max_inflate_mb: float | None
+    c: int
+    b: int
+    t_from_s: float
+    t_to_s: float
+    retained: Retained | None
+    base_itl: GraphBaseline
+    base_ttft: GraphBaseline
+    fit: str
+    p99: float
+    keep_clean: np.ndarray | None = None  # pass 3: the buckets the medians lie in
+    keep_tail: np.ndarray | None = None
+
+
+@dataclass
+class SlicePart:
+    """What a slice gives back: its sums (pass 2) and the forward shares' histogram counts,
+    or (pass 3) the forward shares kept for the medians."""
+
+    sums: _Sums
+    clean: tuple = ()
+    tail: tuple = ()
+
+
+def slice_tasks(run: SlicedRun, ix: Index, max_emissions: int, p99: float) -> list[SliceTask]:
+    """The slices of a run (after its index pass) as tasks."""
     base_itl, base_ttft = whole_baselines(run, ix)
-    step0 = run.parts[0].first_step
-    n_slices = len(run.bounds(max_emissions))
-    for j, sl in enumerate(run.slices(max_emissions)):
-        a = run.parts[sl.first].first_step - step0
-        b = a + len(sl.log.steps)
-        log = replace(sl.log, emissions=sl.log.emissions.take(_needed(sl.log, sl.t_from_s)))
-        prep = PreparedRun(log)
-        prep.use_baseline(FIT_ALL_CAPTURED, _cut(base_ttft, a, b))
-        prep.corrected().use_baseline(fit, _cut(base_itl, a, b))
-        p = partition(log, baseline_fit=fit, run=prep)
-        tp = ttft_partition(log, run=prep)
-        own_t = (tp.first_token_s >= sl.t_from_s) & (tp.first_token_s < sl.t_to_s)
-        progress(f"slice {j + 1} of {n_slices}")
-        yield sl, _own_gaps(p, sl.t_from_s, sl.t_to_s), tp.take(own_t)
+    step0, n = run.parts[0].first_step, len(run.parts)
+    out = []
+    for c, a, b in run.bounds(max_emissions):
+        s0 = run.parts[c].first_step - step0
+        s1 = run.parts[b - 1].first_step - step0 + run.parts[b - 1].num_steps
+        out.append(SliceTask(
+            run.parts_dir, run.max_inflate_mb, c, b,
+            -np.inf if a == 0 else run.cut_s(a), np.inf if b == n else run.cut_s(b),
+            run.retained(c), _cut(base_itl, s0, s1), _cut(base_ttft, s0, s1), ix.fit, p99,
+        ))  # fmt: skip
+    return out
+
+
+def run_slice(task: SliceTask) -> SlicePart:
+    """Partition one slice (its own gaps and TTFTs, with the whole run's baselines) and
+    add up what the run's figures need."""
+    run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb)
+    full = run.log_of(task.c, task.b, retained=task.retained)
+    log = replace(full, emissions=full.emissions.take(_needed(full, task.t_from_s)))
+    prep = PreparedRun(log)
+    prep.use_baseline(FIT_ALL_CAPTURED, task.base_ttft)
+    prep.corrected().use_baseline(task.fit, task.base_itl)
+    p = _own_gaps(partition(log, baseline_fit=task.fit, run=prep), task.t_from_s, task.t_to_s)
+    fwd = _fwd_share(p)
+    clean = fwd[(p.primary == CLEAN) & (p.gap_ms > 0)]
+    tail = fwd[(p.gap_ms >= task.p99) & (p.gap_ms > 0)]
+    if task.keep_clean is not None:  # pass 3: the medians' values only
+        return SlicePart(_Sums(), kept_values(clean, task.keep_clean),
+                         kept_values(tail, task.keep_tail))  # fmt: skip
+    tp = ttft_partition(log, run=prep)
+    own_t = (tp.first_token_s >= task.t_from_s) & (tp.first_token_s < task.t_to_s)
+    s = _Sums()
+    _add_gaps(s, p, task.p99)
+    s.ttft.append(tp.take(own_t))
+    return SlicePart(s, bucket_counts(clean), bucket_counts(tail))
 
 
 def whole_baselines(run: SlicedRun, ix: Index) -> tuple[GraphBaseline, GraphBaseline]:
@@ -348,8 +427,7 @@ def _fwd_share(p: Partition) -> np.ndarray:
         return np.where(p.gap_ms > 0, p.column("forward") / p.gap_ms, np.nan)
 
 
-def _add_gaps(s: _Sums, p: Partition, p99: float, fwd_clean: ExactQuantiles,
-              fwd_tail: ExactQuantiles) -> None:  # fmt: skip
+def _add_gaps(s: _Sums, p: Partition, p99: float) -> None:
     """Pass 2's sums over one slice's own gaps."""
     names = np.array([*p.causes, "clean"], dtype=object)
     prim = names[np.where(p.primary == CLEAN, len(p.causes), p.primary)]
@@ -373,10 +451,7 @@ def _add_gaps(s: _Sums, p: Partition, p99: float, fwd_clean: ExactQuantiles,
     ok = (which >= 0) & (which < len(edges) - 1)
     for (w, name), c in zip(*_pairs(which[ok], prim[ok]), strict=True):
         _add(s.hist, (int(w), str(name)), int(c))
-    fwd = _fwd_share(p)
-    clean = (p.primary == CLEAN) & (gap > 0)
-    fwd_clean.count(fwd[clean])
-    _add_tail(s, p, gap >= p99, prim, fwd_tail, fwd)
+    _add_tail(s, p, gap >= p99, prim)
 
 
 def _pairs(w: np.ndarray, prim: np.ndarray):
@@ -386,8 +461,7 @@ def _pairs(w: np.ndarray, prim: np.ndarray):
     return list(zip([int(a) for a, _ in split], [b for _, b in split], strict=True)), c.tolist()
 
 
-def _add_tail(s: _Sums, p: Partition, tail: np.ndarray, prim: np.ndarray,
-              fwd_tail: ExactQuantiles, fwd: np.ndarray) -> None:  # fmt: skip
+def _add_tail(s: _Sums, p: Partition, tail: np.ndarray, prim: np.ndarray) -> None:
     if not tail.any():
         return
     s.n_tail += int(tail.sum())
@@ -396,8 +470,6 @@ def _add_tail(s: _Sums, p: Partition, tail: np.ndarray, prim: np.ndarray,
         _add(s.tail_parts, lb, float(p.parts_ms[tail, j].sum()))
     for name, c in zip(*np.unique(prim[tail], return_counts=True), strict=True):
         _add(s.tail_count, str(name), int(c))
-    f = fwd[tail & (p.gap_ms > 0)]
-    fwd_tail.count(f)
 
 
 def analyze_sliced(
@@ -408,29 +480,60 @@ def analyze_sliced(
     max_inflate_mb: float | None = None,
     progress: Callable[[str], None] | None = None,
     path: str | None = None,
+    mapper: Callable[[Callable[[Any], Any], list[Any]], Iterable[Any]] | None = None,
 ) -> RunAnalysis:
     """`tracekit.analysis.figures.analyze` of a run's parts folder, read in slices of
-    at most `max_emissions` emissions each (see the module's docstring). Raises `NotSliceable` for a
-    folder that must be read whole."""
+    at most `max_emissions` emissions each (see the module's docstring). `mapper(fn,
+    items)`: runs the slices (a process pool's or Ray's map, results in order; by default
+    one after the other here): the result is the same. Raises `NotSliceable` for a folder
+    that must be read whole."""
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     ix = index_pass(run, baseline_fit, say)
     _keep_gap_values(run, ix)
     pct = ix.gaps.percentiles()
     p99 = pct[2]
+    tasks = slice_tasks(run, ix, max_emissions, p99)
+    each = mapper or _in_process
     s = _Sums()
     fwd_clean, fwd_tail = ExactQuantiles(), ExactQuantiles()
-    for _sl, p, tp in _slice_partitions(run, ix, baseline_fit, max_emissions, say):
-        _add_gaps(s, p, p99, fwd_clean, fwd_tail)
-        s.ttft.append(tp)
+    for j, part in enumerate(each(run_slice, tasks)):  # in slice order: the sums' order
+        _fold(s, part.sums)
+        fwd_clean.add_counts(*part.clean)
+        fwd_tail.add_counts(*part.tail)
+        say(f"slice {j + 1} of {len(tasks)}")
     if fwd_clean.n or fwd_tail.n:  # pass 3: the medians' values
         fwd_clean.wanted()
         fwd_tail.wanted()
-        for _sl, p, _tp in _slice_partitions(run, ix, baseline_fit, max_emissions, say):
-            fwd = _fwd_share(p)
-            fwd_clean.keep(fwd[(p.primary == CLEAN) & (p.gap_ms > 0)])
-            fwd_tail.keep(fwd[(p.gap_ms >= p99) & (p.gap_ms > 0)])
+        keep = [replace(t, keep_clean=fwd_clean.keep_buckets, keep_tail=fwd_tail.keep_buckets)
+                for t in tasks]  # fmt: skip
+        for j, part in enumerate(each(run_slice, keep)):
+            fwd_clean.add_kept(*part.clean)
+            fwd_tail.add_kept(*part.tail)
+            say(f"medians: slice {j + 1} of {len(tasks)}")
     return _result(run, ix, s, pct, path or parts_dir, fwd_clean, fwd_tail)
+
+
+def _in_process(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
+    return (fn(x) for x in items)
+
+
+def _fold(s: _Sums, part: _Sums) -> None:
+    """Add one slice's sums to the run's (in slice order, so the floats add as they would
+    in one process)."""
+    for d in ("all_parts", "tail_parts", "context", "all_count", "tail_count", "hist"):
+        for k, v in getattr(part, d).items():
+            _add(getattr(s, d), k, v)
+    s.labels |= part.labels
+    s.causes |= part.causes
+    s.gap_total += part.gap_total
+    s.tail_total += part.tail_total
+    s.n += part.n
+    s.n_tail += part.n_tail
+    s.max_gap = max(s.max_gap, part.max_gap)
+    s.max_err = max(s.max_err, part.max_err)
+    s.skipped += part.skipped
+    s.ttft += part.ttft
 
 
 def ordered(union: set[str], groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:

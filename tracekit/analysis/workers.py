@@ -7,7 +7,8 @@ Ray pickles it by name."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from tracekit.allocator import keep_freed_memory
@@ -27,12 +28,14 @@ from tracekit.log.parts import read_index
 from tracekit.log.rawlog import RawLog
 
 
-def analyze_path(path: str, view: WindowOptions | None = None, **limits: Any) -> RunAnalysis:
+def analyze_path(
+    path: str, view: WindowOptions | None = None, mapper: Any = None, **limits: Any
+) -> RunAnalysis:
     """`analyze`'s work on one run: every figure of design.md (of the window `view` asks
     for, if any: docs/reports.md, "Windows")."""
     keep_freed_memory()  # once per process: ~40% of a run's analysis was page faults
     if view is None or view.is_whole_run:
-        sliced = _analyze_in_slices(path, **limits)
+        sliced = _analyze_in_slices(path, mapper, **limits)
         return sliced if sliced is not None else analyze(open_run(path, **limits))
     wr = _window_in_slices(path, view, **limits)
     if wr is not None:
@@ -66,7 +69,7 @@ def reads_in_slices(path: str) -> bool:
     return parts_dir is not None and _emissions(parts_dir) > slice_budget()
 
 
-def _analyze_in_slices(path: str, **limits: Any) -> RunAnalysis | None:
+def _analyze_in_slices(path: str, mapper: Any = None, **limits: Any) -> RunAnalysis | None:
     """A one-process run longer than one slice, analysed slice by slice in bounded memory
     (`tracekit.analysis.stream`: the same figures); None where it is read whole."""
     parts_dir = parts_dir_of(path)
@@ -74,10 +77,26 @@ def _analyze_in_slices(path: str, **limits: Any) -> RunAnalysis | None:
         return None
     try:
         return analyze_sliced(parts_dir, path=_shown_path(path, parts_dir),
-                              max_emissions=slice_budget(),
+                              max_emissions=slice_budget(), mapper=mapper,
                               max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
     except NotSliceable:  # damaged or written before parts said their first step
         return None
+
+
+def slice_mapper(jobs: int, ray_address: str | None) -> Callable[..., Iterator[Any]]:
+    """How one run's slices run: in `jobs` processes, or as Ray tasks on the cluster at
+    `ray_address` ("" for a local Ray); results in slice order either way."""
+
+    def each(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
+        if ray_address is not None:
+            from tracekit.analysis.cluster import ray_imap  # optional extra: only with --ray
+
+            yield from ray_imap(fn, [(x,) for x in items], ray_address)
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                yield from pool.map(fn, items)
+
+    return each
 
 
 def _window_in_slices(path: str, view: WindowOptions, **limits: Any) -> WindowRead | None:

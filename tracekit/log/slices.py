@@ -195,15 +195,23 @@ class SlicedRun:
         )
 
     def log_of(
-        self, c: int, b: int, *, tables: frozenset[str] | None = None, final: bool = False
+        self,
+        c: int,
+        b: int,
+        *,
+        tables: frozenset[str] | None = None,
+        final: bool = False,
+        retained: Retained | None | bool = True,
     ) -> RawLog:
         """The `RawLog` of parts ``[c, b)``; `tables`: keep only these (the others empty);
-        `final`: with what the run's clean stop wrote (its config, wall time, warnings)."""
+        `final`: with what the run's clean stop wrote (its config, wall time, warnings);
+        `retained`: how a log read from part `c` starts, where known (default: read it)."""
         parts = [self.read(i) for i in range(c, b)]
         if tables is not None:
             parts = [{**p, "tables": {k: v for k, v in p["tables"].items() if k in tables}}
                      for p in parts]  # fmt: skip
-        return merge_flushed(self.meta, parts, path=self.parts_dir, retained=self.retained(c),
+        start = self.retained(c) if retained is True else retained or None
+        return merge_flushed(self.meta, parts, path=self.parts_dir, retained=start,
                              final=self.final if final else None)  # fmt: skip
 
     def cut_s(self, i: int) -> float:
