@@ -70,7 +70,7 @@ NON_CAUSES: frozenset[str] = frozenset({"forward", "residual"})
 #: labels an engine adds (`schedule`, `sample`, ...) come next, in alphabetical order so
 #: the result never depends on the order they were first seen; `decode` is last because it
 #: is the work every gap is expected to contain.
-PRECEDENCE_HEAD: tuple[str, ...] = ("gc", "preempt", "tok", "prefill")
+PRECEDENCE_HEAD: tuple[str, ...] = ("gc", "preempt", "preempt:recompute", "tok", "prefill")
 PRECEDENCE_TAIL: tuple[str, ...] = ("decode",)
 
 #: One colour per label, the same in every chart and trace (Okabe-Ito based, colour-blind safe).
@@ -124,6 +124,24 @@ PRODUCED_PREFIXES: tuple[str, ...] = ("wait_", "unrecorded:")
 def is_produced(label: str) -> bool:
     """Whether only a partition may produce `label` (`PRODUCED_LABELS`)."""
     return label in PRODUCED_LABELS or label.startswith(PRODUCED_PREFIXES)
+
+
+#: The segment label of a re-prefill after a recompute eviction (the demo engine's; an
+#: engine that re-prefills inside its `prefill` segments has none).
+RECOMPUTE_LABEL = "recompute"
+#: The timeline class of a `recompute` segment the cause map sends to `preempt`: never a
+#: partition label. Each partition gives its time to `preempt` in the windows of the request
+#: re-prefilling there and to others' prefill in everyone else's (docs/partition.md, "Who
+#: evicted whom"). It owns overlaps right after `preempt` (a KV swap) and before `tok`.
+RECOMPUTE_CLASS = "preempt:recompute"
+
+
+def segment_cause(label: str, cause_map: Mapping[str, str]) -> str:
+    """A segment's timeline cause: `cause_of`, except a `recompute` segment the cause map
+    sends to `preempt`, which is `RECOMPUTE_CLASS` (whose re-prefill it is decides its label
+    window by window)."""
+    cause = cause_of(label, cause_map)
+    return RECOMPUTE_CLASS if label == RECOMPUTE_LABEL and cause == "preempt" else cause
 
 
 def cause_of(label: str, cause_map: Mapping[str, str]) -> str:
