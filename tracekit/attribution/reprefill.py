@@ -34,6 +34,11 @@ import numpy as np
 from tracekit.labels import RECOMPUTE_CLASS, segment_cause
 from tracekit.log.rawlog import MODE_RECOMPUTE, RawLog
 
+#: A log cut from a longer run (a live settler's window) states in its meta, under this key,
+#: each eviction's first emission of its victim after its readmission (seconds; None: none
+#: yet), which its own emissions may not hold.
+NEXT_EMISSION_META = "eviction_next_emission_s"
+
 
 def next_emission(log: RawLog, request: np.ndarray, after_s: np.ndarray) -> np.ndarray:
     """Each request's first emission strictly after `after_s` (NaN: none, or NaN given)."""
@@ -51,6 +56,16 @@ def next_emission(log: RawLog, request: np.ndarray, after_s: np.ndarray) -> np.n
         if k < hi:
             out[i] = t[k]
     return out
+
+
+def victims_next_emission(log: RawLog) -> np.ndarray:
+    """Each eviction's victim's first emission after its readmission (NaN: none): as the
+    log's meta states it (`NEXT_EMISSION_META`), else from its emissions."""
+    ev = log.evictions
+    stated = log.meta.get(NEXT_EMISSION_META) if isinstance(log.meta, dict) else None
+    if isinstance(stated, list) and len(stated) == len(ev):
+        return np.array([np.nan if x is None else float(x) for x in stated], dtype=np.float64)
+    return next_emission(log, ev.request, ev.t_readmit_s)
 
 
 def step_chunks(log: RawLog) -> dict[tuple[int, int], int]:
@@ -107,7 +122,7 @@ def reprefills(log: RawLog) -> Reprefills:
     idx = np.flatnonzero(is_rc[sg.label]) if len(sg) else np.zeros(0, dtype=np.int64)
     idx = idx[np.argsort(sg.t_start_s[idx], kind="stable")]
     ev = log.evictions
-    t_next = next_emission(log, ev.request, ev.t_readmit_s) if len(idx) else np.zeros(0)
+    t_next = victims_next_emission(log) if len(idx) else np.zeros(0)
     chunks = step_chunks(log) if len(idx) else {}
     by_step: dict[int, tuple[tuple[int, float], ...]] = {}
     victims = []
