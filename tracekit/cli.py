@@ -471,9 +471,10 @@ def ttft(
     the first token, then the API server's (docs/ttft.md, "The client boundary").
     """
     from tracekit.analysis.run import open_run  # deferred: loaded per command
+    from tracekit.analysis.ttft_records import ttft_records
     from tracekit.analysis.window import select_ttfts
     from tracekit.attribution.itl import partition
-    from tracekit.attribution.ttft import ttft_figures, ttft_partition, ttft_records
+    from tracekit.attribution.ttft import ttft_figures, ttft_partition
     from tracekit.render import text
 
     log = open_run(run, **_limits())

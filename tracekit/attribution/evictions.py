@@ -37,6 +37,7 @@ import numpy as np
 
 from tracekit.attribution.itl import Partition
 from tracekit.attribution.reprefill import next_emission, reprefills, window_pieces
+from tracekit.attribution.ttft import TtftPartition, pre_engine_windows, wait_windows
 from tracekit.labels import segment_cause
 from tracekit.log.rawlog import MODE_RECOMPUTE, MODE_SWAP, PREEMPT_REASONS, RawLog
 
@@ -195,6 +196,26 @@ class NamedWindows:
         pre = part.column("preempt") if "preempt" in part.labels else np.zeros(len(part))
         return cls(part.request, part.t0_s, part.t1_s, pre, part.reprefill_own_ms,
                    part.reprefill_other_ms, {})  # fmt: skip
+
+
+def ttft_named_windows(log: RawLog, tp: TtftPartition) -> NamedWindows:
+    """The TTFT windows of `tp` to name: from the engine core's add to the first token (the
+    rules from 1 on, docs/ttft.md), their held windows (wait windows in the queued phase)
+    cut from their live time."""
+    _, e = pre_engine_windows(log, tp.request, tp.arrival_s, tp.first_token_s)
+    row_of = {r: i for i, r in enumerate(tp.request.tolist())}
+    q_req, q0, q1, _ = wait_windows(log)
+    cuts: dict[int, list[tuple[float, float]]] = {}
+    for r, a, b in zip(q_req.tolist(), q0.tolist(), q1.tolist(), strict=True):
+        i = row_of.get(r)
+        if i is None or not np.isfinite(tp.admit_s[i]):
+            continue
+        x0, x1 = max(a, float(e[i])), min(b, float(tp.admit_s[i]))
+        if x1 > x0:
+            cuts.setdefault(i, []).append((x0, x1))
+    pre = tp.column("preempt") if "preempt" in tp.labels else np.zeros(len(tp))
+    return NamedWindows(tp.request, e, tp.first_token_s, pre, tp.reprefill_own_ms,
+                        tp.reprefill_other_ms, cuts)  # fmt: skip
 
 
 class _Namer:

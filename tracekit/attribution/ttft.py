@@ -76,7 +76,7 @@ from tracekit.attribution.timeline import (
     prepared,
     segment_causes,
 )
-from tracekit.errors import LogError, ReconcileError
+from tracekit.errors import ReconcileError
 from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, RECOMPUTE_CLASS
 from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
@@ -919,42 +919,6 @@ def ttft_figures(p: TtftPartition) -> TtftFigures:
     )
 
 
-def ttft_records(log: RawLog, p: TtftPartition | None = None, *, min_ms: float | None = None,
-                 request_id: str | None = None) -> list[dict]:  # fmt: skip
-    """One dict per request (as `tracekit.analysis.gaps.gap_records` for gaps): request id, arrival,
-    admission (null: unsplit), first token (s, engine clock), ttft_ms, phases and parts
-    (ms; each sums to ttft_ms), context (what ran while held or evicted), primary."""
-    p = p if p is not None else ttft_partition(log)
-    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
-    sel = np.ones(len(p), dtype=bool)
-    if min_ms is not None:
-        sel &= p.ttft_ms >= min_ms
-    if request_id is not None:
-        if request_id not in ids:
-            raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
-        sel &= p.request == ids.index(request_id)
-    prim = p.primary_names()
-    out = []
-    for i in np.flatnonzero(sel).tolist():
-        adm = float(p.admit_s[i])
-        out.append(
-            {
-                "request": ids[int(p.request[i])],
-                "arrival": float(p.arrival_s[i]),
-                "admitted": adm if np.isfinite(adm) else None,
-                "first_token": float(p.first_token_s[i]),
-                "ttft_ms": float(p.ttft_ms[i]),
-                "phases": {ph: float(v) for ph, v in zip(PHASES, p.phases_ms[i], strict=True)},
-                "parts": {lb: float(v) for lb, v in zip(p.labels, p.parts_ms[i], strict=True)},
-                "context": {
-                    lb: float(v) for lb, v in zip(p.labels, p.context_ms[i], strict=True) if v
-                },
-                "primary": str(prim[i]),
-            }
-        )
-    return out
-
-
 __all__ = [
     "PHASES",
     "TTFT_STANDARD_LABELS",
@@ -963,5 +927,4 @@ __all__ = [
     "check_ttft_reconciled",
     "ttft_figures",
     "ttft_partition",
-    "ttft_records",
 ]
