@@ -9,7 +9,10 @@ millisecond of it goes to exactly one label:
    the evicted time);
 2. in the live windows, GC pauses (their union) own whatever they overlap: ``gc``;
 3. each segment's GC-free overlap goes to its cause (``swap`` -> ``preempt``); where
-   segments overlap each other, `tracekit.labels.precedence` decides, in one place;
+   segments overlap each other, `tracekit.labels.precedence` decides, in one place. A
+   ``recompute`` segment (a re-prefill after a recompute eviction) is ``preempt`` in the
+   gaps of the request re-prefilling there and ``prefill`` in everyone else's
+   (`tracekit.attribution.reprefill`; applied after rules 6 and 7, to what they left it);
 4. ``decode`` time is split into ``graph`` (excess over a captured step) and ``forward``:
    a least-squares line of GC-free decode ms against the padded batch size, over the steps
    that ran on a captured size (all of them, a decode wholly inside a GC pause included,
