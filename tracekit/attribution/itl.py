@@ -742,7 +742,9 @@ def _reprefill_rule(
         return own, other, np.zeros(0, dtype=np.int64)
     h = parts[:, -1]
     rows = np.flatnonzero(h != 0.0)
-    f = own_shares(reprefills(log), g.request, g.t0_s, g.t1_s, rows, cuts_of(*evicted))
+    # the segments as this partition reads them (device windows drift-corrected)
+    rp = reprefills(replace(log, segments=k.run.log.segments))
+    f = own_shares(rp, g.request, g.t0_s, g.t1_s, rows, cuts_of(*evicted))
     own[rows], other[rows] = h[rows] * f, h[rows] * (1.0 - f)
     parts[:, k.col["preempt"]] += own
     parts[:, k.col["prefill"]] += other
