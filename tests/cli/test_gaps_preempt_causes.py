@@ -65,3 +65,17 @@ def test_every_preempt_part_names_its_eviction(tmp_path):
         for x in pieces:
             assert x["kind"] == "recompute" and x["victim"] in log.request_ids
             assert x["victim"] != r["request"] and x["reason"] == "kv_full"
+    # the TTFT records name theirs the same way (docs/ttft.md, "Eviction debt")
+    res = run_cli("ttft", str(out), "--format", "jsonl", timeout=120)
+    assert res.returncode == 0, res.stderr
+    ttfts = [json.loads(x) for x in res.stdout.splitlines()]
+    for r in ttfts:
+        if r["parts"].get("preempt", 0) > 0:
+            got = sum(x["ms"] for x in r["preempt_causes"])
+            assert got == pytest.approx(r["parts"]["preempt"], abs=1e-6)
+        else:
+            assert "preempt_causes" not in r
+        for x in r.get("recompute_causes", []):
+            assert x["kind"] == "recompute" and x["victim"] != r["request"]
+        others = r["parts"].get("prefill_other", 0) + r["parts"].get("prefill", 0)
+        assert sum(x["ms"] for x in r.get("recompute_causes", [])) <= others + 1e-6
