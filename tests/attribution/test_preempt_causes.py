@@ -5,11 +5,15 @@ Hand cases: expected values derived from the rules on small logs (times in ms)."
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 from logbuilder import LogBuilder
 
 from tracekit.attribution.evictions import eviction_causes, preempt_causes, recompute_causes
 from tracekit.attribution.itl import partition
+from tracekit.attribution.reprefill import stating_next_emissions
 from tracekit.log.validate import validate_log
 
 
@@ -207,3 +211,33 @@ def test_pieces_sum_to_every_gaps_preempt_part_on_overlapping_evictions():
     own = [(x["evicted_at_s"], round(x["ms"], 9)) for x in pieces if x["kind"] == "evicted"]
     assert own == [(pytest.approx(0.012), 9.0), (pytest.approx(0.015), 4.0)]
     assert sum(x["ms"] for x in pieces) == pytest.approx(p.column("preempt")[g], abs=1e-9)
+
+
+def test_a_log_that_states_its_victims_next_emissions_keeps_its_split_without_them():
+    """r0 re-prefills in step 2 and emits at 40 (its first emission since); r2, evicted
+    45-51 (recompute), re-prefills in step 3's `recompute` segment [51, 61] and emits at
+    70. In step 3 only r2 re-prefills (r0 emitted at 40, before the step's start 41), so
+    r2's gap [40, 70] has 6 ms evicted and its 10 ms re-prefill as preempt (16 ms) and r1's
+    gap [40, 70] the 10 ms as prefill, named r2. A log cut to the emissions those two gaps
+    need (r0's rows dropped) would take r0 for a victim still re-prefilling (no emission
+    since its readmission: half of it); stated before the cut, the split is the whole
+    log's."""
+    b = recompute_case()
+    b.emit(2, 40, 2)
+    b.step(41, 80)
+    b.seg(3, "recompute", 51, 61)
+    b.seg(3, "decode", 61, 70)
+    b.emit(1, 70, 3)
+    b.emit(2, 70, 3)
+    b.evict(2, 45, 51, mode=1)
+    log = validate_log(b.build())
+    keep = np.flatnonzero(log.emissions.request != 0)
+    cut = dataclasses.replace(log, emissions=log.emissions.take(keep))
+    stated = stating_next_emissions(log)
+    stated = dataclasses.replace(stated, emissions=stated.emissions.take(keep))
+    for lg, own in ((log, 10.0), (cut, 5.0), (stated, 10.0)):
+        p, g, _, _ = _named(lg, 2, 40)
+        assert p.reprefill_own_ms[g] == pytest.approx(own, abs=1e-9)
+        assert p.column("preempt")[g] == pytest.approx(6.0 + own, abs=1e-9)
+    p, g, _, rc = _named(stated, 1, 40)
+    assert [(x["victim"], round(x["ms"], 9)) for x in rc] == [("r2", 10.0)]

@@ -27,7 +27,7 @@ slow reference (`tracekit.attribution.reference`) implements the same rule on it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -66,6 +66,15 @@ def victims_next_emission(log: RawLog) -> np.ndarray:
     if isinstance(stated, list) and len(stated) == len(ev):
         return np.array([np.nan if x is None else float(x) for x in stated], dtype=np.float64)
     return next_emission(log, ev.request, ev.t_readmit_s)
+
+
+def stating_next_emissions(log: RawLog) -> RawLog:
+    """`log` with its victims' next emissions stated in its meta (`NEXT_EMISSION_META`),
+    for a caller about to drop emissions from it (a slice of a long run keeps only those
+    its own gaps need): whose re-prefill a step is then stays what the whole log says."""
+    nxt = victims_next_emission(log).tolist()
+    meta = {**log.meta, NEXT_EMISSION_META: [None if x != x else x for x in nxt]}
+    return replace(log, meta=meta)
 
 
 def step_chunks(log: RawLog) -> dict[tuple[int, int], int]:
