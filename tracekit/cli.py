@@ -451,8 +451,9 @@ def ttft(
     the first token, then the API server's (docs/ttft.md, "The client boundary").
     """
     from tracekit.analysis import workers  # deferred: loaded per command
+    from tracekit.analysis.ttft_records import ttft_records
     from tracekit.analysis.window import select_ttfts
-    from tracekit.attribution.ttft import ttft_figures, ttft_records
+    from tracekit.attribution.ttft import ttft_figures
     from tracekit.render import text
 
     log, _, whole, win = workers.opened(run, view(), **_limits())  # a long run: in slices

@@ -62,6 +62,16 @@ def is_os_label(label: str) -> bool:
 #: Labels that are not causes: the forward pass itself and uncovered time.
 NON_CAUSES: frozenset[str] = frozenset({"forward", "residual"})
 
+#: The segment label of a re-prefill after a recompute eviction (the demo engine's; an
+#: engine that re-prefills inside its `prefill` segments has none).
+RECOMPUTE_LABEL = "recompute"
+#: The timeline class of a `recompute` segment the cause map sends to `preempt`: never a
+#: partition label. Each partition gives its time to `preempt` in the windows of the request
+#: re-prefilling there and to others' prefill in everyone else's (docs/partition.md, "Who
+#: evicted whom"). It owns overlaps right after `preempt` (a KV swap) and before `tok`.
+RECOMPUTE_CLASS = "preempt:recompute"
+
+
 #: Where windows of different labels overlap in time (threads, async device work, nested
 #: segments), the label that comes first here owns the overlap. This is the one place the
 #: order is written. Rationale: an eviction of the gap's own request (`preempt` from
@@ -69,8 +79,9 @@ NON_CAUSES: frozenset[str] = frozenset({"forward", "residual"})
 #: KV swaps, tokenizer calls and prefill are the stalls the partition exists to find;
 #: labels an engine adds (`schedule`, `sample`, ...) come next, in alphabetical order so
 #: the result never depends on the order they were first seen; `decode` is last because it
-#: is the work every gap is expected to contain.
-PRECEDENCE_HEAD: tuple[str, ...] = ("gc", "preempt", "tok", "prefill")
+#: is the work every gap is expected to contain. A re-prefill (`RECOMPUTE_CLASS`) sits
+#: where the cause map's `preempt` put it before, after a KV swap.
+PRECEDENCE_HEAD: tuple[str, ...] = ("gc", "preempt", RECOMPUTE_CLASS, "tok", "prefill")
 PRECEDENCE_TAIL: tuple[str, ...] = ("decode",)
 
 #: One colour per label, the same in every chart and trace (Okabe-Ito based, colour-blind safe).
@@ -106,15 +117,16 @@ GLYPHS: dict[str, str] = {
 #: decode split (`graph`), time no window covered (`residual`), the OS's counters, a
 #: request's own prefill, others' work and waits in its TTFT, its stages before the engine
 #: had it (`http`, `frontend`), the client boundary's hop and the API server's other time,
-#: a gap's primary cause `clean`, and time a process did not record (`unrecorded:...`). An
-#: engine may not record a window under one (the recorder refuses it at the call); a log
-#: that has one (recorded before the rule) keeps that window's time as its own cause,
+#: a gap's primary cause `clean`, time a process did not record (`unrecorded:...`) and the
+#: re-prefill's timeline class (`RECOMPUTE_CLASS`). An engine may not record a window
+#: under one (the recorder refuses it at the call); a log that has one (recorded before
+#: the rule) keeps that window's time as its own cause,
 #: `engine_<label>`, never the partition's (docs/input-validation.md, "Labels").
 #: `forward` is not among them: a forward pass an engine records (vLLM's workers) is what
 #: the partition calls forward.
 PRODUCED_LABELS: frozenset[str] = frozenset(
     {"graph", "residual", "clean", "prefill_own", "prefill_other", "decode_other", "http",
-     "frontend", "hop", "frontend_other", *OS_LABELS, *FRONTEND_OS_LABELS}
+     "frontend", "hop", "frontend_other", *OS_LABELS, *FRONTEND_OS_LABELS, RECOMPUTE_CLASS}
 )  # fmt: skip
 #: ... and every label with one of these prefixes (a TTFT's `wait_<reason>`, the client
 #: boundary's `unrecorded:<process>`)
@@ -124,6 +136,14 @@ PRODUCED_PREFIXES: tuple[str, ...] = ("wait_", "unrecorded:")
 def is_produced(label: str) -> bool:
     """Whether only a partition may produce `label` (`PRODUCED_LABELS`)."""
     return label in PRODUCED_LABELS or label.startswith(PRODUCED_PREFIXES)
+
+
+def segment_cause(label: str, cause_map: Mapping[str, str]) -> str:
+    """A segment's timeline cause: `cause_of`, except a `recompute` segment the cause map
+    sends to `preempt`, which is `RECOMPUTE_CLASS` (whose re-prefill it is decides its label
+    window by window)."""
+    cause = cause_of(label, cause_map)
+    return RECOMPUTE_CLASS if label == RECOMPUTE_LABEL and cause == "preempt" else cause
 
 
 def cause_of(label: str, cause_map: Mapping[str, str]) -> str:

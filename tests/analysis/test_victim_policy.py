@@ -62,3 +62,22 @@ def test_whatif_prints_the_estimate():
         "the 1 recorded recompute decisions (1 would change victim): recompute tax 22.9% -> "
         "21.3% (11 -> 10 recomputed tokens)"
     ) in whatif_table([w])
+
+
+def test_whatif_jsonl_carries_the_estimate_the_table_prints():
+    """`tracekit whatif --format jsonl`: the run's records end with one of kind
+    victim_policy, the same figures as the table's line (1 decision, 1 changed, 11 -> 10
+    recomputed tokens of 48 and 47 computed)."""
+    log = run()
+    recs = whatif(log, partition(log), ttft_partition(log)).to_records()
+    last = recs[-1]
+    assert (last["kind"], last["removal"], last["policy"]) == (
+        "victim_policy",
+        None,
+        "least_computed_victim",
+    )
+    assert (last["num_decisions"], last["num_changed"]) == (1, 1)
+    assert (last["recomputed_tokens"], last["policy_recomputed_tokens"]) == (11, 10)
+    assert last["recompute_tax"] == pytest.approx(11 / 48)
+    assert last["policy_recompute_tax"] == pytest.approx(10 / 47)
+    assert all(r["kind"] != "victim_policy" for r in recs[:-1])

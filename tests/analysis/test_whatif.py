@@ -560,3 +560,34 @@ def test_removing_the_os_family_takes_the_os_time_out_of_each_gap():
     bounds, cum = W.os_removed(log, ("os_runqueue",))
     replayed = np.array([10.0, 20.0]) - np.interp([10e-3, 20e-3], bounds, cum) * 1e3
     np.testing.assert_allclose(replayed, [10.0, 16.0], atol=1e-9)
+
+
+def test_removing_preemption_takes_others_re_prefill_from_their_prefill_too():
+    """A recompute eviction's re-prefill is its victim's `preempt` and others' `prefill`
+    (docs/partition.md, "Who evicted whom"); without the eviction neither happens. r0 is
+    evicted 12-21 and re-prefills [21, 31]; r1 runs beside it. Gaps: r0 [10, 40] (preempt
+    9 + 10), r1 [10, 20] and [20, 40] (prefill 10: r0's re-prefill). First order without
+    preempt: 30 - 19 = 11, 10, and 20 - 10 = 10: max 11, 29 ms removed. Without prefill:
+    r1's [20, 40] loses its 10, r0's gap keeps its own re-prefill: max 30."""
+    b = LogBuilder()
+    b.step(0, 10)
+    b.seg(0, "decode", 0, 10)
+    b.emit(0, 10, 0)
+    b.emit(1, 10, 0)
+    b.step(10, 20)
+    b.seg(1, "decode", 12, 20)
+    b.emit(1, 20, 1)
+    b.step(20, 40)
+    b.seg(2, "recompute", 21, 31)
+    b.seg(2, "decode", 31, 40)
+    b.emit(0, 40, 2)
+    b.emit(1, 40, 2)
+    b.evict(0, 12, 21, mode=1)
+    log = b.build()
+    p, t = partition(log), ttft_partition(log)
+    rm = {r.name: r for r in W.removals(p, t, only_present=False)}
+    for fn in (W.first_order, W.first_order_reference):
+        pre = fn(p, t, rm["preempt"])
+        assert pre.figures["itl_max_ms"] == pytest.approx(11.0, abs=1e-9)
+        assert pre.removed_ms == pytest.approx(29.0, abs=1e-9)
+        assert fn(p, t, rm["prefill"]).figures["itl_max_ms"] == pytest.approx(30.0, abs=1e-9)

@@ -42,14 +42,18 @@ def random_logs(draw):
         s = b.step(t, t + dur, n_decode=n_dec, graph=graph)
         # sequential segments inside the step, some with idle between
         cur = t
-        for label in draw(st.lists(st.sampled_from(["tok", "swap", "prefill", "decode", *EXTRA]),
-                                   max_size=4)):  # fmt: skip
+        labels = ["tok", "swap", "recompute", "prefill", "decode", *EXTRA]
+        for label in draw(st.lists(st.sampled_from(labels), max_size=4)):
             a = cur + draw(st.floats(0, dur / 4))
             e = min(t + dur, a + draw(st.floats(0, dur / 2)))
             if e < a:
                 break
             b.seg(s, label, a, e)
-            if label in ("decode", "prefill") and draw(st.booleans()):
+            if label == "recompute" and draw(st.booleans()):  # a victim back by its start
+                b.evict(draw(st.integers(0, n_req - 1)), a - draw(st.floats(0, 10)), a, mode=1)
+            if label == "recompute" and draw(st.booleans()):  # the victims' re-prefill tokens
+                b.prefill(s, draw(st.integers(0, n_req - 1)), draw(st.integers(0, 64)))
+            if label in ("decode", "prefill", "recompute") and draw(st.booleans()):
                 # its device execution, lagging the host launch (async) by a random delay
                 lag = draw(st.floats(0, 20))
                 b.seg(s, label, a + lag, e + lag + draw(st.floats(0, 5)), device=True)
@@ -76,7 +80,9 @@ def random_logs(draw):
     for _ in range(draw(st.integers(0, 4))):
         a = draw(st.floats(0, t))
         readmit = a + draw(st.floats(0, 40)) if draw(st.booleans()) else float("nan")
-        b.evict(draw(st.integers(0, n_req - 1)), a, readmit)
+        # swap, recompute (a victim re-prefilling where it is back and has not emitted) or
+        # unknown
+        b.evict(draw(st.integers(0, n_req - 1)), a, readmit, mode=draw(st.sampled_from([0, 1, -1])))
     return b.build(wall_ms=t + 1)
 
 
@@ -92,6 +98,8 @@ def test_random_layouts_reconcile_and_match_reference(log):
     np.testing.assert_allclose(fast.gap_ms, ref.gap_ms, rtol=0, atol=1e-12)
     np.testing.assert_allclose(fast.parts_ms, ref.parts_ms, rtol=0, atol=1e-9)
     np.testing.assert_allclose(fast.context_ms, ref.context_ms, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(fast.reprefill_own_ms, ref.reprefill_own_ms, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(fast.reprefill_other_ms, ref.reprefill_other_ms, rtol=0, atol=1e-9)
     np.testing.assert_array_equal(fast.num_evictions, ref.num_evictions)
     np.testing.assert_array_equal(fast.primary, ref.primary)
 

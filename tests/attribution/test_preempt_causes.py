@@ -5,11 +5,15 @@ Hand cases: expected values derived from the rules on small logs (times in ms)."
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 from logbuilder import LogBuilder
 
-from tracekit.attribution.evictions import eviction_causes, preempt_causes
+from tracekit.attribution.evictions import eviction_causes, preempt_causes, recompute_causes
 from tracekit.attribution.itl import partition
+from tracekit.attribution.reprefill import stating_next_emissions
 from tracekit.log.validate import validate_log
 
 
@@ -47,12 +51,14 @@ def _pieces(log, request, t0_ms):
 
 
 def test_the_victims_own_gap_names_its_evicted_time_and_its_recompute():
-    """r0's gap [10, 40]: evicted 12-21 (9 ms, rule 1) and its re-prefill 21-31 (10 ms,
-    a `recompute` segment: preempt by the cause map) are its preempt part, 19 ms; both
-    pieces name the eviction of r0 at step 1 by r1 (kv_full)."""
+    """r0's gap [10, 40]: evicted 12-21 (9 ms, rule 1) and its own re-prefill 21-31 (10 ms,
+    a `recompute` segment of step 2, where r0 re-prefills) are its preempt part, 19 ms;
+    both pieces name the eviction of r0 at step 1 by r1 (kv_full); no prefill."""
     log = validate_log(recompute_case().build())
     p, g, pieces = _pieces(log, 0, 10)
     assert p.column("preempt")[g] == pytest.approx(19.0, abs=1e-9)
+    assert p.column("prefill")[g] == pytest.approx(0.0, abs=1e-9)
+    assert p.reprefill_own_ms[g] == pytest.approx(10.0, abs=1e-9)
     assert [(x["kind"], round(x["ms"], 9)) for x in pieces] == [
         ("evicted", 9.0),
         ("recompute", 10.0),
@@ -62,23 +68,40 @@ def test_the_victims_own_gap_names_its_evicted_time_and_its_recompute():
         assert x["evicted_at_s"] == pytest.approx(0.012)
 
 
-def test_anothers_gap_names_the_recompute_it_sat_through():
-    """r1's gap [20, 40] holds r0's re-prefill 21-31: 10 ms of preempt, named by the
-    eviction that caused it (r0, evicted by r1 itself at step 1); its gap [10, 20] none."""
+def _named(log, request, t0_ms):
+    """(partition, gap row, preempt pieces, recompute pieces) of one gap."""
+    p, g, pieces = _pieces(log, request, t0_ms)
+    return p, g, pieces, recompute_causes(log, p).get(g, [])
+
+
+def test_anothers_gap_has_the_re_prefill_it_sat_through_as_its_prefill_named():
+    """r1's gap [20, 40] holds r0's re-prefill 21-31: not r1's own (r0 re-prefills there:
+    recompute mode, back at 21 by the step's end 40, no emission between 21 and the
+    step's start 20), so it is r1's `prefill`, 10 ms, and its preempt part is 0; the
+    recompute piece names the eviction that caused it (r0, evicted by r1 itself at step 1,
+    kv_full). Its gap [10, 20] has neither."""
     log = validate_log(recompute_case().build())
-    p, g, pieces = _pieces(log, 1, 20)
-    assert p.column("preempt")[g] == pytest.approx(10.0, abs=1e-9)
-    assert [(x["kind"], x["victim"], x["evictors"], round(x["ms"], 9)) for x in pieces] == [
-        ("recompute", "r0", ["r1"], 10.0)
-    ]
-    _, g0, none = _pieces(log, 1, 10)
-    assert none == []
+    p, g, pieces, rc = _named(log, 1, 20)
+    assert p.column("preempt")[g] == pytest.approx(0.0, abs=1e-9)
+    assert p.column("prefill")[g] == pytest.approx(10.0, abs=1e-9)
+    assert p.column("residual")[g] == pytest.approx(1.0, abs=1e-9)  # 20-21
+    assert pieces == []
+    assert [(x["kind"], x["victim"], x["step"], x["reason"], x["evictors"], round(x["ms"], 9))
+            for x in rc] == [("recompute", "r0", 1, "kv_full", ["r1"], 10.0)]  # fmt: skip
+    assert p.reprefill_other_ms[g] == pytest.approx(10.0, abs=1e-9)
+    _, _, none, rc0 = _named(log, 1, 10)
+    assert none == [] and rc0 == []
 
 
 def test_two_victims_re_prefilling_in_one_step_share_its_segment_by_tokens():
-    """Step 2's `recompute` segment [21, 31] re-prefills r0 (30 tokens) and r2 (10 tokens):
-    r1's gap [20, 40] gets 7.5 ms named r0's eviction and 2.5 ms named r2's (swap mode
-    would be `swap`; both are recompute here); r2's eviction has no recorded cause."""
+    """Step 2's `recompute` segment [21, 31] re-prefills r0 (30 tokens) and r2 (10 tokens,
+    evicted 15-21 with no recorded cause): shares 3/4 and 1/4.
+    - r1 (no victim): its gap [20, 40] has the 10 ms as prefill, named 7.5 ms r0's eviction
+      and 2.5 ms r2's.
+    - r0: its gap [10, 40] has 9 ms evicted (12-21) and its own 7.5 ms re-prefill as
+      preempt (16.5 ms), and r2's 2.5 ms as prefill.
+    - r2: its gap [5, 40] has 6 ms evicted (15-21) and its own 2.5 ms as preempt (8.5 ms),
+      r0's 7.5 ms as prefill."""
     b = recompute_case()
     b.prefills[-1] = (2, 0, 30)
     b.prefill(2, 2, 10)
@@ -86,9 +109,61 @@ def test_two_victims_re_prefilling_in_one_step_share_its_segment_by_tokens():
     b.emit(2, 40, 2)
     b.evict(2, 15, 21, mode=1)
     log = validate_log(b.build())
-    _, g, pieces = _pieces(log, 1, 20)
-    got = {(x["victim"], x["reason"], round(x["ms"], 9)) for x in pieces}
-    assert got == {("r0", "kv_full", 7.5), ("r2", None, 2.5)}
+    p, g, pieces, rc = _named(log, 1, 20)
+    assert pieces == [] and p.column("prefill")[g] == pytest.approx(10.0, abs=1e-9)
+    assert {(x["victim"], x["reason"], round(x["ms"], 9)) for x in rc} == {
+        ("r0", "kv_full", 7.5),
+        ("r2", None, 2.5),
+    }
+    p, g, pieces, rc = _named(log, 0, 10)
+    assert p.column("preempt")[g] == pytest.approx(16.5, abs=1e-9)
+    assert p.column("prefill")[g] == pytest.approx(2.5, abs=1e-9)
+    assert [(x["kind"], x["victim"], round(x["ms"], 9)) for x in pieces] == [
+        ("evicted", "r0", 9.0),
+        ("recompute", "r0", 7.5),
+    ]
+    assert [(x["victim"], round(x["ms"], 9)) for x in rc] == [("r2", 2.5)]
+    p, g, pieces, rc = _named(log, 2, 5)
+    assert p.column("preempt")[g] == pytest.approx(8.5, abs=1e-9)
+    assert p.column("prefill")[g] == pytest.approx(7.5, abs=1e-9)
+    assert [(x["kind"], x["victim"], round(x["ms"], 9)) for x in pieces] == [
+        ("evicted", "r2", 6.0),
+        ("recompute", "r2", 2.5),
+    ]
+    assert [(x["victim"], round(x["ms"], 9)) for x in rc] == [("r0", 7.5)]
+
+
+def test_an_old_log_without_causes_still_knows_whose_re_prefill_it_is():
+    """No `preemptions` table (a log before eviction causes): the eviction row (recompute
+    mode, readmitted at 21) still says r0 re-prefills in step 2, so the split is as with
+    causes (r0's gap: 19 ms preempt; r1's: 10 ms prefill), and its pieces name r0 with no
+    step, reason or evictors."""
+    b = recompute_case()
+    b.causes.clear()
+    b.evictor_rows.clear()
+    log = validate_log(b.build())
+    p, g, pieces, rc = _named(log, 0, 10)
+    assert p.column("preempt")[g] == pytest.approx(19.0, abs=1e-9) and rc == []
+    p, g, pieces, rc = _named(log, 1, 20)
+    assert p.column("prefill")[g] == pytest.approx(10.0, abs=1e-9) and pieces == []
+    assert [(x["victim"], x["step"], x["reason"], x["evictors"], round(x["ms"], 9))
+            for x in rc] == [("r0", None, None, [], 10.0)]  # fmt: skip
+
+
+def test_a_re_prefill_no_eviction_explains_is_everyones_prefill():
+    """No eviction table at all (the published layout has none): no request is known to
+    re-prefill in step 2, so the `recompute` segment is others' prefill in every gap over
+    it, r0's included (r0's gap [10, 40]: 10 ms prefill, 0 preempt), named by no eviction."""
+    b = recompute_case()
+    b.evs.clear()
+    b.causes.clear()
+    b.evictor_rows.clear()
+    log = validate_log(b.build())
+    for r, t0 in ((0, 10), (1, 20)):
+        p, g, pieces, rc = _named(log, r, t0)
+        assert p.column("preempt")[g] == pytest.approx(0.0, abs=1e-9) and pieces == []
+        assert p.column("prefill")[g] == pytest.approx(10.0, abs=1e-9)
+        assert [(x["victim"], round(x["ms"], 9)) for x in rc] == [(None, 10.0)]
 
 
 def test_a_swap_segment_goes_to_the_eviction_in_its_step_and_unexplained_time_to_none():
@@ -136,3 +211,33 @@ def test_pieces_sum_to_every_gaps_preempt_part_on_overlapping_evictions():
     own = [(x["evicted_at_s"], round(x["ms"], 9)) for x in pieces if x["kind"] == "evicted"]
     assert own == [(pytest.approx(0.012), 9.0), (pytest.approx(0.015), 4.0)]
     assert sum(x["ms"] for x in pieces) == pytest.approx(p.column("preempt")[g], abs=1e-9)
+
+
+def test_a_log_that_states_its_victims_next_emissions_keeps_its_split_without_them():
+    """r0 re-prefills in step 2 and emits at 40 (its first emission since); r2, evicted
+    45-51 (recompute), re-prefills in step 3's `recompute` segment [51, 61] and emits at
+    70. In step 3 only r2 re-prefills (r0 emitted at 40, before the step's start 41), so
+    r2's gap [40, 70] has 6 ms evicted and its 10 ms re-prefill as preempt (16 ms) and r1's
+    gap [40, 70] the 10 ms as prefill, named r2. A log cut to the emissions those two gaps
+    need (r0's rows dropped) would take r0 for a victim still re-prefilling (no emission
+    since its readmission: half of it); stated before the cut, the split is the whole
+    log's."""
+    b = recompute_case()
+    b.emit(2, 40, 2)
+    b.step(41, 80)
+    b.seg(3, "recompute", 51, 61)
+    b.seg(3, "decode", 61, 70)
+    b.emit(1, 70, 3)
+    b.emit(2, 70, 3)
+    b.evict(2, 45, 51, mode=1)
+    log = validate_log(b.build())
+    keep = np.flatnonzero(log.emissions.request != 0)
+    cut = dataclasses.replace(log, emissions=log.emissions.take(keep))
+    stated = stating_next_emissions(log)
+    stated = dataclasses.replace(stated, emissions=stated.emissions.take(keep))
+    for lg, own in ((log, 10.0), (cut, 5.0), (stated, 10.0)):
+        p, g, _, _ = _named(lg, 2, 40)
+        assert p.reprefill_own_ms[g] == pytest.approx(own, abs=1e-9)
+        assert p.column("preempt")[g] == pytest.approx(6.0 + own, abs=1e-9)
+    p, g, _, rc = _named(stated, 1, 40)
+    assert [(x["victim"], round(x["ms"], 9)) for x in rc] == [("r2", 10.0)]

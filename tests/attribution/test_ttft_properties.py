@@ -101,8 +101,25 @@ def random_log(seed: int):
             s = int(np.searchsorted(bounds[1::2], a))
             b.seg(min(s, n_steps - 1), str(os_rng.choice(["wait", "sync"])), a,
                   a + float(os_rng.uniform(0, 4)))  # fmt: skip
+    _recompute(b, np.random.default_rng([seed, 22]))
     log = b.build(arrivals_ms=arrivals, wall_ms=end + 10)
     return _served(log, np.random.default_rng([seed, 21]), end)
+
+
+def _recompute(b, rng) -> None:
+    """Recompute evictions, with their own draws (the rest stays as it was): each eviction
+    drawn above is in recompute mode half the time, and before some `recompute` segments
+    an admitted request is evicted and back at the segment's start (it re-prefills there,
+    in its TTFT window or after it)."""
+    b.evs[:] = [(r, x, y, int(rng.random() < 0.5)) for r, x, y, _ in b.evs]
+    rc = b.labels.index("recompute") if "recompute" in b.labels else -1
+    for step, lab, a, _, _, dev in list(b.segs):
+        if lab != rc or dev or step < 0 or not b.admits or rng.random() < 0.4:
+            continue
+        r, adm = b.admits[int(rng.integers(0, len(b.admits)))]
+        ev = float(rng.uniform(adm, a)) if a > adm else None
+        if ev is not None:
+            b.evict(r, ev, a, mode=1)
 
 
 def _served(log, rng, end):
@@ -163,6 +180,8 @@ def _agree(seed: int) -> None:
     np.testing.assert_allclose(fast.parts_ms, ref.parts_ms, rtol=0, atol=1e-9)
     np.testing.assert_allclose(fast.phases_ms, ref.phases_ms, rtol=0, atol=1e-9)
     np.testing.assert_allclose(fast.context_ms, ref.context_ms, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(fast.reprefill_own_ms, ref.reprefill_own_ms, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(fast.reprefill_other_ms, ref.reprefill_other_ms, rtol=0, atol=1e-9)
     assert fast.reconcile_max_err_ms < 1e-9 and ref.reconcile_max_err_ms < 1e-9
     # same primary cause, except where two candidates tie to float rounding
     differ = fast.primary != ref.primary
@@ -197,6 +216,11 @@ def test_random_logs_exercise_every_rule():
         p = ttft_partition(validate_log(random_log(seed)))
         for lb, v in zip(p.labels, p.parts_ms.sum(axis=0), strict=True):
             seen[lb] = seen.get(lb, 0.0) + float(v)
+        seen["<own re-prefill>"] = seen.get("<own re-prefill>", 0.0) + p.reprefill_own_ms.sum()
+        seen["<others' re-prefill>"] = (
+            seen.get("<others' re-prefill>", 0.0) + p.reprefill_other_ms.sum()
+        )
+    assert seen["<own re-prefill>"] > 0 and seen["<others' re-prefill>"] > 0
     for lb in ("preempt", "gc", "wait_kv_blocks", "tok", "prefill_own", "prefill_other",
                "decode_other", "graph", "prefill", "residual", "schedule", "os_runqueue",
                "os_blocked", "wait", "http", "frontend", "frontend_os_runqueue",

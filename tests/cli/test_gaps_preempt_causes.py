@@ -1,7 +1,8 @@
 """`tracekit gaps --format jsonl` names the eviction behind every `preempt` part: on a
 demo-engine run with recompute preemption, each gap with preempt time carries pieces that
 sum to it, and every piece whose time a recorded eviction explains names its victim, the
-step that decided it, the reason and the evictors (docs/partition.md, "Who evicted
+step that decided it, the reason and the evictors; each gap whose prefill part holds
+another's re-prefill names that victim's eviction (docs/partition.md, "Who evicted
 whom")."""
 
 from __future__ import annotations
@@ -54,3 +55,27 @@ def test_every_preempt_part_names_its_eviction(tmp_path):
             assert len(x["evictors"]) <= 1 and x["victim"] not in x["evictors"]
     assert kinds == {"evicted", "recompute"}
     assert all("preempt_causes" not in r for r in records if not r["parts"].get("preempt"))
+    # others' re-prefill is their prefill, named by the victim's eviction: never the gap's
+    # own request (its own is preempt), within the gap's prefill part
+    with_rc = [r for r in records if "recompute_causes" in r]
+    assert with_rc
+    for r in with_rc:
+        pieces = r["recompute_causes"]
+        assert 0 < sum(x["ms"] for x in pieces) <= r["parts"]["prefill"] + 1e-6
+        for x in pieces:
+            assert x["kind"] == "recompute" and x["victim"] in log.request_ids
+            assert x["victim"] != r["request"] and x["reason"] == "kv_full"
+    # the TTFT records name theirs the same way (docs/ttft.md, "Eviction debt")
+    res = run_cli("ttft", str(out), "--format", "jsonl", timeout=120)
+    assert res.returncode == 0, res.stderr
+    ttfts = [json.loads(x) for x in res.stdout.splitlines()]
+    for r in ttfts:
+        if r["parts"].get("preempt", 0) > 0:
+            got = sum(x["ms"] for x in r["preempt_causes"])
+            assert got == pytest.approx(r["parts"]["preempt"], abs=1e-6)
+        else:
+            assert "preempt_causes" not in r
+        for x in r.get("recompute_causes", []):
+            assert x["kind"] == "recompute" and x["victim"] != r["request"]
+        others = r["parts"].get("prefill_other", 0) + r["parts"].get("prefill", 0)
+        assert sum(x["ms"] for x in r.get("recompute_causes", [])) <= others + 1e-6

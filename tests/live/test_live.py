@@ -698,6 +698,8 @@ _step = st.fixed_dictionaries(
             st.tuples(st.sampled_from(("kv_full", "priority", "other")), st.integers(0, 500)),
         ),
         "readmit": st.booleans(),
+        # ms of re-prefill (a `recompute` segment) after a recompute victim's readmission
+        "recompute": st.integers(0, 10),
         "tok_back": st.one_of(st.none(), st.integers(1, 40)),  # side-thread window ending now
         "gc": st.one_of(st.none(), st.integers(1, 5)),
     }
@@ -731,6 +733,7 @@ def _random_run(steps, *, device: bool, os_evidence: bool = False, at_start=None
     )  # fmt: skip
     live = attach(rec, LiveMetrics(hold_s=0.2))
     evicted: set[int] = set()
+    recompute: set[int] = set()  # evicted in recompute mode
     with rec:
         if at_start is not None:
             at_start.append(live.snapshot())
@@ -746,11 +749,16 @@ def _random_run(steps, *, device: bool, os_evidence: bool = False, at_start=None
                         rec.evict(s["evict"], mode="recompute", reason=s["cause"][0],
                                   by=[(s["evict"] + 1) % 3],
                                   num_computed_tokens_lost=s["cause"][1])  # fmt: skip
+                        recompute.add(s["evict"])
                     evicted.add(s["evict"])
                 elif s["readmit"] and evicted:
                     r = min(evicted)
                     rec.readmit(r)
                     evicted.discard(r)
+                    if r in recompute and s.get("recompute"):  # its re-prefill
+                        with rec.segment("recompute"):
+                            clk.t += s["recompute"] * ms
+                    recompute.discard(r)
                 if s["prefill"]:
                     with rec.segment("prefill"):
                         clk.t += s["prefill"] * ms

@@ -14,12 +14,11 @@ from typing import Any
 import numpy as np
 
 from tracekit.attribution.evictions import EvictionCauses, eviction_causes
+from tracekit.labels import RECOMPUTE_LABEL  # a re-prefill's segment: the tax's time
 from tracekit.log.rawlog import MODE_RECOMPUTE, PREEMPT_REASONS, RawLog
 
 #: How many evictors, thrashed requests and evictions a summary lists (largest first).
 TOP = 10
-#: A recompute's segment label: its time is the recompute tax's time.
-RECOMPUTE_LABEL = "recompute"
 #: What `by_reason` calls an eviction whose cause the engine did not tell.
 UNKNOWN = "unknown"
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from tracekit.analysis.window import Window, select_gaps
 from tracekit.attribution.client import client_partition
-from tracekit.attribution.evictions import preempt_causes
+from tracekit.attribution.evictions import preempt_causes, recompute_causes
 from tracekit.attribution.itl import Partition, partition
 from tracekit.errors import LogError
 from tracekit.log.rawlog import RawLog
@@ -26,7 +26,8 @@ def gap_records(
     context (ms by label; parts sum to gap_ms), primary, and the steps it spans; a gap
     with `preempt` time also has ``preempt_causes``: the pieces of that part, each naming
     the eviction it comes from (victim, step, reason, evictors; docs/partition.md, "Who
-    evicted whom")."""
+    evicted whom"); a gap whose `prefill` part holds others' re-prefill also has
+    ``recompute_causes``: that share's pieces, each naming the victim's eviction."""
     p = part if part is not None else partition(log)
     sel = np.ones(len(p), dtype=bool) if index is None else np.zeros(len(p), dtype=bool)
     if index is not None:
@@ -39,6 +40,7 @@ def gap_records(
     rows = np.flatnonzero(sel) if index is None else np.asarray(index)[sel[np.asarray(index)]]
     prim = p.primary_names()
     causes = preempt_causes(log, p, rows)
+    rc_causes = recompute_causes(log, p, rows)
     out = []
     for i in rows.tolist():
         out.append(
@@ -58,6 +60,8 @@ def gap_records(
         )
         if i in causes:
             out[-1]["preempt_causes"] = causes[i]
+        if i in rc_causes:
+            out[-1]["recompute_causes"] = rc_causes[i]
     return out
 
 

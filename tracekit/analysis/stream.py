@@ -42,6 +42,7 @@ from tracekit.analysis.figures import (
 from tracekit.analysis.quantiles import ExactQuantiles, bucket_counts, kept_values
 from tracekit.analysis.results import spec_result
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
+from tracekit.attribution.reprefill import stating_next_emissions
 from tracekit.attribution.timeline import (
     GraphBaseline,
     PreparedRun,
@@ -60,7 +61,7 @@ from tracekit.attribution.ttft import (
     ttft_labels,
     ttft_partition,
 )
-from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, partition_labels
+from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, RECOMPUTE_CLASS, partition_labels
 from tracekit.log.flush import EVICT, TABLES
 from tracekit.log.parts import Retained, merge_flushed
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
@@ -266,7 +267,9 @@ def _step_figures(ix: Index, mini: RawLog, n_steps: int, n_segments: int) -> Non
         ix.has_os = has_os_evidence(mini)
     classes = host_classes(causes, is_dev)
     os_labels = set(OS_LABELS) if ix.has_os else set()
-    ix.labels |= {c for c, _ in classes} | set(causes[is_dev].tolist()) | os_labels
+    ix.labels |= ({c for c, _ in classes} | set(causes[is_dev].tolist()) | os_labels) - {
+        RECOMPUTE_CLASS  # a timeline class, never a label (`itl_labels`)
+    }
     ix.ttft_labels |= set(ttft_labels(mini, has_os=ix.has_os))
     net = decode_net_ms(mini, causes)
     ix.decode_net.append(net[-n_steps:].copy())
@@ -365,7 +368,8 @@ def run_slice(task: SliceTask) -> SlicePart:
     """Partition one slice (its own gaps and TTFTs, with the whole run's baselines) and
     add up what the run's figures need."""
     run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb)
-    full = run.log_of(task.c, task.b, retained=task.retained)
+    # whose re-prefill each step is needs every emission: stated before the cut
+    full = stating_next_emissions(run.log_of(task.c, task.b, retained=task.retained))
     log = replace(full, emissions=full.emissions.take(_needed(full, task.t_from_s)))
     prep = PreparedRun(log)
     prep.use_baseline(FIT_ALL_CAPTURED, task.base_ttft)

@@ -47,6 +47,7 @@ from tracekit.labels import (
     OS_BLOCKED,
     OS_LABELS,
     OS_RUNQUEUE,
+    RECOMPUTE_CLASS,
     STANDARD_LABELS,
     is_os_label,
 )
@@ -165,7 +166,9 @@ class WhatIf:
         return None
 
     def to_records(self) -> list[dict[str, Any]]:
-        """One JSON-ready dict per (removal, model), for `--format jsonl`."""
+        """One JSON-ready dict per (removal, model), for `--format jsonl`; then, where the
+        log records recompute decisions, one of kind ``victim_policy`` (the recompute tax
+        under the least-computed victim, as the table's line under the run)."""
         out = []
         for p in self.predictions:
             rec: dict[str, Any] = {
@@ -188,6 +191,10 @@ class WhatIf:
                 rec[f"change_{k}"] = _finite(change[k])
             rec["assumptions"] = list(self.assumptions[p.model])
             out.append(rec)
+        if self.victim_policy is not None:  # the line the table prints under the run
+            out.append({"run": os.path.basename(self.path), "path": self.path, "removal": None,
+                        "kind": "victim_policy", "model": "first",
+                        **self.victim_policy.to_record()})  # fmt: skip
         return out
 
 
@@ -282,10 +289,18 @@ def _owned(parts_ms: np.ndarray, labels: Sequence[str], want: Iterable[str]) -> 
 
 
 def first_order(part: Partition, tpart: TtftPartition, r: Removal) -> Prediction:
-    """docs/whatif.md, "First order": every gap and TTFT less the time it gave `r`."""
+    """docs/whatif.md, "First order": every gap and TTFT less the time it gave `r`, and
+    with `preempt` removed, less others' re-prefill in its prefill part too."""
     own = _owned(part.parts_ms, part.labels, r.itl_labels)
+    if "preempt" in r.itl_labels and "prefill" not in r.itl_labels:
+        own = own + part.reprefill_other_ms
     gap = np.maximum(part.gap_ms - own, 0.0)
-    ttft = np.maximum(tpart.ttft_ms - _owned(tpart.parts_ms, tpart.labels, r.ttft_labels), 0.0)
+    t_own = _owned(tpart.parts_ms, tpart.labels, r.ttft_labels)
+    if "preempt" in r.ttft_labels:  # others' re-prefill, where its label is not removed
+        holder = np.where(tpart.is_split, "prefill_other" in r.ttft_labels,
+                          "prefill" in r.ttft_labels)  # fmt: skip
+        t_own = t_own + np.where(holder, 0.0, tpart.reprefill_other_ms)
+    ttft = np.maximum(tpart.ttft_ms - t_own, 0.0)
     return Prediction(r, FIRST, _figures(gap, ttft), float(own.sum()), len(gap))
 
 
@@ -308,6 +323,8 @@ def first_order_reference(part: Partition, tpart: TtftPartition, r: Removal) -> 
         for j, lb in enumerate(part.labels):
             if lb in r.itl_labels:
                 own += float(part.parts_ms[i, j])
+        if "preempt" in r.itl_labels and "prefill" not in r.itl_labels:
+            own += float(part.reprefill_other_ms[i])  # others' re-prefill: evictions' too
         removed += own
         gaps.append(max(float(part.gap_ms[i]) - own, 0.0))
     ttfts = []
@@ -315,6 +332,9 @@ def first_order_reference(part: Partition, tpart: TtftPartition, r: Removal) -> 
         own = sum(
             float(tpart.parts_ms[i, j]) for j, lb in enumerate(tpart.labels) if lb in r.ttft_labels
         )
+        holder = "prefill_other" if np.isfinite(tpart.admit_s[i]) else "prefill"
+        if "preempt" in r.ttft_labels and holder not in r.ttft_labels:
+            own += float(tpart.reprefill_other_ms[i])
         ttfts.append(max(float(tpart.ttft_ms[i]) - own, 0.0))
     figs = {}
     for name, which, q in FIGURES:
@@ -366,6 +386,10 @@ def removable_windows(log: RawLog, part: Partition, itl_labels: Sequence[str]) -
         if "preempt" in rm and "prefill" not in rm:
             pre = (causes == "prefill") & in_step
             frac[pre] = _readmit_prefill_share(log)[step[pre]]
+        # a re-prefill after a recompute eviction: its victim's preempt, others' prefill
+        # (docs/partition.md, "Who evicted whom"): either removal takes the window
+        if rm & {"preempt", "prefill"}:
+            frac[causes == RECOMPUTE_CLASS] = 1.0
     gc = log.gc_pauses
     return Windows(
         start_s=np.concatenate([sg.t_start_s, gc.t_start_s]),

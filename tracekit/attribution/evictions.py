@@ -1,24 +1,31 @@
-"""Who evicted whom: every eviction joined with its recorded cause, and every gap's
-`preempt` part named by the evictions it comes from (docs/partition.md, "Who evicted whom").
+"""Who evicted whom: every eviction joined with its recorded cause, every window's
+`preempt` part named by the evictions it comes from, and every window's share of others'
+re-prefill named by the victim's eviction (docs/partition.md, "Who evicted whom").
 
-The partition's labels are unchanged: a gap's `preempt` part is its request's own evicted
-time (rule 1) plus the live time of segments the cause map sends to `preempt` (a KV
-``swap``, a ``recompute`` re-prefill). This module splits that part, exactly, into pieces,
-each naming one eviction (the victim, when it was evicted, the step that decided it, the
-reason and the evictors of its `preemptions` row):
+A window (a gap, or a TTFT window from the engine core's add to the first token) has in
+its `preempt` part its request's own evicted time (rule 1), its own re-prefill after a
+recompute eviction (`tracekit.attribution.reprefill`), and the live time of the other
+segments the cause map sends to `preempt` (a KV ``swap``). This module splits that part,
+exactly, into pieces, each naming one eviction (the victim, when it was evicted, the step
+that decided it, the reason and the evictors of its `preemptions` row):
 
-1. **evicted**: the gap's own evicted time goes to the eviction whose window holds it
+1. **evicted**: the window's own evicted time goes to the eviction whose window holds it
    (where two evictions of one request overlap, the earlier owns the overlap);
-2. **the rest** (segment time): split over the preempt-mapped segments inside the gap's
-   live time in proportion to their overlap with it, and each segment's share over the
-   evictions that did work in its step: the victims *re-prefilling* there (readmitted
-   after a recompute eviction by the step's end, not emitting again before its start): by
-   their prefill chunk's tokens in the step, or equally where none of them has a chunk
-   row there; else the victims *evicted or readmitted* in the step (equally); a segment
-   with neither is one piece with no eviction (``victim`` None).
+2. **recompute**: its own re-prefill, over its own evictions re-prefilling in the
+   segments' steps, by the re-prefill split's shares;
+3. **the rest** (segment time): split over the other preempt-mapped segments inside the
+   window's live time in proportion to their overlap with it, and each segment's share
+   over the evictions that did work in its step: the victims *re-prefilling* there
+   (readmitted after a recompute eviction by the step's end, not emitting again before its
+   start): by their prefill chunk's tokens in the step, or equally where none of them has
+   a chunk row there; else the victims *evicted or readmitted* in the step (equally); a
+   segment with neither is one piece with no eviction (``victim`` None).
 
-Evictions are rare, so this is plain loops over the few gaps and segments they touch: it
-is its own reference.
+Others' re-prefill in a window's prefill part is named the same way (`name_reprefill`):
+one piece per victim re-prefilling in the segments it overlaps, by the split's shares.
+
+Evictions are rare, so this is plain loops over the few windows and segments they touch:
+it is its own reference.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from typing import Any
 import numpy as np
 
 from tracekit.attribution.itl import Partition
+from tracekit.attribution.reprefill import next_emission, reprefills, window_pieces
+from tracekit.attribution.ttft import TtftPartition, pre_engine_windows, wait_windows
+from tracekit.labels import segment_cause
 from tracekit.log.rawlog import MODE_RECOMPUTE, MODE_SWAP, PREEMPT_REASONS, RawLog
 
 #: A remainder below this (ms) is float rounding, not segment time.
@@ -92,27 +102,9 @@ def eviction_causes(log: RawLog) -> EvictionCauses:
         t_readmit_s=ev.t_readmit_s,
         mode=ev.mode,
         evictors=tuple(tuple(x) for x in evictors),
-        t_next_s=_next_emission(log, ev.request, ev.t_readmit_s),
+        t_next_s=next_emission(log, ev.request, ev.t_readmit_s),
         **cols,
     )
-
-
-def _next_emission(log: RawLog, request: np.ndarray, after_s: np.ndarray) -> np.ndarray:
-    """Each request's first emission strictly after `after_s` (NaN: none, or NaN given)."""
-    em = log.emissions
-    out = np.full(len(request), np.nan)
-    if not len(em):
-        return out
-    o = np.lexsort((em.t_s, em.request))
-    r, t = em.request[o], em.t_s[o]
-    for i, (q, a) in enumerate(zip(request.tolist(), after_s.tolist(), strict=True)):
-        if np.isnan(a):
-            continue
-        lo, hi = np.searchsorted(r, q, "left"), np.searchsorted(r, q, "right")
-        k = lo + np.searchsorted(t[lo:hi], a, "right")
-        if k < hi:
-            out[i] = t[k]
-    return out
 
 
 def _describe(log: RawLog, c: EvictionCauses, i: int | None, kind: str, ms: float) -> dict:
@@ -183,37 +175,145 @@ class _StepWork:
         return [(i, x / total) for i, x in w]
 
 
-def preempt_causes(log: RawLog, part: Partition, rows: Any = None) -> dict[int, list[dict]]:
-    """For each gap row (`rows`: those to explain, default every one) whose `preempt` part
-    is positive, its pieces (docs/partition.md, "Who evicted whom"): dicts with ``kind``
-    (``evicted``, or ``recompute``/``swap``/``preempt`` by the eviction's mode), ``ms``
-    (the pieces sum to the gap's `preempt` part), ``victim``, ``evicted_at_s``, ``step``
-    (the step that decided it), ``reason`` and ``evictors`` (request ids)."""
-    if "preempt" not in part.labels or not len(part):
-        return {}
-    pre = part.column("preempt")
-    sel = np.flatnonzero(pre > 0)
+@dataclass(frozen=True)
+class NamedWindows:
+    """Windows whose `preempt` part and re-prefill time are to be named (gaps, or TTFT
+    windows from the engine core's add to the first token): per window its request,
+    [t0, t1], `preempt` ms, its own re-prefill ms (inside `preempt`) and others' re-prefill
+    ms (inside its others' prefill), and `cuts`: per window, the times taken out of its live
+    time besides its own evicted time (a TTFT window's held time)."""
+
+    request: np.ndarray
+    t0_s: np.ndarray
+    t1_s: np.ndarray
+    preempt_ms: np.ndarray
+    own_ms: np.ndarray
+    other_ms: np.ndarray
+    cuts: dict[int, list[tuple[float, float]]]
+
+    @classmethod
+    def of_gaps(cls, part: Partition) -> NamedWindows:
+        pre = part.column("preempt") if "preempt" in part.labels else np.zeros(len(part))
+        return cls(part.request, part.t0_s, part.t1_s, pre, part.reprefill_own_ms,
+                   part.reprefill_other_ms, {})  # fmt: skip
+
+
+def ttft_named_windows(log: RawLog, tp: TtftPartition) -> NamedWindows:
+    """The TTFT windows of `tp` to name: from the engine core's add to the first token (the
+    rules from 1 on, docs/ttft.md), their held windows (wait windows in the queued phase)
+    cut from their live time."""
+    _, e = pre_engine_windows(log, tp.request, tp.arrival_s, tp.first_token_s)
+    row_of = {r: i for i, r in enumerate(tp.request.tolist())}
+    q_req, q0, q1, _ = wait_windows(log)
+    cuts: dict[int, list[tuple[float, float]]] = {}
+    for r, a, b in zip(q_req.tolist(), q0.tolist(), q1.tolist(), strict=True):
+        i = row_of.get(r)
+        if i is None or not np.isfinite(tp.admit_s[i]):
+            continue
+        x0, x1 = max(a, float(e[i])), min(b, float(tp.admit_s[i]))
+        if x1 > x0:
+            cuts.setdefault(i, []).append((x0, x1))
+    pre = tp.column("preempt") if "preempt" in tp.labels else np.zeros(len(tp))
+    return NamedWindows(tp.request, e, tp.first_token_s, pre, tp.reprefill_own_ms,
+                        tp.reprefill_other_ms, cuts)  # fmt: skip
+
+
+class _Namer:
+    """What naming needs of one run: its evictions with their causes, the work in each step,
+    its re-prefill segments and its other preempt-mapped segments (a KV `swap`)."""
+
+    def __init__(self, log: RawLog) -> None:
+        self.log = log
+        self.c = eviction_causes(log)
+        self.work = _StepWork(log, self.c)
+        self.rp = reprefills(log)
+        seg = log.segments
+        mapped = np.array(
+            [segment_cause(x, log.cause_map) == "preempt" for x in log.labels] + [False]
+        )
+        s_idx = np.flatnonzero(mapped[seg.label]) if len(seg) else np.zeros(0, dtype=np.int64)
+        self.segs = (seg.t_start_s[s_idx], seg.t_end_s[s_idx], seg.step[s_idx])
+
+    def evicted(self, w: NamedWindows, g: int) -> tuple[list[tuple[int, float]], list]:
+        """(own eviction pieces, every cut of the window's live time)."""
+        t0, t1 = float(w.t0_s[g]), float(w.t1_s[g])
+        own = _evicted_pieces(self.c, int(w.request[g]), t0, t1)
+        cuts = list(w.cuts.get(g, []))
+        for i, _ in own:  # live time only: each own eviction window out
+            end = self.c.t_readmit_s[i]
+            cuts.append(
+                (max(float(self.c.t_evict_s[i]), t0), t1 if np.isnan(end) else min(float(end), t1))
+            )
+        return own, cuts
+
+    def reprefill(self, w: NamedWindows, g: int, cuts: list, own: bool, ms: float) -> list[dict]:
+        """The window's own (or others') re-prefill `ms` as pieces by eviction."""
+        pieces = window_pieces(self.rp, int(w.request[g]), float(w.t0_s[g]), float(w.t1_s[g]), cuts)
+        mine = [(row, x) for row, x, is_own in pieces if is_own == own]
+        total = sum(x for _, x in mine)
+        if total <= 0:
+            return [_describe(self.log, self.c, None, "recompute", ms)]
+        return [_describe(self.log, self.c, row, "recompute", ms * x / total) for row, x in mine]
+
+
+def name_preempt(log: RawLog, w: NamedWindows, rows: Any = None) -> dict[int, list[dict]]:
+    """For each window (`rows`: those to explain, default every one) whose `preempt` part
+    is positive, its pieces (docs/partition.md, "Who evicted whom"), summing to the part."""
+    sel = np.flatnonzero(w.preempt_ms > 0)
     if rows is not None:
         sel = np.intersect1d(sel, np.asarray(rows, dtype=np.int64))
     if not len(sel):
         return {}
-    c = eviction_causes(log)
-    work = _StepWork(log, c)
-    seg = log.segments
-    mapped = np.array([log.cause_map.get(x, x) == "preempt" for x in log.labels], dtype=bool)
-    on = mapped[seg.label] if len(seg) else np.zeros(0, dtype=bool)
-    s_idx = np.flatnonzero(on)
-    s0, s1, s_step = seg.t_start_s[s_idx], seg.t_end_s[s_idx], seg.step[s_idx]
+    nm = _Namer(log)
     out: dict[int, list[dict]] = {}
     for g in sel.tolist():
-        r, t0, t1 = int(part.request[g]), float(part.t0_s[g]), float(part.t1_s[g])
-        own = _evicted_pieces(c, r, t0, t1)
-        pieces = [_describe(log, c, i, "evicted", ms) for i, ms in own]
-        rest = float(pre[g]) - sum(ms for _, ms in own)
+        own, cuts = nm.evicted(w, g)
+        pieces = [_describe(log, nm.c, i, "evicted", ms) for i, ms in own]
+        own_rc = float(w.own_ms[g])
+        if own_rc > PIECE_TOL_MS:
+            pieces += nm.reprefill(w, g, cuts, True, own_rc)
+        rest = float(w.preempt_ms[g]) - sum(ms for _, ms in own) - own_rc
         if rest > PIECE_TOL_MS:
-            pieces += _segment_pieces(log, c, work, (s0, s1, s_step), own, (t0, t1), rest)
+            gap = (float(w.t0_s[g]), float(w.t1_s[g]))
+            pieces += _segment_pieces(log, nm.c, nm.work, nm.segs, cuts, gap, rest)
         out[g] = pieces
     return out
+
+
+def name_reprefill(log: RawLog, w: NamedWindows, rows: Any = None) -> dict[int, list[dict]]:
+    """For each window (`rows`: those to explain) with others' re-prefill time in its
+    others' prefill, its pieces: each names the victim whose re-prefill it sat through (its
+    eviction's time, step, reason and evictors; None where no victim re-prefilled there);
+    they sum to that time."""
+    sel = np.flatnonzero(w.other_ms > 0)
+    if rows is not None:
+        sel = np.intersect1d(sel, np.asarray(rows, dtype=np.int64))
+    if not len(sel):
+        return {}
+    nm = _Namer(log)
+    return {g: nm.reprefill(w, g, nm.evicted(w, g)[1], False, float(w.other_ms[g]))
+            for g in sel.tolist()}  # fmt: skip
+
+
+def preempt_causes(log: RawLog, part: Partition, rows: Any = None) -> dict[int, list[dict]]:
+    """For each gap row (`rows`: those to explain, default every one) whose `preempt` part
+    is positive, its pieces (docs/partition.md, "Who evicted whom"): dicts with ``kind``
+    (``evicted``, ``recompute`` for its own re-prefill, or ``swap``/``preempt`` for other
+    preempt segments by the eviction's mode), ``ms`` (the pieces sum to the gap's `preempt`
+    part), ``victim``, ``evicted_at_s``, ``step`` (the step that decided it), ``reason``
+    and ``evictors`` (request ids)."""
+    if not len(part):
+        return {}
+    return name_preempt(log, NamedWindows.of_gaps(part), rows)
+
+
+def recompute_causes(log: RawLog, part: Partition, rows: Any = None) -> dict[int, list[dict]]:
+    """For each gap row (`rows`) whose `prefill` part holds others' re-prefill, its pieces
+    (kind ``recompute``), each naming the victim's eviction; they sum to that share
+    (`Partition.reprefill_other_ms`)."""
+    if not len(part):
+        return {}
+    return name_reprefill(log, NamedWindows.of_gaps(part), rows)
 
 
 def _segment_pieces(
@@ -221,17 +321,16 @@ def _segment_pieces(
     c: EvictionCauses,
     work: _StepWork,
     segs: tuple[np.ndarray, np.ndarray, np.ndarray],
-    own: list[tuple[int, float]],
+    cuts: list[tuple[float, float]],
     gap: tuple[float, float],
     rest_ms: float,
 ) -> list[dict]:
-    """Rule 2: `rest_ms` over the preempt-mapped segments in the gap's live time."""
+    """Rule 2: `rest_ms` over the preempt-mapped segments (re-prefills aside) in the
+    window's live time (`cuts` taken out)."""
     s0, s1, s_step = segs
     t0, t1 = gap
     ov = np.clip(np.minimum(s1, t1) - np.maximum(s0, t0), 0.0, None)
-    for i, _ in own:  # live time only: take each own eviction window out
-        e0 = max(float(c.t_evict_s[i]), t0)
-        e1 = t1 if np.isnan(c.t_readmit_s[i]) else min(float(c.t_readmit_s[i]), t1)
+    for e0, e1 in _merged(cuts):
         ov -= np.clip(np.minimum(s1, e1) - np.maximum(s0, e0), 0.0, None)
     ov = np.clip(ov, 0.0, None)
     total = float(ov.sum())
@@ -248,3 +347,14 @@ def _segment_pieces(
         kind = "preempt" if row is None else KIND_OF_MODE.get(int(c.mode[row]), "preempt")
         out.append(_describe(log, c, row, kind, ms))
     return out
+
+
+def _merged(cuts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals merged where they overlap (sorted, disjoint)."""
+    out: list[list[float]] = []
+    for a, b in sorted(cuts):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]

@@ -9,7 +9,10 @@ millisecond of it goes to exactly one label:
    the evicted time);
 2. in the live windows, GC pauses (their union) own whatever they overlap: ``gc``;
 3. each segment's GC-free overlap goes to its cause (``swap`` -> ``preempt``); where
-   segments overlap each other, `tracekit.labels.precedence` decides, in one place;
+   segments overlap each other, `tracekit.labels.precedence` decides, in one place. A
+   ``recompute`` segment (a re-prefill after a recompute eviction) is ``preempt`` in the
+   gaps of the request re-prefilling there and ``prefill`` in everyone else's
+   (`tracekit.attribution.reprefill`; applied after rules 6 and 7, to what they left it);
 4. ``decode`` time is split into ``graph`` (excess over a captured step) and ``forward``:
    a least-squares line of GC-free decode ms against the padded batch size, over the steps
    that ran on a captured size (all of them, a decode wholly inside a GC pause included,
@@ -66,6 +69,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tracekit.attribution.reprefill import cuts_of, own_shares, reprefills
 from tracekit.attribution.timeline import (
     BASELINE_FITS as BASELINE_FITS,
 )
@@ -92,7 +96,14 @@ from tracekit.attribution.timeline import (
     segment_causes as segment_causes,
 )
 from tracekit.errors import ReconcileError
-from tracekit.labels import NON_CAUSES, OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, partition_labels
+from tracekit.labels import (
+    NON_CAUSES,
+    OS_BLOCKED,
+    OS_LABELS,
+    OS_RUNQUEUE,
+    RECOMPUTE_CLASS,
+    partition_labels,
+)
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 
 #: A gap whose parts miss its length by more than this is a bug (float rounding is ~1e-12).
@@ -111,7 +122,8 @@ CLEAN = -1
 
 #: `Partition`'s per-gap columns: what `Partition.take` selects rows of
 _GAP_COLUMNS = ("request", "t0_s", "t1_s", "step0", "step1", "gap_ms", "parts_ms",
-                "context_ms", "num_evictions", "primary")  # fmt: skip
+                "context_ms", "reprefill_own_ms", "reprefill_other_ms", "num_evictions",
+                "primary")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,10 @@ class Partition:
     gap_ms: np.ndarray  # (t1_s - t0_s) * 1e3
     parts_ms: np.ndarray  # (gaps, labels): exclusive, sums to gap_ms
     context_ms: np.ndarray  # (gaps, labels): engine activity while the request was evicted
+    # re-prefill time (docs/partition.md, "The re-prefill in the partition"): the request's
+    # own, inside its `preempt` part, and others', inside its `prefill` part
+    reprefill_own_ms: np.ndarray
+    reprefill_other_ms: np.ndarray
     num_evictions: np.ndarray  # evictions of the request overlapping each gap
     primary: np.ndarray  # index into `causes`, or CLEAN (-1)
     causes: tuple[str, ...]  # the labels that can be a primary cause
@@ -442,8 +458,13 @@ def itl_labels(run: PreparedRun) -> tuple[str, ...]:
     """The ITL partition's labels of a run: its host classes, its device windows' causes and,
     with OS evidence, `OS_LABELS`, in `partition_labels` order."""
     os_causes = set(OS_LABELS) if run.has_os else set()
-    dev_causes = set(run.causes[run.is_device].tolist())
-    return tuple(partition_labels({c for c, _ in run.classes} | dev_causes | os_causes))
+    causes = {c for c, _ in run.classes} | set(run.causes[run.is_device].tolist()) | os_causes
+    return tuple(partition_labels(causes - {RECOMPUTE_CLASS}))
+
+
+def has_reprefill(run: PreparedRun) -> bool:
+    """Whether the run has re-prefill segments (`RECOMPUTE_CLASS`), host or device."""
+    return bool((run.causes == RECOMPUTE_CLASS).any()) if len(run.causes) else False
 
 
 @dataclass(frozen=True)
@@ -549,7 +570,10 @@ def partition(
     if excess_frac is not None:
         base = replace(base, eager_excess_frac=np.asarray(excess_frac, dtype=np.float64))
     tl = run.timeline(baseline_fit, None if excess_frac is None else base.eager_excess_frac)
-    k = _Kernel.of(run, tl, itl_labels(run))
+    labels = itl_labels(run)
+    # re-prefill time is one more column, last, until its gaps' own and others' shares are
+    # known (`_reprefill_rule`)
+    k = _Kernel.of(run, tl, labels + ((RECOMPUTE_CLASS,) if has_reprefill(run) else ()))
     g = _Gaps.of(log)
     n = len(g)
 
@@ -562,11 +586,18 @@ def partition(
     dev = _device_rule(k, base, g, parts, e_gap)
     # rule 7: what the OS took of each live instant
     os_gap = _os_rule(k, g, parts, e_gap, w0, w1, dev) if run.has_os and n else None
+    # the re-prefill: the gap's own request's is preempt, others' is prefill
+    rp = _reprefill_rule(log, k, g, parts, context, (e_gap, w0, w1))
+    if len(k.labels) > len(labels):
+        parts, context = parts[:, : len(labels)], context[:, : len(labels)]
+        per_interval = per_interval[:, : len(labels)]
 
     gap_ms = (g.t1_s - g.t0_s) * 1e3
-    primary, prim_causes = _primaries(k, g, per_interval, parts, gap_ms, e_gap, dev, os_gap)
+    primary, prim_causes = _primaries(
+        labels, g, per_interval, parts, gap_ms, e_gap, dev, (os_gap, rp[2])
+    )
     p = Partition(
-        labels=k.labels,
+        labels=labels,
         request=g.request,
         t0_s=g.t0_s,
         t1_s=g.t1_s,
@@ -575,6 +606,8 @@ def partition(
         gap_ms=gap_ms,
         parts_ms=parts,
         context_ms=context,
+        reprefill_own_ms=rp[0],
+        reprefill_other_ms=rp[1],
         num_evictions=np.bincount(e_gap, minlength=n)[:n],
         primary=primary,
         causes=prim_causes,
@@ -696,19 +729,44 @@ def _os_rule(
     return os_gap
 
 
+def _reprefill_rule(
+    log: RawLog, k: _Kernel, g: _Gaps, parts: np.ndarray, context: np.ndarray, evicted
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The re-prefill column (last in `k.labels`, if any) of each gap: the share that is
+    its own request's re-prefill goes to `preempt`, the rest to `prefill`; in the context
+    (the request was evicted meanwhile) all of it is others' prefill. Returns each gap's
+    own and others' re-prefill ms and the gaps that had some."""
+    n = len(g)
+    own, other = np.zeros(n), np.zeros(n)
+    if k.labels[-1] != RECOMPUTE_CLASS:
+        return own, other, np.zeros(0, dtype=np.int64)
+    h = parts[:, -1]
+    rows = np.flatnonzero(h != 0.0)
+    # the segments as this partition reads them (device windows drift-corrected)
+    rp = reprefills(replace(log, segments=k.run.log.segments))
+    f = own_shares(rp, g.request, g.t0_s, g.t1_s, rows, cuts_of(*evicted))
+    own[rows], other[rows] = h[rows] * f, h[rows] * (1.0 - f)
+    parts[:, k.col["preempt"]] += own
+    parts[:, k.col["prefill"]] += other
+    context[:, k.col["prefill"]] += context[:, -1]
+    return own, other, rows
+
+
 def _primaries(
-    k: _Kernel,
+    labels: tuple[str, ...],
     g: _Gaps,
     per_interval: np.ndarray,
     parts: np.ndarray,
     gap_ms: np.ndarray,
     e_gap: np.ndarray,
     dev: _DeviceChange | None,
-    os_gap: np.ndarray | None,
+    changed: tuple[np.ndarray | None, np.ndarray],
 ) -> tuple[np.ndarray, tuple[str, ...]]:
     """Each gap's primary cause: a one-interval gap that no rule changed takes its
-    interval's; the others are computed from their parts."""
-    uniq_t, labels = g.uniq_t, k.labels
+    interval's; the others are computed from their parts. `changed`: the gaps whose parts
+    the OS rule (None: it did not run) and the re-prefill rule changed."""
+    os_gap, rp_gap = changed
+    uniq_t = g.uniq_t
     widths_ms = np.append((uniq_t[1:] - uniq_t[:-1]) * 1e3, 0.0)
     prim_u, prim_causes = primary_of(per_interval, widths_ms, labels)
     primary = np.take(prim_u, g.rank0) if len(g) else prim_u[:0]
@@ -719,6 +777,7 @@ def _primaries(
         redo_mask[dev.gap] = False
     if os_gap is not None:
         redo_mask[os_gap] = True  # after the device rule's: its primary predates the OS shares
+    redo_mask[rp_gap] = True  # ... and the re-prefill's split
     redo = np.flatnonzero(redo_mask)
     if len(redo):
         primary[redo] = primary_of(parts[redo], gap_ms[redo], labels)[0]

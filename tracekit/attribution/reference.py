@@ -45,6 +45,7 @@ from tracekit.attribution.itl import (
     gaps_of,
     primary_of,
 )
+from tracekit.attribution.reprefill_reference import ReprefillReference
 from tracekit.attribution.timeline import (
     DEVICE_WAIT_LABELS,
     decode_net_ms,
@@ -68,7 +69,14 @@ from tracekit.attribution.ttft import (
     wait_windows,
 )
 from tracekit.attribution.ttft import primary_of as ttft_primary_of
-from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, partition_labels, precedence
+from tracekit.labels import (
+    OS_BLOCKED,
+    OS_LABELS,
+    OS_RUNQUEUE,
+    RECOMPUTE_CLASS,
+    partition_labels,
+    precedence,
+)
 from tracekit.log.rawlog import RawLog
 
 # -- OS evidence, shared by the ITL and TTFT partitions -------------------------------------
@@ -137,13 +145,26 @@ def _os_evidence(log: RawLog, points: list[float], owner_name, host_segs):
 
 def _itl_labels(log: RawLog) -> tuple[str, ...]:
     """The ITL partition's labels: the host classes, the device windows' causes and, with OS
-    evidence, the OS labels, in `partition_labels` order."""
+    evidence, the OS labels, in `partition_labels` order; then, where the run has
+    re-prefill segments, their class (folded away by `_fold_reprefill`)."""
     causes_arr = segment_causes(log)
     is_dev = log.segments.is_device == 1
     classes = host_classes(causes_arr, is_dev)
-    dev_causes = set(causes_arr[is_dev].tolist())
+    causes = {c for c, _ in classes} | set(causes_arr[is_dev].tolist())
     os_causes = set(OS_LABELS) if has_os_evidence(log) else set()
-    return tuple(partition_labels({c for c, _ in classes} | dev_causes | os_causes))
+    labels = tuple(partition_labels((causes | os_causes) - {RECOMPUTE_CLASS}))
+    return labels + ((RECOMPUTE_CLASS,) if RECOMPUTE_CLASS in causes else ())
+
+
+def _fold_reprefill(labels, parts, context, share: float, other: str) -> tuple[float, float]:
+    """One window's re-prefill column (last in `labels`): `share` of it to `preempt`, the
+    rest to `other` (others' prefill); in the context all of it to `other`. Returns (own,
+    others') ms."""
+    h = float(parts[-1])
+    parts[labels.index("preempt")] += h * share
+    parts[labels.index(other)] += h * (1.0 - share)
+    context[labels.index(other)] += context[-1]
+    return h * share, h * (1.0 - share)
 
 
 class _ItlRules:
@@ -365,6 +386,9 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
     parts = np.zeros((len(g_req), len(labels)))
     context = np.zeros_like(parts)
     n_ev = np.zeros(len(g_req), dtype=np.int64)
+    rc = labels[-1] == RECOMPUTE_CLASS
+    re_pf = ReprefillReference(log) if rc else None
+    split = np.zeros((len(g_req), 2))
     for i in range(len(g_req)):
         t0, t1, r = float(g_t0[i]), float(g_t1[i]), int(g_req[i])
         windows = [
@@ -374,6 +398,11 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
         ]
         n_ev[i] = len(windows)
         parts[i], context[i] = rules.gap(t0, t1, windows, int(g_dstep[i]), int(g_s1[i]))
+        if re_pf is not None:
+            share = re_pf.own_share(r, t0, t1, windows) if parts[i, -1] != 0.0 else 0.0
+            split[i] = _fold_reprefill(labels, parts[i], context[i], share, "prefill")
+    if rc:
+        labels, parts, context = labels[:-1], parts[:, :-1], context[:, :-1]
     gap_ms = (g_t1 - g_t0) * 1e3
     primary, prim_causes = primary_of(parts, gap_ms, labels)
     return Partition(
@@ -386,6 +415,8 @@ def partition_reference(log: RawLog, *, baseline_fit: str = FIT_ALL_CAPTURED) ->
         gap_ms=gap_ms,
         parts_ms=parts,
         context_ms=context,
+        reprefill_own_ms=split[:, 0],
+        reprefill_other_ms=split[:, 1],
         num_evictions=n_ev,
         primary=primary,
         causes=prim_causes,
@@ -424,7 +455,7 @@ def _add_host(into: dict[str, float], who: str, ms: float, rate: float) -> None:
     if who == "decode":
         into["graph"] += ms * rate
         into["decode_other"] += ms * (1 - rate)
-    elif who == "prefill":
+    elif who in ("prefill", RECOMPUTE_CLASS):  # a re-prefill while held: others' too
         into["prefill_other"] += ms
     else:
         into[who] += ms
@@ -464,6 +495,7 @@ class _TtftRules:
         self.os_list, self.os_points, self.os_shares = _os_evidence(
             log, self.points, lambda t: self.owner(t)[0], host_segs
         )
+        self.reprefill = ReprefillReference(log)
 
     def owner(self, x: float) -> tuple[str, float, list[int]]:
         """Rules 2, 4, 5: who owns the instant just after x on the host: (cause, graph rate,
@@ -549,7 +581,7 @@ class _TtftRules:
         cuts |= {p for x, y, _ in waits for p in (x, y)}
         cuts |= set(self.os_points)
         pts = sorted(p for p in cuts if a <= p <= f and np.isfinite(p))
-        own_raw = prefill_live = prefill_all = 0.0
+        own_raw = prefill_live = prefill_all = reprefill = 0.0
         ctx = dict.fromkeys(labels, 0.0)
         for x, y in zip(pts[:-1], pts[1:], strict=True):
             ms = (y - x) * 1e3
@@ -575,6 +607,8 @@ class _TtftRules:
             if who == "decode":  # rule 4
                 row["graph"] += ms * rate
                 row["decode_other"] += ms * (1 - rate)
+            elif who == RECOMPUTE_CLASS:
+                reprefill += ms
             elif who == "prefill":
                 prefill_all += ms
                 if phase == "prefilling":
@@ -588,7 +622,13 @@ class _TtftRules:
             row["prefill_other"] += prefill_all - own
         else:
             row["prefill"] += prefill_all
-        return [row[lb] for lb in labels], [ctx[lb] for lb in labels], phases
+        # a re-prefill: the request's own (over its live time) is preempt, others' prefill
+        held = [(max(x, a), min(y, adm)) for x, y, _ in waits] if is_split else []
+        share = self.reprefill.own_share(r, a, f, evicted + held) if reprefill else 0.0
+        row["preempt"] += reprefill * share
+        row["prefill_other" if is_split else "prefill"] += reprefill * (1.0 - share)
+        split = (reprefill * share, reprefill * (1.0 - share))
+        return [row[lb] for lb in labels], [ctx[lb] for lb in labels], phases, split
 
 
 def ttft_partition_reference(log: RawLog) -> TtftPartition:
@@ -601,8 +641,9 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
     parts = np.zeros((n, len(labels)))
     context = np.zeros_like(parts)
     phases = np.zeros((n, len(PHASES)))
+    split = np.zeros((n, 2))
     for i in range(n):
-        parts[i], context[i], phases[i] = rules.request(
+        parts[i], context[i], phases[i], split[i] = rules.request(
             int(req[i]), float(a_all[i]), float(adm_all[i]), float(f_all[i]),
             float(h_all[i]), float(e_all[i]),
         )  # fmt: skip
@@ -618,6 +659,8 @@ def ttft_partition_reference(log: RawLog) -> TtftPartition:
         parts_ms=parts,
         context_ms=context,
         phases_ms=phases,
+        reprefill_own_ms=split[:, 0],
+        reprefill_other_ms=split[:, 1],
         primary=primary,
         causes=prim_causes,
         notes=ttft_notes(log, np.isfinite(adm_all)),
@@ -720,7 +763,8 @@ def client_partition_reference(log: RawLog) -> ClientPartition:
         eng_labels, eng_rows = eng.labels, {live[int(q)]: eng.parts_ms[j]
                                             for j, q in enumerate(eng.request)}  # fmt: skip
     else:
-        eng_labels, eng_rows = _itl_labels(drift_corrected(log)), {}
+        eng_labels = tuple(x for x in _itl_labels(drift_corrected(log)) if x != RECOMPUTE_CLASS)
+        eng_rows = {}
     with_os = len(log.proc_os) > 0
     os_labels = FRONTEND_OS_LABELS if with_os else ()
     ne = len(eng_labels)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.labels import cause_of, precedence
+from tracekit.labels import cause_of, precedence, segment_cause
 from tracekit.log.osintervals import OsIntervals, intervals_of
 from tracekit.log.rawlog import (
     GRAPH_EAGER,
@@ -41,7 +41,7 @@ from tracekit.log.rawlog import (
 
 def segment_causes(log: RawLog) -> np.ndarray:
     """Cause name of each segment, as an object array."""
-    names = np.array([cause_of(lb, log.cause_map) for lb in log.labels] or [""], dtype=object)
+    names = np.array([segment_cause(lb, log.cause_map) for lb in log.labels] or [""], dtype=object)
     return names[log.segments.label] if len(log.segments) else np.zeros(0, dtype=object)
 
 
@@ -474,7 +474,7 @@ def segment_classes(log: RawLog, classes: list[tuple[str, bool]]) -> np.ndarray:
     -1 for device windows and causes without a class."""
     index = {c: i for i, c in enumerate(classes)}
     label_cls = np.array(
-        [index.get((cause_of(lb, log.cause_map), False), -1) for lb in log.labels] + [-1],
+        [index.get((segment_cause(lb, log.cause_map), False), -1) for lb in log.labels] + [-1],
         dtype=np.int64,
     )
     return np.where(log.segments.is_device == 1, -1, label_cls[log.segments.label])

@@ -65,7 +65,8 @@ from tracekit.attribution.client import (
     frontend_os_between,
     request_api_servers,
 )
-from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows
+from tracekit.attribution.itl import RECONCILE_TOL_MS, evicted_windows, has_reprefill
+from tracekit.attribution.reprefill import cuts_of, own_shares, reprefills
 from tracekit.attribution.timeline import (
     PreparedRun,
     Timeline,
@@ -75,8 +76,8 @@ from tracekit.attribution.timeline import (
     prepared,
     segment_causes,
 )
-from tracekit.errors import LogError, ReconcileError
-from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE
+from tracekit.errors import ReconcileError
+from tracekit.labels import OS_BLOCKED, OS_LABELS, OS_RUNQUEUE, RECOMPUTE_CLASS
 from tracekit.log.rawlog import WAIT_REASONS, RawLog
 
 #: The phases of a TTFT window, in display order (they sum to the TTFT).
@@ -109,7 +110,8 @@ CLEAN = -1
 
 #: `TtftPartition`'s per-request columns: what `TtftPartition.take` selects rows of
 _TTFT_COLUMNS = ("request", "arrival_s", "admit_s", "first_token_s", "ttft_ms", "parts_ms",
-                 "context_ms", "phases_ms", "primary")  # fmt: skip
+                 "context_ms", "phases_ms", "reprefill_own_ms", "reprefill_other_ms",
+                 "primary")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,10 @@ class TtftPartition:
     parts_ms: np.ndarray  # (requests, labels): exclusive, sums to ttft_ms
     context_ms: np.ndarray  # (requests, labels): what ran while evicted or held for a reason
     phases_ms: np.ndarray  # (requests, PHASES): sums to ttft_ms
+    # re-prefill time (docs/ttft.md, rule 4): the request's own, inside `preempt`, and
+    # others', inside `prefill_other` (`prefill` for a request without an admission)
+    reprefill_own_ms: np.ndarray
+    reprefill_other_ms: np.ndarray
     primary: np.ndarray  # index into `causes`, or CLEAN (-1)
     causes: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())  # what this log does not let the partition split
@@ -176,7 +182,8 @@ def ttft_labels(
     intervals. `run`: the log's `PreparedRun`, if prepared (its segment causes are used)."""
     seg_causes = segment_causes(log) if run is None else run.causes
     causes = set(seg_causes[log.segments.is_device != 1].tolist())
-    extra = causes - {"gc", "preempt", "tok", "prefill", "decode"} - set(TTFT_STANDARD_LABELS)
+    extra = causes - {"gc", "preempt", "tok", "prefill", "decode", RECOMPUTE_CLASS}
+    extra -= set(TTFT_STANDARD_LABELS)
     extra -= set(PRE_ENGINE_LABELS) | set(OS_LABELS)
     extra -= set(FRONTEND_OS_LABELS)
     rq = log.requests
@@ -413,7 +420,9 @@ def ttft_partition(
     from other tables is not used)."""
     run = prepared(log, run)
     labels = ttft_labels(log, has_os=run.has_os, run=run)
-    k = _Kernel.of(run, labels)
+    # re-prefill time is one more column, last, until its windows' own and others' shares
+    # are known (`_reprefill_rule`)
+    k = _Kernel.of(run, labels + ((RECOMPUTE_CLASS,) if has_reprefill(run) else ()))
     w = _Windows.of(log)
     ttft_ms = (w.f - w.a) * 1e3
     # 0. before the engine had the request: http, then frontend; the rules below apply
@@ -427,6 +436,10 @@ def ttft_partition(
     # 6. the OS shares of the time rules 2, 4 and 5 own
     if k.run_rate is not None and len(w):
         _os_rule(k, w, parts, evicted, held)
+    # 4. a re-prefill: the request's own is preempt, others' is their prefill
+    rp = _reprefill_rule(log, k, w, parts, context, (evicted, held))
+    if len(k.labels) > len(labels):
+        parts, context = parts[:, : len(labels)], context[:, : len(labels)]
     # 4. prefill: own share in the prefilling phase, the rest is others'
     _prefill_rule(log, k, w, parts, context, evicted)
     phases = _phases(w, ttft_ms, evicted)
@@ -442,6 +455,8 @@ def ttft_partition(
         parts_ms=parts,
         context_ms=context,
         phases_ms=phases,
+        reprefill_own_ms=rp[0],
+        reprefill_other_ms=rp[1],
         primary=primary,
         causes=prim_causes,
         notes=ttft_notes(log, w.split),
@@ -540,6 +555,34 @@ def _os_rule(k: _Kernel, w: _Windows, parts: np.ndarray, evicted: _Held, held: _
     parts -= loss_run + loss_blk
     parts[:, col[OS_RUNQUEUE]] += loss_run.sum(axis=1)
     parts[:, col[OS_BLOCKED]] += loss_blk.sum(axis=1)
+
+
+def _reprefill_rule(
+    log: RawLog, k: _Kernel, w: _Windows, parts: np.ndarray, context: np.ndarray, cut
+) -> tuple[np.ndarray, np.ndarray]:
+    """The re-prefill column (last in `k.labels`, if any) of each window: the share that is
+    its own request's re-prefill (over its live time: from the engine core's add to the
+    first token, less its evicted and held windows, `cut`) goes to `preempt`, the rest to
+    `prefill` (others' prefill: rule 4's split makes it `prefill_other`); in the context
+    all of it is others' prefill. Returns each window's own and others' re-prefill ms."""
+    n = len(w)
+    own, other = np.zeros(n), np.zeros(n)
+    if k.labels[-1] != RECOMPUTE_CLASS:
+        return own, other
+    h = parts[:, -1]
+    rows = np.flatnonzero(h != 0.0)
+    evicted, held = cut
+    cuts = cuts_of(
+        np.concatenate([evicted.row, held.row]),
+        np.concatenate([evicted.x0, held.x0]),
+        np.concatenate([evicted.x1, held.x1]),
+    )
+    f = own_shares(reprefills(log), w.req, w.e, w.f, rows, cuts)
+    own[rows], other[rows] = h[rows] * f, h[rows] * (1.0 - f)
+    parts[:, k.col["preempt"]] += own
+    parts[:, k.col["prefill"]] += other
+    context[:, k.col["prefill"]] += context[:, -1]
+    return own, other
 
 
 def _prefill_rule(
@@ -876,42 +919,6 @@ def ttft_figures(p: TtftPartition) -> TtftFigures:
     )
 
 
-def ttft_records(log: RawLog, p: TtftPartition | None = None, *, min_ms: float | None = None,
-                 request_id: str | None = None) -> list[dict]:  # fmt: skip
-    """One dict per request (as `tracekit.analysis.gaps.gap_records` for gaps): request id, arrival,
-    admission (null: unsplit), first token (s, engine clock), ttft_ms, phases and parts
-    (ms; each sums to ttft_ms), context (what ran while held or evicted), primary."""
-    p = p if p is not None else ttft_partition(log)
-    ids = log.request_ids or tuple(str(i) for i in range(len(log.requests)))
-    sel = np.ones(len(p), dtype=bool)
-    if min_ms is not None:
-        sel &= p.ttft_ms >= min_ms
-    if request_id is not None:
-        if request_id not in ids:
-            raise LogError(log.path, "request", f"no request with id {request_id!r} in this run")
-        sel &= p.request == ids.index(request_id)
-    prim = p.primary_names()
-    out = []
-    for i in np.flatnonzero(sel).tolist():
-        adm = float(p.admit_s[i])
-        out.append(
-            {
-                "request": ids[int(p.request[i])],
-                "arrival": float(p.arrival_s[i]),
-                "admitted": adm if np.isfinite(adm) else None,
-                "first_token": float(p.first_token_s[i]),
-                "ttft_ms": float(p.ttft_ms[i]),
-                "phases": {ph: float(v) for ph, v in zip(PHASES, p.phases_ms[i], strict=True)},
-                "parts": {lb: float(v) for lb, v in zip(p.labels, p.parts_ms[i], strict=True)},
-                "context": {
-                    lb: float(v) for lb, v in zip(p.labels, p.context_ms[i], strict=True) if v
-                },
-                "primary": str(prim[i]),
-            }
-        )
-    return out
-
-
 __all__ = [
     "PHASES",
     "TTFT_STANDARD_LABELS",
@@ -920,5 +927,4 @@ __all__ = [
     "check_ttft_reconciled",
     "ttft_figures",
     "ttft_partition",
-    "ttft_records",
 ]

@@ -18,8 +18,8 @@ import numpy as np
 
 from tracekit.live.buffers import NO_TICK
 from tracekit.live.requests import RequestState
-from tracekit.log.flush import EVICT, TABLES, column_index, to_table
-from tracekit.log.rawlog import Admissions, PrefillChunks, Waits
+from tracekit.log.flush import EVICT, READMIT, TABLES, column_index, to_table
+from tracekit.log.rawlog import Admissions, Evictions, PrefillChunks, Waits
 
 #: The tables only the TTFT partition reads.
 TTFT_TABLES = ("admissions", "prefill_chunks", "waits")
@@ -47,6 +47,9 @@ class Retention:
     requests whose TTFT is not settled yet (prefill chunks: of every retained step, a
     step's token total splits its prefill time). pending: the emissions not yet settled.
     steps: the retained steps, the first being the run's step `step_base`.
+    next_emission: per retained readmission (request, tick), the request's first emission
+    after it (None: none yet), whatever emissions a window holds: which victims are still
+    re-prefilling in a step (docs/live.md) needs it.
     """
 
     def __init__(self) -> None:
@@ -60,6 +63,7 @@ class Retention:
         self.steps = np.zeros((0, cols["steps"]), dtype=np.int64)
         self.step_base = 0  # global index of self.steps[0]
         self.horizon_tick = -NO_TICK  # rows ending before this tick were dropped
+        self.next_emission: dict[tuple[int, int], int | None] = {}
 
     def counts(self) -> dict[str, int]:
         """How many rows are retained (what bounds the settler's memory)."""
@@ -85,6 +89,33 @@ class Retention:
         em = rows.get("emissions")
         if em is not None and len(em):
             self.pending = np.concatenate([self.pending, em])
+        self._note_next_emissions(rows.get("events"), em)
+
+    def _note_next_emissions(self, ev: np.ndarray | None, em: np.ndarray | None) -> None:
+        """Each readmission of `ev`, then each still without one its first emission of `em`
+        (a readmission is flushed no later than an emission after it)."""
+        if ev is not None and len(ev):
+            back = ev[ev[:, _EV["kind"]] == READMIT]
+            for r, t in zip(back[:, _EV["request"]].tolist(), back[:, _EV["t_tick"]].tolist(),
+                            strict=True):  # fmt: skip
+                self.next_emission.setdefault((r, t), None)
+        if em is None or not len(em):
+            return
+        for key in [k for k, v in self.next_emission.items() if v is None]:
+            mine = em[(em[:, _EM["request"]] == key[0]) & (em[:, _EM["t_tick"]] > key[1])]
+            if len(mine):
+                self.next_emission[key] = int(mine[:, _EM["t_tick"]].min())
+
+    def next_emissions_s(self, ev: Evictions, secs: Callable[[np.ndarray], Any]) -> list:
+        """Per row of `ev` (paired from the retained events), its victim's first emission
+        after its readmission in seconds (None: not readmitted, or no emission yet)."""
+        known = {}
+        for (r, t), nxt in self.next_emission.items():
+            if nxt is not None:
+                a, b = secs(np.array([t, nxt], dtype=np.int64)).tolist()
+                known[(r, a)] = b
+        return [known.get((r, t)) for r, t in zip(ev.request.tolist(), ev.t_readmit_s.tolist(),
+                                                  strict=True)]  # fmt: skip
 
     def take_pending(self, w_tick: int) -> np.ndarray:
         """The pending emissions at or before `w_tick`, no longer pending."""
@@ -199,6 +230,7 @@ class Retention:
         self.gc_pauses = self.gc_pauses[self.gc_pauses[:, _GC["t1_tick"]] >= h_tick]
         self.os_samples = self.os_samples[_from_the_sample_before(self.os_samples, h_tick) :]
         self.events = _drop_closed_evictions(self.events, h_tick)
+        self.next_emission = {k: v for k, v in self.next_emission.items() if k[1] >= h_tick}
         self._drop_steps(requests, live, num_settled)
 
     def _drop_steps(self, requests: RequestState, live: np.ndarray, num_settled: int) -> None:

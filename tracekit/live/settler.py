@@ -54,6 +54,7 @@ import numpy as np
 
 from tracekit.analysis.figures import HIST_EDGES_MS
 from tracekit.attribution.itl import CLEAN, partition, primary_of
+from tracekit.attribution.reprefill import NEXT_EMISSION_META
 from tracekit.attribution.ttft import TTFT_STANDARD_LABELS, ttft_partition
 from tracekit.labels import DEFAULT_CAUSE_MAP, OS_LABELS, STANDARD_LABELS, cause_of
 from tracekit.live.buffers import NO_TICK, Ring
@@ -441,6 +442,10 @@ class Settler:
             return np.where(s >= 0, s - step_lo, s)
 
         secs = self.secs
+        evictions = pair_evictions(self._rows.events, secs)
+        ttft = self._rows.ttft_tables(step_lo, step_hi, secs)
+        if ttft_requests is None:  # the gaps' partition reads the steps' prefill tokens only
+            ttft = {"prefill_chunks": ttft["prefill_chunks"]}
         return RawLog(
             steps=to_table(Steps, "steps", st, secs),
             segments=replace(
@@ -454,17 +459,20 @@ class Settler:
                     em[:, _EM["device_step"]] >= step_lo, em[:, _EM["device_step"]] - step_lo, -1
                 ),
             ),
-            evictions=pair_evictions(self._rows.events, secs),
+            evictions=evictions,
             os_samples=to_table(OsSamples, "os_samples", os_rows, secs),
             # the partition never reads the requests: built only for a TTFT partitioner
             requests=self._requests.requests_table(ttft_requests, secs)
             if ttft_requests is not None
             else Requests.empty(),
             counters=Counters.empty(),
-            **(self._rows.ttft_tables(step_lo, step_hi, secs) if ttft_requests is not None else {}),
+            **ttft,
             labels=tuple(self._labels),
             request_ids=tuple(self._requests.ids) if ttft_requests is not None else (),
             cause_map=self._cause_map,
+            # whose re-prefill a step is: each victim's next emission, which the window's
+            # emissions may not hold (docs/live.md)
+            meta={NEXT_EMISSION_META: self._rows.next_emissions_s(evictions, secs)},
             path="<live window>",
         )
 
