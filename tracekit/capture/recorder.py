@@ -607,6 +607,18 @@ class Recorder:
         idx = book.index.get(request_id)
         return book.intern(request_id, "handle") if idx is None else idx
 
+    def finish(self, request_id: Any) -> None:
+        """The engine is done with `request_id` (finished or aborted: vLLM's `finish_reason`):
+        its id leaves the recorder's book (flat memory over any run), no row is written.
+        Its handle stays its own; a later call naming the id, an unknown id and a second
+        finish raise (docs/capture.md, "Finished requests")."""
+        if self.enabled:
+            self._book.finish(request_id)
+
+    def finish_handle(self, handle: int) -> None:  # `finish` on a request handle
+        if self.enabled:
+            self._book.finish_handle(handle)
+
     def _flush_if_idle(self, now: int) -> None:
         """Keep the flush interval while no step runs (an idle engine still takes
         arrivals): flush only between steps, so a part never splits an open step."""
@@ -909,12 +921,15 @@ class Recorder:
         is_clock_only: bool, first_request: int, first_step: int,
     ) -> Flush:  # fmt: skip
         """What a flush hands over: the swapped-out rows, with the vocabularies so far
-        (the request names from `first_request` on, the ones not handed over yet)."""
+        (the request names from `first_request` on, the ones not handed over yet: none is
+        None, a finished request's name goes only once handed over)."""
+        names = self._book.names[first_request:]
+        self._book.names_handed_over(first_request + len(names))
         return Flush(
             buf,
             list(self._labels),
             list(self._counter_index),
-            self._book.names[first_request:],
+            names,  # type: ignore[arg-type]
             first_request,
             dict(self.config),
             now,
