@@ -27,6 +27,7 @@ from tracekit.capture.segments import OpenStep
 from tracekit.capture.sinks import EMIT_CALLS, EMIT_HANDLES
 from tracekit.log.flush import EVICT, READMIT, UNKNOWN_TICK
 from tracekit.log.rawlog import PREEMPT_REASON_CODES, PREEMPT_REASONS
+from tracekit.log.validate import MAX_COUNT
 
 
 def _caller_level() -> int:
@@ -70,6 +71,7 @@ def bytes_of(rows: np.ndarray) -> bytes:
 
 _INT64 = np.dtype(np.int64)
 _UINT64 = np.dtype(np.uint64)
+_INT32 = np.dtype(np.int32)
 _max_of = np.maximum.reduce  # `ndarray.max` without its Python wrapper
 
 
@@ -238,6 +240,8 @@ class RequestBook:
                 "string, so give every request an id of one type"
             )
         idx = len(self.names)
+        if idx >= MAX_COUNT:  # handles are kept as int32 (`Recorder.emit_handles`' buffer)
+            raise ValueError(f"{what}: a recorder records at most {MAX_COUNT} requests")
         if idx >= len(self._req.arrival):
             self._req.grow(idx + 1)
         self.index[request_id] = idx
@@ -611,9 +615,9 @@ class RequestBook:
             tables = rows.tables
             hb = tables[EMIT_HANDLES]
             at = len(hb)
-            hb.frombytes(bytes_of(h))
+            hb.frombytes(h.astype(_INT32).tobytes())
             if counts is not None:
-                hb.frombytes(bytes_of(counts))
+                hb.frombytes(counts.astype(_INT32).tobytes())
             # last: the call's row commits it (handles without one are never read)
             tables[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, counts is not None, at))
             st.num_emit_rows += n
