@@ -134,25 +134,11 @@ class ThreadStats:
         self, tid: int, kind: int, clock: Callable[[], int], switches: bool
     ) -> tuple[int, bytes]:
         """One `os_samples` row of the calling thread and its tick: the counters first
-        (`read`), then the clock, with nothing between (docs/partition.md, "When the
-        counters are read"). The per-step path: `read` inlined, one packing of the row."""
-        cpu = _clock_gettime_ns(_CPU_CLOCK)  # type: ignore[arg-type]
-        try:
-            fd = self._tls.fd
-        except AttributeError:  # this thread's first read
-            fd = self._fd()
-        runq = -1
-        if fd >= 0:
-            try:
-                runq = int(_pread(fd, 96, 0).split(None, 2)[1])
-            except (OSError, ValueError, IndexError):
-                runq = -1
-        if not switches or _RUSAGE_THREAD is None:
-            t = clock()
-            return t, _OS_ROW(tid, kind, t, cpu, runq, -1, -1, -1)
-        ru = _getrusage(_RUSAGE_THREAD)
+        (`read`, the one place they are read), then the clock, with nothing between
+        (docs/partition.md, "When the counters are read"); the row packed once."""
+        cpu, runq, nvcsw, nivcsw, majflt = self.read(switches)
         t = clock()
-        return t, _OS_ROW(tid, kind, t, cpu, runq, ru.ru_nvcsw, ru.ru_nivcsw, ru.ru_majflt)
+        return t, _OS_ROW(tid, kind, t, cpu, runq, nvcsw, nivcsw, majflt)
 
     def close(self) -> None:
         with self._lock:
