@@ -12,6 +12,7 @@ import pytest
 from logfiles import one_file_arrays
 
 import tracekit
+from tracekit.capture.finished import FIRST_SLOTS, FinishedIds
 
 
 class ManualClock:
@@ -180,15 +181,36 @@ def book_bytes_per_request(tmp_path: Path, n: int, *, finish: bool) -> float:
 
 
 def test_finished_requests_cost_a_few_bytes_each(tmp_path):
-    """What a finished request leaves (docs/capture.md, "Finished requests"), bounded by
-    hand over the 22,000 requests measured: its per-handle columns (26 bytes; they double,
-    so up to 2 x 26 x 24,000 / 22,000 = 57 bytes), two list slots (16 bytes, +1/8
-    over-allocation: 18, 20 over the 22,000), its id's 8-byte hash in the sorted array
-    and, until the next merge, in a set (at most 16,383 of them: a 32-byte int and up to
-    two 16-byte slots each, 1.05 MB, 48 bytes a request): 57 + 20 + 8 + 48 = 133 < 140.
-    Its row and name are on disk after the next flush. An id kept in the book costs two
-    dictionary entries more."""
+    """What a finished request leaves in Python's and numpy's memory (docs/capture.md,
+    "Finished requests"), bounded by hand over the 22,000 requests measured: its
+    per-handle columns (26 bytes; they double, so up to 2 x 26 x 24,000 / 22,000 = 57
+    bytes) and two list slots (16 bytes, +1/8 over-allocation: 18, 20 over the 22,000):
+    77 bytes, < 100 with what the writer holds in flight when measured. Its row and name
+    are on disk after the next flush; its id's hash is in mapped tables, bounded below. An
+    id kept in the book costs two dictionary entries more."""
     finished = book_bytes_per_request(tmp_path, 24_000, finish=True)
     kept = book_bytes_per_request(tmp_path, 24_000, finish=False)
-    assert finished < 140
+    assert finished < 100
     assert kept > finished
+
+
+def test_finished_ids_find_every_id_added_and_no_other():
+    done = FinishedIds()
+    ids = [f"cmpl-{i:06d}-0" for i in range(100_000)]
+    for rid in ids[::2]:
+        done.add(rid)
+    assert len(done) == 50_000
+    assert all(rid in done for rid in ids[::2])
+    assert not any(rid in done for rid in ids[1::2])
+
+
+def test_finished_ids_take_about_four_slots_a_hash():
+    """Tables of c = 2**15, 2c, 4c, ... slots, each filled to half before the next (twice
+    as large) is made. With tables c .. 2**k c, the k full ones hold c/2 (2**k - 1) hashes
+    and there are c (2**(k+1) - 1) slots: slots <= 4 n + c for n hashes (8 bytes a slot)."""
+    done = FinishedIds()
+    for i in range(200_000):
+        done.add(f"r{i}")
+        if i % 997 == 0:
+            assert done.nbytes <= 8 * (4 * (i + 1) + FIRST_SLOTS), i
+    assert done.nbytes <= 8 * (4 * 200_000 + FIRST_SLOTS)
