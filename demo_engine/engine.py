@@ -324,6 +324,7 @@ class Engine:
         )
         for r in finished:
             self.history.close(r.rid)
+            self.rec.finish(r.rid)  # its last token is out: the recorder may forget its id
         st.num_tokens += len(rids)
         st.num_finished += len(finished)
         return len(rids)

@@ -269,7 +269,9 @@ class TransformersCBAdapter:
         p.wrap(bp.model_runner, "_sample", self._wrap_sample)
         p.wrap(bp.model_runner, "maybe_pad_inputs", self._wrap_pad(bp))
         p.wrap(bp, "_generation_step", self._wrap_generation_step(bp))
-        p.wrap(bp, "update_batch", self._wrap_update)
+        p.wrap(bp, "update_batch", self._wrap_update(bp))
+        if hasattr(bp.scheduler, "clear_cancelled_requests"):
+            p.wrap(bp.scheduler, "clear_cancelled_requests", self._wrap_cancelled)
 
     def _wrap_prepare(self, bp: Any) -> Callable[..., Callable[..., Any]]:
         rec = self.rec
@@ -518,8 +520,49 @@ class TransformersCBAdapter:
 
         return make
 
-    def _wrap_update(self, update: Callable[[], None]) -> Callable[[], None]:
-        return self._wrap_inner("update")(update)
+    def _wrap_update(self, bp: Any) -> Callable[..., Callable[..., Any]]:
+        timed = self._wrap_inner("update")
+
+        def make(update: Callable[..., Any]) -> Callable[..., Any]:
+            inner = timed(update)
+
+            def update_instrumented(*args: Any, **kwargs: Any) -> Any:
+                batch = (
+                    [fs.state.request_id for fs in bp.inputs_and_outputs.requests_in_batch]
+                    if self._step_open
+                    else []
+                )
+                out = inner(*args, **kwargs)
+                # finished: `update_batch` took them out of the scheduler (a request it
+                # offloads stays among the waiting, under the same id)
+                sched = bp.scheduler
+                active, waiting = sched.active_requests, sched.waiting_requests
+                self._finish([r for r in batch if r not in active and r not in waiting])
+                return out
+
+            return update_instrumented
+
+        return make
+
+    def _wrap_cancelled(self, clear: Callable[[], Any]) -> Callable[[], Any]:
+        def clear_instrumented() -> Any:
+            states = clear()
+            self._finish([st.request_id for st in states or ()])  # cancelled: finished too
+            return states
+
+        return clear_instrumented
+
+    def _finish(self, rids: list[Any]) -> None:
+        """Requests the engine is done with: the recorder and this adapter forget their
+        ids (flat memory over a long run); ids never recorded are skipped."""
+        for rid in rids:
+            h = self._handles.pop(rid, None)
+            self._admitted.discard(rid)
+            self._evicted.discard(rid)
+            self._alloc_failed.discard(rid)
+            self._waits.pop(rid, None)
+            if h is not None:
+                self.rec.finish_handle(h)
 
 
 def instrument_transformers(rec: Any, manager: Any = None) -> TransformersCBAdapter:

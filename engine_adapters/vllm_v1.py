@@ -235,6 +235,21 @@ class VllmV1Adapter:
             self._handles[rid] = h
         return h
 
+    def _finish(self, rids: Any) -> None:
+        """Requests vLLM finished (`EngineCoreOutput.finish_reason`; stopped or aborted, the
+        scheduler's `finished_req_ids`): the recorder and this adapter forget their ids, so
+        a server's memory stays flat. Ids it never recorded, or finished already, are
+        skipped."""
+        for rid in rids:
+            h = self._handles.pop(rid, None)
+            name = self._names.pop(rid, None)
+            if name is not None:
+                self._external.discard(name)
+            self._admitted.discard(rid)
+            self._evicted.discard(rid)
+            if h is not None:
+                self.rec.finish_handle(h)
+
     # -- wrappers ------------------------------------------------------------------------
     def _wrap_step(self, sched: Any) -> Callable[..., Callable[..., Any]]:
         rec = self.rec
@@ -368,6 +383,9 @@ class VllmV1Adapter:
                     self._evicted.discard(rid)
                     rec.readmit(self._name(rid))
                 self._num_decode, self._num_prefill_tokens = num_decode, num_prefill
+                done = getattr(out, "finished_req_ids", None)
+                if done:  # finished since the last call, aborted ones too
+                    self._finish(done)
                 return out
 
             return schedule_instrumented
@@ -509,6 +527,7 @@ class VllmV1Adapter:
             handles = self._handles
             hs: list[int] = []
             counts: list[int] = []
+            finished: list[str] = []
             for eco in out.values() if isinstance(out, dict) else ():
                 for o in getattr(eco, "outputs", ()):
                     n = len(o.new_token_ids)
@@ -516,10 +535,14 @@ class VllmV1Adapter:
                         h = handles.get(o.request_id)
                         hs.append(self._handle(o.request_id) if h is None else h)
                         counts.append(n)
+                    if getattr(o, "finish_reason", None) is not None:
+                        finished.append(o.request_id)
             if hs:
                 # one token a request (no speculative decoding): no counts, the same rows
                 many = max(counts) > 1
                 rec.emit_handles(hs, counts if many else None, at_tick=t_emit)
+            if finished:  # after their last tokens
+                self._finish(finished)
             return out
 
         return update_instrumented

@@ -107,7 +107,19 @@ def batch_run(model, tmp_path_factory):
         "resets": resets,
         "positions": positions,
         "adapter": adapter,
+        "rec": rec,
     }
+
+
+def test_every_finished_request_left_the_recorders_book(batch_run):
+    """Every request ran to its end (soft-reset ones included: an offload keeps the id
+    among the waiting, not finished): each was finished after its last token, so naming
+    it again raises (docs/capture.md, "Finished requests")."""
+    log, rec = batch_run["log"], batch_run["rec"]
+    assert len(batch_run["resets"]) >= 2 and len(log.request_ids) == NUM_REQUESTS
+    for name in log.request_ids:
+        with pytest.raises(ValueError, match="was finished"):
+            rec.handle(name)
 
 
 def test_emitted_tokens_equal_the_tokens_the_engine_returned(batch_run):

@@ -100,8 +100,44 @@ def vllm_run(llm, vllm_mod, tmp_path_factory):
         "path": out,
         "outputs": outputs,
         "adapter": adapter,
+        "rec": rec,
         "mono_minus_perf_s": mono_minus_perf_s,
     }
+
+
+def assert_finished(rec, names):
+    """Each of `names` was finished in `rec` (docs/capture.md, "Finished requests"): its
+    id left the book, so naming it again raises."""
+    for name in names:
+        with pytest.raises(ValueError, match="was finished"):
+            rec.handle(name)
+
+
+def test_every_request_vllm_finished_left_the_recorders_book(vllm_run):
+    """Every request ran to its end (preempted ones included): each was finished, at its
+    `finish_reason`, after its last token (the tokens all reached the log)."""
+    log = vllm_run["log"]
+    assert len(log.request_ids) == NUM_REQUESTS
+    assert_finished(vllm_run["rec"], log.request_ids)
+
+
+def test_an_aborted_request_is_finished_at_the_next_schedule(llm, vllm_mod):
+    """An abort reaches the scheduler's `finished_req_ids` (no output carries a
+    `finish_reason`): the next `schedule` finishes it; the others finish as they end."""
+    engine = llm.llm_engine
+    params = vllm_mod.SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    rec = tracekit.Recorder(None)
+    with one_torch_thread(), rec, instrument_vllm(rec, llm):
+        for i, prompt in enumerate(tiny_prompts(3, seed=5)):
+            engine.add_request(f"ab{i}", prompt, params)
+        for _ in range(3):
+            engine.step()
+        engine.abort_request(["ab1"])
+        while engine.has_unfinished_requests():
+            engine.step()
+    tokens = tokens_by_request(rec.log())
+    assert tokens["ab0"] == tokens["ab2"] == 12 and 1 <= tokens["ab1"] < 12
+    assert_finished(rec, ["ab0", "ab1", "ab2"])
 
 
 def test_emitted_tokens_equal_the_tokens_the_engine_returned(vllm_run):

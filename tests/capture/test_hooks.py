@@ -192,3 +192,18 @@ def test_an_idle_engine_still_flushes_its_arrivals(tmp_path):
             assert rec._rows.num_flushes == before
     assert flushed >= 3
     assert len(tracekit.load(tmp_path / "r.npz").requests) == 15
+
+
+def test_emit_handles_takes_a_strided_view_of_handles():
+    """Every other request of a batch, as a view with a stride (`handles[::2]`): one row per
+    handle, in order (the handles were copied through a cast that refuses strided views,
+    raising after the batch had been marked as emitted)."""
+    rec = Recorder(clock=FakeClock(), gc=False)
+    with rec:
+        handles = np.array([rec.request(f"r{i}") for i in range(40)], dtype=np.int64)
+        with rec.step():
+            rec.emit_handles(handles[::2])
+            rec.emit_handles(handles[1::2], np.arange(1, 21)[::-1])  # counts: a reversed view
+    e = rec.log().emissions
+    assert e.request.tolist() == list(range(0, 40, 2)) + list(range(1, 40, 2))
+    assert e.num_tokens.tolist() == [1] * 20 + list(range(20, 0, -1))

@@ -724,3 +724,29 @@ def test_ladder_passes_its_timer_to_every_rung(tmp_path):
     )
     assert bad.exit_code == 2 and "--timer cpu needs arrivals paced in steps" in bad.output
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_every_finished_request_left_the_recorders_book(tokenizer, is_async):
+    """The demo engine finishes each request in the recorder after its last token
+    (docs/capture.md, "Finished requests"), under KV pressure (preemptions) and under
+    async scheduling (the last token is read a step after the scheduler finished it):
+    every token reached the log, and each id left the book (naming it raises)."""
+    cfg = SMALL.replace(num_kv_blocks=24, is_async_scheduling=is_async)
+    runner = None
+    if is_async:  # async scheduling needs a runner that launches without waiting
+        pytest.importorskip("torch")
+        from demo_engine.torch_runner import TorchModelRunner  # needs torch: asked for above
+
+        runner = TorchModelRunner(cfg, tokenizer.get_vocab_size())
+    rec = tracekit.Recorder(None, config={"rung": "test"})
+    with rec:
+        eng = Engine(cfg, rec, tokenizer, runner=runner)
+        stats = eng.serve(_burst(6), 60.0, is_drain=True)
+        eng.close()
+    log = rec.log()
+    assert stats.num_finished == 6 and len(log.emissions) == stats.num_tokens == 6 * 40
+    assert len(log.request_ids) == 6
+    for name in log.request_ids:
+        with pytest.raises(ValueError, match="was finished"):
+            rec.handle(name)

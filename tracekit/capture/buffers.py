@@ -33,7 +33,7 @@ def new_tables() -> dict[str, array]:
     """One empty array per table, and the two of the compact emissions."""
     tables = {k: array("d" if DTYPES[k] is np.float64 else "q") for k in TABLES}
     tables[EMIT_CALLS] = array("q")  # emissions, compact (`sinks.expand_emissions`)
-    tables[EMIT_HANDLES] = array("q")
+    tables[EMIT_HANDLES] = array("i")  # int32: handles and counts are below 2**31
     return tables
 
 

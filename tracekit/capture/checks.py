@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.labels import is_produced
+from tracekit.log.rawlog import WAIT_REASON_CODES
 from tracekit.log.validate import MAX_COUNT
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -48,6 +50,53 @@ def check_recorder_args(out: Any, seconds_per_tick: Any, os_evidence: Any, retai
         )
     if retain_s is not None and out is None:
         raise ValueError("Recorder(retain_s=): parts are kept on disk only (give out=PATH)")
+
+
+def check_label(label: Any, name: str) -> str:
+    """A label (or counter name) is a str, or TypeError naming `name`."""
+    if not isinstance(label, str):
+        raise TypeError(f"{name}: expected a str, got {type(label).__name__} {label!r:.80}")
+    return label
+
+
+def engine_label(label: str) -> str:
+    """A label an engine may record a window under: not one only the partitions produce."""
+    if is_produced(label):
+        raise ValueError(
+            f"label {label!r:.80}: only tracekit's partitions produce it (time no window "
+            f"covered, the OS's, a request's stages and waits...): record the window under a "
+            f'name of its own (docs/input-validation.md, "Labels")'
+        )
+    return label
+
+
+def wait_code(reason: Any) -> int:
+    """A wait reason's code (`tracekit.log.rawlog.WAIT_REASONS`), or ValueError."""
+    code = WAIT_REASON_CODES.get(reason) if isinstance(reason, str) else None
+    if code is None:
+        raise ValueError(f"wait reason {reason!r:.80} is not one of {list(WAIT_REASON_CODES)}")
+    return code
+
+
+def step_attrs(
+    num_decode: Any, num_prefill_tokens: Any, graph_size: Any, num_preempted: Any,
+    num_swapped_in: Any,
+) -> dict[str, int]:  # fmt: skip
+    """`Recorder.step_info`'s attributes that were given, each checked (all before any is
+    kept: a wrong one raises and sets none)."""
+    # one `if` a keyword, names spelled out: a call per step, no string built per call
+    given = {}
+    if num_decode is not None:
+        given["num_decode"] = as_int(num_decode, "step_info(num_decode=)")
+    if num_prefill_tokens is not None:
+        given["num_prefill_tokens"] = as_int(num_prefill_tokens, "step_info(num_prefill_tokens=)")
+    if graph_size is not None:
+        given["graph_size"] = as_int(graph_size, "step_info(graph_size=)", -1)
+    if num_preempted is not None:
+        given["num_preempted"] = as_int(num_preempted, "step_info(num_preempted=)")
+    if num_swapped_in is not None:
+        given["num_swapped_in"] = as_int(num_swapped_in, "step_info(num_swapped_in=)")
+    return given
 
 
 def as_int(value: Any, name: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
@@ -131,4 +180,15 @@ def as_int_vector(values: Any, name: str, lo: int = 0, hi: int = MAX_COUNT) -> n
     return a
 
 
-__all__ = ["INT64_MAX", "INT64_MIN", "as_int", "as_int_vector", "as_tick", "small_ints"]
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "as_int",
+    "as_int_vector",
+    "as_tick",
+    "check_label",
+    "engine_label",
+    "small_ints",
+    "step_attrs",
+    "wait_code",
+]

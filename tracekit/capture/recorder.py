@@ -52,10 +52,20 @@ import numpy as np
 
 from tracekit.capture import signals
 from tracekit.capture.buffers import RowBuffers
-from tracekit.capture.checks import as_int, as_int_vector, as_tick, check_recorder_args, small_ints
+from tracekit.capture.checks import (
+    as_int,
+    as_int_vector,
+    as_tick,
+    check_label,
+    check_recorder_args,
+    engine_label,
+    small_ints,
+    step_attrs,
+    wait_code,
+)
 from tracekit.capture.device import DeviceTimer
 from tracekit.capture.gcpauses import GcPauses
-from tracekit.capture.requests import RequestBook, eviction_cause, few
+from tracekit.capture.requests import RequestBook, eviction_cause, few, in_range
 from tracekit.capture.segments import (
     NULL_SEGMENT,
     NVTX_DOMAIN,
@@ -68,33 +78,16 @@ from tracekit.capture.segments import (
     Threads,
 )
 from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sink, call_sink
-from tracekit.labels import DEFAULT_CAUSE_MAP, is_produced
+from tracekit.labels import DEFAULT_CAUSE_MAP
 from tracekit.log.clocks import STEADY_CLOCK_FUNCTIONS
 from tracekit.log.flush import UNKNOWN_TICK
-from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, WAIT_REASON_CODES, RawLog
+from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, RawLog
 from tracekit.log.reader import load
 from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _NULL_CM = contextlib.nullcontext()
-
-
-def _check_label(label: Any, name: str) -> str:
-    if not isinstance(label, str):
-        raise TypeError(f"{name}: expected a str, got {type(label).__name__} {label!r:.80}")
-    return label
-
-
-def _engine_label(label: str) -> str:
-    """A label an engine may record a window under: not one only the partitions produce."""
-    if is_produced(label):
-        raise ValueError(
-            f"label {label!r:.80}: only tracekit's partitions produce it (time no window "
-            f"covered, the OS's, a request's stages and waits...): record the window under a "
-            f'name of its own (docs/input-validation.md, "Labels")'
-        )
-    return label
 
 
 #: Recorders that are running, so tests (and atexit) can check none is left behind; each
@@ -198,6 +191,7 @@ class Recorder:
         self._labels: list[str] = []
         self._label_index: dict[str, int] = {}  # label -> its index in `_labels`
         self._segments: dict[tuple[str, bool], Segment] = {}
+        self._host_segments: dict[str, Segment] = {}  # the same, device=False, by label
         self._counter_index: dict[str, int] = {}
         self._gc = GcPauses(clock, self._rows)
         self._on_gc = self._gc.on_gc  # what goes into gc.callbacks while the run records
@@ -424,29 +418,15 @@ class Recorder:
         any is kept, so a wrong one raises and sets none."""
         if not self.enabled:
             return
-        # one `if` a keyword, names spelled out: a call per step, no string built per call
-        given = {}
-        if num_decode is not None:
-            given["num_decode"] = as_int(num_decode, "step_info(num_decode=)")
-        if num_prefill_tokens is not None:
-            given["num_prefill_tokens"] = as_int(
-                num_prefill_tokens, "step_info(num_prefill_tokens=)"
-            )
-        if graph_size is not None:
-            given["graph_size"] = as_int(graph_size, "step_info(graph_size=)", -1)
-        if num_preempted is not None:
-            given["num_preempted"] = as_int(num_preempted, "step_info(num_preempted=)")
-        if num_swapped_in is not None:
-            given["num_swapped_in"] = as_int(num_swapped_in, "step_info(num_swapped_in=)")
-        self._step.attrs.update(given)
+        a = step_attrs(num_decode, num_prefill_tokens, graph_size, num_preempted, num_swapped_in)
+        self._step.attrs.update(a)
 
     def _begin_step(self) -> None:
         """Where a step begins: its start tick, then (under the lock, last) its number.
 
-        The order makes every instant safe to stop at (a signal, an exception): until
-        the step's number (`OpenStep.begin`) moves on, nothing names the new step; from
-        then on `stop()` finds it
-        open (no row yet, `_open_step_no`) and closes it at the stop time."""
+        The order makes every instant safe to stop at (a signal, an exception): until the
+        step's number (`OpenStep.begin`) moves on, nothing names the new step; from then on
+        `stop()` finds it open (no row yet, `_open_step_no`) and closes it at stop time."""
         st = self._step
         if st.is_open:
             raise RuntimeError("steps do not nest: the previous step is still open")
@@ -468,7 +448,7 @@ class Recorder:
         rows = self._rows
         with self._lock:  # with the row: an idle flush never sees the step half-ended
             rows.tables["steps"].frombytes(row)
-            st.is_open = False
+            st.close()
         dev = self._device
         if dev is not None and dev.num_pending:  # lazily: only what has finished, no sync
             dev.poll(self._append_device_window)
@@ -492,7 +472,7 @@ class Recorder:
             return []
         with self._lock:
             self._rows.tables["steps"].frombytes(self._step.row(stop_tick))
-            self._step.is_open = False
+            self._step.close()
         return [f"step {n} was still open at stop(): it is closed at the stop time"]
 
     # -- segments --------------------------------------------------------------------
@@ -505,10 +485,13 @@ class Recorder:
         host window is."""
         if not self.enabled:
             return NULL_SEGMENT
+        seg = None if device else self._host_segments.get(label)  # the common case: one lookup
+        if seg is not None:
+            return seg
         key = (label, device)
         seg = self._segments.get(key)
         if seg is None:
-            label = _check_label(label, "segment(label)")
+            label = check_label(label, "segment(label)")
             with self._lock:
                 seg = self._segments.get(key)
                 if seg is None:
@@ -520,6 +503,8 @@ class Recorder:
                     else:  # nothing measures the device: the host window is what we have
                         seg = Segment(idx, label, self._clock, self._threads, self._probes)
                     self._segments[key] = seg
+                    if not device:
+                        self._host_segments[label] = seg
         return seg
 
     def add_segment(self, label: str, t0: int, t1: int, *, device: bool = False) -> None:
@@ -535,7 +520,7 @@ class Recorder:
             and t1 - self._t0_tick <= self._max_ticks
             and self._t0_tick - t0 <= self._max_ticks
         ):
-            label = _check_label(label, "add_segment(label)")
+            label = check_label(label, "add_segment(label)")
             t0 = self._check_tick(t0, "add_segment(t0)")
             t1 = self._check_tick(t1, "add_segment(t1)")
             if t1 < t0:
@@ -553,7 +538,7 @@ class Recorder:
         with self._lock:
             idx = self._label_index.get(label)
             if idx is None:
-                self._labels.append(_engine_label(label))  # once per label: off the hot path
+                self._labels.append(engine_label(label))  # once per label: off the hot path
                 idx = self._label_index[label] = len(self._labels) - 1
             return idx
 
@@ -622,6 +607,18 @@ class Recorder:
         idx = book.index.get(request_id)
         return book.intern(request_id, "handle") if idx is None else idx
 
+    def finish(self, request_id: Any) -> None:
+        """The engine is done with `request_id` (finished or aborted: vLLM's `finish_reason`):
+        its id leaves the recorder's book (flat memory over any run), no row is written.
+        Its handle stays its own; a later call naming the id, an unknown id and a second
+        finish raise (docs/capture.md, "Finished requests")."""
+        if self.enabled:
+            self._book.finish(request_id)
+
+    def finish_handle(self, handle: int) -> None:  # `finish` on a request handle
+        if self.enabled:
+            self._book.finish_handle(handle)
+
     def _flush_if_idle(self, now: int) -> None:
         """Keep the flush interval while no step runs (an idle engine still takes
         arrivals): flush only between steps, so a part never splits an open step."""
@@ -633,11 +630,10 @@ class Recorder:
                 self._flush(poll_device=False)
 
     def flush_soon(self) -> None:
-        """Hand every completed row to the sinks as soon as a part may be cut: at the end
-        of the open step, or, between steps, at once from the writer thread (a flush even
-        with no new row, so the log says it was complete at that time). For a process that
-        may be killed next (a SIGTERM handler: it swaps no buffer itself, so it is safe
-        wherever the signal lands)."""
+        """Hand every completed row to the sinks as soon as a part may be cut: at the end of
+        the open step, or, between steps, at once from the writer thread (a flush even with
+        no new row: the log says it was complete then). For a process that may be killed
+        next (a SIGTERM handler: it swaps no buffer, so it is safe wherever a signal lands)."""
         if not self._running:
             return
         self._rows.is_flush_asked = True  # cleared by the flush that takes the rows so far
@@ -705,8 +701,18 @@ class Recorder:
         and `num_tokens`: an int array (best) or a sequence of ints."""
         if not self.enabled:
             return
-        t, dstep = self._emit_when(at_tick, reads_step)
+        if at_tick is None and reads_step is None:  # the per-step call: `_emit_when` inlined
+            t = self._clock()
+            st = self._step
+            dstep = st.no if st.is_open else -1
+        else:
+            t, dstep = self._emit_when(at_tick, reads_step)
         book = self._book
+        if num_tokens is None:
+            h = in_range(handles, len(book.names) - 1)  # a batch's int64 array, in range
+            if h is not None:
+                book.emit_rows(h, None, t, dstep)
+                return
         if few(handles) and (
             num_tokens is None or few(num_tokens)
         ):  # a few ints: checked and copied in Python (numpy's fixed costs are more)
@@ -749,7 +755,7 @@ class Recorder:
             and t0 - t_ready <= self._max_ticks
             and type(label) is str
         ):
-            label = _check_label(label, "emit_chunk(label)")
+            label = check_label(label, "emit_chunk(label)")
             handle = as_int(handle, "emit_chunk(handle)", 0, len(book.names) - 1)
             t_ready = self._check_tick(t_ready, "emit_chunk(t_ready)")
             t_sent = self._check_tick(t_sent, "emit_chunk(t_sent)")
@@ -856,7 +862,7 @@ class Recorder:
         `preempted_first`, `other`). One reason per request and step."""
         if not self.enabled:
             return
-        code = self._wait_code(reason)
+        code = wait_code(reason)
         step = self._open_step("wait")
         self._book.wait(request_ids, code, step)
 
@@ -864,17 +870,10 @@ class Recorder:
         """`wait` on request handles."""
         if not self.enabled:
             return
-        code = self._wait_code(reason)
+        code = wait_code(reason)
         step = self._open_step("wait")
         book = self._book
         book.wait_rows(book.check_handles(handles, "wait_handles(handles)"), code, step)
-
-    @staticmethod
-    def _wait_code(reason: Any) -> int:
-        code = WAIT_REASON_CODES.get(reason) if isinstance(reason, str) else None
-        if code is None:
-            raise ValueError(f"wait reason {reason!r:.80} is not one of {list(WAIT_REASON_CODES)}")
-        return code
 
     def _open_step(self, what: str) -> int:
         st = self._step
@@ -887,7 +886,7 @@ class Recorder:
         this recorder's clock, for a stamp taken before the recorder could be reached)."""
         if not self.enabled:
             return
-        name = _check_label(name, "counter(name)")
+        name = check_label(name, "counter(name)")
         try:
             v = float(value)
         except (TypeError, ValueError):
@@ -922,12 +921,15 @@ class Recorder:
         is_clock_only: bool, first_request: int, first_step: int,
     ) -> Flush:  # fmt: skip
         """What a flush hands over: the swapped-out rows, with the vocabularies so far
-        (the request names from `first_request` on, the ones not handed over yet)."""
+        (the request names from `first_request` on, the ones not handed over yet: none is
+        None, a finished request's name goes only once handed over)."""
+        names = self._book.names[first_request:]
+        self._book.names_handed_over(first_request + len(names))
         return Flush(
             buf,
             list(self._labels),
             list(self._counter_index),
-            self._book.names[first_request:],
+            names,  # type: ignore[arg-type]
             first_request,
             dict(self.config),
             now,

@@ -22,10 +22,12 @@ import numpy as np
 
 from tracekit.capture.buffers import RowBuffers
 from tracekit.capture.checks import as_int, as_int_vector, small_ints
+from tracekit.capture.finished import FinishedIds
 from tracekit.capture.segments import OpenStep
 from tracekit.capture.sinks import EMIT_CALLS, EMIT_HANDLES
 from tracekit.log.flush import EVICT, READMIT, UNKNOWN_TICK
 from tracekit.log.rawlog import PREEMPT_REASON_CODES, PREEMPT_REASONS
+from tracekit.log.validate import MAX_COUNT
 
 
 def _caller_level() -> int:
@@ -61,9 +63,32 @@ SMALL = 8
 NEVER = np.iinfo(np.int64).max
 
 
-def bytes_of(rows: np.ndarray) -> memoryview:
-    """A C-contiguous array's bytes, without a copy (what `array.frombytes` takes)."""
-    return memoryview(rows).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+def bytes_of(rows: np.ndarray) -> bytes:
+    """An array's bytes in C order (what `array.frombytes` takes): one copy, cheaper than a
+    memoryview cast of a few thousand bytes, and right for a strided view too."""
+    return rows.tobytes()
+
+
+_INT64 = np.dtype(np.int64)
+_UINT64 = np.dtype(np.uint64)
+_INT32 = np.dtype(np.int32)
+_max_of = np.maximum.reduce  # `ndarray.max` without its Python wrapper
+
+
+def in_range(values: Any, hi: int) -> np.ndarray | None:
+    """`values`, when it is a flat int64 array of more than `SMALL` values, each in
+    [0, hi]: the per-step batch, checked with one reduction (a value below 0 is above
+    `hi` as unsigned). None otherwise: check it with `as_int_vector`, which names the
+    wrong value and converts other types."""
+    if (
+        type(values) is np.ndarray
+        and values.dtype is _INT64
+        and values.ndim == 1
+        and values.size > SMALL
+        and int(_max_of(values.view(_UINT64))) <= hi
+    ):
+        return values
+    return None
 
 
 def few(values: Any) -> bool:
@@ -110,14 +135,16 @@ def eviction_cause(
 class RequestColumns:
     """Per request (by index), what the checks of later calls need: its arrival tick
     (`UNKNOWN_TICK` before `request()`), the ticks of its admission and first eviction
-    (`NEVER` until then), whether `request()` was called and whether it has emitted.
+    (`NEVER` until then), whether `request()` was called, whether it has emitted and
+    whether it was finished (`Recorder.finish`).
 
     Each column is an `array.array` (a scalar read or write is a Python int, several times
     cheaper than a numpy element) with a numpy view of the same memory (`arrival_np`,
     `emitted_np`) for the checks of a whole batch in one pass. Grown by doubling."""
 
     __slots__ = (
-        "arrival", "told", "admitted_tick", "emitted", "first_evict", "arrival_np", "emitted_np",
+        "arrival", "told", "admitted_tick", "emitted", "first_evict", "finished", "arrival_np",
+        "emitted_np",
     )  # fmt: skip
 
     #: column -> (array typecode, initial value)
@@ -127,11 +154,12 @@ class RequestColumns:
         "first_evict": ("q", NEVER),
         "told": ("b", 0),  # request() was called
         "emitted": ("b", 0),
+        "finished": ("b", 0),
     }
 
     def __init__(self, capacity: int = 1024) -> None:
         self.arrival = self.admitted_tick = self.first_evict = array("q")
-        self.told = self.emitted = array("b")
+        self.told = self.emitted = self.finished = array("b")
         self._fill(0, capacity)
 
     def _fill(self, old: int, new: int) -> None:
@@ -153,11 +181,15 @@ class RequestBook:
 
     `index`: request id -> handle; `names`: handle -> the id's string (the log's name);
     `notes`: adjusted ticks, by what (warnings at stop). Rows go to `rows` under its lock;
-    evictions, readmissions and emissions are counted in the open `step`."""
+    evictions, readmissions and emissions are counted in the open `step`.
+
+    A finished request (`finish`) leaves `index` and the names by string at once, and its
+    `names` entry becomes None once a flush has handed the name over: the book keeps its
+    per-handle columns (about 40 bytes) and its id's hash (`FinishedIds`), not its id."""
 
     __slots__ = (
         "index", "names", "notes", "_rows", "_step", "_by_name", "_keys", "_req",
-        "_arrival_max", "_admit_max", "_waited", "_waited_no",
+        "_arrival_max", "_admit_max", "_waited", "_waited_no", "_finished", "_unnamed",
     )  # fmt: skip
 
     def __init__(self, rows: RowBuffers, step: OpenStep) -> None:
@@ -165,14 +197,16 @@ class RequestBook:
         self._step = step
         self.index: dict[Any, int] = {}  # request id -> index (its handle)
         self._by_name: dict[str, int] = {}  # the id's string -> index
-        self._keys: list[Any] = []  # index -> the id as given
-        self.names: list[str] = []
+        self._keys: list[Any] = []  # index -> the id as given (None: finished)
+        self.names: list[str | None] = []  # None: finished, its name handed over
         self._req = RequestColumns()
         self._arrival_max = UNKNOWN_TICK  # the latest arrival tick any request has
         self._admit_max = UNKNOWN_TICK  # the latest admission tick any request has
         self._waited: set[int] = set()  # the handles given a wait reason in step `_waited_no`
         self._waited_no = -1
         self.notes: dict[str, int] = {}  # adjusted ticks, by what: warnings at stop
+        self._finished = FinishedIds()  # the ids of finished requests, by hash
+        self._unnamed: list[int] = []  # finished handles whose name no flush has taken yet
 
     def note(self, what: str) -> None:
         """Count a call whose tick was adjusted to keep the log valid (a warning at stop)."""
@@ -192,6 +226,11 @@ class RequestBook:
     def _intern_new(self, request_id: Any, what: str) -> int:
         """Intern a request id not seen yet (under the lock)."""
         name = str(request_id)
+        if self._finished and name in self._finished:
+            raise ValueError(
+                f"{what}: request {request_id!r:.80} was finished (Recorder.finish): a "
+                "finished request's id cannot name a new one (the log names requests by id)"
+            )
         other = self._by_name.get(name)
         if other is not None:
             raise ValueError(
@@ -201,6 +240,8 @@ class RequestBook:
                 "string, so give every request an id of one type"
             )
         idx = len(self.names)
+        if idx >= MAX_COUNT:  # handles are kept as int32 (`Recorder.emit_handles`' buffer)
+            raise ValueError(f"{what}: a recorder records at most {MAX_COUNT} requests")
         if idx >= len(self._req.arrival):
             self._req.grow(idx + 1)
         self.index[request_id] = idx
@@ -214,7 +255,7 @@ class RequestBook:
         if HANDLE_AS_ID not in self.notes:
             warnings.warn(
                 f"emit(): request id {request_id} is new, and is the handle of request "
-                f"{self.names[request_id]!r:.80}; emit takes ids (a new request is recorded), "
+                f"{self.name_of(request_id)!r:.80}; emit takes ids (a new request is recorded), "
                 "emit_handles takes the handles request() returns",
                 stacklevel=_caller_level(),
             )
@@ -261,15 +302,70 @@ class RequestBook:
         for key in self._keys[n:]:
             self.index.pop(key, None)
         for name in self.names[n:]:
-            self._by_name.pop(name, None)
+            if name is not None:  # new ones: never finished
+                self._by_name.pop(name, None)
         del self._keys[n:], self.names[n:]
 
     def check_handles(self, handles: Any, name: str) -> np.ndarray:
         """Handles as one int64 vector, every one a request of this recorder."""
-        return as_int_vector(handles, name, 0, len(self.names) - 1)
+        h = in_range(handles, len(self.names) - 1)  # the per-step batch: one reduction
+        return as_int_vector(handles, name, 0, len(self.names) - 1) if h is None else h
 
     def check_handle(self, handle: Any, name: str) -> int:
         return as_int(handle, name, 0, len(self.names) - 1)
+
+    def name_of(self, idx: int) -> str:
+        """The request's name for a message (a finished one's may be gone)."""
+        name = self.names[idx]
+        return f"#{idx} (finished)" if name is None else name
+
+    # -- finished requests -----------------------------------------------------------
+    def finish(self, request_id: Any) -> None:
+        """`Recorder.finish`: the request is over; its id leaves the book."""
+        with self._rows.lock:
+            idx = self.index.get(request_id)
+            if idx is None:
+                if str(request_id) in self._finished:
+                    raise ValueError(f"finish: request {request_id!r:.80} was finished already")
+                raise ValueError(
+                    f"finish: {request_id!r:.80} is not a request of this recorder (no call "
+                    "named it)"
+                )
+            self._drop(idx)
+
+    def finish_handle(self, handle: Any) -> None:
+        """`Recorder.finish_handle`: `finish` by handle."""
+        with self._rows.lock:
+            idx = self.check_handle(handle, "finish_handle(handle)")
+            if self._req.finished[idx]:
+                raise ValueError(
+                    f"finish_handle: request {self.name_of(idx)!r:.80} (handle {idx}) was "
+                    "finished already"
+                )
+            self._drop(idx)
+
+    def _drop(self, idx: int) -> None:
+        """Forget a finished request's id (under the lock): its handle stays its own."""
+        name = self.names[idx]
+        assert name is not None  # a request not finished keeps its name
+        del self.index[self._keys[idx]], self._by_name[name]
+        self._keys[idx] = None
+        self._req.finished[idx] = 1
+        self._finished.add(name)
+        if idx < self._rows.num_requests_flushed:  # a flush has handed its name over
+            self.names[idx] = None
+        else:
+            self._unnamed.append(idx)
+
+    def names_handed_over(self, n: int) -> None:
+        """A flush took the names of requests 0..n-1: drop the finished ones' (under the lock)."""
+        if self._unnamed:
+            names = self.names
+            keep = [i for i in self._unnamed if i >= n]
+            for i in self._unnamed:
+                if i < n:
+                    names[i] = None
+            self._unnamed = keep
 
     # -- arrival and admission -------------------------------------------------------
     def arrive(self, request_id: Any, t: int, prompt: int, max_new: int) -> tuple[int, int | None]:
@@ -321,7 +417,7 @@ class RequestBook:
             )
             if why is not None:
                 raise ValueError(
-                    f"admit: request {self.names[idx]!r:.80} admitted at tick {t}, {why}: "
+                    f"admit: request {self.name_of(idx)!r:.80} admitted at tick {t}, {why}: "
                     "admit a request when the scheduler first takes it"
                 )
             r.admitted_tick[idx] = t
@@ -401,7 +497,7 @@ class RequestBook:
                 # the first place whose request was given a reason before, or is again later
                 i = next(x for k, x in enumerate(hl) if x in waited or x in hl[k + 1 :])
                 raise ValueError(
-                    f"wait: request {self.names[i]!r:.80} has two wait reasons in step "
+                    f"wait: request {self.name_of(i)!r:.80} has two wait reasons in step "
                     f"{step} (state one reason per request and step)"
                 )
             waited.update(hl)
@@ -519,9 +615,9 @@ class RequestBook:
             tables = rows.tables
             hb = tables[EMIT_HANDLES]
             at = len(hb)
-            hb.frombytes(bytes_of(h))
+            hb.frombytes(h.astype(_INT32).tobytes())
             if counts is not None:
-                hb.frombytes(bytes_of(counts))
+                hb.frombytes(counts.astype(_INT32).tobytes())
             # last: the call's row commits it (handles without one are never read)
             tables[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, counts is not None, at))
             st.num_emit_rows += n

@@ -49,10 +49,13 @@ OS_ROW = struct.Struct("8q").pack  # an os_samples row: thread, kind, tick, the 
 class OpenStep:
     """The open step (or the last one): its number (-1 before the first), whether it is
     open, the thread it runs on (the engine loop's), its start tick, the attributes
-    `step_info` gave and what the step's calls counted."""
+    `step_info` gave and what the step's calls counted.
+
+    `open_ident` is the loop thread's identity while the step is open, else 0 (no thread
+    has it): the segment hooks' one comparison for "inside this thread's open step"."""
 
     __slots__ = (
-        "no", "is_open", "loop_ident", "t0_tick", "attrs", "num_evictions",
+        "no", "is_open", "loop_ident", "open_ident", "t0_tick", "attrs", "num_evictions",
         "num_readmissions", "num_emit_rows",
     )  # fmt: skip
 
@@ -60,6 +63,7 @@ class OpenStep:
         self.no = -1  # index of the open (or last) step
         self.is_open = False
         self.loop_ident = -1
+        self.open_ident = 0
         self.t0_tick = 0
         self.attrs: dict[str, int] = {}
         self.num_evictions = 0
@@ -70,20 +74,33 @@ class OpenStep:
         """The next step opens at `t0` on this thread (under the recorder's lock); its
         number moves on last."""
         self.t0_tick = t0
-        self.attrs = {}
+        if self.attrs:
+            self.attrs = {}
         self.num_evictions = self.num_readmissions = self.num_emit_rows = 0
-        self.loop_ident = threading.get_ident()
+        self.loop_ident = self.open_ident = threading.get_ident()
         self.no += 1
         self.is_open = True
+
+    def close(self) -> None:
+        """The step is over (its row is in, under the recorder's lock)."""
+        self.is_open = False
+        self.open_ident = 0
 
     def row(self, t1: int) -> bytes:
         """The step's row, ending at `t1`: unset attributes default (`Recorder.step_info`)."""
         a = self.attrs
+        t0 = self.t0_tick
+        if not a:  # no step_info: every attribute defaults
+            n_dec = self.num_emit_rows
+            return STEP_ROW(
+                t0, t1 if t1 > t0 else t0, n_dec, 0, n_dec if n_dec > 0 else -1,
+                self.num_evictions, self.num_readmissions,
+            )  # fmt: skip
         n_dec = a.get("num_decode", self.num_emit_rows)
         graph = a.get("graph_size", n_dec if n_dec > 0 else -1)
         return STEP_ROW(
-            self.t0_tick,
-            max(t1, self.t0_tick),
+            t0,
+            max(t1, t0),
             n_dec,
             a.get("num_prefill_tokens", 0),
             graph,
@@ -103,15 +120,17 @@ class ThreadState:
     """What the segment hooks keep per thread: its open segments' start ticks (a stack),
     its thread number in the log, its identity (to tell the engine loop's thread), and
     whether its segments' boundaries are OS samples (a thread other than the loop's, with
-    OS evidence on)."""
+    OS evidence on), and whether its segments take the probed path at all (OS samples or
+    NVTX ranges: `is_probed`, one check on the hot path)."""
 
-    __slots__ = ("stack", "tid", "ident", "sample_os")
+    __slots__ = ("stack", "tid", "ident", "sample_os", "is_probed")
 
     def __init__(self, tid: int, ident: int) -> None:
         self.stack: list[int] = []
         self.tid = tid
         self.ident = ident
         self.sample_os = False
+        self.is_probed = False
 
 
 class Probes:
@@ -136,6 +155,7 @@ class Probes:
                 "Recorder(nvtx=True) needs the nvtx package: pip install 'tracekit[gpu]'"
             ) from e
         self.nvtx = nvtx
+        self.threads.probe_all()  # threads that opened a segment before: NVTX ranges now
 
     def open_os(self, want: bool | None, *, is_wall_clock: bool) -> dict[str, Any]:
         """Start the OS reader if asked for (`want` True), or by default (None) where it
@@ -184,9 +204,7 @@ class Probes:
         if reader is None:  # stop() closed it meanwhile, from another thread
             return None
         ends = kind == OS_STEP_END or kind == OS_SEGMENT_END
-        counters = reader.read(ends)
-        t = self.clock()
-        row = OS_ROW(self.threads.tid(), kind, t, *counters)
+        t, row = reader.sample_row(self.threads.tid(), kind, self.clock, ends)
         rows = self.rows
         if kind <= OS_STEP_END:
             # the loop thread inside its open step: no lock, as for its segment rows (only
@@ -205,12 +223,13 @@ class Threads:
     """Every thread that recorded: its number in the log (the starting thread is 0) and,
     once it opened a segment, its `ThreadState` (in `tls.th`, and its stack in `stacks`)."""
 
-    __slots__ = ("tls", "ids", "stacks", "step", "probes", "rows")
+    __slots__ = ("tls", "ids", "stacks", "states", "step", "probes", "rows")
 
     def __init__(self, step: OpenStep, rows: RowBuffers) -> None:
         self.tls = threading.local()
         self.ids: dict[int, int] = {}  # thread identity -> its number in the log
         self.stacks: list[list[int]] = []  # every thread's segment stack
+        self.states: list[ThreadState] = []  # every thread's segment state
         self.step = step
         self.rows = rows
         self.probes: Probes | None = None
@@ -236,10 +255,19 @@ class Threads:
                 and self.probes.os is not None
                 and th.ident != self.step.loop_ident
             )
+            probes = self.probes
+            th.is_probed = th.sample_os or (probes is not None and probes.nvtx is not None)
             with self.rows.lock:
                 self.stacks.append(th.stack)
+                self.states.append(th)
             self.tls.th = th
             return th
+
+    def probe_all(self) -> None:
+        """Every thread's segments take the probed path from now on (NVTX switched on)."""
+        with self.rows.lock:
+            for th in self.states:
+                th.is_probed = True
 
     def earliest_open_tick(self) -> int | None:
         """The start of the earliest segment still open on any thread (None: none)."""
@@ -286,14 +314,21 @@ class Segment:
         self._probes = probes
 
     def __enter__(self) -> Segment:
-        probes = self._probes
-        if probes.nvtx is not None:
-            # never conditioned on the return value: the push always has its pop
-            probes.nvtx.push_range(message=self._name, color=self._color, domain=NVTX_DOMAIN)
         try:
             th = self._tls.th
         except AttributeError:
             th = self._threads.here()
+        if th.is_probed:
+            return self._enter_probed(th)
+        th.stack.append(self._clock())  # the common case: one clock read and a push
+        return self
+
+    def _enter_probed(self, th: ThreadState) -> Segment:
+        """`__enter__` with an NVTX range, or on a thread whose segments are OS samples."""
+        probes = self._probes
+        if probes.nvtx is not None:
+            # never conditioned on the return value: the push always has its pop
+            probes.nvtx.push_range(message=self._name, color=self._color, domain=NVTX_DOMAIN)
         t0 = None
         if th.sample_os:  # a side thread's segment: its OS counters at both ends
             if th.ident != self._step.loop_ident:
@@ -302,6 +337,7 @@ class Segment:
                 t0 = probes.os_sample(OS_SEGMENT_START)
             else:  # it became the loop thread: its steps are sampled, not its segments
                 th.sample_os = False
+                th.is_probed = probes.nvtx is not None
         if t0 is None:
             t0 = self._clock()
         th.stack.append(t0)
@@ -309,13 +345,40 @@ class Segment:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            try:
-                th = self._tls.th
-            except AttributeError:  # entered on another thread: nothing to close here
-                th = self._threads.here()
+            th = self._tls.th
+        except AttributeError:  # entered on another thread: nothing to close here
+            th = self._threads.here()
+        if th.is_probed:
+            self._exit_probed(th)
+            return
+        stack = th.stack
+        # popped once its row is in: a flush sees the window open or its row
+        try:
+            t1 = self._clock()
+            step = self._step
+            # the segment ends here: its row names the step open on this thread (or -1)
+            if th.ident == step.open_ident:
+                # no lock: while a step is open only its own thread swaps the buffers (the
+                # idle flush waits for the step's end), except a stop() from another
+                # thread, after which the row would not be in the run anyway
+                try:
+                    self._rows.segments.frombytes(
+                        SEG_ROW(step.no, self._label, stack[-1], t1, th.tid, 0)
+                    )
+                except BufferError:  # handed to the sinks by that stop() meanwhile
+                    pass
+            else:
+                rows = self._rows
+                with rows.lock:
+                    rows.segments.frombytes(SEG_ROW(-1, self._label, stack[-1], t1, th.tid, 0))
+        finally:
+            stack.pop()
+
+    def _exit_probed(self, th: ThreadState) -> None:
+        """`__exit__` with an NVTX range, or on a thread whose segments are OS samples."""
+        try:
             step = self._step
             stack = th.stack
-            # popped once its row is in: a flush sees the window open or its row
             try:
                 t1 = None
                 if th.sample_os and th.ident != step.loop_ident:
@@ -324,16 +387,12 @@ class Segment:
                 if t1 is None:
                     t1 = self._clock()
                 t0 = stack[-1]
-                # the segment ends here: its row names the step open on this thread (or -1)
-                if step.is_open and th.ident == step.loop_ident:
-                    # no lock: while a step is open only its own thread swaps the buffers
-                    # (the idle flush waits for the step's end), except a stop() from
-                    # another thread, after which the row would not be in the run anyway
+                if th.ident == step.open_ident:  # no lock: as in `__exit__`
                     try:
                         self._rows.segments.frombytes(
                             SEG_ROW(step.no, self._label, t0, t1, th.tid, 0)
                         )
-                    except BufferError:  # handed to the sinks by that stop() meanwhile
+                    except BufferError:
                         pass
                 else:
                     rows = self._rows

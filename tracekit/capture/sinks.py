@@ -107,9 +107,11 @@ class Flush(NamedTuple):
 #: The recorder's compact form of emissions (`Recorder.emit_handles`): per call one
 #: ``EMIT_CALLS`` row (t_tick, step, device_step, number of requests, has counts, offset)
 #: and, in ``EMIT_HANDLES`` from that offset, the call's request handles followed by its
-#: token counts if it has them. The engine thread appends the handles, then the row (the
-#: row commits the call: handles without one, left by a signal between the two, are never
-#: read); `expand_emissions` turns them into ``emissions`` rows on the dispatcher thread.
+#: token counts if it has them (int32: handles and counts are below 2**31; half the bytes
+#: the engine thread writes, so half the fresh pages it touches). The engine thread
+#: appends the handles, then the row (the row commits the call: handles without one, left
+#: by a signal between the two, are never read); `expand_emissions` turns them into
+#: ``emissions`` rows on the dispatcher thread.
 EMIT_CALLS, EMIT_HANDLES = "emit_calls", "emit_handles"
 EMIT_CALL_WIDTH = 6
 
@@ -123,7 +125,7 @@ def expand_emissions(buffers: Mapping[str, Any]) -> dict[str, Any]:
     if calls_buf is None or not len(calls_buf):
         return out
     calls = np.frombuffer(calls_buf, dtype=np.int64).reshape(-1, EMIT_CALL_WIDTH)
-    flat = np.frombuffer(buffers[EMIT_HANDLES], dtype=np.int64)
+    flat = np.frombuffer(buffers[EMIT_HANDLES], dtype=np.int32)
     t, step, dstep, n, has_counts, start = calls.T
     rows = np.empty((int(n.sum()), 5), dtype=np.int64)
     rows[:, 1] = np.repeat(t, n)
