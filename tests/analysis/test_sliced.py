@@ -229,3 +229,24 @@ def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, tmp_path, ar
 
     whole, sliced = run("100000000", "whole.json"), run("500", "sliced.json")
     assert whole and _differences(whole, sliced) == []
+
+
+@pytest.mark.parametrize("spread", [("-j", "2"), ("--ray",)])
+def test_one_runs_slices_in_processes_or_on_ray_give_the_same_bytes(demo_run, spread):
+    """A single run read in slices, its slices in two processes or as tasks on a local
+    Ray: the output is the one-process output, byte for byte (the sums fold in order)."""
+    if spread[0] == "--ray":
+        pytest.importorskip("ray")
+
+    def run(*extra):
+        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": "2000", "RAY_AUTH_MODE": "disabled"}
+        r = subprocess.run([sys.executable, "-m", "tracekit", "analyze", demo_run, "--format",
+                            "jsonl", *extra], capture_output=True, text=True, cwd=REPO,
+                           env=env, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "read in slices" in r.stderr
+        return r.stdout
+
+    one = run()
+    assert json.loads(one)["gaps"] > 0
+    assert run(*spread) == one
