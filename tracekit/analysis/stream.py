@@ -432,9 +432,9 @@ def _fwd_share(p: Partition) -> np.ndarray:
 
 
 def _add_gaps(s: _Sums, p: Partition, p99: float) -> None:
-    """Pass 2's sums over one slice's own gaps."""
-    names = np.array([*p.causes, "clean"], dtype=object)
-    prim = names[np.where(p.primary == CLEAN, len(p.causes), p.primary)]
+    """Pass 2's sums over one slice's own gaps (counts by integer primary, named once)."""
+    names = (*p.causes, "clean")
+    prim = np.where(p.primary == CLEAN, len(p.causes), p.primary)  # index into names
     s.labels |= set(p.labels)
     s.causes |= set(p.causes)
     gap = p.gap_ms
@@ -448,32 +448,26 @@ def _add_gaps(s: _Sums, p: Partition, p99: float) -> None:
     for j, lb in enumerate(p.labels):
         _add(s.all_parts, lb, float(p.parts_ms[:, j].sum()))
         _add(s.context, lb, float(p.context_ms[:, j].sum()))
-    for name, c in zip(*np.unique(prim, return_counts=True), strict=True):
-        _add(s.all_count, str(name), int(c))
+    _add_counts(s.all_count, prim, names)
     edges = np.array(HIST_EDGES_MS)
     which = np.searchsorted(edges, gap, side="right") - 1
     ok = (which >= 0) & (which < len(edges) - 1)
-    for (w, name), c in zip(*_pairs(which[ok], prim[ok]), strict=True):
-        _add(s.hist, (int(w), str(name)), int(c))
-    _add_tail(s, p, gap >= p99, prim)
+    grid = np.bincount(which[ok] * len(names) + prim[ok], minlength=(len(edges) - 1) * len(names))
+    for k in np.flatnonzero(grid).tolist():
+        _add(s.hist, (k // len(names), names[k % len(names)]), int(grid[k]))
+    tail = gap >= p99
+    if tail.any():
+        s.n_tail += int(tail.sum())
+        s.tail_total += float(gap[tail].sum())
+        for j, lb in enumerate(p.labels):
+            _add(s.tail_parts, lb, float(p.parts_ms[tail, j].sum()))
+        _add_counts(s.tail_count, prim[tail], names)
 
 
-def _pairs(w: np.ndarray, prim: np.ndarray):
-    keys = np.array([f"{a}\x00{b}" for a, b in zip(w.tolist(), prim.tolist(), strict=True)])
-    u, c = np.unique(keys, return_counts=True)
-    split = [k.split("\x00") for k in u.tolist()]
-    return list(zip([int(a) for a, _ in split], [b for _, b in split], strict=True)), c.tolist()
-
-
-def _add_tail(s: _Sums, p: Partition, tail: np.ndarray, prim: np.ndarray) -> None:
-    if not tail.any():
-        return
-    s.n_tail += int(tail.sum())
-    s.tail_total += float(p.gap_ms[tail].sum())
-    for j, lb in enumerate(p.labels):
-        _add(s.tail_parts, lb, float(p.parts_ms[tail, j].sum()))
-    for name, c in zip(*np.unique(prim[tail], return_counts=True), strict=True):
-        _add(s.tail_count, str(name), int(c))
+def _add_counts(d: dict[str, int], prim: np.ndarray, names: tuple[str, ...]) -> None:
+    c = np.bincount(prim, minlength=len(names))
+    for k in np.flatnonzero(c).tolist():
+        _add(d, names[k], int(c[k]))
 
 
 def analyze_sliced(

@@ -568,6 +568,17 @@ class _Folded:
     dropped: int  # values dropped while the disk stayed full
 
 
+_REMOVED: list[str] = []
+
+
+def removed_names(n: int) -> list[str]:
+    """``(removed 0)`` .. ``(removed n-1)``: the names of requests named only in removed
+    parts. Made once and copied: a long run read in slices asks for them per slice."""
+    if len(_REMOVED) < n:
+        _REMOVED.extend(f"(removed {i})" for i in range(len(_REMOVED), n))
+    return _REMOVED[:n]
+
+
 def _check_request_rows(part: Mapping[str, Any], n_named: int) -> None:
     """A flush's rows name only requests named so far (in this flush or before it)."""
     for k in ("requests", "emissions", "events"):
@@ -592,9 +603,7 @@ def _fold_flushes(
     f = _Folded(
         chunks={k: [] for k in TABLES},
         labels=[],
-        request_ids=[]
-        if retained is None
-        else [f"(removed {i})" for i in range(retained.num_requests)],  # fmt: skip
+        request_ids=[] if retained is None else removed_names(retained.num_requests),
         counter_names=[],
         config=dict(meta.get("config", {})),
         last_tick=meta["t0_tick"],
