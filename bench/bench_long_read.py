@@ -11,7 +11,8 @@ VmHWM) and is timed by the wall clock:
 - ``analyze``: this tree reads a run over one slice in slices (`tracekit.analysis.stream`);
   the previous main reads it whole;
 - ``trace --around worst --width 1``: this tree reads the window's parts only;
-- ``analyze --window``: a 10 s window in the middle of the run.
+- ``analyze --window``: a 10 s window in the middle of the run;
+- ``analyze --by 1m``: the tail over time, a row a simulated minute.
 
 The previous main runs only where its peak memory fits ``--baseline-max-gb`` (default 8;
 an hour needed > 13 GB), with that limit set as its address-space limit: beyond it, it is
@@ -114,6 +115,8 @@ def main() -> None:
             mid = minutes * 30
             win = ["--window", f"{mid:g}..{mid + 10:g}", "--format", "jsonl", "-o", jl]
             show("analyze --window (10 s)", "this tree", run_cmd(ROOT, ["analyze", out, *win]))
+            by = ["analyze", out, "--by", "1m", "--format", "jsonl", "-o", jl]
+            show("analyze --by 1m", "this tree", run_cmd(ROOT, by))
             tr = ["trace", out, "--around", "worst", "--width", "1", "-o",
                   os.path.join(tmp, "t.json")]  # fmt: skip
             show("trace --around worst --width 1", "this tree", run_cmd(ROOT, tr))

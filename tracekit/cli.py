@@ -290,6 +290,9 @@ def analyze(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
+    sliced = [p for p in paths if view().is_whole_run and workers.reads_in_slices(p)]
+    for p in sliced:  # docs/reports.md, "Reading a long run in slices"
+        click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
     if by is not None:
         from tracekit.analysis.window import parse_duration  # deferred: loaded per command
 
@@ -300,9 +303,6 @@ def analyze(
         rows = [b.to_record() for bs in runs_rows for b in bs]
         return _write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
     one = functools.partial(workers.analyze_path, view=view(), **_limits())
-    sliced = [p for p in paths if view().is_whole_run and workers.reads_in_slices(p)]
-    for p in sliced:  # docs/reports.md, "Reading a long run in slices"
-        click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
     if len(paths) == 1 and sliced and (jobs > 1 or ray_address is not None):  # its slices
         one = functools.partial(one, mapper=workers.slice_mapper(jobs, ray_address))
         jobs, ray_address = 1, None

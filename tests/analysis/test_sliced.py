@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import tracekit
 from tracekit.analysis.figures import analyze
-from tracekit.analysis.quantiles import ExactQuantiles
+from tracekit.analysis.quantiles import ExactQuantiles, GroupQuantiles
 from tracekit.analysis.stream import analyze_sliced
 from tracekit.log.slices import SlicedRun
 
@@ -208,6 +208,8 @@ def test_exact_quantiles_of_nothing_and_bad_values():
         ("gaps", "--around", "p50", "--width", "0.2", "--format", "jsonl"),
         ("ttft", "--window", "..1.5", "--format", "jsonl"),
         ("trace", "--window", "1..1.5"),
+        ("analyze", "--by", "0.5s", "--format", "jsonl"),
+        ("analyze", "--by", "1s", "--format", "jsonl"),
     ],
 )  # fmt: skip
 def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, tmp_path, args):
@@ -250,3 +252,27 @@ def test_one_runs_slices_in_processes_or_on_ray_give_the_same_bytes(demo_run, sp
     one = run()
     assert json.loads(one)["gaps"] > 0
     assert run(*spread) == one
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 5), st.floats(0, 1e4, allow_nan=False)), min_size=1,
+                  max_size=300),
+    cuts=st.lists(st.integers(0, 300), max_size=4),
+)  # fmt: skip
+def test_grouped_quantiles_are_numpys_per_group(rows, cuts):
+    """Each time bucket's percentiles, from pieces in any order, are numpy's of its values."""
+    g = np.array([r[0] for r in rows])
+    v = np.array([r[1] for r in rows])
+    q = GroupQuantiles([50.0, 99.0, 99.9])
+    at = sorted({min(c, len(v)) for c in cuts})
+    pieces = list(zip(np.split(g, at), np.split(v, at), strict=True))
+    for a, b in pieces:
+        q.count(a, b)
+    q.wanted()
+    for a, b in reversed(pieces):
+        q.keep(a, b)
+    for k in np.unique(g).tolist():
+        assert q.percentiles(k) == [float(x) for x in np.percentile(v[g == k], [50, 99, 99.9])]
+        assert q.n(k) == int((g == k).sum())
+    assert all(math.isnan(x) for x in q.percentiles(99))

@@ -195,3 +195,100 @@ class ExactQuantiles:
             return math.nan
         a, b = self._value_at(np.array([(self.n - 1) // 2, self.n // 2]))
         return float(np.mean(np.array([a, b]))) if self.n % 2 == 0 else float(a)
+
+
+class GroupQuantiles:
+    """Exact percentiles of values in many groups (time buckets), each group's histogram
+    sparse: memory by the distinct (group, histogram bucket) pairs seen, not by the values
+    or the groups' number. The same two passes as `ExactQuantiles`: `count`, `wanted`,
+    `keep`, then `percentiles(group)`."""
+
+    def __init__(self, qs: Sequence[float]) -> None:
+        self.qs = tuple(float(q) for q in qs)
+        self._pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (group << 20 | bucket, n)
+        self._keys = np.zeros(0, dtype=np.int64)
+        self._counts = np.zeros(0, dtype=np.int64)
+        self._want: dict[int, list[tuple[int, int]]] = {}  # group: (rank, its key)
+        self._keep = np.zeros(0, dtype=np.int64)
+        self._kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._all: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @staticmethod
+    def _key(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
+        return (np.asarray(groups, dtype=np.int64) << 20) | _buckets(values)
+
+    def count(self, groups: np.ndarray, values: np.ndarray) -> None:
+        """Pass 1: count a piece of values, each in its group (a non-negative integer)."""
+        if len(values):
+            self._pieces.append(np.unique(self._key(groups, values), return_counts=True))
+            if len(self._pieces) > 64:
+                self._fold()
+
+    def _fold(self) -> None:
+        keys = np.concatenate([self._keys, *(k for k, _ in self._pieces)])
+        counts = np.concatenate([self._counts, *(c for _, c in self._pieces)])
+        self._keys, inv = np.unique(keys, return_inverse=True)
+        self._counts = np.bincount(inv, weights=counts, minlength=len(self._keys)).astype(np.int64)
+        self._pieces = []
+
+    def n(self, group: int) -> int:
+        """Values counted in `group` (after `wanted`)."""
+        lo, hi = np.searchsorted(self._keys >> 20, [group, group + 1])
+        return int(self._counts[lo:hi].sum())
+
+    def wanted(self) -> None:
+        """Between the passes: the histogram buckets each group's wanted ranks lie in."""
+        self._fold()
+        groups = self._keys >> 20
+        keep: list[int] = []
+        for g in np.unique(groups).tolist():
+            lo, hi = np.searchsorted(groups, [g, g + 1])
+            cum = np.cumsum(self._counts[lo:hi])
+            a, b, _ = virtual_ranks(int(cum[-1]), self.qs)
+            ranks = sorted(set(a.tolist()) | set(b.tolist()))
+            at = np.searchsorted(cum, ranks, side="right")
+            keys_at = self._keys[lo + at].tolist()
+            self._want[g] = list(zip(ranks, keys_at, strict=True))
+            keep += [k for _, k in self._want[g]]
+        self._keep = np.unique(np.array(keep, dtype=np.int64))
+
+    def keep(self, groups: np.ndarray, values: np.ndarray) -> None:
+        """Pass 2: keep the values of the wanted buckets (each distinct value once)."""
+        if not len(values):
+            return
+        v = np.asarray(values, dtype=np.float64) + 0.0
+        key = self._key(groups, v)
+        on = np.isin(key, self._keep)
+        if on.any():
+            pairs = np.unique(np.stack([key[on], v[on].view(np.int64)]), axis=1,
+                              return_counts=True)  # fmt: skip
+            self._kept.append((pairs[0][0], pairs[0][1].view(np.float64), pairs[1]))
+
+    def percentiles(self, group: int) -> list[float]:
+        """numpy's linear percentiles of the group's values (NaN: none counted)."""
+        want = self._want.get(group)
+        if not want:
+            return [math.nan] * len(self.qs)
+        if self._all is None:  # the kept values, by key then value, once
+            keys = np.concatenate([k for k, _, _ in self._kept]) if self._kept else _NONE
+            vals = np.concatenate([v for _, v, _ in self._kept]) if self._kept else np.zeros(0)
+            cnts = np.concatenate([c for _, _, c in self._kept]) if self._kept else _NONE
+            o = np.lexsort((vals, keys))
+            self._all = (keys[o], vals[o], cnts[o])
+        keys, vals, cnts = self._all
+        lo, hi = np.searchsorted(self._keys >> 20, [group, group + 1])
+        first_rank = dict(zip(self._keys[lo:hi].tolist(),
+                              (np.cumsum(self._counts[lo:hi]) - self._counts[lo:hi]).tolist(),
+                              strict=True))  # fmt: skip
+        at: dict[int, float] = {}
+        for r, k in want:
+            a0, a1 = np.searchsorted(keys, [k, k + 1])
+            v, c = vals[a0:a1], cnts[a0:a1]
+            # the same value may come from several pieces: counts add up in value order
+            j = int(np.searchsorted(np.cumsum(c), r - first_rank[k], side="right"))
+            at[r] = float(v[j])
+        n = int(self._counts[lo:hi].sum())
+        a, b, gamma = virtual_ranks(n, self.qs)
+        va = np.array([at[r] for r in a.tolist()])
+        vb = np.array([at[r] for r in b.tolist()])
+        return [float(x) for x in lerp(va, vb, gamma)]

@@ -244,7 +244,7 @@ def _span(ix: Index, t: dict[str, np.ndarray]) -> None:
         ix.span_ticks = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
 
 
-def _keep_gap_values(run: SlicedRun, ix: Index) -> None:
+def keep_gap_values(run: SlicedRun, ix: Index) -> None:
     """Between the index pass and the partitions: the gaps' lengths again (emissions only),
     keeping the values the ITL percentiles are (so the tail's threshold is known before
     any slice is partitioned)."""
@@ -364,9 +364,9 @@ def slice_tasks(run: SlicedRun, ix: Index, max_emissions: int, p99: float) -> li
     return out
 
 
-def run_slice(task: SliceTask) -> SlicePart:
-    """Partition one slice (its own gaps and TTFTs, with the whole run's baselines) and
-    add up what the run's figures need."""
+def slice_partition(task: SliceTask) -> tuple[RawLog, PreparedRun, Partition]:
+    """One slice's log (the emissions its own gaps and TTFTs need), prepared with the whole
+    run's baselines, and its own gaps partitioned."""
     run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb)
     # whose re-prefill each step is needs every emission: stated before the cut
     full = stating_next_emissions(run.log_of(task.c, task.b, retained=task.retained))
@@ -375,6 +375,13 @@ def run_slice(task: SliceTask) -> SlicePart:
     prep.use_baseline(FIT_ALL_CAPTURED, task.base_ttft)
     prep.corrected().use_baseline(task.fit, task.base_itl)
     p = _own_gaps(partition(log, baseline_fit=task.fit, run=prep), task.t_from_s, task.t_to_s)
+    return log, prep, p
+
+
+def run_slice(task: SliceTask) -> SlicePart:
+    """Partition one slice (its own gaps and TTFTs, with the whole run's baselines) and
+    add up what the run's figures need."""
+    log, prep, p = slice_partition(task)
     fwd = _fwd_share(p)
     clean = fwd[(p.primary == CLEAN) & (p.gap_ms > 0)]
     tail = fwd[(p.gap_ms >= task.p99) & (p.gap_ms > 0)]
@@ -488,7 +495,7 @@ def analyze_sliced(
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     ix = index_pass(run, baseline_fit, say)
-    _keep_gap_values(run, ix)
+    keep_gap_values(run, ix)
     pct = ix.gaps.percentiles()
     p99 = pct[2]
     tasks = slice_tasks(run, ix, max_emissions, p99)

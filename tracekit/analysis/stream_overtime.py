@@ -1,0 +1,134 @@
+"""The tail over time (`analyze --by`) of a long run read in slices, in bounded memory
+(docs/reports.md, "Reading a long run in slices"; the rules: "The tail over time").
+
+Each bucket's ITL percentiles are exact (`tracekit.analysis.quantiles.GroupQuantiles`: two
+reads of the emissions, a sparse histogram per bucket), known before any slice is
+partitioned; each slice then adds its own gaps' parts to their buckets' own tails (gaps
+>= the bucket's p99) and counts the run's tail (gaps >= the run's p99) per bucket. The
+rows equal `tracekit.analysis.overtime.over_time` of the whole run: counts and
+percentiles exactly, tail shares to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from tracekit.analysis.overtime import Bucket, bucket_of
+from tracekit.analysis.quantiles import GroupQuantiles
+from tracekit.analysis.stream import (
+    DEFAULT_SLICE_EMISSIONS,
+    Index,
+    gap_lengths,
+    index_pass,
+    keep_gap_values,
+    slice_partition,
+    slice_tasks,
+)
+from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, NON_CAUSES
+from tracekit.labels import partition_labels
+from tracekit.log.slices import SlicedRun
+
+
+def over_time_sliced(
+    parts_dir: str,
+    width_s: float,
+    *,
+    path: str | None = None,
+    max_emissions: int = DEFAULT_SLICE_EMISSIONS,
+    max_inflate_mb: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[Bucket]:
+    """`over_time` of the run in `parts_dir` (no window), read in slices."""
+    say = progress or (lambda _msg: None)
+    run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
+    ix = index_pass(run, FIT_ALL_CAPTURED, say)
+    keep_gap_values(run, ix)
+    run_p99 = ix.gaps.percentiles()[2]
+    q, ends = _bucket_quantiles(run, ix, width_s)
+    labels = tuple(partition_labels(ix.labels))
+    names = (*(lb for lb in labels if lb not in NON_CAUSES), "clean")
+    tail_parts: dict[int, np.ndarray] = {}
+    tail_ms: dict[int, float] = {}
+    tail_n: dict[int, int] = {}
+    run_tail: dict[int, np.ndarray] = {}
+    p99_of: dict[int, float] = {}
+    for task in slice_tasks(run, ix, max_emissions, run_p99):
+        _log, _prep, p = slice_partition(task)
+        if not len(p):
+            continue
+        k = bucket_of(p.t1_s, width_s)
+        cols = [labels.index(lb) for lb in p.labels]
+        prim_names = (*p.causes, "clean")
+        to_run = np.array([names.index(n) for n in prim_names], dtype=np.int64)
+        prim = to_run[np.where(p.primary == CLEAN, len(p.causes), p.primary)]
+        for b in np.unique(k).tolist():
+            if b not in p99_of:
+                p99_of[b] = q.percentiles(b)[1]
+            rows = np.flatnonzero(k == b)
+            g = p.gap_ms[rows]
+            tail = rows[g >= p99_of[b]]
+            acc = tail_parts.setdefault(b, np.zeros(len(labels)))
+            acc[cols] += p.parts_ms[tail].sum(axis=0)
+            tail_ms[b] = tail_ms.get(b, 0.0) + float(p.gap_ms[tail].sum())
+            tail_n[b] = tail_n.get(b, 0) + len(tail)
+            counts = run_tail.setdefault(b, np.zeros(len(names), dtype=np.int64))
+            counts += np.bincount(prim[rows[g >= run_p99]], minlength=len(names))
+    first, last = _bucket_range(run, ix, ends, width_s)
+    out = []
+    for b in range(first, last + 1):
+        n = q.n(b)
+        qs = q.percentiles(b) if n else [math.nan] * 3
+        t_ms = tail_ms.get(b, 0.0)
+        shares = tail_parts.get(b, np.zeros(len(labels)))
+        shares = shares / t_ms if t_ms > 0 else np.zeros(len(labels))
+        counts = run_tail.get(b, np.zeros(len(names), dtype=np.int64))
+        out.append(Bucket(
+            run=path or parts_dir, start_s=b * width_s, end_s=(b + 1) * width_s, gaps=n,
+            itl_p50=float(qs[0]), itl_p99=float(qs[1]), itl_p999=float(qs[2]),
+            tail_gaps=tail_n.get(b, 0),
+            tail_share={lb: float(v) for lb, v in zip(labels, shares, strict=True)},
+            run_tail_gaps=int(counts.sum()),
+            run_tail_count={nm: int(c) for nm, c in zip(names, counts, strict=True)},
+        ))  # fmt: skip
+    return out
+
+
+def _bucket_quantiles(
+    run: SlicedRun, ix: Index, width_s: float
+) -> tuple[GroupQuantiles, tuple[float, float]]:
+    """Each bucket's exact ITL p50/p99/p99.9 (two reads of the emissions), and the
+    earliest and latest gap end."""
+    q = GroupQuantiles([50.0, 99.0, 99.9])
+    lo, hi = math.inf, -math.inf
+    for keep in (False, True):
+        last = np.full(len(ix.last_tick), np.iinfo(np.int64).min)
+        for i in range(len(run.parts)):
+            em = run.read(i)["tables"].get("emissions")
+            if em is None or not len(em):
+                continue
+            gap, t1 = gap_lengths(run, last, em)
+            if not len(gap):
+                continue
+            (q.keep if keep else q.count)(bucket_of(t1, width_s), gap)
+            lo, hi = min(lo, float(t1.min())), max(hi, float(t1.max()))
+        if not keep:
+            q.wanted()
+    return q, (lo, hi)
+
+
+def _bucket_range(
+    run: SlicedRun, ix: Index, ends: tuple[float, float], width_s: float
+) -> tuple[int, int]:
+    """`overtime._bucket_range` without a window, from the index pass."""
+    lo, hi = (0.0, 0.0)
+    if ix.span_ticks is not None:
+        lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
+    if math.isfinite(ends[0]):
+        lo, hi = min(lo, ends[0]), max(hi, ends[1])
+    lo = min(lo, 0.0)
+    first = int(bucket_of(np.array([lo]), width_s)[0])
+    last = int(bucket_of(np.array([hi]), width_s)[0])
+    return first, max(first, last)
