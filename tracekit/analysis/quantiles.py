@@ -197,6 +197,18 @@ class ExactQuantiles:
         return float(np.mean(np.array([a, b]))) if self.n % 2 == 0 else float(a)
 
 
+def _distinct(
+    keys: np.ndarray, vals: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each distinct (key, value) once, with its counts added up, sorted by key then value."""
+    o = np.lexsort((vals, keys))
+    k, v, c = keys[o], vals[o], counts[o]
+    new = np.ones(len(k), dtype=bool)
+    new[1:] = (k[1:] != k[:-1]) | (v[1:] != v[:-1])
+    at = np.flatnonzero(new)
+    return k[at], v[at], np.add.reduceat(c, at) if len(at) else c[:0]
+
+
 class GroupQuantiles:
     """Exact percentiles of values in many groups (time buckets), each group's histogram
     sparse: memory by the distinct (group, histogram bucket) pairs seen, not by the values
@@ -260,9 +272,10 @@ class GroupQuantiles:
         key = self._key(groups, v)
         on = np.isin(key, self._keep)
         if on.any():
-            pairs = np.unique(np.stack([key[on], v[on].view(np.int64)]), axis=1,
-                              return_counts=True)  # fmt: skip
-            self._kept.append((pairs[0][0], pairs[0][1].view(np.float64), pairs[1]))
+            self._kept.append(_distinct(key[on], v[on], np.ones(int(on.sum()), np.int64)))
+            if len(self._kept) > 64:  # fold the pieces: memory by distinct values
+                keys, vals, cnts = (np.concatenate(x) for x in zip(*self._kept, strict=True))
+                self._kept = [_distinct(keys, vals, cnts)]
 
     def percentiles(self, group: int) -> list[float]:
         """numpy's linear percentiles of the group's values (NaN: none counted)."""
