@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from tracekit.analysis.quantiles import GroupQuantiles
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
     Index,
+    SliceTask,
     gap_lengths,
     index_pass,
     keep_gap_values,
@@ -50,32 +52,16 @@ def over_time_sliced(
     q, ends = _bucket_quantiles(run, ix, width_s)
     labels = tuple(partition_labels(ix.labels))
     names = (*(lb for lb in labels if lb not in NON_CAUSES), "clean")
-    tail_parts: dict[int, np.ndarray] = {}
+    tail_parts: dict[int, Any] = {}
     tail_ms: dict[int, float] = {}
     tail_n: dict[int, int] = {}
-    run_tail: dict[int, np.ndarray] = {}
-    p99_of: dict[int, float] = {}
+    run_tail: dict[int, Any] = {}
     for task in slice_tasks(run, ix, max_emissions, run_p99):
-        _log, _prep, p = slice_partition(task)
-        if not len(p):
-            continue
-        k = bucket_of(p.t1_s, width_s)
-        cols = [labels.index(lb) for lb in p.labels]
-        prim_names = (*p.causes, "clean")
-        to_run = np.array([names.index(n) for n in prim_names], dtype=np.int64)
-        prim = to_run[np.where(p.primary == CLEAN, len(p.causes), p.primary)]
-        for b in np.unique(k).tolist():
-            if b not in p99_of:
-                p99_of[b] = q.percentiles(b)[1]
-            rows = np.flatnonzero(k == b)
-            g = p.gap_ms[rows]
-            tail = rows[g >= p99_of[b]]
-            acc = tail_parts.setdefault(b, np.zeros(len(labels)))
-            acc[cols] += p.parts_ms[tail].sum(axis=0)
-            tail_ms[b] = tail_ms.get(b, 0.0) + float(p.gap_ms[tail].sum())
-            tail_n[b] = tail_n.get(b, 0) + len(tail)
-            counts = run_tail.setdefault(b, np.zeros(len(names), dtype=np.int64))
-            counts += np.bincount(prim[rows[g >= run_p99]], minlength=len(names))
+        for bk, (parts, ms, n, counts) in _slice_buckets(task, q, labels, names, width_s).items():
+            tail_parts[bk] = tail_parts.get(bk, 0.0) + parts
+            tail_ms[bk] = tail_ms.get(bk, 0.0) + ms
+            tail_n[bk] = tail_n.get(bk, 0) + n
+            run_tail[bk] = run_tail.get(bk, 0) + counts
     first, last = _bucket_range(run, ix, ends, width_s)
     out = []
     for b in range(first, last + 1):
@@ -93,6 +79,35 @@ def over_time_sliced(
             run_tail_gaps=int(counts.sum()),
             run_tail_count={nm: int(c) for nm, c in zip(names, counts, strict=True)},
         ))  # fmt: skip
+    return out
+
+
+def _slice_buckets(
+    task: SliceTask,
+    q: GroupQuantiles,
+    labels: tuple[str, ...],
+    names: tuple[str, ...],
+    width_s: float,
+) -> dict[int, tuple[np.ndarray, float, int, np.ndarray]]:
+    """One slice's own gaps by bucket: their own tail's parts (by `labels`), its time and
+    gaps, and the run's tail by primary cause (by `names`). A function of its own, so the
+    slice's log and partition are gone before the next slice is read."""
+    p = slice_partition(task)[2]
+    out: dict[int, tuple[np.ndarray, float, int, np.ndarray]] = {}
+    if not len(p):
+        return out
+    k = bucket_of(p.t1_s, width_s)
+    cols = [labels.index(lb) for lb in p.labels]
+    to_run = np.array([names.index(n) for n in (*p.causes, "clean")], dtype=np.int64)
+    prim = to_run[np.where(p.primary == CLEAN, len(p.causes), p.primary)]
+    for b in np.unique(k).tolist():
+        rows = np.flatnonzero(k == b)
+        g = p.gap_ms[rows]
+        tail = rows[g >= q.percentiles(b)[1]]
+        parts = np.zeros(len(labels))
+        parts[cols] = p.parts_ms[tail].sum(axis=0)
+        counts = np.bincount(prim[rows[g >= task.p99]], minlength=len(names))
+        out[b] = (parts, float(p.gap_ms[tail].sum()), len(tail), counts)
     return out
 
 
