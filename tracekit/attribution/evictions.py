@@ -36,7 +36,12 @@ from typing import Any
 import numpy as np
 
 from tracekit.attribution.itl import Partition
-from tracekit.attribution.reprefill import next_emission, reprefills, window_pieces
+from tracekit.attribution.reprefill import (
+    merged_intervals,
+    next_emission,
+    reprefills,
+    window_pieces,
+)
 from tracekit.attribution.ttft import TtftPartition, pre_engine_windows, wait_windows
 from tracekit.labels import segment_cause
 from tracekit.log.rawlog import MODE_RECOMPUTE, MODE_SWAP, PREEMPT_REASONS, RawLog
@@ -330,7 +335,7 @@ def _segment_pieces(
     s0, s1, s_step = segs
     t0, t1 = gap
     ov = np.clip(np.minimum(s1, t1) - np.maximum(s0, t0), 0.0, None)
-    for e0, e1 in _merged(cuts):
+    for e0, e1 in merged_intervals(cuts):
         ov -= np.clip(np.minimum(s1, e1) - np.maximum(s0, e0), 0.0, None)
     ov = np.clip(ov, 0.0, None)
     total = float(ov.sum())
@@ -347,14 +352,3 @@ def _segment_pieces(
         kind = "preempt" if row is None else KIND_OF_MODE.get(int(c.mode[row]), "preempt")
         out.append(_describe(log, c, row, kind, ms))
     return out
-
-
-def _merged(cuts: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Intervals merged where they overlap (sorted, disjoint)."""
-    out: list[list[float]] = []
-    for a, b in sorted(cuts):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]

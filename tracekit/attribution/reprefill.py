@@ -149,7 +149,8 @@ def reprefills(log: RawLog) -> Reprefills:
     )
 
 
-def _merged(cuts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merged_intervals(cuts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals merged where they overlap (sorted, disjoint)."""
     out: list[list[float]] = []
     for a, b in sorted(cuts):
         if out and a <= out[-1][1]:
@@ -171,7 +172,7 @@ def window_pieces(
         return [(None, 1.0, False)]
     s0, s1 = rp.t0_s[lo:hi], rp.t1_s[lo:hi]
     ov = np.clip(np.minimum(s1, t1) - np.maximum(s0, t0), 0.0, None)
-    for a, b in _merged(cuts):  # live time only: each cut (disjoint once merged) taken out
+    for a, b in merged_intervals(cuts):  # live time only: each cut (disjoint once merged) taken out
         ov -= np.clip(np.minimum(s1, min(b, t1)) - np.maximum(s0, max(a, t0)), 0.0, None)
     ov = np.clip(ov, 0.0, None)
     total = float(ov.sum())
