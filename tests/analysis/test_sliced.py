@@ -276,3 +276,17 @@ def test_grouped_quantiles_are_numpys_per_group(rows, cuts):
         assert q.percentiles(k) == [float(x) for x in np.percentile(v[g == k], [50, 99, 99.9])]
         assert q.n(k) == int((g == k).sum())
     assert all(math.isnan(x) for x in q.percentiles(99))
+
+
+def test_the_index_keeps_a_row_an_eviction_not_the_victims_tokens(demo_run):
+    """Of the victims' emissions the index keeps only each eviction's next one (where its
+    debt ends): memory by evictions, never by the tokens a victim emits afterwards."""
+    from tracekit.analysis.stream import index_pass
+
+    run = SlicedRun(demo_run + ".parts")
+    ix = index_pass(run, "all-captured", lambda _m: None)
+    kept = sum(len(p["tables"].get("emissions", ())) for p in ix.sparse)
+    log = tracekit.load(demo_run)
+    assert 0 < kept <= len(log.evictions)
+    victims = np.isin(log.emissions.request, log.evictions.request)
+    assert kept < int(victims.sum())  # the victims emitted far more than that

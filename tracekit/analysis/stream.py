@@ -100,7 +100,8 @@ class Index:
     last_tick: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     gaps: ExactQuantiles = field(default_factory=lambda: ExactQuantiles(_QS))
     computed_tokens: int = 0
-    victim: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    #: per evicted request not yet emitting again: its earliest such eviction's tick
+    pending: dict[int, int] = field(default_factory=dict)
     #: each part's rows the run's evictions and speculative figures read: its eviction
     #: tables, counters, `recompute` segments and the emissions of requests evicted so far
     sparse: list[dict[str, Any]] = field(default_factory=list)
@@ -121,15 +122,34 @@ class Index:
 
 
 def _sparse_part(ix: Index, part: dict[str, Any]) -> dict[str, Any]:
-    """What of `part` the per-run eviction and speculative figures read (few rows)."""
+    """What of `part` the per-run eviction and speculative figures read (few rows): its
+    eviction tables, counters, `recompute` segments and, of each eviction's victim, its
+    first emission after it (where the victim's debt ends) and no other: a day of a busy
+    server keeps a row an eviction, never the victims' tokens."""
     t = part["tables"]
     keep = {k: t[k] for k in ("events", "preemptions", "evictors", "counters") if k in t}
     ev = t.get("events")
-    if ev is not None and len(ev):
-        ix.victim[ev[ev[:, 1] == EVICT, 0]] = True
+    evicted = ev[ev[:, 1] == EVICT] if ev is not None and len(ev) else None
     em = t.get("emissions")
-    if em is not None and len(em):
-        keep["emissions"] = em[ix.victim[em[:, _EM["request"]]]]
+    reqs = set(ix.pending) | (set(evicted[:, 0].tolist()) if evicted is not None else set())
+    if em is not None and len(em) and reqs:
+        rows: list[int] = []
+        r_col, t_col = em[:, _EM["request"]], em[:, _EM["t_tick"]]
+        for r in reqs:
+            new = [] if evicted is None else evicted[evicted[:, 0] == r, 2].tolist()
+            ticks = sorted(([ix.pending.pop(r)] if r in ix.pending else []) + new)
+            mine = np.flatnonzero(r_col == r)
+            mine = mine[np.argsort(t_col[mine], kind="stable")]
+            for tick in ticks:  # the first emission after each eviction
+                after = mine[t_col[mine] > tick]
+                if len(after):
+                    rows.append(int(after[0]))
+                else:  # not yet: in a later part
+                    ix.pending[r] = min(ix.pending.get(r, tick), tick)
+        keep["emissions"] = em[np.unique(np.array(rows, dtype=np.int64))]
+    elif evicted is not None:
+        for r, tick in zip(evicted[:, 0].tolist(), evicted[:, 2].tolist(), strict=True):
+            ix.pending[r] = min(ix.pending.get(r, tick), tick)
     sg = t.get("segments")
     if sg is not None and len(sg) and RECOMPUTE_LABEL in part["labels"]:
         keep["segments"] = sg[sg[:, 1] == part["labels"].index(RECOMPUTE_LABEL)]
@@ -175,7 +195,6 @@ def index_pass(
         if n_req > len(ix.last_tick):
             pad = np.full(n_req - len(ix.last_tick), np.iinfo(np.int64).min)
             ix.last_tick = np.concatenate([ix.last_tick, pad])
-            ix.victim = np.concatenate([ix.victim, np.zeros(len(pad), dtype=bool)])
             ix.first_part = np.concatenate([ix.first_part, np.full(len(pad), -1, np.int64)])
             ix.first_tick = np.concatenate([ix.first_tick, np.full(len(pad), NEVER)])
             ix.arrival_tick = np.concatenate([ix.arrival_tick, pad])
