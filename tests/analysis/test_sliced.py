@@ -68,10 +68,11 @@ class FakeClock:
 def _hand_run(out: Path) -> None:
     """30 steps of 10 ms (a `decode` segment each); request "alive" emits at every step's
     end, "long" at steps 0 and 23 only: evicted at step 2's end, readmitted at step 22's
-    end (swap). A part per step."""
+    end (swap). A part per step: no flush of its own (an hour's interval), one asked after
+    each step and waited for, so no part holds two steps and none is empty but the stop's."""
     clock = FakeClock()
     rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                            handle_signals=False, flush_interval_s=1e-3)  # fmt: skip
+                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
     with rec:
         rec.request("alive")
         rec.request("long")
@@ -93,10 +94,11 @@ def _wait_for_parts(out: Path, n: int) -> None:
     import time
 
     folder = Path(str(out) + ".parts")
-    for _ in range(2000):
-        if len(list(folder.glob("part-*.tkp"))) >= n:
-            return
+    deadline = time.monotonic() + 60.0
+    while len(list(folder.glob("part-*.tkp"))) < n:
+        assert time.monotonic() < deadline, f"the writer wrote no part {n} in 60 s"
         time.sleep(0.005)
+    assert len(list(folder.glob("part-*.tkp"))) == n  # exactly one part per step
 
 
 def test_a_gap_across_twenty_slices_and_its_eviction_read_as_the_whole_run(tmp_path):
@@ -109,7 +111,7 @@ def test_a_gap_across_twenty_slices_and_its_eviction_read_as_the_whole_run(tmp_p
     _hand_run(out)
     run = SlicedRun(str(out) + ".parts")
     run.index()
-    assert len(run.parts) >= 24  # a part per step, at least up to the long gap's end
+    assert len(run.parts) == 31  # a part per step, and the stop's (no rows)
     bounds = run.bounds(1)
     assert all(b == a + 1 for _, a, b in bounds)  # one part owned by each slice
     assert min(c for c, _, _ in bounds) == 0 and max(a - c for c, a, _ in bounds) >= 20
