@@ -936,6 +936,19 @@ def _key_of(name: str) -> str | None:
     return key if key is not None else _front.key.get(name)
 
 
+def finish_http(http: _Http) -> None:
+    """An HTTP request's response is over: the engine requests it made leave the API
+    server's recorder (`Recorder.finish`) and this module's bookkeeping, so a server's
+    memory stays flat over any number of requests (docs/adapters.md). Their chunks are all
+    recorded: the stream wrote its last one before the ASGI task ended."""
+    rec = frontend_recorder()
+    for name, key in http.keys.items():
+        if _front.key.get(name) == key:
+            del _front.key[name]
+        rec.finish(key)
+    http.keys.clear()
+
+
 def client_name(external_id: str, parent: Any, index: int) -> str:
     """A request's name at the client boundary: vLLM's external id, ``#INDEX`` for the
     siblings of parallel sampling (as the in-process adapter names them)."""
@@ -1200,8 +1213,13 @@ def _install_write_hooks(p: Patches) -> None:
 
     def wrap_run_asgi(run_asgi: Callable[..., Any]) -> Callable[..., Any]:
         async def run_asgi_slotted(self: Any, app: Any) -> Any:
-            _http.set([None])  # this request's slot (the task runs in a fresh context)
-            return await run_asgi(self, app)
+            slot: list[_Http | None] = [None]
+            _http.set(slot)  # this request's slot (the task runs in a fresh context)
+            try:
+                return await run_asgi(self, app)
+            finally:  # the response is written (or the client left): its requests are done
+                if slot[0] is not None and slot[0].keys:
+                    finish_http(slot[0])
 
         return run_asgi_slotted
 
