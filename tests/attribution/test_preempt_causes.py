@@ -241,3 +241,29 @@ def test_a_log_that_states_its_victims_next_emissions_keeps_its_split_without_th
         assert p.column("preempt")[g] == pytest.approx(6.0 + own, abs=1e-9)
     p, g, _, rc = _named(stated, 1, 40)
     assert [(x["victim"], round(x["ms"], 9)) for x in rc] == [("r2", 10.0)]
+
+
+def test_each_victims_next_emission_is_its_first_strictly_after_the_asked_instant():
+    """`next_emission` (the victim's first token after its readmission, docs/partition.md
+    "Who evicted whom") against the rule spelled out: of the request's emissions, the
+    earliest strictly after the instant; NaN where none is, or the instant is NaN. Seeded
+    random logs with ties of time and requests asked twice or never seen."""
+    from types import SimpleNamespace
+
+    from tracekit.attribution.reprefill import next_emission
+
+    rng = np.random.default_rng(35)
+    for _ in range(2000):
+        n_em, n_q = int(rng.integers(0, 30)), int(rng.integers(0, 8))
+        em_r = rng.integers(0, 5, n_em).astype(np.int32)
+        em_t = rng.integers(0, 10, n_em).astype(np.float64)  # many equal instants
+        req = rng.integers(0, 6, n_q).astype(np.int32)  # request 5 never emits
+        after = rng.integers(-1, 11, n_q).astype(np.float64)
+        after[rng.random(n_q) < 0.2] = np.nan
+        want = [
+            min((t for r, t in zip(em_r, em_t, strict=True) if r == q and t > a), default=np.nan)
+            for q, a in zip(req, after, strict=True)
+        ]  # NaN after: no `t > nan`, so NaN
+        log = SimpleNamespace(emissions=SimpleNamespace(request=em_r, t_s=em_t))
+        got = next_emission(log, req, after)  # type: ignore[arg-type]
+        assert np.array_equal(got, np.array(want, dtype=np.float64), equal_nan=True)

@@ -44,17 +44,28 @@ def next_emission(log: RawLog, request: np.ndarray, after_s: np.ndarray) -> np.n
     """Each request's first emission strictly after `after_s` (NaN: none, or NaN given)."""
     em = log.emissions
     out = np.full(len(request), np.nan)
-    if not len(em):
+    asked = np.flatnonzero(~np.isnan(after_s))
+    if not len(em.request) or not len(asked):
         return out
-    o = np.lexsort((em.t_s, em.request))
-    r, t = em.request[o], em.t_s[o]
-    for i, (q, a) in enumerate(zip(request.tolist(), after_s.tolist(), strict=True)):
-        if np.isnan(a):
-            continue
-        lo, hi = np.searchsorted(r, q, "left"), np.searchsorted(r, q, "right")
-        k = lo + np.searchsorted(t[lo:hi], a, "right")
-        if k < hi:
-            out[i] = t[k]
+    mine = np.isin(em.request, request[asked], kind="table")  # the asked requests' only
+    # emissions and questions in one order: by request, time, and a question after the
+    # emissions of its own instant (strictly after); each question's answer is the next
+    # emission in that order, if it is its request's
+    r = np.concatenate([em.request[mine], request[asked]])
+    t = np.concatenate([em.t_s[mine], after_s[asked]])
+    is_q = np.concatenate([np.zeros(int(mine.sum()), bool), np.ones(len(asked), bool)])
+    o = np.lexsort((is_q, t, r))
+    r, t, is_q = r[o], t[o], is_q[o]
+    n = len(o)
+    pos = np.where(is_q, n, np.arange(n))
+    nxt = np.minimum.accumulate(pos[::-1])[::-1]  # the next emission's position, n: none
+    at = np.flatnonzero(is_q)
+    k = nxt[at]
+    ok = k < n
+    ok[ok] = r[k[ok]] == r[at[ok]]
+    ans = np.full(len(at), np.nan)
+    ans[ok] = t[k[ok]]
+    out[asked[o[at] - int(mine.sum())]] = ans
     return out
 
 
