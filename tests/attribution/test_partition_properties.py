@@ -205,3 +205,24 @@ def test_moving_device_windows_moves_at_most_the_documented_bound(log, e_ms):
         bound = 4 * abs(e_ms) * max(k0, k1) + 2 * max(b0, b1)
         moved = float(np.abs(after.parts_ms[i] - before.parts_ms[i]).sum())
         assert moved <= bound + 1e-6, (i, moved, bound, k0, k1, b0, b1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_logs(), st.data())
+def test_a_selection_of_gaps_is_each_gap_as_partitioned(log, data):
+    """`Partition.take` (docs/reports.md, "Windows": a selection, never a new partition):
+    by mask or by indices, row k of the selection is the k-th chosen gap, every column."""
+    from tracekit.attribution.itl import _GAP_COLUMNS
+
+    p = partition(log)
+    mask = np.array(data.draw(st.lists(st.booleans(), min_size=len(p), max_size=len(p))), bool)
+    idx = np.array(data.draw(st.lists(st.integers(0, max(len(p) - 1, 0)), max_size=len(p)
+                                      if len(p) else 0)), dtype=np.int64)  # fmt: skip
+    for rows, chosen in ((mask, np.flatnonzero(mask)), (idx, idx)):
+        cut = p.take(rows)
+        assert len(cut) == len(chosen) and cut.labels == p.labels
+        for f in _GAP_COLUMNS:
+            want = getattr(p, f)
+            for k, g in enumerate(chosen.tolist()):
+                assert np.array_equal(getattr(cut, f)[k], want[g]), (f, k)
+    assert cut.parts_ms.shape == (len(idx), len(p.labels))

@@ -332,7 +332,8 @@ def _add(d: dict, key: Any, v: Any) -> None:
 
 
 def _own_gaps(p: Partition, t_from: float, t_to: float) -> Partition:
-    return p.take((p.t1_s >= t_from) & (p.t1_s < t_to))
+    own = (p.t1_s >= t_from) & (p.t1_s < t_to)
+    return p if own.all() else p.take(own)  # `_needed` leaves mostly own gaps: no copy
 
 
 @dataclass(frozen=True)

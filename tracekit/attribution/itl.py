@@ -126,6 +126,17 @@ _GAP_COLUMNS = ("request", "t0_s", "t1_s", "step0", "step1", "gap_ms", "parts_ms
                 "primary")  # fmt: skip
 
 
+def _rows_of(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """`a[idx]`, a 2-D column-major table kept column-major: one gather a column (a row
+    selection of it would stride across every column for each row, ~10x slower)."""
+    if a.ndim != 2 or not a.flags.f_contiguous:
+        return a[idx]
+    out = np.empty((len(idx), a.shape[1]), dtype=a.dtype, order="F")
+    for j in range(a.shape[1]):
+        np.take(a[:, j], idx, out=out[:, j])
+    return out
+
+
 @dataclass(frozen=True)
 class Partition:
     """Every gap of a run, partitioned. Rows are gaps, sorted by request then time."""
@@ -156,7 +167,12 @@ class Partition:
     def take(self, rows: np.ndarray) -> Partition:
         """The gaps at `rows` (indices or a boolean mask), each partitioned as here: a
         selection of this partition, never a new one (docs/reports.md, "Windows")."""
-        cut = {f: getattr(self, f)[rows] for f in _GAP_COLUMNS}
+        rows = np.asarray(rows)
+        if rows.dtype == np.bool_:
+            if rows.shape != (len(self),):
+                raise IndexError(f"take: a mask of {rows.shape} rows for {len(self)} gaps")
+            rows = np.flatnonzero(rows)
+        cut = {f: _rows_of(getattr(self, f), rows) for f in _GAP_COLUMNS}
         return replace(self, **cut, _cache={})
 
     @property
