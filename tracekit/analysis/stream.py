@@ -4,7 +4,7 @@
 The figures are `tracekit.analysis.figures.analyze`'s, by the same rules: each slice of the
 run (`tracekit.log.slices`) is partitioned as the whole run is (its graph baseline is the
 whole run's, fitted once from every step's GC-free decode time), and each gap is counted
-in the one slice its later emission lies in. Three passes over the parts:
+in the one slice its later emission lies in. Two passes over the parts:
 
 1. the index pass: every part once; per step its decode time and shape (the baseline),
    per request its last emission tick (so every gap's length: the ITL percentiles, counted
@@ -12,8 +12,9 @@ in the one slice its later emission lies in. Three passes over the parts:
 2. every slice partitioned: sums, counts and the histogram by cause, the TTFT partition
    of the requests whose first token lies in it; the gaps of the ITL p99's own histogram
    buckets are kept until p99 is known, to decide which are in the tail;
-3. every slice partitioned again, for the two medians of the forward share (exact, as
-   the percentiles).
+   the forward shares wait in a temporary file (8 bytes a gap, in ``TMPDIR``), read back in
+   chunks for the two medians of the forward share (exact, as the percentiles), so no
+   slice is partitioned twice.
 
 Equal to the whole-run analysis: every count, percentile, maximum and histogram bin
 exactly; sums and shares to float rounding (the sums add in another order); the TTFT
@@ -26,6 +27,7 @@ boundary and tensor-parallel ranks, which belong to runs the whole-run reader re
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,7 +41,7 @@ from tracekit.analysis.figures import (
     HistBin,
     RunAnalysis,
 )
-from tracekit.analysis.quantiles import ExactQuantiles, bucket_counts, kept_values
+from tracekit.analysis.quantiles import ExactQuantiles
 from tracekit.analysis.results import spec_result
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.reprefill import stating_next_emissions
@@ -341,7 +343,7 @@ class SliceTask:
     """One slice's work, with all a worker needs (picklable: a process pool or Ray runs it,
     reading the parts from the same folder): the parts to read ``[c, b)``, the times its
     own gaps end in, how a log read from part `c` starts, the whole run's baselines cut to
-    its steps, the tail's threshold and, in pass 3, the histogram buckets to keep."""
+    its steps and the tail's threshold."""
 
     parts_dir: str
     max_inflate_mb: float | None
@@ -354,18 +356,16 @@ class SliceTask:
     base_ttft: GraphBaseline
     fit: str
     p99: float
-    keep_clean: np.ndarray | None = None  # pass 3: the buckets the medians lie in
-    keep_tail: np.ndarray | None = None
 
 
 @dataclass
 class SlicePart:
-    """What a slice gives back: its sums (pass 2) and the forward shares' histogram counts,
-    or (pass 3) the forward shares kept for the medians."""
+    """What a slice gives back: its sums, and the forward shares of its clean gaps and of
+    its tail's gaps (for the medians: counted, then read back from the spill)."""
 
     sums: _Sums
-    clean: tuple = ()
-    tail: tuple = ()
+    clean: np.ndarray
+    tail: np.ndarray
 
 
 def slice_tasks(run: SlicedRun, ix: Index, max_emissions: int, p99: float) -> list[SliceTask]:
@@ -405,15 +405,12 @@ def run_slice(task: SliceTask) -> SlicePart:
     fwd = _fwd_share(p)
     clean = fwd[(p.primary == CLEAN) & (p.gap_ms > 0)]
     tail = fwd[(p.gap_ms >= task.p99) & (p.gap_ms > 0)]
-    if task.keep_clean is not None:  # pass 3: the medians' values only
-        return SlicePart(_Sums(), kept_values(clean, task.keep_clean),
-                         kept_values(tail, task.keep_tail))  # fmt: skip
     tp = ttft_partition(log, run=prep)
     own_t = (tp.first_token_s >= task.t_from_s) & (tp.first_token_s < task.t_to_s)
     s = _Sums()
     _add_gaps(s, p, task.p99)
     s.ttft.append(tp.take(own_t))
-    return SlicePart(s, bucket_counts(clean), bucket_counts(tail))
+    return SlicePart(s, clean, tail)
 
 
 def whole_baselines(run: SlicedRun, ix: Index) -> tuple[GraphBaseline, GraphBaseline]:
@@ -522,21 +519,25 @@ def analyze_sliced(
     each = mapper or _in_process
     s = _Sums()
     fwd_clean, fwd_tail = ExactQuantiles(), ExactQuantiles()
-    for j, part in enumerate(each(run_slice, tasks)):  # in slice order: the sums' order
-        _fold(s, part.sums)
-        fwd_clean.add_counts(*part.clean)
-        fwd_tail.add_counts(*part.tail)
-        say(f"slice {j + 1} of {len(tasks)}")
-    if fwd_clean.n or fwd_tail.n:  # pass 3: the medians' values
-        fwd_clean.wanted()
-        fwd_tail.wanted()
-        keep = [replace(t, keep_clean=fwd_clean.keep_buckets, keep_tail=fwd_tail.keep_buckets)
-                for t in tasks]  # fmt: skip
-        for j, part in enumerate(each(run_slice, keep)):
-            fwd_clean.add_kept(*part.clean)
-            fwd_tail.add_kept(*part.tail)
-            say(f"medians: slice {j + 1} of {len(tasks)}")
+    with tempfile.TemporaryFile() as clean, tempfile.TemporaryFile() as tail:
+        for j, part in enumerate(each(run_slice, tasks)):  # in slice order: the sums' order
+            _fold(s, part.sums)
+            for q, values, spill in ((fwd_clean, part.clean, clean), (fwd_tail, part.tail, tail)):
+                q.count(values)
+                np.asarray(values, dtype=np.float64).tofile(spill)
+            say(f"slice {j + 1} of {len(tasks)}")
+        for q, spill in ((fwd_clean, clean), (fwd_tail, tail)):  # the medians' values
+            if not q.n:
+                continue
+            q.wanted()
+            spill.seek(0)
+            while len(chunk := np.fromfile(spill, dtype=np.float64, count=_SPILL_CHUNK)):
+                q.keep(chunk)
     return _result(run, ix, s, pct, path or parts_dir, fwd_clean, fwd_tail)
+
+
+#: forward shares read back from the spill at once (32 MiB)
+_SPILL_CHUNK = 4 << 20
 
 
 def _in_process(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:

@@ -66,6 +66,7 @@ same thing with plain loops, gap by gap; the tests check that they agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -172,7 +173,7 @@ class Partition:
             if rows.shape != (len(self),):
                 raise IndexError(f"take: a mask of {rows.shape} rows for {len(self)} gaps")
             rows = np.flatnonzero(rows)
-        cut = {f: _rows_of(getattr(self, f), rows) for f in _GAP_COLUMNS}
+        cut: dict[str, Any] = {f: _rows_of(getattr(self, f), rows) for f in _GAP_COLUMNS}
         return replace(self, **cut, _cache={})
 
     @property
