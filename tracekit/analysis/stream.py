@@ -83,6 +83,8 @@ TTFT_LABEL_GROUPS = (PRE_ENGINE_LABELS, FRONTEND_OS_LABELS, TTFT_STANDARD_LABELS
 #: emissions a slice reads by default: the whole-run partition holds ~340 bytes a gap, so
 #: a slice ~150 MB (a busy server's ~10 s)
 DEFAULT_SLICE_EMISSIONS = 400_000
+#: values read back from a temporary file at once (32 MiB)
+_SPILL_CHUNK = 4 << 20
 
 
 @dataclass
@@ -121,6 +123,9 @@ class Index:
     fit: str = FIT_ALL_CAPTURED  # the ITL baseline's fit
     baselines: tuple[GraphBaseline, GraphBaseline] | None = None  # `whole_baselines`
     extra: ExactQuantiles = field(default_factory=ExactQuantiles)  # `index_pass`'s extra_qs
+    #: every gap's length (ms, float64) in the order counted, for `keep_gap_values` (a
+    #: temporary file: read back, the parts are not decoded again)
+    spill: Any = None
 
 
 def _sparse_part(ix: Index, part: dict[str, Any]) -> dict[str, Any]:
@@ -165,12 +170,16 @@ def index_pass(
     *,
     light: bool = False,
     extra_qs: tuple[float, ...] = (),
+    spill: bool = False,
 ) -> Index:
     """Every part once (`SlicedRun.index`): what the slices and the per-run figures need.
     `light`: keep each part's steps, requests and eviction rows (a window's log);
-    `extra_qs`: also count the gaps for these percentiles (`Index.extra`)."""
+    `extra_qs`: also count the gaps for these percentiles (`Index.extra`); `spill`: write
+    every gap's length to a temporary file (`Index.spill`, for `keep_gap_values`)."""
     ix = Index(light=[] if light else None, fit=fit)
     ix.extra = ExactQuantiles(extra_qs)
+    if spill:
+        ix.spill = tempfile.TemporaryFile()
     n_paths = len(run.paths)
 
     def visit(i: int, part: dict[str, Any]) -> None:
@@ -216,6 +225,8 @@ def index_pass(
             np.minimum.at(ix.first_tick, r[new], em[new, _EM["t_tick"]])
             gap, t1 = gap_lengths(run, ix.last_tick, em)
             ix.gaps.count(gap)
+            if ix.spill is not None:
+                gap.astype(np.float64).tofile(ix.spill)
             if ix.extra.qs:
                 ix.extra.count(gap)
             if len(gap) and gap.max() >= ix.worst[0]:
@@ -270,6 +281,13 @@ def keep_gap_values(run: SlicedRun, ix: Index) -> None:
     keeping the values the ITL percentiles are (so the tail's threshold is known before
     any slice is partitioned)."""
     ix.gaps.wanted()
+    if ix.spill is not None:  # the lengths the index pass wrote: no part decoded again
+        with ix.spill as spill:
+            spill.seek(0)
+            while len(chunk := np.fromfile(spill, dtype=np.float64, count=_SPILL_CHUNK)):
+                ix.gaps.keep(chunk)
+        ix.spill = None
+        return
     last = np.full(len(ix.last_tick), np.iinfo(np.int64).min)
     for i in range(len(run.parts)):
         em = run.read(i)["tables"].get("emissions")
@@ -511,7 +529,7 @@ def analyze_sliced(
     that must be read whole."""
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
-    ix = index_pass(run, baseline_fit, say)
+    ix = index_pass(run, baseline_fit, say, spill=True)
     keep_gap_values(run, ix)
     pct = ix.gaps.percentiles()
     p99 = pct[2]
@@ -534,10 +552,6 @@ def analyze_sliced(
             while len(chunk := np.fromfile(spill, dtype=np.float64, count=_SPILL_CHUNK)):
                 q.keep(chunk)
     return _result(run, ix, s, pct, path or parts_dir, fwd_clean, fwd_tail)
-
-
-#: forward shares read back from the spill at once (32 MiB)
-_SPILL_CHUNK = 4 << 20
 
 
 def _in_process(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:

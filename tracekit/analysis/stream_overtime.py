@@ -46,7 +46,7 @@ def over_time_sliced(
     """`over_time` of the run in `parts_dir` (no window), read in slices."""
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
-    ix = index_pass(run, FIT_ALL_CAPTURED, say)
+    ix = index_pass(run, FIT_ALL_CAPTURED, say, spill=True)
     keep_gap_values(run, ix)
     run_p99 = ix.gaps.percentiles()[2]
     q, ends = _bucket_quantiles(run, ix, width_s)
