@@ -3,6 +3,7 @@ as the whole run's analysis, whatever the slices' size; exact percentiles from p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,8 +18,12 @@ from hypothesis import strategies as st
 
 import tracekit
 from tracekit.analysis.figures import analyze
+from tracekit.analysis.overtime import over_time
 from tracekit.analysis.quantiles import ExactQuantiles, GroupQuantiles
 from tracekit.analysis.stream import analyze_sliced
+from tracekit.analysis.stream_overtime import over_time_window
+from tracekit.analysis.window import WindowOptions
+from tracekit.attribution.itl import partition
 from tracekit.log.slices import SlicedRun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -212,6 +217,8 @@ def test_exact_quantiles_of_nothing_and_bad_values():
         ("trace", "--window", "1..1.5"),
         ("analyze", "--by", "0.5s", "--format", "jsonl"),
         ("analyze", "--by", "1s", "--format", "jsonl"),
+        ("analyze", "--by", "0.5s", "--window", "1..2.7", "--format", "jsonl"),
+        ("analyze", "--by", "0.25s", "--around", "worst", "--width", "1", "--format", "jsonl"),
     ],
 )  # fmt: skip
 def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, tmp_path, args):
@@ -233,6 +240,27 @@ def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, tmp_path, ar
 
     whole, sliced = run("100000000", "whole.json"), run("500", "sliced.json")
     assert whole and _differences(whole, sliced) == []
+
+
+@pytest.mark.parametrize(
+    "view",
+    [WindowOptions(window="1..2.7"), WindowOptions(around="worst", width_s=1.0),
+     WindowOptions(window="2.2..")],
+)  # fmt: skip
+def test_the_tail_over_time_of_a_window_read_from_its_parts_is_the_whole_runs(demo_run, view):
+    """`analyze --by` with a window of a long run reads the window's parts only; its rows
+    are the whole run's rows over that window (docs/reports.md, "The tail over time"): the
+    run's tail counted against the whole run's p99, not the window's."""
+    log = tracekit.load(demo_run)
+    part = partition(log)
+    whole = over_time(log, part, 0.5, view.resolve(log, part))
+    sliced = over_time_window(demo_run + ".parts", 0.5, view, path=log.path)
+
+    def rows(buckets):  # NaN (a bucket without gaps) as None, so it compares
+        text = json.dumps([dataclasses.asdict(b) for b in buckets]).replace("NaN", "null")
+        return json.loads(text)
+
+    assert whole and _differences(rows(whole), rows(sliced)) == []
 
 
 @pytest.mark.parametrize("spread", [("-j", "2"), ("--ray",)])

@@ -85,11 +85,20 @@ def _bucket_range(
 
 
 def over_time(
-    log: RawLog, part: Partition, width_s: float, window: Window | None = None
+    log: RawLog,
+    part: Partition,
+    width_s: float,
+    window: Window | None = None,
+    *,
+    run_p99: float | None = None,
 ) -> list[Bucket]:
     """The run's buckets of `width_s` seconds (module docstring), over `window` if given.
-    `part`: the whole run's partition."""
-    whole_p99 = float(np.percentile(part.gap_ms, 99.0)) if len(part) else math.nan
+    `part`: the whole run's partition, or (with `run_p99`, the whole run's ITL p99) one
+    holding at least every gap that ends in `window` (a window read in slices)."""
+    if run_p99 is not None:
+        whole_p99 = run_p99
+    else:
+        whole_p99 = float(np.percentile(part.gap_ms, 99.0)) if len(part) else math.nan
     first, last = _bucket_range(log, part, width_s, window)
     p = select_gaps(part, window)
     lo, hi = (window.t0_s, window.t1_s) if window is not None else (-math.inf, math.inf)

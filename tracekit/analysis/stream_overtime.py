@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.analysis.overtime import Bucket, bucket_of
+from tracekit.analysis.overtime import Bucket, bucket_of, over_time
 from tracekit.analysis.quantiles import GroupQuantiles
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
@@ -29,6 +29,8 @@ from tracekit.analysis.stream import (
     slice_partition,
     slice_tasks,
 )
+from tracekit.analysis.stream_window import read_window
+from tracekit.analysis.window import WindowOptions
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, NON_CAUSES
 from tracekit.labels import partition_labels
 from tracekit.log.slices import SlicedRun
@@ -80,6 +82,23 @@ def over_time_sliced(
             run_tail_count={nm: int(c) for nm, c in zip(names, counts, strict=True)},
         ))  # fmt: skip
     return out
+
+
+def over_time_window(
+    parts_dir: str,
+    width_s: float,
+    view: WindowOptions,
+    *,
+    path: str | None = None,
+    max_inflate_mb: float | None = None,
+) -> list[Bucket]:
+    """`over_time` of the window `view` asks for, of the run in `parts_dir`: read from the
+    parts the window needs (`read_window`), its run-tail counts against the whole run's
+    exact p99 (from the index pass)."""
+    wr = read_window(parts_dir, view, path=path, max_inflate_mb=max_inflate_mb,
+                     run_percentiles=True)  # fmt: skip
+    p99 = wr.index.gaps.percentiles()[2]
+    return over_time(wr.log, wr.part, width_s, wr.window, run_p99=p99)
 
 
 def _slice_buckets(

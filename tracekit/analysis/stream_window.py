@@ -28,6 +28,7 @@ from tracekit.analysis.stream import (
     Index,
     gap_lengths,
     index_pass,
+    keep_gap_values,
     ordered,
     run_fields,
     whole_baselines,
@@ -68,13 +69,17 @@ def read_window(
     baseline_fit: str = FIT_ALL_CAPTURED,
     max_inflate_mb: float | None = None,
     progress: Callable[[str], None] | None = None,
+    run_percentiles: bool = False,
 ) -> WindowRead:
     """The window `view` asks for, of the run in `parts_dir` (`NotSliceable` where the
-    folder must be read whole; `UsageError` for a window the run refuses)."""
+    folder must be read whole; `UsageError` for a window the run refuses).
+    `run_percentiles`: also find the whole run's exact ITL percentiles (`index.gaps`)."""
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     qs = _around_q(view)
-    ix = index_pass(run, baseline_fit, say, light=True, extra_qs=qs)
+    ix = index_pass(run, baseline_fit, say, light=True, extra_qs=qs, spill=run_percentiles)
+    if run_percentiles:
+        keep_gap_values(run, ix)
     win = _resolve(run, ix, view)
     n = len(run.parts)
     a = max([0, *[i for i in range(n) if _cut(run, i) <= win.t0_s]])

@@ -17,7 +17,7 @@ from tracekit.analysis.gaps import itl_series, worst_stalls
 from tracekit.analysis.overtime import Bucket, over_time, report_buckets
 from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
-from tracekit.analysis.stream_overtime import over_time_sliced
+from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
 from tracekit.analysis.stream_window import WindowRead, analyze_window, read_window
 from tracekit.analysis.whatif import WhatIf, whatif
 from tracekit.analysis.window import Window, WindowOptions, select_gaps
@@ -144,11 +144,14 @@ def over_time_path(
     """`analyze --by`'s work on one run: its buckets of `width_s` seconds."""
     keep_freed_memory()
     parts_dir = parts_dir_of(path)
-    if (view is None or view.is_whole_run) and parts_dir is not None and reads_in_slices(path):
+    if parts_dir is not None and reads_in_slices(path):
+        shown, inflate = _shown_path(path, parts_dir), limits.get("max_inflate_mb")
         try:  # a long run: in slices, in bounded memory (the same rows)
-            return over_time_sliced(parts_dir, width_s, path=_shown_path(path, parts_dir),
-                                    max_emissions=slice_budget(),
-                                    max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+            if view is None or view.is_whole_run:
+                return over_time_sliced(parts_dir, width_s, path=shown,
+                                        max_emissions=slice_budget(),
+                                        max_inflate_mb=inflate)  # fmt: skip
+            return over_time_window(parts_dir, width_s, view, path=shown, max_inflate_mb=inflate)
         except NotSliceable:
             pass
     log = open_run(path, **limits)
