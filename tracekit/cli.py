@@ -682,6 +682,7 @@ def trace(run: str, output: str, request_ids: str | None) -> None:
 
     t_start = time.perf_counter()
     ids = [r.strip() for r in request_ids.split(",") if r.strip()] if request_ids else None
+    workers.refuse_whole_trace(run, view())  # a long run: a window of it
     log, part, tpart, win = workers.opened(run, view(), **_limits())  # a long run: in slices
     _warn(log.path, log.warnings)
     win = say_window(run, win)

@@ -263,6 +263,37 @@ def test_the_tail_over_time_of_a_window_read_from_its_parts_is_the_whole_runs(de
     assert whole and _differences(rows(whole), rows(sliced)) == []
 
 
+def test_a_whole_trace_of_a_run_over_the_trace_limit_is_refused_with_its_windows(
+    demo_run, tmp_path
+):
+    """`trace` of a whole run of more emissions than TRACEKIT_TRACE_EMISSIONS exits 2 in
+    one line naming the windows that cut it and the setting that allows it; a window of
+    the same run is written; a limit that is no number is refused."""
+    n = sum(e.num_emissions for e in _indexed(demo_run).parts)
+
+    def trace(limit: str, *extra: str):
+        env = {**os.environ, "TRACEKIT_TRACE_EMISSIONS": limit}
+        return subprocess.run([sys.executable, "-m", "tracekit", "trace", demo_run, "-o",
+                               str(tmp_path / "t.json"), *extra], capture_output=True,
+                              text=True, cwd=REPO, env=env, timeout=600)  # fmt: skip
+
+    r = trace(str(n - 1))
+    assert r.returncode == 2 and not (tmp_path / "t.json").exists()
+    err = r.stderr.strip()
+    assert "\n" not in err and f"{n:,} emissions" in err
+    assert "--around worst" in err and f"TRACEKIT_TRACE_EMISSIONS to {n} or more" in err
+    assert trace(str(n - 1), "--around", "worst").returncode == 0
+    assert trace(str(n)).returncode == 0  # at the limit: written whole
+    bad = trace("lots")
+    assert bad.returncode == 2 and "TRACEKIT_TRACE_EMISSIONS='lots'" in bad.stderr
+
+
+def _indexed(path: str) -> SlicedRun:
+    run = SlicedRun(path + ".parts")
+    run.index()
+    return run
+
+
 @pytest.mark.parametrize("spread", [("-j", "2"), ("--ray",)])
 def test_one_runs_slices_in_processes_or_on_ray_give_the_same_bytes(demo_run, spread):
     """A single run read in slices, its slices in two processes or as tasks on a local

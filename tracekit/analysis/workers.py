@@ -51,15 +51,44 @@ SLICE_ENV = "TRACEKIT_SLICE_EMISSIONS"
 
 def slice_budget() -> int:
     """Emissions a slice reads: `SLICE_ENV`, else the default."""
-    raw = os.environ.get(SLICE_ENV, "").strip()
+    return _env_count(SLICE_ENV, DEFAULT_SLICE_EMISSIONS)
+
+
+#: environment variable: the most emissions `trace` writes a whole run's trace of
+TRACE_ENV = "TRACEKIT_TRACE_EMISSIONS"
+#: ~1.7 KB of memory an emission while the trace is built: ~3.4 GB, a ~100 MB trace file
+DEFAULT_TRACE_EMISSIONS = 2_000_000
+
+
+def refuse_whole_trace(path: str, view: WindowOptions) -> None:
+    """`trace` of a whole one-process run of more than `TRACE_ENV` emissions is refused,
+    with the windows that cut it: its trace would take gigabytes to build and more than the
+    Perfetto UI opens (docs/reports.md, "Reading a long run in slices")."""
+    parts_dir = parts_dir_of(path)
+    if not view.is_whole_run or parts_dir is None:
+        return
+    n, limit = _emissions(parts_dir), _env_count(TRACE_ENV, DEFAULT_TRACE_EMISSIONS)
+    if n > limit:
+        raise UsageError(
+            f"{path}: {n:,} emissions, more than a whole-run trace holds ({TRACE_ENV}="
+            f"{limit:,}: building it would take ~{n * 1.7e3 / 1e9:.0f} GB, and the Perfetto "
+            "UI opens a few hundred MB): trace a window of it (--around worst, --around "
+            f"p99.9, --window FROM..TO; `tracekit analyze {path} --by 1m` shows when the "
+            f"tail was), or set {TRACE_ENV} to {n} or more to write it whole"
+        )
+
+
+def _env_count(name: str, default: int) -> int:
+    """A whole number >= 1 from the environment variable `name`, else `default`."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_SLICE_EMISSIONS
+        return default
     try:
         n = int(raw)
     except ValueError:
         n = 0
     if n < 1:
-        raise UsageError(f"{SLICE_ENV}={raw!r}: expected a whole number of emissions >= 1")
+        raise UsageError(f"{name}={raw!r}: expected a whole number of emissions >= 1")
     return n
 
 
