@@ -1,0 +1,262 @@
+"""One run's what-if read in slices, in memory bounded by a slice, not by the run
+(docs/reports.md, "Reading a long run in slices"; docs/whatif.md).
+
+The result is `tracekit.analysis.whatif.whatif`'s on the whole run: every removal by both
+models, each percentile exactly, each `removed_ms` to float rounding (it adds up in
+another order). Each slice of the run (`tracekit.analysis.stream`'s: its own gaps
+partitioned with the whole run's graph baseline) gives, per removal and model, the values
+of the gaps it owns; they are counted in one `GroupQuantiles` (a sparse histogram per
+removal and model), in two passes over the slices, as `stream` finds the ITL percentiles:
+the first counts the values' histogram buckets, the second keeps the values of the
+buckets that hold the wanted ranks.
+
+What a slice cannot see for itself, it is handed:
+
+- **First order** needs nothing but the slice's own partition: a gap loses its parts in the
+  removal's labels (and others' re-prefill when `preempt` goes).
+- **Second order** needs the whole run's replayed timeline `R(x)`: the removable rate of an
+  instant depends on every window over it (a window recorded in another slice's parts, a
+  GC pause, the OS's share from intervals that span slices), and a step's readmission
+  prefill share on each request's first eviction anywhere before it. `R` is computed once
+  per removal, exactly as the whole-run what-if computes it (`whatif.replayed`), from the
+  run's log without its emissions (every other table: memory by steps and requests, never
+  by tokens), then cut to each slice's span: from the earliest emission its log holds to
+  where its own gaps end, with the bounds around them, so `R` at every instant a slice
+  asks for is the whole run's value, bit for bit. A victim's evicted gap is split at the
+  step ends inside it, which the slice's own steps hold.
+- **TTFT**, in both models, is computed on the TTFT partition's rows gathered from the
+  slices (one row per request, as `analyze_sliced` does), with the whole run's `R` and
+  its evictions and waits from the log without emissions.
+- **Which removals** a run has comes from the index pass's labels: every removal of them is
+  computed in the slices, and those with time in some gap or TTFT are reported (as the
+  whole-run `removals`); if the slices' labels are not the index's, `NotSliceable`.
+
+Falls back to the whole-run reader (`NotSliceable`) where the log records recompute
+evictions with their causes: the victim-policy line (`victim_policy`) counts each
+candidate's emitted tokens at each decision, which needs every emission. A window
+(`--window`, `--around`) keeps its own reader (`tracekit.analysis.workers`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from tracekit.analysis.quantiles import GroupQuantiles, group_counts, group_kept
+from tracekit.analysis.stream import (
+    DEFAULT_SLICE_EMISSIONS,
+    TTFT_LABEL_GROUPS,
+    SliceTask,
+    gathered_ttft,
+    index_pass,
+    ordered,
+    slice_partition,
+    slice_tasks,
+    whole_baselines,
+)
+from tracekit.analysis.victim_policy import has_decisions
+from tracekit.analysis.whatif import (
+    FIRST,
+    ITL_QS,
+    SECOND,
+    Prediction,
+    Removal,
+    WhatIf,
+    figures_of,
+    first_order_gaps,
+    first_order_ttfts,
+    labels_with_time,
+    pick_removal,
+    removals_of,
+    replayed,
+    second_order_gaps,
+    second_order_ttfts,
+)
+from tracekit.attribution.itl import FIT_ALL_CAPTURED
+from tracekit.attribution.ttft import TtftPartition, ttft_partition
+from tracekit.labels import partition_labels
+from tracekit.log.flush import TABLES
+from tracekit.log.rawlog import RawLog
+from tracekit.log.slices import NotSliceable, SlicedRun
+
+__all__ = ["NotSliceable", "whatif_sliced"]
+
+#: every table of a run's log but its emissions: what `R` and the TTFTs' states read
+_NOT_EMISSIONS = frozenset(TABLES) - {"emissions"}
+Replay = tuple[np.ndarray, np.ndarray]  # (bounds_s, R_s): `whatif.replayed`
+
+
+@dataclass(frozen=True)
+class WhatIfTask:
+    """One slice's what-if work (picklable, as `SliceTask`): the slice, the removals, each
+    removal's replayed timeline cut to the slice's span and, in pass 2, the histogram keys
+    to keep. Value group 0 is the gaps as measured; removal k's first order is group
+    1 + 2k, its second order 2 + 2k."""
+
+    slice: SliceTask
+    removals: tuple[Removal, ...]
+    replays: tuple[Replay, ...]
+    keep_keys: np.ndarray | None = None
+
+
+@dataclass
+class WhatIfPart:
+    """What a slice gives back: pass 1, its values' histogram counts, each group's number
+    of values and removed time, its labels with time, its partition's labels and warnings
+    and its own TTFT rows; pass 2, its values in the kept buckets."""
+
+    counts: tuple[np.ndarray, np.ndarray] | None = None
+    num: list[int] = field(default_factory=list)
+    removed_ms: list[float] = field(default_factory=list)
+    has: set[str] = field(default_factory=set)
+    labels: set[str] = field(default_factory=set)
+    warnings: tuple[str, ...] = ()
+    ttft: TtftPartition | None = None
+    kept: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+def run_whatif_slice(task: WhatIfTask) -> WhatIfPart:
+    """Partition one slice and compute every removal's values of its own gaps."""
+    log, prep, p = slice_partition(task.slice)
+    values: list[np.ndarray] = [p.gap_ms]
+    removed: list[float] = [0.0]
+    for r, (bounds, cum) in zip(task.removals, task.replays, strict=True):
+        gap, own = first_order_gaps(p, r)
+        values.append(gap)
+        removed.append(float(own.sum()))
+        gap, lost = second_order_gaps(log, p, r, bounds, cum)
+        values.append(gap)
+        removed.append(float(lost.sum()))
+    groups = [np.full(len(v), g, dtype=np.int64) for g, v in enumerate(values)]
+    if task.keep_keys is not None:  # pass 2: the values of the wanted buckets
+        kept = [group_kept(g, v, task.keep_keys) for g, v in zip(groups, values, strict=True)]
+        return WhatIfPart(kept=tuple(np.concatenate(x) for x in zip(*kept, strict=True)))  # type: ignore[arg-type]
+    counts = [group_counts(g, v) for g, v in zip(groups, values, strict=True)]
+    tp = ttft_partition(log, run=prep)
+    own_t = (tp.first_token_s >= task.slice.t_from_s) & (tp.first_token_s < task.slice.t_to_s)
+    return WhatIfPart(
+        counts=(np.concatenate([k for k, _ in counts]), np.concatenate([c for _, c in counts])),
+        num=[len(v) for v in values],
+        removed_ms=removed,
+        has=labels_with_time(p.labels, p.parts_ms),
+        labels=set(p.labels),
+        warnings=tuple(p.warnings),
+        ttft=tp.take(own_t),
+    )
+
+
+def cut_replay(rep: Replay, lo_s: float, hi_s: float) -> Replay:
+    """`rep` from the bound at or before `lo_s` to the one at or after `hi_s`: `R` between
+    them interpolates as on the whole array (`np.interp` takes the same two bounds)."""
+    bounds, cum = rep
+    n = len(bounds)
+    k0 = min(max(int(np.searchsorted(bounds, lo_s, "right")) - 1, 0), n - 1)
+    k1 = max(min(int(np.searchsorted(bounds, hi_s, "left")) + 1, n), k0 + 1)
+    return bounds[k0:k1], cum[k0:k1]
+
+
+def whatif_sliced(
+    parts_dir: str,
+    names: Iterable[str] | None = None,
+    *,
+    path: str,
+    max_emissions: int = DEFAULT_SLICE_EMISSIONS,
+    mapper: Callable[[Callable[[Any], Any], list[Any]], Iterable[Any]] | None = None,
+    max_inflate_mb: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WhatIf:
+    """`tracekit.analysis.whatif.whatif` of a run's parts folder (every removal, or those
+    named), read in slices of at most `max_emissions` emissions (the module's docstring).
+    `mapper(fn, items)`: runs the slices (a process pool's or Ray's map, in order); the
+    result is the same. Raises `NotSliceable` for a run the whole-run reader must read."""
+    say = progress or (lambda _msg: None)
+    run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
+    ix = index_pass(run, FIT_ALL_CAPTURED, say)
+    skeleton = skeleton_of(run)
+    if has_decisions(skeleton):
+        raise NotSliceable("the victim policy needs every emission")
+    itl_labels = tuple(partition_labels(ix.labels))
+    ttft_labels = ordered(ix.ttft_labels, TTFT_LABEL_GROUPS)
+    every = removals_of(itl_labels, ttft_labels)
+    cands = every if names is None else [pick_removal(every, n) for n in names]
+    excess = whole_baselines(run, ix)[0].eager_excess_frac
+    replays = [replayed(skeleton, excess, r.itl_labels) for r in cands]
+    tasks = [
+        WhatIfTask(t, tuple(cands), tuple(cut_replay(rep, run.cut_s(t.c), t.t_to_s)
+                                          for rep in replays))  # fmt: skip
+        for t in slice_tasks(run, ix, max_emissions, math.inf)
+    ]
+    each = mapper or _in_process
+    q = GroupQuantiles(ITL_QS)
+    total = _Totals(num=np.zeros(1 + 2 * len(cands), np.int64), removed=[0.0] * (2 * len(cands)))
+    for j, part in enumerate(each(run_whatif_slice, tasks)):  # in slice order
+        assert part.counts is not None
+        q.add_counts(*part.counts)
+        total.add(part)
+        say(f"what-if: slice {j + 1} of {len(tasks)}")
+    q.wanted()
+    for j, part in enumerate(each(run_whatif_slice, [replace(t, keep_keys=q.keep_keys)
+                                                     for t in tasks])):  # fmt: skip
+        assert part.kept is not None
+        q.add_kept(*part.kept)
+        say(f"what-if percentiles: slice {j + 1} of {len(tasks)}")
+    tp = gathered_ttft(total.ttft)
+    if tuple(partition_labels(total.labels)) != itl_labels or (
+        tp is not None and tp.labels != ttft_labels
+    ):
+        raise NotSliceable("the slices' partition labels are not the index pass's")
+    ttft_ms = tp.ttft_ms if tp is not None else np.zeros(0)
+    if tp is not None:
+        total.has |= labels_with_time(tp.labels, tp.parts_ms)
+    shown = removals_of(itl_labels, ttft_labels, total.has) if names is None else cands
+    preds = []
+    for r in shown:
+        k = cands.index(r)
+        first_t = first_order_ttfts(tp, r) if tp is not None else ttft_ms
+        second_t = second_order_ttfts(skeleton, tp, r, *replays[k]) if tp is not None else ttft_ms
+        for model, g, ttft in ((FIRST, 1 + 2 * k, first_t), (SECOND, 2 + 2 * k, second_t)):
+            figs = figures_of(q.percentiles(g), ttft)
+            preds.append(Prediction(r, model, figs, total.removed[g - 1], int(total.num[g])))
+    return WhatIf(
+        path=path,
+        config=dict(skeleton.config),
+        measured=figures_of(q.percentiles(0), ttft_ms),
+        num_gaps=int(total.num[0]),
+        predictions=tuple(preds),
+        warnings=tuple(skeleton.warnings) + tuple(dict.fromkeys(total.warnings)),
+        victim_policy=None,  # no recompute decision with a cause (else NotSliceable above)
+    )
+
+
+@dataclass
+class _Totals:
+    """The slices' pass-1 figures added up, in slice order."""
+
+    num: np.ndarray
+    removed: list[float]
+    has: set[str] = field(default_factory=set)
+    labels: set[str] = field(default_factory=set)
+    warnings: list[str] = field(default_factory=list)
+    ttft: list[TtftPartition] = field(default_factory=list)
+
+    def add(self, part: WhatIfPart) -> None:
+        self.num += np.array(part.num, dtype=np.int64)
+        self.removed = [a + b for a, b in zip(self.removed, part.removed_ms[1:], strict=True)]
+        self.has |= part.has
+        self.labels |= part.labels
+        self.warnings += part.warnings
+        if part.ttft is not None:
+            self.ttft.append(part.ttft)
+
+
+def _in_process(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
+    return (fn(x) for x in items)
+
+
+def skeleton_of(run: SlicedRun) -> RawLog:
+    """The run's log without its emissions (after the index pass)."""
+    return run.log_of(0, len(run.parts), tables=_NOT_EMISSIONS, final=True)
