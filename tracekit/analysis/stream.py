@@ -586,8 +586,16 @@ def _ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
     first = pieces[0]
     cat = {
         f: np.concatenate([getattr(p, f) for p in pieces])
-        for f in ("request", "arrival_s", "admit_s", "first_token_s", "ttft_ms", "phases_ms",
-                  "reprefill_own_ms", "reprefill_other_ms")  # fmt: skip
+        for f in (
+            "request",
+            "arrival_s",
+            "admit_s",
+            "first_token_s",
+            "ttft_ms",
+            "phases_ms",
+            "reprefill_own_ms",
+            "reprefill_other_ms",
+        )  # fmt: skip
     }
     notes = tuple(dict.fromkeys(n for p in pieces for n in p.notes))
     return replace(first, labels=labels, causes=causes, notes=notes, **cat,

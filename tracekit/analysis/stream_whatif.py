@@ -31,10 +31,14 @@ What a slice cannot see for itself, it is handed:
   computed in the slices, and those with time in some gap or TTFT are reported (as the
   whole-run `removals`); if the slices' labels are not the index's, `NotSliceable`.
 
-Falls back to the whole-run reader (`NotSliceable`) where the log records recompute
-evictions with their causes: the victim-policy line (`victim_policy`) counts each
-candidate's emitted tokens at each decision, which needs every emission. A window
-(`--window`, `--around`) keeps its own reader (`tracekit.analysis.workers`).
+- **The victim-policy line** (`victim_policy`, where the log records recompute evictions
+  with their causes) counts each candidate's emitted tokens between instants it is asked
+  about (the decisions, the recompute readmissions), and each request's first and last
+  emission: one more read of the emissions keeps, per request and per stretch between two
+  such instants (or at one), its first and last emission with the stretch's tokens
+  (`policy_log`): memory by requests and decisions, and the same answers.
+
+A window (`--window`, `--around`) keeps its own reader (`tracekit.analysis.workers`).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from tracekit.analysis.stream import (
     slice_tasks,
     whole_baselines,
 )
-from tracekit.analysis.victim_policy import has_decisions
+from tracekit.analysis.victim_policy import has_decisions, victim_policy
 from tracekit.analysis.whatif import (
     FIRST,
     ITL_QS,
@@ -80,7 +84,7 @@ from tracekit.attribution.itl import FIT_ALL_CAPTURED
 from tracekit.attribution.ttft import TtftPartition, ttft_partition
 from tracekit.labels import partition_labels
 from tracekit.log.flush import TABLES
-from tracekit.log.rawlog import RawLog
+from tracekit.log.rawlog import MODE_RECOMPUTE, Emissions, RawLog
 from tracekit.log.slices import NotSliceable, SlicedRun
 
 __all__ = ["NotSliceable", "whatif_sliced"]
@@ -177,8 +181,7 @@ def whatif_sliced(
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     ix = index_pass(run, FIT_ALL_CAPTURED, say)
     skeleton = skeleton_of(run)
-    if has_decisions(skeleton):
-        raise NotSliceable("the victim policy needs every emission")
+    policy = victim_policy(policy_log(run, skeleton)) if has_decisions(skeleton) else None
     itl_labels = tuple(partition_labels(ix.labels))
     ttft_labels = ordered(ix.ttft_labels, TTFT_LABEL_GROUPS)
     every = removals_of(itl_labels, ttft_labels)
@@ -186,8 +189,9 @@ def whatif_sliced(
     excess = whole_baselines(run, ix)[0].eager_excess_frac
     replays = [replayed(skeleton, excess, r.itl_labels) for r in cands]
     tasks = [
-        WhatIfTask(t, tuple(cands), tuple(cut_replay(rep, run.cut_s(t.c), t.t_to_s)
-                                          for rep in replays))  # fmt: skip
+        WhatIfTask(
+            t, tuple(cands), tuple(cut_replay(rep, run.cut_s(t.c), t.t_to_s) for rep in replays)
+        )  # fmt: skip
         for t in slice_tasks(run, ix, max_emissions, math.inf)
     ]
     each = mapper or _in_process
@@ -228,7 +232,7 @@ def whatif_sliced(
         num_gaps=int(total.num[0]),
         predictions=tuple(preds),
         warnings=tuple(skeleton.warnings) + tuple(dict.fromkeys(total.warnings)),
-        victim_policy=None,  # no recompute decision with a cause (else NotSliceable above)
+        victim_policy=policy,
     )
 
 
@@ -260,3 +264,59 @@ def _in_process(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
 def skeleton_of(run: SlicedRun) -> RawLog:
     """The run's log without its emissions (after the index pass)."""
     return run.log_of(0, len(run.parts), tables=_NOT_EMISSIONS, final=True)
+
+
+_EM = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick", "num_tokens")}
+
+
+def policy_log(run: SlicedRun, skeleton: RawLog) -> RawLog:
+    """The log without emissions (`skeleton_of`) with the emissions `victim_policy` reads:
+    per request and *cell* (the stretch strictly between two consecutive instants the
+    policy asks about, or one such instant: its recompute decisions and readmissions), the
+    cell's first emission carrying all but the last's tokens and its last emission its
+    own. Every count the policy takes (tokens and whether any, strictly between two such
+    instants; a request's first and last emission) is the whole log's."""
+    ev = skeleton.evictions
+    back = ev.t_readmit_s[(ev.mode == MODE_RECOMPUTE) & np.isfinite(ev.t_readmit_s)]
+    cuts = np.unique(np.concatenate([ev.t_evict_s, back]))
+    state = np.zeros((6, 0))  # request, cell, first t, last t, tokens, last's tokens
+    for i in range(len(run.parts)):
+        em = run.read(i)["tables"].get("emissions")
+        if em is None or not len(em):
+            continue
+        t = run.secs(em[:, _EM["t_tick"]])
+        at = np.searchsorted(cuts, t, "left")
+        on = (at < len(cuts)) & (cuts[np.minimum(at, len(cuts) - 1)] == t)
+        n = em[:, _EM["num_tokens"]].astype(np.float64)
+        rows = np.stack([em[:, _EM["request"]], 2 * at + on, t, t, n, n]).astype(np.float64)
+        state = _cells(np.concatenate([state, rows], axis=1))
+    req, _, t0, t1, tot, last = state
+    two = t1 > t0
+    r = np.concatenate([req, req[two]]).astype(np.int64)
+    ts = np.concatenate([t0, t1[two]])
+    tok = np.concatenate([np.where(two, tot - last, tot), last[two]]).astype(np.int64)
+    o = np.lexsort((ts, r))
+    emissions = Emissions(request=r[o], t_s=ts[o], step=np.full(len(o), -1, np.int64),
+                          num_tokens=tok[o])  # fmt: skip
+    first = np.full(len(skeleton.requests), np.nan)
+    head = np.ones(len(o), dtype=bool)
+    head[1:] = r[o][1:] != r[o][:-1]
+    first[r[o][head]] = ts[o][head]
+    return replace(skeleton, emissions=emissions,
+                   requests=replace(skeleton.requests, first_token_s=first))  # fmt: skip
+
+
+def _cells(state: np.ndarray) -> np.ndarray:
+    """`policy_log`'s rows merged by (request, cell): first of the first times, the last
+    time and its tokens, the tokens summed."""
+    req, cell, t0, t1, tot, last = state
+    o = np.lexsort((t1, cell, req))
+    req, cell, t0, t1, tot, last = (x[o] for x in (req, cell, t0, t1, tot, last))
+    head = np.ones(len(req), dtype=bool)
+    head[1:] = (req[1:] != req[:-1]) | (cell[1:] != cell[:-1])
+    at = np.flatnonzero(head)
+    if not len(at):
+        return state
+    tail = np.append(at[1:], len(req)) - 1
+    return np.stack([req[at], cell[at], np.minimum.reduceat(t0, at), t1[tail],
+                     np.add.reduceat(tot, at), last[tail]])  # fmt: skip
