@@ -209,6 +209,11 @@ def _distinct(
     return k[at], v[at], np.add.reduceat(c, at) if len(at) else c[:0]
 
 
+def _group_key(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each value's (group, histogram bucket) as one integer."""
+    return (np.asarray(groups, dtype=np.int64) << 20) | _buckets(values)
+
+
 class GroupQuantiles:
     """Exact percentiles of values in many groups (time buckets), each group's histogram
     sparse: memory by the distinct (group, histogram bucket) pairs seen, not by the values
@@ -227,7 +232,7 @@ class GroupQuantiles:
 
     @staticmethod
     def _key(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
-        return (np.asarray(groups, dtype=np.int64) << 20) | _buckets(values)
+        return _group_key(groups, values)
 
     def count(self, groups: np.ndarray, values: np.ndarray) -> None:
         """Pass 1: count a piece of values, each in its group (a non-negative integer)."""
@@ -321,7 +326,7 @@ def group_counts(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     (group, bucket) keys, their counts)."""
     if not len(values):
         return _NONE, _NONE
-    return np.unique(GroupQuantiles._key(groups, values), return_counts=True)
+    return np.unique(_group_key(groups, values), return_counts=True)
 
 
 def group_kept(
@@ -332,7 +337,7 @@ def group_kept(
     if not len(values):
         return _NONE, np.zeros(0), _NONE
     v = np.asarray(values, dtype=np.float64) + 0.0
-    key = GroupQuantiles._key(groups, v)
+    key = _group_key(groups, v)
     on = np.isin(key, keep_keys)
     if not on.any():
         return _NONE, np.zeros(0), _NONE
