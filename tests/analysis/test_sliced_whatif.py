@@ -11,11 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tracekit
+from tracekit.analysis.quantiles import GroupQuantiles, group_counts, group_kept
 from tracekit.analysis.stream_whatif import whatif_sliced
 from tracekit.analysis.whatif import FIRST, SECOND, WhatIf
 from tracekit.analysis.whatif import whatif as whatif_whole
@@ -210,3 +212,32 @@ def test_whatif_and_compare_read_a_long_run_in_slices(demo_run):
     c_sliced, err = _cli(["compare", demo_run], 500)
     assert "in slices" in err and "What to fix first" in c_sliced
     assert c_sliced == c_whole
+
+
+def test_group_quantiles_counted_in_pieces_are_numpys():
+    """The slices count each removal's values where they are (`group_counts`,
+    `group_kept`: one group a piece, or several): the percentiles are numpy's, bit for
+    bit, as when the values are counted in one place."""
+    rng = np.random.default_rng(7)
+    qs = (50.0, 99.0, 99.9, 100.0)
+    for trial in range(12):
+        n = int(rng.integers(1, 2000))
+        vals = [np.round(rng.exponential(10, n), trial % 3) for _ in range(3)]
+        one, pieces, mixed = GroupQuantiles(qs), GroupQuantiles(qs), GroupQuantiles(qs)
+        all_g = np.concatenate([np.full(len(v), g) for g, v in enumerate(vals)])
+        all_v = np.concatenate(vals)
+        for g, v in enumerate(vals):
+            for piece in np.array_split(v, 4):
+                one.count(np.full(len(piece), g), piece)
+                pieces.add_counts(*group_counts(np.full(len(piece), g), piece))
+        mixed.add_counts(*group_counts(all_g, all_v))
+        for q in (one, pieces, mixed):
+            q.wanted()
+        for g, v in enumerate(vals):
+            for piece in np.array_split(v, 3):
+                one.keep(np.full(len(piece), g), piece)
+                pieces.add_kept(*group_kept(np.full(len(piece), g), piece, pieces.keep_keys))
+        mixed.add_kept(*group_kept(all_g, all_v, mixed.keep_keys))
+        for g, v in enumerate(vals):
+            want = [float(x) for x in np.percentile(v, qs)]
+            assert one.percentiles(g) == pieces.percentiles(g) == mixed.percentiles(g) == want

@@ -326,7 +326,12 @@ def group_counts(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     (group, bucket) keys, their counts)."""
     if not len(values):
         return _NONE, _NONE
-    return np.unique(_group_key(groups, values), return_counts=True)
+    g = np.asarray(groups, dtype=np.int64)
+    if (g == g[0]).all():  # one group: a histogram, no sort
+        c = np.bincount(_buckets(values))
+        at = np.flatnonzero(c)
+        return (int(g[0]) << 20) | at, c[at]
+    return np.unique(_group_key(g, values), return_counts=True)
 
 
 def group_kept(
@@ -337,8 +342,15 @@ def group_kept(
     if not len(values):
         return _NONE, np.zeros(0), _NONE
     v = np.asarray(values, dtype=np.float64) + 0.0
-    key = _group_key(groups, v)
-    on = np.isin(key, keep_keys)
+    g = np.asarray(groups, dtype=np.int64)
+    key = _group_key(g, v)
+    if (g == g[0]).all():  # one group: its wanted buckets looked up in a table, no sort
+        want = np.zeros(_NUM_BUCKETS, dtype=bool)
+        mine = keep_keys[(keep_keys >> 20) == g[0]]
+        want[mine & (_NUM_BUCKETS - 1)] = True
+        on = want[key & (_NUM_BUCKETS - 1)]
+    else:
+        on = np.isin(key, keep_keys)
     if not on.any():
         return _NONE, np.zeros(0), _NONE
     return _distinct(key[on], v[on], np.ones(int(on.sum()), np.int64))

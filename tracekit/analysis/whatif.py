@@ -647,7 +647,10 @@ def second_order_gaps(
     """The second order's gaps (ms) of `part` on the replayed timeline `(bounds, cum)`
     (`replayed`), a victim's evicted gap split at every step it missed (`log`'s steps and
     evictions over the gap), and the time each gap of `part` lost."""
-    removed_ms = (_at(bounds, cum, part.t1_s) - _at(bounds, cum, part.t0_s)) * 1e3
+    if cum[0] == cum[-1]:  # nothing removable on this stretch: the same values, faster
+        removed_ms = np.zeros(len(part.gap_ms))
+    else:
+        removed_ms = (_at(bounds, cum, part.t1_s) - _at(bounds, cum, part.t0_s)) * 1e3
     gap = np.maximum(part.gap_ms - removed_ms, 0.0)
     if "preempt" in r.itl_labels:
         rows, split = _victim_gaps(log, part, bounds, cum)
