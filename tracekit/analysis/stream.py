@@ -586,25 +586,11 @@ def _ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
     first = pieces[0]
     cat = {
         f: np.concatenate([getattr(p, f) for p in pieces])
-        for f in (
-            "request",
-            "arrival_s",
-            "admit_s",
-            "first_token_s",
-            "ttft_ms",
-            "phases_ms",
-            "reprefill_own_ms",
-            "reprefill_other_ms",
-        )  # fmt: skip
+        for f in ("request", "arrival_s", "admit_s", "first_token_s", "ttft_ms", "phases_ms")
     }
     notes = tuple(dict.fromkeys(n for p in pieces for n in p.notes))
     return replace(first, labels=labels, causes=causes, notes=notes, **cat,
                    **{k: np.concatenate(v) for k, v in cols.items()})  # fmt: skip
-
-
-def gathered_ttft(pieces: list[TtftPartition]) -> TtftPartition | None:
-    """The slices' own TTFT rows as one partition (`_ttft_rows`), for other slice readers."""
-    return _ttft_rows(pieces)
 
 
 def _share(parts: dict[str, float], total: float, labels: tuple[str, ...]) -> dict[str, float]:

@@ -10,33 +10,41 @@ removal and model), in two passes over the slices, as `stream` finds the ITL per
 the first counts the values' histogram buckets, the second keeps the values of the
 buckets that hold the wanted ranks.
 
-What a slice cannot see for itself, it is handed:
+What a slice cannot see for itself, it is handed, and what needs the whole run is computed
+once, in memory by steps and requests (never by tokens), from the run's log without its
+emissions (every other table) and the few emissions the TTFT partition and the
+victim-policy line read (`reduced_logs`: one more read of the emissions):
 
 - **First order** needs nothing but the slice's own partition: a gap loses its parts in the
-  removal's labels (and others' re-prefill when `preempt` goes).
+  removal's labels (and others' re-prefill when `preempt` goes); see the last point.
 - **Second order** needs the whole run's replayed timeline `R(x)`: the removable rate of an
   instant depends on every window over it (a window recorded in another slice's parts, a
   GC pause, the OS's share from intervals that span slices), and a step's readmission
   prefill share on each request's first eviction anywhere before it. `R` is computed once
-  per removal, exactly as the whole-run what-if computes it (`whatif.replayed`), from the
-  run's log without its emissions (every other table: memory by steps and requests, never
-  by tokens), then cut to each slice's span: from the earliest emission its log holds to
-  where its own gaps end, with the bounds around them, so `R` at every instant a slice
-  asks for is the whole run's value, bit for bit. A victim's evicted gap is split at the
-  step ends inside it, which the slice's own steps hold.
-- **TTFT**, in both models, is computed on the TTFT partition's rows gathered from the
-  slices (one row per request, as `analyze_sliced` does), with the whole run's `R` and
-  its evictions and waits from the log without emissions.
+  per removal, exactly as the whole-run what-if computes it (`whatif.replayed`, with the
+  graph baseline fitted on the whole run), then cut to each slice's span: from the
+  earliest emission its log holds to where its own gaps end, with the bounds around them,
+  so `R` at every instant a slice asks for is the whole run's value, bit for bit. A
+  victim's evicted gap is split at the step ends inside it, which the slice's own steps
+  hold.
+- **TTFT**, in both models, is the whole run's TTFT partition, computed once on the whole
+  run's timeline: it reads of the emissions only each request's first one and each
+  victim's first one after its readmission (so with OS evidence too its parts are the
+  whole run's, bit for bit).
+- **The victim-policy line** (`victim_policy`, where the log records recompute evictions
+  with their causes) counts each candidate's emitted tokens between a decision and its
+  own readmission or the start, and each request's first and last emission: a log that
+  keeps, per request and stretch between two such instants, its first and last emission
+  with the stretch's tokens gives every such count as the whole log does.
+- **First order's** values are the slices' own partitions' per-gap parts, as
+  `analyze_sliced`'s forward-share medians are: a slice partitions its gaps on its own
+  timeline, with compensated prefix sums, and its parts have been the whole run's bit for
+  bit on every run tested (demo runs with and without OS evidence, a 10-minute busy
+  server); a run where the last bit differed would move a first-order percentile by that
+  bit.
 - **Which removals** a run has comes from the index pass's labels: every removal of them is
   computed in the slices, and those with time in some gap or TTFT are reported (as the
   whole-run `removals`); if the slices' labels are not the index's, `NotSliceable`.
-
-- **The victim-policy line** (`victim_policy`, where the log records recompute evictions
-  with their causes) counts each candidate's emitted tokens between instants it is asked
-  about (the decisions, the recompute readmissions), and each request's first and last
-  emission: one more read of the emissions keeps, per request and per stretch between two
-  such instants (or at one), its first and last emission with the stretch's tokens
-  (`policy_log`): memory by requests and decisions, and the same answers.
 
 A window (`--window`, `--around`) keeps its own reader (`tracekit.analysis.workers`).
 """
@@ -53,14 +61,11 @@ import numpy as np
 from tracekit.analysis.quantiles import GroupQuantiles, group_counts, group_kept
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
-    TTFT_LABEL_GROUPS,
+    NEVER,
     SliceTask,
-    gathered_ttft,
     index_pass,
-    ordered,
     slice_partition,
     slice_tasks,
-    whole_baselines,
 )
 from tracekit.analysis.victim_policy import has_decisions, victim_policy
 from tracekit.analysis.whatif import (
@@ -81,7 +86,8 @@ from tracekit.analysis.whatif import (
     second_order_ttfts,
 )
 from tracekit.attribution.itl import FIT_ALL_CAPTURED
-from tracekit.attribution.ttft import TtftPartition, ttft_partition
+from tracekit.attribution.timeline import PreparedRun
+from tracekit.attribution.ttft import ttft_partition
 from tracekit.labels import partition_labels
 from tracekit.log.flush import TABLES
 from tracekit.log.rawlog import MODE_RECOMPUTE, Emissions, RawLog
@@ -110,8 +116,8 @@ class WhatIfTask:
 @dataclass
 class WhatIfPart:
     """What a slice gives back: pass 1, its values' histogram counts, each group's number
-    of values and removed time, its labels with time, its partition's labels and warnings
-    and its own TTFT rows; pass 2, its values in the kept buckets."""
+    of values and removed time, its labels with time, its partition's labels and warnings;
+    pass 2, its values in the kept buckets."""
 
     counts: tuple[np.ndarray, np.ndarray] | None = None
     num: list[int] = field(default_factory=list)
@@ -119,13 +125,12 @@ class WhatIfPart:
     has: set[str] = field(default_factory=set)
     labels: set[str] = field(default_factory=set)
     warnings: tuple[str, ...] = ()
-    ttft: TtftPartition | None = None
     kept: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def run_whatif_slice(task: WhatIfTask) -> WhatIfPart:
     """Partition one slice and compute every removal's values of its own gaps."""
-    log, prep, p = slice_partition(task.slice)
+    log, _, p = slice_partition(task.slice)
     values: list[np.ndarray] = [p.gap_ms]
     removed: list[float] = [0.0]
     for r, (bounds, cum) in zip(task.removals, task.replays, strict=True):
@@ -140,8 +145,6 @@ def run_whatif_slice(task: WhatIfTask) -> WhatIfPart:
         kept = [group_kept(g, v, task.keep_keys) for g, v in zip(groups, values, strict=True)]
         return WhatIfPart(kept=tuple(np.concatenate(x) for x in zip(*kept, strict=True)))  # type: ignore[arg-type]
     counts = [group_counts(g, v) for g, v in zip(groups, values, strict=True)]
-    tp = ttft_partition(log, run=prep)
-    own_t = (tp.first_token_s >= task.slice.t_from_s) & (tp.first_token_s < task.slice.t_to_s)
     return WhatIfPart(
         counts=(np.concatenate([k for k, _ in counts]), np.concatenate([c for _, c in counts])),
         num=[len(v) for v in values],
@@ -149,7 +152,6 @@ def run_whatif_slice(task: WhatIfTask) -> WhatIfPart:
         has=labels_with_time(p.labels, p.parts_ms),
         labels=set(p.labels),
         warnings=tuple(p.warnings),
-        ttft=tp.take(own_t),
     )
 
 
@@ -181,12 +183,14 @@ def whatif_sliced(
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     ix = index_pass(run, FIT_ALL_CAPTURED, say)
     skeleton = skeleton_of(run)
-    policy = victim_policy(policy_log(run, skeleton)) if has_decisions(skeleton) else None
+    ttft_log, policy_log = reduced_logs(run, skeleton, ix.first_tick)
+    prep = PreparedRun(skeleton)  # the whole run's timeline: reads no emission
+    tp = ttft_partition(ttft_log, run=prep)
+    policy = victim_policy(policy_log) if policy_log is not None else None
     itl_labels = tuple(partition_labels(ix.labels))
-    ttft_labels = ordered(ix.ttft_labels, TTFT_LABEL_GROUPS)
-    every = removals_of(itl_labels, ttft_labels)
+    every = removals_of(itl_labels, tp.labels)
     cands = every if names is None else [pick_removal(every, n) for n in names]
-    excess = whole_baselines(run, ix)[0].eager_excess_frac
+    excess = prep.corrected().baseline(FIT_ALL_CAPTURED).eager_excess_frac
     replays = [replayed(skeleton, excess, r.itl_labels) for r in cands]
     tasks = [
         WhatIfTask(
@@ -208,27 +212,22 @@ def whatif_sliced(
         assert part.kept is not None
         q.add_kept(*part.kept)
         say(f"what-if percentiles: slice {j + 1} of {len(tasks)}")
-    tp = gathered_ttft(total.ttft)
-    if tuple(partition_labels(total.labels)) != itl_labels or (
-        tp is not None and tp.labels != ttft_labels
-    ):
+    if tuple(partition_labels(total.labels)) != itl_labels:
         raise NotSliceable("the slices' partition labels are not the index pass's")
-    ttft_ms = tp.ttft_ms if tp is not None else np.zeros(0)
-    if tp is not None:
-        total.has |= labels_with_time(tp.labels, tp.parts_ms)
-    shown = removals_of(itl_labels, ttft_labels, total.has) if names is None else cands
+    total.has |= labels_with_time(tp.labels, tp.parts_ms)
+    shown = removals_of(itl_labels, tp.labels, total.has) if names is None else cands
     preds = []
     for r in shown:
         k = cands.index(r)
-        first_t = first_order_ttfts(tp, r) if tp is not None else ttft_ms
-        second_t = second_order_ttfts(skeleton, tp, r, *replays[k]) if tp is not None else ttft_ms
+        first_t = first_order_ttfts(tp, r)
+        second_t = second_order_ttfts(skeleton, tp, r, *replays[k])
         for model, g, ttft in ((FIRST, 1 + 2 * k, first_t), (SECOND, 2 + 2 * k, second_t)):
             figs = figures_of(q.percentiles(g), ttft)
             preds.append(Prediction(r, model, figs, total.removed[g - 1], int(total.num[g])))
     return WhatIf(
         path=path,
         config=dict(skeleton.config),
-        measured=figures_of(q.percentiles(0), ttft_ms),
+        measured=figures_of(q.percentiles(0), tp.ttft_ms),
         num_gaps=int(total.num[0]),
         predictions=tuple(preds),
         warnings=tuple(skeleton.warnings) + tuple(dict.fromkeys(total.warnings)),
@@ -245,7 +244,6 @@ class _Totals:
     has: set[str] = field(default_factory=set)
     labels: set[str] = field(default_factory=set)
     warnings: list[str] = field(default_factory=list)
-    ttft: list[TtftPartition] = field(default_factory=list)
 
     def add(self, part: WhatIfPart) -> None:
         self.num += np.array(part.num, dtype=np.int64)
@@ -253,8 +251,6 @@ class _Totals:
         self.has |= part.has
         self.labels |= part.labels
         self.warnings += part.warnings
-        if part.ttft is not None:
-            self.ttft.append(part.ttft)
 
 
 def _in_process(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
@@ -269,46 +265,99 @@ def skeleton_of(run: SlicedRun) -> RawLog:
 _EM = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick", "num_tokens")}
 
 
-def policy_log(run: SlicedRun, skeleton: RawLog) -> RawLog:
-    """The log without emissions (`skeleton_of`) with the emissions `victim_policy` reads:
-    per request and *cell* (the stretch strictly between two consecutive instants the
-    policy asks about, or one such instant: its recompute decisions and readmissions), the
-    cell's first emission carrying all but the last's tokens and its last emission its
-    own. Every count the policy takes (tokens and whether any, strictly between two such
-    instants; a request's first and last emission) is the whole log's."""
+def reduced_logs(
+    run: SlicedRun, skeleton: RawLog, first_tick: np.ndarray
+) -> tuple[RawLog, RawLog | None]:
+    """The log without emissions (`skeleton_of`) with the few emissions that the TTFT
+    partition reads, and (None where the log has no recompute decision with its cause)
+    with those `victim_policy` reads; from one more read of the emissions.
+
+    The TTFT partition reads, of the emissions, each request's first (`first_tick`, from
+    the index pass) and each victim's first after its readmission: the first log holds
+    exactly these. The policy counts a request's emitted tokens, and whether it emitted,
+    strictly between two of its instants (the decisions, the recompute readmissions), and
+    each request's first and last emission: the second log holds, per request and *cell*
+    (the stretch strictly between two consecutive such instants, or one of them), the
+    cell's first emission with all but the last's tokens and its last with its own (memory
+    by requests and the decisions in their lifetime, as the policy itself takes)."""
     ev = skeleton.evictions
-    back = ev.t_readmit_s[(ev.mode == MODE_RECOMPUTE) & np.isfinite(ev.t_readmit_s)]
-    cuts = np.unique(np.concatenate([ev.t_evict_s, back]))
+    readmit = np.where(np.isnan(ev.t_readmit_s), np.inf, ev.t_readmit_s)
+    nxt = np.full(len(ev), np.nan)
+    pending = np.flatnonzero(np.isfinite(readmit))
+    cuts = None
+    if has_decisions(skeleton):
+        back = readmit[(ev.mode == MODE_RECOMPUTE) & np.isfinite(readmit)]
+        cuts = np.unique(np.concatenate([ev.t_evict_s, back]))
     state = np.zeros((6, 0))  # request, cell, first t, last t, tokens, last's tokens
     for i in range(len(run.parts)):
         em = run.read(i)["tables"].get("emissions")
         if em is None or not len(em):
             continue
-        t = run.secs(em[:, _EM["t_tick"]])
-        at = np.searchsorted(cuts, t, "left")
-        on = (at < len(cuts)) & (cuts[np.minimum(at, len(cuts) - 1)] == t)
-        n = em[:, _EM["num_tokens"]].astype(np.float64)
-        rows = np.stack([em[:, _EM["request"]], 2 * at + on, t, t, n, n]).astype(np.float64)
-        state = _cells(np.concatenate([state, rows], axis=1))
+        r, t = em[:, _EM["request"]], run.secs(em[:, _EM["t_tick"]])
+        pending = _next_after(r, t, ev.request, readmit, pending, nxt)
+        if cuts is not None:
+            state = _cells(np.concatenate([state, _cell_rows(cuts, r, t, em)], axis=1))
+    first = np.full(len(skeleton.requests), np.nan)
+    known = np.flatnonzero(first_tick[: len(first)] != NEVER)
+    first[known] = run.secs(first_tick[known])
+    has_first = np.isfinite(first)
+    got = np.isfinite(nxt)
+    r_ttft = np.concatenate([np.flatnonzero(has_first), ev.request[got]])
+    t_ttft = np.concatenate([first[has_first], nxt[got]])
+    ttft_log = _with_emissions(skeleton, r_ttft, t_ttft, np.ones(len(r_ttft), np.int64), first)
+    if cuts is None:
+        return ttft_log, None
     req, _, t0, t1, tot, last = state
     two = t1 > t0
-    r = np.concatenate([req, req[two]]).astype(np.int64)
-    ts = np.concatenate([t0, t1[two]])
+    rows = np.concatenate([req, req[two]]).astype(np.int64)
     tok = np.concatenate([np.where(two, tot - last, tot), last[two]]).astype(np.int64)
-    o = np.lexsort((ts, r))
-    emissions = Emissions(request=r[o], t_s=ts[o], step=np.full(len(o), -1, np.int64),
-                          num_tokens=tok[o])  # fmt: skip
-    first = np.full(len(skeleton.requests), np.nan)
-    head = np.ones(len(o), dtype=bool)
-    head[1:] = r[o][1:] != r[o][:-1]
-    first[r[o][head]] = ts[o][head]
+    return ttft_log, _with_emissions(skeleton, rows, np.concatenate([t0, t1[two]]), tok, first)
+
+
+def _next_after(
+    r: np.ndarray, t: np.ndarray, ev_req: np.ndarray, readmit: np.ndarray, pending: np.ndarray,
+    nxt: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    """Of the `pending` evictions (readmitted, no emission of their victim after it yet),
+    those whose victim emits in this part after its readmission: their first such emission
+    into `nxt`. The rest, still pending."""
+    if not len(pending):
+        return pending
+    o = np.lexsort((t, r))
+    rs, ts = r[o], t[o]
+    lo = np.searchsorted(rs, ev_req[pending], "left")
+    hi = np.searchsorted(rs, ev_req[pending], "right")
+    left = []
+    for e, a, b in zip(pending.tolist(), lo.tolist(), hi.tolist(), strict=True):
+        k = a + int(np.searchsorted(ts[a:b], readmit[e], "right"))
+        if k < b:
+            nxt[e] = ts[k]
+        else:
+            left.append(e)
+    return np.array(left, dtype=np.int64)
+
+
+def _cell_rows(cuts: np.ndarray, r: np.ndarray, t: np.ndarray, em: np.ndarray) -> np.ndarray:
+    """A part's emissions as `_cells` rows: each its own cell's first and last."""
+    at = np.searchsorted(cuts, t, "left")
+    on = (at < len(cuts)) & (cuts[np.minimum(at, len(cuts) - 1)] == t) if len(cuts) else at < 0
+    n = em[:, _EM["num_tokens"]].astype(np.float64)
+    return np.stack([r, 2 * at + on, t, t, n, n]).astype(np.float64)
+
+
+def _with_emissions(
+    skeleton: RawLog, r: np.ndarray, t: np.ndarray, tokens: np.ndarray, first: np.ndarray
+) -> RawLog:
+    o = np.lexsort((t, r))
+    emissions = Emissions(request=r[o], t_s=t[o], step=np.full(len(o), -1, np.int64),
+                          num_tokens=tokens[o])  # fmt: skip
     return replace(skeleton, emissions=emissions,
                    requests=replace(skeleton.requests, first_token_s=first))  # fmt: skip
 
 
 def _cells(state: np.ndarray) -> np.ndarray:
-    """`policy_log`'s rows merged by (request, cell): first of the first times, the last
-    time and its tokens, the tokens summed."""
+    """`reduced_logs`'s policy rows merged by (request, cell): the first of the first
+    times, the last time and its tokens, the tokens summed."""
     req, cell, t0, t1, tot, last = state
     o = np.lexsort((t1, cell, req))
     req, cell, t0, t1, tot, last = (x[o] for x in (req, cell, t0, t1, tot, last))
