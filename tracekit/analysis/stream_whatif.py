@@ -129,30 +129,33 @@ class WhatIfPart:
 
 
 def run_whatif_slice(task: WhatIfTask) -> WhatIfPart:
-    """Partition one slice and compute every removal's values of its own gaps."""
+    """Partition one slice and compute every removal's values of its own gaps (each group's
+    counted, or its kept values taken, before the next one's are computed)."""
     log, _, p = slice_partition(task.slice)
-    values: list[np.ndarray] = [p.gap_ms]
-    removed: list[float] = [0.0]
-    for r, (bounds, cum) in zip(task.removals, task.replays, strict=True):
-        gap, own = first_order_gaps(p, r)
-        values.append(gap)
-        removed.append(float(own.sum()))
-        gap, lost = second_order_gaps(log, p, r, bounds, cum)
-        values.append(gap)
-        removed.append(float(lost.sum()))
-    groups = [np.full(len(v), g, dtype=np.int64) for g, v in enumerate(values)]
+    out = WhatIfPart(num=[len(p.gap_ms)], removed_ms=[0.0])
+    pieces = [_piece(task, 0, p.gap_ms)]
+    for k, (r, (bounds, cum)) in enumerate(zip(task.removals, task.replays, strict=True)):
+        for g, (gap, lost) in ((1 + 2 * k, first_order_gaps(p, r)),
+                               (2 + 2 * k, second_order_gaps(log, p, r, bounds, cum))):  # fmt: skip
+            pieces.append(_piece(task, g, gap))
+            out.num.append(len(gap))
+            out.removed_ms.append(float(lost.sum()))
+    joined = tuple(np.concatenate(x) for x in zip(*pieces, strict=True))
     if task.keep_keys is not None:  # pass 2: the values of the wanted buckets
-        kept = [group_kept(g, v, task.keep_keys) for g, v in zip(groups, values, strict=True)]
-        return WhatIfPart(kept=tuple(np.concatenate(x) for x in zip(*kept, strict=True)))  # type: ignore[arg-type]
-    counts = [group_counts(g, v) for g, v in zip(groups, values, strict=True)]
-    return WhatIfPart(
-        counts=(np.concatenate([k for k, _ in counts]), np.concatenate([c for _, c in counts])),
-        num=[len(v) for v in values],
-        removed_ms=removed,
-        has=labels_with_time(p.labels, p.parts_ms),
-        labels=set(p.labels),
-        warnings=tuple(p.warnings),
-    )
+        return WhatIfPart(kept=joined)  # type: ignore[arg-type]
+    out.counts = joined  # type: ignore[assignment]
+    out.has = labels_with_time(p.labels, p.parts_ms)
+    out.labels = set(p.labels)
+    out.warnings = tuple(p.warnings)
+    return out
+
+
+def _piece(task: WhatIfTask, g: int, values: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Group `g`'s values of a slice: counted (pass 1) or their kept buckets' (pass 2)."""
+    groups = np.full(len(values), g, dtype=np.int64)
+    if task.keep_keys is not None:
+        return group_kept(groups, values, task.keep_keys)
+    return group_counts(groups, values)
 
 
 def cut_replay(rep: Replay, lo_s: float, hi_s: float) -> Replay:
