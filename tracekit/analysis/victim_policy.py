@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.analysis.evictions import eviction_summary
-from tracekit.attribution.evictions import eviction_causes
+from tracekit.attribution.evictions import EvictionCauses, eviction_causes
 from tracekit.log.rawlog import MODE_RECOMPUTE, RawLog
 
 
@@ -127,7 +127,8 @@ def has_decisions(log: RawLog) -> bool:
     return bool(len(_decisions(log)[1]))
 
 
-def _decisions(log: RawLog):
+def _decisions(log: RawLog) -> tuple[EvictionCauses, np.ndarray]:
+    """The log's evictions with their causes, and the rows that are recompute decisions."""
     c = eviction_causes(log)
     sel = np.flatnonzero(
         (c.mode == MODE_RECOMPUTE) & c.has_cause & (c.num_computed_tokens_lost >= 0)
