@@ -313,6 +313,15 @@ def analyze(
     _write_records([a.to_dict() for a in results], fmt, output, table)
 
 
+def _say_sliced(workers: Any, paths: Sequence[str]) -> bool:
+    """Say on stderr which runs are read in slices (a long one-process run, no window:
+    docs/reports.md, "Reading a long run in slices"); whether any is."""
+    sliced = [p for p in paths if view().is_whole_run and workers.reads_in_slices(p)]
+    for p in sliced:
+        click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
+    return bool(sliced)
+
+
 def _write_records(
     records: list[dict[str, Any]], fmt: str, output: str | None, table: Callable[[], str]
 ) -> None:
@@ -633,6 +642,9 @@ def compare(
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     one = functools.partial(workers.analyze_whatif_path, view=view(), **_limits())
+    if _say_sliced(workers, paths) and len(paths) == 1 and (jobs > 1 or ray_address is not None):
+        one = functools.partial(one, mapper=workers.slice_mapper(jobs, ray_address))  # its slices
+        jobs, ray_address = 1, None
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     results = [a for a, _ in pairs]
     whatifs = {a.path: w for a, w in pairs}  # the what-if of each run (docs/whatif.md)
@@ -841,6 +853,9 @@ def whatif(
     one = functools.partial(
         workers.whatif_path, names=list(names) or None, view=view(), **_limits()
     )
+    if _say_sliced(workers, paths) and len(paths) == 1 and jobs > 1:  # its slices
+        one = functools.partial(one, mapper=workers.slice_mapper(jobs, None))
+        jobs = 1
     results = _map_with_progress(one, paths, jobs, "analysing")
     say_windows(paths, [w.window for w in results])  # each run's own
     for w in results:

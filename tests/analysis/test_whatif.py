@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from logbuilder import LogBuilder
 from test_partition_properties import random_logs
 
+from tracekit.analysis import fix_first as F
 from tracekit.analysis import whatif as W
 from tracekit.analysis.compare import Spread
 from tracekit.attribution.itl import partition
@@ -416,16 +417,16 @@ def test_fix_first_ranks_by_gain_and_quotes_the_ladder_error_of_the_cause_or_its
     check = W.LadderCheck(
         "a", "b", "gc", "itl_p999_ms", W.SECOND, Spread.of([120.0]), Spread.of([100.0])
     )
-    tok, gc = W.fix_first([w], [check])
+    tok, gc = F.fix_first([w], [check])
     assert (tok.name, tok.gain_frac.median, tok.ladder_basis) == ("tok", 0.6, "host causes")
     assert gc.ladder_basis == "gc" and gc.ladder_error_frac.median == pytest.approx(0.2)
-    s = W.fix_first_sentence([tok, gc], "base")
+    s = F.fix_first_sentence([tok, gc], "base")
     assert s.startswith("What to fix first in base: tok. Without it p99.9 would be 40 ms ")
     assert "instead of 100 (-60%; second-order model)" in s
     assert "predictions for host causes were off by +20% (1 rung)" in s
     assert s.endswith("Next: gc (-10%).")
     # nothing that lowers p99.9: said so
-    assert "no removable cause" in W.fix_first_sentence([])
+    assert "no removable cause" in F.fix_first_sentence([])
 
 
 def test_removing_prefill_never_removes_an_unsplit_ttfts_prefill():
@@ -497,12 +498,14 @@ def test_the_verdict_quotes_the_worst_figures_ladder_error_too():
         W.LadderCheck("a", "b", "gc", fig, W.SECOND, Spread.of([p]), Spread.of([100.0]))
         for fig, p in (("itl_p999_ms", 120.0), ("ttft_p50_ms", 6.0), ("itl_p99_ms", 60.0))
     ]
-    (gc,) = W.fix_first([w], checks)
+    (gc,) = F.fix_first([w], checks)
     assert gc.worst_figure == "ttft_p50_ms"
     assert gc.worst_error_frac.median == pytest.approx(-0.94)
-    s = W.fix_first_sentence([gc])
-    assert "predictions for gc were off by +20% (1 rung). Its worst figure there: TTFT p50, " \
+    s = F.fix_first_sentence([gc])
+    assert (
+        "predictions for gc were off by +20% (1 rung). Its worst figure there: TTFT p50, "
         "off by -94%." in s
+    )
 
 
 def test_the_os_is_a_family_and_the_verdict_says_when_it_holds_the_tail():
@@ -514,9 +517,9 @@ def test_the_os_is_a_family_and_the_verdict_says_when_it_holds_the_tail():
     assert W.family_of("forward") is None and W.family_of("rank1:forward") is None
     r = W.Removal("os_runqueue", "cause", ("os_runqueue",), ("os_runqueue",))
     w = W.WhatIf("x", {}, m, 1, (W.Prediction(r, W.SECOND, m | {"itl_p999_ms": 40.0}, 0.0, 1),))
-    (f,) = W.fix_first([w])
+    (f,) = F.fix_first([w])
     assert f.family == "os"
-    s = W.fix_first_sentence([f])
+    s = F.fix_first_sentence([f])
     assert s.startswith("What to fix first: os_runqueue.")
     assert "The OS, not the engine, holds this tail" in s
 

@@ -209,6 +209,11 @@ def _distinct(
     return k[at], v[at], np.add.reduceat(c, at) if len(at) else c[:0]
 
 
+def _group_key(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each value's (group, histogram bucket) as one integer."""
+    return (np.asarray(groups, dtype=np.int64) << 20) | _buckets(values)
+
+
 class GroupQuantiles:
     """Exact percentiles of values in many groups (time buckets), each group's histogram
     sparse: memory by the distinct (group, histogram bucket) pairs seen, not by the values
@@ -227,12 +232,17 @@ class GroupQuantiles:
 
     @staticmethod
     def _key(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
-        return (np.asarray(groups, dtype=np.int64) << 20) | _buckets(values)
+        return _group_key(groups, values)
 
     def count(self, groups: np.ndarray, values: np.ndarray) -> None:
         """Pass 1: count a piece of values, each in its group (a non-negative integer)."""
         if len(values):
-            self._pieces.append(np.unique(self._key(groups, values), return_counts=True))
+            self.add_counts(*group_counts(groups, values))
+
+    def add_counts(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        """Pass 1 with the counting done elsewhere (`group_counts` of a piece)."""
+        if len(keys):
+            self._pieces.append((keys, counts))
             if len(self._pieces) > 64:
                 self._fold()
 
@@ -264,15 +274,19 @@ class GroupQuantiles:
             keep += [k for _, k in self._want[g]]
         self._keep = np.unique(np.array(keep, dtype=np.int64))
 
+    @property
+    def keep_keys(self) -> np.ndarray:
+        """The (group, bucket) keys pass 2 keeps (after `wanted`): for `group_kept`."""
+        return self._keep
+
     def keep(self, groups: np.ndarray, values: np.ndarray) -> None:
         """Pass 2: keep the values of the wanted buckets (each distinct value once)."""
-        if not len(values):
-            return
-        v = np.asarray(values, dtype=np.float64) + 0.0
-        key = self._key(groups, v)
-        on = np.isin(key, self._keep)
-        if on.any():
-            self._kept.append(_distinct(key[on], v[on], np.ones(int(on.sum()), np.int64)))
+        self.add_kept(*group_kept(groups, values, self._keep))
+
+    def add_kept(self, keys: np.ndarray, vals: np.ndarray, counts: np.ndarray) -> None:
+        """Pass 2 with the keeping done elsewhere (`group_kept` of a piece)."""
+        if len(keys):
+            self._kept.append((keys, vals, counts))
             if len(self._kept) > 64:  # fold the pieces: memory by distinct values
                 keys, vals, cnts = (np.concatenate(x) for x in zip(*self._kept, strict=True))
                 self._kept = [_distinct(keys, vals, cnts)]
@@ -305,3 +319,38 @@ class GroupQuantiles:
         va = np.array([at[r] for r in a.tolist()])
         vb = np.array([at[r] for r in b.tolist()])
         return [float(x) for x in lerp(va, vb, gamma)]
+
+
+def group_counts(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A piece's pass-1 counts for `GroupQuantiles.add_counts`, small: (its distinct
+    (group, bucket) keys, their counts)."""
+    if not len(values):
+        return _NONE, _NONE
+    g = np.asarray(groups, dtype=np.int64)
+    if (g == g[0]).all():  # one group: a histogram, no sort
+        c = np.bincount(_buckets(values))
+        at = np.flatnonzero(c)
+        return (int(g[0]) << 20) | at, c[at]
+    return np.unique(_group_key(g, values), return_counts=True)
+
+
+def group_kept(
+    groups: np.ndarray, values: np.ndarray, keep_keys: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A piece's pass-2 values in the wanted buckets (`GroupQuantiles.keep_keys`), for
+    `GroupQuantiles.add_kept`: (keys, distinct values, their counts)."""
+    if not len(values):
+        return _NONE, np.zeros(0), _NONE
+    v = np.asarray(values, dtype=np.float64) + 0.0
+    g = np.asarray(groups, dtype=np.int64)
+    key = _group_key(g, v)
+    if (g == g[0]).all():  # one group: its wanted buckets looked up in a table, no sort
+        want = np.zeros(_NUM_BUCKETS, dtype=bool)
+        mine = keep_keys[(keep_keys >> 20) == g[0]]
+        want[mine & (_NUM_BUCKETS - 1)] = True
+        on = want[key & (_NUM_BUCKETS - 1)]
+    else:
+        on = np.isin(key, keep_keys)
+    if not on.any():
+        return _NONE, np.zeros(0), _NONE
+    return _distinct(key[on], v[on], np.ones(int(on.sum()), np.int64))

@@ -31,12 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from tracekit.analysis.compare import Comparison, GroupSummary, Spread
+from tracekit.analysis.fix_first import FixFirst, fix_first, fix_first_sentence
 from tracekit.analysis.whatif import (
-    FixFirst,
     LadderCheck,
     WhatIf,
-    fix_first,
-    fix_first_sentence,
     ladder_checks,
 )
 from tracekit.labels import NON_CAUSES

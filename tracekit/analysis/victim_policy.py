@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.analysis.evictions import eviction_summary
-from tracekit.attribution.evictions import eviction_causes
+from tracekit.attribution.evictions import EvictionCauses, eviction_causes
 from tracekit.log.rawlog import MODE_RECOMPUTE, RawLog
 
 
@@ -121,14 +121,28 @@ class _Computed:
         return None
 
 
-def victim_policy(log: RawLog) -> VictimPolicy | None:
-    """The least-computed-victim estimate (see the module docstring)."""
-    summary = eviction_summary(log)
+def has_decisions(log: RawLog) -> bool:
+    """Whether the log records a recompute eviction with its cause (a decision the policy
+    is estimated at); reads no emission."""
+    return bool(len(_decisions(log)[1]))
+
+
+def _decisions(log: RawLog) -> tuple[EvictionCauses, np.ndarray]:
+    """The log's evictions with their causes, and the rows that are recompute decisions."""
     c = eviction_causes(log)
     sel = np.flatnonzero(
         (c.mode == MODE_RECOMPUTE) & c.has_cause & (c.num_computed_tokens_lost >= 0)
     )
-    if summary is None or not len(sel):
+    return c, sel
+
+
+def victim_policy(log: RawLog) -> VictimPolicy | None:
+    """The least-computed-victim estimate (see the module docstring)."""
+    c, sel = _decisions(log)
+    if not len(sel):
+        return None
+    summary = eviction_summary(log)
+    if summary is None:
         return None
     comp = _Computed(log)
     recorded = policy = changed = 0

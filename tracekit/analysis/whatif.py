@@ -209,19 +209,30 @@ def removals(part: Partition, tpart: TtftPartition, *, only_present: bool = True
     """Every cause of the run (ITL causes first, then TTFT-only ones), then every family
     with a label in the run. `only_present`: leave out causes with no time in any gap or
     TTFT (and families made only of those)."""
-    itl = [lb for lb in part.labels if lb not in NON_CAUSES]
-    tt = set(tpart.labels)
-    has: set[str] = set()
+    has: set[str] | None = None
     if only_present:
-        for labels, m in ((part.labels, part.parts_ms), (tpart.labels, tpart.parts_ms)):
-            if m.shape[0]:
-                has |= {
-                    lb
-                    for lb, v in zip(labels, np.asarray((m > 0).any(axis=0)).tolist(), strict=True)
-                    if v
-                }
-    else:
-        has = set(part.labels) | tt
+        has = labels_with_time(part.labels, part.parts_ms)
+        has |= labels_with_time(tpart.labels, tpart.parts_ms)
+    return removals_of(part.labels, tpart.labels, has)
+
+
+def labels_with_time(labels: Sequence[str], parts_ms: np.ndarray) -> set[str]:
+    """The labels with time in some row of a partition's `parts_ms`."""
+    if not parts_ms.shape[0]:
+        return set()
+    on = np.asarray((parts_ms > 0).any(axis=0)).tolist()
+    return {lb for lb, v in zip(labels, on, strict=True) if v}
+
+
+def removals_of(
+    itl_labels: Sequence[str], ttft_labels: Sequence[str], has: set[str] | None = None
+) -> list[Removal]:
+    """`removals` of a run whose ITL and TTFT partitions have these labels, `has` the
+    labels with time in some gap or TTFT (None: every label, as `only_present=False`)."""
+    itl = [lb for lb in itl_labels if lb not in NON_CAUSES]
+    tt = set(ttft_labels)
+    if has is None:
+        has = set(itl_labels) | tt
     out = []
     for c in itl:
         # the ITL cause `prefill` is others' prefill in a TTFT; an unsplit TTFT's `prefill`
@@ -230,15 +241,15 @@ def removals(part: Partition, tpart: TtftPartition, *, only_present: bool = True
         r = Removal(c, "cause", (c,), ttl)
         if c in has or any(x in has for x in _second_ttft_labels(r)):
             out.append(r)
-    for c in tpart.labels:
+    for c in ttft_labels:
         if c not in _TTFT_NON_CAUSES and c not in itl and c != "prefill_other" and c in has:
             out.append(Removal(c, "cause", (), (c,)))
     for fam, (fi, ft) in FAMILIES.items():
-        il = tuple(lb for lb in fi if lb in part.labels)
+        il = tuple(lb for lb in fi if lb in itl_labels)
         tl = tuple(lb for lb in ft if lb in tt)
         if fam == "os":  # and the OS's time at each rank or API server the run names
-            il += tuple(lb for lb in part.labels if is_os_label(lb) and lb not in il)
-            tl += tuple(lb for lb in tpart.labels if is_os_label(lb) and lb not in tl)
+            il += tuple(lb for lb in itl_labels if is_os_label(lb) and lb not in il)
+            tl += tuple(lb for lb in ttft_labels if is_os_label(lb) and lb not in tl)
         if any(x in has for x in (*il, *tl)):
             out.append(Removal(fam, "family", il, tl))
     return out
@@ -246,7 +257,12 @@ def removals(part: Partition, tpart: TtftPartition, *, only_present: bool = True
 
 def find_removal(part: Partition, tpart: TtftPartition, name: str) -> Removal:
     """The removal named `name` (a cause or a family), or a one-line error listing them."""
-    rs = removals(part, tpart, only_present=False)
+    return pick_removal(removals(part, tpart, only_present=False), name)
+
+
+def pick_removal(rs: Sequence[Removal], name: str) -> Removal:
+    """The removal named `name` among `rs` (a run's `removals_of`, every label), or a
+    one-line error listing them."""
     for r in rs:
         if r.name == name:
             return r
@@ -265,14 +281,25 @@ def _second_ttft_labels(r: Removal) -> tuple[str, ...]:
 
 
 def _figures(gap_ms: np.ndarray, ttft_ms: np.ndarray) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for which, a in (("itl", gap_ms), ("ttft", ttft_ms)):
-        names = [(n, q) for n, w, q in FIGURES if w == which]
-        if len(a):
-            vals = np.percentile(a, [q for _, q in names])
-        else:
-            vals = [math.nan] * len(names)
-        out.update({n: float(v) for (n, _), v in zip(names, vals, strict=True)})
+    itl = np.percentile(gap_ms, ITL_QS).tolist() if len(gap_ms) else [math.nan] * len(ITL_QS)
+    return figures_of([float(v) for v in itl], ttft_ms)
+
+
+#: the ITL figures' percentiles, in `FIGURES` order
+ITL_QS: tuple[float, ...] = tuple(q for _, w, q in FIGURES if w == "itl")
+
+
+def figures_of(itl_pct: Sequence[float], ttft_ms: np.ndarray) -> dict[str, float]:
+    """The figures of a run from its ITL percentiles (`ITL_QS`, however they were found)
+    and its TTFTs."""
+    out: dict[str, float] = dict(zip([n for n, w, _ in FIGURES if w == "itl"], itl_pct,
+                                     strict=True))  # fmt: skip
+    names = [(n, q) for n, w, q in FIGURES if w == "ttft"]
+    if len(ttft_ms):
+        vals = np.percentile(ttft_ms, [q for _, q in names])
+    else:
+        vals = [math.nan] * len(names)
+    out.update({n: float(v) for (n, _), v in zip(names, vals, strict=True)})
     return out
 
 
@@ -291,17 +318,27 @@ def _owned(parts_ms: np.ndarray, labels: Sequence[str], want: Iterable[str]) -> 
 def first_order(part: Partition, tpart: TtftPartition, r: Removal) -> Prediction:
     """docs/whatif.md, "First order": every gap and TTFT less the time it gave `r`, and
     with `preempt` removed, less others' re-prefill in its prefill part too."""
+    gap, own = first_order_gaps(part, r)
+    ttft = first_order_ttfts(tpart, r)
+    return Prediction(r, FIRST, _figures(gap, ttft), float(own.sum()), len(gap))
+
+
+def first_order_gaps(part: Partition, r: Removal) -> tuple[np.ndarray, np.ndarray]:
+    """The first order's gaps (ms) without `r`, and the time each lost."""
     own = _owned(part.parts_ms, part.labels, r.itl_labels)
     if "preempt" in r.itl_labels and "prefill" not in r.itl_labels:
         own = own + part.reprefill_other_ms
-    gap = np.maximum(part.gap_ms - own, 0.0)
+    return np.maximum(part.gap_ms - own, 0.0), own
+
+
+def first_order_ttfts(tpart: TtftPartition, r: Removal) -> np.ndarray:
+    """The first order's TTFTs (ms) without `r`."""
     t_own = _owned(tpart.parts_ms, tpart.labels, r.ttft_labels)
     if "preempt" in r.ttft_labels:  # others' re-prefill, where its label is not removed
         holder = np.where(tpart.is_split, "prefill_other" in r.ttft_labels,
                           "prefill" in r.ttft_labels)  # fmt: skip
         t_own = t_own + np.where(holder, 0.0, tpart.reprefill_other_ms)
-    ttft = np.maximum(tpart.ttft_ms - t_own, 0.0)
-    return Prediction(r, FIRST, _figures(gap, ttft), float(own.sum()), len(gap))
+    return np.maximum(tpart.ttft_ms - t_own, 0.0)
 
 
 def _percentile_reference(values: list[float], q: float) -> float:
@@ -372,6 +409,13 @@ def _readmit_prefill_share(log: RawLog) -> np.ndarray:
 def removable_windows(log: RawLog, part: Partition, itl_labels: Sequence[str]) -> Windows:
     """Every segment and GC pause of the log with its removable fraction when `itl_labels`
     are removed (docs/whatif.md, "The removable rate of an instant")."""
+    return windows_of(log, part.baseline.eager_excess_frac, itl_labels)
+
+
+def windows_of(log: RawLog, eager_excess_frac: np.ndarray, itl_labels: Sequence[str]) -> Windows:
+    """`removable_windows` with the ITL graph baseline's per-step excess fraction given:
+    reads the log's segments, GC pauses, steps, prefill chunks, evictions and requests
+    (never its emissions)."""
     rm = set(itl_labels)
     sg = log.segments
     causes = segment_causes(log)
@@ -380,9 +424,9 @@ def removable_windows(log: RawLog, part: Partition, itl_labels: Sequence[str]) -
         # a window outside every step (another thread's, step -1) has no step to scale by
         in_step = (sg.step >= 0) & (sg.step < len(log.steps))
         step = np.where(in_step, sg.step, 0)
-        if "graph" in rm and len(part.baseline.eager_excess_frac):
+        if "graph" in rm and len(eager_excess_frac):
             dec = (causes == "decode") & in_step
-            frac[dec] = part.baseline.eager_excess_frac[step[dec]]
+            frac[dec] = eager_excess_frac[step[dec]]
         if "preempt" in rm and "prefill" not in rm:
             pre = (causes == "prefill") & in_step
             frac[pre] = _readmit_prefill_share(log)[step[pre]]
@@ -580,16 +624,47 @@ def _state_windows(log: RawLog, labels: Iterable[str]) -> tuple[np.ndarray, np.n
 
 def second_order(log: RawLog, part: Partition, tpart: TtftPartition, r: Removal) -> Prediction:
     """docs/whatif.md, "Second order": the recorded schedule replayed without `r`."""
-    w = removable_windows(log, part, r.itl_labels)
-    bounds, cum = replay_removed(w, "gc" in r.itl_labels)
-    bounds, cum = with_os_removed(bounds, cum, os_removed(log, r.itl_labels))
-    removed_ms = (_at(bounds, cum, part.t1_s) - _at(bounds, cum, part.t0_s)) * 1e3
+    bounds, cum = replayed(log, part.baseline.eager_excess_frac, r.itl_labels)
+    gap, removed_ms = second_order_gaps(log, part, r, bounds, cum)
+    ttft = second_order_ttfts(log, tpart, r, bounds, cum)
+    return Prediction(r, SECOND, _figures(gap, ttft), float(removed_ms.sum()), len(gap))
+
+
+def replayed(
+    log: RawLog, eager_excess_frac: np.ndarray, itl_labels: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(bounds_s, R_s)`: the run's removable time from its start to each bound, windows
+    and OS composed (`replay_removed`, `with_os_removed`); `R(x)` is linear between them.
+    Reads no emission of the log."""
+    w = windows_of(log, eager_excess_frac, itl_labels)
+    bounds, cum = replay_removed(w, "gc" in itl_labels)
+    return with_os_removed(bounds, cum, os_removed(log, itl_labels))
+
+
+def second_order_gaps(
+    log: RawLog, part: Partition, r: Removal, bounds: np.ndarray, cum: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The second order's gaps (ms) of `part` on the replayed timeline `(bounds, cum)`
+    (`replayed`), a victim's evicted gap split at every step it missed (`log`'s steps and
+    evictions over the gap), and the time each gap of `part` lost."""
+    if cum[0] == cum[-1]:  # nothing removable on this stretch: the same values, faster
+        removed_ms = np.zeros(len(part.gap_ms))
+    else:
+        removed_ms = (_at(bounds, cum, part.t1_s) - _at(bounds, cum, part.t0_s)) * 1e3
     gap = np.maximum(part.gap_ms - removed_ms, 0.0)
     if "preempt" in r.itl_labels:
         rows, split = _victim_gaps(log, part, bounds, cum)
         keep = np.ones(len(gap), bool)
         keep[rows] = False
         gap = np.concatenate([gap[keep], split])
+    return gap, removed_ms
+
+
+def second_order_ttfts(
+    log: RawLog, tpart: TtftPartition, r: Removal, bounds: np.ndarray, cum: np.ndarray
+) -> np.ndarray:
+    """The second order's TTFTs (ms) on the replayed timeline `(bounds, cum)`; `log`: the
+    run's evictions, waits and steps (its emissions are not read)."""
     # TTFT: the request's own state parts go whole; the engine time after arrival, outside
     # those states, goes where it is removable
     tl = _second_ttft_labels(r)
@@ -614,9 +689,7 @@ def second_order(log: RawLog, part: Partition, tpart: TtftPartition, r: Removal)
         # stays in its TTFT (and an unsplit request's prefill, own and others' mixed, too)
         engine = engine - _owned(tpart.parts_ms, tpart.labels, ("prefill_own", "prefill"))
     ttft = tpart.ttft_ms - _owned(tpart.parts_ms, tpart.labels, state) - np.maximum(engine, 0.0)
-    return Prediction(
-        r, SECOND, _figures(gap, np.maximum(ttft, 0.0)), float(removed_ms.sum()), len(gap)
-    )
+    return np.maximum(ttft, 0.0)
 
 
 def second_order_reference(
@@ -837,158 +910,3 @@ def family_of(name: str) -> str | None:
         if name in il or name in tl:
             return fam
     return "os" if is_os_label(name) else None
-
-
-# -- what to fix first -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FixFirst:
-    """One removal's predicted gain across the runs of a group, and how far the same model
-    was off on a ladder for causes of the same family."""
-
-    name: str
-    kind: str
-    model: str
-    figure: str
-    measured: Spread  # the figure as recorded, across runs
-    predicted: Spread  # the figure with the removal, across runs
-    gain_frac: Spread  # per run: (measured - predicted) / measured
-    ladder_error_frac: Spread | None  # the model's ladder errors (see `ladder_basis`)
-    family: str | None
-    #: what the ladder errors are of: rungs that fix this very cause (its name), else rungs
-    #: that fix a cause of its family ("<family> causes"); "" without any
-    ladder_basis: str = ""
-    #: of every figure the same ladder checks predicted for that basis, the one whose median
-    #: error was largest in size, and its errors; None without ladder checks
-    worst_figure: str | None = None
-    worst_error_frac: Spread | None = None
-
-
-def fix_first(
-    runs: Sequence[WhatIf],
-    checks: Sequence[LadderCheck] = (),
-    *,
-    model: str = SECOND,
-    figure: str = "itl_p999_ms",
-    kind: str = "cause",
-) -> list[FixFirst]:
-    """The removals of `kind` ranked by median predicted gain in `figure` across `runs`
-    (largest first), each with the ladder's error for its family by the same model."""
-    names: list[str] = []
-    for w in runs:
-        for p in w.predictions:
-            if p.removal.kind == kind and p.model == model and p.removal.name not in names:
-                names.append(p.removal.name)
-    out = []
-    for name in names:
-        meas, pred, gain = [], [], []
-        for w in runs:
-            got = w.get(name, model)
-            m = w.measured[figure]
-            if got is None or not math.isfinite(m):
-                continue
-            meas.append(m)
-            pred.append(got.figures[figure])
-            gain.append((m - got.figures[figure]) / m if m else 0.0)
-        if not gain:
-            continue
-        fam = family_of(name)
-        errs, basis = _ladder_errors(checks, model, figure, name, fam)
-        worst: tuple[float, str, Spread] | None = None
-        for fig in FIGURE_NAMES:
-            e, b = _ladder_errors(checks, model, fig, name, fam)
-            finite = [x for x in e if math.isfinite(x)]
-            if finite and b == basis:
-                sp = Spread.of(finite)
-                if worst is None or abs(sp.median) > worst[0]:
-                    worst = (abs(sp.median), fig, sp)
-        out.append(
-            FixFirst(
-                name=name,
-                kind=kind,
-                model=model,
-                figure=figure,
-                measured=Spread.of(meas),
-                predicted=Spread.of(pred),
-                gain_frac=Spread.of(gain),
-                ladder_error_frac=Spread.of(errs) if errs else None,
-                family=fam,
-                ladder_basis=basis if errs else "",
-                worst_figure=worst[1] if worst else None,
-                worst_error_frac=worst[2] if worst else None,
-            )
-        )
-    return sorted(out, key=lambda f: (-f.gain_frac.median, f.name))
-
-
-def _ladder_errors(
-    checks: Sequence[LadderCheck], model: str, figure: str, name: str, fam: str | None
-) -> tuple[list[float], str]:
-    """The ladder's errors of `model` on `figure` for rungs that fix `name`, else for rungs
-    that fix a cause of its family; and what they are of (`FixFirst.ladder_basis`)."""
-    mine = [c for c in checks if c.model == model and c.figure == figure]
-    errs = [c.error_frac for c in mine if c.fixes == name]
-    if errs or fam is None:
-        return errs, name
-    return [c.error_frac for c in mine if family_of(c.fixes) == fam], f"{fam} causes"
-
-
-#: the figures' names in a sentence
-FIGURE_WORDS = {
-    "itl_p50_ms": "ITL p50", "itl_p99_ms": "ITL p99", "itl_p999_ms": "ITL p99.9",
-    "itl_max_ms": "ITL max", "ttft_p50_ms": "TTFT p50", "ttft_p90_ms": "TTFT p90",
-    "ttft_p99_ms": "TTFT p99",
-}  # fmt: skip
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:+.0f}%" if math.isfinite(x) else "-"
-
-
-def _ms(x: float) -> str:
-    if not math.isfinite(x):
-        return "-"
-    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.1f}"
-
-
-def fix_first_sentence(ranked_fixes: Sequence[FixFirst], group: str | None = None) -> str:
-    """The verdict's opening: what to fix first and what it buys, with its uncertainty."""
-    if not ranked_fixes or ranked_fixes[0].gain_frac.median <= 0:
-        return "What to fix first: no removable cause lowers p99.9 in these runs (what-if)."
-    f = ranked_fixes[0]
-    where = f" in {group}" if group else ""
-    n = f.gain_frac.num_runs
-    spread = (
-        f", {_pct(-f.gain_frac.hi)} to {_pct(-f.gain_frac.lo)} across {n} runs" if n > 1 else ""
-    )
-    s = (
-        f"What to fix first{where}: {f.name}. Without it p99.9 would be "
-        f"{_ms(f.predicted.median)} ms instead of {_ms(f.measured.median)} "
-        f"({_pct(-f.gain_frac.median)}{spread}; {f.model}-order model)."
-    )
-    if f.ladder_error_frac is not None:
-        e = f.ladder_error_frac
-        rng = f", {_pct(e.lo)} to {_pct(e.hi)}" if e.num_runs > 1 else ""
-        s += (
-            f" On this ladder that model's p99.9 predictions for {f.ladder_basis} were off by "
-            f"{_pct(e.median)} ({e.num_runs} rung{'s' if e.num_runs != 1 else ''}{rng})."
-        )
-        w = f.worst_error_frac
-        if f.worst_figure is not None and w is not None and f.worst_figure != f.figure:
-            s += (
-                f" Its worst figure there: {FIGURE_WORDS.get(f.worst_figure, f.worst_figure)}, "
-                f"off by {_pct(w.median)}."
-            )
-    else:
-        s += " No rung in these runs fixes it or a cause of its family: the error is unchecked."
-    if f.family == "os":
-        s += (
-            " The OS, not the engine, holds this tail: the engine's threads waited for a CPU "
-            "or were off it; pin them to cores of their own, isolate those cores, or run "
-            "fewer processes per core."
-        )
-    if len(ranked_fixes) > 1 and ranked_fixes[1].gain_frac.median > 0:
-        g = ranked_fixes[1]
-        s += f" Next: {g.name} ({_pct(-g.gain_frac.median)})."
-    return s

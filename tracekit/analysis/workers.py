@@ -18,6 +18,7 @@ from tracekit.analysis.overtime import Bucket, over_time, report_buckets
 from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
 from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
+from tracekit.analysis.stream_whatif import whatif_sliced
 from tracekit.analysis.stream_window import WindowRead, analyze_window, read_window
 from tracekit.analysis.whatif import WhatIf, whatif
 from tracekit.analysis.window import Window, WindowOptions, select_gaps
@@ -199,21 +200,49 @@ def whatif_path(
     path: str,
     names: Sequence[str] | None = None,
     view: WindowOptions | None = None,
+    mapper: Any = None,
     **limits: Any,
 ) -> WhatIf:
     """`whatif`'s work on one run: every removal (or those named), by both models, for the
-    window `view` asks for, if any."""
+    window `view` asks for, if any. A long one-process run (no window) is read in slices."""
     keep_freed_memory()
+    if view is None or view.is_whole_run:
+        sliced = _whatif_in_slices(path, names, mapper, **limits)
+        if sliced is not None:
+            return sliced
     log, part, tpart = partitions(path, **limits)
     return whatif(log, part, tpart, names, window=_resolve(view, log, part))
 
 
+def _whatif_in_slices(
+    path: str, names: Sequence[str] | None, mapper: Any = None, **limits: Any
+) -> WhatIf | None:
+    """A one-process run longer than one slice: its what-if slice by slice, in bounded
+    memory (`tracekit.analysis.stream_whatif`: the same result); None where it is read
+    whole."""
+    parts_dir = parts_dir_of(path)
+    if parts_dir is None or not reads_in_slices(path):
+        return None
+    try:
+        return whatif_sliced(parts_dir, names, path=_shown_path(path, parts_dir),
+                             max_emissions=slice_budget(), mapper=mapper,
+                             max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+    except NotSliceable:
+        return None
+
+
 def analyze_whatif_path(
-    path: str, view: WindowOptions | None = None, **limits: Any
+    path: str, view: WindowOptions | None = None, mapper: Any = None, **limits: Any
 ) -> tuple[RunAnalysis, WhatIf]:
     """`compare`'s work on one run: its figures and its what-if, from one partition (of the
-    run's own window `view` asks for, if any)."""
+    run's own window `view` asks for, if any). A long one-process run (no window) is read
+    in slices, its figures and its what-if each by its own slice reader."""
     keep_freed_memory()
+    if view is None or view.is_whole_run:
+        a = _analyze_in_slices(path, mapper, **limits)
+        w = _whatif_in_slices(path, None, mapper, **limits) if a is not None else None
+        if a is not None and w is not None:
+            return a, w
     log, part, tpart = partitions(path, **limits)
     win = _resolve(view, log, part)
     return analyze(log, part, tpart, window=win), whatif(log, part, tpart, window=win)

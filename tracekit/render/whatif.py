@@ -10,13 +10,13 @@ import os
 from collections.abc import Sequence
 
 from tracekit.analysis.compare import Comparison, Spread
+from tracekit.analysis.fix_first import FixFirst
 from tracekit.analysis.verdict import Verdict
 from tracekit.analysis.victim_policy import VictimPolicy
 from tracekit.analysis.whatif import (
     ASSUMPTIONS,
     FIGURE_NAMES,
     MODELS,
-    FixFirst,
     LadderCheck,
     WhatIf,
     ranked,
