@@ -290,9 +290,7 @@ def analyze(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    sliced = [p for p in paths if view().is_whole_run and workers.reads_in_slices(p)]
-    for p in sliced:  # docs/reports.md, "Reading a long run in slices"
-        click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
+    sliced = _say_sliced(workers, paths)
     if by is not None:
         from tracekit.analysis.window import parse_duration  # deferred: loaded per command
 
