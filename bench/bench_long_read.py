@@ -12,7 +12,9 @@ VmHWM) and is timed by the wall clock:
   the previous main reads it whole;
 - ``trace --around worst --width 1``: this tree reads the window's parts only;
 - ``analyze --window``: a 10 s window in the middle of the run;
-- ``analyze --by 1m``: the tail over time, a row a simulated minute.
+- ``analyze --by 1m``: the tail over time, a row a simulated minute;
+- ``analyze -j 2``: one run's slices in two processes (its index pass stays in one);
+- ``whatif``: every removal by both models, in slices in this tree.
 
 The previous main runs only where its peak memory fits ``--baseline-max-gb`` (default 8;
 an hour needed > 13 GB), with that limit set as its address-space limit: beyond it, it is
@@ -112,6 +114,11 @@ def main() -> None:
             base = run_cmd(a.baseline, ["analyze", out, "--format", "jsonl", "-o", jl],
                            a.baseline_max_gb)  # fmt: skip
             show("analyze", "previous main", base, gaps)
+            two = run_cmd(ROOT, ["analyze", out, "-j", "2", "--format", "jsonl", "-o", jl])
+            show("analyze -j 2 (its slices)", "this tree", two, gaps)
+            wi = ["whatif", out, "-o", os.path.join(tmp, "w.txt")]
+            show("whatif", "this tree", run_cmd(ROOT, wi))
+            show("whatif", "previous main", run_cmd(a.baseline, wi, a.baseline_max_gb))
             mid = minutes * 30
             win = ["--window", f"{mid:g}..{mid + 10:g}", "--format", "jsonl", "-o", jl]
             show("analyze --window (10 s)", "this tree", run_cmd(ROOT, ["analyze", out, *win]))

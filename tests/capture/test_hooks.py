@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -12,14 +13,18 @@ from tracekit.capture.recorder import Recorder
 
 
 class FakeClock:
-    """Advances 1 ms per read unless told otherwise; ticks are nanoseconds."""
+    """Advances 1 ms per read by the thread that made it unless told otherwise (the
+    recorder's writer thread, whenever a busy machine runs it, reads it unmoved); ticks are
+    nanoseconds."""
 
     def __init__(self, start_ns: int = 5_000_000_000, step_ns: int = 1_000_000) -> None:
         self.t = start_ns
         self.step_ns = step_ns
+        self.owner = threading.get_ident()
 
     def __call__(self) -> int:
-        self.t += self.step_ns
+        if threading.get_ident() == self.owner:
+            self.t += self.step_ns
         return self.t
 
     def advance(self, ms: float) -> None:
