@@ -745,6 +745,8 @@ def report(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
+    for p in [p for p in paths if view().is_whole_run and workers.reads_in_slices(p)]:
+        click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
     one = functools.partial(workers.report_path, n_worst=n_worst, view=view(), **_limits())
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     results = [ReportRun(**r) for r, _ in pairs]
