@@ -62,9 +62,11 @@ def report_sliced(
     max_emissions: int = DEFAULT_SLICE_EMISSIONS,
     max_inflate_mb: float | None = None,
     progress: Callable[[str], None] | None = None,
+    max_points: int = MAX_POINTS,
 ) -> dict[str, Any]:
     """The report's view of the run in `parts_dir` (no window), read in slices: the fields
-    of `ReportRun` (analysis, worst_stalls, series, buckets), equal to the whole run's."""
+    of `ReportRun` (analysis, worst_stalls, series, buckets), equal to the whole run's
+    (`max_points`: `itl_series`')."""
     say = progress or (lambda _msg: None)
     shown = path or parts_dir
     analysis = analyze_sliced(parts_dir, max_emissions=max_emissions,
@@ -80,7 +82,7 @@ def report_sliced(
                                max_emissions=max_emissions, max_inflate_mb=max_inflate_mb,
                                progress=say)  # fmt: skip
     named: list[tuple[int, list[str]]] = []
-    tail, points, tasks = _tail_and_points(run, ix, p99, max_emissions, named)
+    tail, points, tasks = _tail_and_points(run, ix, p99, (max_emissions, max_points), named)
     return {
         "analysis": analysis,
         "worst_stalls": _worst_stalls(run, (tail, tasks), _namer(named), n_worst),
@@ -157,16 +159,17 @@ def _rank_in_request(req: np.ndarray) -> np.ndarray:
 
 
 def _tail_and_points(
-    run: SlicedRun, ix: Index, p99: float, max_emissions: int, names: list[Any]
+    run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int], names: list[Any]
 ) -> tuple[_Gaps, _Gaps, list[SliceTask]]:
     """Every slice partitioned once: its tail gaps (>= `p99`) and the other gaps the
     series' even stride picks (`itl_series`), each with its index in the whole run's
     partition (by request, then time: the request's gaps before this slice, and this
-    slice's before it)."""
+    slice's before it). `sizes`: the emissions a slice reads, the series' points."""
+    max_emissions, max_points = sizes
     n_gaps, n_rest = _request_gaps(run, ix, p99, names)
     gap_start, rest_start = _starts(n_gaps), _starts(n_rest)
     n_other = int(n_rest.sum())
-    room = max(MAX_POINTS - (int(n_gaps.sum()) - n_other), 0)
+    room = max(max_points - (int(n_gaps.sum()) - n_other), 0)
     picks = np.arange(n_other)
     if n_other > room:
         picks = np.linspace(0, n_other - 1, room).astype(np.int64) if room else picks[:0]
@@ -190,8 +193,8 @@ def _tail_and_points(
                 "step1": np.where(p.step1 >= 0, p.step1 + off, p.step1),
                 "primary": p.primary_names()}  # fmt: skip
         tail.add(np.flatnonzero(is_tail), j, gidx, cols)
-        hit = np.searchsorted(picks, rank)
-        chosen = rest[(hit < len(picks)) & (picks[np.minimum(hit, len(picks) - 1)] == rank)]
+        hit = np.minimum(np.searchsorted(picks, rank), len(picks) - 1)
+        chosen = rest[picks[hit] == rank] if len(picks) else rest[:0]
         points.add(np.sort(np.concatenate([np.flatnonzero(is_tail), chosen])), j, gidx, cols)
     return tail, points, tasks
 
