@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 
 from tracekit.analysis.gaps import add_steps, gap_records
-from tracekit.analysis.overtime import REPORT_MIN_BUCKETS, report_width_of_span_s
+from tracekit.analysis.overtime import (
+    REPORT_MIN_BUCKETS,
+    Bucket,
+    bucket_of,
+    report_width_of_span_s,
+)
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
     Index,
@@ -71,6 +76,29 @@ def report_sliced(
     shown = path or parts_dir
     analysis = analyze_sliced(parts_dir, max_emissions=max_emissions,
                               max_inflate_mb=max_inflate_mb, progress=say, path=shown)  # fmt: skip
+    stalls, series, span = _stalls_and_series(parts_dir, n_worst, (max_emissions, max_points),
+                                              max_inflate_mb, say)  # fmt: skip
+    width_s = report_width_of_span_s(*span)
+    # from the one holding min(start, 0) to the one holding the last moment (every gap ends
+    # inside the span): `over_time`'s buckets without a window
+    first, last = bucket_of(np.array([min(span[0], 0.0), span[1]]), width_s).tolist()
+    buckets: list[Bucket] = []
+    if max(first, last) - first + 1 >= REPORT_MIN_BUCKETS:  # else the report shows none
+        # after the index above is gone: one run's index in memory at a time
+        buckets = over_time_sliced(parts_dir, width_s, path=shown, max_emissions=max_emissions,
+                                   max_inflate_mb=max_inflate_mb, progress=say)  # fmt: skip
+    return {"analysis": analysis, "worst_stalls": stalls, "series": series, "buckets": buckets}
+
+
+def _stalls_and_series(
+    parts_dir: str,
+    n_worst: int,
+    sizes: tuple[int, int],
+    max_inflate_mb: float | None,
+    say: Callable[[str], None],
+) -> tuple[list[dict[str, Any]], dict[str, Any], tuple[float, float]]:
+    """`worst_stalls` and `itl_series` of the whole run, and its span (s, `run_span_s`),
+    from an index pass, the tail's threshold and one partition of each slice."""
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     ix = index_pass(run, FIT_ALL_CAPTURED, say)
     keep_gap_values(run, ix)
@@ -78,17 +106,10 @@ def report_sliced(
     lo, hi = (0.0, 0.0)
     if ix.span_ticks is not None:
         lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
-    buckets = over_time_sliced(parts_dir, report_width_of_span_s(lo, hi), path=shown,
-                               max_emissions=max_emissions, max_inflate_mb=max_inflate_mb,
-                               progress=say)  # fmt: skip
     named: list[tuple[int, list[str]]] = []
-    tail, points, tasks = _tail_and_points(run, ix, p99, (max_emissions, max_points), named)
-    return {
-        "analysis": analysis,
-        "worst_stalls": _worst_stalls(run, (tail, tasks), _namer(named), n_worst),
-        "series": _series(run, ix, points),
-        "buckets": buckets if len(buckets) >= REPORT_MIN_BUCKETS else [],
-    }
+    tail, points, tasks = _tail_and_points(run, ix, p99, sizes, named)
+    stalls = _worst_stalls(run, (tail, tasks), _namer(named), n_worst)
+    return stalls, _series(run, ix, points), (lo, hi)
 
 
 @dataclass
