@@ -87,8 +87,11 @@ def test_a_stall_across_slices_and_the_series_stride_by_hand(tmp_path):
     assert all(b == a + 1 for _, a, b in run.bounds(1))  # a slice a part: 6 s, 13 s apart
     log = tracekit.load(out)
     part = partition(log)
-    stalls = [_stall("a", 3.0, (-1, -1), ["a", "a", "b", "b"]),
-              _stall("x", 3.0, (2, 3), ["x", "y"]), _stall("x", 10.0, (7, 8), ["x", "y"])]  # fmt: skip
+    stalls = [
+        _stall("a", 3.0, (-1, -1), ["a", "a", "b", "b"]),
+        _stall("x", 3.0, (2, 3), ["x", "y"]),
+        _stall("x", 10.0, (7, 8), ["x", "y"]),
+    ]
     ends = [2.0, 3.0, *[6.0] * 4, 8.0, 10.0, *[13.0] * 4, 15.0, 16.0]
     series = {"num_gaps": 44, "t_s": ends,
               "gap_ms": [1000.0, 1000.0, *[3000.0] * 4, 1000.0, 1000.0, *[3000.0] * 4,
@@ -152,12 +155,15 @@ def test_any_slice_size_gives_the_whole_runs_page(demo_run, whole_page, budget, 
     assert _differences(analyze(log, part).to_dict(), page["analysis"].to_dict()) == []
 
 
-def test_the_demo_runs_worst_stalls_name_evictions_and_cross_no_slice(whole_page):
+def test_the_demo_run_has_what_the_page_reads_in_slices(whole_page):
     """What the property test above covers: stalls with eviction pieces (victims and
-    evictors named, their steps numbered in the run), of many requests and of one."""
+    evictors named, their steps numbered in the run), of many requests and of one; GC
+    and eviction marks on the series."""
     stalls = worst_stalls(*whole_page, 40)
     assert any("preempt_causes" in r and "recompute_causes" in r for r in stalls)
     assert {r["num_requests"] > 1 for r in stalls} == {True, False}
+    series = itl_series(*whole_page)
+    assert series["gc_t_s"] and series["evict_t_s"]
 
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
