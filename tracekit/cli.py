@@ -756,6 +756,7 @@ def report(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
+    _say_sliced(workers, paths)
     one = functools.partial(workers.report_path, n_worst=n_worst, view=view(), **_limits())
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     results = [ReportRun(**r) for r, _ in pairs]

@@ -147,11 +147,11 @@ def worst_gaps(
         return []
     order = np.lexsort((np.arange(len(p)), -p.gap_ms))[:n]  # longest first, stable
     records = gap_records(log, p, index=order)
-    _add_steps(log, records, max_steps)
+    add_steps(log, records, max_steps)
     return records
 
 
-def _add_steps(log: RawLog, records: list[dict[str, Any]], max_steps: int) -> None:
+def add_steps(log: RawLog, records: list[dict[str, Any]], max_steps: int) -> None:
     """Give each record (with `t0`, `t1`) the engine steps it spans: `num_steps` and `steps`
     (see `worst_gaps`)."""
     st, sg = log.steps, log.segments
@@ -227,7 +227,7 @@ def worst_stalls(
         rec["num_requests"] = int(len(g))
         rec["requests"] = [ids[int(p.request[i])] for i in g[:max_requests].tolist()]
         rec["gap_ms_min"] = float(p.gap_ms[g].min())
-    _add_steps(log, records, max_steps)
+    add_steps(log, records, max_steps)
     return records
 
 

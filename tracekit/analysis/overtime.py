@@ -144,6 +144,12 @@ def report_width_s(log: RawLog, window: Window | None = None) -> float:
     """The bucket width of the report's over-time view of `log` (`NICE_WIDTHS_S`), or of
     the part of it `window` covers."""
     lo, hi = run_span_s(log)
+    return report_width_of_span_s(lo, hi, window)
+
+
+def report_width_of_span_s(lo: float, hi: float, window: Window | None = None) -> float:
+    """`report_width_s` of a run that spans `lo`..`hi` seconds (`run_span_s`), known
+    without its log (a run read in slices: from its index)."""
     lo = min(lo, 0.0)
     if window is not None:  # the window's span, within the run's
         lo, hi = max(lo, window.t0_s), min(hi, window.t1_s)
@@ -175,6 +181,7 @@ __all__ = [
     "bucket_of",
     "over_time",
     "report_buckets",
+    "report_width_of_span_s",
     "report_width_s",
     "worst_buckets",
 ]

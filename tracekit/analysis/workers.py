@@ -18,6 +18,7 @@ from tracekit.analysis.overtime import Bucket, over_time, report_buckets
 from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
 from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
+from tracekit.analysis.stream_report import report_sliced
 from tracekit.analysis.stream_whatif import whatif_sliced
 from tracekit.analysis.stream_window import WindowRead, analyze_window, read_window
 from tracekit.analysis.whatif import WhatIf, whatif
@@ -253,8 +254,18 @@ def report_path(
 ) -> tuple[dict[str, Any], WhatIf]:
     """`report`'s work on one run, all from one partition: the page's view of it (the
     fields of `tracekit.render.html.ReportRun`: figures, worst stalls, ITL series, the
-    tail over time) and its what-if, of the window `view` asks for, if any."""
+    tail over time) and its what-if, of the window `view` asks for, if any. The whole of a
+    long one-process run is read in slices (`tracekit.analysis.stream_report`)."""
     keep_freed_memory()
+    parts_dir = parts_dir_of(path)
+    if (view is None or view.is_whole_run) and parts_dir is not None and reads_in_slices(path):
+        try:  # a long run: in slices, in bounded memory (the same page)
+            page = report_sliced(parts_dir, n_worst, path=_shown_path(path, parts_dir),
+                                 max_emissions=slice_budget(),
+                                 max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+            return page, whatif_path(path, None, **limits)
+        except NotSliceable:
+            pass
     log, part, tpart = partitions(path, **limits)
     win = _resolve(view, log, part)
     page = {

@@ -1,0 +1,194 @@
+"""The HTML report of a long run read in slices (docs/reports.md, "Reading a long run in
+slices"): the page's parts (figures, worst stalls, ITL over time, the tail over time) equal
+the whole run's, whatever the slices' size."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_sliced import FakeClock, _differences, _wait_for_parts
+
+import tracekit
+from tracekit.analysis.figures import analyze
+from tracekit.analysis.gaps import itl_series, worst_stalls
+from tracekit.analysis.overtime import report_buckets
+from tracekit.analysis.stream_report import report_sliced
+from tracekit.attribution.itl import partition
+from tracekit.log.slices import SlicedRun
+
+REPO = Path(__file__).resolve().parents[2]
+TICK_S = 2.0**-4  # a power of two: every time and gap below is exact in binary
+LONG_STEPS = (3, 8)  # 3 s steps; the others 1 s
+
+
+def _hand_run(out: Path) -> None:
+    """12 steps, each one `decode` segment of 1 s (steps 3 and 8: 3 s); "x" and "y" emit at
+    each step's end inside it, "a" and "b" right after it, outside any step (their
+    emissions name no step: -1). A part per step (as in test_sliced's hand run)."""
+    clock = FakeClock()
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=TICK_S, gc=False,
+                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    with rec:
+        for r in ("a", "b", "x", "y"):
+            rec.request(r)
+        for k in range(12):
+            with rec.step():
+                with rec.segment("decode"):
+                    clock.t += 48 if k in LONG_STEPS else 16  # ticks: 3 s or 1 s
+                rec.emit(["x", "y"])
+            rec.emit(["a", "b"])
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+def _step_record(k: int, t_start_s: float, dur_ms: float) -> dict:
+    return {"step": k, "t_start_s": t_start_s, "dur_ms": dur_ms, "num_decode": 2,
+            "num_prefill_tokens": 0, "graph_size": 2, "num_preempted": 0,
+            "num_swapped_in": 0, "segments_ms": {"decode": dur_ms}}  # fmt: skip
+
+
+def _stall(request: str, t0_s: float, steps: tuple[int, int], requests: list[str]) -> dict:
+    """A 3,000 ms stall (docs/partition.md: all decode, so forward; primary clean) over one
+    step, the one that ends with it: `steps[1]`, or for emissions outside steps step 3."""
+    parts = {"preempt": 0.0, "gc": 0.0, "tok": 0.0, "prefill": 0.0, "graph": 0.0,
+             "forward": 3000.0, "residual": 0.0}  # fmt: skip
+    return {"request": request, "t0_s": t0_s, "t1_s": t0_s + 3.0, "gap_ms": 3000.0,
+            "parts": parts, "context": {}, "primary": "clean", "step0": steps[0],
+            "step1": steps[1], "num_requests": len(requests), "requests": requests,
+            "gap_ms_min": 3000.0, "num_steps": 1,
+            "steps": [_step_record(max(steps[1], 3), t0_s, 3000.0)]}  # fmt: skip
+
+
+def test_a_stall_across_slices_and_the_series_stride_by_hand(tmp_path):
+    """Each request emits at the steps' ends, 1, 2, 3, 6, 7, 8, 9, 10, 13, 14, 15, 16 s:
+    11 gaps each, 44 in all, 36 of 1,000 ms and 8 of 3,000 ms (ending at 6 and 13 s).
+    p99: numpy's linear rank 0.99 x 43 = 42.57 lies among the 3,000 ms values: the tail is
+    the 8 long gaps. Stall events (gaps closed by one step with one primary cause): "a" and
+    "b"'s long gaps name no step (-1), so the four of them are one event, closed at 6 s and
+    at 13 s, in two slices; "x" and "y"'s are an event at step 3 and one at step 8. All
+    heads are 3,000 ms; ties go to the whole run's partition order (by request, then
+    time: a, b, x, y), so: a's at 6 s [a, a, b, b], x's at step 3 [x, y], x's at step 8.
+    The series with 14 points: the 8 long gaps, and 6 of the 36 others at
+    linspace(0, 35, 6) -> ranks 0, 7, 14, 21, 28, 35 in partition order (9 a piece, a's
+    first): a's 1st and 8th (ending 2 s, 15 s), b's 6th (10 s), x's 4th (8 s), y's 2nd
+    (3 s) and 9th (16 s). Then by end time (ties: partition order)."""
+    out = tmp_path / "run.npz"
+    _hand_run(out)
+    parts = str(out) + ".parts"
+    run = SlicedRun(parts)
+    run.index()
+    assert all(b == a + 1 for _, a, b in run.bounds(1))  # a slice a part: 6 s, 13 s apart
+    log = tracekit.load(out)
+    part = partition(log)
+    stalls = [
+        _stall("a", 3.0, (-1, -1), ["a", "a", "b", "b"]),
+        _stall("x", 3.0, (2, 3), ["x", "y"]),
+        _stall("x", 10.0, (7, 8), ["x", "y"]),
+    ]
+    ends = [2.0, 3.0, *[6.0] * 4, 8.0, 10.0, *[13.0] * 4, 15.0, 16.0]
+    series = {"num_gaps": 44, "t_s": ends,
+              "gap_ms": [1000.0, 1000.0, *[3000.0] * 4, 1000.0, 1000.0, *[3000.0] * 4,
+                         1000.0, 1000.0],
+              "primary": ["clean"] * 14, "evict_t_s": [], "gc_t_s": [], "gc_ms": [],
+              "gc_generation": []}  # fmt: skip
+    assert worst_stalls(log, part, 10) == stalls  # the written rules, on the whole run
+    assert itl_series(log, part, max_points=14) == series
+    whole_buckets = _records(report_buckets(log, part))
+    assert len(whole_buckets) == 17  # 0-16 s: 1 s buckets (<= 60 of them), 10 or more
+    for budget in (1, 5, 10**6):
+        page = report_sliced(parts, 10, max_emissions=budget, max_points=14, path=str(out))
+        assert page["worst_stalls"] == stalls, budget
+        assert page["series"] == series, budget
+        assert _records(page["buckets"]) == whole_buckets, budget
+        assert page["analysis"].gaps == 44 and page["analysis"].itl_p99 == 3000.0
+    by_start = {b["bucket_start_s"]: b for b in whole_buckets}
+    assert by_start[6.0]["gaps"] == 4 and by_start[6.0]["run_tail_gaps"] == 4
+    assert by_start[2.0]["gaps"] == 4 and by_start[2.0]["run_tail_gaps"] == 0
+    assert by_start[4.0]["gaps"] == 0 and by_start[1.0]["gaps"] == 0
+
+
+def _records(buckets) -> list[dict]:
+    return [b.to_record() for b in buckets]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> str:
+    """A demo run with recompute evictions, GC and eager steps, in several parts."""
+    d = tmp_path_factory.mktemp("sliced_report")
+    r = subprocess.run(
+        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
+         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return str(d / "baseline__s1.npz")
+
+
+@pytest.fixture(scope="module")
+def whole_page(demo_run) -> tuple:
+    log = tracekit.load(demo_run)
+    return log, partition(log)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    budget=st.integers(min_value=1, max_value=9_000),
+    max_points=st.integers(min_value=0, max_value=3_000),
+    n=st.integers(min_value=0, max_value=40),
+)
+def test_any_slice_size_gives_the_whole_runs_page(demo_run, whole_page, budget, max_points, n):
+    """Worst stalls, the series (its stride too: `max_points` below the run's gaps), the
+    buckets: equal; the figures as `analyze_sliced`'s (sums and shares to float rounding)."""
+    log, part = whole_page
+    page = report_sliced(demo_run + ".parts", n, max_emissions=budget, max_points=max_points,
+                         path=demo_run)  # fmt: skip
+    assert page["worst_stalls"] == worst_stalls(log, part, n)
+    assert page["series"] == itl_series(log, part, max_points=max_points)
+    assert _differences(_records(report_buckets(log, part)), _records(page["buckets"])) == []
+    assert _differences(analyze(log, part).to_dict(), page["analysis"].to_dict()) == []
+
+
+def test_the_demo_run_has_what_the_page_reads_in_slices(whole_page):
+    """What the property test above covers: stalls with eviction pieces (victims and
+    evictors named, their steps numbered in the run), of many requests and of one; GC
+    and eviction marks on the series."""
+    stalls = worst_stalls(*whole_page, 40)
+    assert any("preempt_causes" in r and "recompute_causes" in r for r in stalls)
+    assert {r["num_requests"] > 1 for r in stalls} == {True, False}
+    series = itl_series(*whole_page)
+    assert series["gc_t_s"] and series["evict_t_s"]
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def test_report_of_a_run_read_in_slices_writes_the_whole_runs_page(demo_run, tmp_path):
+    """The command: the same page, byte for byte but for the last digits of shares and sums
+    (they add in another order in slices): every number equal to float rounding, the rest
+    of the file identical; it says on stderr that it read the run in slices."""
+
+    def report(budget: str) -> tuple[str, str]:
+        out = tmp_path / f"report-{budget}.html"
+        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+        r = subprocess.run([sys.executable, "-m", "tracekit", "report", demo_run, "-o", str(out)],
+                           capture_output=True, text=True, cwd=REPO, env=env,
+                           timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return out.read_text(encoding="utf-8"), r.stderr
+
+    whole, err_whole = report("1000000000")
+    sliced, err_sliced = report("500")
+    assert "read in slices (bounded memory)" in err_sliced and "in slices" not in err_whole
+    assert NUMBER.sub("#", whole) == NUMBER.sub("#", sliced)
+    a, b = NUMBER.findall(whole), NUMBER.findall(sliced)
+    assert len(a) == len(b)
+    off = [(x, y) for x, y in zip(a, b, strict=True)
+           if x != y and abs(float(x) - float(y)) > 1e-9 * max(1.0, abs(float(x)))]  # fmt: skip
+    assert off == []
