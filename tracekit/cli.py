@@ -246,6 +246,17 @@ def _expand(paths: Sequence[str]) -> list[str]:
     return list(paths)
 
 
+def _say_sliced(paths: Sequence[str]) -> None:
+    """On stderr, each run (of the whole run) read in slices (docs/reports.md, "Reading a
+    long run in slices")."""
+    from tracekit.analysis import workers  # deferred: loaded per command
+
+    if view().is_whole_run:
+        for p in paths:
+            if workers.reads_in_slices(p):
+                click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
+
+
 def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str) -> None:
     if not output:
         _fail(f"--format parquet needs -o/--output FILE ({what} are binary)")
@@ -903,6 +914,7 @@ def export_cmd(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
+    _say_sliced(paths)
     keys = [k.strip() for k in partition_by.split(",") if k.strip()]
     meta = export(paths, output, keys, mapper=_ray_mapper(ray_address, jobs), limits=_limits(),
                   view=view())  # fmt: skip
@@ -971,6 +983,7 @@ def fleet_cmd(
                              "the raw logs")  # fmt: skip
         r = rollup(paths[0], by, mapper=mapper, **opts)
     else:
+        _say_sliced(paths)
         r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, limits=_limits(),
                         view=win, **opts)  # fmt: skip
     said = {} if win.is_whole_run else {"window": win.to_dict()}

@@ -99,6 +99,15 @@ def reads_in_slices(path: str) -> bool:
     return parts_dir is not None and _emissions(parts_dir) > slice_budget()
 
 
+def sliced_parts(path: str) -> tuple[str, str] | None:
+    """(its parts folder, its path as the whole-run reader names it) for a run read in
+    slices (`reads_in_slices`); None for one read whole."""
+    parts_dir = parts_dir_of(path)
+    if parts_dir is None or not reads_in_slices(path):
+        return None
+    return parts_dir, _shown_path(path, parts_dir)
+
+
 def _analyze_in_slices(path: str, mapper: Any = None, **limits: Any) -> RunAnalysis | None:
     """A one-process run longer than one slice, analysed slice by slice in bounded memory
     (`tracekit.analysis.stream`: the same figures); None where it is read whole."""
