@@ -231,3 +231,37 @@ def test_the_rollup_reads_gaps_files_in_batches_with_the_same_numbers(demo_run, 
     monkeypatch.setenv(SLICES, WHOLE)
     logs = rollup_logs([demo_run], "rung").to_records()
     assert logs[0]["pooled"] == rollup(str(tmp_path / "ds"), "rung").to_records()[0]["pooled"]
+
+
+@pytest.mark.parametrize(
+    "view",
+    [{"window": "1..2"}, {"window": "2.."}, {"around": "worst", "width_s": 0.5},
+     {"around": "p99", "width_s": 0.3}],
+)  # fmt: skip
+def test_a_window_of_a_long_run_exports_the_whole_runs_window(demo_run, tmp_path, monkeypatch,
+                                                              view):  # fmt: skip
+    """`export --window`/`--around` of a run read in slices (only the parts the window's
+    gaps need): the gaps file is the whole run's window, bit for bit, with every label of
+    the run (docs/reports.md, "Windows"); the runs row is `analyze --window`'s."""
+    # the modules whose functions this test swaps or asks: imported where they are used
+    from tracekit.analysis import export as export_module
+    from tracekit.analysis import workers
+    from tracekit.analysis.window import WindowOptions
+
+    def never(*_a, **_k):
+        raise AssertionError("the long run was opened whole")
+
+    v = WindowOptions(**view)
+    monkeypatch.setenv(SLICES, "500")
+    assert workers.sliced_window(demo_run, v) is not None  # read in slices
+    with monkeypatch.context() as m:
+        m.setattr(export_module, "open_run", never)
+        sliced_meta = export([demo_run], str(tmp_path / "sliced"), view=v)
+    monkeypatch.setenv(SLICES, WHOLE)
+    whole_meta = export([demo_run], str(tmp_path / "whole"), view=v)
+    assert sliced_meta == whole_meta and whole_meta["gaps"] > 0
+    a, _ = _gaps(tmp_path / "whole")
+    b, _ = _gaps(tmp_path / "sliced")
+    assert a.schema == b.schema and a.equals(b)
+    ra, rb = _runs_row(tmp_path / "whole"), _runs_row(tmp_path / "sliced")
+    assert list(ra) == list(rb) and [k for k in ra if not _close(ra[k], rb[k])] == []

@@ -55,8 +55,9 @@ from tracekit.analysis.figures import analyze
 from tracekit.analysis.run import is_run_dir, open_run
 from tracekit.analysis.stream import NotSliceable
 from tracekit.analysis.stream_export import GapRows, SpilledGaps, sliced_config, spill_gaps_sliced
-from tracekit.analysis.window import WindowOptions, select_gaps
-from tracekit.analysis.workers import slice_budget, sliced_parts
+from tracekit.analysis.stream_window import analyze_window
+from tracekit.analysis.window import Window, WindowOptions, select_gaps
+from tracekit.analysis.workers import slice_budget, sliced_parts, sliced_window
 from tracekit.attribution.itl import partition
 from tracekit.errors import TracekitError
 from tracekit.log.archive import read_npz
@@ -170,8 +171,11 @@ def _scalar(v: Any) -> Any:
     return float(v) if math.isfinite(float(v)) else None
 
 
-def gap_columns(log: Any, part: Any, run_id: str) -> dict[str, np.ndarray]:
-    """One run's gaps as columns (see the module docstring)."""
+def gap_columns(
+    log: Any, part: Any, run_id: str, labels: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """One run's gaps as columns (see the module docstring); `labels`: the run's, where
+    `part` may have fewer (a window of a long run: 0 ms for a label it lacks)."""
     ids = log.request_names()
     id_arr = np.asarray(ids, dtype=object)
     n = len(part)
@@ -185,8 +189,9 @@ def gap_columns(log: Any, part: Any, run_id: str) -> dict[str, np.ndarray]:
         "step1": part.step1.astype(np.int64),
         "primary": part.primary_names().astype(object) if n else np.zeros(0, dtype=object),
     }
-    for j, lb in enumerate(part.labels):
-        cols[f"part_{column_name(lb)}_ms"] = np.ascontiguousarray(part.parts_ms[:, j])
+    for lb in part.labels if labels is None else labels:
+        col = part.column(lb) if lb in part.labels else np.zeros(n)
+        cols[f"part_{column_name(lb)}_ms"] = np.ascontiguousarray(col)
     return cols
 
 
@@ -271,14 +276,19 @@ def export_one(
         done = _export_sliced(path, long, run_id, root, keys, limits or {})
         if done is not None:
             return done
-    log = open_run(path, **dict(limits or {}))
-    whole = partition(log)
-    win = view.resolve(log, whole) if view is not None else None
+    wr = sliced_window(path, view, **dict(limits or {})) if view is not None else None
+    win: Window | None = None
+    if wr is not None:  # a window of a long run: the parts it needs (the same rows)
+        log, whole, win = wr.log, wr.part, wr.window
+    else:
+        log = open_run(path, **dict(limits or {}))
+        whole = partition(log)
+        win = view.resolve(log, whole) if view is not None else None
     part = select_gaps(whole, win)
     _no_clean_cause(path, part.causes)
-    analysis = analyze(log, whole, window=win)
-    gaps_rel, runs_rel = _files_of(log.config, keys, run_id)
-    gcols = gap_columns(log, part, run_id)
+    analysis = analyze_window(wr) if wr is not None else analyze(log, whole, window=win)
+    gaps_rel, runs_rel = _files_of(analysis.config, keys, run_id)
+    gcols = gap_columns(log, part, run_id, analysis.labels)
     row = run_row(analysis, run_id)
     _no_key_columns(keys, gcols, row)
     _write(os.path.join(root, gaps_rel), _table(gcols))

@@ -138,6 +138,12 @@ def slice_mapper(jobs: int, ray_address: str | None) -> Callable[..., Iterator[A
     return each
 
 
+def sliced_window(path: str, view: WindowOptions, **limits: Any) -> WindowRead | None:
+    """The window `view` asks for of a run read in slices (`read_window`: the parts it
+    needs); None where the run is read whole or `view` is the whole run."""
+    return None if view.is_whole_run else _window_in_slices(path, view, **limits)
+
+
 def _window_in_slices(path: str, view: WindowOptions, **limits: Any) -> WindowRead | None:
     """A window of a one-process run longer than one slice, read from the parts it needs
     (`tracekit.analysis.stream_window`); None where the run is read whole."""
