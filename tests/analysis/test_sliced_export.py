@@ -190,29 +190,6 @@ def test_export_of_two_runs_one_long_widens_both_files_alike(demo_run, tmp_path,
     assert demo.num_rows > 0 and set(demo.column("part_sample_ms").to_pylist()) == {0.0}
 
 
-def test_the_command_says_it_reads_in_slices_and_fleet_inherits_it(demo_run, tmp_path):
-    """`tracekit export` and `fleet` on raw logs say on stderr which run they read in
-    slices; the fleet rollup is the whole run's (pooled figures exactly: the same gaps)."""
-
-    def run(budget: str, *args: str) -> tuple[str, str]:
-        env = {**__import__("os").environ, SLICES: budget}
-        r = subprocess.run([sys.executable, "-m", "tracekit", *args], capture_output=True,
-                           text=True, cwd=REPO, env=env, timeout=600)  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        return r.stdout, r.stderr
-
-    _, err = run("700", "export", demo_run, "-o", str(tmp_path / "ds"))
-    assert "read in slices (bounded memory)" in err
-    _, err = run(WHOLE, "export", demo_run, "-o", str(tmp_path / "ds-whole"))
-    assert "read in slices" not in err
-    sliced, err = run("700", "fleet", demo_run, "--by", "rung", "--format", "jsonl")
-    assert "read in slices (bounded memory)" in err
-    whole, _ = run(WHOLE, "fleet", demo_run, "--by", "rung", "--format", "jsonl")
-    a, b = json.loads(whole), json.loads(sliced)
-    assert a["pooled"] == b["pooled"] and a["pooled_tail"] == b["pooled_tail"]
-    assert a["gaps"] == b["gaps"] > 0
-
-
 def test_the_rollup_reads_gaps_files_in_batches_with_the_same_numbers(demo_run, tmp_path,
                                                                       monkeypatch):  # fmt: skip
     """Pooled percentiles (exact and sketched), tail sums and counts from gaps files read
