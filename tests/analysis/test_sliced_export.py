@@ -242,3 +242,41 @@ def test_a_window_of_a_long_run_exports_the_whole_runs_window(demo_run, tmp_path
     assert a.schema == b.schema and a.equals(b)
     ra, rb = _runs_row(tmp_path / "whole"), _runs_row(tmp_path / "sliced")
     assert list(ra) == list(rb) and [k for k in ra if not _close(ra[k], rb[k])] == []
+
+
+class TickClock:
+    """+1 us a reading."""
+
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        self.t += 1000
+        return self.t
+
+
+def test_a_run_whose_first_parts_were_removed_exports_as_read_whole(tmp_path, monkeypatch):
+    """A run recorded with retention (its first parts removed) read in slices: steps
+    numbered from the first part left and the requests named only in removed parts
+    '(removed N)', as the whole-run reader gives them (docs/design.md, "The run's log on
+    disk"): the same table, bit for bit."""
+    out = tmp_path / "run.npz"
+    rec = tracekit.Recorder(out, clock=TickClock(), gc=False, handle_signals=False,
+                            flush_interval_s=2e-6, retain_s=100e-6)  # fmt: skip
+    with rec:  # requests that live ~10 steps each, two emitting per step
+        for i in range(400):
+            rec.request(f"r{i}", prompt_tokens=3)
+            with rec.step():
+                rec.admit(f"r{i}")
+                rec.prefill(f"r{i}", 3)
+                with rec.segment("decode"):
+                    pass
+                rec.emit([f"r{j}" for j in range(max(0, i - 9), i + 1)])
+    log = tracekit.load(out)
+    assert any(n.startswith("(removed ") for n in log.request_ids)  # parts were removed
+    _export(monkeypatch, [out], tmp_path / "sliced", str(len(log.emissions) // 3))
+    _export(monkeypatch, [out], tmp_path / "whole", WHOLE)
+    (a, _), (b, groups) = _gaps(tmp_path / "whole"), _gaps(tmp_path / "sliced")
+    assert groups > 1 and a.num_rows > 0
+    assert a.schema == b.schema and a.equals(b)
+    assert "(removed" in a.column("request").to_pylist()[0]

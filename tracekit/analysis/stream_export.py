@@ -120,6 +120,9 @@ class SpilledGaps:
             return
         k = len(self.pieces)
         ids = log.request_names()
+        # the requests named before the slice's first part (`(removed N)` in its log) were
+        # named in parts an earlier slice read: their names are known already
+        assert task.retained is None or task.retained.num_requests <= len(self.names) or not k
         if len(ids) > len(self.names):  # the slice names every request before its end
             self.names.extend(ids[len(self.names) :])
         self.causes |= set(p.causes)
