@@ -25,8 +25,8 @@ run) and `window_from_s`, `window_to_s` (null: open) and `window_how`.
 
 A long one-process run (more emissions than one slice: docs/reports.md, "Reading a long
 run in slices") is exported in slices: its gaps file is written block by block (a row
-group each) with the whole run's rows in the whole run's order (`tracekit.analysis.
-stream_export`), its runs row is `analyze`'s of it read in slices.
+group each) with the whole run's rows in the whole run's order, parts to float rounding
+(`tracekit.analysis.stream_export`); its runs row is `analyze`'s of it read in slices.
 
 Every file of a table has the same columns in the same order: labels an engine adds
 (`part_schedule_ms`, `tail_share_schedule`) appear in every file, 0 where a run has none

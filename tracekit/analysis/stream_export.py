@@ -10,8 +10,9 @@ run's table lists gaps by request, then time (`tracekit.attribution.itl`'s order
 request's gaps lie in consecutive slices, each slice's sorted so. `SpilledGaps.blocks`
 then reads the spill back in blocks of consecutive requests, each block's rows from every
 slice in slice order, stably sorted by request: the whole run's rows, in its order, in
-pieces of about one slice each. Memory: one slice, or one block, plus per request its
-name and gap count; never the run's gaps.
+pieces of about one slice each (the parts as a slice's partition gives them: the whole
+run's to float rounding, `tracekit.analysis.stream`). Memory: one slice, or one block,
+plus per request its name and gap count; never the run's gaps.
 """
 
 from __future__ import annotations
