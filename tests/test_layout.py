@@ -11,7 +11,8 @@ The stage order, bottom first (README, "Layout"):
     analysis     per-run figures, gaps, compare, verdict, what-if, fleet, export
     render       text, HTML, Perfetto
     live         metrics and traces while the engine serves
-    cli          the command line (cli.py, and cli_window.py: the window options)
+    cli          the command line (cli.py; cli_window.py: the window options; cli_output.py:
+                 how records are written)
 
 A module may import its own stage or any stage below it. The check reads the source with
 `ast`, so a function-local import counts like one at the top (where an optional dependency
@@ -34,7 +35,7 @@ PKG = ROOT / "tracekit"
 STAGES = ("base", "log", "capture", "attribution", "analysis", "render", "live", "cli")
 BASE = {"errors", "labels", "formats", "fsio", "allocator", "version", "__main__"}
 #: modules of the `cli` stage beside `cli.py` (what the command line shares, moved out of it)
-CLI_MODULES = {"cli_window"}
+CLI_MODULES = {"cli_window", "cli_output"}
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import io
 import json
 import os
 import pathlib
@@ -21,6 +20,7 @@ from typing import Any, NoReturn
 
 import click
 
+from tracekit.cli_output import emit, write_records
 from tracekit.cli_window import no_window_options, say_window, say_windows, view, window_options
 from tracekit.errors import (
     EXIT_BAD_INPUT,
@@ -246,13 +246,15 @@ def _expand(paths: Sequence[str]) -> list[str]:
     return list(paths)
 
 
-def _write_parquet(records: list[dict[str, Any]], output: str | None, what: str) -> None:
-    if not output:
-        _fail(f"--format parquet needs -o/--output FILE ({what} are binary)")
-    import pandas as pd  # deferred: pandas only for this format
+def _say_sliced(paths: Sequence[str]) -> bool:
+    """On stderr, each run read in slices (a long one-process run, no window:
+    docs/reports.md, "Reading a long run in slices"); whether any is."""
+    from tracekit.analysis import workers  # deferred: loaded per command
 
-    pd.json_normalize(records, sep=".").to_parquet(output, index=False)
-    click.echo(f"wrote {one_line(output)}", err=True)
+    sliced = [p for p in paths if view().is_whole_run and workers.reads_in_slices(p)]
+    for p in sliced:
+        click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
+    return bool(sliced)
 
 
 # -- analyze -------------------------------------------------------------------------------
@@ -290,7 +292,7 @@ def analyze(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    sliced = _say_sliced(workers, paths)
+    sliced = _say_sliced(paths)
     if by is not None:
         from tracekit.analysis.window import parse_duration  # deferred: loaded per command
 
@@ -299,7 +301,7 @@ def analyze(
         )
         runs_rows = _map_with_progress(by_s, paths, jobs, "analysing", ray_address)
         rows = [b.to_record() for bs in runs_rows for b in bs]
-        return _write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
+        return write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
     one = functools.partial(workers.analyze_path, view=view(), **_limits())
     if len(paths) == 1 and sliced and (jobs > 1 or ray_address is not None):  # its slices
         one = functools.partial(one, mapper=workers.slice_mapper(jobs, ray_address))
@@ -308,44 +310,7 @@ def analyze(
     for a in results:
         _warn(a.path, a.warnings)
     table = lambda: text.analyze_report(results) + "\n\n" + text.ttft_runs(results) + "\n"  # noqa: E731
-    _write_records([a.to_dict() for a in results], fmt, output, table)
-
-
-def _say_sliced(workers: Any, paths: Sequence[str]) -> bool:
-    """Say on stderr which runs are read in slices (a long one-process run, no window:
-    docs/reports.md, "Reading a long run in slices"); whether any is."""
-    sliced = [p for p in paths if view().is_whole_run and workers.reads_in_slices(p)]
-    for p in sliced:
-        click.echo(f"tracekit: {one_line(p)}: read in slices (bounded memory)", err=True)
-    return bool(sliced)
-
-
-def _write_records(
-    records: list[dict[str, Any]], fmt: str, output: str | None, table: Callable[[], str]
-) -> None:
-    """`records` as --format asks: parquet (-o FILE), jsonl, csv, or `table()`."""
-    if fmt == "parquet":
-        return _write_parquet(records, output, "parquet files")
-    if fmt == "jsonl":
-        body = "".join(json.dumps(r) + "\n" for r in records)
-    elif fmt == "csv":
-        import pandas as pd  # deferred: pandas only for this format
-
-        buf = io.StringIO()
-        pd.json_normalize(records, sep=".").to_csv(buf, index=False)
-        body = buf.getvalue()
-    else:
-        body = table()
-    _emit(body, output)
-
-
-def _emit(body: str, output: str | None) -> None:
-    if output:
-        with open(output, "w", encoding="utf-8") as fh:
-            fh.write(body)
-        click.echo(f"wrote {one_line(output)}", err=True)
-    else:
-        click.echo(body, nl=False)
+    write_records([a.to_dict() for a in results], fmt, output, table)
 
 
 # -- gaps ----------------------------------------------------------------------------------
@@ -413,7 +378,7 @@ def gaps(
         )
     from tracekit.render import text  # deferred: loaded per command
 
-    _write_records(
+    write_records(
         records, fmt, output, lambda: text.gaps_table(records, top) + "\n" if records else ""
     )
 
@@ -473,7 +438,7 @@ def ttft(
     else:
         records = ttft_records(log, p, min_ms=min_ms, request_id=request_id)
         table_of = lambda: text.ttft_requests(run, ttft_figures(p), records, top)  # noqa: E731
-    _write_records(records, fmt, output, lambda: table_of() + "\n")
+    write_records(records, fmt, output, lambda: table_of() + "\n")
 
 
 def _client_ttft(run, log, engine, min_ms, request_id, top, win):
@@ -640,7 +605,7 @@ def compare(
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     one = functools.partial(workers.analyze_whatif_path, view=view(), **_limits())
-    if _say_sliced(workers, paths) and len(paths) == 1 and (jobs > 1 or ray_address is not None):
+    if _say_sliced(paths) and len(paths) == 1 and (jobs > 1 or ray_address is not None):
         one = functools.partial(one, mapper=workers.slice_mapper(jobs, ray_address))  # its slices
         jobs, ray_address = 1, None
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
@@ -666,7 +631,7 @@ def compare(
         body = compare_text(cmp, v, checks, md=fmt == "markdown")
         body = "".join(f"{text.run_name(a)}: {text.window_text(a.window)}\n" for a in results
                        if a.window) + body  # fmt: skip
-    _emit(body, output)
+    emit(body, output)
 
 
 @main.command()
@@ -756,7 +721,7 @@ def report(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    _say_sliced(workers, paths)
+    _say_sliced(paths)
     one = functools.partial(workers.report_path, n_worst=n_worst, view=view(), **_limits())
     pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
     results = [ReportRun(**r) for r, _ in pairs]
@@ -852,7 +817,7 @@ def whatif(
     one = functools.partial(
         workers.whatif_path, names=list(names) or None, view=view(), **_limits()
     )
-    if _say_sliced(workers, paths) and len(paths) == 1 and jobs > 1:  # its slices
+    if _say_sliced(paths) and len(paths) == 1 and jobs > 1:  # its slices
         one = functools.partial(one, mapper=workers.slice_mapper(jobs, None))
         jobs = 1
     results = _map_with_progress(one, paths, jobs, "analysing")
@@ -864,7 +829,7 @@ def whatif(
     else:
         models = ("first", "second") if model == "both" else (model,)
         body = whatif_table(results, models, md=fmt == "markdown")
-    _emit(body, output)
+    emit(body, output)
 
 
 # -- export and fleet (Parquet datasets, fleet rollups) ------------------------------------
@@ -917,6 +882,7 @@ def export_cmd(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
+    _say_sliced(paths)
     keys = [k.strip() for k in partition_by.split(",") if k.strip()]
     meta = export(paths, output, keys, mapper=_ray_mapper(ray_address, jobs), limits=_limits(),
                   view=view())  # fmt: skip
@@ -985,6 +951,7 @@ def fleet_cmd(
                              "the raw logs")  # fmt: skip
         r = rollup(paths[0], by, mapper=mapper, **opts)
     else:
+        _say_sliced(paths)
         r = rollup_logs(paths, by, export_mapper=mapper, mapper=mapper, limits=_limits(),
                         view=win, **opts)  # fmt: skip
     said = {} if win.is_whole_run else {"window": win.to_dict()}
@@ -992,4 +959,4 @@ def fleet_cmd(
         body = "".join(json.dumps({**rec, **said}) + "\n" for rec in r.to_records())
     else:
         body = ("" if win.is_whole_run else win.describe() + "\n") + fleet_table(r) + "\n"
-    _emit(body, output)
+    emit(body, output)

@@ -23,6 +23,11 @@ that end in each run's window, each partitioned as in the whole run; `runs` hold
 figures `tracekit analyze --window` gives (per gap of the window, per run of the whole
 run) and `window_from_s`, `window_to_s` (null: open) and `window_how`.
 
+A long one-process run (more emissions than one slice: docs/reports.md, "Reading a long
+run in slices") is exported in slices: its gaps file is written block by block (a row
+group each) with the whole run's rows in the whole run's order, parts to float rounding
+(`tracekit.analysis.stream_export`); its runs row is `analyze`'s of it read in slices.
+
 Every file of a table has the same columns in the same order: labels an engine adds
 (`part_schedule_ms`, `tail_share_schedule`) appear in every file, 0 where a run has none
 (a label with no time owns 0 ms and a 0 share). The partition key columns come from the
@@ -36,8 +41,9 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +53,11 @@ from tracekit.allocator import keep_freed_memory
 from tracekit.analysis.compare import config_value
 from tracekit.analysis.figures import analyze
 from tracekit.analysis.run import is_run_dir, open_run
-from tracekit.analysis.window import WindowOptions, select_gaps
+from tracekit.analysis.stream import NotSliceable
+from tracekit.analysis.stream_export import GapRows, SpilledGaps, sliced_config, spill_gaps_sliced
+from tracekit.analysis.stream_window import analyze_window
+from tracekit.analysis.window import Window, WindowOptions, select_gaps
+from tracekit.analysis.workers import slice_budget, sliced_parts, sliced_window
 from tracekit.attribution.itl import partition
 from tracekit.errors import TracekitError
 from tracekit.log.archive import read_npz
@@ -161,8 +171,11 @@ def _scalar(v: Any) -> Any:
     return float(v) if math.isfinite(float(v)) else None
 
 
-def gap_columns(log: Any, part: Any, run_id: str) -> dict[str, np.ndarray]:
-    """One run's gaps as columns (see the module docstring)."""
+def gap_columns(
+    log: Any, part: Any, run_id: str, labels: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """One run's gaps as columns (see the module docstring); `labels`: the run's, where
+    `part` may have fewer (a window of a long run: 0 ms for a label it lacks)."""
     ids = log.request_names()
     id_arr = np.asarray(ids, dtype=object)
     n = len(part)
@@ -176,8 +189,32 @@ def gap_columns(log: Any, part: Any, run_id: str) -> dict[str, np.ndarray]:
         "step1": part.step1.astype(np.int64),
         "primary": part.primary_names().astype(object) if n else np.zeros(0, dtype=object),
     }
-    for j, lb in enumerate(part.labels):
-        cols[f"part_{column_name(lb)}_ms"] = np.ascontiguousarray(part.parts_ms[:, j])
+    for lb in part.labels if labels is None else labels:
+        col = part.column(lb) if lb in part.labels else np.zeros(n)
+        cols[f"part_{column_name(lb)}_ms"] = np.ascontiguousarray(col)
+    return cols
+
+
+def block_columns(rows: GapRows, spill: SpilledGaps, run_id: str) -> dict[str, Any]:
+    """A block of a long run's gaps (`SpilledGaps.blocks`) as the columns `gap_columns`
+    gives the whole run: `primary` dictionary-encoded with the whole run's dictionary."""
+    import pyarrow as pa  # deferred: pyarrow loads when a table is written
+
+    n = len(rows)
+    cols: dict[str, Any] = {
+        "run": np.full(n, run_id, dtype=object),
+        "request": rows.request,
+        "t0_s": rows.t0_s,
+        "t1_s": rows.t1_s,
+        "gap_ms": rows.gap_ms,
+        "step0": rows.step0,
+        "step1": rows.step1,
+        "primary": pa.DictionaryArray.from_arrays(
+            pa.array(rows.primary, type=pa.int32()), pa.array(spill.primaries, type=pa.string())
+        ),
+    }
+    for j, lb in enumerate(spill.labels):
+        cols[f"part_{column_name(lb)}_ms"] = np.ascontiguousarray(rows.parts_ms[:, j])
     return cols
 
 
@@ -234,29 +271,26 @@ def export_one(
     window to export (docs/reports.md, "Windows"): its gaps, and the run's figures of it."""
 
     keep_freed_memory()
-    log = open_run(path, **dict(limits or {}))
-    whole = partition(log)
-    win = view.resolve(log, whole) if view is not None else None
+    long = sliced_parts(path) if view is None or view.is_whole_run else None
+    if long is not None:  # a long run: in slices, in bounded memory (the same rows)
+        done = _export_sliced(path, long, run_id, root, keys, limits or {})
+        if done is not None:
+            return done
+    wr = sliced_window(path, view, **dict(limits or {})) if view is not None else None
+    win: Window | None = None
+    if wr is not None:  # a window of a long run: the parts it needs (the same rows)
+        log, whole, win = wr.log, wr.part, wr.window
+    else:
+        log = open_run(path, **dict(limits or {}))
+        whole = partition(log)
+        win = view.resolve(log, whole) if view is not None else None
     part = select_gaps(whole, win)
-    if "clean" in part.causes:  # `primary` says `clean` for a gap without a cause
-        raise DatasetError(
-            f"{path}: a label maps to the cause 'clean', the name the gaps table gives a gap "
-            "without a cause: rename that label when recording"
-        )
-    analysis = analyze(log, whole, window=win)
-    hive = [f"{k}={partition_value(log.config, k)}" for k in keys]
-    fname = f"{urllib.parse.quote(run_id, safe='')}.parquet"
-    gaps_rel = os.path.join(GAPS_DIR, *hive, fname)
-    runs_rel = os.path.join(RUNS_DIR, *hive, fname)
-    gcols = gap_columns(log, part, run_id)
+    _no_clean_cause(path, part.causes)
+    analysis = analyze_window(wr) if wr is not None else analyze(log, whole, window=win)
+    gaps_rel, runs_rel = _files_of(analysis.config, keys, run_id)
+    gcols = gap_columns(log, part, run_id, analysis.labels)
     row = run_row(analysis, run_id)
-    for k in keys:  # partition keys live in the directory names only: never a column's
-        if k in gcols or k in row:
-            raise DatasetError(
-                f"--partition-by {k}: a column of the {'gaps' if k in gcols else 'runs'} "
-                "table has this name (readers would see two columns of one name): partition "
-                "by a config key that is not a figure"
-            )
+    _no_key_columns(keys, gcols, row)
     _write(os.path.join(root, gaps_rel), _table(gcols))
     _write(os.path.join(root, runs_rel), _table({k: [v] for k, v in row.items()}))
     return ExportedRun(
@@ -268,6 +302,66 @@ def export_one(
         gap_columns=tuple(gcols),
         run_columns=tuple(row),
     )
+
+
+def _no_clean_cause(path: str, causes: Iterable[str]) -> None:
+    if "clean" in causes:  # `primary` says `clean` for a gap without a cause
+        raise DatasetError(
+            f"{path}: a label maps to the cause 'clean', the name the gaps table gives a gap "
+            "without a cause: rename that label when recording"
+        )
+
+
+def _files_of(config: Mapping[str, Any], keys: Sequence[str], run_id: str) -> tuple[str, str]:
+    """A run's gaps and runs files, relative to the dataset's root."""
+    hive = [f"{k}={partition_value(config, k)}" for k in keys]
+    fname = f"{urllib.parse.quote(run_id, safe='')}.parquet"
+    return os.path.join(GAPS_DIR, *hive, fname), os.path.join(RUNS_DIR, *hive, fname)
+
+
+def _no_key_columns(keys: Sequence[str], gap_cols: Iterable[str], row: Mapping[str, Any]) -> None:
+    gap_cols = set(gap_cols)
+    for k in keys:  # partition keys live in the directory names only: never a column's
+        if k in gap_cols or k in row:
+            raise DatasetError(
+                f"--partition-by {k}: a column of the {'gaps' if k in gap_cols else 'runs'} "
+                "table has this name (readers would see two columns of one name): partition "
+                "by a config key that is not a figure"
+            )
+
+
+def _export_sliced(
+    path: str, long: tuple[str, str], run_id: str, root: str, keys: Sequence[str],
+    limits: Mapping[str, Any],
+) -> ExportedRun | None:  # fmt: skip
+    """`export_one` of a long run read in slices (see the module docstring): its gaps
+    spilled beside the dataset (a dot folder, removed after), then written in blocks.
+    None where the run must be read whole."""
+    parts_dir, shown = long
+    os.makedirs(root, exist_ok=True)
+    spill_dir = tempfile.mkdtemp(prefix=".tracekit-spill-", dir=root)
+    try:
+        try:
+            spill = spill_gaps_sliced(parts_dir, spill_dir, path=shown,
+                                      max_emissions=slice_budget(),
+                                      max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+        except NotSliceable:  # damaged, or written before parts said their first step
+            return None
+        assert spill.analysis is not None
+        _no_clean_cause(path, spill.causes)
+        gaps_rel, runs_rel = _files_of(spill.analysis.config, keys, run_id)
+        row = run_row(spill.analysis, run_id)
+        gcols = list(block_columns(spill.empty(), spill, run_id))
+        _no_key_columns(keys, gcols, row)
+        blocks = spill.blocks() if spill.rows else iter([spill.empty()])
+        _write_blocks(os.path.join(root, gaps_rel),
+                      (_table(block_columns(b, spill, run_id)) for b in blocks))  # fmt: skip
+    finally:
+        shutil.rmtree(spill_dir, ignore_errors=True)
+    _write(os.path.join(root, runs_rel), _table({k: [v] for k, v in row.items()}))
+    return ExportedRun(run=run_id, path=path, gaps_file=gaps_rel, runs_file=runs_rel,
+                       gaps=spill.rows, gap_columns=tuple(gcols),
+                       run_columns=tuple(row))  # fmt: skip
 
 
 def _absent_keys(paths: Sequence[str], keys: Sequence[str], limits: Mapping[str, Any]) -> list[str]:
@@ -286,6 +380,9 @@ def _config_of(path: str, limits: Mapping[str, Any]) -> Mapping[str, Any]:
     """A log's config: its `config` member alone where it has one (v1), else the opened
     run's (the published layout keeps it elsewhere; a run directory is opened whole)."""
 
+    long = sliced_parts(path)
+    if long is not None:  # a long run: its config alone, never its rows
+        return sliced_config(long[0], limits.get("max_inflate_mb"))
     if is_run_dir(path):
         return open_run(path, **dict(limits)).config
     z, _ = read_npz(path, lambda names: [n for n in names if n == "config"],
@@ -305,7 +402,9 @@ def _table(cols: Mapping[str, Any]):
 
     arrays = {}
     for k, v in cols.items():
-        if isinstance(v, np.ndarray) and v.dtype != object:
+        if isinstance(v, pa.Array):  # built as it is to be written
+            arrays[k] = v
+        elif isinstance(v, np.ndarray) and v.dtype != object:
             arrays[k] = pa.array(v)
         elif k in ("run", "primary"):
             arrays[k] = pa.array(list(v), type=pa.string()).dictionary_encode()
@@ -332,6 +431,24 @@ def _write(path: str, table: Any) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def _write_blocks(path: str, tables: Iterable[Any]) -> None:
+    """One file of `tables` (one schema), appended a row group each: never one table."""
+    import pyarrow.parquet as pq  # deferred: pyarrow loads when a table is written
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    writer = None
+    try:
+        for t in tables:
+            if writer is None:
+                writer = pq.ParquetWriter(tmp, t.schema, compression="zstd")
+            writer.write_table(t)
+    finally:
+        if writer is not None:
+            writer.close()
     os.replace(tmp, path)
 
 
@@ -362,15 +479,20 @@ def _unify(root: str, files: Sequence[str], columns: Sequence[Sequence[str]]) ->
             schemas[f] = pq.read_schema(os.path.join(root, f))
         return schemas[f].field(c)
 
+    def widened(src: Any) -> Iterator[Any]:  # row group by row group: never a whole file
+        for i in range(src.num_row_groups) or [None]:  # a file of no rows has no group
+            t = src.read() if i is None else src.read_row_group(i)
+            for c in union:
+                if c not in t.column_names:
+                    fc = field(c)
+                    t = t.append_column(fc, _zeros(fc, t.num_rows))
+            yield t.select(union)
+
     for f, cols in zip(files, columns, strict=True):
         if list(cols) == union:
             continue
-        t = pq.read_table(os.path.join(root, f))
-        for c in union:
-            if c not in cols:
-                fc = field(c)
-                t = t.append_column(fc, _zeros(fc, t.num_rows))
-        _write(os.path.join(root, f), t.select(union))
+        with pq.ParquetFile(os.path.join(root, f)) as src:
+            _write_blocks(os.path.join(root, f), widened(src))
     return union
 
 

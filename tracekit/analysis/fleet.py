@@ -30,7 +30,7 @@ import math
 import os
 import stat
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -378,23 +378,43 @@ def _spread(values: np.ndarray) -> tuple[float, float, float, int]:
 # -- per-file work (a function call here, or a Ray task) ----------------------------------
 
 
-def _read_gaps(path: str, columns: Sequence[str]):
-    import pyarrow.parquet as pq  # deferred: pyarrow/pandas load when a dataset is read
+#: Rows a gaps file is read in at a time (a long run's file is never read whole)
+BATCH_ROWS = 1 << 18
+
+
+def _gap_batches(path: str, columns: Sequence[str]) -> Iterator[Any]:
+    """A gaps file's `columns`, `BATCH_ROWS` rows at a time (tables, in row order). A null in
+    any of them is refused (a gaps file `tracekit export` writes has none), counted over
+    the whole file, before the batch that holds it is handed on."""
+    import pyarrow as pa  # deferred: pyarrow/pandas load when a dataset is read
+    import pyarrow.parquet as pq
 
     _check_gaps_schema(path, columns)
+    nulls = dict.fromkeys(columns, 0)
     try:
         f = pq.ParquetFile(path, read_dictionary=[c for c in ("run", "primary") if c in columns])
-        t = f.read(columns=list(columns))
+        batches = f.iter_batches(batch_size=BATCH_ROWS, columns=list(columns))
     except Exception as e:
         raise DatasetError(f"{path}: unreadable gaps file ({str(e).splitlines()[0]})") from None
+    while True:
+        try:
+            b = next(batches)
+        except StopIteration:
+            break
+        except Exception as e:
+            raise DatasetError(f"{path}: unreadable gaps file ({str(e).splitlines()[0]})") from None
+        t = pa.Table.from_batches([b])
+        for c in columns:
+            nulls[c] += t.column(c).null_count
+        if not any(nulls.values()):
+            yield t
     for c in columns:  # every gap has a run, a length, parts and a primary cause (`clean`)
-        n = t.column(c).null_count
+        n = nulls[c]
         if n:
             raise DatasetError(
                 f"{path}: column {c!r} has {n} null value{'s' if n != 1 else ''} "
                 "(a gaps file `tracekit export` writes has none)"
             )
-    return t
 
 
 def _codes(col: Any) -> tuple[np.ndarray, list[str]]:
@@ -430,17 +450,21 @@ def _rows_by_group(t: Any, run_group: Mapping[str, str]) -> dict[str, np.ndarray
 def pass_gaps(files: Sequence[str], run_group: Mapping[str, str], exact: frozenset[str],
               points: int):  # fmt: skip
     """A batch of files' gaps per group, in file order: one array for an exact group, one
-    merged summary otherwise."""
+    merged summary otherwise (each file's summary of its group's gaps: read in batches,
+    the gap lengths alone are held, 8 bytes a gap)."""
     arrays: dict[str, list[np.ndarray]] = {}
     sketches: dict[str, QuantileSketch] = {}
     for path in files:
-        t = _read_gaps(path, ["run", "gap_ms"])
-        gap = t.column("gap_ms").to_numpy()
-        for g, rows in _rows_by_group(t, run_group).items():
+        mine: dict[str, list[np.ndarray]] = {}
+        for t in _gap_batches(path, ["run", "gap_ms"]):
+            gap = t.column("gap_ms").to_numpy()
+            for g, rows in _rows_by_group(t, run_group).items():
+                mine.setdefault(g, []).append(gap[rows])
+        for g, pieces in mine.items():  # the file's rows of each group, in row order
             if g in exact:
-                arrays.setdefault(g, []).append(gap[rows])
+                arrays.setdefault(g, []).append(np.concatenate(pieces))
             else:
-                sk = QuantileSketch.of(gap[rows], points)
+                sk = QuantileSketch.of(np.concatenate(pieces), points)
                 sketches[g] = sketches[g].merge(sk, points) if g in sketches else sk
     out: dict[str, Any] = {g: np.concatenate(a) for g, a in arrays.items()}
     out.update(sketches)
@@ -450,25 +474,40 @@ def pass_gaps(files: Sequence[str], run_group: Mapping[str, str], exact: frozens
 def pass_tail(files: Sequence[str], run_group: Mapping[str, str],
               threshold: Mapping[str, float], labels: Sequence[str]):  # fmt: skip
     """A batch of files' tail sums per group, added in file order: (tail gaps, their total
-    ms, ms per label, count by primary cause)."""
+    ms, ms per label, count by primary cause). A file is read in batches; of each group
+    only its tail rows are kept until the file's end, then summed as one array (so the
+    sums are those of the whole file read at once, to the last bit)."""
     out: dict[str, tuple[int, float, list[float], dict[str, int]]] = {}
     cols = ["run", "gap_ms", "primary"] + [f"part_{lb}_ms" for lb in labels]
     for path in files:
-        t = _read_gaps(path, cols)
-        gap = t.column("gap_ms").to_numpy()
-        prim, prim_names = _codes(t.column("primary"))
-        parts = [t.column(f"part_{lb}_ms").to_numpy() for lb in labels]
-        for g, rows in _rows_by_group(t, run_group).items():
-            sel = rows[gap[rows] >= threshold[g]]
-            counts = np.bincount(prim[sel], minlength=len(prim_names))
+        kept: dict[str, list[list[np.ndarray]]] = {}  # group -> per column, its tail pieces
+        causes: dict[str, dict[str, int]] = {}
+        for t in _gap_batches(path, cols):
+            gap = t.column("gap_ms").to_numpy()
+            prim, prim_names = _codes(t.column("primary"))
+            parts = [t.column(f"part_{lb}_ms").to_numpy() for lb in labels]
+            for g, rows in _rows_by_group(t, run_group).items():
+                sel = rows[gap[rows] >= threshold[g]]
+                pieces = kept.setdefault(g, [[] for _ in range(1 + len(labels))])
+                for j, col in enumerate([gap, *parts]):
+                    pieces[j].append(col[sel])
+                counts = np.bincount(prim[sel], minlength=len(prim_names))
+                by = causes.setdefault(g, {})
+                for c, v in zip(prim_names, counts.tolist(), strict=True):
+                    if v:
+                        by[str(c)] = by.get(str(c), 0) + v
+        for g, pieces in kept.items():
+            tail_gap = np.concatenate(pieces[0])
             k, ms, by_label, by_cause = out.get(g, (0, 0.0, [0.0] * len(labels), {}))
-            for c, v in zip(prim_names, counts.tolist(), strict=True):
-                if v:
-                    by_cause[str(c)] = by_cause.get(str(c), 0) + v
+            for c, v in causes[g].items():
+                by_cause[c] = by_cause.get(c, 0) + v
             out[g] = (
-                k + len(sel),
-                ms + float(gap[sel].sum()),
-                [a + float(p[sel].sum()) for a, p in zip(by_label, parts, strict=True)],
+                k + len(tail_gap),
+                ms + float(tail_gap.sum()),
+                [
+                    a + float(np.concatenate(p).sum())
+                    for a, p in zip(by_label, pieces[1:], strict=True)
+                ],  # fmt: skip
                 by_cause,
             )
     return out

@@ -419,7 +419,12 @@ def slice_partition(task: SliceTask) -> tuple[RawLog, PreparedRun, Partition]:
 def run_slice(task: SliceTask) -> SlicePart:
     """Partition one slice (its own gaps and TTFTs, with the whole run's baselines) and
     add up what the run's figures need."""
-    log, prep, p = slice_partition(task)
+    return slice_sums(task, *slice_partition(task))
+
+
+def slice_sums(task: SliceTask, log: RawLog, prep: PreparedRun, p: Partition) -> SlicePart:
+    """What the run's figures need of one slice partitioned (`slice_partition`): a caller
+    that also writes the slice's gaps out partitions it once for both."""
     fwd = _fwd_share(p)
     clean = fwd[(p.primary == CLEAN) & (p.gap_ms > 0)]
     tail = fwd[(p.gap_ms >= task.p99) & (p.gap_ms > 0)]

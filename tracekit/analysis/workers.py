@@ -101,6 +101,15 @@ def reads_in_slices(path: str) -> bool:
     return parts_dir is not None and _emissions(parts_dir) > slice_budget()
 
 
+def sliced_parts(path: str) -> tuple[str, str] | None:
+    """(its parts folder, its path as the whole-run reader names it) for a run read in
+    slices (`reads_in_slices`); None for one read whole."""
+    parts_dir = parts_dir_of(path)
+    if parts_dir is None or not reads_in_slices(path):
+        return None
+    return parts_dir, _shown_path(path, parts_dir)
+
+
 def _analyze_in_slices(path: str, mapper: Any = None, **limits: Any) -> RunAnalysis | None:
     """A one-process run longer than one slice, analysed slice by slice in bounded memory
     (`tracekit.analysis.stream`: the same figures); None where it is read whole."""
@@ -129,6 +138,12 @@ def slice_mapper(jobs: int, ray_address: str | None) -> Callable[..., Iterator[A
                 yield from pool.map(fn, items)
 
     return each
+
+
+def sliced_window(path: str, view: WindowOptions, **limits: Any) -> WindowRead | None:
+    """The window `view` asks for of a run read in slices (`read_window`: the parts it
+    needs); None where the run is read whole or `view` is the whole run."""
+    return None if view.is_whole_run else _window_in_slices(path, view, **limits)
 
 
 def _window_in_slices(path: str, view: WindowOptions, **limits: Any) -> WindowRead | None:

@@ -1,0 +1,297 @@
+"""`tracekit export` and `fleet` of a long run read in slices (docs/reports.md, "Reading a
+long run in slices"): the gaps file holds the whole run's rows in the whole run's order,
+written a block at a time; its runs row is `analyze`'s of the run read in slices; the
+fleet rollup reads gaps files in batches with the numbers it had reading them whole."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tracekit
+from tracekit.analysis import fleet
+from tracekit.analysis.export import export
+from tracekit.analysis.fleet import rollup, rollup_logs
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_NS = 10_000_000  # 10 ms
+SLICES = "TRACEKIT_SLICE_EMISSIONS"
+WHOLE = "100000000"  # more emissions than any test run: read whole
+
+
+class FakeClock:
+    """Moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        return self.t
+
+
+def _wait_for_parts(out: Path, n: int) -> None:
+    """Until the writer has put `n` parts on disk (a part per step: the slices are parts)."""
+    folder = Path(str(out) + ".parts")
+    deadline = time.monotonic() + 60.0
+    while len(list(folder.glob("part-*.tkp"))) < n:
+        assert time.monotonic() < deadline, f"the writer wrote no part {n} in 60 s"
+        time.sleep(0.005)
+
+
+def _hand_run(out: Path, extra: str | None = None) -> None:
+    """30 steps of 10 ms (a `decode` segment each), a part per step. "alive" emits at every
+    step's end; "long" at steps 0 and 23 only: evicted at step 2's end, readmitted at step
+    22's end (swap). `extra`: a label of 1 ms before each step's decode."""
+    clock = FakeClock()
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    with rec:
+        rec.request("alive")
+        rec.request("long")
+        for k in range(30):
+            with rec.step():
+                if extra is not None:
+                    with rec.segment(extra):
+                        clock.t += 1_000_000
+                with rec.segment("decode"):
+                    clock.t += STEP_NS
+                rec.emit(["alive", "long"] if k in (0, 23) else ["alive"])
+                if k == 2:
+                    rec.evict("long", mode="swap")
+                if k == 22:
+                    rec.readmit("long")
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> str:
+    """A demo run with recompute evictions, GC and eager steps, in several parts."""
+    d = tmp_path_factory.mktemp("sliced_export")
+    r = subprocess.run(
+        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
+         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return str(d / "baseline__s1.npz")
+
+
+def _gaps(root: Path):
+    (f,) = list((root / "gaps").rglob("*.parquet"))
+    return pq.read_table(f), pq.ParquetFile(f).num_row_groups
+
+
+def _runs_row(root: Path) -> dict:
+    (f,) = list((root / "runs").rglob("*.parquet"))
+    return pq.read_table(f).to_pylist()[0]
+
+
+def _close(a, b) -> bool:
+    """Equal, floats to float rounding (a long run's sums add in another order)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or abs(a - b) <= 1e-9 * max(1.0, abs(a)) or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _same_gaps(a, b) -> None:
+    """The same schema (dictionaries too) and the same rows in the same order: every column
+    exactly but the parts, which equal to float rounding (a slice's prefix sums over the
+    timeline start at the slice, so a part may differ in its last bits, ~1e-16 ms)."""
+    assert a.schema == b.schema and a.num_rows == b.num_rows
+    parts = [c for c in a.column_names if c.startswith("part_")]
+    rest = [c for c in a.column_names if c not in parts]
+    assert a.select(rest).equals(b.select(rest))
+    for c in parts:
+        x, y = a.column(c).to_numpy(), b.column(c).to_numpy()
+        assert np.abs(x - y).max(initial=0.0) <= 1e-9, c
+
+
+def _export(monkeypatch, runs, root: Path, budget: str, **kw) -> dict:
+    monkeypatch.setenv(SLICES, budget)
+    return export([str(r) for r in runs], str(root), **kw)
+
+
+def test_a_hand_runs_gaps_written_in_slices_are_its_rows_in_its_order(tmp_path, monkeypatch):
+    """Hand case (docs/partition.md rules 1-3; tables: docs/design.md). "alive" emits at
+    10, 20, .., 300 ms (steps 0..29): 29 gaps of 10 ms, all forward, clean. "long" emits
+    at 10 ms (step 0) and 240 ms (step 23): one gap of 230 ms, evicted 30..230 ms (preempt
+    200 ms), decode 10..30 and 230..240 (forward 30 ms); primary preempt. The table lists
+    gaps by request (alive is named first), then time. Read one emission a slice: every
+    part its own slice, the long gap's slice reaching back 23 parts."""
+    out = tmp_path / "run.npz"
+    _hand_run(out)
+    meta = _export(monkeypatch, [out], tmp_path / "sliced", "1")
+    assert meta["gaps"] == 30 and meta["runs"][0]["gaps"] == 30
+    t, groups = _gaps(tmp_path / "sliced")
+    assert groups == 2  # a block a request: written in blocks, not as one table
+    assert not list((tmp_path / "sliced").glob(".tracekit-spill-*"))  # the spill is gone
+    assert t.column("request").to_pylist() == ["alive"] * 29 + ["long"]
+    assert t.column("run").to_pylist() == ["run"] * 30
+    assert t.column("primary").to_pylist() == ["clean"] * 29 + ["preempt"]
+    t0 = [10.0 * (k + 1) for k in range(29)] + [10.0]
+    t1 = [10.0 * (k + 2) for k in range(29)] + [240.0]
+    assert np.allclose(np.array(t.column("t0_s").to_pylist()) * 1e3, t0)
+    assert np.allclose(np.array(t.column("t1_s").to_pylist()) * 1e3, t1)
+    assert np.allclose(t.column("gap_ms").to_pylist(), [10.0] * 29 + [230.0])
+    assert t.column("step0").to_pylist() == list(range(29)) + [0]
+    assert t.column("step1").to_pylist() == list(range(1, 30)) + [23]
+    assert np.allclose(t.column("part_preempt_ms").to_pylist(), [0.0] * 29 + [200.0])
+    assert np.allclose(t.column("part_forward_ms").to_pylist(), [10.0] * 29 + [30.0])
+    for lb in ("gc", "tok", "prefill", "graph", "residual"):
+        assert np.allclose(t.column(f"part_{lb}_ms").to_pylist(), 0.0)
+    _export(monkeypatch, [out], tmp_path / "whole", WHOLE)
+    whole, whole_groups = _gaps(tmp_path / "whole")
+    assert whole_groups == 1 and whole.equals(t) and whole.schema == t.schema
+
+
+@settings(max_examples=6, deadline=None)
+@given(budget=st.integers(min_value=1, max_value=8_000))
+def test_any_slice_size_exports_the_whole_runs_gaps_and_figures(demo_run, tmp_path_factory,
+                                                                 budget):  # fmt: skip
+    """The gaps file of a run exported in slices of any size is the whole run's: the same
+    schema (dictionaries too) and the same rows in the same order (parts to float
+    rounding); its runs
+    row is the whole run's, sums and shares to float rounding."""
+    mp = pytest.MonkeyPatch()
+    try:
+        d = tmp_path_factory.mktemp("budget")
+        whole_meta = _export(mp, [demo_run], d / "whole", WHOLE)
+        meta = _export(mp, [demo_run], d / "sliced", str(budget))
+    finally:
+        mp.undo()
+    assert meta == whole_meta
+    whole, _ = _gaps(d / "whole")
+    sliced, groups = _gaps(d / "sliced")
+    assert groups > 1 or budget >= whole.num_rows  # in blocks
+    _same_gaps(whole, sliced)
+    for c in ("primary", "run"):  # the dictionary is the whole run's, in its order
+        assert sliced.column(c).chunk(0).dictionary.equals(whole.column(c).chunk(0).dictionary)
+    a, b = _runs_row(d / "whole"), _runs_row(d / "sliced")
+    assert list(a) == list(b)
+    assert [k for k in a if not _close(a[k], b[k])] == []
+    for k in ("gaps", "tokens", "requests", "itl_p50", "itl_p99", "itl_max", "hist_json"):
+        assert a[k] == b[k], k
+
+
+def test_export_of_two_runs_one_long_widens_both_files_alike(demo_run, tmp_path, monkeypatch):
+    """A long run beside a short one with a label of its own (`sample`) in one dataset:
+    every gaps file gets the union of the labels (the long run's file widened row group by
+    row group, its `part_sample_ms` 0), as when both are read whole."""
+    out = tmp_path / "hand.npz"
+    _hand_run(out, extra="sample")
+    budget = str(len(tracekit.load(out).emissions))  # the hand run whole, the demo in slices
+    _export(monkeypatch, [demo_run, out], tmp_path / "sliced", budget, keys=["rung"])
+    _export(monkeypatch, [demo_run, out], tmp_path / "whole", WHOLE, keys=["rung"])
+    for f in sorted((tmp_path / "whole" / "gaps").rglob("*.parquet")):
+        g = tmp_path / "sliced" / f.relative_to(tmp_path / "whole")
+        a, b = pq.read_table(f), pq.read_table(g)
+        _same_gaps(a, b)
+        assert "part_sample_ms" in a.column_names
+    demo = pq.read_table(next((tmp_path / "sliced" / "gaps").rglob("baseline__s1.parquet")))
+    assert demo.num_rows > 0 and set(demo.column("part_sample_ms").to_pylist()) == {0.0}
+
+
+def test_the_rollup_reads_gaps_files_in_batches_with_the_same_numbers(demo_run, tmp_path,
+                                                                      monkeypatch):  # fmt: skip
+    """Pooled percentiles (exact and sketched), tail sums and counts from gaps files read
+    a few rows at a time equal those from the files read in one batch, to the last bit."""
+    monkeypatch.setenv(SLICES, "900")  # the file in row groups too
+    export([demo_run], str(tmp_path / "ds"))
+    for budget in (1 << 30, 0):  # exact, then a sketch
+        kw = {"memory_budget_bytes": budget, "sketch_points": 64}
+        monkeypatch.setattr(fleet, "BATCH_ROWS", 1 << 30)
+        one = rollup(str(tmp_path / "ds"), "rung", **kw).to_records()
+        monkeypatch.setattr(fleet, "BATCH_ROWS", 37)
+        batched = rollup(str(tmp_path / "ds"), "rung", **kw).to_records()
+        assert json.dumps(batched) == json.dumps(one)
+        assert one[0]["pooled"]["method"] == ("exact" if budget else "sketch")
+    monkeypatch.setattr(fleet, "BATCH_ROWS", 37)
+    monkeypatch.setenv(SLICES, WHOLE)
+    logs = rollup_logs([demo_run], "rung").to_records()
+    assert logs[0]["pooled"] == rollup(str(tmp_path / "ds"), "rung").to_records()[0]["pooled"]
+
+
+@pytest.mark.parametrize(
+    "view",
+    [{"window": "1..2"}, {"window": "2.."}, {"around": "worst", "width_s": 0.5},
+     {"around": "p99", "width_s": 0.3}],
+)  # fmt: skip
+def test_a_window_of_a_long_run_exports_the_whole_runs_window(demo_run, tmp_path, monkeypatch,
+                                                              view):  # fmt: skip
+    """`export --window`/`--around` of a run read in slices (only the parts the window's
+    gaps need): the gaps file is the whole run's window (parts to float rounding), with
+    every label of
+    the run (docs/reports.md, "Windows"); the runs row is `analyze --window`'s."""
+    # the modules whose functions this test swaps or asks: imported where they are used
+    from tracekit.analysis import export as export_module
+    from tracekit.analysis import workers
+    from tracekit.analysis.window import WindowOptions
+
+    def never(*_a, **_k):
+        raise AssertionError("the long run was opened whole")
+
+    v = WindowOptions(**view)
+    monkeypatch.setenv(SLICES, "500")
+    assert workers.sliced_window(demo_run, v) is not None  # read in slices
+    with monkeypatch.context() as m:
+        m.setattr(export_module, "open_run", never)
+        sliced_meta = export([demo_run], str(tmp_path / "sliced"), view=v)
+    monkeypatch.setenv(SLICES, WHOLE)
+    whole_meta = export([demo_run], str(tmp_path / "whole"), view=v)
+    assert sliced_meta == whole_meta and whole_meta["gaps"] > 0
+    a, _ = _gaps(tmp_path / "whole")
+    b, _ = _gaps(tmp_path / "sliced")
+    _same_gaps(a, b)
+    ra, rb = _runs_row(tmp_path / "whole"), _runs_row(tmp_path / "sliced")
+    assert list(ra) == list(rb) and [k for k in ra if not _close(ra[k], rb[k])] == []
+
+
+class TickClock:
+    """+1 us a reading."""
+
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        self.t += 1000
+        return self.t
+
+
+def test_a_run_whose_first_parts_were_removed_exports_as_read_whole(tmp_path, monkeypatch):
+    """A run recorded with retention (its first parts removed) read in slices: steps
+    numbered from the first part left and the requests named only in removed parts
+    '(removed N)', as the whole-run reader gives them (docs/design.md, "The run's log on
+    disk"): the same table (parts to float rounding)."""
+    out = tmp_path / "run.npz"
+    rec = tracekit.Recorder(out, clock=TickClock(), gc=False, handle_signals=False,
+                            flush_interval_s=2e-6, retain_s=100e-6)  # fmt: skip
+    with rec:  # requests that live ~10 steps each, two emitting per step
+        for i in range(400):
+            rec.request(f"r{i}", prompt_tokens=3)
+            with rec.step():
+                rec.admit(f"r{i}")
+                rec.prefill(f"r{i}", 3)
+                with rec.segment("decode"):
+                    pass
+                rec.emit([f"r{j}" for j in range(max(0, i - 9), i + 1)])
+    log = tracekit.load(out)
+    assert any(n.startswith("(removed ") for n in log.request_ids)  # parts were removed
+    _export(monkeypatch, [out], tmp_path / "sliced", str(len(log.emissions) // 3))
+    _export(monkeypatch, [out], tmp_path / "whole", WHOLE)
+    (a, _), (b, groups) = _gaps(tmp_path / "whole"), _gaps(tmp_path / "sliced")
+    assert groups > 1 and a.num_rows > 0
+    _same_gaps(a, b)
+    assert "(removed" in a.column("request").to_pylist()[0]
