@@ -263,6 +263,39 @@ def test_the_tail_over_time_of_a_window_read_from_its_parts_is_the_whole_runs(de
     assert whole and _differences(rows(whole), rows(sliced)) == []
 
 
+@pytest.mark.parametrize(
+    "view", [WindowOptions(window="1..2.5"), WindowOptions(around="worst", width_s=1.0)]
+)
+def test_whatif_compare_and_report_of_a_window_read_only_its_parts(demo_run, view, monkeypatch):
+    """A window of a long run, on `whatif`, `compare` and `report`, is read from the parts
+    it needs (reading the whole run is made to fail) and gives the whole run's window:
+    the what-if (its victim-policy line the whole run's), the figures and the page."""
+    from tracekit.analysis import workers
+
+    def plain(x):  # NaN as None, so that equal pages compare equal
+        if dataclasses.is_dataclass(x):
+            x = x.to_dict() if hasattr(x, "to_dict") else dataclasses.asdict(x)
+        return json.loads(json.dumps(x, default=lambda o: o.to_records()).replace("NaN", "null"))
+
+    def read(budget: str):
+        monkeypatch.setenv("TRACEKIT_SLICE_EMISSIONS", budget)
+        w = workers.whatif_path(demo_run, view=view)
+        a, w2 = workers.analyze_whatif_path(demo_run, view=view)
+        page, w3 = workers.report_path(demo_run, 10, view=view)
+        return [w.to_records(), a.to_dict(), w2.to_records(), w3.to_records(),
+                {k: plain(v) if k != "buckets" else [plain(b) for b in v]
+                 for k, v in page.items()}]  # fmt: skip
+
+    whole = read("100000000")
+    assert whole[0] and whole[4]["worst_stalls"]
+
+    def no_whole_run(*_a, **_k):
+        raise AssertionError("a window of a long run read the whole run")
+
+    monkeypatch.setattr(workers, "partitions", no_whole_run)
+    assert _differences(plain(whole), plain(read("500"))) == []
+
+
 def test_a_whole_trace_of_a_run_over_the_trace_limit_is_refused_with_its_windows(
     demo_run, tmp_path
 ):

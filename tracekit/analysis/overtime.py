@@ -160,11 +160,13 @@ def report_width_of_span_s(lo: float, hi: float, window: Window | None = None) -
     return float(math.ceil(span_s / REPORT_MAX_BUCKETS / 86400) * 86400)
 
 
-def report_buckets(log: RawLog, part: Partition, window: Window | None = None) -> list[Bucket]:
+def report_buckets(
+    log: RawLog, part: Partition, window: Window | None = None, *, run_p99: float | None = None
+) -> list[Bucket]:
     """The report's over-time view: the run's (or the window's) buckets of
     `report_width_s`, or none for a span shorter than `REPORT_MIN_BUCKETS` of them.
-    `part`: the whole run's partition."""
-    rows = over_time(log, part, report_width_s(log, window), window)
+    `part`: the whole run's partition (or, with `run_p99`, as `over_time` takes it)."""
+    rows = over_time(log, part, report_width_s(log, window), window, run_p99=run_p99)
     return rows if len(rows) >= REPORT_MIN_BUCKETS else []
 
 

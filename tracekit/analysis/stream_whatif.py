@@ -62,12 +62,13 @@ from tracekit.analysis.quantiles import GroupQuantiles, group_counts, group_kept
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
     NEVER,
+    Index,
     SliceTask,
     index_pass,
     slice_partition,
     slice_tasks,
 )
-from tracekit.analysis.victim_policy import has_decisions, victim_policy
+from tracekit.analysis.victim_policy import VictimPolicy, has_decisions, victim_policy
 from tracekit.analysis.whatif import (
     FIRST,
     ITL_QS,
@@ -263,6 +264,17 @@ def _in_process(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
 def skeleton_of(run: SlicedRun) -> RawLog:
     """The run's log without its emissions (after the index pass)."""
     return run.log_of(0, len(run.parts), tables=_NOT_EMISSIONS, final=True)
+
+
+def run_victim_policy(run: SlicedRun, ix: Index) -> VictimPolicy | None:
+    """The whole run's victim-policy line (`victim_policy`), read as `whatif_sliced` reads
+    it (after an index pass): a window's what-if states it for the run, as the whole-run
+    reader does. None where the log records no recompute decision."""
+    skeleton = skeleton_of(run)
+    if not has_decisions(skeleton):
+        return None
+    _, policy_log = reduced_logs(run, skeleton, ix.first_tick)
+    return victim_policy(policy_log) if policy_log is not None else None
 
 
 _EM = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick", "num_tokens")}

@@ -123,8 +123,10 @@ def _first(base: Any, m: int) -> Any:
 
 
 def _window_log(run: SlicedRun, ix: Index, c: int, b: int, path: str) -> RawLog:
-    """Parts ``[c, b)`` whole, the parts before them light (steps, requests, evictions);
-    requests whose first token came before part `c` lose their arrival here."""
+    """Parts ``[c, b)`` whole, the parts before them light (steps, requests, evictions),
+    with what the run's stop wrote (its config and warnings: a window of a run that stopped
+    is no interrupted recording); requests whose first token came before part `c` lose
+    their arrival here."""
     assert ix.light is not None
     early = np.flatnonzero((ix.first_part >= 0) & (ix.first_part < c))
     parts = []
@@ -134,7 +136,7 @@ def _window_log(run: SlicedRun, ix: Index, c: int, b: int, path: str) -> RawLog:
         if rq is not None and len(rq) and len(early):
             p = {**p, "tables": {**p["tables"], "requests": rq[~np.isin(rq[:, _REQ], early)]}}
         parts.append(p)
-    return merge_flushed(run.meta, parts, path=path, retained=run.retained(0))
+    return merge_flushed(run.meta, parts, path=path, retained=run.retained(0), final=run.final)
 
 
 def _around_q(view: WindowOptions) -> tuple[float, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from tracekit.allocator import keep_freed_memory
@@ -19,7 +20,7 @@ from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
 from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
 from tracekit.analysis.stream_report import report_sliced
-from tracekit.analysis.stream_whatif import whatif_sliced
+from tracekit.analysis.stream_whatif import run_victim_policy, whatif_sliced
 from tracekit.analysis.stream_window import WindowRead, analyze_window, read_window
 from tracekit.analysis.whatif import WhatIf, whatif
 from tracekit.analysis.window import Window, WindowOptions, select_gaps
@@ -146,15 +147,19 @@ def sliced_window(path: str, view: WindowOptions, **limits: Any) -> WindowRead |
     return None if view.is_whole_run else _window_in_slices(path, view, **limits)
 
 
-def _window_in_slices(path: str, view: WindowOptions, **limits: Any) -> WindowRead | None:
+def _window_in_slices(
+    path: str, view: WindowOptions, run_percentiles: bool = False, **limits: Any
+) -> WindowRead | None:
     """A window of a one-process run longer than one slice, read from the parts it needs
-    (`tracekit.analysis.stream_window`); None where the run is read whole."""
+    (`tracekit.analysis.stream_window`; `run_percentiles`: with the whole run's exact ITL
+    percentiles); None where the run is read whole."""
     parts_dir = parts_dir_of(path)
     if parts_dir is None or not reads_in_slices(path):
         return None
     try:
         return read_window(parts_dir, view, path=_shown_path(path, parts_dir),
-                           max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+                           max_inflate_mb=limits.get("max_inflate_mb"),
+                           run_percentiles=run_percentiles)  # fmt: skip
     except NotSliceable:
         return None
 
@@ -226,6 +231,8 @@ def whatif_path(
         sliced = _whatif_in_slices(path, names, mapper, **limits)
         if sliced is not None:
             return sliced
+    elif (wr := _window_in_slices(path, view, **limits)) is not None:  # the window's parts
+        return _window_whatif(wr, names)
     log, part, tpart = partitions(path, **limits)
     return whatif(log, part, tpart, names, window=_resolve(view, log, part))
 
@@ -259,6 +266,8 @@ def analyze_whatif_path(
         w = _whatif_in_slices(path, None, mapper, **limits) if a is not None else None
         if a is not None and w is not None:
             return a, w
+    elif (wr := _window_in_slices(path, view, **limits)) is not None:  # the window's parts
+        return analyze_window(wr), _window_whatif(wr)
     log, part, tpart = partitions(path, **limits)
     win = _resolve(view, log, part)
     return analyze(log, part, tpart, window=win), whatif(log, part, tpart, window=win)
@@ -281,6 +290,8 @@ def report_path(
             return page, whatif_path(path, None, **limits)
         except NotSliceable:
             pass
+    elif view is not None and (wr := _window_in_slices(path, view, True, **limits)) is not None:
+        return _window_page(wr, n_worst), _window_whatif(wr)
     log, part, tpart = partitions(path, **limits)
     win = _resolve(view, log, part)
     page = {
@@ -290,6 +301,26 @@ def report_path(
         "buckets": report_buckets(log, part, win),
     }
     return page, whatif(log, part, tpart, window=win)
+
+
+def _window_whatif(wr: WindowRead, names: Sequence[str] | None = None) -> WhatIf:
+    """The what-if of a window read from the parts it needs: its gaps and TTFTs as in the
+    whole run, the victim-policy line the whole run's (as the whole-run reader states it)."""
+    w = whatif(wr.log, wr.part, wr.tpart, names, window=wr.window)
+    return replace(w, victim_policy=run_victim_policy(wr.run, wr.index))
+
+
+def _window_page(wr: WindowRead, n_worst: int) -> dict[str, Any]:
+    """`report_path`'s page of a window read from the parts it needs: the window log holds
+    every gap and TTFT ending in it, partitioned as in the whole run; the over-time view's
+    run tail is counted against the whole run's p99 (docs/reports.md, "Windows")."""
+    log, part, win = wr.log, wr.part, wr.window
+    return {
+        "analysis": analyze_window(wr),
+        "worst_stalls": worst_stalls(log, select_gaps(part, win), n_worst),
+        "series": itl_series(log, part, window=win),
+        "buckets": report_buckets(log, part, win, run_p99=wr.index.gaps.percentiles()[2]),
+    }
 
 
 def _resolve(view: WindowOptions | None, log: RawLog, part: Partition) -> Window | None:
