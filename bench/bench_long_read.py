@@ -14,7 +14,8 @@ VmHWM) and is timed by the wall clock:
 - ``analyze --window``: a 10 s window in the middle of the run;
 - ``analyze --by 1m``: the tail over time, a row a simulated minute;
 - ``analyze -j 2``: one run's slices in two processes (its index pass stays in one);
-- ``whatif``: every removal by both models, in slices in this tree.
+- ``whatif``, ``report``, ``export``, ``gaps --format jsonl``, ``check``: the whole run,
+  in slices in this tree where it reads them so.
 
 The previous main runs only where its peak memory fits ``--baseline-max-gb`` (default 8;
 an hour needed > 13 GB), with that limit set as its address-space limit: beyond it, it is
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -116,9 +118,17 @@ def main() -> None:
             show("analyze", "previous main", base, gaps)
             two = run_cmd(ROOT, ["analyze", out, "-j", "2", "--format", "jsonl", "-o", jl])
             show("analyze -j 2 (its slices)", "this tree", two, gaps)
-            wi = ["whatif", out, "-o", os.path.join(tmp, "w.txt")]
-            show("whatif", "this tree", run_cmd(ROOT, wi))
-            show("whatif", "previous main", run_cmd(a.baseline, wi, a.baseline_max_gb))
+            for name, args in (
+                ("whatif", ["whatif", out, "-o", os.path.join(tmp, "w.txt")]),
+                ("report", ["report", out, "-o", os.path.join(tmp, "r.html")]),
+                ("export", ["export", out, "-o", os.path.join(tmp, "dataset")]),
+                ("gaps --format jsonl", ["gaps", out, "--format", "jsonl", "-o", jl]),
+                ("check", ["check", out]),
+            ):
+                show(name, "this tree", run_cmd(ROOT, args))
+                shutil.rmtree(os.path.join(tmp, "dataset"), ignore_errors=True)
+                show(name, "previous main", run_cmd(a.baseline, args, a.baseline_max_gb))
+                shutil.rmtree(os.path.join(tmp, "dataset"), ignore_errors=True)
             mid = minutes * 30
             win = ["--window", f"{mid:g}..{mid + 10:g}", "--format", "jsonl", "-o", jl]
             show("analyze --window (10 s)", "this tree", run_cmd(ROOT, ["analyze", out, *win]))
