@@ -82,6 +82,87 @@ class Slice:
     own_parts: tuple[int, int]
 
 
+@dataclass(frozen=True)
+class PartOrder:
+    """What the index pass's book needs of one part (`order_of`; small: per request that
+    emits in it, never per token), so it can be computed where the part is read."""
+
+    path: str
+    #: `PartEntry`'s fields from `number` to `num_emissions`
+    entry: tuple[Any, ...]
+    has_first_step: bool
+    num_requests: int  # requests named up to this part
+    arrivals: np.ndarray  # the requests with an arrival row in it
+    requests: np.ndarray  # the requests emitting in it, sorted
+    first_tick: np.ndarray  # each one's earliest emission tick in it
+    last_tick: np.ndarray  # each one's latest
+    min_tick: int | None  # its earliest emission tick (None: none)
+
+
+def order_of(path: str, part: dict[str, Any]) -> PartOrder:
+    """A parsed part's `PartOrder`."""
+    t_ = part["tables"]
+    rq, em, steps = t_.get("requests"), t_.get("emissions"), t_.get("steps")
+    arrivals = rq[:, _REQ].copy() if rq is not None and len(rq) else np.zeros(0, np.int64)
+    r = t = np.zeros(0, dtype=np.int64)
+    if em is not None and len(em):
+        r, t = em[:, _EMIT["request"]], em[:, _EMIT["t_tick"]]
+    o = np.lexsort((t, r))
+    rs, ts = r[o], t[o]
+    head = np.ones(len(rs), dtype=bool)
+    head[1:] = rs[1:] != rs[:-1]
+    tail = np.ones(len(rs), dtype=bool)
+    tail[:-1] = head[1:]
+    entry = (part_number(path), path, part["first_step"], 0 if steps is None else len(steps),
+             part["request_ids_start"], part["flush_tick"], len(r))  # fmt: skip
+    return PartOrder(
+        path, entry, part["first_step"] is not None,
+        part["request_ids_start"] + len(part["request_ids"]), arrivals, rs[head], ts[head],
+        ts[tail], int(t.min()) if len(t) else None,
+    )  # fmt: skip
+
+
+class IndexBook:
+    """The index pass's book, part by part in order (`add`): per request, the part of its
+    latest emission, its latest emission tick and the part of its arrival; per part, how
+    far back the gaps and TTFTs ending in it reach, its earliest emission and its entry."""
+
+    def __init__(self) -> None:
+        self.last_part = np.zeros(0, dtype=np.int64)
+        self.last_tick = np.zeros(0, dtype=np.int64)
+        self.arrival_part = np.zeros(0, dtype=np.int64)
+        self.reach: list[int] = []
+        self.min_tick: list[int | None] = []
+        self.entries: list[tuple[Any, ...]] = []
+
+    def add(self, i: int, o: PartOrder) -> None:
+        """Part `i` (the next), or `NotSliceable` where the run cannot be read in slices."""
+        name = os.path.basename(o.path)
+        if not o.has_first_step:
+            raise NotSliceable(f"{name} does not say its first step")
+        grow = o.num_requests - len(self.last_part)
+        if grow > 0:
+            self.last_part = np.concatenate([self.last_part, np.full(grow, -1, np.int64)])
+            never = np.full(grow, np.iinfo(np.int64).min)
+            self.last_tick = np.concatenate([self.last_tick, never])
+            self.arrival_part = np.concatenate([self.arrival_part, np.full(grow, -1, np.int64)])
+        self.arrival_part[o.arrivals] = i
+        back, u = i, o.requests
+        if len(u):
+            if np.any(o.first_tick < self.last_tick[u]):  # a request's emissions in time order
+                raise NotSliceable(f"{name}: emissions out of time order")
+            seen = self.last_part[u]
+            back = min(back, int(seen[seen >= 0].min()) if (seen >= 0).any() else back)
+            arr = self.arrival_part[u[seen < 0]]  # first tokens: back to their arrival
+            if (arr >= 0).any():
+                back = min(back, int(arr[arr >= 0].min()))
+            self.last_part[u] = i
+            self.last_tick[u] = np.maximum(self.last_tick[u], o.last_tick)
+        self.min_tick.append(o.min_tick)
+        self.reach.append(back)
+        self.entries.append(o.entry)
+
+
 class SlicedRun:
     """A parts folder read part by part (see the module's docstring)."""
 
@@ -120,65 +201,36 @@ class SlicedRun:
         numbers skip (a damaged folder is read whole, where its warnings are said)."""
         if not self.paths:
             raise NotSliceable("no parts")
-        last_part = np.zeros(0, dtype=np.int64)  # per request: its latest emission's part
-        last_tick = np.zeros(0, dtype=np.int64)
-        arrival_part = np.zeros(0, dtype=np.int64)
-        reach: list[int] = []
-        min_tick: list[int | None] = []
-        entries: list[tuple[Any, ...]] = []
+        book = IndexBook()
         for i, path in enumerate(self.paths):
-            if i and part_number(path) != part_number(self.paths[i - 1]) + 1:
-                raise NotSliceable(f"{os.path.basename(path)}: a part before it is missing")
+            self.check_follows(i)
             try:
                 part = self.read(i)
             except LogError:
                 raise
             except Exception as e:  # damaged: the whole-run reader ends the run there
                 raise NotSliceable(f"{os.path.basename(path)} is unreadable ({e})") from None
-            if part["first_step"] is None:
-                raise NotSliceable(f"{os.path.basename(path)} does not say its first step")
-            n_req = part["request_ids_start"] + len(part["request_ids"])
-            grow = n_req - len(last_part)
-            if grow > 0:
-                last_part = np.concatenate([last_part, np.full(grow, -1, np.int64)])
-                last_tick = np.concatenate([last_tick, np.full(grow, np.iinfo(np.int64).min)])
-                arrival_part = np.concatenate([arrival_part, np.full(grow, -1, np.int64)])
-            rq = part["tables"].get("requests")
-            if rq is not None and len(rq):
-                arrival_part[rq[:, _REQ]] = i
-            back = i
-            em = part["tables"].get("emissions")
-            if em is not None and len(em):
-                o = np.argsort(em[:, _EMIT["t_tick"]], kind="stable")
-                r, t = em[o, _EMIT["request"]], em[o, _EMIT["t_tick"]]
-                u = np.unique(r)
-                if np.any(t < last_tick[r]):  # a request's emissions in time order
-                    raise NotSliceable(f"{os.path.basename(path)}: emissions out of time order")
-                seen = last_part[u]
-                back = min(back, int(seen[seen >= 0].min()) if (seen >= 0).any() else back)
-                first_time = u[seen < 0]  # their first token: reach back to their arrival
-                arr = arrival_part[first_time]
-                if (arr >= 0).any():
-                    back = min(back, int(arr[arr >= 0].min()))
-                last_part[r] = i
-                np.maximum.at(last_tick, r, t)
-                min_tick.append(int(t[0]))
-            else:
-                min_tick.append(None)
-            reach.append(back)
-            steps = part["tables"].get("steps")
-            entries.append((part_number(path), path, part["first_step"],
-                            0 if steps is None else len(steps), part["request_ids_start"],
-                            part["flush_tick"], 0 if em is None else len(em)))  # fmt: skip
+            book.add(i, order_of(path, part))
             if visit is not None:
                 visit(i, part)
-        cut: list[int | None] = [None] * (len(entries) + 1)
-        for i in range(len(entries) - 1, -1, -1):
-            m, later = min_tick[i], cut[i + 1]
+        self.indexed(book)
+
+    def check_follows(self, i: int) -> None:
+        """Part `i`'s number follows the part before it's (else `NotSliceable`)."""
+        path = self.paths[i]
+        if i and part_number(path) != part_number(self.paths[i - 1]) + 1:
+            raise NotSliceable(f"{os.path.basename(path)}: a part before it is missing")
+
+    def indexed(self, book: IndexBook) -> None:
+        """The index pass's result (`book`, every part added in order): `parts` and
+        `arrival_part`."""
+        cut: list[int | None] = [None] * (len(book.entries) + 1)
+        for i in range(len(book.entries) - 1, -1, -1):
+            m, later = book.min_tick[i], cut[i + 1]
             cut[i] = m if later is None else (later if m is None else min(m, later))
-        self.arrival_part = arrival_part
-        self.parts = [PartEntry(*e, reaches_back_to=reach[i], cut_tick=cut[i])  # type: ignore[misc]
-                      for i, e in enumerate(entries)]  # fmt: skip
+        self.arrival_part = book.arrival_part
+        self.parts = [PartEntry(*e, reaches_back_to=book.reach[i], cut_tick=cut[i])  # type: ignore[misc]
+                      for i, e in enumerate(book.entries)]  # fmt: skip
 
     def retained(self, c: int) -> Retained | None:
         """How a log read from part `c` starts (None: from the run's first part)."""
