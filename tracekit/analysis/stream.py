@@ -76,7 +76,7 @@ _EM = {c: TABLES["emissions"].index(c) for c in TABLES["emissions"]}
 _GC = {c: TABLES["gc_pauses"].index(c) for c in TABLES["gc_pauses"]}
 _RQ = {c: TABLES["requests"].index(c) for c in TABLES["requests"]}
 NEVER = np.iinfo(np.int64).max  # a request's first emission, before it has one
-_STEP_TABLES = frozenset({"steps", "segments", "gc_pauses", "os_samples"})
+STEP_TABLES = frozenset({"steps", "segments", "gc_pauses", "os_samples"})
 _QS = tuple(q for _, q in PERCENTILES)
 #: the TTFT partition's label order (`tracekit.attribution.ttft.ttft_labels`)
 TTFT_LABEL_GROUPS = (PRE_ENGINE_LABELS, FRONTEND_OS_LABELS, TTFT_STANDARD_LABELS, OS_LABELS)
@@ -128,7 +128,7 @@ class Index:
     spill: Any = None
 
 
-def _sparse_part(ix: Index, part: dict[str, Any]) -> dict[str, Any]:
+def sparse_part(ix: Index, part: dict[str, Any]) -> dict[str, Any]:
     """What of `part` the per-run eviction and speculative figures read (few rows): its
     eviction tables, counters, `recompute` segments and, of each eviction's victim, its
     first emission after it (where the victim's debt ends) and no other: a day of a busy
@@ -196,8 +196,8 @@ def index_pass(
             if ix.first_step_tick is None or first < ix.first_step_tick:
                 ix.first_step_tick = first
             # GC-free decode time of this part's steps, from it and the part before it
-            mini = run.log_of(max(0, i - 1), i + 1, tables=_STEP_TABLES)
-            _step_figures(ix, mini, len(st), _part_segments(part))
+            mini = run.log_of(max(0, i - 1), i + 1, tables=STEP_TABLES)
+            step_figures(ix, mini, len(st), part_segments(part))
         gc = t.get("gc_pauses")
         if gc is not None and len(gc):
             ix.gc.append(gc.copy())
@@ -212,11 +212,11 @@ def index_pass(
         rq = t.get("requests")
         if rq is not None and len(rq):
             ix.arrival_tick[rq[:, _RQ["request"]]] = rq[:, _RQ["arrival_tick"]]
-        ix.sparse.append(_sparse_part(ix, part))
+        ix.sparse.append(sparse_part(ix, part))
         if ix.light is not None:
             keep = ("steps", "requests", "admissions", "events", "preemptions", "evictors")
             ix.light.append({**part, "tables": {k: v for k, v in t.items() if k in keep}})
-        _span(ix, t)
+        span_of(ix, t)
         if em is not None and len(em):
             ix.tokens += int(em[:, _EM["num_tokens"]].sum())
             r = em[:, _EM["request"]]
@@ -262,7 +262,7 @@ def gap_lengths(
     return (t1 - run.secs(prev[has])) * 1e3, t1
 
 
-def _span(ix: Index, t: dict[str, np.ndarray]) -> None:
+def span_of(ix: Index, t: dict[str, np.ndarray]) -> None:
     """The run's first and last recorded moment (steps, emissions: `run_span_s`)."""
     ticks = []
     st, em = t.get("steps"), t.get("emissions")
@@ -295,7 +295,7 @@ def keep_gap_values(run: SlicedRun, ix: Index) -> None:
             ix.gaps.keep(gap_lengths(run, last, em)[0])
 
 
-def _step_figures(ix: Index, mini: RawLog, n_steps: int, n_segments: int) -> None:
+def step_figures(ix: Index, mini: RawLog, n_steps: int, n_segments: int) -> None:
     """From a part's steps read with the part before it (`mini`): their GC-free decode
     time (`decode_net_ms`: as recorded for the TTFT partition, drift-corrected for the ITL
     one, design.md rule 4), and the labels the partitions will have (`itl_labels`,
@@ -319,7 +319,7 @@ def _step_figures(ix: Index, mini: RawLog, n_steps: int, n_segments: int) -> Non
     ix.device_windows += int((is_dev[len(is_dev) - n_segments :]).sum())
 
 
-def _part_segments(part: dict[str, Any]) -> int:
+def part_segments(part: dict[str, Any]) -> int:
     sg = part["tables"].get("segments")
     return 0 if sg is None else len(sg)
 
@@ -526,15 +526,17 @@ def analyze_sliced(
     progress: Callable[[str], None] | None = None,
     path: str | None = None,
     mapper: Callable[[Callable[[Any], Any], list[Any]], Iterable[Any]] | None = None,
+    indexer: Callable[..., Index] | None = None,
 ) -> RunAnalysis:
     """`tracekit.analysis.figures.analyze` of a run's parts folder, read in slices of
     at most `max_emissions` emissions each (see the module's docstring). `mapper(fn,
     items)`: runs the slices (a process pool's or Ray's map, results in order; by default
-    one after the other here): the result is the same. Raises `NotSliceable` for a folder
-    that must be read whole."""
+    one after the other here): the result is the same. `indexer`: `index_pass`'s stand-in
+    (`stream_index.index_pass_spread`: the parts read by the mapper's workers). Raises
+    `NotSliceable` for a folder that must be read whole."""
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
-    ix = index_pass(run, baseline_fit, say, spill=True)
+    ix = (indexer or index_pass)(run, baseline_fit, say, spill=True)
     keep_gap_values(run, ix)
     pct = ix.gaps.percentiles()
     p99 = pct[2]

@@ -6,6 +6,7 @@ Ray pickles it by name."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -18,6 +19,7 @@ from tracekit.analysis.gaps import itl_series, worst_stalls
 from tracekit.analysis.overtime import Bucket, over_time, report_buckets
 from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
+from tracekit.analysis.stream_index import index_pass_spread
 from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
 from tracekit.analysis.stream_report import report_sliced
 from tracekit.analysis.stream_whatif import run_victim_policy, whatif_sliced
@@ -117,9 +119,10 @@ def _analyze_in_slices(path: str, mapper: Any = None, **limits: Any) -> RunAnaly
     parts_dir = parts_dir_of(path)
     if parts_dir is None or not reads_in_slices(path):
         return None
+    spread = None if mapper is None else functools.partial(index_pass_spread, mapper=mapper)
     try:
         return analyze_sliced(parts_dir, path=_shown_path(path, parts_dir),
-                              max_emissions=slice_budget(), mapper=mapper,
+                              max_emissions=slice_budget(), mapper=mapper, indexer=spread,
                               max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
     except NotSliceable:  # damaged or written before parts said their first step
         return None

@@ -204,16 +204,22 @@ class SlicedRun:
         book = IndexBook()
         for i, path in enumerate(self.paths):
             self.check_follows(i)
-            try:
-                part = self.read(i)
-            except LogError:
-                raise
-            except Exception as e:  # damaged: the whole-run reader ends the run there
-                raise NotSliceable(f"{os.path.basename(path)} is unreadable ({e})") from None
+            part = self.read_indexed(i)
             book.add(i, order_of(path, part))
             if visit is not None:
                 visit(i, part)
         self.indexed(book)
+
+    def read_indexed(self, i: int) -> dict[str, Any]:
+        """`read` as the index pass reads: a part it cannot parse makes the run
+        `NotSliceable` (the whole-run reader ends the run there and says so)."""
+        try:
+            return self.read(i)
+        except LogError:
+            raise
+        except Exception as e:  # damaged: the whole-run reader ends the run there
+            name = os.path.basename(self.paths[i])
+            raise NotSliceable(f"{name} is unreadable ({e})") from None
 
     def check_follows(self, i: int) -> None:
         """Part `i`'s number follows the part before it's (else `NotSliceable`)."""
