@@ -109,3 +109,21 @@ def _writer_threads() -> set[threading.Thread]:
 def _installed_patches() -> int:
     mod = sys.modules.get("engine_adapters._common")  # only if a test imported the adapters
     return mod.installed_patches() if mod is not None else 0
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> str:
+    """A demo run with recompute evictions (with their causes), GC and eager steps, in
+    several parts: the run the slice readers' tests read with a small slice budget (made
+    once, read only)."""
+    import subprocess
+
+    d = tmp_path_factory.mktemp("sliced")
+    r = subprocess.run(
+        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
+         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
+        capture_output=True, text=True, timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return str(d / "baseline__s1.npz")

@@ -133,19 +133,6 @@ def test_a_gap_across_twenty_slices_and_its_eviction_read_as_the_whole_run(tmp_p
     assert sliced["tail_count"]["preempt"] == 1  # the one gap >= p99
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> str:
-    """A demo run with recompute evictions, GC and eager steps, in several parts."""
-    d = tmp_path_factory.mktemp("sliced")
-    r = subprocess.run(
-        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
-         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return str(d / "baseline__s1.npz")
-
-
 @settings(max_examples=8, deadline=None)
 @given(budget=st.integers(min_value=1, max_value=20_000))
 def test_any_slice_size_gives_the_whole_runs_figures(demo_run, budget):

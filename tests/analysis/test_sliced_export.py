@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -72,19 +70,6 @@ def _hand_run(out: Path, extra: str | None = None) -> None:
                     rec.readmit("long")
             rec.flush_soon()
             _wait_for_parts(out, k + 1)
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> str:
-    """A demo run with recompute evictions, GC and eager steps, in several parts."""
-    d = tmp_path_factory.mktemp("sliced_export")
-    r = subprocess.run(
-        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
-         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return str(d / "baseline__s1.npz")
 
 
 def _gaps(root: Path):

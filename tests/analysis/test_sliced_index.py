@@ -8,7 +8,6 @@ import dataclasses
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,27 +57,15 @@ def _assert_same_index(parts: str, mapper, run_b: SlicedRun | None = None) -> No
     _same(run_a.arrival_part, run_b.arrival_part)
 
 
-@pytest.fixture(scope="module")
-def demo_parts(tmp_path_factory) -> str:
-    """A demo run with recompute evictions, GC and eager steps, in several parts."""
-    d = tmp_path_factory.mktemp("spread")
-    r = subprocess.run(
-        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
-         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return str(d / "baseline__s1.npz.parts")
-
-
 @pytest.mark.parametrize("per_task", [1, 3, 8])
-def test_the_spread_index_of_a_demo_run_is_the_one_process_index(demo_parts, per_task,
+def test_the_spread_index_of_a_demo_run_is_the_one_process_index(demo_run, per_task,
                                                                  monkeypatch):  # fmt: skip
     from tracekit.analysis import stream_index
 
     monkeypatch.setattr(stream_index, "PARTS_PER_TASK", per_task)
-    assert len(SlicedRun(demo_parts).paths) > per_task or per_task == 8
-    _assert_same_index(demo_parts, _in_order)
+    parts = demo_run + ".parts"
+    assert len(SlicedRun(parts).paths) > per_task or per_task == 8
+    _assert_same_index(parts, _in_order)
 
 
 def test_the_spread_index_with_a_part_a_slice_and_an_eviction_across_tasks(tmp_path):
@@ -132,10 +119,10 @@ def test_a_debt_whose_request_emits_next_at_an_earlier_tick_is_read_again(tmp_pa
     assert again == [3]  # the part with the late token, by the driver
 
 
-def test_analyze_j2_of_a_long_run_is_analyze_j1(demo_parts, tmp_path):
+def test_analyze_j2_of_a_long_run_is_analyze_j1(demo_run, tmp_path):
     """The command: -j 2 on one run spreads its index pass and its slices; the output is
     the one-process output, byte for byte."""
-    run = str(Path(demo_parts).with_suffix(""))
+    run = demo_run
 
     def analyze(*extra: str) -> str:
         env = {"TRACEKIT_SLICE_EMISSIONS": "700"}

@@ -119,19 +119,6 @@ def _records(buckets) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> str:
-    """A demo run with recompute evictions, GC and eager steps, in several parts."""
-    d = tmp_path_factory.mktemp("sliced_report")
-    r = subprocess.run(
-        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
-         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return str(d / "baseline__s1.npz")
-
-
-@pytest.fixture(scope="module")
 def whole_page(demo_run) -> tuple:
     log = tracekit.load(demo_run)
     return log, partition(log)

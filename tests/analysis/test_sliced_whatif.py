@@ -153,20 +153,6 @@ def test_a_gc_pause_inside_a_gap_across_slices_by_hand(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> str:
-    """A demo run with recompute evictions (and their causes: the victim-policy line), GC
-    and eager steps, in several parts."""
-    d = tmp_path_factory.mktemp("sliced_whatif")
-    r = subprocess.run(
-        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
-         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return str(d / "baseline__s1.npz")
-
-
-@pytest.fixture(scope="module")
 def demo_whole(demo_run) -> WhatIf:
     return _whole(demo_run)
 

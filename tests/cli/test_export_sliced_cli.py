@@ -10,24 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 SLICES = "TRACEKIT_SLICE_EMISSIONS"
 WHOLE = "100000000"  # more emissions than the demo run: read whole
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> str:
-    """A demo run with recompute evictions, GC and eager steps, in several parts."""
-    d = tmp_path_factory.mktemp("export_sliced_cli")
-    r = subprocess.run(
-        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
-         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return str(d / "baseline__s1.npz")
 
 
 def test_the_command_says_it_reads_in_slices_and_fleet_inherits_it(demo_run, tmp_path):
