@@ -70,11 +70,12 @@ class FakeClock:
         return self.t
 
 
-def _hand_run(out: Path) -> None:
+def _hand_run(out: Path, extra: str | None = None) -> None:
     """30 steps of 10 ms (a `decode` segment each); request "alive" emits at every step's
     end, "long" at steps 0 and 23 only: evicted at step 2's end, readmitted at step 22's
     end (swap). A part per step: no flush of its own (an hour's interval), one asked after
-    each step and waited for, so no part holds two steps and none is empty but the stop's."""
+    each step and waited for, so no part holds two steps and none is empty but the stop's.
+    `extra`: a segment of that label, 1 ms, before each step's decode."""
     clock = FakeClock()
     rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
                             handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
@@ -83,6 +84,9 @@ def _hand_run(out: Path) -> None:
         rec.request("long")
         for k in range(30):
             with rec.step():
+                if extra is not None:
+                    with rec.segment(extra):
+                        clock.t += 1_000_000
                 with rec.segment("decode"):
                     clock.t += STEP_NS
                 rec.emit(["alive", "long"] if k in (0, 23) else ["alive"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_sliced import _hand_run
 
 import tracekit
 from tracekit.analysis import fleet
@@ -22,54 +22,8 @@ from tracekit.analysis.export import export
 from tracekit.analysis.fleet import rollup, rollup_logs
 
 REPO = Path(__file__).resolve().parents[2]
-STEP_NS = 10_000_000  # 10 ms
 SLICES = "TRACEKIT_SLICE_EMISSIONS"
 WHOLE = "100000000"  # more emissions than any test run: read whole
-
-
-class FakeClock:
-    """Moves only when told."""
-
-    def __init__(self) -> None:
-        self.t = 10**12
-
-    def __call__(self) -> int:
-        return self.t
-
-
-def _wait_for_parts(out: Path, n: int) -> None:
-    """Until the writer has put `n` parts on disk (a part per step: the slices are parts)."""
-    folder = Path(str(out) + ".parts")
-    deadline = time.monotonic() + 60.0
-    while len(list(folder.glob("part-*.tkp"))) < n:
-        assert time.monotonic() < deadline, f"the writer wrote no part {n} in 60 s"
-        time.sleep(0.005)
-
-
-def _hand_run(out: Path, extra: str | None = None) -> None:
-    """30 steps of 10 ms (a `decode` segment each), a part per step. "alive" emits at every
-    step's end; "long" at steps 0 and 23 only: evicted at step 2's end, readmitted at step
-    22's end (swap). `extra`: a label of 1 ms before each step's decode."""
-    clock = FakeClock()
-    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
-    with rec:
-        rec.request("alive")
-        rec.request("long")
-        for k in range(30):
-            with rec.step():
-                if extra is not None:
-                    with rec.segment(extra):
-                        clock.t += 1_000_000
-                with rec.segment("decode"):
-                    clock.t += STEP_NS
-                rec.emit(["alive", "long"] if k in (0, 23) else ["alive"])
-                if k == 2:
-                    rec.evict("long", mode="swap")
-                if k == 22:
-                    rec.readmit("long")
-            rec.flush_soon()
-            _wait_for_parts(out, k + 1)
 
 
 def _gaps(root: Path):

@@ -8,13 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_sliced import FakeClock, _wait_for_parts
 
 import tracekit
 from tracekit.analysis.quantiles import GroupQuantiles, group_counts, group_kept
@@ -52,26 +52,6 @@ def _same(whole: WhatIf, sliced: WhatIf) -> None:
 def _whole(path: str, names=None) -> WhatIf:
     log, part, tpart = partitions(path)
     return whatif_whole(log, part, tpart, names)
-
-
-class FakeClock:
-    """Moves only when told."""
-
-    def __init__(self) -> None:
-        self.t = 10**12
-
-    def __call__(self) -> int:
-        return self.t
-
-
-def _wait_for_parts(out: Path, n: int) -> None:
-    """Until the writer has put `n` parts on disk (a part per step: the slices are parts)."""
-    folder = Path(str(out) + ".parts")
-    deadline = time.monotonic() + 60.0
-    while len(list(folder.glob("part-*.tkp"))) < n:
-        assert time.monotonic() < deadline, f"the writer wrote no part {n} in 60 s"
-        time.sleep(0.005)
-    assert len(list(folder.glob("part-*.tkp"))) == n  # exactly one part per step
 
 
 def _gc_run(out: Path) -> None:
