@@ -240,3 +240,16 @@ def test_check_of_a_long_run_never_reads_it_whole_and_says_the_same(demo_run, mo
     assert parts.exit_code == 0, parts.output
     assert parts.output == whole.output
     assert parts.output.count("ok    ") == 2
+
+
+def test_a_run_without_counters_or_gc_is_valid(tmp_path, part_by_part):
+    """No counter names and no counters: no index can be outside them (the measured busy
+    server's run failed so while this check was written)."""
+    meta, chunks = recorded_chunks()
+    chunks = [dict(c) for c in chunks]
+    for c in chunks:
+        c["counters"] = np.zeros(0)
+        c["counter_names"] = np.array([], dtype=str)
+    path = _write(tmp_path / "run.npz.parts", chunks, meta)
+    assert _verdict(_checked, path) == _verdict(_loaded, path) == ("ok", (12, 12, ()))
+    assert part_by_part == [path]

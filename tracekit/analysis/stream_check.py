@@ -419,7 +419,7 @@ class PartByPart:
         for order, table, col, lo, what in _DEFERRED:
             n = counts[what]
             for i, extent in enumerate(self.extent):
-                mn, mx = extent.get((table, col), (lo, lo))
+                mn, mx = extent.get((table, col), (lo, n - 1))  # no rows: none outside
                 if mn < lo or mx >= n:
                     a = getattr(getattr(self._reread(i), table), col)
                     j = int(np.flatnonzero((a < lo) | (a >= n))[0])
