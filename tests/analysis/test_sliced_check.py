@@ -90,13 +90,13 @@ def test_every_damaged_parts_folder_gets_loads_verdict_part_by_part(tmp_path, pa
     assert not differ, "\n".join(differ)
 
 
-def _write(folder: Path, chunks: list[dict], meta: dict) -> str:
+def _write(folder: Path, chunks: list[dict], meta: dict, first: int = 1) -> str:
     import io
     import json
 
     folder.mkdir()
     (folder / "meta.json").write_text(json.dumps(meta))
-    for i, c in enumerate(chunks, 1):
+    for i, c in enumerate(chunks, first):
         buf = io.BytesIO()
         np.savez(buf, **c)
         (folder / f"part-{i:06d}.npz").write_bytes(buf.getvalue())
@@ -253,3 +253,26 @@ def test_a_run_without_counters_or_gc_is_valid(tmp_path, part_by_part):
     path = _write(tmp_path / "run.npz.parts", chunks, meta)
     assert _verdict(_checked, path) == _verdict(_loaded, path) == ("ok", (12, 12, ()))
     assert part_by_part == [path]
+
+
+def test_a_folder_whose_first_part_was_removed_is_checked_as_its_end(tmp_path, part_by_part):
+    """Part 1 removed (retention): steps numbered from part 2's first (step 4 is step 0),
+    its 2 requests '(removed N)' with the warning that says so (docs/design.md,
+    "Retention"); an emission of step 12 of the whole run is step 8 of the 8 read."""
+    meta, chunks = recorded_chunks()
+    ok = _write(tmp_path / "ok.npz.parts", [dict(c) for c in chunks[1:]], meta, first=2)
+    assert _verdict(_checked, ok) == _verdict(_loaded, ok)
+    steps, emissions, warnings = _checked(ok)
+    assert (steps, emissions) == (8, 8)
+    assert any("parts 1..1 were removed" in w for w in warnings), warnings
+    bad = [dict(c) for c in chunks[1:]]
+    _set(bad, 0, "emissions", 1, 2, 12, 5)
+    path = bad_path = _write(tmp_path / "bad.npz.parts", bad, meta, first=2)
+    whole, parts = _verdict(_loaded, path), _verdict(_checked, path)
+    assert parts == whole
+    assert parts[1] == f"{path}: emissions.step: row 1: index 8 outside [-1, 7]"
+    old = [{k: v for k, v in c.items() if k != "first_step"} for c in chunks[1:]]
+    path = _write(tmp_path / "old.npz.parts", old, meta, first=2)
+    whole, parts = _verdict(_loaded, path), _verdict(_checked, path)
+    assert parts == whole and parts[0] == "BAD" and "part-000002.npz" in parts[1]
+    assert part_by_part == [ok, ok, bad_path, path]

@@ -21,9 +21,12 @@ time, with the verdict, the counts, the warnings and the error `load` gives:
   warnings and the first tokens taken from the parts;
 - of several failures, the one `validate_log` checks first is raised (`_ORDER`).
 
-A run read whole today (a one-file log, a process directory, a parts folder that starts
-at a later part, or whose part rewrites a request's arrival after it emitted) is read
-whole here too (`NotSliceable` -> `load`).
+A folder whose first parts were removed (retention) is read as `merge_parts` reads it: steps
+numbered from its first part's, the requests named only before it ``(removed N)``. A run
+read whole today (a one-file log, a process directory), and a folder whose part gives a
+request that already emitted a new arrival (its earlier emissions were compared with the
+old one), or whose first part vanishes while it is read, is read whole here too
+(`NotSliceable` -> `load`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from tracekit.log.parts import (
     read_final,
     read_meta,
     read_part,
+    removed_names,
+    retained_start,
     unreadable_part_warning,
 )
 from tracekit.log.rawlog import OS_SEGMENT_END, WAIT_REASONS, RawLog
@@ -172,8 +177,8 @@ class PartByPart:
         self.meta = read_meta(parts_dir)
         self.final = read_final(parts_dir, max_inflate_mb=max_inflate_mb)
         self.paths = part_paths(parts_dir)
-        if self.paths and part_number(self.paths[0]) != 1:
-            raise NotSliceable("its first parts were removed (read whole)")
+        self.first: dict[str, Any] | None = None  # how the first part read begins
+        self.retained: Retained | None = None  # how the run starts, after the parts
         self.t0_tick = int(self.meta["t0_tick"])
         self.scale = float(self.meta.get("seconds_per_tick", 1e-9))
         self.errors: dict[tuple[int, int], LogError] = {}  # the first failure of each rule
@@ -193,13 +198,16 @@ class PartByPart:
         self.prev_waits = np.zeros((0, 3), dtype=np.int64)  # step, request, row
         self.twice: tuple[int, int, int, int] | None = None  # key, row, request, step
         self.heads: dict[str, Any] = {"dropped": 0, "flush": None, "stop": None, "last": None}
+        self.first_step: int | None = 0  # the run's first step (None: not said, read none)
 
     def check(self, max_label_chars: int | None) -> Checked:
         """Read every part once; raise the error `load` raises, else what it says."""
         warnings = self._read_all()
+        warnings += index_warnings(self.parts_dir, self.paths, warnings)
+        first = [self.first] if self.first else []
+        self.retained = retained_start(self.parts_dir, self.paths, first, warnings)
         if self.fold_error is not None:
             raise self.fold_error
-        warnings += index_warnings(self.parts_dir, self.paths, warnings)
         kept = shorten_names(self._kept_log(warnings), max_label_chars)
         try:
             validated = validate_log(kept).warnings
@@ -236,18 +244,29 @@ class PartByPart:
                 except Exception as e:
                     damaged = e
                 else:
-                    if self.fold_error is None:  # after one, parts are only read (as merged)
-                        self._add(part)
+                    if i == 0:
+                        self._begin(part)
+                    if self.fold_error is None and self.first_step is not None:
+                        self._add(part)  # else the parts are only read, as the merge reads them
                     continue
             return [unreadable_part_warning(self.paths, i, damaged)]
         return []
+
+    def _begin(self, part: dict[str, Any]) -> None:
+        """Where the run starts: a folder whose first parts were removed starts at its
+        first part's step and requests (`retained_start`; without them, read nothing)."""
+        self.first = {k: part[k] for k in ("first_step", "request_ids_start")}
+        if part_number(part["where"]) != 1:
+            self.first_step = part["first_step"]
+            self.request_ids = removed_names(part["request_ids_start"])
+            self._grow(len(self.request_ids))
 
     def _part_log(self, part: dict[str, Any]) -> RawLog:
         """One part as a log: rows in seconds, steps and requests numbered in the run."""
         start = part["request_ids_start"]
         number = part_number(part["where"])
-        return merge_flushed(self.meta, [part], path=self.shown,
-                             retained=Retained(number, start, 0, None))  # fmt: skip
+        retained = Retained(number, start, self.first_step or 0, None)
+        return merge_flushed(self.meta, [part], path=self.shown, retained=retained)
 
     def _add(self, part: dict[str, Any]) -> None:
         start, n = part["request_ids_start"], len(self.request_ids)
@@ -396,14 +415,15 @@ class PartByPart:
         steps[:, :2] = self.t0_tick
         tables = {k: np.concatenate(v) for k, v in self.kept.items() if v}
         tables["steps"] = steps
-        head = {**last, "tables": tables, "request_ids_start": 0,
-                "request_ids": self.request_ids, "flush_tick": self.heads["flush"],
+        removed = self.retained.num_requests if self.retained else 0
+        head = {**last, "tables": tables, "request_ids_start": removed,
+                "request_ids": self.request_ids[removed:], "flush_tick": self.heads["flush"],
                 "stop_tick": self.heads["stop"], "open_tick": None,
                 "dropped_rows": self.heads["dropped"]}  # fmt: skip
         tail = {**last, "tables": {}, "request_ids_start": len(self.request_ids),
                 "request_ids": [], "dropped_rows": 0}  # fmt: skip
         log = merge_flushed(self.meta, [head, tail], final=self.final, path=self.shown,
-                            warnings=warnings)  # fmt: skip
+                            warnings=warnings, retained=self.retained)  # fmt: skip
         first = np.where(np.isfinite(self.first_t), self.first_t, np.nan)
         return replace(log, requests=replace(log.requests, first_token_s=first))
 

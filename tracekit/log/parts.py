@@ -213,7 +213,7 @@ def merge_parts(
         if not head_gone:
             break
     warnings += index_warnings(parts_dir, paths, warnings)
-    start = _retained_start(parts_dir, paths, parts, warnings)
+    start = retained_start(parts_dir, paths, parts, warnings)
     return merge_flushed(
         meta, parts, final=final, path=parts_dir, warnings=warnings, retained=start
     )
@@ -288,7 +288,7 @@ class Retained:
     from_tick: int | None
 
 
-def _retained_start(
+def retained_start(
     parts_dir: str, paths: list[str], parts: list[dict[str, Any]], warnings: list[str]
 ) -> Retained | None:
     """None for a run read from its first part; else where it starts (the first part must
