@@ -276,3 +276,47 @@ def test_a_folder_whose_first_part_was_removed_is_checked_as_its_end(tmp_path, p
     whole, parts = _verdict(_loaded, path), _verdict(_checked, path)
     assert parts == whole and parts[0] == "BAD" and "part-000002.npz" in parts[1]
     assert part_by_part == [ok, ok, bad_path, path]
+
+
+def _middle(parts: Path) -> Path:
+    names = sorted(n for n in os.listdir(parts) if re.fullmatch(r"part-\d{6,}\.tkp", n))
+    return parts / names[len(names) // 2]
+
+
+def _flip(p: Path, at: int) -> None:
+    data = bytearray(p.read_bytes())
+    data[at] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "a part missing": lambda d: _middle(d).unlink(),
+    "a part truncated": lambda d: _middle(d).write_bytes(_middle(d).read_bytes()[:200]),
+    "a part empty (a power loss before its fsync)": lambda d: _middle(d).write_bytes(b""),
+    "a byte of a part's header flipped": lambda d: _flip(_middle(d), 20),
+    "a byte of a part's last blob flipped": lambda d: _flip(_middle(d), -3),
+    "a torn index line": lambda d: (d / "index").open("a").write("99 12 3"),
+    "no final.json (interrupted)": lambda d: (d / "final.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_recorded_run_gets_loads_verdict_part_by_part(
+    demo_run, tmp_path, part_by_part, damage
+):
+    """The recorder's own parts (format 1), damaged as a power loss or a disk damages
+    them (docs/design.md, "The run's log on disk"): `load`'s verdict, counts and warnings
+    (a missing or damaged part ends the run at the part before it, with a warning)."""
+    import shutil
+
+    run = tmp_path / os.path.basename(demo_run)  # the pointer names its folder
+    shutil.copy(demo_run, run)
+    shutil.copytree(demo_run + ".parts", f"{run}.parts")
+    DAMAGE[damage](Path(f"{run}.parts"))
+    for path in (str(run), f"{run}.parts"):
+        whole, parts = _verdict(_loaded, path), _verdict(_checked, path)
+        assert parts == whole, (whole, parts)
+        if damage != "no final.json (interrupted)":
+            assert parts[0] == "ok", parts
+            assert len(parts[1][2]) > len(_checked(demo_run)[2])
+    assert part_by_part.count(f"{run}.parts") == 2
