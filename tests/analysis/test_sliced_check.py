@@ -320,3 +320,45 @@ def test_a_damaged_recorded_run_gets_loads_verdict_part_by_part(
             assert parts[0] == "ok", parts
             assert len(parts[1][2]) > len(_checked(demo_run)[2])
     assert part_by_part.count(f"{run}.parts") == 2
+
+
+def _ttft_chunks():
+    """The recorded run with admission events: each request admitted at its arrival tick
+    plus 100 (in its arrival's part), and in part 2 one wait row (step 5, request 2,
+    reason 0)."""
+    meta, chunks = recorded_chunks()
+    chunks = [dict(c) for c in chunks]
+    for c in chunks:
+        rq = c["requests"].reshape(-1, 4)
+        c["admissions"] = np.stack([rq[:, 0], rq[:, 1] + 100], axis=1).ravel()
+    chunks[1]["waits"] = np.array([5, 2, 0])
+    return meta, chunks
+
+
+def test_ttft_and_eviction_cause_rules_are_named_as_load_names_them(tmp_path, part_by_part):
+    """docs/ttft.md, "Bad input", and docs/partition.md, "Who evicted whom": a wait reason
+    told twice for one request in one step (its rows in two parts), an admission before
+    its request's arrival, a preemption row with no eviction at its time."""
+    meta, chunks = _ttft_chunks()
+    ok = _write(tmp_path / "ok.npz.parts", chunks, meta)
+    assert _verdict(_checked, ok) == _verdict(_loaded, ok) and _checked(ok)[:2] == (12, 12)
+    cases = {
+        # part 3's first row repeats part 2's: whole-log row 1
+        "waits twice": ({2: {"waits": np.array([5, 2, 1])}}, "waits.request",
+                        "row 1: request 2 has two wait reasons in step 5"),
+        # request 3 arrives at tick 40000 (part 2's second request row): admissions row 3
+        "admitted early": ({1: {"admissions": np.array([2, 33_100, 3, 39_000])}},
+                           "admissions.t_s", "row 3: request 3 admitted at 3.9e-05 s, before"),
+        "a cause without its eviction": (
+            {1: {"preemptions": np.array([4, 3, 44_001, 0, -1, -1, -1])}}, "preemptions.t_s",
+            "row 0: request 3 has no eviction at"),
+    }  # fmt: skip
+    for name, (edits, field, start) in cases.items():
+        cs = [dict(c) for c in chunks]
+        for part, change in edits.items():
+            cs[part].update(change)
+        path = _write(tmp_path / f"{name.replace(' ', '_')}.npz.parts", cs, meta)
+        whole, parts = _verdict(_loaded, path), _verdict(_checked, path)
+        assert parts == whole, (name, whole, parts)
+        assert parts[1].startswith(f"{path}: {field}: {start}"), (name, parts[1])
+    assert len(part_by_part) == 2 + len(cases)  # the valid run checked twice
