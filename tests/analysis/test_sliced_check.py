@@ -362,3 +362,17 @@ def test_ttft_and_eviction_cause_rules_are_named_as_load_names_them(tmp_path, pa
         assert parts == whole, (name, whole, parts)
         assert parts[1].startswith(f"{path}: {field}: {start}"), (name, parts[1])
     assert len(part_by_part) == 2 + len(cases)  # the valid run checked twice
+
+
+def test_a_pointer_with_other_members_warns_of_them_as_load_does(demo_run, tmp_path, monkeypatch):
+    """Members a pointer file's layout does not define are named in a warning (docs/
+    input-validation.md, "Accepted with a warning")."""
+    import shutil
+
+    run = tmp_path / os.path.basename(demo_run)
+    shutil.copytree(demo_run + ".parts", f"{run}.parts")
+    with np.load(demo_run) as z:
+        np.savez(run, tracekit_parts_log=z["tracekit_parts_log"], junk=np.zeros(3))
+    monkeypatch.setenv("TRACEKIT_SLICE_EMISSIONS", "500")
+    whole, parts = _verdict(_loaded, str(run)), _verdict(_checked, str(run))
+    assert parts == whole and any("junk" in w for w in parts[1][2]), parts

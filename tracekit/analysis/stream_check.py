@@ -19,11 +19,13 @@ time, with the verdict, the counts, the warnings and the error `load` gives:
   count, first and last emission; these are checked as one log (`validate_log`) whose
   steps are placeholders (their number only) and whose emissions are empty, the emission
   warnings and the first tokens taken from the parts;
-- of several failures, the one `validate_log` checks first is raised (`_ORDER`).
+- of several failures, the one `validate_log` checks first is raised (each rule's place
+  in its order: `_FINITE`, `_RANGES`, `_DEFERRED`, `_KEPT_ORDER`).
 
 A folder whose first parts were removed (retention) is read as `merge_parts` reads it: steps
 numbered from its first part's, the requests named only before it ``(removed N)``. A run
-read whole today (a one-file log, a process directory), and a folder whose part gives a
+read whole today (a one-file log, a process directory), a pointer file with other
+members than its one (`load` warns of them), and a folder whose part gives a
 request that already emitted a new arrival (its earlier emissions were compared with the
 old one), or whose first part vanishes while it is read, is read whole here too
 (`NotSliceable` -> `load`).
@@ -40,9 +42,10 @@ import numpy as np
 from tracekit.analysis.run import parts_dir_of
 from tracekit.analysis.workers import reads_in_slices
 from tracekit.errors import LogError
-from tracekit.log.archive import InflateLimitError
+from tracekit.log.archive import InflateLimitError, read_npz
 from tracekit.log.flush import TABLES, UNKNOWN_TICK, column_index
 from tracekit.log.parts import (
+    POINTER_MEMBER,
     Retained,
     index_warnings,
     merge_flushed,
@@ -77,7 +80,7 @@ def check_run(path: str, **limits: Any) -> Checked:
     warnings); a one-process run longer than one slice part by part, in bounded memory."""
     parts_dir = parts_dir_of(path)
     try:
-        sliced = parts_dir is not None and reads_in_slices(path)
+        sliced = parts_dir is not None and reads_in_slices(path) and _plain_pointer(path)
     except (LogError, OSError):  # an unreadable index: `load` says so
         sliced = False
     if parts_dir is not None and sliced:
@@ -90,6 +93,14 @@ def check_run(path: str, **limits: Any) -> Checked:
             pass
     log = load(path, **limits)
     return Checked(len(log.steps), len(log.emissions), log.warnings)
+
+
+def _plain_pointer(path: str) -> bool:
+    """Not a pointer file with members besides its one (`load` warns of those)."""
+    if not os.path.isfile(path):
+        return True
+    _, ignored = read_npz(path, lambda names: [n for n in names if n == POINTER_MEMBER])
+    return not ignored
 
 
 # The order in which `validate_log` checks (a failure's key: (order, sub-order)).
