@@ -469,19 +469,19 @@ def _client_ttft(run, log, engine, min_ms, request_id, top, win):
 @_read_limits
 def check(runs: tuple[str, ...]) -> None:
     """Validate raw logs without analysing them: one line per file, exit 2 if any is bad."""
-    from tracekit.log.reader import load  # deferred: loaded per command
+    from tracekit.analysis.stream_check import check_run  # deferred: loaded per command
 
     bad = 0
     for path in _expand(runs):
-        try:
-            log = load(path, **_limits())
+        try:  # a long one-process run part by part, in bounded memory (the same verdict)
+            log = check_run(path, **_limits())
         except TracekitError as e:
             click.echo(f"BAD   {one_line(str(e))}")
             bad += 1
             continue
         note = f" ({len(log.warnings)} warning(s))" if log.warnings else ""
         click.echo(
-            f"ok    {one_line(path)}: {len(log.steps)} steps, {len(log.emissions)} emissions{note}"
+            f"ok    {one_line(path)}: {log.num_steps} steps, {log.num_emissions} emissions{note}"
         )
         _warn(path, log.warnings)
     if bad:

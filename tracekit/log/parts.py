@@ -212,8 +212,8 @@ def merge_parts(
         parts, warnings, head_gone = _read_parts(paths, max_inflate_mb)
         if not head_gone:
             break
-    warnings += _index_warnings(parts_dir, paths, warnings)
-    start = _retained_start(parts_dir, paths, parts, warnings)
+    warnings += index_warnings(parts_dir, paths, warnings)
+    start = retained_start(parts_dir, paths, parts, warnings)
     return merge_flushed(
         meta, parts, final=final, path=parts_dir, warnings=warnings, retained=start
     )
@@ -230,11 +230,7 @@ def _read_parts(
     for i, p in enumerate(paths):
         # a power loss kept a later part's name but not the next one's
         if i and part_number(p) != part_number(paths[i - 1]) + 1:
-            warnings.append(
-                f"part-{part_number(paths[i - 1]) + 1:06d}{os.path.splitext(p)[1]} is "
-                "missing; the run ends at the flush before it "
-                f"({len(paths) - i} later part(s) left out, still on disk)"
-            )
+            warnings.append(missing_part_warning(paths, i))
             break
         try:  # read the whole part before using any of it (bounded: tracekit.log.archive)
             z = read_part(p, max_inflate_mb=max_inflate_mb)
@@ -257,13 +253,27 @@ def _read_parts(
         # Damaged on disk (a kill cannot do this: parts are renamed into place whole; a
         # power loss can, before the part's fsync, docs/capture.md). Later parts refer to
         # its steps and requests by index, so the run ends here.
-        warnings.append(
-            f"{os.path.basename(p)} is unreadable ({type(damaged).__name__}: "
-            f"{str(damaged)[:100]}); the run ends at the flush before it "
-            f"({len(paths) - i} part(s) left out, still on disk)"
-        )
+        warnings.append(unreadable_part_warning(paths, i, damaged))
         break
     return parts, warnings, False
+
+
+def missing_part_warning(paths: list[str], i: int) -> str:
+    """The warning of a run that ends before ``paths[i]``: the part before it is missing."""
+    return (
+        f"part-{part_number(paths[i - 1]) + 1:06d}{os.path.splitext(paths[i])[1]} is "
+        "missing; the run ends at the flush before it "
+        f"({len(paths) - i} later part(s) left out, still on disk)"
+    )
+
+
+def unreadable_part_warning(paths: list[str], i: int, damaged: BaseException) -> str:
+    """The warning of a run that ends before ``paths[i]``, which could not be read."""
+    return (
+        f"{os.path.basename(paths[i])} is unreadable ({type(damaged).__name__}: "
+        f"{str(damaged)[:100]}); the run ends at the flush before it "
+        f"({len(paths) - i} part(s) left out, still on disk)"
+    )
 
 
 @dataclass(frozen=True)
@@ -278,7 +288,7 @@ class Retained:
     from_tick: int | None
 
 
-def _retained_start(
+def retained_start(
     parts_dir: str, paths: list[str], parts: list[dict[str, Any]], warnings: list[str]
 ) -> Retained | None:
     """None for a run read from its first part; else where it starts (the first part must
@@ -305,7 +315,7 @@ def _retained_start(
                     before[0] if before else None)  # fmt: skip
 
 
-def _index_warnings(parts_dir: str, paths: list[str], warned: list[str]) -> list[str]:
+def index_warnings(parts_dir: str, paths: list[str], warned: list[str]) -> list[str]:
     """What the folder's index says that its parts do not: torn lines, parts it lists that
     are not on disk (a power loss before their names were durable, or a hand that removed
     them), unless a missing part was already named."""

@@ -82,10 +82,16 @@ def _checked(
             log,
             warnings=(*log.warnings, f"ignored {len(ignored)} unknown archive member(s): {shown}"),
         )
-    log = _shorten_names(log, _max_name_chars(max_label_chars))
+    log = shorten_names(log, max_label_chars)
     if validate:
         log = validate_log(log)
     return log
+
+
+def shorten_names(log: RawLog, max_label_chars: int | None = None) -> RawLog:
+    """The log with names longer than `max_label_chars` (default as `load`'s) shortened,
+    with the warning `load` gives."""
+    return _shorten_names(log, _max_name_chars(max_label_chars))
 
 
 def _max_name_chars(given: int | None) -> int:
