@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -205,19 +204,6 @@ def test_odd_but_usable_runs_warn_as_load_does(tmp_path, part_by_part):
     ):
         assert any(words in w for w in warnings), (words, warnings)
     assert part_by_part == [path]
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> str:
-    """A demo run with recompute evictions, GC and eager steps, in several parts."""
-    d = tmp_path_factory.mktemp("check")
-    r = subprocess.run(
-        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "200", "--out", str(d),
-         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return str(d / "baseline__s1.npz")
 
 
 def test_check_of_a_long_run_never_reads_it_whole_and_says_the_same(demo_run, monkeypatch):
