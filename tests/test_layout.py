@@ -35,7 +35,7 @@ PKG = ROOT / "tracekit"
 STAGES = ("base", "log", "capture", "attribution", "analysis", "render", "live", "cli")
 BASE = {"errors", "labels", "formats", "fsio", "allocator", "version", "__main__"}
 #: modules of the `cli` stage beside `cli.py` (what the command line shares, moved out of it)
-CLI_MODULES = {"cli_window", "cli_output"}
+CLI_MODULES = {"cli_window", "cli_output", "cli_listing"}
 
 
 def module_name(path: pathlib.Path) -> str:
