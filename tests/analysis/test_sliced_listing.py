@@ -1,0 +1,242 @@
+"""`tracekit gaps` and `tracekit ttft` of a whole long run read in slices (docs/reports.md,
+"Reading a long run in slices"): the whole run's records in its order, every field exact
+but the per-label parts (float rounding), with its request names and step numbers; the
+table's longest gaps and slowest TTFTs as the whole run's table lists them."""
+
+from __future__ import annotations
+
+import ast
+import csv
+import io
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tracekit
+from tracekit.analysis.gaps import gap_records
+from tracekit.analysis.stream_listing import gap_listing_sliced, ttft_listing_sliced
+from tracekit.analysis.ttft_records import ttft_records
+from tracekit.cli import main
+from tracekit.log.slices import SlicedRun
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_NS = 10_000_000  # 10 ms
+SLICES = "TRACEKIT_SLICE_EMISSIONS"
+WHOLE = "100000000"  # more emissions than any test run: read whole
+
+
+def _differences(x, y, path=""):
+    """Where two records differ: a per-label part (or an eviction piece's share of one)
+    beyond 1e-9 ms (a slice's prefix sums start at the slice), anything else at all (keys
+    and their order included)."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        if list(x) != list(y):
+            return [f"{path}: keys {list(x)} != {list(y)}"]
+        return [d for k in x for d in _differences(x[k], y[k], f"{path}.{k}")]
+    if isinstance(x, list) and isinstance(y, list):
+        if len(x) != len(y):
+            return [f"{path}: {len(x)} != {len(y)} items"]
+        return [d for i, (a, b) in enumerate(zip(x, y, strict=True))
+                for d in _differences(a, b, f"{path}[{i}]")]  # fmt: skip
+    loose = ".parts." in path or (path.endswith(".ms") and "_causes[" in path)
+    if isinstance(x, float) and isinstance(y, float) and loose:
+        return [] if abs(x - y) <= 1e-9 else [f"{path}: {x!r} != {y!r}"]
+    same = x == y and type(x) is type(y)
+    return [] if same else [f"{path}: {x!r} != {y!r}"]
+
+
+class FakeClock:
+    """Moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        return self.t
+
+
+def _wait_for_parts(out: Path, n: int) -> None:
+    """Until the writer has put `n` parts on disk (a part per step: the slices are parts)."""
+    folder = Path(str(out) + ".parts")
+    deadline = time.monotonic() + 60.0
+    while len(list(folder.glob("part-*.tkp"))) < n:
+        assert time.monotonic() < deadline, f"the writer wrote no part {n} in 60 s"
+        time.sleep(0.005)
+
+
+def _hand_run(out: Path) -> None:
+    """30 steps of 10 ms (a `decode` segment each), a part per step. "alive" emits at every
+    step's end; "long" at steps 0 and 23 only: evicted at step 2's end, readmitted at step
+    22's end (swap)."""
+    clock = FakeClock()
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    with rec:
+        rec.request("alive")
+        rec.request("long")
+        for k in range(30):
+            with rec.step():
+                with rec.segment("decode"):
+                    clock.t += STEP_NS
+                rec.emit(["alive", "long"] if k in (0, 23) else ["alive"])
+                if k == 2:
+                    rec.evict("long", mode="swap")
+                if k == 22:
+                    rec.readmit("long")
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> str:
+    """A demo run with recompute evictions, GC and eager steps, in several parts."""
+    d = tmp_path_factory.mktemp("sliced")
+    r = subprocess.run(
+        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
+         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return str(d / "baseline__s1.npz")
+
+
+@pytest.fixture(scope="module")
+def whole(demo_run) -> dict[str, list[dict]]:
+    """The whole run's gap and TTFT records, as JSON gives them back."""
+    log = tracekit.load(demo_run)
+    plain = lambda recs: [json.loads(json.dumps(r)) for r in recs]  # noqa: E731
+    return {"gaps": plain(gap_records(log)), "ttft": plain(ttft_records(log))}
+
+
+def _parsed(fmt: str, text: str) -> list:
+    """A command's output as records: JSON lines parsed, CSV rows with each record's parts
+    (``parts.LABEL``) and eviction pieces parsed back into their record's shape; a table's
+    lines, its reconcile error (of parts) left out."""
+    if fmt == "jsonl":
+        return [json.loads(x) for x in text.splitlines()]
+    if fmt == "table":
+        return [re.sub(r"reconcile max err \S+", "", x) for x in text.splitlines()]
+    rows = list(csv.reader(io.StringIO(text)))
+    out: list = [rows[0]]
+    for row in rows[1:]:
+        rec: dict = {"parts": {}}
+        for k, v in zip(rows[0], row, strict=True):
+            if k.startswith("parts."):
+                rec["parts"][k] = float(v)
+            elif k.endswith("_causes") and v:
+                rec[k] = ast.literal_eval(v)
+            else:
+                rec[k] = v
+        out.append(rec)
+    return out
+
+
+def _cli(args: list[str], budget: str) -> tuple[str, str]:
+    r = CliRunner().invoke(main, args, env={SLICES: budget}, catch_exceptions=False)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout, r.stderr
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(budget=st.integers(min_value=1, max_value=6_000))
+def test_any_slice_size_lists_the_whole_runs_records(demo_run, whole, tmp_path_factory, budget):
+    parts = demo_run + ".parts"
+    run = SlicedRun(parts)
+    run.index()
+    assert len(run.bounds(budget)) >= 2 or budget > 3_000  # most budgets cut the run
+    folder = tmp_path_factory.mktemp("spill")
+    (folder / "g").mkdir()
+    (folder / "t").mkdir()
+    g = gap_listing_sliced(parts, str(folder / "g"), max_emissions=budget, top=0)
+    t = ttft_listing_sliced(parts, str(folder / "t"), max_emissions=budget, top=0)
+    assert _differences(whole["gaps"], list(g.records())) == []
+    assert _differences(whole["ttft"], list(t.records())) == []
+    assert any("preempt_causes" in r for r in whole["gaps"])  # evictions named
+    assert any("recompute_causes" in r for r in whole["gaps"])
+    # the table's records: every one, longest first, ties in the whole run's order
+    order = sorted(range(len(whole["gaps"])), key=lambda i: -whole["gaps"][i]["gap_ms"])
+    assert _differences([whole["gaps"][i] for i in order], g.longest) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("gaps", "--format", "jsonl"),
+        ("gaps", "--format", "table"),
+        ("gaps", "--format", "table", "--top", "5", "--min-ms", "20"),
+        ("gaps", "--format", "csv"),
+        ("gaps", "--format", "csv", "--request", "7"),
+        ("gaps", "--format", "jsonl", "--min-ms", "1e9"),
+        ("ttft", "--format", "jsonl"),
+        ("ttft", "--format", "table", "--top", "4"),
+        ("ttft", "--format", "csv", "--min-ms", "100"),
+        ("ttft", "--format", "jsonl", "--request", "7"),
+    ],
+)  # fmt: skip
+def test_the_commands_in_slices_write_the_whole_runs_output_without_reading_it(
+    demo_run, args, monkeypatch
+):
+    """`gaps` and `ttft` of a long run read in slices: the whole run's output (the demo
+    run's parts equal bit for bit here, so the text is compared whole), and reading the
+    whole run is made to fail."""
+    from tracekit.analysis import workers
+
+    cmd = [args[0], demo_run, *args[1:]]
+    out_whole, err_whole = _cli(cmd, WHOLE)
+
+    def no_whole_run(*_a, **_k):
+        raise AssertionError("a long run's listing read the whole run")
+
+    monkeypatch.setattr(workers, "partitions", no_whole_run)
+    monkeypatch.setattr(workers, "open_run", no_whole_run)
+    out_sliced, err_sliced = _cli(cmd, "500")
+    assert "read in slices (bounded memory)" in err_sliced and "in slices" not in err_whole
+    assert _differences(_parsed(args[2], out_whole), _parsed(args[2], out_sliced)) == []
+    assert err_sliced.replace(f"tracekit: {demo_run}: read in slices (bounded memory)\n",
+                              "") == err_whole  # fmt: skip
+
+
+def test_a_gap_across_twenty_slices_is_listed_with_its_steps_and_eviction(tmp_path):
+    """Hand case (docs/partition.md rules 1-3, "Who evicted whom"): read one part a slice,
+    "long"'s one gap (step 0's end, 10 ms, to step 23's end, 240 ms) is owned by a slice
+    reading 23 parts back, whose log numbers steps from its first part: listed, it spans
+    steps 0..23 as in the whole run, 200 ms preempt (evicted 30..230 ms, one piece naming
+    its own eviction at 30 ms), 30 ms forward. "alive" (named first) has 29 gaps of 10 ms,
+    step k to k+1, all forward. Records by request, then time: alive's, then long's."""
+    out = tmp_path / "run.npz"
+    _hand_run(out)
+    parts = str(out) + ".parts"
+    (tmp_path / "g").mkdir()
+    g = gap_listing_sliced(parts, str(tmp_path / "g"), max_emissions=1, top=1)
+    recs = list(g.records())
+    assert [r["request"] for r in recs] == ["alive"] * 29 + ["long"]
+    for k, r in enumerate(recs[:29]):
+        assert (r["step0"], r["step1"]) == (k, k + 1)
+        assert r["gap_ms"] == pytest.approx(10.0) and r["primary"] == "clean"
+        assert r["parts"]["forward"] == pytest.approx(10.0)
+    long = recs[-1]
+    assert (long["step0"], long["step1"]) == (0, 23)
+    assert (long["t0_s"], long["t1_s"]) == (pytest.approx(0.010), pytest.approx(0.240))
+    assert long["gap_ms"] == pytest.approx(230.0) and long["primary"] == "preempt"
+    assert long["parts"]["preempt"] == pytest.approx(200.0)
+    assert long["parts"]["forward"] == pytest.approx(30.0)
+    (piece,) = long["preempt_causes"]
+    assert (piece["kind"], piece["victim"]) == ("evicted", "long")
+    assert piece["ms"] == pytest.approx(200.0) and piece["evicted_at_s"] == pytest.approx(0.030)
+    assert g.longest == [long] and g.count == 30  # the table: the longest, of 30
+    (tmp_path / "t").mkdir()
+    t = ttft_listing_sliced(parts, str(tmp_path / "t"), max_emissions=1)
+    # both arrived at engine time 0 and had their first token at step 0's end
+    assert [(r["request"], r["ttft_ms"]) for r in t.records()] == [
+        ("alive", pytest.approx(10.0)), ("long", pytest.approx(10.0))
+    ]
+    log = tracekit.load(out)
+    assert _differences(json.loads(json.dumps(gap_records(log))), recs) == []
