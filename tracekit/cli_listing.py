@@ -18,10 +18,10 @@ from typing import Any
 import click
 
 from tracekit.cli_output import write_records
-from tracekit.errors import one_line
+from tracekit.errors import UsageError, one_line
 
-#: records turned into CSV at once
-_CSV_ROWS = 50_000
+#: records turned into CSV or a Parquet row group at once
+BLOCK_RECORDS = 50_000
 
 
 def gaps_in_slices(
@@ -36,7 +36,7 @@ def gaps_in_slices(
     from tracekit.analysis.stream_listing import gap_listing_sliced
     from tracekit.render import text
 
-    found = workers.sliced_parts(run) if fmt != "parquet" else None
+    found = workers.sliced_parts(run)
     if found is None:
         return False
     with tempfile.TemporaryDirectory(prefix="tracekit-gaps-") as folder:
@@ -71,7 +71,7 @@ def ttft_in_slices(
     from tracekit.attribution.ttft import ttft_figures
     from tracekit.render import text
 
-    found = workers.sliced_parts(run) if fmt != "parquet" else None
+    found = workers.sliced_parts(run)
     if found is None:
         return False
     with tempfile.TemporaryDirectory(prefix="tracekit-ttft-") as folder:
@@ -101,8 +101,10 @@ def _write(
     """The records as `write_records` writes them, streamed: JSON lines as spilled; CSV in
     blocks under the columns the whole run's table has (every record's fields, in the order
     they first appear); the table as given."""
-    if fmt not in ("jsonl", "csv") or not count:
-        return write_records([] if fmt != "table" else [], fmt, output, table)
+    if fmt not in ("jsonl", "csv", "parquet") or not count:
+        return write_records([], fmt, output, table)
+    if fmt == "parquet":
+        return _parquet(records, output)
     fh = open(output, "w", encoding="utf-8") if output else None  # noqa: SIM115
     put = fh.write if fh is not None else sys.stdout.write
     try:
@@ -133,11 +135,34 @@ def _csv(records: Callable[[], Iterator[dict[str, Any]]], put: Callable[[str], A
             if isinstance(v, dict):
                 for k2 in v:
                     cols.setdefault(f"{k}.{k2}")
-    for n, block in enumerate(_batched(records(), _CSV_ROWS)):
+    for n, block in enumerate(_batched(records(), BLOCK_RECORDS)):
         buf = io.StringIO()
         df = pd.json_normalize(block, sep=".").reindex(columns=list(cols))
         df.to_csv(buf, index=False, header=n == 0)
         put(buf.getvalue())
+
+
+def _parquet(records: Callable[[], Iterator[dict[str, Any]]], output: str | None) -> None:
+    """`pd.json_normalize(records).to_parquet()` in row groups: a first pass finds each
+    column's type over every block (a block without a column, or with its values all
+    null, takes the type the others give it), the second writes the blocks."""
+    import pandas as pd  # deferred: pandas and pyarrow only for this format
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not output:
+        raise UsageError("--format parquet needs -o/--output FILE (parquet files are binary)")
+    schemas = [pa.Table.from_pandas(pd.json_normalize(block, sep="."), preserve_index=False)
+               .schema.remove_metadata() for block in _batched(records(), BLOCK_RECORDS)]  # fmt: skip
+    schema = pa.unify_schemas(schemas, promote_options="permissive")
+    with pq.ParquetWriter(output, schema) as writer:
+        for block in _batched(records(), BLOCK_RECORDS):
+            df = pd.json_normalize(block, sep=".")
+            got = pa.Table.from_pandas(df, preserve_index=False)
+            cols = [got.column(f.name).cast(f.type) if f.name in df.columns
+                    else pa.nulls(len(df), f.type) for f in schema]  # fmt: skip
+            writer.write_table(pa.Table.from_arrays(cols, schema=schema))
+    click.echo(f"wrote {one_line(output)}", err=True)
 
 
 def _batched(it: Iterator[Any], n: int) -> Iterator[list[Any]]:

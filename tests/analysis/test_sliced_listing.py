@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
@@ -179,18 +180,24 @@ def test_any_slice_size_lists_the_whole_runs_records(demo_run, whole, tmp_path_f
         ("ttft", "--format", "table", "--top", "4"),
         ("ttft", "--format", "csv", "--min-ms", "100"),
         ("ttft", "--format", "jsonl", "--request", "7"),
+        ("gaps", "--format", "parquet"),
+        ("ttft", "--format", "parquet"),
     ],
 )  # fmt: skip
 def test_the_commands_in_slices_write_the_whole_runs_output_without_reading_it(
-    demo_run, args, monkeypatch
+    demo_run, args, monkeypatch, tmp_path
 ):
-    """`gaps` and `ttft` of a long run read in slices: the whole run's output (the demo
-    run's parts equal bit for bit here, so the text is compared whole), and reading the
-    whole run is made to fail."""
+    """`gaps` and `ttft` of a long run read in slices: the whole run's output (its records
+    as `_parsed` reads them back), and reading the whole run is made to fail. CSV and
+    Parquet are written in blocks of 97 records here, so a block may lack a column."""
+    from tracekit import cli_listing
     from tracekit.analysis import workers
 
     cmd = [args[0], demo_run, *args[1:]]
+    if args[2] == "parquet":
+        return _same_parquet(cmd, tmp_path, monkeypatch)
     out_whole, err_whole = _cli(cmd, WHOLE)
+    monkeypatch.setattr(cli_listing, "BLOCK_RECORDS", 97)
 
     def no_whole_run(*_a, **_k):
         raise AssertionError("a long run's listing read the whole run")
@@ -202,6 +209,27 @@ def test_the_commands_in_slices_write_the_whole_runs_output_without_reading_it(
     assert _differences(_parsed(args[2], out_whole), _parsed(args[2], out_sliced)) == []
     assert err_sliced.replace(f"tracekit: {demo_run}: read in slices (bounded memory)\n",
                               "") == err_whole  # fmt: skip
+
+
+def _same_parquet(cmd: list[str], tmp_path: Path, monkeypatch) -> None:
+    """`--format parquet` in slices (row groups of 97 records) holds the whole run's table:
+    the same schema and rows, parts (and eviction pieces) to float rounding."""
+    from tracekit import cli_listing
+    from tracekit.analysis import workers
+
+    _cli([*cmd, "-o", str(tmp_path / "whole.parquet")], WHOLE)
+    monkeypatch.setattr(cli_listing, "BLOCK_RECORDS", 97)
+    monkeypatch.setattr(workers, "partitions", None)  # a whole read would fail
+    _, err = _cli([*cmd, "-o", str(tmp_path / "sliced.parquet")], "500")
+    assert "read in slices" in err
+    whole, sliced = (pq.read_table(tmp_path / f"{x}.parquet") for x in ("whole", "sliced"))
+    assert whole.schema.remove_metadata() == sliced.schema and whole.num_rows > 1
+    for name in whole.schema.names:
+        a, b = whole.column(name).to_pylist(), sliced.column(name).to_pylist()
+        if name.startswith("parts.") or name.endswith("_causes"):
+            assert _differences({"parts": {name: a}}, {"parts": {name: b}}) == [], name
+        else:
+            assert a == b, name
 
 
 def test_a_gap_across_twenty_slices_is_listed_with_its_steps_and_eviction(tmp_path):
