@@ -12,7 +12,8 @@ The stage order, bottom first (README, "Layout"):
     render       text, HTML, Perfetto
     live         metrics and traces while the engine serves
     cli          the command line (cli.py; cli_window.py: the window options; cli_output.py:
-                 how records are written)
+                 how records are written; cli_listing.py: gaps and ttft of a long run in
+                 slices)
 
 A module may import its own stage or any stage below it. The check reads the source with
 `ast`, so a function-local import counts like one at the top (where an optional dependency

@@ -152,8 +152,11 @@ def _parquet(records: Callable[[], Iterator[dict[str, Any]]], output: str | None
 
     if not output:
         raise UsageError("--format parquet needs -o/--output FILE (parquet files are binary)")
-    schemas = [pa.Table.from_pandas(pd.json_normalize(block, sep="."), preserve_index=False)
-               .schema.remove_metadata() for block in _batched(records(), BLOCK_RECORDS)]  # fmt: skip
+    schemas = [
+        pa.Table.from_pandas(pd.json_normalize(block, sep="."), preserve_index=False).schema
+        for block in _batched(records(), BLOCK_RECORDS)
+    ]
+    schemas = [sc.remove_metadata() for sc in schemas]
     schema = pa.unify_schemas(schemas, promote_options="permissive")
     with pq.ParquetWriter(output, schema) as writer:
         for block in _batched(records(), BLOCK_RECORDS):

@@ -264,7 +264,8 @@ def test_a_gap_across_twenty_slices_is_listed_with_its_steps_and_eviction(tmp_pa
     t = ttft_listing_sliced(parts, str(tmp_path / "t"), max_emissions=1)
     # both arrived at engine time 0 and had their first token at step 0's end
     assert [(r["request"], r["ttft_ms"]) for r in t.records()] == [
-        ("alive", pytest.approx(10.0)), ("long", pytest.approx(10.0))
+        ("alive", pytest.approx(10.0)),
+        ("long", pytest.approx(10.0)),
     ]
     log = tracekit.load(out)
     assert _differences(json.loads(json.dumps(gap_records(log))), recs) == []

@@ -100,13 +100,13 @@ class Listing:
         """`lines`, parsed (JSON keeps every float exactly)."""
         return (json.loads(line) for line in self.lines())
 
-    def _start(self, stem: str) -> None:
+    def start_piece(self, stem: str) -> None:
         """A new slice's piece, empty until its records are written."""
         for ext in (".jsonl", ".req"):
             open(stem + ext, "wb").close()
         self.pieces.append(_Piece(stem, 0))
 
-    def _write(self, rows: list[dict[str, Any]], req: np.ndarray) -> None:
+    def write(self, rows: list[dict[str, Any]], req: np.ndarray) -> None:
         """Append one block of a slice's records (in order) to its piece."""
         pc = self.pieces[-1]
         with open(pc.stem + ".jsonl", "a", encoding="utf-8") as fh:
@@ -116,7 +116,7 @@ class Listing:
         pc.rows += len(rows)
         self.count += len(rows)
 
-    def _keep_best(self, cands: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
+    def keep_best(self, cands: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
         """Keep the table's `top` records of those kept and `cands` (0: every one)."""
         self.best = sorted(self.best + cands, key=lambda kv: kv[0])
         if self.top > 0:
@@ -232,7 +232,7 @@ def gap_listing_sliced(
         if wanted is not None:
             sel &= np.isin(p.request, wanted)
         rows = np.flatnonzero(sel)
-        out._start(os.path.join(folder, f"slice-{j:06d}"))
+        out.start_piece(os.path.join(folder, f"slice-{j:06d}"))
         off = run.parts[task.c].first_step - first_step
         # the table's candidates: the slice's `top` longest, ties in the run's order
         order = np.lexsort((rows, p.request[rows], -p.gap_ms[rows]))
@@ -245,8 +245,8 @@ def gap_listing_sliced(
                 _renumber(rec, off, ("step0", "step1"))
                 if i in cand:
                     best.append(((-rec["gap_ms"], int(p.request[i]), j, i), rec))
-            out._write(recs, p.request[block])
-            out._keep_best(best)
+            out.write(recs, p.request[block])
+            out.keep_best(best)
         say(f"slice {j + 1} of {len(tasks)}")
     return out
 
@@ -289,15 +289,15 @@ def ttft_listing_sliced(
         if wanted is not None:
             sel &= np.isin(tp.request, wanted)
         mine = tp.take(sel)
-        out._start(os.path.join(folder, f"slice-{j:06d}"))
+        out.start_piece(os.path.join(folder, f"slice-{j:06d}"))
         off = run.parts[task.c].first_step - first_step
         recs = ttft_records(log, mine)
         for rec in recs:
             _renumber(rec, off, ())
         if recs:
-            out._write(recs, mine.request)
+            out.write(recs, mine.request)
         order = np.lexsort((mine.request, -mine.ttft_ms))
         keep = order[: top if top > 0 else len(order)].tolist()
-        out._keep_best([((-recs[i]["ttft_ms"], int(mine.request[i])), recs[i]) for i in keep])
+        out.keep_best([((-recs[i]["ttft_ms"], int(mine.request[i])), recs[i]) for i in keep])
         say(f"slice {j + 1} of {len(tasks)}")
     return out
