@@ -150,8 +150,9 @@ def _named(out: Listing, run: SlicedRun, task: SliceTask, log: RawLog) -> RawLog
     part (``(removed N)`` in its log) were named by an earlier slice's parts."""
     start = run.parts[task.c].request_ids_start
     ids = log.request_names()
-    assert start <= len(out.names) or not out.pieces or task.retained is None
-    real = tuple(out.names[:start]) + tuple(ids[min(start, len(ids)) :])
+    known = out.names[:start]  # none before the first slice: its log names them all
+    assert len(known) == start or not out.pieces
+    real = tuple(known) + tuple(ids[len(known) :])
     if len(real) > len(out.names):
         out.names[:] = real
     return replace(log, request_ids=real)
@@ -220,7 +221,9 @@ def gap_listing_sliced(
                             max_emissions)  # fmt: skip
     wanted = None
     if request_id is not None:  # matched against the whole run's names, as read whole
-        wanted = requests_named(replace(_all_names(run), path=out.path), request_id)
+        named = replace(_all_names(run), path=out.path)
+        out.names = list(named.request_ids)  # the slices skipped named some of them
+        wanted = requests_named(named, request_id)
     first_step = run.parts[0].first_step
     for j in _wanted_slices(run, tasks, max_emissions, wanted):
         task = tasks[j]
@@ -272,6 +275,7 @@ def ttft_listing_sliced(
     wanted = None
     if request_id is not None:
         ids = _all_names(run).request_names()
+        out.names = list(ids)
         if request_id not in ids:
             raise LogError(out.path, "request", f"no request with id {request_id!r} in this run")
         wanted = np.array([ids.index(request_id)], dtype=np.int64)
