@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -48,7 +49,8 @@ def gaps_in_slices(
             return False
         warn(lst.path, lst.warnings)
         if not lst.count:
-            longest = f"{lst.longest_ms:.1f} ms" if lst.longest_ms > 0 else "none: no gaps"
+            has = math.isfinite(lst.longest_ms)  # -inf: the index pass saw no gap
+            longest = f"{lst.longest_ms:.1f} ms" if has else "none: no gaps"
             what = f" of request {request_id!r}" if request_id is not None else ""
             above = f" at least {min_ms:g} ms long" if min_ms is not None else ""
             click.echo(f"tracekit: {run}: no gap{what}{above} (the run's longest gap: "
@@ -81,13 +83,13 @@ def ttft_in_slices(
                                       max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
         except NotSliceable:
             return False
-        warn(lst.path, lst.warnings)
         rows = lst.ttft_rows()
-        if rows is not None:
-            warn(lst.path, [f"TTFT: {n}" for n in rows.notes])
+        if rows is None:  # no request had a first token: the whole-run reader says so
+            return False
+        warn(lst.path, lst.warnings)
+        warn(lst.path, [f"TTFT: {n}" for n in rows.notes])
 
         def table() -> str:
-            assert rows is not None
             return text.ttft_requests(run, ttft_figures(rows), lst.longest, top) + "\n"
 
         _write(lst.lines, lst.records, lst.count, fmt, output, table)
