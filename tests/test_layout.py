@@ -12,7 +12,8 @@ The stage order, bottom first (README, "Layout"):
     render       text, HTML, Perfetto
     live         metrics and traces while the engine serves
     cli          the command line (cli.py; cli_window.py: the window options; cli_output.py:
-                 how records are written)
+                 how records are written; cli_listing.py: gaps and ttft of a long run in
+                 slices)
 
 A module may import its own stage or any stage below it. The check reads the source with
 `ast`, so a function-local import counts like one at the top (where an optional dependency
@@ -35,7 +36,7 @@ PKG = ROOT / "tracekit"
 STAGES = ("base", "log", "capture", "attribution", "analysis", "render", "live", "cli")
 BASE = {"errors", "labels", "formats", "fsio", "allocator", "version", "__main__"}
 #: modules of the `cli` stage beside `cli.py` (what the command line shares, moved out of it)
-CLI_MODULES = {"cli_window", "cli_output"}
+CLI_MODULES = {"cli_window", "cli_output", "cli_listing"}
 
 
 def module_name(path: pathlib.Path) -> str:

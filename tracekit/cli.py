@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import click
 
+from tracekit.cli_listing import gaps_in_slices, ttft_in_slices
 from tracekit.cli_output import emit, write_records
 from tracekit.cli_window import no_window_options, say_window, say_windows, view, window_options
 from tracekit.errors import (
@@ -351,6 +352,9 @@ def gaps(
 
     if fmt is None:
         fmt = "table" if output is None and sys.stdout.isatty() else "jsonl"
+    if boundary == "engine" and _say_sliced([run]) and gaps_in_slices(
+            run, fmt, min_ms, request_id, top, output, _warn, **_limits()):  # fmt: skip
+        return
     log, part, _, win = workers.opened(run, view(), **_limits())  # a long run: in slices
     _warn(log.path, log.warnings)
     win = say_window(run, win)
@@ -428,6 +432,9 @@ def ttft(
     from tracekit.attribution.ttft import ttft_figures
     from tracekit.render import text
 
+    if boundary == "engine" and _say_sliced([run]) and ttft_in_slices(
+            run, fmt, min_ms, request_id, top, output, _warn, **_limits()):  # fmt: skip
+        return
     log, _, whole, win = workers.opened(run, view(), **_limits())  # a long run: in slices
     _warn(log.path, log.warnings)
     win = say_window(run, win)

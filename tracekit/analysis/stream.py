@@ -616,6 +616,12 @@ def _ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
                    **{k: np.concatenate(v) for k, v in cols.items()})  # fmt: skip
 
 
+def gathered_ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
+    """Slices' own TTFT rows as one partition, columns aligned by label name (None: no
+    rows): the whole run's TTFT rows, for figures computed on them."""
+    return _ttft_rows(pieces)
+
+
 def _share(parts: dict[str, float], total: float, labels: tuple[str, ...]) -> dict[str, float]:
     if total <= 0:
         return {lb: 0.0 for lb in labels}

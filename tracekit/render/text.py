@@ -450,9 +450,14 @@ def gaps_table(records: Sequence[dict], top: int = 20) -> str:
     first, each with its largest parts; a last line says how many are not shown."""
     order = sorted(range(len(records)), key=lambda i: (-records[i]["gap_ms"], i))
     shown = order if top <= 0 else order[:top]
+    return longest_gaps_table([records[i] for i in shown], len(records))
+
+
+def longest_gaps_table(shown: Sequence[dict], total: int) -> str:
+    """`gaps_table` of the records it shows (longest first, chosen already) out of `total`
+    selected gaps (a long run's listing keeps only those: `tracekit.analysis.stream_listing`)."""
     rows = []
-    for i in shown:
-        r = records[i]
+    for r in shown:
         parts = sorted(((v, lb) for lb, v in r["parts"].items() if v > 0), reverse=True)
         rows.append(
             [
@@ -465,9 +470,9 @@ def gaps_table(records: Sequence[dict], top: int = 20) -> str:
         )
     out = table(rows, ["gap ms", "request", "t0 s", "primary", "parts ms (largest first)"],
                 "rllll")  # fmt: skip
-    if len(shown) < len(records):
+    if len(shown) < total:
         out += (
-            f"\n({len(records) - len(shown)} shorter gaps not shown: --top 0 shows all, "
+            f"\n({total - len(shown)} shorter gaps not shown: --top 0 shows all, "
             "--format jsonl or csv writes every field)"
         )
     return out
