@@ -98,6 +98,31 @@ def _hand_run(out: Path, extra: str | None = None) -> None:
             _wait_for_parts(out, k + 1)
 
 
+def _retained_run(out: Path, n: int = 400) -> None:
+    """A run recorded with retention (`retain_s`: its first parts removed as it records):
+    requests that live ~10 steps each, on a clock that moves 1 us a reading."""
+
+    class TickClock:
+        def __init__(self) -> None:
+            self.t = 10**12
+
+        def __call__(self) -> int:
+            self.t += 1000
+            return self.t
+
+    rec = tracekit.Recorder(out, clock=TickClock(), gc=False, handle_signals=False,
+                            flush_interval_s=2e-6, retain_s=100e-6)  # fmt: skip
+    with rec:
+        for i in range(n):
+            rec.request(f"r{i}", prompt_tokens=3)
+            with rec.step():
+                rec.admit(f"r{i}")
+                rec.prefill(f"r{i}", 3)
+                with rec.segment("decode"):
+                    pass
+                rec.emit([f"r{j}" for j in range(max(0, i - 9), i + 1)])
+
+
 def _wait_for_parts(out: Path, n: int) -> None:
     """Until the writer has put `n` parts on disk (a part per step: the slices are parts)."""
     import time

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sliced import _hand_run
+from test_sliced import _hand_run, _retained_run
 
 import tracekit
 from tracekit.analysis import fleet
@@ -198,34 +198,13 @@ def test_a_window_of_a_long_run_exports_the_whole_runs_window(demo_run, tmp_path
     assert list(ra) == list(rb) and [k for k in ra if not _close(ra[k], rb[k])] == []
 
 
-class TickClock:
-    """+1 us a reading."""
-
-    def __init__(self) -> None:
-        self.t = 10**12
-
-    def __call__(self) -> int:
-        self.t += 1000
-        return self.t
-
-
 def test_a_run_whose_first_parts_were_removed_exports_as_read_whole(tmp_path, monkeypatch):
     """A run recorded with retention (its first parts removed) read in slices: steps
     numbered from the first part left and the requests named only in removed parts
     '(removed N)', as the whole-run reader gives them (docs/design.md, "The run's log on
     disk"): the same table (parts to float rounding)."""
     out = tmp_path / "run.npz"
-    rec = tracekit.Recorder(out, clock=TickClock(), gc=False, handle_signals=False,
-                            flush_interval_s=2e-6, retain_s=100e-6)  # fmt: skip
-    with rec:  # requests that live ~10 steps each, two emitting per step
-        for i in range(400):
-            rec.request(f"r{i}", prompt_tokens=3)
-            with rec.step():
-                rec.admit(f"r{i}")
-                rec.prefill(f"r{i}", 3)
-                with rec.segment("decode"):
-                    pass
-                rec.emit([f"r{j}" for j in range(max(0, i - 9), i + 1)])
+    _retained_run(out)  # requests that live ~10 steps each, two emitting per step
     log = tracekit.load(out)
     assert any(n.startswith("(removed ") for n in log.request_ids)  # parts were removed
     _export(monkeypatch, [out], tmp_path / "sliced", str(len(log.emissions) // 3))

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sliced import _hand_run
+from test_sliced import _hand_run, _retained_run
 
 import tracekit
 from tracekit.analysis.gaps import gap_records
@@ -214,17 +214,6 @@ def test_a_gap_across_twenty_slices_is_listed_with_its_steps_and_eviction(tmp_pa
     assert _differences(json.loads(json.dumps(gap_records(log))), recs) == []
 
 
-class TickClock:
-    """Moves 1 us on every reading."""
-
-    def __init__(self) -> None:
-        self.t = 10**12
-
-    def __call__(self) -> int:
-        self.t += 1000
-        return self.t
-
-
 @pytest.mark.parametrize("request_id", [None, "r390"])
 def test_a_run_whose_first_parts_were_removed_lists_as_read_whole(tmp_path, request_id):
     """A run recorded with retention (its first parts removed), listed in slices: requests
@@ -232,17 +221,7 @@ def test_a_run_whose_first_parts_were_removed_lists_as_read_whole(tmp_path, requ
     part left, as the whole-run reader gives them (docs/design.md, "The run's log on
     disk"); `--request` reads only the slices where the request emits."""
     out = tmp_path / "run.npz"
-    rec = tracekit.Recorder(out, clock=TickClock(), gc=False, handle_signals=False,
-                            flush_interval_s=2e-6, retain_s=100e-6)  # fmt: skip
-    with rec:  # requests that live ~10 steps each, two emitting per step
-        for i in range(400):
-            rec.request(f"r{i}", prompt_tokens=3)
-            with rec.step():
-                rec.admit(f"r{i}")
-                rec.prefill(f"r{i}", 3)
-                with rec.segment("decode"):
-                    pass
-                rec.emit([f"r{j}" for j in range(max(0, i - 9), i + 1)])
+    _retained_run(out)  # requests that live ~10 steps each, two emitting per step
     log = tracekit.load(out)
     assert any(n.startswith("(removed ") for n in log.request_ids)  # parts were removed
     budget = len(log.emissions) // 5
