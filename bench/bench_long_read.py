@@ -98,6 +98,9 @@ def main() -> None:
                     help="a checkout of the previous main")  # fmt: skip
     ap.add_argument("--minutes", type=float, nargs="+", default=[10.0, 60.0])
     ap.add_argument("--baseline-max-gb", type=float, default=8.0)
+    ap.add_argument("--skip", nargs="*", default=[], metavar="COMMAND",
+                    help="of whatif, report, export, gaps, check: not run (gaps of an hour "
+                    "takes ~12 minutes)")  # fmt: skip
     a = ap.parse_args()
     for minutes in a.minutes:
         with tempfile.TemporaryDirectory(prefix="tracekit-long-read-") as tmp:
@@ -125,6 +128,8 @@ def main() -> None:
                 ("gaps --format jsonl", ["gaps", out, "--format", "jsonl", "-o", jl]),
                 ("check", ["check", out]),
             ):
+                if args[0] in a.skip:
+                    continue
                 show(name, "this tree", run_cmd(ROOT, args))
                 shutil.rmtree(os.path.join(tmp, "dataset"), ignore_errors=True)
                 show(name, "previous main", run_cmd(a.baseline, args, a.baseline_max_gb))
