@@ -180,18 +180,18 @@ def book_bytes_per_request(tmp_path: Path, n: int, *, finish: bool) -> float:
     return grown / (n - 2_000)
 
 
-def test_finished_requests_cost_a_few_bytes_each(tmp_path):
-    """What a finished request leaves in Python's and numpy's memory (docs/capture.md,
-    "Finished requests"), bounded by hand over the 22,000 requests measured: its
-    per-handle columns (26 bytes; they double, so up to 2 x 26 x 24,000 / 22,000 = 57
-    bytes) and two list slots (16 bytes, +1/8 over-allocation: 18, 20 over the 22,000):
-    77 bytes, < 100 with what the writer holds in flight when measured. Its row and name
-    are on disk after the next flush; its id's hash is in mapped tables, bounded below. An
-    id kept in the book costs two dictionary entries more."""
-    finished = book_bytes_per_request(tmp_path, 24_000, finish=True)
-    kept = book_bytes_per_request(tmp_path, 24_000, finish=False)
-    assert finished < 100
-    assert kept > finished
+def test_finished_requests_leave_the_book_flat(tmp_path):
+    """What finished requests leave in Python's and numpy's memory (docs/capture.md,
+    "Finished requests") does not grow with their number. Here each request finishes at
+    once and a flush comes every 50, so the book forgets the finished ones once 4,096 are
+    flushed: it holds at most 4,096 + 50 slots, in columns of at most 8,192 slots (26
+    bytes each: 213 KB) and two lists of at most 4,146 entries (8 bytes, +1/8: 75 KB),
+    whatever the run's length; with what the writer holds in flight, under 800 KB at
+    24,000 and at 48,000 requests. Their ids' hashes are in mapped tables (bounded below).
+    A book never told `finish` keeps every id: about 170 bytes a request."""
+    for n in (24_000, 48_000):
+        assert book_bytes_per_request(tmp_path, n, finish=True) * (n - 2_000) < 800_000, n
+    assert book_bytes_per_request(tmp_path, 24_000, finish=False) > 100
 
 
 def test_finished_ids_find_every_id_added_and_no_other():
@@ -214,3 +214,137 @@ def test_finished_ids_take_about_four_slots_a_hash():
         if i % 997 == 0:
             assert done.nbytes <= 8 * (4 * (i + 1) + FIRST_SLOTS), i
     assert done.nbytes <= 8 * (4 * 200_000 + FIRST_SLOTS)
+
+
+# -- the book forgets finished requests (`RequestBook.compact`) --------------------------
+
+COMPACT_AT = 4096  # docs/capture.md, "Finished requests": the book's compaction threshold
+
+
+def served(tmp_path: Path, name: str, n: int, during=None, *, pinned: bool = False):
+    """`n` requests, one a step: request i arrives, is admitted and emits one token in
+    step i, and is finished after it; a flush every 100 requests. With `pinned`, request
+    "long" arrives first (handle 0), emits in step 0 and every 1,000th step, and is
+    finished after step n - 600. `during(rec, handles, clock, i)` runs in every step i
+    after its emission (with `pinned`), or in the last one only. Returns the log's path
+    and every handle by request id."""
+    clk = ManualClock()
+    out = tmp_path / f"{name}.npz"
+    rec = tracekit.Recorder(out, clock=clk, gc=False, handle_signals=False,
+                            flush_interval_s=1e6)  # fmt: skip
+    handles: dict[str, int] = {}
+    with rec:
+        if pinned:
+            handles["long"] = rec.request("long", prompt_tokens=2)
+        for i in range(n):
+            clk.tick()
+            h = handles[f"r{i}"] = rec.request(f"r{i}", prompt_tokens=2)
+            with rec.step():
+                rec.admit_handle(h)
+                clk.tick()
+                rec.emit_handles([h])
+                if pinned and i % 1000 == 0:
+                    rec.emit_handles([handles["long"]])
+                if during is not None and (pinned or i == n - 1):
+                    during(rec, handles, clk, i)
+            rec.finish_handle(h)
+            if pinned and i == n - 600:
+                rec.finish("long")
+            if i % 100 == 99:
+                rec.flush_soon()
+    return out, handles
+
+
+def test_a_forgotten_handle_is_refused_at_every_call_and_records_nothing(tmp_path):
+    """6,000 requests finished one by one, flushed every 100: the book forgets the first
+    ones once 4,096 are finished and flushed (docs/capture.md, "Finished requests"), so a
+    call by the handle of request 0 raises naming it finished, whichever call it is, and
+    the run is the run without the call."""
+    calls = {
+        "emit_handles few": lambda rec, h: rec.emit_handles([h["r0"]]),
+        "emit_handles batch": lambda rec, h: rec.emit_handles(
+            np.array([h[f"r{i}"] for i in range(5990, 6000)] + [h["r0"]], dtype=np.int64)
+        ),
+        "emit_handles counts": lambda rec, h: rec.emit_handles([h["r0"]], [2]),
+        "emit_chunk": lambda rec, h: rec.emit_chunk(h["r0"], 1, 2),
+        "admit_handle": lambda rec, h: rec.admit_handle(h["r0"]),
+        "prefill_handles": lambda rec, h: rec.prefill_handles([h["r0"]], [1]),
+        "prefill_handles batch": lambda rec, h: rec.prefill_handles(
+            np.arange(10, dtype=np.int64), np.ones(10, dtype=np.int64)
+        ),
+        "wait_handles": lambda rec, h: rec.wait_handles([h["r0"]], "other"),
+        "finish_handle": lambda rec, h: rec.finish_handle(h["r0"]),
+    }
+    good, _ = served(tmp_path, "good", 6000)
+    for name, bad in calls.items():
+
+        def during(rec, handles, clk, i, bad=bad, name=name):
+            with pytest.raises(ValueError, match="finished") as e:
+                bad(rec, handles)
+            assert "\n" not in str(e.value), name
+
+        out, _ = served(tmp_path, f"bad-{name.replace(' ', '-')}", 6000, during)
+        assert_same_log(good, out)
+
+
+def test_the_run_read_back_names_every_request_after_the_book_forgets(tmp_path):
+    """What the book forgets is never the log's: every request's one emission, in its
+    step, under its own name, by hand from `served`; a batch of 16 live handles in the
+    last step (the per-step path, past the forgotten ones) names those 16 requests."""
+    n = 6000
+    batch = list(range(n - 16, n))
+
+    def during(rec, handles, clk, i):
+        rec.emit_handles(np.array([handles[f"r{i}"] for i in batch], dtype=np.int64))
+
+    out, handles = served(tmp_path, "run", n, during)
+    log = tracekit.load(out)
+    assert list(log.request_ids) == [f"r{i}" for i in range(n)]
+    assert [handles[f"r{i}"] for i in range(n)] == list(range(n))
+    em = log.emissions
+    assert em.request.tolist() == list(range(n)) + batch
+    assert em.step.tolist() == list(range(n)) + [n - 1] * 16
+
+
+def test_an_unfinished_request_keeps_its_handle_and_everything_after_it(tmp_path):
+    """A request alive across the run pins the book: nothing after it is forgotten while
+    it lives, so request 0's handle, finished 2,999 steps before, still names it in step
+    2,999 (its handle stays its own, as before any book forgot), and "long" (handle 0)
+    emits every 1,000 steps under its name; once it is finished (after step 5,400) the
+    book forgets up to the requests finished and flushed since, so in the last step its
+    handle is refused."""
+    n = 6000
+
+    def at(rec, handles, clk, i):
+        if i == 2999:
+            rec.emit_handles([handles["r0"]])
+        if i == n - 1:
+            with pytest.raises(ValueError, match="finished"):
+                rec.emit_handles([handles["long"]])
+
+    out, _ = served(tmp_path, "pinned", n, at, pinned=True)
+    log = tracekit.load(out)
+    assert list(log.request_ids) == ["long"] + [f"r{i}" for i in range(n)]
+    em = log.emissions
+    assert em.step[em.request == 0].tolist() == list(range(0, n, 1000))
+    assert em.step[em.request == 1].tolist() == [0, 2999]
+
+
+def test_an_arrival_after_the_emission_tick_is_checked_past_the_forgotten_handles(tmp_path):
+    """The batch path reads the arrivals of the handles it got (`emit_handles`' arrival
+    check, docs/capture.md) in the book's columns, which start at the first handle kept:
+    16 requests arriving in the last step at tick T, emitted at T - 5 in one call of 16
+    handles, are emitted at T (taken as their arrival), with the warning."""
+    n = 6000
+
+    def during(rec, handles, clk, i):
+        hs = [rec.request(f"late{j}", prompt_tokens=1) for j in range(16)]
+        rec.emit_handles(np.array(hs, dtype=np.int64), at_tick=clk.now - 5)
+
+    out, _ = served(tmp_path, "late", n, during)
+    log = tracekit.load(out)
+    late = np.isin(log.emissions.request, np.arange(n, n + 16))
+    assert late.sum() == 16
+    arrivals = log.requests.arrival_s[n : n + 16]
+    assert np.array_equal(log.emissions.t_s[late], arrivals)
+    assert any("before the request's arrival" in w for w in log.warnings)

@@ -652,7 +652,7 @@ class Recorder:
             if (
                 rows.is_flush_asked
                 or rows.has_rows()
-                or rows.num_requests_flushed < len(self._book.names)
+                or rows.num_requests_flushed < self._book.count
             ):
                 self._flush(poll_device=False)
             elif rows.dispatcher is not None and rows.dispatcher.follows_idle_clock():
@@ -709,14 +709,15 @@ class Recorder:
             t, dstep = self._emit_when(at_tick, reads_step)
         book = self._book
         if num_tokens is None:
-            h = in_range(handles, len(book.names) - 1)  # a batch's int64 array, in range
-            if h is not None:
-                book.emit_rows(h, None, t, dstep)
+            lo = book.base
+            rel = in_range(handles, lo, book.count - 1)  # a batch's int64 array, in range
+            if rel is not None:
+                book.emit_rows(handles, None, t, dstep, rel, lo)
                 return
         if few(handles) and (
             num_tokens is None or few(num_tokens)
         ):  # a few ints: checked and copied in Python (numpy's fixed costs are more)
-            hs = small_ints(handles, 0, len(book.names) - 1)
+            hs = small_ints(handles, book.base, book.count - 1)
             ks = None if num_tokens is None else small_ints(num_tokens, 1)
             if hs is not None and (num_tokens is None or (ks is not None and len(ks) == len(hs))):
                 book.emit_few(hs, ks, t, dstep)
@@ -747,7 +748,7 @@ class Recorder:
             and type(t_ready) is int
             and type(t_sent) is int
             and type(num_tokens) is int
-            and 0 <= handle < len(book.names)
+            and book.base <= handle < book.count
             and 1 <= num_tokens <= MAX_COUNT
             and t_ready <= t_sent
             and self._running
@@ -756,7 +757,7 @@ class Recorder:
             and type(label) is str
         ):
             label = check_label(label, "emit_chunk(label)")
-            handle = as_int(handle, "emit_chunk(handle)", 0, len(book.names) - 1)
+            handle = book.check_handle(handle, "emit_chunk(handle)")
             t_ready = self._check_tick(t_ready, "emit_chunk(t_ready)")
             t_sent = self._check_tick(t_sent, "emit_chunk(t_sent)")
             num_tokens = as_int(num_tokens, "emit_chunk(num_tokens)", 1)
@@ -834,7 +835,7 @@ class Recorder:
             return
         t = self._clock() if at_tick is None else self._check_tick(at_tick, "admit(at_tick=)")
         book = self._book
-        if type(handle) is not int or not 0 <= handle < len(book.names):
+        if type(handle) is not int or not book.base <= handle < book.count:
             handle = book.check_handle(handle, "admit_handle(handle)")  # converts, or raises
         book.admit(handle, t)
 
@@ -923,8 +924,7 @@ class Recorder:
         """What a flush hands over: the swapped-out rows, with the vocabularies so far
         (the request names from `first_request` on, the ones not handed over yet: none is
         None, a finished request's name goes only once handed over)."""
-        names = self._book.names[first_request:]
-        self._book.names_handed_over(first_request + len(names))
+        names = self._book.hand_over(first_request)
         return Flush(
             buf,
             list(self._labels),

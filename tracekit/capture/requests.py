@@ -59,6 +59,10 @@ _ROW2 = struct.Struct("2q").pack
 #: values that is cheaper than numpy's fixed cost per operation.
 SMALL = 8
 
+#: The request book forgets finished requests' slots once at least this many are before
+#: the first request not finished (`RequestBook.compact`).
+COMPACT_AT = 4096
+
 #: A tick never reached: a request not yet admitted, emitted or evicted.
 NEVER = np.iinfo(np.int64).max
 
@@ -73,21 +77,23 @@ _INT64 = np.dtype(np.int64)
 _UINT64 = np.dtype(np.uint64)
 _INT32 = np.dtype(np.int32)
 _max_of = np.maximum.reduce  # `ndarray.max` without its Python wrapper
+_min_of = np.minimum.reduce
 
 
-def in_range(values: Any, hi: int) -> np.ndarray | None:
-    """`values`, when it is a flat int64 array of more than `SMALL` values, each in
-    [0, hi]: the per-step batch, checked with one reduction (a value below 0 is above
-    `hi` as unsigned). None otherwise: check it with `as_int_vector`, which names the
-    wrong value and converts other types."""
+def in_range(values: Any, lo: int, hi: int) -> np.ndarray | None:
+    """`values - lo` (`values` itself when `lo` is 0), when `values` is a flat int64
+    array of more than `SMALL` values, each in [lo, hi]: the per-step batch, checked with
+    one reduction (a value below `lo` is above `hi - lo` as unsigned). None otherwise:
+    check it with `as_int_vector`, which names the wrong value and converts other types."""
     if (
         type(values) is np.ndarray
         and values.dtype is _INT64
         and values.ndim == 1
         and values.size > SMALL
-        and int(_max_of(values.view(_UINT64))) <= hi
     ):
-        return values
+        rel = values - lo if lo else values
+        if int(_max_of(rel.view(_UINT64))) <= hi - lo:
+            return rel
     return None
 
 
@@ -133,18 +139,20 @@ def eviction_cause(
 
 
 class RequestColumns:
-    """Per request (by index), what the checks of later calls need: its arrival tick
+    """Per request (by handle), what the checks of later calls need: its arrival tick
     (`UNKNOWN_TICK` before `request()`), the ticks of its admission and first eviction
     (`NEVER` until then), whether `request()` was called, whether it has emitted and
     whether it was finished (`Recorder.finish`).
 
-    Each column is an `array.array` (a scalar read or write is a Python int, several times
-    cheaper than a numpy element) with a numpy view of the same memory (`arrival_np`,
-    `emitted_np`) for the checks of a whole batch in one pass. Grown by doubling."""
+    The columns hold the handles from `base` on (handle `h` at `h - base`): the requests
+    before it are finished and forgotten (`RequestBook.compact`). Each column is an
+    `array.array` (a scalar read or write is a Python int, several times cheaper than a
+    numpy element) with a numpy view of the same memory (`arrival_np`, `emitted_np`) for
+    the checks of a whole batch in one pass. Grown by doubling."""
 
     __slots__ = (
         "arrival", "told", "admitted_tick", "emitted", "first_evict", "finished", "arrival_np",
-        "emitted_np",
+        "emitted_np", "base",
     )  # fmt: skip
 
     #: column -> (array typecode, initial value)
@@ -158,22 +166,32 @@ class RequestColumns:
     }
 
     def __init__(self, capacity: int = 1024) -> None:
+        self.base = 0
         self.arrival = self.admitted_tick = self.first_evict = array("q")
         self.told = self.emitted = self.finished = array("b")
         self._fill(0, capacity)
 
-    def _fill(self, old: int, new: int) -> None:
+    def _fill(self, old: int, new: int, drop: int = 0) -> None:
+        """Columns of `new` slots: slots `drop`..`old` of the current ones, then initial
+        values."""
         for name, (code, init) in self.COLUMNS.items():
-            col = array(code, getattr(self, name))  # a copy: the old column keeps its views
-            col.extend(array(code, [init]) * (new - old))
+            col = array(code, getattr(self, name)[drop:old])  # a copy: old views stay valid
+            col.extend(array(code, [init]) * (new - (old - drop)))
             setattr(self, name, col)
         self.arrival_np = np.frombuffer(self.arrival, dtype=np.int64)
         self.emitted_np = np.frombuffer(self.emitted, dtype=np.bool_)
 
     def grow(self, n: int) -> None:
+        """Room for `n` slots."""
         cap = len(self.arrival)
         if n > cap:
             self._fill(cap, max(n, 2 * cap))
+
+    def drop_before(self, handle: int, used: int) -> None:
+        """Forget the slots of the handles before `handle` (of the `used` slots in use)."""
+        k = handle - self.base
+        self._fill(used, max(1024, 2 * (used - k)), drop=k)
+        self.base = handle
 
 
 class RequestBook:
@@ -184,12 +202,20 @@ class RequestBook:
     evictions, readmissions and emissions are counted in the open `step`.
 
     A finished request (`finish`) leaves `index` and the names by string at once, and its
-    `names` entry becomes None once a flush has handed the name over: the book keeps its
-    per-handle columns (about 40 bytes) and its id's hash (`FinishedIds`), not its id."""
+    `names` entry becomes None once a flush has handed the name over. Its per-handle slots
+    (about 45 bytes) go too, once every request before it is finished and its name handed
+    over (`compact`): `names`, `_keys` and the columns hold the handles from `base` on
+    (handle `h` at `h - base`), `count` handles were given in all, and a handle before
+    `base` is refused as finished. What stays of a finished request is its id's hash
+    (`FinishedIds`, 16 to 32 bytes), so that a later call naming it is refused.
+
+    A request that never finishes (or is not told finished) keeps every later one's slots:
+    the book's memory then grows by request, as before `compact` existed."""
 
     __slots__ = (
         "index", "names", "notes", "_rows", "_step", "_by_name", "_keys", "_req",
         "_arrival_max", "_admit_max", "_waited", "_waited_no", "_finished", "_unnamed",
+        "base", "count", "_low",
     )  # fmt: skip
 
     def __init__(self, rows: RowBuffers, step: OpenStep) -> None:
@@ -207,6 +233,9 @@ class RequestBook:
         self.notes: dict[str, int] = {}  # adjusted ticks, by what: warnings at stop
         self._finished = FinishedIds()  # the ids of finished requests, by hash
         self._unnamed: list[int] = []  # finished handles whose name no flush has taken yet
+        self.base = 0  # the first handle the book still keeps (`compact`)
+        self.count = 0  # handles given so far: the next request's handle
+        self._low = 0  # the first handle not finished
 
     def note(self, what: str) -> None:
         """Count a call whose tick was adjusted to keep the log valid (a warning at stop)."""
@@ -236,18 +265,19 @@ class RequestBook:
             raise ValueError(
                 f"{what}: request id {request_id!r:.80} ({type(request_id).__name__}) "
                 f"has the same name as the id of request {other} "
-                f"({type(self._keys[other]).__name__}): the log names requests by "
+                f"({type(self._keys[other - self.base]).__name__}): the log names requests by "
                 "string, so give every request an id of one type"
             )
-        idx = len(self.names)
+        idx = self.count
         if idx >= MAX_COUNT:  # handles are kept as int32 (`Recorder.emit_handles`' buffer)
             raise ValueError(f"{what}: a recorder records at most {MAX_COUNT} requests")
-        if idx >= len(self._req.arrival):
-            self._req.grow(idx + 1)
+        if idx - self.base >= len(self._req.arrival):
+            self._req.grow(idx - self.base + 1)
         self.index[request_id] = idx
         self._by_name[name] = idx
         self._keys.append(request_id)
         self.names.append(name)
+        self.count = idx + 1
         return idx
 
     def _handle_as_id(self, request_id: int) -> None:
@@ -269,7 +299,7 @@ class RequestBook:
         found = [get(rid) for rid in ids]
         if None in found:
             with self._rows.lock:  # all of them or none: a refused id interns none before it
-                n = len(self.names)
+                n = self.count
                 try:
                     found = [
                         self.intern(rid, what) if i is None else i
@@ -289,7 +319,7 @@ class RequestBook:
         (new requests); warned about at the call, once, and counted in the log's warnings."""
         new = {
             k
-            for k in self._keys[n:]
+            for k in self._keys[n - self.base :]
             if isinstance(k, (int, np.integer)) and not isinstance(k, bool)
         }
         for rid in ids:
@@ -299,24 +329,39 @@ class RequestBook:
     def forget_since(self, n: int) -> None:
         """Undo the interning of requests n.. (a call refused after interning them;
         under the lock, before any row names them)."""
-        for key in self._keys[n:]:
+        k = n - self.base
+        for key in self._keys[k:]:
             self.index.pop(key, None)
-        for name in self.names[n:]:
+        for name in self.names[k:]:
             if name is not None:  # new ones: never finished
                 self._by_name.pop(name, None)
-        del self._keys[n:], self.names[n:]
+        del self._keys[k:], self.names[k:]
+        self.count = n
 
     def check_handles(self, handles: Any, name: str) -> np.ndarray:
         """Handles as one int64 vector, every one a request of this recorder."""
-        h = in_range(handles, len(self.names) - 1)  # the per-step batch: one reduction
-        return as_int_vector(handles, name, 0, len(self.names) - 1) if h is None else h
+        if in_range(handles, self.base, self.count - 1) is not None:  # the per-step batch
+            return handles  # type: ignore[no-any-return]
+        h = as_int_vector(handles, name, 0, self.count - 1)
+        if len(h) and int(h.min()) < self.base:
+            self._forgotten(int(h.min()), name)
+        return h
 
     def check_handle(self, handle: Any, name: str) -> int:
-        return as_int(handle, name, 0, len(self.names) - 1)
+        h = as_int(handle, name, 0, self.count - 1)
+        if h < self.base:
+            self._forgotten(h, name)
+        return h
+
+    def _forgotten(self, handle: int, name: str) -> None:
+        raise ValueError(
+            f"{name}: handle {handle} is of a finished request (Recorder.finish), which the "
+            "recorder has forgotten: a finished request's handle cannot be used again"
+        )
 
     def name_of(self, idx: int) -> str:
         """The request's name for a message (a finished one's may be gone)."""
-        name = self.names[idx]
+        name = self.names[idx - self.base] if idx >= self.base else None
         return f"#{idx} (finished)" if name is None else name
 
     # -- finished requests -----------------------------------------------------------
@@ -337,7 +382,7 @@ class RequestBook:
         """`Recorder.finish_handle`: `finish` by handle."""
         with self._rows.lock:
             idx = self.check_handle(handle, "finish_handle(handle)")
-            if self._req.finished[idx]:
+            if self._req.finished[idx - self.base]:
                 raise ValueError(
                     f"finish_handle: request {self.name_of(idx)!r:.80} (handle {idx}) was "
                     "finished already"
@@ -346,25 +391,51 @@ class RequestBook:
 
     def _drop(self, idx: int) -> None:
         """Forget a finished request's id (under the lock): its handle stays its own."""
-        name = self.names[idx]
+        k = idx - self.base
+        name = self.names[k]
         assert name is not None  # a request not finished keeps its name
-        del self.index[self._keys[idx]], self._by_name[name]
-        self._keys[idx] = None
-        self._req.finished[idx] = 1
+        del self.index[self._keys[k]], self._by_name[name]
+        self._keys[k] = None
+        finished = self._req.finished
+        finished[k] = 1
         self._finished.add(name)
         if idx < self._rows.num_requests_flushed:  # a flush has handed its name over
-            self.names[idx] = None
+            self.names[k] = None
         else:
             self._unnamed.append(idx)
+        low, base, count = self._low, self.base, self.count
+        while low < count and finished[low - base]:
+            low += 1
+        self._low = low
+        self.compact()
+
+    def compact(self) -> None:
+        """Forget the slots of the handles before the first one not finished (and not
+        after the names a flush has handed over), once they are at least `COMPACT_AT` and
+        at least as many as the slots kept: each slot is then copied at most once on
+        average, and a book with `n` requests in flight holds about `2 n` slots."""
+        cut = min(self._low, self._rows.num_requests_flushed)
+        k = cut - self.base
+        if k < COMPACT_AT or k < self.count - cut:
+            return
+        self._req.drop_before(cut, self.count - self.base)
+        del self.names[:k], self._keys[:k]
+        self.base = cut
+
+    def hand_over(self, first: int) -> list[str | None]:
+        """The names of the requests from `first` on, which a flush takes (under the lock)."""
+        names = self.names[first - self.base :]
+        self.names_handed_over(first + len(names))
+        return names
 
     def names_handed_over(self, n: int) -> None:
         """A flush took the names of requests 0..n-1: drop the finished ones' (under the lock)."""
         if self._unnamed:
-            names = self.names
+            names, base = self.names, self.base
             keep = [i for i in self._unnamed if i >= n]
             for i in self._unnamed:
                 if i < n:
-                    names[i] = None
+                    names[i - base] = None
             self._unnamed = keep
 
     # -- arrival and admission -------------------------------------------------------
@@ -377,21 +448,22 @@ class RequestBook:
             if idx is None:
                 idx = self._intern_new(request_id, "request")
             r = self._req
-            if r.told[idx]:
+            k = idx - self.base
+            if r.told[k]:
                 self.note("request() call(s) for a request that had arrived: the first is kept")
                 return idx, None
-            r.told[idx] = True
-            if r.emitted[idx]:  # a first token cannot precede its arrival: not known
+            r.told[k] = True
+            if r.emitted[k]:  # a first token cannot precede its arrival: not known
                 self.note(
                     "request arrival(s) told after the request's first emission: kept "
                     "unknown (NaN), a first token cannot come before its arrival"
                 )
                 t = UNKNOWN_TICK
-            if t > r.admitted_tick[idx]:  # told late: it had arrived by its admission
+            if t > r.admitted_tick[k]:  # told late: it had arrived by its admission
                 self.note("request arrival(s) after the request's admission, taken as it")
-                t = r.admitted_tick[idx]
+                t = r.admitted_tick[k]
             if t != UNKNOWN_TICK:
-                r.arrival[idx] = t
+                r.arrival[k] = t
                 if t > self._arrival_max:
                     self._arrival_max = t
             rows.tables["requests"].frombytes(_ROW4(idx, t, prompt, max_new))
@@ -401,16 +473,19 @@ class RequestBook:
         rows = self._rows
         with rows.lock:
             r = self._req
-            if r.admitted_tick[idx] != NEVER:
+            k = idx - self.base
+            if k < 0:  # checked before the lock: a finish since has forgotten it
+                self._forgotten(idx, "admit")
+            if r.admitted_tick[k] != NEVER:
                 return  # admitted before: the log keeps the first admission (docs/ttft.md)
-            arrival = r.arrival[idx]
-            evicted = r.first_evict[idx]
+            arrival = r.arrival[k]
+            evicted = r.first_evict[k]
             if arrival != UNKNOWN_TICK and t < arrival:  # another clock's reading, early
                 self.note("admission tick(s) before the request's arrival, taken as it")
                 t = arrival
             why = (
                 "after its first emission"
-                if r.emitted[idx]
+                if r.emitted[k]
                 else f"after its first eviction (tick {evicted})"
                 if t > evicted
                 else None
@@ -420,7 +495,7 @@ class RequestBook:
                     f"admit: request {self.name_of(idx)!r:.80} admitted at tick {t}, {why}: "
                     "admit a request when the scheduler first takes it"
                 )
-            r.admitted_tick[idx] = t
+            r.admitted_tick[k] = t
             if t > self._admit_max:
                 self._admit_max = t
             rows.tables["admissions"].frombytes(_ROW2(idx, t))
@@ -433,7 +508,7 @@ class RequestBook:
 
     def prefill_handles(self, handles: Any, num_tokens: Any, step: int) -> None:
         """`Recorder.prefill_handles`'s rows, checked."""
-        last = len(self.names) - 1
+        last = self.count - 1
         if isinstance(handles, (list, tuple)) and len(handles) <= SMALL:  # numpy costs more
             if not isinstance(num_tokens, (list, tuple, np.ndarray)):
                 num_tokens = list(num_tokens)
@@ -441,7 +516,7 @@ class RequestBook:
                 raise ValueError(
                     f"prefill_handles: {len(handles)} handles but {len(num_tokens)} num_tokens"
                 )
-            hs, ks = small_ints(handles, 0, last), small_ints(num_tokens)
+            hs, ks = small_ints(handles, self.base, last), small_ints(num_tokens)
             if hs is not None and ks is not None:  # plain ints in range: one pack
                 flat = [step, 0, 0] * len(hs)
                 flat[1::3] = hs
@@ -451,7 +526,7 @@ class RequestBook:
                 rows = b"".join(
                     _ROW3(
                         step,
-                        as_int(x, "prefill_handles(handles)", 0, last),
+                        self.check_handle(x, "prefill_handles(handles)"),
                         as_int(k, "prefill_handles(num_tokens)"),
                     )
                     for x, k in zip(handles, num_tokens, strict=True)
@@ -472,7 +547,7 @@ class RequestBook:
     def wait(self, request_ids: Iterable[Any], code: int, step: int) -> None:
         """`Recorder.wait`'s rows: the ids interned and their rows, or neither."""
         with self._rows.lock:
-            n = len(self.names)
+            n = self.count
             try:
                 self.wait_rows(self.intern_all(request_ids, "wait"), code, step)
             except BaseException:
@@ -508,7 +583,10 @@ class RequestBook:
         rows = self._rows
         with rows.lock:
             r = self._req
-            r.first_evict[idx] = min(r.first_evict[idx], t)
+            k = idx - self.base
+            if k < 0:  # checked before the lock: a finish since has forgotten it
+                self._forgotten(idx, "evict")
+            r.first_evict[k] = min(r.first_evict[k], t)
             rows.tables["events"].frombytes(_ROW4(idx, EVICT, t, code))
             self._step.num_evictions += 1
 
@@ -520,7 +598,7 @@ class RequestBook:
         request in `by`; the ids are interned with the rows, or none of it (a refused id)."""
         rows = self._rows
         with rows.lock:
-            n = len(self.names)
+            n = self.count
             try:
                 idx = self.intern(victim, "evict")
                 hs = self.intern_all(by, "evict(by=)").tolist() if by else []
@@ -528,7 +606,10 @@ class RequestBook:
                 self.forget_since(n)
                 raise
             r = self._req
-            r.first_evict[idx] = min(r.first_evict[idx], t)
+            k = idx - self.base
+            if k < 0:  # checked before the lock: a finish since has forgotten it
+                self._forgotten(idx, "evict")
+            r.first_evict[k] = min(r.first_evict[k], t)
             tables = rows.tables
             tables["events"].frombytes(_ROW4(idx, EVICT, t, mode))
             step, *counts = cause
@@ -559,22 +640,29 @@ class RequestBook:
         r = self._req
         rows = self._rows
         with rows.lock:
+            base = self.base
+            if base:  # checked before the lock: a finish since may have forgotten one
+                if min(hs) < base:
+                    self._forgotten(min(hs), "emit")
+                ls = [x - base for x in hs]
+            else:
+                ls = hs
             if segment_row is not None:
                 rows.segments.frombytes(segment_row)
             if self._arrival_max > t:  # some request arrived after `t`: one of these?
                 arrival = r.arrival
-                latest = max(arrival[x] for x in hs)
+                latest = max(arrival[x] for x in ls)
                 if latest > t:
                     self.note("emission tick(s) before the request's arrival, taken as it")
                     t = latest
             if self._admit_max > t:  # some request was admitted after `t`: one of these?
                 admitted = r.admitted_tick
-                latest = max((a for a in (admitted[x] for x in hs) if a != NEVER), default=t)
+                latest = max((a for a in (admitted[x] for x in ls) if a != NEVER), default=t)
                 if latest > t:
                     self.note("emission tick(s) before the request's admission, taken as it")
                     t = latest
             emitted = r.emitted
-            for x in hs:
+            for x in ls:
                 emitted[x] = 1
             tables = rows.tables
             hb = tables[EMIT_HANDLES]
@@ -586,10 +674,14 @@ class RequestBook:
             tables[EMIT_CALLS].frombytes(_ROW6(t, step, dstep, n, ks is not None, at))
             st.num_emit_rows += n
 
-    def emit_rows(self, h: np.ndarray, counts: np.ndarray | None, t: int, dstep: int) -> None:
+    def emit_rows(
+        self, h: np.ndarray, counts: np.ndarray | None, t: int, dstep: int,
+        rel: np.ndarray | None = None, lo: int = 0,
+    ) -> None:  # fmt: skip
         """One emission call: a header row and the handles (and counts), two copies; the
         dispatcher expands them into one emissions row per request
-        (`tracekit.capture.sinks.expand_emissions`)."""
+        (`tracekit.capture.sinks.expand_emissions`). `rel`: the handles less `lo`, when
+        `in_range(h, lo, ...)` checked them (computed and checked here otherwise)."""
         n = len(h)
         if not n:
             return
@@ -598,20 +690,25 @@ class RequestBook:
         r = self._req
         rows = self._rows
         with rows.lock:
+            base = self.base
+            if rel is None or lo != base:  # checked before the lock: a finish since may
+                rel = h - base if base else h  # have forgotten one
+                if base and int(_min_of(rel)) < 0:
+                    self._forgotten(int(h.min()), "emit_handles(handles)")
             # no first token before its arrival: a tick from the caller, or one read before
             # another thread's request() took the lock, may be a little early
             if self._arrival_max > t:  # some request arrived after `t`: one of these?
-                latest = int(r.arrival_np[h].max())
+                latest = int(r.arrival_np[rel].max())
                 if latest > t:
                     self.note("emission tick(s) before the request's arrival, taken as it")
                     t = latest
             if self._admit_max > t:  # some request was admitted after `t`: one of these?
-                adm = np.frombuffer(r.admitted_tick, dtype=np.int64)[h]
+                adm = np.frombuffer(r.admitted_tick, dtype=np.int64)[rel]
                 adm = adm[adm != NEVER]
                 if len(adm) and int(adm.max()) > t:
                     self.note("emission tick(s) before the request's admission, taken as it")
                     t = int(adm.max())
-            r.emitted_np[h] = True
+            r.emitted_np[rel] = True
             tables = rows.tables
             hb = tables[EMIT_HANDLES]
             at = len(hb)
