@@ -503,20 +503,19 @@ def check(runs: tuple[str, ...]) -> None:
 @no_window_options("writes a whole log from its parts and reads no gaps")
 @_read_limits
 def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -> None:
-    """Turn an interrupted run's parts folder (RUN.npz.parts/) into the one RUN.npz a clean
-    stop writes. Everything flushed before the interruption is kept. An existing RUN.npz
-    (or -o file) is never replaced without --force; the parts are validated first."""
-    from tracekit.log.parts import recover as do_recover  # deferred: loaded per command
-    from tracekit.log.reader import load
+    """Give an interrupted run's parts folder (RUN.npz.parts/) the RUN.npz a clean stop
+    writes. Everything flushed before the interruption is kept. A run of at most one slice
+    becomes one RUN.npz file; a longer one, recovered beside its folder with its parts
+    kept, is checked part by part and RUN.npz becomes the small file that points at its
+    parts (bounded memory, nothing copied). An existing RUN.npz (or -o file) is never
+    replaced without --force; the parts are validated first."""
+    from tracekit.analysis.recover import recover_run  # deferred: loaded per command
 
     if not os.path.isdir(parts_dir):
         _fail(f"{parts_dir}: not a parts folder (expected RUN.npz.parts/ left by a recorder)")
-    out = do_recover(
-        parts_dir, output, remove_parts=not keep_parts, force=force,
-        max_inflate_mb=_limits().get("max_inflate_mb"),
-    )  # fmt: skip
-    log = load(out, **_limits())
-    click.echo(f"recovered {one_line(out)}: {len(log.steps)} steps, {len(log.emissions)} emissions")
+    out, log = recover_run(parts_dir, output, remove_parts=not keep_parts, force=force,
+                           **_limits())  # fmt: skip
+    click.echo(f"recovered {one_line(out)}: {log.num_steps} steps, {log.num_emissions} emissions")
 
 
 @main.command()
@@ -538,6 +537,7 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
 
     Given one run instead (a recorder's RUN.npz and its RUN.npz.parts/ folder, the folder
     alone, any log), writes it as one self-contained .npz: the form to share."""
+    from tracekit.analysis.recover import refuse_one_file  # deferred: loaded per command
     from tracekit.analysis.run import is_run_dir, save_merged, save_one_file  # deferred
     from tracekit.analysis.unrecorded import unrecorded_report
     from tracekit.log.processes import is_process_dir
@@ -545,6 +545,7 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     if not is_process_dir(directory):
         if engine is not None:
             _fail(f"{directory}: --engine picks a rank of a server's process directory")
+        refuse_one_file(directory, "merge -o FILE.npz")
         one = save_one_file(directory, output, force=force, **_limits())
         _warn(directory, one.warnings)
         form = "parts folder" if is_run_dir(directory) else "log"

@@ -56,7 +56,7 @@ SLICE_ENV = "TRACEKIT_SLICE_EMISSIONS"
 
 def slice_budget() -> int:
     """Emissions a slice reads: `SLICE_ENV`, else the default."""
-    return _env_count(SLICE_ENV, DEFAULT_SLICE_EMISSIONS)
+    return env_count(SLICE_ENV, DEFAULT_SLICE_EMISSIONS)
 
 
 #: environment variable: the most emissions `trace` writes a whole run's trace of
@@ -72,7 +72,7 @@ def refuse_whole_trace(path: str, view: WindowOptions) -> None:
     parts_dir = parts_dir_of(path)
     if not view.is_whole_run or parts_dir is None:
         return
-    n, limit = _emissions(parts_dir), _env_count(TRACE_ENV, DEFAULT_TRACE_EMISSIONS)
+    n, limit = emissions_of(parts_dir), env_count(TRACE_ENV, DEFAULT_TRACE_EMISSIONS)
     if n > limit:
         raise UsageError(
             f"{path}: {n:,} emissions, more than a whole-run trace holds ({TRACE_ENV}="
@@ -83,7 +83,7 @@ def refuse_whole_trace(path: str, view: WindowOptions) -> None:
         )
 
 
-def _env_count(name: str, default: int) -> int:
+def env_count(name: str, default: int) -> int:
     """A whole number >= 1 from the environment variable `name`, else `default`."""
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -101,7 +101,7 @@ def reads_in_slices(path: str) -> bool:
     """Whether `analyze` reads the run at `path` in slices: one process's parts, more
     emissions than one slice holds (by its index)."""
     parts_dir = parts_dir_of(path)
-    return parts_dir is not None and _emissions(parts_dir) > slice_budget()
+    return parts_dir is not None and emissions_of(parts_dir) > slice_budget()
 
 
 def sliced_parts(path: str) -> tuple[str, str] | None:
@@ -181,7 +181,7 @@ def opened(
     return log, part, tpart, view.resolve(log, part)
 
 
-def _emissions(parts_dir: str) -> int:
+def emissions_of(parts_dir: str) -> int:
     """The run's emissions as its index counts them (0 without an index: read whole)."""
     entries, _ = read_index(parts_dir)
     return sum(e.num_emissions for e in entries)

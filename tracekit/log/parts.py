@@ -843,20 +843,11 @@ def _ttft_tables(
     return admissions, prefill, waits
 
 
-def recover(
-    parts_dir: str,
-    out: str | None = None,
-    *,
-    remove_parts: bool = False,
-    force: bool = False,
-    max_inflate_mb: float | None = None,
-) -> str:
-    """Merge an interrupted run's parts into the one `.npz` a clean stop writes.
-
-    Never destroys a log: an existing `out` (say the complete log of a clean stop that was
-    killed while removing its parts) is refused unless `force`; the merged log is
-    validated before anything is written; a folder a live process is still recording into
-    is refused."""
+def recover_target(parts_dir: str, out: str | None, *, force: bool = False) -> str:
+    """Where `recover` writes an interrupted run's log (`out`, default the run's own name
+    beside its folder), once the refusals pass: a folder a live process is still recording
+    into, and an existing `out` (say the complete log of a clean stop that was killed while
+    removing its parts) unless `force`."""
     parts_dir = parts_dir.rstrip("/") or parts_dir
     if out is None:
         out = (
@@ -875,11 +866,35 @@ def recover(
             f"{out}: already exists (maybe the complete log of this run); write the "
             "recovered log elsewhere with -o NEW.npz, or pass --force to replace it"
         )
+    return out
+
+
+def mark_recovered(parts_dir: str, out: str) -> None:
+    """Say in the folder that its parts are recovered into `out`: a later recorder on this
+    path then refuses the folder as recovered, not as lost (never emptied either way)."""
+    with contextlib.suppress(OSError):
+        atomic_write(os.path.join(parts_dir, RECOVERED_NAME), f"{out}\n".encode())
+
+
+def recover(
+    parts_dir: str,
+    out: str | None = None,
+    *,
+    remove_parts: bool = False,
+    force: bool = False,
+    max_inflate_mb: float | None = None,
+) -> str:
+    """Merge an interrupted run's parts into one `.npz` (`tracekit.analysis.recover`
+    recovers a run longer than one slice in place, in bounded memory).
+
+    Never destroys a log: the refusals of `recover_target`; the merged log is validated
+    before anything is written."""
+    parts_dir = parts_dir.rstrip("/") or parts_dir
+    out = recover_target(parts_dir, out, force=force)
     log = validate_log(merge_parts(parts_dir, max_inflate_mb=max_inflate_mb))
     log.save(out)
     if remove_parts:
         shutil.rmtree(parts_dir, ignore_errors=True)
-    else:  # a later recorder on this path says the parts are recovered, not lost
-        with contextlib.suppress(OSError):
-            atomic_write(os.path.join(parts_dir, RECOVERED_NAME), f"{out}\n".encode())
+    else:
+        mark_recovered(parts_dir, out)
     return out
