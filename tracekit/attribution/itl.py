@@ -139,6 +139,23 @@ def _rows_of(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class IntervalView:
+    """A partition's gaps seen as the intervals between consecutive distinct emission times
+    (in a batched engine most gaps are exactly one such interval, tens of gaps each): what
+    lets a figure count intervals instead of gaps (`tracekit.analysis.interval_figures`).
+
+    Bit for bit: a gap with ``interval >= 0`` has its interval's length as `gap_ms`; one
+    that `keeps` it also has its interval's `primary` and `forward` part (no rule that
+    moves time between labels changed it)."""
+
+    width_ms: np.ndarray  # each interval's length, ms (a zero row last, as the parts')
+    forward_ms: np.ndarray  # each interval's `forward` part
+    primary: np.ndarray  # each interval's primary cause (an index into the causes, or CLEAN)
+    interval: np.ndarray  # per gap: the one interval it spans, or -1 (several, or none)
+    keeps: np.ndarray  # per gap: its primary and `forward` part are its interval's
+
+
+@dataclass(frozen=True)
 class Partition:
     """Every gap of a run, partitioned. Rows are gaps, sorted by request then time."""
 
@@ -161,6 +178,8 @@ class Partition:
     baseline: GraphBaseline
     warnings: tuple[str, ...] = field(default=())
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    #: the gaps as intervals (the vectorised partitioner's; None for a selection of gaps)
+    intervals: IntervalView | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.gap_ms)
@@ -174,7 +193,7 @@ class Partition:
                 raise IndexError(f"take: a mask of {rows.shape} rows for {len(self)} gaps")
             rows = np.flatnonzero(rows)
         cut: dict[str, Any] = {f: _rows_of(getattr(self, f), rows) for f in _GAP_COLUMNS}
-        return replace(self, **cut, _cache={})
+        return replace(self, **cut, _cache={}, intervals=None)
 
     @property
     def reconcile_err_ms(self) -> np.ndarray:
@@ -610,7 +629,7 @@ def partition(
         per_interval = per_interval[:, : len(labels)]
 
     gap_ms = (g.t1_s - g.t0_s) * 1e3
-    primary, prim_causes = _primaries(
+    primary, prim_causes, view = _primaries(
         labels, g, per_interval, parts, gap_ms, e_gap, dev, (os_gap, rp[2])
     )
     p = Partition(
@@ -630,6 +649,7 @@ def partition(
         causes=prim_causes,
         baseline=base,
         warnings=_baseline_warnings(log, base),
+        intervals=view,
     )
     return check_reconciled(p, log.path) if check else p
 
@@ -778,27 +798,46 @@ def _primaries(
     e_gap: np.ndarray,
     dev: _DeviceChange | None,
     changed: tuple[np.ndarray | None, np.ndarray],
-) -> tuple[np.ndarray, tuple[str, ...]]:
+) -> tuple[np.ndarray, tuple[str, ...], IntervalView]:
     """Each gap's primary cause: a one-interval gap that no rule changed takes its
     interval's; the others are computed from their parts. `changed`: the gaps whose parts
-    the OS rule (None: it did not run) and the re-prefill rule changed."""
+    the OS rule (None: it did not run) and the re-prefill rule changed. Also the gaps as
+    intervals (`IntervalView`)."""
     os_gap, rp_gap = changed
     uniq_t = g.uniq_t
     widths_ms = np.append((uniq_t[1:] - uniq_t[:-1]) * 1e3, 0.0)
     prim_u, prim_causes = primary_of(per_interval, widths_ms, labels)
     primary = np.take(prim_u, g.rank0) if len(g) else prim_u[:0]
-    redo_mask = g.rank1 != g.rank0 + 1
+    one = g.rank1 == g.rank0 + 1
+    redo_mask = ~one
     redo_mask[e_gap] = True
+    keeps = None
     if dev is not None:
         primary[dev.gap] = dev.primary[dev.row]
         redo_mask[dev.gap] = False
+        keeps = ~redo_mask
+        keeps[dev.gap] = False  # the device's critical path moved their parts
     if os_gap is not None:
         redo_mask[os_gap] = True  # after the device rule's: its primary predates the OS shares
     redo_mask[rp_gap] = True  # ... and the re-prefill's split
     redo = np.flatnonzero(redo_mask)
     if len(redo):
         primary[redo] = primary_of(parts[redo], gap_ms[redo], labels)[0]
-    return primary, prim_causes
+    if keeps is None:
+        keeps = ~redo_mask
+    else:
+        keeps &= ~redo_mask
+    fwd_u = per_interval[:, labels.index("forward")]
+    if os_gap is not None and (neg := np.signbit(fwd_u) & (fwd_u == 0.0)).any():
+        keeps &= ~neg[g.rank0]  # the OS rule's `x - 0.0` made their -0.0 a 0.0
+    view = IntervalView(
+        width_ms=widths_ms,
+        forward_ms=fwd_u,
+        primary=prim_u,
+        interval=np.where(one, g.rank0, -1),
+        keeps=keeps,
+    )
+    return primary, prim_causes, view
 
 
 def _baseline_warnings(log: RawLog, base: GraphBaseline) -> tuple[str, ...]:

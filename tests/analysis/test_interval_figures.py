@@ -1,0 +1,64 @@
+"""The figures counted over intervals (`tracekit.analysis.interval_figures`) equal numpy's
+over every gap, bit for bit: on random layouts (evictions, device windows, OS evidence,
+re-prefills, GC) and on a batched engine's log, against the same figures of the same
+partition without its interval view (a selection of all its gaps), which takes numpy's
+functions on every gap."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from synthlog import synthetic_log
+from test_partition_properties import random_logs
+
+from tracekit.analysis.figures import HIST_EDGES_MS, PERCENTILES, analyze
+from tracekit.analysis.interval_figures import (
+    clean_forward_median,
+    gap_percentiles,
+    hist_grid,
+)
+from tracekit.attribution.itl import CLEAN, partition
+from tracekit.attribution.ttft import ttft_partition
+
+QS = [0.0, *(q for _, q in PERCENTILES), 100.0]
+
+
+def _bits(x) -> bytes:
+    return np.asarray(x, dtype=np.float64).tobytes()
+
+
+def _assert_same_figures(log) -> None:
+    p = partition(log)
+    whole = p.take(np.arange(len(p)))  # every gap, no interval view: numpy on every gap
+    assert p.intervals is not None and whole.intervals is None
+    v = p.intervals
+    # what the view promises, gap by gap
+    one = v.interval >= 0
+    assert _bits(p.gap_ms[one]) == _bits(v.width_ms[v.interval[one]])
+    kept = np.flatnonzero(v.keeps)
+    assert one[kept].all()
+    assert (p.primary[kept] == v.primary[v.interval[kept]]).all()
+    assert _bits(p.column("forward")[kept]) == _bits(v.forward_ms[v.interval[kept]])
+    # each figure, against numpy's on every gap
+    assert _bits(gap_percentiles(p, QS)) == _bits(gap_percentiles(whole, QS))
+    if len(p):
+        assert _bits(gap_percentiles(p, QS)) == _bits(np.percentile(p.gap_ms, QS))
+    prim = np.where(p.primary == CLEAN, len(p.causes), p.primary)
+    edges = np.array(HIST_EDGES_MS)
+    n_prim = len(p.causes) + 1
+    assert (hist_grid(p, prim, n_prim, edges) == hist_grid(whole, prim, n_prim, edges)).all()
+    assert _bits(clean_forward_median(p)) == _bits(clean_forward_median(whole))
+    tp = ttft_partition(log)
+    assert analyze(log, p, tp).to_dict() == analyze(log, whole, tp).to_dict()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_logs())
+def test_figures_over_intervals_are_numpys_over_gaps_on_random_layouts(log):
+    _assert_same_figures(log)
+
+
+def test_figures_over_intervals_are_numpys_over_gaps_on_a_batched_engine():
+    """Tens of gaps an interval, GC pauses, evictions and eager steps (seeded)."""
+    for seed in (1, 2):
+        _assert_same_figures(synthetic_log(seed=seed, duration_s=3.0))
