@@ -38,7 +38,14 @@ def _assert_same_figures(log) -> None:
     kept = np.flatnonzero(v.keeps)
     assert one[kept].all()
     assert (p.primary[kept] == v.primary[v.interval[kept]]).all()
-    assert _bits(p.column("forward")[kept]) == _bits(v.forward_ms[v.interval[kept]])
+    fwd = p.labels.index("forward")
+    assert _bits(p.column("forward")[kept]) == _bits(v.parts_ms[v.interval[kept], fwd])
+    assert (p.parts_ms[kept] == v.parts_ms[v.interval[kept]]).all()  # in value
+    # the reconcile check's figures, over intervals, against every gap's
+    assert _bits(p.reconcile_bounds()) == _bits(
+        (whole.reconcile_err_ms.max(initial=0.0), whole.parts_ms.min(initial=np.inf))
+    )
+    assert _bits(p.reconcile_max_err_ms) == _bits(whole.reconcile_max_err_ms)
     # each figure, against numpy's on every gap
     assert _bits(gap_percentiles(p, QS)) == _bits(gap_percentiles(whole, QS))
     if len(p):
@@ -62,3 +69,27 @@ def test_figures_over_intervals_are_numpys_over_gaps_on_a_batched_engine():
     """Tens of gaps an interval, GC pauses, evictions and eager steps (seeded)."""
     for seed in (1, 2):
         _assert_same_figures(synthetic_log(seed=seed, duration_s=3.0))
+
+
+def test_the_reconcile_check_over_intervals_still_names_a_gap_that_does_not_add_up():
+    """A gap whose parts miss its length by 1 ms, one of the gaps counted one by one (its
+    interval's parts not its own), and an interval whose parts miss its length: each is a
+    `ReconcileError` (design.md, "The partition": a violation is an error)."""
+    import dataclasses
+
+    import pytest
+
+    from tracekit.attribution.itl import check_reconciled
+    from tracekit.errors import ReconcileError
+
+    p = partition(synthetic_log(seed=1, duration_s=3.0))
+    v = p.intervals
+    assert v is not None and len(v.others)
+    bad = p.parts_ms.copy(order="F")
+    g = int(v.others[0])
+    bad[g, p.labels.index("residual")] += 1.0
+    with pytest.raises(ReconcileError, match=f"gap {g} "):
+        check_reconciled(dataclasses.replace(p, parts_ms=bad, _cache={}))
+    off = dataclasses.replace(v, parts_ms=v.parts_ms + 1.0)
+    with pytest.raises(ReconcileError):
+        check_reconciled(dataclasses.replace(p, intervals=off, _cache={}))

@@ -36,11 +36,9 @@ def gap_percentiles(p: Partition, qs: Sequence[float]) -> list[float]:
         return [math.nan] * len(qs)
     if v is None:
         return [float(x) for x in np.percentile(gap, list(qs))]
-    one = v.interval >= 0
-    other = gap[~one]
+    other = gap[v.others]
     values = np.concatenate([v.width_ms, other])
-    counts = np.concatenate([np.bincount(v.interval[one], minlength=len(v.width_ms)),
-                             np.ones(len(other), dtype=np.int64)])  # fmt: skip
+    counts = np.concatenate([v.keep_counts, np.ones(len(other), dtype=np.int64)])
     lo, hi, gamma = virtual_ranks(len(gap), qs)
     at = _at_ranks(values, counts, np.concatenate([lo, hi]))
     return [float(x) for x in lerp(at[: len(lo)], at[len(lo) :], gamma)]
@@ -59,13 +57,13 @@ def hist_grid(p: Partition, prim: np.ndarray, n_prim: int, edges: np.ndarray) ->
     if v is None:
         which, ok = _bins(edges, gap)
         return np.bincount((which * n_prim + prim)[ok], minlength=n_cells).reshape(-1, n_prim)
-    per = np.bincount(v.interval[v.keeps], minlength=len(v.width_ms))
+    per = v.keep_counts
     prim_u = np.where(v.primary == CLEAN, n_prim - 1, v.primary)
     which, ok = _bins(edges, v.width_ms)
     ok &= per > 0
     cell = (which * n_prim + prim_u)[ok]
     grid = np.bincount(cell, weights=per[ok], minlength=n_cells).astype(np.int64)
-    rest = np.flatnonzero(~v.keeps)
+    rest = v.others
     which, ok = _bins(edges, gap[rest])
     grid += np.bincount((which * n_prim + prim[rest])[ok], minlength=n_cells)
     return grid.reshape(-1, n_prim)
@@ -78,11 +76,12 @@ def clean_forward_median(p: Partition) -> float:
     if v is None:
         on = np.flatnonzero((p.primary == CLEAN) & (gap > 0))
         return float(np.median(fwd[on] / gap[on])) if len(on) else math.nan
-    per = np.bincount(v.interval[v.keeps], minlength=len(v.width_ms))
+    per = v.keep_counts
     use = (v.primary == CLEAN) & (v.width_ms > 0) & (per > 0)
-    rest = np.flatnonzero(~v.keeps)
+    rest = v.others
     rest = rest[(p.primary[rest] == CLEAN) & (gap[rest] > 0)]
-    values = np.concatenate([v.forward_ms[use] / v.width_ms[use], fwd[rest] / gap[rest]])
+    fwd_u = v.parts_ms[:, p.labels.index("forward")]
+    values = np.concatenate([fwd_u[use] / v.width_ms[use], fwd[rest] / gap[rest]])
     counts = np.concatenate([per[use], np.ones(len(rest), dtype=np.int64)])
     n = int(counts.sum())
     if not n:
