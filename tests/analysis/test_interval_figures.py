@@ -16,6 +16,7 @@ from tracekit.analysis.interval_figures import (
     clean_forward_median,
     gap_percentiles,
     hist_grid,
+    primary_counts,
 )
 from tracekit.attribution.itl import CLEAN, partition
 from tracekit.attribution.ttft import ttft_partition
@@ -50,10 +51,11 @@ def _assert_same_figures(log) -> None:
     assert _bits(gap_percentiles(p, QS)) == _bits(gap_percentiles(whole, QS))
     if len(p):
         assert _bits(gap_percentiles(p, QS)) == _bits(np.percentile(p.gap_ms, QS))
-    prim = np.where(p.primary == CLEAN, len(p.causes), p.primary)
     edges = np.array(HIST_EDGES_MS)
-    n_prim = len(p.causes) + 1
-    assert (hist_grid(p, prim, n_prim, edges) == hist_grid(whole, prim, n_prim, edges)).all()
+    assert (hist_grid(p, edges) == hist_grid(whole, edges)).all()
+    assert (primary_counts(p) == primary_counts(whole)).all()
+    prim = np.where(p.primary == CLEAN, len(p.causes), p.primary)
+    assert (primary_counts(whole) == np.bincount(prim, minlength=len(p.causes) + 1)).all()
     assert _bits(clean_forward_median(p)) == _bits(clean_forward_median(whole))
     tp = ttft_partition(log)
     assert analyze(log, p, tp).to_dict() == analyze(log, whole, tp).to_dict()

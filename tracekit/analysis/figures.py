@@ -15,9 +15,11 @@ import numpy as np
 from tracekit.analysis.evictions import EvictionSummary, eviction_summary
 from tracekit.analysis.interval_figures import (
     clean_forward_median,
+    clean_last,
     forward_median,
     gap_percentiles,
     hist_grid,
+    primary_counts,
 )
 from tracekit.analysis.ranks import RankView, rank_view
 from tracekit.analysis.results import ClientSummary, SpecAcceptance, client_result, spec_result
@@ -25,7 +27,7 @@ from tracekit.analysis.unrecorded import unrecorded_report
 from tracekit.analysis.window import Window, select_gaps, select_ttfts
 from tracekit.attribution.client import client_partition
 from tracekit.attribution.client_ttft import client_ttft_partition
-from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
+from tracekit.attribution.itl import FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TtftFigures, TtftPartition, ttft_figures, ttft_partition
 from tracekit.formats import json_safe
@@ -139,8 +141,12 @@ def _share(parts: np.ndarray, gap_ms: np.ndarray, labels: tuple[str, ...]) -> di
 
 def _counts(prim: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
     """Gaps by primary cause; `prim` indexes causes, with "clean" as ``len(causes)``."""
-    c = np.bincount(prim, minlength=len(causes) + 1)
-    return {name: int(v) for name, v in zip((*causes, "clean"), c, strict=True)}
+    return _named(np.bincount(prim, minlength=len(causes) + 1), causes)
+
+
+def _named(counts: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
+    """Counts by primary cause (clean last) by name."""
+    return {name: int(v) for name, v in zip((*causes, "clean"), counts, strict=True)}
 
 
 def _gc_figures(log: RawLog) -> tuple[dict[str, int], list[float], list[float]]:
@@ -160,13 +166,13 @@ def _gc_figures(log: RawLog) -> tuple[dict[str, int], list[float], list[float]]:
     )
 
 
-def _itl_histogram(p: Partition, prim: np.ndarray) -> list[HistBin]:
-    """The ITL histogram (`HIST_EDGES_MS`) with each bin's count by primary cause (`prim`:
-    an index into `p.causes`, or ``len(p.causes)`` for clean), in one pass."""
+def _itl_histogram(p: Partition) -> list[HistBin]:
+    """The ITL histogram (`HIST_EDGES_MS`) with each bin's count by primary cause, in one
+    pass."""
     hist = []
     causes = p.causes
     edges = np.array(HIST_EDGES_MS)
-    grid = hist_grid(p, prim, len(causes) + 1, edges)
+    grid = hist_grid(p, edges)
     for b in range(len(edges) - 1):
         hist.append(
             HistBin(
@@ -254,8 +260,7 @@ def analyze(
     st = log.steps
     gc_counts, gen2_startup_ms, gen2_serving_ms = _gc_figures(log)
     # primary causes, then "clean" last, as `_counts`
-    prim = np.where(p.primary == CLEAN, len(p.causes), p.primary)
-    hist = _itl_histogram(p, prim)
+    hist = _itl_histogram(p)
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
@@ -279,8 +284,8 @@ def analyze(
         ttft_p99=_pct(ttft, 99.0),
         tail_share=_share(p.parts_ms[tail], gap[tail], labels),
         all_share=_share(p.parts_ms, gap, labels),
-        tail_count=_counts(prim[tail], p.causes),
-        all_count=_counts(prim, p.causes),
+        tail_count=_counts(clean_last(p.primary[tail], len(p.causes)), p.causes),
+        all_count=_named(primary_counts(p), p.causes),
         fwd_share_clean_median=clean_forward_median(p),
         fwd_share_tail_median=forward_median(p, tail),
         evicted_context_ms={

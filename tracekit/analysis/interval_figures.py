@@ -49,23 +49,43 @@ def _bins(edges: np.ndarray, gap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return which, (which >= 0) & (which < len(edges) - 1)
 
 
-def hist_grid(p: Partition, prim: np.ndarray, n_prim: int, edges: np.ndarray) -> np.ndarray:
+def clean_last(primary: np.ndarray, n_causes: int) -> np.ndarray:
+    """Primary causes as indices with clean last (``n_causes``): what the counts index."""
+    return np.where(primary == CLEAN, n_causes, primary)
+
+
+def primary_counts(p: Partition) -> np.ndarray:
+    """Gaps by primary cause, clean last (`clean_last`)."""
+    n_prim = len(p.causes) + 1
+    v = p.intervals
+    if v is None:
+        return np.bincount(clean_last(p.primary, len(p.causes)), minlength=n_prim)
+    per = v.keep_counts
+    kept = per > 0
+    prim_u = clean_last(v.primary[kept], len(p.causes))
+    out = np.bincount(prim_u, weights=per[kept], minlength=n_prim).astype(np.int64)
+    return out + np.bincount(clean_last(p.primary[v.others], len(p.causes)), minlength=n_prim)
+
+
+def hist_grid(p: Partition, edges: np.ndarray) -> np.ndarray:
     """Gaps by histogram bin (``[edges[b], edges[b + 1])``) and primary cause: a
-    (bins, `n_prim`) count table; `prim`: each gap's primary as an index (clean last)."""
+    (bins, causes + clean) count table, clean last (`clean_last`)."""
     gap, v = p.gap_ms, p.intervals
+    n_prim = len(p.causes) + 1
     n_cells = (len(edges) - 1) * n_prim
     if v is None:
         which, ok = _bins(edges, gap)
-        return np.bincount((which * n_prim + prim)[ok], minlength=n_cells).reshape(-1, n_prim)
+        cell = which * n_prim + clean_last(p.primary, n_prim - 1)
+        return np.bincount(cell[ok], minlength=n_cells).reshape(-1, n_prim)
     per = v.keep_counts
-    prim_u = np.where(v.primary == CLEAN, n_prim - 1, v.primary)
     which, ok = _bins(edges, v.width_ms)
     ok &= per > 0
-    cell = (which * n_prim + prim_u)[ok]
+    cell = (which * n_prim + clean_last(v.primary, n_prim - 1))[ok]
     grid = np.bincount(cell, weights=per[ok], minlength=n_cells).astype(np.int64)
     rest = v.others
     which, ok = _bins(edges, gap[rest])
-    grid += np.bincount((which * n_prim + prim[rest])[ok], minlength=n_cells)
+    cell = which * n_prim + clean_last(p.primary[rest], n_prim - 1)
+    grid += np.bincount(cell[ok], minlength=n_cells)
     return grid.reshape(-1, n_prim)
 
 
