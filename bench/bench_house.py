@@ -1,7 +1,8 @@
 """Does a structural change keep tracekit's speed? This tree against the previous main, in
-one process, as ratios.
+one process, as ratios; and this tree against the published method.
 
     python bench/bench_house.py [--baseline /work/base] [--rounds 7]
+    python bench/bench_house.py --baseline '' --rounds 9     # the published method only
 
 Both checkouts' packages are imported side by side (`bench/base_main.py`) and timed in
 interleaved rounds, so a busy patch of a shared machine hits both alike:
@@ -14,7 +15,20 @@ interleaved rounds, so a busy patch of a shared machine hits both alike:
   (`time.thread_time`: what the engine thread spends, whatever else runs).
 
 Printed: each side's median [min-max] over the rounds and the ratio of medians (this tree /
-the baseline: below 1 is faster). Benchmarks live outside the tests: nothing asserts.
+the baseline: below 1 is faster).
+
+Against the published method (bench/published_method.py, its per-gap Python loop), on the
+same published-layout file:
+
+- in process: ``analyze(load(path))`` against ``published_analysis(path)``, the thread's
+  CPU time of each (`time.thread_time`: on a shared machine, what one core spends), in
+  interleaved rounds (ours: the median of 5 calls a round; the loop: one call);
+- whole process: ``python -m tracekit analyze PATH --format jsonl`` against a fresh
+  interpreter running the published loop on the same file, start to exit, wall time
+  (interleaved; the wall clock also counts waiting for a core), beside the floor every
+  Python process pays here (an interpreter that imports numpy and exits).
+
+Benchmarks live outside the tests: nothing asserts.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,8 +48,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from base_main import DEFAULT_CHECKOUT, BaseMain  # noqa: E402
+from published_method import published_analysis  # noqa: E402
 from synthetic import synthetic_log  # noqa: E402
 
+from tracekit.allocator import keep_freed_memory  # noqa: E402
 from tracekit.analysis.figures import analyze  # noqa: E402
 from tracekit.capture.recorder import Recorder  # noqa: E402
 from tracekit.log.published import save_published  # noqa: E402
@@ -84,19 +101,77 @@ def line(what: str, unit: str, scale: float, a: list[float], b: list[float]) -> 
     )
 
 
+def spread(xs: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    return (f"{statistics.median(xs) * scale:.{digits}f} [{min(xs) * scale:.{digits}f}-"
+            f"{max(xs) * scale:.{digits}f}]")  # fmt: skip
+
+
+def against_published(path: str, n_gaps: int, n: int) -> None:
+    """This tree against the published method on the same file: in process (thread CPU
+    time) and as whole processes (wall time, start to exit)."""
+
+    def ours() -> float:
+        times = []
+        for _ in range(5):
+            t = time.thread_time()
+            analyze(load(path))
+            times.append(time.thread_time() - t)
+        return statistics.median(times)
+
+    def theirs() -> float:
+        t = time.thread_time()
+        published_analysis(path)
+        return time.thread_time() - t
+
+    ours(), theirs()  # warm both
+    a, b = rounds(ours, theirs, n)
+    ratios = [y / x for x, y in zip(a, b, strict=True)]
+    print(f"analysis in process vs the published method, {n_gaps:,} gaps, thread CPU time, "
+          f"{n} interleaved rounds: this tree {spread(a, 1e3)} ms "
+          f"({n_gaps / statistics.median(a) / 1e6:.2f} M gaps/s), the published loop "
+          f"{spread(b, 1e3, 0)} ms ({n_gaps / statistics.median(b) / 1e3:.0f} k gaps/s): "
+          f"{spread(ratios, digits=1)}x")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    cmds = {
+        "tracekit analyze": [sys.executable, "-m", "tracekit", "analyze", path, "--format",
+                             "jsonl"],
+        "the published loop": [sys.executable, "-c", "import sys; sys.path.insert(0, "
+                               f"{HERE!r}); from published_method import published_analysis; "
+                               f"published_analysis({path!r})"],
+        "python + numpy": [sys.executable, "-c", "import numpy"],
+    }  # fmt: skip
+    walls: dict[str, list[float]] = {k: [] for k in cmds}
+    for _ in range(n):
+        for name, cmd in cmds.items():
+            t = time.perf_counter()
+            subprocess.run(cmd, check=True, capture_output=True, env=env)
+            walls[name].append(time.perf_counter() - t)
+    ratios = [y / x for x, y in zip(walls["tracekit analyze"], walls["the published loop"],
+                                    strict=True)]  # fmt: skip
+    print(f"whole process, start to exit, wall time, {n} interleaved rounds: "
+          + ", ".join(f"{k} {spread(v, 1e3, 0)} ms" for k, v in walls.items())
+          + f": {spread(ratios, digits=1)}x")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", default=DEFAULT_CHECKOUT, help="the previous main's checkout")
+    ap.add_argument("--baseline", default=DEFAULT_CHECKOUT,
+                    help="the previous main's checkout ('': published only)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=2000, help="recorded steps per round")
     args = ap.parse_args()
+    keep_freed_memory()  # as tracekit's analysis commands do (tracekit.allocator)
+    path = os.path.join(tempfile.mkdtemp(prefix="tk-house-"), "published.npz")
+    save_published(synthetic_log(3500, batch=32, seed=1), path)
+    n_gaps = analyze(load(path)).gaps
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
+    against_published(path, n_gaps, args.rounds)
+    if not args.baseline:
+        return
     base = BaseMain(
         args.baseline,
         modules=("tracekit.analysis.figures", "tracekit.log.reader", "tracekit.capture.recorder"),
     )
-    path = os.path.join(tempfile.mkdtemp(prefix="tk-house-"), "published.npz")
-    save_published(synthetic_log(3500, batch=32, seed=1), path)
-    n_gaps = analyze(load(path)).gaps
     base_analyze = base.mods["tracekit.analysis.figures"].analyze
     base_load = base.mods["tracekit.log.reader"].load
 

@@ -15,7 +15,7 @@ from test_sliced import REPO, STEP_NS, FakeClock, _hand_run, _wait_for_parts
 
 import tracekit
 from tracekit.analysis.stream import index_pass, keep_gap_values
-from tracekit.analysis.stream_index import PARTS_PER_TASK, index_pass_spread
+from tracekit.analysis.stream_index import index_pass_spread
 from tracekit.log.slices import SlicedRun
 
 
@@ -68,13 +68,17 @@ def test_the_spread_index_of_a_demo_run_is_the_one_process_index(demo_run, per_t
     _assert_same_index(parts, _in_order)
 
 
-def test_the_spread_index_with_a_part_a_slice_and_an_eviction_across_tasks(tmp_path):
+def test_the_spread_index_with_a_part_a_slice_and_an_eviction_across_tasks(tmp_path, monkeypatch):
     """The hand run (tests/analysis/test_sliced.py): a part a step, "long" evicted in part
-    2 and emitting again in part 23: its debt pends across two tasks' stretches."""
+    2 and emitting again in part 23: its debt pends across two tasks' stretches (of 8
+    parts each)."""
+    from tracekit.analysis import stream_index
+
+    monkeypatch.setattr(stream_index, "PARTS_PER_TASK", 8)
     out = tmp_path / "run.npz"
     _hand_run(out)
     parts = str(out) + ".parts"
-    assert len(SlicedRun(parts).paths) > 2 * PARTS_PER_TASK
+    assert len(SlicedRun(parts).paths) > 2 * stream_index.PARTS_PER_TASK
     _assert_same_index(parts, _in_order)
     with ProcessPoolExecutor(max_workers=2) as pool:
         _assert_same_index(parts, lambda fn, items: pool.map(fn, items))

@@ -247,7 +247,8 @@ def test_each_victims_next_emission_is_its_first_strictly_after_the_asked_instan
     """`next_emission` (the victim's first token after its readmission, docs/partition.md
     "Who evicted whom") against the rule spelled out: of the request's emissions, the
     earliest strictly after the instant; NaN where none is, or the instant is NaN. Seeded
-    random logs with ties of time and requests asked twice or never seen."""
+    random logs with ties of time and requests asked twice or never seen; emissions in time
+    order (as recorders append them) or not, request indices small or past 16 bits."""
     from types import SimpleNamespace
 
     from tracekit.attribution.reprefill import next_emission
@@ -258,6 +259,10 @@ def test_each_victims_next_emission_is_its_first_strictly_after_the_asked_instan
         em_r = rng.integers(0, 5, n_em).astype(np.int32)
         em_t = rng.integers(0, 10, n_em).astype(np.float64)  # many equal instants
         req = rng.integers(0, 6, n_q).astype(np.int32)  # request 5 never emits
+        if rng.random() < 0.5:
+            em_t.sort()
+        if rng.random() < 0.25:
+            em_r, req = em_r + 70_000, req + 70_000
         after = rng.integers(-1, 11, n_q).astype(np.float64)
         after[rng.random(n_q) < 0.2] = np.nan
         want = [

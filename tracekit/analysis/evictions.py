@@ -98,29 +98,6 @@ class EvictionSummary:
         }
 
 
-def _rows(log: RawLog, c: EvictionCauses) -> list[EvictionRow]:
-    names = log.request_names()
-    # evicted: eviction to readmission; resume: readmission to the next emission (the
-    # re-prefill of what a recompute eviction threw away, or the swap-in and one step)
-    evicted = (c.t_readmit_s - c.t_evict_s) * 1e3
-    resume = (c.t_next_s - c.t_readmit_s) * 1e3
-    return [
-        EvictionRow(
-            victim=names[int(c.request[i])],
-            t_evict_s=float(c.t_evict_s[i]),
-            step=int(c.step[i]) if c.step[i] >= 0 else None,
-            reason=PREEMPT_REASONS[int(c.reason[i])] if c.reason[i] >= 0 else UNKNOWN,
-            evictors=tuple(names[e] for e in c.evictors[i]),
-            num_computed_tokens_lost=int(c.num_computed_tokens_lost[i]),
-            num_free_blocks=int(c.num_free_blocks[i]),
-            num_used_blocks=int(c.num_used_blocks[i]),
-            evicted_ms=float(evicted[i]),
-            resume_ms=float(resume[i]),
-        )
-        for i in range(len(c))
-    ]
-
-
 def _recompute_ms(log: RawLog) -> float:
     """Time in `recompute` segments: host windows, or device ones where the engine timed
     only those (an engine with neither reports 0)."""
@@ -133,44 +110,68 @@ def _recompute_ms(log: RawLog) -> float:
     return float((seg.t_end_s[use] - seg.t_start_s[use]).sum() * 1e3)
 
 
+def _row(names: tuple[str, ...], c: EvictionCauses, i: int, evicted: np.ndarray,
+         resume: np.ndarray) -> EvictionRow:  # fmt: skip
+    """Eviction `i` as an `EvictionRow`."""
+    return EvictionRow(
+        victim=names[int(c.request[i])],
+        t_evict_s=float(c.t_evict_s[i]),
+        step=int(c.step[i]) if c.step[i] >= 0 else None,
+        reason=PREEMPT_REASONS[int(c.reason[i])] if c.reason[i] >= 0 else UNKNOWN,
+        evictors=tuple(names[e] for e in c.evictors[i]),
+        num_computed_tokens_lost=int(c.num_computed_tokens_lost[i]),
+        num_free_blocks=int(c.num_free_blocks[i]),
+        num_used_blocks=int(c.num_used_blocks[i]),
+        evicted_ms=float(evicted[i]),
+        resume_ms=float(resume[i]),
+    )
+
+
 def eviction_summary(log: RawLog) -> EvictionSummary | None:
-    """The run's evictions (None: it has none); see `EvictionSummary`."""
+    """The run's evictions (None: it has none); see `EvictionSummary`. Computed on the
+    columns; only the listed evictions (`worst`) become `EvictionRow`s."""
     if not len(log.evictions):
         return None
     c = eviction_causes(log)
-    rows = _rows(log, c)
-    by_reason = {r: 0 for r in (*PREEMPT_REASONS, UNKNOWN)}
-    for row in rows:
-        by_reason[row.reason] += 1
+    names = log.request_names()
+    # evicted: eviction to readmission; resume: readmission to the next emission (the
+    # re-prefill of what a recompute eviction threw away, or the swap-in and one step)
+    evicted = (c.t_readmit_s - c.t_evict_s) * 1e3
+    resume = (c.t_next_s - c.t_readmit_s) * 1e3
+    debt = evicted + resume  # each eviction's `EvictionRow.debt_ms`
+    n_reasons = len(PREEMPT_REASONS)
+    per_reason = np.bincount(np.where(c.reason >= 0, c.reason, n_reasons), minlength=n_reasons + 1)
+    by_reason = dict(zip((*PREEMPT_REASONS, UNKNOWN), per_reason.tolist(), strict=True))
     lost = c.num_computed_tokens_lost
     recomputed = int(lost[(c.mode == MODE_RECOMPUTE) & (lost > 0)].sum())
     st = log.steps
     computed = int(st.num_prefill_tokens.sum() + st.num_decode.sum())
-    debt: dict[str, tuple[int, float]] = {}
-    for row in rows:
-        d = row.debt_ms if math.isfinite(row.debt_ms) else 0.0
-        for e in row.evictors:
-            n, ms = debt.get(e, (0, 0.0))
-            debt[e] = (n + 1, ms + d)
-    top = sorted(debt.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))[:TOP]
+    finite = np.isfinite(debt)
+    charged = np.where(finite, debt, 0.0).tolist()
+    debts: dict[str, tuple[int, float]] = {}
+    for i in (i for i, by in enumerate(c.evictors) if by):  # in eviction order: the sums'
+        for e in c.evictors[i]:
+            n, ms = debts.get(names[e], (0, 0.0))
+            debts[names[e]] = (n + 1, ms + charged[i])
+    top = sorted(debts.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))[:TOP]
     counts: dict[str, int] = {}
-    for row in rows:
-        counts[row.victim] = counts.get(row.victim, 0) + 1
+    for r in c.request.tolist():
+        counts[names[r]] = counts.get(names[r], 0) + 1
     thrash = sorted(((r, n) for r, n in counts.items() if n > 1), key=lambda x: (-x[1], x[0]))
-    finite = [r for r in rows if math.isfinite(r.debt_ms)]
-    ev = np.array([r.evicted_ms for r in rows])
+    fin = np.flatnonzero(finite)
+    worst = fin[np.argsort(-debt[fin], kind="stable")[:TOP]]  # most debt first, ties in order
     return EvictionSummary(
-        num_evictions=len(rows),
+        num_evictions=len(c),
         num_with_cause=int(c.has_cause.sum()),
         by_reason={k: v for k, v in by_reason.items() if v or k != UNKNOWN},
         recomputed_tokens=recomputed,
         computed_tokens=computed,
         recompute_tax=recomputed / computed if computed else math.nan,
         recompute_ms=_recompute_ms(log),
-        evicted_ms=float(np.nansum(ev)),
-        debt_ms=float(sum(r.debt_ms for r in finite)),
+        evicted_ms=float(np.nansum(evicted)),
+        debt_ms=float(sum(debt[fin].tolist())),
         top_evictors=tuple((r, n, ms) for r, (n, ms) in top),
         thrash=tuple(thrash[:TOP]),
         num_thrashed=len(thrash),
-        worst=tuple(sorted(finite, key=lambda r: -r.debt_ms)[:TOP]),
+        worst=tuple(_row(names, c, i, evicted, resume) for i in worst.tolist()),
     )

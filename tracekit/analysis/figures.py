@@ -13,13 +13,21 @@ from typing import Any
 import numpy as np
 
 from tracekit.analysis.evictions import EvictionSummary, eviction_summary
+from tracekit.analysis.interval_figures import (
+    clean_forward_median,
+    clean_last,
+    forward_median,
+    gap_percentiles,
+    hist_grid,
+    primary_counts,
+)
 from tracekit.analysis.ranks import RankView, rank_view
 from tracekit.analysis.results import ClientSummary, SpecAcceptance, client_result, spec_result
 from tracekit.analysis.unrecorded import unrecorded_report
 from tracekit.analysis.window import Window, select_gaps, select_ttfts
 from tracekit.attribution.client import client_partition
 from tracekit.attribution.client_ttft import client_ttft_partition
-from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
+from tracekit.attribution.itl import FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TtftFigures, TtftPartition, ttft_figures, ttft_partition
 from tracekit.formats import json_safe
@@ -123,10 +131,6 @@ def _pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if len(a) else math.nan
 
 
-def _median(a: np.ndarray) -> float:
-    return float(np.median(a)) if len(a) else math.nan
-
-
 def _share(parts: np.ndarray, gap_ms: np.ndarray, labels: tuple[str, ...]) -> dict[str, float]:
     total = float(gap_ms.sum())
     if total <= 0:
@@ -137,8 +141,12 @@ def _share(parts: np.ndarray, gap_ms: np.ndarray, labels: tuple[str, ...]) -> di
 
 def _counts(prim: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
     """Gaps by primary cause; `prim` indexes causes, with "clean" as ``len(causes)``."""
-    c = np.bincount(prim, minlength=len(causes) + 1)
-    return {name: int(v) for name, v in zip((*causes, "clean"), c, strict=True)}
+    return _named(np.bincount(prim, minlength=len(causes) + 1), causes)
+
+
+def _named(counts: np.ndarray, causes: tuple[str, ...]) -> dict[str, int]:
+    """Counts by primary cause (clean last) by name."""
+    return {name: int(v) for name, v in zip((*causes, "clean"), counts, strict=True)}
 
 
 def _gc_figures(log: RawLog) -> tuple[dict[str, int], list[float], list[float]]:
@@ -158,18 +166,14 @@ def _gc_figures(log: RawLog) -> tuple[dict[str, int], list[float], list[float]]:
     )
 
 
-def _itl_histogram(gap: np.ndarray, prim: np.ndarray, causes: tuple[str, ...]) -> list[HistBin]:
-    """The ITL histogram (`HIST_EDGES_MS`) with each bin's count by primary cause (`prim`:
-    an index into `causes`, or ``len(causes)`` for clean), in one pass."""
+def _itl_histogram(p: Partition) -> list[HistBin]:
+    """The ITL histogram (`HIST_EDGES_MS`) with each bin's count by primary cause, in one
+    pass."""
     hist = []
+    causes = p.causes
     edges = np.array(HIST_EDGES_MS)
-    which = np.searchsorted(edges, gap, side="right") - 1
-    n_bins, n_prim = len(edges) - 1, len(causes) + 1
-    in_range = (which >= 0) & (which < n_bins)
-    grid = np.bincount((which * n_prim + prim)[in_range], minlength=n_bins * n_prim).reshape(
-        n_bins, n_prim
-    )
-    for b in range(n_bins):
+    grid = hist_grid(p, edges)
+    for b in range(len(edges) - 1):
         hist.append(
             HistBin(
                 lo_ms=float(edges[b]),
@@ -241,16 +245,12 @@ def analyze(
     p, tp = select_gaps(whole, window), select_ttfts(tp, window)
     gap = p.gap_ms
     labels = p.labels
-    fwd = p.column("forward")
 
-    # one selection pass for all four (numpy's linear percentiles, the same values as four calls)
-    qs = np.percentile(gap, [q for _, q in PERCENTILES]) if len(gap) else [math.nan] * 4
-    pct: dict[str, Any] = {name: float(v) for (name, _), v in zip(PERCENTILES, qs, strict=True)}
+    # numpy's linear percentiles, counted over the intervals the gaps span
+    qs = gap_percentiles(p, [q for _, q in PERCENTILES])
+    pct: dict[str, Any] = {name: v for (name, _), v in zip(PERCENTILES, qs, strict=True)}
     p99 = pct["itl_p99"]
     tail = gap >= p99 if len(gap) else np.zeros(0, bool)
-    clean = p.primary == CLEAN
-    with np.errstate(divide="ignore", invalid="ignore"):
-        fwd_share = np.where(gap > 0, fwd / gap, np.nan)
 
     ttft = _ttft_ms(log, window)
 
@@ -260,8 +260,7 @@ def analyze(
     st = log.steps
     gc_counts, gen2_startup_ms, gen2_serving_ms = _gc_figures(log)
     # primary causes, then "clean" last, as `_counts`
-    prim = np.where(p.primary == CLEAN, len(p.causes), p.primary)
-    hist = _itl_histogram(gap, prim, p.causes)
+    hist = _itl_histogram(p)
 
     tokens = int(log.emissions.num_tokens.sum())
     warnings = list(log.warnings) + list(p.warnings)
@@ -285,10 +284,10 @@ def analyze(
         ttft_p99=_pct(ttft, 99.0),
         tail_share=_share(p.parts_ms[tail], gap[tail], labels),
         all_share=_share(p.parts_ms, gap, labels),
-        tail_count=_counts(prim[tail], p.causes),
-        all_count=_counts(prim, p.causes),
-        fwd_share_clean_median=_median(fwd_share[clean & (gap > 0)]),
-        fwd_share_tail_median=_median(fwd_share[tail & (gap > 0)]),
+        tail_count=_counts(clean_last(p.primary[tail], len(p.causes)), p.causes),
+        all_count=_named(primary_counts(p), p.causes),
+        fwd_share_clean_median=clean_forward_median(p),
+        fwd_share_tail_median=forward_median(p, tail),
         evicted_context_ms={
             lb: float(v) for lb, v in zip(labels, p.context_ms.sum(axis=0), strict=True)
         },

@@ -67,7 +67,7 @@ from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, RECOMPUTE_CLASS, part
 from tracekit.log.flush import EVICT, TABLES
 from tracekit.log.parts import Retained, merge_flushed
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
-from tracekit.log.slices import NotSliceable, SlicedRun
+from tracekit.log.slices import NotSliceable, SlicedRun, grown
 
 __all__ = ["NotSliceable", "analyze_sliced"]
 
@@ -126,6 +126,15 @@ class Index:
     #: every gap's length (ms, float64) in the order counted, for `keep_gap_values` (a
     #: temporary file: read back, the parts are not decoded again)
     spill: Any = None
+    #: the buffers the per-request columns are views of (`grow_requests`)
+    room: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def grow_requests(self, n: int) -> None:
+        """The per-request columns lengthened to `n` requests (new ones: none seen yet)."""
+        never = np.iinfo(np.int64).min
+        for key, fill in (("last_tick", never), ("first_part", -1), ("first_tick", NEVER),
+                          ("arrival_tick", never)):  # fmt: skip
+            setattr(self, key, grown(self.room, key, getattr(self, key), n, fill))
 
 
 def sparse_part(ix: Index, part: dict[str, Any]) -> dict[str, Any]:
@@ -202,13 +211,7 @@ def index_pass(
         if gc is not None and len(gc):
             ix.gc.append(gc.copy())
         em = t.get("emissions")
-        n_req = part["request_ids_start"] + len(part["request_ids"])
-        if n_req > len(ix.last_tick):
-            pad = np.full(n_req - len(ix.last_tick), np.iinfo(np.int64).min)
-            ix.last_tick = np.concatenate([ix.last_tick, pad])
-            ix.first_part = np.concatenate([ix.first_part, np.full(len(pad), -1, np.int64)])
-            ix.first_tick = np.concatenate([ix.first_tick, np.full(len(pad), NEVER)])
-            ix.arrival_tick = np.concatenate([ix.arrival_tick, pad])
+        ix.grow_requests(part["request_ids_start"] + len(part["request_ids"]))
         rq = t.get("requests")
         if rq is not None and len(rq):
             ix.arrival_tick[rq[:, _RQ["request"]]] = rq[:, _RQ["arrival_tick"]]

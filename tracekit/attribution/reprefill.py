@@ -47,25 +47,28 @@ def next_emission(log: RawLog, request: np.ndarray, after_s: np.ndarray) -> np.n
     asked = np.flatnonzero(~np.isnan(after_s))
     if not len(em.request) or not len(asked):
         return out
-    mine = np.isin(em.request, request[asked], kind="table")  # the asked requests' only
-    # emissions and questions in one order: by request, time, and a question after the
-    # emissions of its own instant (strictly after); each question's answer is the next
-    # emission in that order, if it is its request's
-    r = np.concatenate([em.request[mine], request[asked]])
-    t = np.concatenate([em.t_s[mine], after_s[asked]])
-    is_q = np.concatenate([np.zeros(int(mine.sum()), bool), np.ones(len(asked), bool)])
-    o = np.lexsort((is_q, t, r))
-    r, t, is_q = r[o], t[o], is_q[o]
-    n = len(o)
-    pos = np.where(is_q, n, np.arange(n))
-    nxt = np.minimum.accumulate(pos[::-1])[::-1]  # the next emission's position, n: none
-    at = np.flatnonzero(is_q)
-    k = nxt[at]
-    ok = k < n
-    ok[ok] = r[k[ok]] == r[at[ok]]
-    ans = np.full(len(at), np.nan)
-    ans[ok] = t[k[ok]]
-    out[asked[o[at] - int(mine.sum())]] = ans
+    q_req, q_t = request[asked], after_s[asked]
+    mine = np.flatnonzero(np.isin(em.request, q_req, kind="table"))  # the asked requests'
+    r, t = em.request[mine], em.t_s[mine]
+    # by request, then time: recorders append in time order, so one stable sort of the
+    # request column (a radix sort where the indices fit 16 bits)
+    if np.all(t[1:] >= t[:-1]):
+        small = len(r) and 0 <= r.min() and r.max() < 65536
+        o = np.argsort(r.astype(np.uint16) if small else r, kind="stable")
+    else:
+        o = np.lexsort((t, r))
+    r, t = r[o], t[o]
+    # each question's answer: the first time after it among its request's (a bisection of
+    # all questions at once within each one's run of rows)
+    lo = np.searchsorted(r, q_req, side="left")
+    end = hi = np.searchsorted(r, q_req, side="right")
+    while (active := lo < hi).any():
+        mid = (lo + hi) // 2
+        right = active & (t[np.minimum(mid, len(t) - 1)] <= q_t)
+        lo = np.where(right, mid + 1, lo)
+        hi = np.where(active & ~right, mid, hi)
+    found = lo < end
+    out[asked[found]] = t[lo[found]]
     return out
 
 

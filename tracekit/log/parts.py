@@ -93,12 +93,24 @@ def parts_dir_for(out: str) -> str:
 def part_paths(parts_dir: str) -> list[str]:
     """The folder's part files in flush order (a number written in both formats, which no
     recorder does, is a `LogError`)."""
-    found = [(int(m.group(1)), n) for n in os.listdir(parts_dir) if (m := PART_NAME.fullmatch(n))]
+    found = [(int(n[5:-4]), n) for n in os.listdir(parts_dir) if _is_part_name(n)]
     found.sort()
     for (a, x), (b, y) in zip(found, found[1:], strict=False):
         if a == b:
             raise LogError(parts_dir, y, f"part {a} is there twice ({x} and {y}); move one away")
-    return [os.path.join(parts_dir, n) for _, n in found]
+    folder = os.path.join(parts_dir, "")  # each path as os.path.join(parts_dir, name) is
+    return [folder + n for _, n in found]
+
+
+def _is_part_name(name: str) -> bool:
+    """`PART_NAME.fullmatch(name)`, without a regex: a folder of a long run holds thousands
+    of parts, listed by every reader of it (a slice of it, a task of its index pass)."""
+    return (
+        name.startswith("part-")
+        and name.endswith((".tkp", ".npz"))
+        and len(name) >= 15
+        and name[5:-4].isdecimal()
+    )
 
 
 def part_number(path: str) -> int:

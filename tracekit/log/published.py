@@ -63,7 +63,13 @@ def _published_array(path: str, arrays: dict[str, np.ndarray], key: str) -> np.n
 
 
 def _int_col(path: str, key: str, col: np.ndarray, name: str) -> np.ndarray:
-    check_ints(path, key, col, np.dtype(np.int64), name)
+    if col.dtype.kind == "f" and col.size:  # the common case: whole numbers well inside int64,
+        hi, lo = col.max(), col.min()  # cast once and compared back
+        if -(2.0**62) <= lo and hi <= 2.0**62:  # NaN compares False
+            ints = col.astype(np.int64)
+            if not np.any(ints != col):
+                return ints
+    check_ints(path, key, col, np.dtype(np.int64), name)  # `check_ints`' verdict and words
     return col.astype(np.int64)
 
 
@@ -112,7 +118,12 @@ def from_published(path: str, arrays: dict[str, np.ndarray]) -> RawLog:
         ids = _int_col(path, key, ids, "request id")
         if len(order) == 0 and len(ids):
             raise LogError(path, key, "refers to requests but the requests array is empty")
-        if lut is not None:
+        if lut is not None and (
+            not len(ids) or (ids.min() >= lo_id and ids.max() <= lo_id + span - 1)
+        ):
+            idx = lut[ids - lo_id]  # every id inside the table (the common case)
+            known = idx >= 0
+        elif lut is not None:
             # compared before subtracting: a difference of extreme ids would wrap
             inside = (ids >= lo_id) & (ids <= lo_id + span - 1)
             idx = lut[np.where(inside, ids - lo_id, 0)]

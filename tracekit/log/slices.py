@@ -122,6 +122,20 @@ def order_of(path: str, part: dict[str, Any]) -> PartOrder:
     )  # fmt: skip
 
 
+def grown(room: dict[str, np.ndarray], key: str, a: np.ndarray, n: int, fill: int) -> np.ndarray:
+    """`a` with rows up to `n`, the new ones `fill`: a view of a buffer kept in `room` under
+    `key`, doubled when full (requests appear a part at a time: a copy of every row for each
+    part was the index pass's cost on a long run)."""
+    if n <= len(a):
+        return a
+    buf = room.get(key)
+    if buf is None or a.base is not buf or len(buf) < n:
+        buf = np.full(max(n, 2 * len(a)), fill, dtype=a.dtype)
+        buf[: len(a)] = a
+        room[key] = buf
+    return buf[:n]
+
+
 class IndexBook:
     """The index pass's book, part by part in order (`add`): per request, the part of its
     latest emission, its latest emission tick and the part of its arrival; per part, how
@@ -134,18 +148,18 @@ class IndexBook:
         self.reach: list[int] = []
         self.min_tick: list[int | None] = []
         self.entries: list[tuple[Any, ...]] = []
+        self._room: dict[str, np.ndarray] = {}
 
     def add(self, i: int, o: PartOrder) -> None:
         """Part `i` (the next), or `NotSliceable` where the run cannot be read in slices."""
         name = os.path.basename(o.path)
         if not o.has_first_step:
             raise NotSliceable(f"{name} does not say its first step")
-        grow = o.num_requests - len(self.last_part)
-        if grow > 0:
-            self.last_part = np.concatenate([self.last_part, np.full(grow, -1, np.int64)])
-            never = np.full(grow, np.iinfo(np.int64).min)
-            self.last_tick = np.concatenate([self.last_tick, never])
-            self.arrival_part = np.concatenate([self.arrival_part, np.full(grow, -1, np.int64)])
+        n, room = o.num_requests, self._room
+        if n > len(self.last_part):
+            self.last_part = grown(room, "last_part", self.last_part, n, -1)
+            self.last_tick = grown(room, "last_tick", self.last_tick, n, np.iinfo(np.int64).min)
+            self.arrival_part = grown(room, "arrival_part", self.arrival_part, n, -1)
         self.arrival_part[o.arrivals] = i
         back, u = i, o.requests
         if len(u):
@@ -242,15 +256,13 @@ class SlicedRun:
         """How a log read from part `c` starts (None: from the run's first part)."""
         if c == 0 and part_number(self.paths[0]) == 1:
             return None
-        e = self.parts[c] if self.parts else None
-        part = self.read(c)
         before = self.parts[c - 1].flush_tick if c > 0 and self.parts else None
-        return Retained(
-            e.number if e else part_number(self.paths[c]),
-            part["request_ids_start"],
-            part["first_step"],
-            before,
-        )
+        if self.parts:  # after the index pass: what the part says, from its entry
+            e = self.parts[c]
+            return Retained(e.number, e.request_ids_start, e.first_step, before)
+        part = self.read(c)
+        return Retained(part_number(self.paths[c]), part["request_ids_start"],
+                        part["first_step"], before)  # fmt: skip
 
     def log_of(
         self,
