@@ -54,6 +54,7 @@ from tracekit.log.flush import (
     pair_evictions,
     to_table,
 )
+from tracekit.log.merged_tables import apply_merged, fold_merged, merged_tables_of
 from tracekit.log.partfile import encode_part, read_part_file
 from tracekit.log.rawlog import (
     Admissions,
@@ -204,27 +205,43 @@ def merge_parts(
     the run at the flush before it, with a warning naming it; a readable part whose
     contents contradict the run (request ids that overlap or skip, bad vocabularies) is a
     `LogError` naming the part and the field."""
+    return merge_parts_kept(parts_dir, final=final, max_inflate_mb=max_inflate_mb)[0]
+
+
+def merge_parts_kept(
+    parts_dir: str,
+    keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    *,
+    final: Mapping[str, Any] | None = None,
+    max_inflate_mb: float | None = None,
+) -> tuple[RawLog, list[str]]:
+    """`merge_parts`, each part passed through `keep` (a parsed part in, the part to keep
+    out: fewer rows, say) as soon as it is read, so that memory holds only what `keep`
+    keeps; and the paths of the parts the run was read from (those before the first one
+    missing or unreadable)."""
     meta = read_meta(parts_dir)
     if final is None:
         final = read_final(parts_dir, max_inflate_mb=max_inflate_mb)
     for _ in range(5):  # parts removed by retention while they were read: read again
         paths = part_paths(parts_dir)
-        parts, warnings, head_gone = _read_parts(paths, max_inflate_mb)
+        parts, warnings, head_gone = _read_parts(paths, max_inflate_mb, keep)
         if not head_gone:
             break
     warnings += index_warnings(parts_dir, paths, warnings)
     start = retained_start(parts_dir, paths, parts, warnings)
-    return merge_flushed(
-        meta, parts, final=final, path=parts_dir, warnings=warnings, retained=start
-    )
+    log = merge_flushed(meta, parts, final=final, path=parts_dir, warnings=warnings, retained=start)
+    return log, paths[: len(parts)]
 
 
 def _read_parts(
-    paths: list[str], max_inflate_mb: float | None
+    paths: list[str],
+    max_inflate_mb: float | None,
+    keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str], bool]:
-    """The parts in order, parsed, and the warnings; the run ends at the first part missing
-    or unreadable. The flag: a part vanished while it was read, before any other was
-    read (retention removed the head of the folder: the caller lists the folder again)."""
+    """The parts in order, parsed (each through `keep`), and the warnings; the run ends at
+    the first part missing or unreadable. The flag: a part vanished while it was read,
+    before any other was read (retention removed the head of the folder: the caller lists
+    the folder again)."""
     warnings: list[str] = []
     parts: list[dict[str, Any]] = []
     for i, p in enumerate(paths):
@@ -244,12 +261,14 @@ def _read_parts(
             damaged = e
         else:  # readable: contents that contradict the run are a LogError naming the field
             try:
-                parts.append(parse_flushed(z, p))
-                continue
+                part = parse_flushed(z, p)
             except LogError:
                 raise
             except Exception as e:  # a member missing or of the wrong shape
                 damaged = e
+            else:  # (`keep` runs outside the try: its own errors are never "damage")
+                parts.append(part if keep is None else keep(part))
+                continue
         # Damaged on disk (a kill cannot do this: parts are renamed into place whole; a
         # power loss can, before the part's fsync, docs/capture.md). Later parts refer to
         # its steps and requests by index, so the run ends here.
@@ -549,6 +568,7 @@ def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
     return {
         "where": where,
         "tables": tables,
+        "merged": merged_tables_of(z, where),
         "labels": [str(x) for x in np.asarray(z["labels"]).reshape(-1)],
         "counter_names": [str(x) for x in np.asarray(z["counter_names"]).reshape(-1)],
         "request_ids_start": scalars["request_ids_start"],
@@ -765,7 +785,7 @@ def merge_flushed(
         t_end_s=np.array([(wall_ticks if f.clean_stop else f.complete_tick - t0) * scale]),
         is_clean_stop=np.array([int(final is not None)], dtype=np.int64),
     )
-    return RawLog(
+    log = RawLog(
         steps=steps,
         segments=segments,
         gc_pauses=gcs,
@@ -791,6 +811,8 @@ def merge_flushed(
         warnings=tuple(warnings_of(run_meta)),  # as the one-file log of this run reads
         extras=dict((final or {}).get("extras", {})),
     )
+    # a merged server run's parts: the other processes' rows, the joined requests
+    return apply_merged(log, fold_merged(parts), retained.first_step if retained else 0)
 
 
 def _renumber_steps(chunks: dict[str, list[np.ndarray]], first_step: int) -> None:
