@@ -104,7 +104,7 @@ def save_merged(
             out, "output", "already exists (it may be one of the logs being merged); write "
             "elsewhere with -o NEW.npz, or pass --force to replace it",
         )  # fmt: skip
-    if _inside_parts(directory, out):
+    if inside_parts(directory, out):
         raise LogError(
             out, "output", f"is inside a parts folder of {directory}: the next read of that "
             "folder would take it for a part; write it elsewhere",
@@ -134,7 +134,7 @@ def save_one_file(path: str, out: str, *, force: bool = False, **limits: Any) ->
     return log.with_path(out)
 
 
-def _inside_parts(directory: str, out: str) -> bool:
+def inside_parts(directory: str, out: str) -> bool:
     """`out` would land inside one of `directory`'s parts folders."""
     d = os.path.realpath(directory)
     parent = os.path.realpath(os.path.dirname(os.path.abspath(out)))

@@ -264,8 +264,10 @@ def _merge_warnings(
     fits: list[ClockFit],
     missing: list[dict[str, Any]],
 ) -> list[str]:
-    """The core's warnings, then renamed requests, recovered processes, clock fits that
-    violate causality, and processes the log names but the merge did not find."""
+    """The core's warnings, then renamed requests, recovered processes (and what reading
+    the other processes' parts found: a part damaged or missing ends that process's rows
+    there), clock fits that violate causality, and processes the log names but the merge
+    did not find."""
     warnings = list(log.warnings)
     if renamed:
         warnings.append(
@@ -278,6 +280,10 @@ def _merge_warnings(
                 f"{os.path.basename(p.path)}: recovered from parts (the process was killed); "
                 "rows after its last flush are lost"
             )
+    for p in others:  # what reading a killed process's parts found (a damaged part, ...)
+        noted = p.log.meta.get("warnings") if p.recovered else None
+        if isinstance(noted, list):
+            warnings += [f"{os.path.basename(p.path)}: {w}" for w in noted]
     for p, fit in zip(others, fits, strict=True):
         if fit.violations:
             warnings.append(

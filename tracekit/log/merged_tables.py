@@ -53,7 +53,7 @@ MERGED_TABLES: dict[str, tuple[str, ...]] = {
     "tp_segments": ("step", "label", "t_start_s", "t_end_s", "thread", "is_device"),
 }  # fmt: skip
 #: The one-file log's table each ordered merged table becomes.
-_ORDERED = {
+_ORDERED: dict[str, Any] = {
     "proc_segments": ProcSegments,
     "client_emissions": ClientEmissions,
     "deliveries": Deliveries,
