@@ -303,7 +303,9 @@ def analyze(
         runs_rows = _map_with_progress(by_s, paths, jobs, "analysing", ray_address)
         rows = [b.to_record() for bs in runs_rows for b in bs]
         return write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
-    one = functools.partial(workers.analyze_path, view=view(), **_limits())
+    from tracekit.analysis.stream_server import analyze_server_path  # deferred: as above
+
+    one = functools.partial(analyze_server_path, view=view(), **_limits())
     if len(paths) == 1 and sliced and (jobs > 1 or ray_address is not None):  # its slices
         one = functools.partial(one, mapper=workers.slice_mapper(jobs, ray_address))
         jobs, ray_address = 1, None

@@ -89,6 +89,8 @@ def record_server(d, *, n=40, core_every=6, fe_every=4, kill_core_at=None, dp_ra
         cidx = core.request(eid)
         core.counter("serve.added", cidx)
         t_step = t + 1e-3
+        clk.true_s = t_step
+        core.admit(eid)
         for _ in range(2):
             clk.true_s = t_step
             with core.step():

@@ -63,6 +63,7 @@ from tracekit.log.parts import (
     parse_flushed,
     part_number,
     pointed_parts,
+    read_index,
     read_meta,
     read_part,
     write_final,
@@ -566,3 +567,22 @@ def merge_to_parts(
     rule = rule_of(plan) if rule_of is not None else None
     return write_merged_parts(plan, procs, sources, out, rule=rule, force=force,
                               max_inflate_mb=max_inflate_mb)  # fmt: skip
+
+
+def server_emissions(directory: str) -> int:
+    """The most engine emissions one engine core of `directory` recorded, as its parts'
+    index counts them (0 for one recorded as one file, or without an index): what decides
+    whether a command reads the run in slices (docs/reports.md, "Reading a long run in
+    slices")."""
+    most = 0
+    for path, parts_dir, _ in process_entries(directory):
+        if not os.path.basename(path).startswith(CORE):
+            continue
+        try:
+            folder = parts_dir or _pointed(path, None)
+            if folder is not None:
+                entries, _ = read_index(folder)
+                most = max(most, sum(e.num_emissions for e in entries))
+        except (LogError, OSError):
+            continue  # the merge says what is wrong with it
+    return most
