@@ -274,12 +274,17 @@ def plan_parts(
     """The merge's plan from skeleton logs, the skeletons, and where to read each again."""
     procs, sources = skeleton_logs(directory, max_inflate_mb=max_inflate_mb, check=check)
     plan = plan_server(procs, path=directory, engine=engine)
-    if sources[procs.index(plan.core)].parts_dir is None:
+    if _source_of(plan.core, procs, sources).parts_dir is None:
         raise LogError(
             plan.core.path, "engine_core", "recorded as one file, not parts: merge it into one "
             "file (-o RUN.npz)",
         )  # fmt: skip
     return plan, procs, sources
+
+
+def _source_of(p: ProcessLog, procs: list[ProcessLog], sources: list[Source]) -> Source:
+    """Where process `p` (one of `procs`, by identity) is read again."""
+    return sources[next(i for i, q in enumerate(procs) if q is p)]
 
 
 def _spool_others(
@@ -294,7 +299,7 @@ def _spool_others(
     seg_at = 0
     ce_at = os_at = dl_at = 0
     for k, (p, fit) in enumerate(zip(plan.others, plan.fits, strict=True), start=1):
-        src = sources[procs.index(p)]
+        src = _source_of(p, procs, sources)
         lab, gc_label = plan.labels.of[k - 1], plan.labels.gc[k - 1]
         n_gc = len(p.log.gc_pauses)
         if p.role != FRONTEND:  # a worker's rows are all in its skeleton
@@ -502,7 +507,7 @@ def write_merged_parts(
         if os.path.lexists(x) and not force:
             raise LogError(x, "output", "already exists; write elsewhere, or pass --force to "
                            "replace it")  # fmt: skip
-    core_src = sources[procs.index(plan.core)]
+    core_src = _source_of(plan.core, procs, sources)
     assert core_src.parts_dir is not None
     meta = read_meta(core_src.parts_dir)
     tmp = tempfile.mkdtemp(prefix=".tracekit-merge-", dir=os.path.dirname(os.path.abspath(out)))

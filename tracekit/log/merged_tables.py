@@ -17,8 +17,9 @@ ids and counts are whole numbers, exact in a float64 below 2**53):
 - ``tp_segments``: where the tensor-parallel rule carved the part's forward windows, the
   part's engine segments in seconds (they replace its ``segments``).
 
-A reader folds them over the parts it reads (`fold_merged`) and lays them over the log the
-core's rows make (`apply_merged`).
+A reader parses them with a part's other tables (`merged_tables_of`: a reader that keeps
+only some of a part's tables leaves them out unless it names them) and lays them over the
+log the core's rows make (`apply_merged`).
 """
 
 from __future__ import annotations
@@ -83,15 +84,6 @@ def merged_rows(table: str, **cols: np.ndarray) -> np.ndarray:
         raise KeyError(f"{table}: columns {sorted(cols)}, expected {list(names)}")
     a = np.column_stack([np.asarray(cols[c], dtype=np.float64) for c in names])
     return a.reshape(-1)
-
-
-def fold_merged(parts: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """The merged tables of `parts` (parsed, in order), concatenated (empty: none had them)."""
-    chunks: dict[str, list[np.ndarray]] = {}
-    for p in parts:
-        for k, rows in p.get("merged", {}).items():
-            chunks.setdefault(k, []).append(rows)
-    return {k: np.concatenate(v) for k, v in chunks.items()}
 
 
 def apply_merged(log: RawLog, merged: Mapping[str, np.ndarray], first_step: int = 0) -> RawLog:

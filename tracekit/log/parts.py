@@ -54,7 +54,7 @@ from tracekit.log.flush import (
     pair_evictions,
     to_table,
 )
-from tracekit.log.merged_tables import apply_merged, fold_merged, merged_tables_of
+from tracekit.log.merged_tables import apply_merged, merged_tables_of
 from tracekit.log.partfile import encode_part, read_part_file
 from tracekit.log.rawlog import (
     Admissions,
@@ -567,8 +567,7 @@ def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
         dropped = int(a)
     return {
         "where": where,
-        "tables": tables,
-        "merged": merged_tables_of(z, where),
+        "tables": {**tables, **merged_tables_of(z, where)},
         "labels": [str(x) for x in np.asarray(z["labels"]).reshape(-1)],
         "counter_names": [str(x) for x in np.asarray(z["counter_names"]).reshape(-1)],
         "request_ids_start": scalars["request_ids_start"],
@@ -643,8 +642,8 @@ def _fold_flushes(
         dropped=0,
     )
     for part in parts:
-        for k, rows in part["tables"].items():
-            f.chunks[k].append(rows)
+        for k, rows in part["tables"].items():  # a merged server run's tables too
+            f.chunks.setdefault(k, []).append(rows)
         f.labels, f.counter_names = part["labels"], part["counter_names"]
         start, new_ids = part["request_ids_start"], part["request_ids"]
         if start != len(f.request_ids):  # each flush names the ids new since the last one
@@ -812,7 +811,8 @@ def merge_flushed(
         extras=dict((final or {}).get("extras", {})),
     )
     # a merged server run's parts: the other processes' rows, the joined requests
-    return apply_merged(log, fold_merged(parts), retained.first_step if retained else 0)
+    merged = {k: np.concatenate(v) for k, v in f.chunks.items() if k not in TABLES and v}
+    return apply_merged(log, merged, retained.first_step if retained else 0)
 
 
 def _renumber_steps(chunks: dict[str, list[np.ndarray]], first_step: int) -> None:
@@ -822,7 +822,7 @@ def _renumber_steps(chunks: dict[str, list[np.ndarray]], first_step: int) -> Non
     in the first steps read) is taken as reading its own step's: no gap ends at such an
     emission (its request's previous emission was removed with its part)."""
     for k, rows_list in chunks.items():
-        cols = TABLES[k]
+        cols = TABLES.get(k, ())  # a merged table's steps: `apply_merged` renumbers them
         if "step" not in cols:
             continue
         for i, read in enumerate(rows_list):
