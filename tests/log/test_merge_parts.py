@@ -242,6 +242,24 @@ def test_a_damaged_part_of_the_api_server_is_named_and_the_rest_read(tmp_path):
     assert_same_log(merge_run(str(d)), back)
 
 
+def test_an_engine_core_whose_first_parts_were_removed(tmp_path):
+    """Retention removed the engine core's first parts: the run is read from its first
+    part left (steps renumbered from it, the requests named only before it removed), both
+    ways alike, deliveries naming the same steps."""
+    d = tmp_path / "srv"
+    d.mkdir()
+    record_server(d)
+    os.remove(part_paths(os.path.join(d, "engine_core-1.npz.parts"))[0])
+    out = _merged(str(d), tmp_path)
+    whole, back = merge_run(str(d)), open_run(out)
+    # the removed part held requests 0-5 (the first cut is at request 6): their 12 outputs'
+    # build stamps went with it, so 80 - 12 deliveries are paired, into the steps read
+    assert back.request_ids[:6] == tuple(f"(removed {i})" for i in range(6))
+    assert len(back.deliveries) == 68
+    assert back.deliveries.step.min() == 0 and back.deliveries.step.max() == len(back.steps) - 1
+    assert_same_log(whole, back)
+
+
 def test_an_existing_output_is_refused_without_force(tmp_path):
     d = tmp_path / "srv"
     d.mkdir()

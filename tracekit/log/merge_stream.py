@@ -62,10 +62,12 @@ from tracekit.log.parts import (
     merge_parts_kept,
     parse_flushed,
     part_number,
+    part_paths,
     pointed_parts,
     read_index,
     read_meta,
     read_part,
+    retained_start,
     write_final,
     write_part,
     write_pointer,
@@ -92,6 +94,7 @@ class Source:
     thread_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     num_segments: int = 0
     flush_ticks: dict[str, int] = field(default_factory=dict)  # per part read, its flush
+    first_steps: dict[str, int | None] = field(default_factory=dict)  # and its first step
 
 
 def keep_for(role: str, src: Source) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -102,6 +105,7 @@ def keep_for(role: str, src: Source) -> Callable[[dict[str, Any]], dict[str, Any
     def keep(part: dict[str, Any]) -> dict[str, Any]:
         nonlocal first_tick
         src.flush_ticks[part["where"]] = part["flush_tick"]
+        src.first_steps[part["where"]] = part["first_step"]
         t_ = dict(part["tables"])
         labels, names = part["labels"], part["counter_names"]
         if "counters" in t_:
@@ -206,7 +210,8 @@ def chunks(src: Source, max_inflate_mb: float | None = None) -> Iterator[RawLog]
 
 
 class Spool:
-    """Rows bound for each merged part, on disk until their part is written."""
+    """Rows bound for each merged part, on disk until their part is written (a file of
+    float64 rows per table and part, appended to; never a pickle)."""
 
     def __init__(self, directory: str, edges_s: np.ndarray) -> None:
         self.directory = directory
@@ -220,22 +225,19 @@ class Spool:
         n = len(self.edges_s)
         at = np.minimum(np.searchsorted(self.edges_s, t_s, side="right"), n - 1)
         for j in np.unique(at).tolist():
-            with open(os.path.join(self.directory, f"{table}-{j}.npy"), "ab") as fh:
-                np.save(fh, np.ascontiguousarray(rows[at == j], dtype=np.float64))
+            with open(os.path.join(self.directory, f"{table}-{j}.f64"), "ab") as fh:
+                fh.write(np.ascontiguousarray(rows[at == j], dtype=np.float64).tobytes())
         self.counts[table] = self.counts.get(table, 0) + len(rows)
 
     def take(self, table: str, j: int) -> np.ndarray | None:
         """The rows spooled for part `j` (removed from the spool), flat; None: none."""
-        path = os.path.join(self.directory, f"{table}-{j}.npy")
+        path = os.path.join(self.directory, f"{table}-{j}.f64")
         if not os.path.exists(path):
             return None
-        out = []
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            while fh.tell() < size:
-                out.append(np.load(fh))
+        with open(path, "rb") as fh:  # rows of float64, as `add` wrote them
+            rows = np.frombuffer(fh.read(), dtype=np.float64).copy()
         os.remove(path)
-        return np.concatenate(out).reshape(-1)
+        return rows
 
 
 @dataclass(frozen=True)
@@ -314,10 +316,20 @@ def _spool_others(
                                  event_loop_thread(counts), max_inflate_mb)  # fmt: skip
             seg_at, ce_at, os_at = seg_at + n_seg, at[0], at[1]
             dl = delivery_rows(k, p.log, fit, plan.core, plan.core_index)
+            dl[:, 0] += _first_step(_source_of(plan.core, procs, sources))  # as recorded
             dl_at = _spool(spool, "deliveries", dl, dl_at)
         if n_gc:
             _spool(spool, "proc_segments", gc_rows(k, p.log.gc_pauses, gc_label, fit), seg_at)
             seg_at += n_gc
+
+
+def _first_step(core: Source) -> int:
+    """The step an engine core read from a later part (its first parts removed by
+    retention) is numbered from: its rows name steps as recorded (`Retained`)."""
+    first = core.paths[0] if core.paths else None
+    if first is None or part_number(first) == 1:
+        return 0
+    return core.first_steps.get(first) or 0
 
 
 def _spool(spool: Spool, table: str, rows: np.ndarray, at: int) -> int:
@@ -528,7 +540,8 @@ def write_merged_parts(
         core = plan.core.log
         final = {k: v for k, v in plan.meta.items() if k != "warnings"}
         final.update(rule.meta if rule else {})
-        final.update(config=core.config, warnings=plan.warnings, extras=core.extras)
+        final.update(config=core.config, warnings=_own_warnings(work, plan.warnings),
+                     extras=core.extras)  # fmt: skip
         write_final(work, final)
         shutil.rmtree(spool_dir)
         _replace(work, parts_dir, out, force)
@@ -539,6 +552,21 @@ def write_merged_parts(
         out, parts_dir, plan.meta, plan.warnings, len(core_src.paths), n_steps, n_em,
         spool.counts.get("client_emissions", 0), len(plan.ident.names),
     )  # fmt: skip
+
+
+def _own_warnings(parts_dir: str, warnings: list[str]) -> list[str]:
+    """`warnings` less what reading the merged folder says itself: that it starts at a
+    later part (an engine core whose first parts retention removed says so too)."""
+    paths = part_paths(parts_dir)
+    said: list[str] = []
+    if paths:
+        first = parse_flushed(read_part(paths[0]), paths[0])
+        retained_start(parts_dir, paths, [first], said)
+    out = list(warnings)
+    for w in said:
+        if w in out:
+            out.remove(w)
+    return out
 
 
 def _replace(work: str, parts_dir: str, out: str, force: bool) -> None:
