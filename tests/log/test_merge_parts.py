@@ -392,3 +392,23 @@ def test_a_tensor_parallel_run_carved_part_by_part_is_the_whole_merges(tmp_path)
     # each `sample` window starts before its cut: it is in the part that ends there
     assert [int((p["label"] == sample).sum()) for p in spans] == [1, 1, 1, 1, 0]
     assert_same_log(whole, back)
+
+
+def test_a_merged_run_the_check_rejects_is_never_written(tmp_path):
+    """The written folder is checked before it is moved into place: refused, nothing is
+    left under the name or beside it (the temporary folder removed)."""
+    from tracekit.log.merge_stream import merge_to_parts
+
+    d = tmp_path / "srv"
+    d.mkdir()
+    record_server(d, n=8)
+    out = tmp_path / "out" / "run.npz"
+    out.parent.mkdir()
+
+    def reject(parts_dir):
+        assert os.path.isfile(os.path.join(parts_dir, "final.json"))  # written whole
+        raise LogError(parts_dir, "client_emissions.request", "out of range")
+
+    with pytest.raises(LogError, match="out of range"):
+        merge_to_parts(str(d), str(out), verify=reject)
+    assert os.listdir(out.parent) == []

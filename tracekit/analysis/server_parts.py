@@ -89,7 +89,9 @@ def save_merged_parts(
     """Merge `directory` into the parts folder ``OUT.parts/`` and its pointer `out`, chunk
     by chunk in memory bounded by the run's requests and steps (`tracekit.log.merge_stream`),
     the tensor-parallel rule applied part by part (`tp_rule`), each cleanly stopped
-    process's log checked part by part as `load` checks it (`check_run`). Reading it whole
+    process's log checked part by part as `load` checks it (`check_run`), and the merged
+    run too before it is moved into place (a run `tracekit check` would reject is never
+    written; a long one is checked part by part: its engine rows). Reading it whole
     (`open_run(out)`) gives `merge_run(directory)`'s log. Refused as `save_merged` refuses
     (an existing output without `force`, a place inside a parts folder of `directory`)."""
     if inside_parts(directory, out):
@@ -101,8 +103,12 @@ def save_merged_parts(
     def check(path: str) -> tuple[str, ...]:
         return check_run(path, max_inflate_mb=max_inflate_mb).warnings
 
+    def verify(parts_dir: str) -> None:  # what `tracekit check` would reject: not written
+        check_run(parts_dir, max_inflate_mb=max_inflate_mb)
+
     return merge_to_parts(directory, out, engine=engine, force=force,
-                          max_inflate_mb=max_inflate_mb, rule_of=tp_rule, check=check)  # fmt: skip
+                          max_inflate_mb=max_inflate_mb, rule_of=tp_rule, check=check,
+                          verify=verify)  # fmt: skip
 
 
 def merge_parts_lines(

@@ -510,10 +510,13 @@ def write_merged_parts(
     rule: PartRule | None = None,
     force: bool = False,
     max_inflate_mb: float | None = None,
+    verify: Callable[[str], Any] | None = None,
 ) -> MergedParts:
     """Write the merged run as ``OUT.parts/`` and the pointer `out` (a clean stop's pair),
     built in a temporary folder beside it and renamed into place: an interrupted merge
-    leaves no half run under the name. An existing output is replaced only with `force`."""
+    leaves no half run under the name. An existing output is replaced only with `force`.
+    `verify`: called with the written folder before it is moved into place (raising: the
+    run is refused, nothing is written)."""
     parts_dir = out + PARTS_SUFFIX
     for x in (out, parts_dir):
         if os.path.lexists(x) and not force:
@@ -544,6 +547,8 @@ def write_merged_parts(
                      extras=core.extras)  # fmt: skip
         write_final(work, final)
         shutil.rmtree(spool_dir)
+        if verify is not None:
+            verify(work)
         _replace(work, parts_dir, out, force)
         write_pointer(out, parts_dir)
     finally:
@@ -591,15 +596,17 @@ def merge_to_parts(
     max_inflate_mb: float | None = None,
     rule_of: Callable[[MergePlan], PartRule | None] | None = None,
     check: Check | None = None,
+    verify: Callable[[str], Any] | None = None,
 ) -> MergedParts:
     """Merge the server run in `directory` into the parts folder ``OUT.parts/`` and its
     pointer `out` (see the module docstring); `rule_of`: the cause rule to apply part by
-    part, from the plan (`tracekit.analysis.server_parts`); `check`: see `skeleton_logs`."""
+    part, from the plan (`tracekit.analysis.server_parts`); `check`: see `skeleton_logs`;
+    `verify`: see `write_merged_parts`."""
     plan, procs, sources = plan_parts(directory, engine=engine, max_inflate_mb=max_inflate_mb,
                                       check=check)  # fmt: skip
     rule = rule_of(plan) if rule_of is not None else None
     return write_merged_parts(plan, procs, sources, out, rule=rule, force=force,
-                              max_inflate_mb=max_inflate_mb)  # fmt: skip
+                              max_inflate_mb=max_inflate_mb, verify=verify)  # fmt: skip
 
 
 def server_emissions(directory: str) -> int:
