@@ -18,7 +18,7 @@ from tracekit.analysis.run import merge_run, open_run
 from tracekit.analysis.server_parts import save_merged_parts
 from tracekit.errors import LogError
 from tracekit.formats import json_safe
-from tracekit.log.merge_stream import _OsCarry
+from tracekit.log.merge_stream import OsCarry
 from tracekit.log.merged_tables import MERGED_TABLES
 from tracekit.log.osintervals import side_thread_intervals
 from tracekit.log.partfile import read_part_file
@@ -291,7 +291,7 @@ def test_one_engine_of_a_data_parallel_server(tmp_path):
 
 def test_os_intervals_continued_over_parts_are_the_whole_logs(tmp_path):
     """An event loop's OS samples cut into parts anywhere: the intervals and the nesting
-    `_OsCarry` hands each part are those of the whole log's (side_thread_intervals)."""
+    `OsCarry` hands each part are those of the whole log's (side_thread_intervals)."""
     rng = np.random.default_rng(3)
     n = 60
     kind = rng.choice([OS_SEGMENT_START, OS_SEGMENT_END], n)
@@ -308,7 +308,7 @@ def test_os_intervals_continued_over_parts_are_the_whole_logs(tmp_path):
     whole = replace(tracekit.load(str(tmp_path / "x.npz")), os_samples=os_)
     want, inside = side_thread_intervals(whole, 0)
     for cuts in ([0, n], [0, 7, 8, 30, n], list(range(0, n + 1, 5))):
-        carry = _OsCarry(0)
+        carry = OsCarry(0)
         got_t, got_in = [], []
         for a, b in zip(cuts, cuts[1:], strict=False):
             part = os_.columns()

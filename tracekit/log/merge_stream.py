@@ -355,11 +355,11 @@ def _spool_frontend(
 ) -> tuple[int, int]:
     """An API server's segments, chunks written and OS intervals, part by part: a chunk's
     ready time from the ``sse_write`` windows of its part and the parts beside it, its OS
-    intervals continued from the part before (`_OsCarry`). Returns the next chunk and OS
+    intervals continued from the part before (`OsCarry`). Returns the next chunk and OS
     rows' numbers."""
     seg_at, ce_at, os_at = at
     lab, ridx = plan.labels.of[k - 1], plan.ident.index[k - 1]
-    carry = _OsCarry(thread)
+    carry = OsCarry(thread)
     window: list[RawLog] = []
     it = chunks(src, max_inflate_mb)
     nxt = next(it, None)
@@ -380,7 +380,7 @@ def _sse_of(logs: list[RawLog]) -> tuple[np.ndarray, np.ndarray]:
     return e[order], s[order]
 
 
-class _OsCarry:
+class OsCarry:
     """An API server's event loop samples, part after part: each part's log with the last
     sample before it and, ahead of that, as many segment starts (or ends) at its time as
     the loop's nesting before it, unusable as intervals (no CPU time): the intervals and
