@@ -21,6 +21,16 @@ Then the recording cost per engine step at batch 512 (10 segments, one `emit_han
 the batch, an in-memory recorder): thread CPU time, interleaved rounds of both checkouts
 in one process (`bench/base_main.py`), median [min-max] and the ratio.
 
+With ``--server``: a server's run instead (`vllm serve` as recorded, docs/adapters.md): an
+engine core and an API server (`busy_server.serve(..., frontend=)`, a chunk row per
+emitted token there, as many rows as the core), recorded to one directory per length;
+then, each in a fresh process, the peak resident set (``/usr/bin/time -f %M``) and wall
+seconds of ``tracekit merge DIR -o RUN.npz`` (the whole merge, up to ``--whole-max``
+minutes), ``tracekit merge DIR -o RUN.npz --parts`` (chunk by chunk) and ``tracekit
+analyze DIR`` (a long server run: merged to a temporary folder, read in slices).
+
+    python bench/bench_long_run.py --server [--minutes 10 60] [--whole-max 10]
+
 Benchmarks live outside the tests: nothing asserts.
 """
 
@@ -73,6 +83,82 @@ for base, _, files in os.walk(out_dir):
 print(json.dumps({"stop_s": t_stop, "record_s": t_record, "rss_rec": max(rss or [0]),
                   "rss_peak": status("VmHWM:"), "bytes": size, **counts}))
 """
+
+
+SERVER_CHILD = r"""
+import json, os, sys
+root, minutes, out_dir, speedup = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+sys.path.insert(0, root)
+sys.path.insert(0, os.path.join(root, "bench"))
+import tracekit
+from busy_server import FakeClock, serve
+
+def ident(role, pid):
+    return {"process": {"role": role, "pid": pid, "host": "h", "name": role, "boot_id": "b",
+                        "clock": "clock_gettime(CLOCK_MONOTONIC)"}}
+
+clock = FakeClock()
+recs = [tracekit.Recorder(os.path.join(out_dir, f"{role}-{pid}.npz"), clock=clock,
+                          seconds_per_tick=1e-9, gc=False, handle_signals=False,
+                          config=ident(role, pid))
+        for role, pid in (("engine_core", 1), ("api_server", 2))]
+for r in recs:
+    r.start()
+counts = serve(recs[0], clock, minutes, frontend=recs[1],
+               speedup=None if speedup == "none" else float(speedup))
+for r in recs[::-1]:
+    r.stop()
+print(json.dumps(counts))
+"""
+
+
+def record_server(minutes: float, speedup: float | None, out_dir: str) -> dict:
+    """A server's run of `minutes` (engine core and API server) recorded into `out_dir`."""
+    r = subprocess.run(
+        [sys.executable, "-c", SERVER_CHILD, ROOT, str(minutes), out_dir,
+         "none" if speedup is None else str(speedup)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+    if r.returncode != 0:
+        raise SystemExit(f"the server recording failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def peak_rss(args: list[str]) -> tuple[float, float]:
+    """(peak resident set MB, wall seconds) of `tracekit ARGS` in a fresh process."""
+    r = subprocess.run(
+        ["/usr/bin/time", "-f", "%M %e", sys.executable, "-m", "tracekit", *args],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+    )  # fmt: skip
+    if r.returncode != 0:
+        raise SystemExit(f"tracekit {' '.join(args)} failed:\n{r.stderr[-3000:]}")
+    kb, secs = r.stderr.strip().splitlines()[-1].split()
+    return int(kb) / 1024, float(secs)
+
+
+def server_main(minutes: list[float], whole_max: float, speedup: float | None) -> None:
+    print(f"this tree: {ROOT}\n")
+    print(f"{'minutes':>7} {'tokens':>11} {'command':<30} {'peak RSS MB':>11} {'wall s':>8}")
+    for m in minutes:
+        with tempfile.TemporaryDirectory(prefix="tracekit-server-bench-") as d:
+            run = os.path.join(d, "serve")
+            os.mkdir(run)
+            counts = record_server(m, speedup, run)
+            core = os.path.join(run, "engine_core-1.npz.parts", "index")
+            with open(core) as fh:
+                sizes = [int(line.split()[4]) for line in fh]
+            print(f"{m:7.0f} {counts['tokens']:11,d} (engine core: {len(sizes)} parts, the "
+                  f"largest {max(sizes):,d} emissions)")  # fmt: skip
+            cmds = [
+                ("merge -o RUN.npz --parts", ["merge", run, "-o", f"{d}/p.npz", "--parts"]),
+                ("analyze DIR", ["analyze", run, "--format", "jsonl", "-o", f"{d}/a.jsonl"]),
+            ]
+            if m <= whole_max:
+                cmds.insert(0, ("merge -o RUN.npz (whole)", ["merge", run, "-o", f"{d}/w.npz"]))
+            for name, args in cmds:
+                mb, secs = peak_rss(args)
+                print(f"{m:7.0f} {counts['tokens']:11,d} {name:<30} {mb:11.0f} {secs:8.1f}",
+                      flush=True)  # fmt: skip
 
 
 def record_in_child(checkout: str, minutes: float, speedup: float | None) -> dict:
@@ -140,7 +226,21 @@ def main() -> None:
         help="simulated seconds per wall second at most (default 200: an hour in "
         "18 s; a real server gives the writer a second per second of rows)",
     )
+    ap.add_argument(
+        "--server",
+        action="store_true",
+        help="a server's run (engine core and API server): merge and analyze",
+    )
+    ap.add_argument(
+        "--whole-max",
+        type=float,
+        default=10.0,
+        help="--server: the longest run merged whole too (minutes; default 10)",
+    )
     args = ap.parse_args()
+    if args.server:  # two recorders share the writer's time: paced slower by default
+        speedup = args.speedup if args.speedup != 200.0 else 50.0
+        return server_main(args.minutes, args.whole_max, speedup)
     if not os.path.isdir(os.path.join(args.baseline, "tracekit")):
         raise SystemExit(f"{args.baseline}: no tracekit checkout there (--baseline)")
     print(f"this tree: {ROOT}\nbaseline:  {args.baseline}\n")

@@ -61,6 +61,7 @@ def serve(
     *,
     on_minute: Callable[[int], None] | None = None,
     speedup: float | None = None,
+    frontend: object | None = None,
 ) -> dict[str, int]:
     """Run the simulated server on `rec` (started, on `clock`) for `minutes` of its clock.
     Returns counts: steps, tokens (emissions), requests, evictions. `on_minute(m)` is
@@ -70,7 +71,16 @@ def serve(
     each simulated second to keep it). A real server gives the recorder's writer a whole
     second for each second of rows; an engine simulated hundreds of times faster than the
     writer can encode would have rows pile up in flight, a state no server is in. None:
-    as fast as the machine runs."""
+    as fast as the machine runs.
+
+    `frontend`: an API server's recorder (started, on `clock`) beside the engine core's
+    `rec`, as `vllm serve` records them (docs/adapters.md): each request named
+    ``req-N<US>req-N`` there and sent (``serve.sent``) as the core adds it
+    (``serve.added``); each step's outputs built (``serve.out``, keyed by the step) and
+    received 0.1 ms later (``serve.recv``), then a chunk per emitting request written in an
+    ``sse_write`` window of 0.05 ms: the API server records as many rows as the core."""
+    if frontend is not None:  # (a checkout before the serve contract records no frontend)
+        from tracekit.log.serve_contract import ADDED, FRONT_SEP, OUT, RECV, SENT
     w = workload
     rng = np.random.default_rng(w.seed)
     finish = getattr(rec, "finish_handle", None)  # None: a recorder from before it existed
@@ -97,6 +107,10 @@ def serve(
                 max_new_tokens=4096,
             )
             n_req += 1
+            if frontend is not None:
+                fh = frontend.request(f"req-{h}{FRONT_SEP}req-{h}")  # type: ignore[attr-defined]
+                frontend.counter(SENT, fh)  # type: ignore[attr-defined]
+                rec.counter(ADDED, h)  # type: ignore[attr-defined]
             waiting.append(
                 (
                     h,
@@ -149,6 +163,8 @@ def serve(
             emitting = np.concatenate((running_h, first))
             if len(emitting):
                 rec.emit_handles(emitting)  # type: ignore[attr-defined]
+                if frontend is not None:
+                    rec.counter(OUT, float(counts["steps"]))  # type: ignore[attr-defined]
             counts["tokens"] += len(emitting)
             running_left = running_left - 1
             keep = running_left > 0
@@ -173,6 +189,12 @@ def serve(
                 running_h = np.delete(running_h, i)
                 running_left = np.delete(running_left, i)
                 counts["evictions"] += 1
+        if frontend is not None and len(emitting):  # the outputs reach the API server
+            clock.advance_ms(0.1)
+            frontend.counter(RECV, float(counts["steps"]))  # type: ignore[attr-defined]
+            with frontend.segment("sse_write"):  # type: ignore[attr-defined]
+                clock.advance_ms(0.05)
+            frontend.emit_handles(emitting)  # type: ignore[attr-defined]
         counts["steps"] += 1
         clock.advance_ms(0.2)  # the loop between steps
         if speedup is not None and clock.t_ns >= next_second_ns:

@@ -303,7 +303,9 @@ def analyze(
         runs_rows = _map_with_progress(by_s, paths, jobs, "analysing", ray_address)
         rows = [b.to_record() for bs in runs_rows for b in bs]
         return write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
-    one = functools.partial(workers.analyze_path, view=view(), **_limits())
+    from tracekit.analysis.stream_server import analyze_server_path  # deferred: as above
+
+    one = functools.partial(analyze_server_path, view=view(), **_limits())
     if len(paths) == 1 and sliced and (jobs > 1 or ray_address is not None):  # its slices
         one = functools.partial(one, mapper=workers.slice_mapper(jobs, ray_address))
         jobs, ray_address = 1, None
@@ -524,9 +526,11 @@ def recover(parts_dir: str, output: str | None, keep_parts: bool, force: bool) -
 @click.option("--force", is_flag=True, help="Replace an existing output log (refused by default).")
 @click.option("--engine", type=click.IntRange(min=0), default=None, metavar="RANK",
               help="Data parallel: the rank of the engine core whose run to merge.")  # fmt: skip
+@click.option("--parts", "as_parts", is_flag=True, help="Write RUN.npz.parts/ and the pointer "
+              "RUN.npz (a recorder's form), merged chunk by chunk in bounded memory.")  # fmt: skip
 @no_window_options("joins whole logs into one run and reads no gaps")
 @_read_limits
-def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
+def merge(directory: str, output: str, force: bool, engine: int | None, as_parts: bool) -> None:
     """Join the per-process logs of one server run (DIRECTORY/ROLE-PID.npz, or the parts of
     a killed process, read in place and never removed) into one RUN.npz: the engine core's
     clock and steps, the API server's client-boundary emissions and windows, the workers'
@@ -534,6 +538,10 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
     against the engine core and its uncertainty. `analyze`, `report` and `trace` also
     accept DIRECTORY itself. A data-parallel server has one engine core per rank: merge
     each rank's run with --engine RANK (its steps, workers and requests).
+
+    With --parts, a server's run of any length is merged chunk by chunk, in memory bounded
+    by its requests and steps, into RUN.npz.parts/ (one part per engine core part) and the
+    pointer RUN.npz: every command reads RUN.npz as it reads a recorder's run.
 
     Given one run instead (a recorder's RUN.npz and its RUN.npz.parts/ folder, the folder
     alone, any log), writes it as one self-contained .npz: the form to share."""
@@ -552,9 +560,18 @@ def merge(directory: str, output: str, force: bool, engine: int | None) -> None:
         click.echo(f"wrote {output}: one file from the {form} {one_line(directory)}, "
                    f"{len(one.steps)} steps, {len(one.emissions)} emissions")  # fmt: skip
         return
+    from tracekit.render.text import process_line  # deferred: loaded per command
+
+    if as_parts:
+        from tracekit.analysis.server_parts import merge_parts_lines  # deferred: as above
+
+        warnings, lines = merge_parts_lines(directory, output, force, engine, _limits(),
+                                            process_line)  # fmt: skip
+        _warn(directory, warnings)
+        click.echo("\n".join(lines))
+        return
     log = save_merged(directory, output, force=force, engine=engine, **_limits())
     _warn(directory, log.warnings)
-    from tracekit.render.text import process_line  # deferred: loaded per command
 
     for p in log.meta["processes"]:
         click.echo(process_line(p))

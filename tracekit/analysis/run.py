@@ -20,15 +20,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS
 from tracekit.attribution.tp import charge_tp_waits
-from tracekit.errors import LogError
+from tracekit.errors import LogError, UsageError
 from tracekit.log.archive import read_npz
 from tracekit.log.merge import merge_server
+from tracekit.log.merge_stream import server_emissions
 from tracekit.log.parts import PARTS_SUFFIX, POINTER_MEMBER, merge_parts, pointed_parts
 from tracekit.log.processes import is_process_dir, process_logs
 from tracekit.log.rawlog import RawLog
 from tracekit.log.reader import load
 from tracekit.log.validate import validate_log
+
+#: environment variable: the emissions a slice reads (`tracekit.analysis.workers`)
+SLICE_ENV = "TRACEKIT_SLICE_EMISSIONS"
 
 
 def is_parts_dir(path: str) -> bool:
@@ -77,10 +82,35 @@ def open_run(
     if max_label_chars is not None:
         limits["max_label_chars"] = max_label_chars
     if is_process_dir(path):
+        refuse_long_server_run(path)
         return merge_run(path, **limits)
     if is_parts_dir(path):
         return validate_log(merge_parts(path, max_inflate_mb=max_inflate_mb))
     return load(path, **limits)
+
+
+def refuse_long_server_run(directory: str) -> None:
+    """A server's process directory whose engine core recorded more emissions than one
+    slice holds is not read whole (every process's rows at once: gigabytes on a busy
+    server): a `UsageError` naming what reads it in bounded memory. `analyze DIR` merges it
+    into a temporary parts folder itself (`tracekit.analysis.stream_server`)."""
+    n, budget = server_emissions(directory), _slice_budget()
+    if n > budget:
+        raise UsageError(
+            f"{directory}: a server run of {n} engine emissions, more than one slice "
+            f"({budget}, ${SLICE_ENV}): not read whole; merge it first (tracekit merge "
+            f"{directory} -o RUN.npz --parts) and give RUN.npz, which is read in slices"
+        )
+
+
+def _slice_budget() -> int:
+    """The emissions one slice holds, as `tracekit.analysis.workers.slice_budget` reads
+    them (a value it refuses is the default here: that command says what is wrong)."""
+    raw = os.environ.get(SLICE_ENV, "").strip()
+    try:
+        return max(1, int(raw)) if raw else DEFAULT_SLICE_EMISSIONS
+    except ValueError:
+        return DEFAULT_SLICE_EMISSIONS
 
 
 def merge_run(directory: str, *, engine: int | None = None, **limits: Any) -> RawLog:
@@ -104,7 +134,7 @@ def save_merged(
             out, "output", "already exists (it may be one of the logs being merged); write "
             "elsewhere with -o NEW.npz, or pass --force to replace it",
         )  # fmt: skip
-    if _inside_parts(directory, out):
+    if inside_parts(directory, out):
         raise LogError(
             out, "output", f"is inside a parts folder of {directory}: the next read of that "
             "folder would take it for a part; write it elsewhere",
@@ -134,7 +164,7 @@ def save_one_file(path: str, out: str, *, force: bool = False, **limits: Any) ->
     return log.with_path(out)
 
 
-def _inside_parts(directory: str, out: str) -> bool:
+def inside_parts(directory: str, out: str) -> bool:
     """`out` would land inside one of `directory`'s parts folders."""
     d = os.path.realpath(directory)
     parent = os.path.realpath(os.path.dirname(os.path.abspath(out)))

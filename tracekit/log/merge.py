@@ -65,7 +65,7 @@ import numpy as np
 
 from tracekit.errors import LogError
 from tracekit.log.clocks import ClockFit, CoreIndex, fit_process, match_sorted
-from tracekit.log.osintervals import OsIntervals, side_thread_intervals
+from tracekit.log.osintervals import side_thread_intervals
 from tracekit.log.processes import ProcessLog, counter, dp_rank, process_logs, tp_rank
 from tracekit.log.rawlog import (
     ClientEmissions,
@@ -135,28 +135,20 @@ def _pick_core(
     return cores[ranks.index(engine) if engine is not None else 0], cores
 
 
-@dataclass
-class _MergedRows:
-    """The rows the other processes add to the engine core's run, and the labels they use
-    (the core's first, then each new one as it is met)."""
+@dataclass(frozen=True)
+class MergedLabels:
+    """The merged run's labels (the core's first, then each new one as the other processes
+    are met: each one's labels, then ``gc`` if it paused) and, per other process, its
+    label ids in them and its ``gc`` label's (None: it never paused)."""
 
     labels: list[str]
-    processes: list[dict[str, Any]]
-    seg_rows: list[np.ndarray]
-    ce_rows: list[np.ndarray]
-    dl_rows: list[np.ndarray]
-    os_rows: list[np.ndarray]
+    of: list[np.ndarray]
+    gc: list[int | None]
 
 
-def _merged_rows(
-    core: ProcessLog,
-    others: list[ProcessLog],
-    fits: list[ClockFit],
-    ident: RequestJoin,
-    core_index: CoreIndex,
-) -> _MergedRows:
-    """Each other process's segments and GC pauses, and a frontend's OS samples, chunks
-    written to clients and deliveries, on the engine core's clock."""
+def merged_labels(core: ProcessLog, others: list[ProcessLog]) -> MergedLabels:
+    """`MergedLabels` of a merge (from the processes' vocabularies and whether they paused:
+    a skeleton log, `tracekit.log.merge_stream`, has both)."""
     labels = list(core.log.labels)
     label_pos = {x: i for i, x in enumerate(labels)}
 
@@ -166,80 +158,102 @@ def _merged_rows(
             labels.append(name)
         return label_pos[name]
 
-    out = _MergedRows(
-        labels=labels,
-        processes=[{**core.identity, "path": core.path, "recovered": core.recovered}],
-        seg_rows=[],
-        ce_rows=[],
-        dl_rows=[],
-        os_rows=[],
+    of, gc = [], []
+    for p in others:
+        of.append(np.array([label_id(x) for x in p.log.labels], dtype=np.int64))
+        gc.append(label_id("gc") if len(p.log.gc_pauses) else None)
+    return MergedLabels(labels, of, gc)
+
+
+def segment_rows(k: int, segments: Any, lab: np.ndarray, fit: ClockFit) -> np.ndarray:
+    """``proc_segments`` rows (process, label, start, end) of process `k`'s `segments`
+    (`lab`: its label ids in the run's labels), on the run's clock."""
+    return np.column_stack(
+        [
+            np.full(len(segments), k),
+            lab[segments.label] if len(lab) else segments.label,
+            fit.apply(segments.t_start_s),
+            fit.apply(segments.t_end_s),
+        ]
     )
+
+
+def gc_rows(k: int, gc_pauses: Any, gc_label: int | None, fit: ClockFit) -> np.ndarray:
+    """``proc_segments`` rows of process `k`'s GC pauses (label ``gc``)."""
+    return np.column_stack(
+        [
+            np.full(len(gc_pauses), k),
+            np.full(len(gc_pauses), -1 if gc_label is None else gc_label),
+            fit.apply(gc_pauses.t_start_s),
+            fit.apply(gc_pauses.t_end_s),
+        ]
+    )
+
+
+def _merged_rows(
+    core: ProcessLog,
+    others: list[ProcessLog],
+    fits: list[ClockFit],
+    ident: RequestJoin,
+    core_index: CoreIndex,
+    ml: MergedLabels,
+) -> dict[str, list[np.ndarray]]:
+    """Each other process's segments and GC pauses, and a frontend's OS samples, chunks
+    written to clients and deliveries, on the engine core's clock."""
+    out: dict[str, list[np.ndarray]] = {"seg": [], "ce": [], "dl": [], "os": []}
     for k, (p, fit) in enumerate(zip(others, fits, strict=True), start=1):
-        out.processes.append(
-            {**p.identity, "path": p.path, "recovered": p.recovered, "clock_fit": fit.as_meta()}
-        )
         lg = p.log
-        lab = np.array([label_id(x) for x in lg.labels], dtype=np.int64)
         if len(lg.segments):
-            out.seg_rows.append(
-                np.column_stack(
-                    [
-                        np.full(len(lg.segments), k),
-                        lab[lg.segments.label] if len(lab) else lg.segments.label,
-                        fit.apply(lg.segments.t_start_s),
-                        fit.apply(lg.segments.t_end_s),
-                    ]
-                )
-            )
+            out["seg"].append(segment_rows(k, lg.segments, ml.of[k - 1], fit))
         if len(lg.gc_pauses):
-            out.seg_rows.append(
-                np.column_stack(
-                    [
-                        np.full(len(lg.gc_pauses), k),
-                        np.full(len(lg.gc_pauses), label_id("gc")),
-                        fit.apply(lg.gc_pauses.t_start_s),
-                        fit.apply(lg.gc_pauses.t_end_s),
-                    ]
-                )
-            )
+            out["seg"].append(gc_rows(k, lg.gc_pauses, ml.gc[k - 1], fit))
         if p.role == FRONTEND:
-            _frontend_rows(out, k, p, fit, ident.index[k - 1], core, core_index)
+            osr = os_rows(k, lg, fit, event_loop_thread(np.bincount(lg.segments.thread)))
+            out["os"].append(osr)
+            out["ce"].append(client_rows(k, lg, fit, ident.index[k - 1], sse_windows(lg)))
+            out["dl"].append(delivery_rows(k, lg, fit, core, core_index))
     return out
 
 
-def _frontend_rows(
-    out: _MergedRows,
-    k: int,
-    p: ProcessLog,
-    fit: ClockFit,
-    ridx: np.ndarray,
-    core: ProcessLog,
-    core_index: CoreIndex,
-) -> None:
-    """An API server's OS samples, its chunks written to clients (`ridx`: each of its
-    requests' merged index) and the deliveries of the core's outputs it received."""
-    lg = p.log
-    osi, inside = _frontend_os(lg)
-    if len(osi):
-        cols = [np.full(len(osi), k), fit.apply(osi.t0_s), fit.apply(osi.t1_s)]
-        out.os_rows.append(np.column_stack([*cols, osi.runqueue_s, osi.offcpu_s, inside]))
-    # client-boundary emissions: the request's merged index
+def event_loop_thread(thread_counts: np.ndarray) -> int:
+    """An API server's event loop: the thread that recorded most of its segments (-1: it
+    recorded none), from the count of segments per thread."""
+    return int(thread_counts.argmax()) if len(thread_counts) and thread_counts.sum() else -1
+
+
+def os_rows(k: int, lg: RawLog, fit: ClockFit, thread: int) -> np.ndarray:
+    """``proc_os`` rows of an API server (process `k`): the OS intervals of its event loop
+    `thread`, on the run's clock, and whether each lies inside its segments."""
+    osi, inside = side_thread_intervals(lg, thread)
+    cols = [np.full(len(osi), k), fit.apply(osi.t0_s), fit.apply(osi.t1_s)]
+    return np.column_stack([*cols, osi.runqueue_s, osi.offcpu_s, inside])
+
+
+def client_rows(
+    k: int, lg: RawLog, fit: ClockFit, ridx: np.ndarray, sse: tuple[np.ndarray, np.ndarray]
+) -> np.ndarray:
+    """``client_emissions`` rows of an API server (process `k`): each chunk it wrote, its
+    request's merged index (`ridx`: per request of its log; another engine core's: left
+    out), write and ready times (`sse`: its ``sse_write`` windows, `sse_windows`)."""
     em = lg.emissions
-    if len(em):
-        t_sent = fit.apply(em.t_s)
-        ready = _ready_times(lg, em.t_s)
-        rows = np.column_stack(
-            [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
-        )
-        out.ce_rows.append(rows[rows[:, 0] >= 0])  # another engine core's requests: not here
-    # deliveries: outputs built in a core step, received here
+    t_sent = fit.apply(em.t_s)
+    ready = ready_times(sse, em.t_s)
+    rows = np.column_stack(
+        [ridx[em.request], t_sent, fit.apply(ready), em.num_tokens, np.full(len(em), k)]
+    )
+    return rows[rows[:, 0] >= 0]
+
+
+def delivery_rows(
+    k: int, lg: RawLog, fit: ClockFit, core: ProcessLog, core_index: CoreIndex
+) -> np.ndarray:
+    """``deliveries`` rows: outputs built in a core step, received by API server `k`."""
     f_t, f_v = counter(lg, RECV)
     ci, fi = match_sorted(core_index.out_v, f_v)
-    if len(ci):
-        st = core.log.steps
-        c_t = core_index.out_t[ci]
-        step = np.searchsorted(st.t_start_s, c_t, side="right") - 1
-        out.dl_rows.append(np.column_stack([step, c_t, fit.apply(f_t[fi]), np.full(len(ci), k)]))
+    st = core.log.steps
+    c_t = core_index.out_t[ci]
+    step = np.searchsorted(st.t_start_s, c_t, side="right") - 1
+    return np.column_stack([step, c_t, fit.apply(f_t[fi]), np.full(len(ci), k)])
 
 
 def _merge_warnings(
@@ -250,8 +264,10 @@ def _merge_warnings(
     fits: list[ClockFit],
     missing: list[dict[str, Any]],
 ) -> list[str]:
-    """The core's warnings, then renamed requests, recovered processes, clock fits that
-    violate causality, and processes the log names but the merge did not find."""
+    """The core's warnings, then renamed requests, recovered processes (and what reading
+    the other processes' parts found: a part damaged or missing ends that process's rows
+    there), clock fits that violate causality, and processes the log names but the merge
+    did not find."""
     warnings = list(log.warnings)
     if renamed:
         warnings.append(
@@ -264,6 +280,10 @@ def _merge_warnings(
                 f"{os.path.basename(p.path)}: recovered from parts (the process was killed); "
                 "rows after its last flush are lost"
             )
+    for p in others:  # what reading a killed process's parts found (a damaged part, ...)
+        noted = p.log.meta.get("warnings") if p.recovered else None
+        if isinstance(noted, list):
+            warnings += [f"{os.path.basename(p.path)}: {w}" for w in noted]
     for p, fit in zip(others, fits, strict=True):
         if fit.violations:
             warnings.append(
@@ -274,14 +294,29 @@ def _merge_warnings(
     return warnings
 
 
-def merge_server(
+@dataclass(frozen=True)
+class MergePlan:
+    """What a merge knows before it moves a row: the processes, their clock fits, the
+    request join, the run's labels, meta and coverage (`plan_server`). It reads of each
+    process only what fits and the join need (paired stamps, windows, request ids, GC
+    pauses, vocabularies): a skeleton of each log serves as well as the whole log
+    (`tracekit.log.merge_stream`)."""
+
+    core: ProcessLog
+    others: list[ProcessLog]
+    fits: list[ClockFit]
+    ident: RequestJoin
+    core_index: CoreIndex
+    labels: MergedLabels
+    meta: dict[str, Any]
+    warnings: list[str]
+    coverage: Coverage
+
+
+def plan_server(
     procs: list[ProcessLog], *, path: str = "<memory>", engine: int | None = None
-) -> ServerMerge:
-    """One run from the logs of a server's processes, not yet validated (`merge_logs`
-    validates it). A data-parallel server has one engine core per DP rank, each with its
-    own steps and workers: its run is that engine core's (`engine`: the DP rank), with its
-    workers, the API servers, and the requests that engine core served (the others' are
-    left out, never charged to its steps)."""
+) -> MergePlan:
+    """`MergePlan` of a server's processes (see `merge_server`)."""
     core, cores = _pick_core(procs, path, engine)
     mine = dp_rank(core)
     elsewhere: set[str] = set()  # engine ids another engine core served
@@ -297,34 +332,50 @@ def merge_server(
     core_index = CoreIndex.of(core)
     fits = [fit_process(core, p, core_index) for p in others]
     ident = join_requests(core, others, fits, elsewhere)
-    rows = _merged_rows(core, others, fits, ident, core_index)
-    log = core.log
-    meta = dict(log.meta)
+    meta = dict(core.log.meta)
     missing = missing_processes(core, others)
     if missing:
         meta["missing_processes"] = missing
     meta["process"] = {k: v for k, v in core.identity.items()}
-    meta["processes"] = rows.processes
+    meta["processes"] = [{**core.identity, "path": core.path, "recovered": core.recovered}] + [
+        {**p.identity, "path": p.path, "recovered": p.recovered, "clock_fit": f.as_meta()}
+        for p, f in zip(others, fits, strict=True)
+    ]
     meta["clock_pairs"] = clock_pairs(core, others, fits)
     meta["merged_from"] = os.path.abspath(path) if path != "<memory>" else path
     meta["interrupted"] = any(p.recovered for p in procs)
-    warnings = _merge_warnings(log, ident.renamed, procs, others, fits, missing)
+    warnings = _merge_warnings(core.log, ident.renamed, procs, others, fits, missing)
     meta["warnings"] = warnings
+    return MergePlan(core, others, fits, ident, core_index, merged_labels(core, others), meta,
+                     warnings, merged_coverage(core, others, fits))  # fmt: skip
+
+
+def merge_server(
+    procs: list[ProcessLog], *, path: str = "<memory>", engine: int | None = None
+) -> ServerMerge:
+    """One run from the logs of a server's processes, not yet validated (`merge_logs`
+    validates it). A data-parallel server has one engine core per DP rank, each with its
+    own steps and workers: its run is that engine core's (`engine`: the DP rank), with its
+    workers, the API servers, and the requests that engine core served (the others' are
+    left out, never charged to its steps)."""
+    plan = plan_server(procs, path=path, engine=engine)
+    rows = _merged_rows(plan.core, plan.others, plan.fits, plan.ident, plan.core_index,
+                        plan.labels)  # fmt: skip
     merged = replace(
-        log,
-        coverage=merged_coverage(core, others, fits),
-        requests=ident.requests,
-        request_ids=tuple(ident.names),
-        labels=tuple(rows.labels),
-        proc_segments=ProcSegments.from_columns(**_cols(rows.seg_rows, ProcSegments)),
-        client_emissions=ClientEmissions.from_columns(**_cols(rows.ce_rows, ClientEmissions)),
-        deliveries=Deliveries.from_columns(**_cols(rows.dl_rows, Deliveries)),
-        proc_os=ProcOs.from_columns(**_cols(rows.os_rows, ProcOs)),
-        meta=meta,
+        plan.core.log,
+        coverage=plan.coverage,
+        requests=plan.ident.requests,
+        request_ids=tuple(plan.ident.names),
+        labels=tuple(plan.labels.labels),
+        proc_segments=ProcSegments.from_columns(**_cols(rows["seg"], ProcSegments)),
+        client_emissions=ClientEmissions.from_columns(**_cols(rows["ce"], ClientEmissions)),
+        deliveries=Deliveries.from_columns(**_cols(rows["dl"], Deliveries)),
+        proc_os=ProcOs.from_columns(**_cols(rows["os"], ProcOs)),
+        meta=plan.meta,
         path=path,
-        warnings=tuple(warnings),
+        warnings=tuple(plan.warnings),
     )
-    return ServerMerge(merged, core, others, fits)
+    return ServerMerge(merged, plan.core, plan.others, plan.fits)
 
 
 def merged_coverage(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> Coverage:
@@ -391,14 +442,6 @@ def missing_processes(core: ProcessLog, others: list[ProcessLog]) -> list[dict[s
     return out
 
 
-def _frontend_os(lg: RawLog) -> tuple[OsIntervals, np.ndarray]:
-    """An API server's OS intervals, of the thread that recorded most of its segments (its
-    event loop's), on its own clock, and which lie inside its segments
-    (`side_thread_intervals`): ``proc_os``."""
-    th = lg.segments.thread
-    return side_thread_intervals(lg, int(np.bincount(th).argmax()) if len(th) else -1)
-
-
 def clock_pairs(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]) -> list:
     """Each other process against the engine core: how far its clock is from the core's at
     the run's start (``t_core = t_other + offset_s``, seconds since each recorder started)
@@ -416,16 +459,23 @@ def clock_pairs(core: ProcessLog, others: list[ProcessLog], fits: list[ClockFit]
     ]  # fmt: skip
 
 
-def _ready_times(lg: RawLog, t_sent: np.ndarray) -> np.ndarray:
-    """When each chunk was ready: the start of the ``sse_write`` window that ends at its
-    write (recorded together); the write itself where there is none."""
-    ready = np.asarray(t_sent, dtype=np.float64).copy()
+def sse_windows(lg: RawLog) -> tuple[np.ndarray, np.ndarray]:
+    """An API server's ``sse_write`` windows: (ends, starts), in order of their ends."""
     if "sse_write" not in lg.labels:
-        return ready
+        return np.zeros(0), np.zeros(0)
     m = lg.segments.label == lg.labels.index("sse_write")
     ends, starts = lg.segments.t_end_s[m], lg.segments.t_start_s[m]
     order = np.argsort(ends, kind="stable")
-    ends, starts = ends[order], starts[order]
+    return ends[order], starts[order]
+
+
+def ready_times(sse: tuple[np.ndarray, np.ndarray], t_sent: np.ndarray) -> np.ndarray:
+    """When each chunk was ready: the start of the ``sse_write`` window (`sse_windows`)
+    that ends at its write (recorded together); the write itself where there is none."""
+    ready = np.asarray(t_sent, dtype=np.float64).copy()
+    ends, starts = sse
+    if not len(ends):
+        return ready
     k = np.searchsorted(ends, t_sent)
     ok = k < len(ends)
     hit = ok.copy()

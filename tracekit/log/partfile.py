@@ -9,7 +9,8 @@ The layout (docs/design.md, "The run's log on disk"), little-endian:
     blobs                the arrays' bytes, one after another, in the header's order
 
 Each entry of ``arrays`` names one column: ``key`` (the flushed array), ``column`` (its
-column index in a table of `tracekit.log.flush.TABLES`, or -1 for a plain array), ``rows``,
+column index in a table of `tracekit.log.flush.TABLES` or of a merged server run's
+`tracekit.log.merged_tables.MERGED_TABLES`, or -1 for a plain array), ``rows``,
 ``dtype`` (the array's), ``stored`` (the dtype the bytes hold), ``delta`` (the bytes hold
 differences between consecutive values, the first against 0, in wrapping int64
 arithmetic), ``codec`` (``zlib`` or ``none``), ``raw_bytes`` (the bytes once decompressed),
@@ -46,7 +47,11 @@ import numpy as np
 
 from tracekit.errors import LogError
 from tracekit.log.archive import InflateLimitError, inflate_limit_bytes, open_regular
-from tracekit.log.flush import TABLES
+from tracekit.log.flush import TABLES as FLUSH_TABLES
+from tracekit.log.merged_tables import MERGED_TABLES
+
+#: Every table a part may hold: a recorder's flush, and a merged server run's additions.
+TABLES = {**FLUSH_TABLES, **MERGED_TABLES}
 
 MAGIC = b"TKPART\x00\x01"
 PART_FORMAT = 1
@@ -165,8 +170,11 @@ def decode_part(
                 raise LogError(where, key, f"columns of different lengths {sorted(n)}")
             out[key] = np.stack([cols[j] for j in range(width)], axis=1).reshape(-1)
         else:
-            if list(cols) != [-1]:
-                raise LogError(where, key, "a plain array stored as table columns")
+            if list(cols) != [-1]:  # a table a later format defines: its rows would be lost
+                raise LogError(
+                    where, key, "a table this tracekit does not know (a newer tracekit wrote "
+                    "this part: upgrade to read it)"
+                )  # fmt: skip
             out[key] = cols[-1].copy()  # writable, like every other array read
     for key, v in values.items():
         if key in out:

@@ -54,6 +54,7 @@ from tracekit.log.flush import (
     pair_evictions,
     to_table,
 )
+from tracekit.log.merged_tables import apply_merged, merged_tables_of
 from tracekit.log.partfile import encode_part, read_part_file
 from tracekit.log.rawlog import (
     Admissions,
@@ -216,27 +217,43 @@ def merge_parts(
     the run at the flush before it, with a warning naming it; a readable part whose
     contents contradict the run (request ids that overlap or skip, bad vocabularies) is a
     `LogError` naming the part and the field."""
+    return merge_parts_kept(parts_dir, final=final, max_inflate_mb=max_inflate_mb)[0]
+
+
+def merge_parts_kept(
+    parts_dir: str,
+    keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    *,
+    final: Mapping[str, Any] | None = None,
+    max_inflate_mb: float | None = None,
+) -> tuple[RawLog, list[str]]:
+    """`merge_parts`, each part passed through `keep` (a parsed part in, the part to keep
+    out: fewer rows, say) as soon as it is read, so that memory holds only what `keep`
+    keeps; and the paths of the parts the run was read from (those before the first one
+    missing or unreadable)."""
     meta = read_meta(parts_dir)
     if final is None:
         final = read_final(parts_dir, max_inflate_mb=max_inflate_mb)
     for _ in range(5):  # parts removed by retention while they were read: read again
         paths = part_paths(parts_dir)
-        parts, warnings, head_gone = _read_parts(paths, max_inflate_mb)
+        parts, warnings, head_gone = _read_parts(paths, max_inflate_mb, keep)
         if not head_gone:
             break
     warnings += index_warnings(parts_dir, paths, warnings)
     start = retained_start(parts_dir, paths, parts, warnings)
-    return merge_flushed(
-        meta, parts, final=final, path=parts_dir, warnings=warnings, retained=start
-    )
+    log = merge_flushed(meta, parts, final=final, path=parts_dir, warnings=warnings, retained=start)
+    return log, paths[: len(parts)]
 
 
 def _read_parts(
-    paths: list[str], max_inflate_mb: float | None
+    paths: list[str],
+    max_inflate_mb: float | None,
+    keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str], bool]:
-    """The parts in order, parsed, and the warnings; the run ends at the first part missing
-    or unreadable. The flag: a part vanished while it was read, before any other was
-    read (retention removed the head of the folder: the caller lists the folder again)."""
+    """The parts in order, parsed (each through `keep`), and the warnings; the run ends at
+    the first part missing or unreadable. The flag: a part vanished while it was read,
+    before any other was read (retention removed the head of the folder: the caller lists
+    the folder again)."""
     warnings: list[str] = []
     parts: list[dict[str, Any]] = []
     for i, p in enumerate(paths):
@@ -256,12 +273,14 @@ def _read_parts(
             damaged = e
         else:  # readable: contents that contradict the run are a LogError naming the field
             try:
-                parts.append(parse_flushed(z, p))
-                continue
+                part = parse_flushed(z, p)
             except LogError:
                 raise
             except Exception as e:  # a member missing or of the wrong shape
                 damaged = e
+            else:  # (`keep` runs outside the try: its own errors are never "damage")
+                parts.append(part if keep is None else keep(part))
+                continue
         # Damaged on disk (a kill cannot do this: parts are renamed into place whole; a
         # power loss can, before the part's fsync, docs/capture.md). Later parts refer to
         # its steps and requests by index, so the run ends here.
@@ -560,7 +579,7 @@ def parse_flushed(z: Mapping[str, np.ndarray], where: str) -> dict[str, Any]:
         dropped = int(a)
     return {
         "where": where,
-        "tables": tables,
+        "tables": {**tables, **merged_tables_of(z, where)},
         "labels": [str(x) for x in np.asarray(z["labels"]).reshape(-1)],
         "counter_names": [str(x) for x in np.asarray(z["counter_names"]).reshape(-1)],
         "request_ids_start": scalars["request_ids_start"],
@@ -635,8 +654,8 @@ def _fold_flushes(
         dropped=0,
     )
     for part in parts:
-        for k, rows in part["tables"].items():
-            f.chunks[k].append(rows)
+        for k, rows in part["tables"].items():  # a merged server run's tables too
+            f.chunks.setdefault(k, []).append(rows)
         f.labels, f.counter_names = part["labels"], part["counter_names"]
         start, new_ids = part["request_ids_start"], part["request_ids"]
         if start != len(f.request_ids):  # each flush names the ids new since the last one
@@ -777,7 +796,7 @@ def merge_flushed(
         t_end_s=np.array([(wall_ticks if f.clean_stop else f.complete_tick - t0) * scale]),
         is_clean_stop=np.array([int(final is not None)], dtype=np.int64),
     )
-    return RawLog(
+    log = RawLog(
         steps=steps,
         segments=segments,
         gc_pauses=gcs,
@@ -803,6 +822,9 @@ def merge_flushed(
         warnings=tuple(warnings_of(run_meta)),  # as the one-file log of this run reads
         extras=dict((final or {}).get("extras", {})),
     )
+    # a merged server run's parts: the other processes' rows, the joined requests
+    merged = {k: np.concatenate(v) for k, v in f.chunks.items() if k not in TABLES and v}
+    return apply_merged(log, merged, retained.first_step if retained else 0)
 
 
 def _renumber_steps(chunks: dict[str, list[np.ndarray]], first_step: int) -> None:
@@ -812,7 +834,7 @@ def _renumber_steps(chunks: dict[str, list[np.ndarray]], first_step: int) -> Non
     in the first steps read) is taken as reading its own step's: no gap ends at such an
     emission (its request's previous emission was removed with its part)."""
     for k, rows_list in chunks.items():
-        cols = TABLES[k]
+        cols = TABLES.get(k, ())  # a merged table's steps: `apply_merged` renumbers them
         if "step" not in cols:
             continue
         for i, read in enumerate(rows_list):

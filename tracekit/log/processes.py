@@ -67,21 +67,16 @@ def _entries(directory: str) -> tuple[list[str], list[str]]:
     return done, parts
 
 
-def process_logs(directory: str, **limits: Any) -> list[ProcessLog]:
-    """Every process log in `directory`: a whole ``.npz``, else its parts (read in place).
-    `limits`: `load`'s bounds on reading (``max_inflate_mb``, ``max_label_chars``)."""
+def process_entries(directory: str) -> list[tuple[str, str | None, bool]]:
+    """The process logs of `directory`, by name: (path, its parts folder where it is one
+    (None for a whole ``.npz``), recovered). A parts folder beside its ``.npz`` is left out
+    (the process stopped cleanly: the ``.npz`` is its whole run)."""
     if not os.path.isdir(directory):
         raise LogError(directory, "directory", "does not exist or is not a directory")
     done, parts = _entries(directory)
-    out = []
-    for p in done:
-        out.append(_process_log(p, load(p, **limits), recovered=False))
     have = set(done)
-    for d in parts:
-        if d[: -len(PARTS_SUFFIX)] in have:
-            continue  # stopped cleanly after all (the .npz is the whole run)
-        log = merge_parts(d, max_inflate_mb=limits.get("max_inflate_mb"))
-        out.append(_process_log(d, log, recovered=True))
+    out: list[tuple[str, str | None, bool]] = [(p, None, False) for p in done]
+    out += [(d, d, True) for d in parts if d[: -len(PARTS_SUFFIX)] not in have]
     if not out:
         raise LogError(
             directory, "directory", "holds no process logs (ROLE-PID.npz or ROLE-PID.npz.parts/)"
@@ -89,7 +84,22 @@ def process_logs(directory: str, **limits: Any) -> list[ProcessLog]:
     return out
 
 
-def _process_log(path: str, log: RawLog, recovered: bool) -> ProcessLog:
+def process_logs(directory: str, **limits: Any) -> list[ProcessLog]:
+    """Every process log in `directory`: a whole ``.npz``, else its parts (read in place).
+    `limits`: `load`'s bounds on reading (``max_inflate_mb``, ``max_label_chars``)."""
+    out = []
+    for path, parts_dir, recovered in process_entries(directory):
+        if parts_dir is None:
+            log = load(path, **limits)
+        else:
+            log = merge_parts(parts_dir, max_inflate_mb=limits.get("max_inflate_mb"))
+        out.append(check_process_log(path, log, recovered))
+    return out
+
+
+def check_process_log(path: str, log: RawLog, recovered: bool) -> ProcessLog:
+    """`log` read from `path` as one process's log: who wrote it checked (a `LogError`
+    naming the field otherwise)."""
     ident = log.config.get("process")
     if not isinstance(ident, dict) or ident.get("role") not in (CORE, FRONTEND, WORKER):
         raise LogError(
