@@ -550,10 +550,12 @@ def merge(directory: str, output: str, force: bool, engine: int | None, as_parts
     from tracekit.analysis.unrecorded import unrecorded_report
     from tracekit.log.processes import is_process_dir
 
-    if not is_process_dir(directory):
-        if engine is not None:
-            _fail(f"{directory}: --engine picks a rank of a server's process directory")
+    if not as_parts:
         refuse_one_file(directory, "merge -o FILE.npz")
+    if not is_process_dir(directory):
+        if engine is not None or as_parts:
+            _fail(f"{directory}: --engine and --parts take a server's process directory (a "
+                  "recorder's parts folder is already a run's parts)")  # fmt: skip
         one = save_one_file(directory, output, force=force, **_limits())
         _warn(directory, one.warnings)
         form = "parts folder" if is_run_dir(directory) else "log"

@@ -412,3 +412,29 @@ def test_a_merged_run_the_check_rejects_is_never_written(tmp_path):
     with pytest.raises(LogError, match="out of range"):
         merge_to_parts(str(d), str(out), verify=reject)
     assert os.listdir(out.parent) == []
+
+
+def test_a_one_file_merge_of_a_server_too_long_for_one_file_is_refused(tmp_path, monkeypatch):
+    """`merge DIR -o FILE.npz` holds every process's rows at once: above
+    TRACEKIT_ONE_FILE_EMISSIONS (here 10, the core's 16 emissions over it) it is refused in
+    one line naming `--parts`, and nothing is written; `--parts` merges it. `--parts` given
+    a one-process run is refused (it is already a run's parts), not ignored."""
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    d = tmp_path / "srv"
+    d.mkdir()
+    record_server(d, n=8)
+    monkeypatch.setenv("TRACEKIT_ONE_FILE_EMISSIONS", "10")
+    runner = CliRunner()
+    out = str(tmp_path / "run.npz")
+    r = runner.invoke(main, ["merge", str(d), "-o", out])
+    assert r.exit_code == 2 and "--parts" in r.output and "TRACEKIT_ONE_FILE_EMISSIONS" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not os.path.exists(out)
+    r = runner.invoke(main, ["merge", str(d), "-o", out, "--parts"])
+    assert r.exit_code == 0, r.output
+    one = tmp_path / "one"
+    one.mkdir()
+    r = runner.invoke(main, ["merge", out, "-o", str(one / "x.npz"), "--parts"])
+    assert r.exit_code == 2 and "--parts" in r.output and os.listdir(one) == []

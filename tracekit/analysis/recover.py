@@ -12,8 +12,9 @@ it the name a clean stop would have (`OUT`) and says in the folder that it is re
   stop writes: its parts stay the log, nothing is copied, and its coverage still ends at
   its last part (an interrupted run is read as one). Its cost is one read of the parts.
 - A one-file copy (`recover -o ELSEWHERE`, `recover --remove-parts`, `merge RUN -o
-  FILE.npz`) holds the run in memory; above `ONE_FILE_ENV` emissions it is refused in one
-  line that says what to do instead.
+  FILE.npz`, and `merge DIR -o FILE.npz` of a server's process directory) holds the run in
+  memory; above `ONE_FILE_ENV` emissions it is refused in one line that says what to do
+  instead (for a server: `merge --parts`, chunk by chunk).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from tracekit.analysis.run import parts_dir_of
 from tracekit.analysis.stream_check import Checked, check_run
 from tracekit.analysis.workers import emissions_of, env_count, reads_in_slices
 from tracekit.errors import UsageError
+from tracekit.log.merge_stream import server_emissions
 from tracekit.log.parts import mark_recovered, recover, recover_target, write_pointer
+from tracekit.log.processes import is_process_dir
 
 #: Emissions above which a run is not written as one file (it is held whole to write it).
 ONE_FILE_ENV = "TRACEKIT_ONE_FILE_EMISSIONS"
@@ -33,19 +36,27 @@ DEFAULT_ONE_FILE_EMISSIONS = 10_000_000
 
 
 def refuse_one_file(path: str, what: str) -> None:
-    """A one-file copy of the one-process run at `path` is refused above `ONE_FILE_ENV`
-    emissions (`what`: the command that would write it, for the message)."""
-    parts_dir = parts_dir_of(path)
-    if parts_dir is None:
-        return
-    n, limit = emissions_of(parts_dir), env_count(ONE_FILE_ENV, DEFAULT_ONE_FILE_EMISSIONS)
+    """A one-file copy of the run at `path` (one process's, or a server's process
+    directory) is refused above `ONE_FILE_ENV` emissions (`what`: the command that would
+    write it, for the message)."""
+    if is_process_dir(path):
+        n = server_emissions(path)
+        instead = f"merge it chunk by chunk (tracekit merge {path} -o RUN.npz --parts)"
+    else:
+        parts_dir = parts_dir_of(path)
+        if parts_dir is None:
+            return
+        n = emissions_of(parts_dir)
+        instead = (
+            "its parts folder is the log, read in place by every command (recover it "
+            "beside its folder, keeping the parts; share the folder)"
+        )
+    limit = env_count(ONE_FILE_ENV, DEFAULT_ONE_FILE_EMISSIONS)
     if n > limit:
         raise UsageError(
             f"{path}: {n:,} emissions, more than one file holds ({ONE_FILE_ENV}={limit:,}: "
-            f"{what} holds the whole run in memory, ~{n * 270 / 1e9:.0f} GB): its parts "
-            "folder is the log, read in place by every command (recover it beside its "
-            f"folder, keeping the parts; share the folder), or set {ONE_FILE_ENV} to {n} "
-            "or more to write it"
+            f"{what} holds the whole run in memory, ~{n * 270 / 1e9:.0f} GB or more): "
+            f"{instead}, or set {ONE_FILE_ENV} to {n} or more to write it"
         )
 
 
