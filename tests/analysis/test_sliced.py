@@ -400,3 +400,51 @@ def test_the_index_keeps_a_row_an_eviction_not_the_victims_tokens(demo_run):
     assert 0 < kept <= len(log.evictions)
     victims = np.isin(log.emissions.request, log.evictions.request)
     assert kept < int(victims.sum())  # the victims emitted far more than that
+
+
+def _unadmitted_run(out: Path, admitted: int) -> None:
+    """30 requests, one after another, each emitting 4 tokens in 4 steps; a part every 5
+    requests (6 parts); only the first `admitted` requests are admitted (`Recorder.admit`)."""
+
+    class Clock:
+        t = 10**9
+
+        def __call__(self) -> int:
+            return self.t
+
+    clk = Clock()
+    rec = tracekit.Recorder(out, clock=clk, gc=False, handle_signals=False,
+                            flush_interval_s=3600)  # fmt: skip
+    rec.start()
+    for i in range(30):
+        clk.t += 10**6
+        h = rec.request(f"r{i}", prompt_tokens=4)
+        for _ in range(4):
+            clk.t += 10**6
+            with rec.step():
+                if i < admitted:
+                    rec.admit_handle(h)
+                with rec.segment("decode"):
+                    clk.t += 10**6
+                rec.emit_handles([h])
+        if i % 5 == 4:
+            rec.flush_soon()
+            _wait_for_parts(out, (i + 1) // 5)
+    rec.stop()
+
+
+@pytest.mark.parametrize("admitted", [0, 3])
+def test_the_unsplit_requests_note_counts_the_whole_run_in_slices(tmp_path, admitted):
+    """docs/ttft.md: a request without an admission row is unsplit, and the note counts them
+    over the run and says why: with no admission row in the log, the log has none; with
+    some (the first 3 requests, in the first part only), none was recorded for them. In
+    slices of 8 emissions (two requests), every slice but the first has no admission row;
+    the note is still the whole run's: 30 or 27 requests, and the run's reason."""
+    out = tmp_path / "run.npz"
+    _unadmitted_run(out, admitted)
+    whole = analyze(tracekit.load(out)).to_dict()
+    sliced = analyze_sliced(str(out) + ".parts", max_emissions=8, path=whole["path"]).to_dict()
+    _assert_same(whole, sliced)
+    why = "no admission event was recorded for them" if admitted else "the log has no admission"
+    notes = [n for n in json.dumps(sliced).split('"') if "request(s) unsplit" in n]
+    assert len(notes) == 1 and notes[0].startswith(f"{30 - admitted} request(s) unsplit: {why}")

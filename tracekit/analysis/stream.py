@@ -58,10 +58,12 @@ from tracekit.attribution.timeline import (
 from tracekit.attribution.ttft import (
     PRE_ENGINE_LABELS,
     TTFT_STANDARD_LABELS,
+    UNSPLIT_WORDS,
     TtftPartition,
     ttft_figures,
     ttft_labels,
     ttft_partition,
+    unsplit_note,
 )
 from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, RECOMPUTE_CLASS, partition_labels
 from tracekit.log.flush import EVICT, TABLES
@@ -96,6 +98,7 @@ class Index:
     graph_size: list[np.ndarray] = field(default_factory=list)
     num_decode: list[np.ndarray] = field(default_factory=list)
     num_preempted: int = 0
+    num_admissions: int = 0  # the run's admission rows (its TTFT note on unsplit requests)
     max_decode: int = 0
     first_step_tick: int | None = None
     gc: list[np.ndarray] = field(default_factory=list)
@@ -210,6 +213,8 @@ def index_pass(
         gc = t.get("gc_pauses")
         if gc is not None and len(gc):
             ix.gc.append(gc.copy())
+        adm = t.get("admissions")
+        ix.num_admissions += 0 if adm is None else len(adm)
         em = t.get("emissions")
         ix.grow_requests(part["request_ids_start"] + len(part["request_ids"]))
         rq = t.get("requests")
@@ -593,8 +598,10 @@ def ordered(union: set[str], groups: tuple[tuple[str, ...], ...]) -> tuple[str, 
     return tuple(dict.fromkeys(known)) + tuple(sorted(union - set(known)))
 
 
-def _ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
-    """The slices' own TTFT rows as one partition: columns aligned by label name."""
+def _ttft_rows(pieces: list[TtftPartition], has_admissions: bool | None) -> TtftPartition | None:
+    """The slices' own TTFT rows as one partition: columns aligned by label name; its note
+    on unsplit requests counts the whole run's (`has_admissions`: whether the run has any
+    admission row; None: as the slices' notes say)."""
     if not pieces:
         return None
     labels = ordered(set().union(*(set(p.labels) for p in pieces)), TTFT_LABEL_GROUPS)
@@ -614,7 +621,14 @@ def _ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
         f: np.concatenate([getattr(p, f) for p in pieces])
         for f in ("request", "arrival_s", "admit_s", "first_token_s", "ttft_ms", "phases_ms")
     }
-    notes = tuple(dict.fromkeys(n for p in pieces for n in p.notes))
+    notes = tuple(dict.fromkeys(n for p in pieces for n in p.notes if UNSPLIT_WORDS not in n))
+    n_unsplit = int(np.isnan(cat["admit_s"]).sum())
+    if n_unsplit:
+        if has_admissions is None:
+            has_admissions = any(
+                UNSPLIT_WORDS + "no admission event" in n for p in pieces for n in p.notes
+            ) or bool((~np.isnan(cat["admit_s"])).any())
+        notes = (*notes, unsplit_note(n_unsplit, has_admissions))
     return replace(first, labels=labels, causes=causes, notes=notes, **cat,
                    **{k: np.concatenate(v) for k, v in cols.items()})  # fmt: skip
 
@@ -622,7 +636,7 @@ def _ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
 def gathered_ttft_rows(pieces: list[TtftPartition]) -> TtftPartition | None:
     """Slices' own TTFT rows as one partition, columns aligned by label name (None: no
     rows): the whole run's TTFT rows, for figures computed on them."""
-    return _ttft_rows(pieces)
+    return _ttft_rows(pieces, None)
 
 
 def _share(parts: dict[str, float], total: float, labels: tuple[str, ...]) -> dict[str, float]:
@@ -704,7 +718,7 @@ def _result(run: SlicedRun, ix: Index, s: _Sums, pct: list[float], path: str,
     labels = tuple(partition_labels(s.labels)) if s.labels else ()
     causes = tuple(lb for lb in labels if lb in s.causes)
     names = (*causes, "clean")
-    tp = _ttft_rows(s.ttft)
+    tp = _ttft_rows(s.ttft, ix.num_admissions > 0)
     ttft = tp.ttft_ms if tp is not None else np.zeros(0)
     edges = HIST_EDGES_MS
     return RunAnalysis(

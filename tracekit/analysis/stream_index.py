@@ -81,6 +81,7 @@ class PartFacts:
     inner: np.ndarray  # the gaps between two of its own emissions (ms)
     inner_worst: tuple[float, float]  # their longest and where the first such ends (s)
     sparse: dict[str, Any]  # the part with only the rows the eviction figures may read
+    num_admissions: int  # its admission rows
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,11 @@ def part_facts(task: IndexTask) -> list[PartFacts | None]:
     return out
 
 
+def _rows(tables: dict[str, np.ndarray], name: str) -> int:
+    a = tables.get(name)
+    return 0 if a is None else len(a)
+
+
 def _facts(run: SlicedRun, i: int, part: dict[str, Any]) -> PartFacts:
     t = part["tables"]
     order = order_of(run.paths[i], part)
@@ -129,7 +135,7 @@ def _facts(run: SlicedRun, i: int, part: dict[str, Any]) -> PartFacts:
         inner, worst = _inner_gaps(run, em)
     return PartFacts(
         order, steps, gc.copy() if gc is not None and len(gc) else None, arrivals,
-        spanned.span_ticks, tokens, inner, worst, _reduced(part),
+        spanned.span_ticks, tokens, inner, worst, _reduced(part), _rows(t, "admissions"),
     )  # fmt: skip
 
 
@@ -255,6 +261,7 @@ def _fold(run: SlicedRun, ix: Index, i: int, f: PartFacts) -> None:
         ix.device_windows += s.device_windows
     if f.gc is not None:
         ix.gc.append(f.gc)
+    ix.num_admissions += f.num_admissions
     ix.grow_requests(f.order.num_requests)
     ix.arrival_tick[f.arrivals[:, 0]] = f.arrivals[:, 1]
     ix.sparse.append(_sparse(run, ix, i, f))

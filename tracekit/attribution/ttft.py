@@ -269,17 +269,25 @@ def ttft_notes(log: RawLog, is_split: np.ndarray) -> tuple[str, ...]:
     n_unsplit = int((~is_split).sum())
     if n_unsplit == 0:
         return out
-    if len(log.admissions) == 0:
-        why = (
-            "the log has no admission events (a version-1 or published-layout log, or an "
-            "engine that does not call Recorder.admit)"
-        )
-    else:
-        why = "no admission event was recorded for them"
+    return (*out, unsplit_note(n_unsplit, len(log.admissions) > 0))
+
+
+#: What every note on unsplit requests says (`unsplit_note`).
+UNSPLIT_WORDS = "request(s) unsplit: "
+
+
+def unsplit_note(n_unsplit: int, has_admissions: bool) -> str:
+    """The note on the `n_unsplit` requests without an admission row, saying why (the log
+    has admissions, or none at all)."""
+    why = (
+        "no admission event was recorded for them"
+        if has_admissions
+        else "the log has no admission events (a version-1 or published-layout log, or an "
+        "engine that does not call Recorder.admit)"
+    )
     return (
-        *out,
-        f"{n_unsplit} request(s) unsplit: {why}; their queued and prefilling phases, wait "
-        "reasons and own/other prefill cannot be told apart (phase 'unsplit', label 'prefill')",
+        f"{n_unsplit} {UNSPLIT_WORDS}{why}; their queued and prefilling phases, wait "
+        "reasons and own/other prefill cannot be told apart (phase 'unsplit', label 'prefill')"
     )
 
 
