@@ -159,6 +159,19 @@ def _piece(task: WhatIfTask, g: int, values: np.ndarray) -> tuple[np.ndarray, ..
     return group_counts(groups, values)
 
 
+def replays_of(skeleton: RawLog, excess: np.ndarray, cands: list[Removal]) -> list[Replay]:
+    """Each removal's replayed timeline (`whatif.replayed`), equal arrays held once: every
+    removal's bounds are the same (every window's ends), and removals with no window time
+    (a TTFT-only cause) or the same windows (a family of one present cause) share `R`."""
+    out: list[Replay] = []
+    for r in cands:
+        bounds, cum = replayed(skeleton, excess, r.itl_labels)
+        bounds = next((b for b, _ in out if np.array_equal(b, bounds)), bounds)
+        cum = next((c for _, c in out if np.array_equal(c, cum)), cum)
+        out.append((bounds, cum))
+    return out
+
+
 def cut_replay(rep: Replay, lo_s: float, hi_s: float) -> Replay:
     """`rep` from the bound at or before `lo_s` to the one at or after `hi_s`: `R` between
     them interpolates as on the whole array (`np.interp` takes the same two bounds)."""
@@ -195,7 +208,7 @@ def whatif_sliced(
     every = removals_of(itl_labels, tp.labels)
     cands = every if names is None else [pick_removal(every, n) for n in names]
     excess = prep.corrected().baseline(FIT_ALL_CAPTURED).eager_excess_frac
-    replays = [replayed(skeleton, excess, r.itl_labels) for r in cands]
+    replays = replays_of(skeleton, excess, cands)
     tasks = [
         WhatIfTask(
             t, tuple(cands), tuple(cut_replay(rep, run.cut_s(t.c), t.t_to_s) for rep in replays)
