@@ -5,48 +5,51 @@ The result is `tracekit.analysis.whatif.whatif`'s on the whole run: every remova
 models, each percentile exactly, each `removed_ms` to float rounding (it adds up in
 another order). Each slice of the run (`tracekit.analysis.stream`'s: its own gaps
 partitioned with the whole run's graph baseline) gives, per removal and model, the values
-of the gaps it owns; they are counted in one `GroupQuantiles` (a sparse histogram per
-removal and model), in two passes over the slices, as `stream` finds the ITL percentiles:
-the first counts the values' histogram buckets, the second keeps the values of the
-buckets that hold the wanted ranks.
+of the gaps and the TTFTs it owns; they are counted in `GroupQuantiles` (a sparse
+histogram per removal and model), in two passes over the slices, as `stream` finds the
+ITL percentiles: the first counts the values' histogram buckets, the second keeps the
+values of the buckets that hold the wanted ranks.
 
-What a slice cannot see for itself, it is handed, and what needs the whole run is computed
-once, in memory by steps and requests (never by tokens), from the run's log without its
-emissions (every other table) and the few emissions the TTFT partition and the
-victim-policy line read (`reduced_logs`: one more read of the emissions):
+What a slice cannot see for itself, it is handed:
 
-- **First order** needs nothing but the slice's own partition: a gap loses its parts in the
-  removal's labels (and others' re-prefill when `preempt` goes); see the last point.
+- **First order** needs nothing but the slice's own partitions: a gap (a TTFT) loses its
+  parts in the removal's labels (and others' re-prefill when `preempt` goes). A slice's
+  partitions have been the whole run's bit for bit on every run tested (demo runs with
+  and without OS evidence, with compensated prefix sums; a 10-minute busy server's TTFT
+  rows compared one by one, its and an hour's outputs byte for byte); a run where the
+  last bit differed would move a percentile by that bit.
 - **Second order** needs the whole run's replayed timeline `R(x)`: the removable rate of an
   instant depends on every window over it (a window recorded in another slice's parts, a
-  GC pause, the OS's share from intervals that span slices), and a step's readmission
-  prefill share on each request's first eviction anywhere before it. `R` is computed once
-  per removal, exactly as the whole-run what-if computes it (`whatif.replayed`, with the
-  graph baseline fitted on the whole run), then cut to each slice's span: from the
-  earliest emission its log holds to where its own gaps end, with the bounds around them,
-  so `R` at every instant a slice asks for is the whole run's value, bit for bit. A
+  GC pause), and a step's readmission prefill share on each request's first eviction
+  anywhere before it. `R` is built part by part in time order
+  (`tracekit.analysis.stream_replay`: each stretch carries across its edge the last
+  bound, `R` there, the covers' running sums and the windows still open), each removal's
+  exactly as the whole-run what-if computes it (`whatif.replayed`, with the graph
+  baseline fitted on the whole run), and cut to each slice's span: from the earliest
+  emission its log holds, or its own first tokens' earliest arrival, to where its own gaps
+  end, with the bounds around them, so `R` at every instant a slice asks for is the whole
+  run's, bit for bit. The cuts wait in a temporary file between the two passes. A
   victim's evicted gap is split at the step ends inside it, which the slice's own steps
-  hold.
-- **TTFT**, in both models, is the whole run's TTFT partition, computed once on the whole
-  run's timeline: it reads of the emissions only each request's first one and each
-  victim's first one after its readmission (so with OS evidence too its parts are the
-  whole run's, bit for bit).
+  hold; a TTFT's eviction and wait windows lie between its arrival and its first token,
+  in the slice's own parts. Where a removal takes the OS's time (its share is the whole
+  run's timeline's) or a part holds a window that began before the parts already
+  replayed, `R` comes from the log without its emissions read whole instead (memory by
+  steps and segments: `replays_of`).
 - **The victim-policy line** (`victim_policy`, where the log records recompute evictions
   with their causes) counts each candidate's emitted tokens between a decision and its
   own readmission or the start, and each request's first and last emission: a log that
   keeps, per request and stretch between two such instants, its first and last emission
-  with the stretch's tokens gives every such count as the whole log does.
-- **First order's** values are the slices' own partitions' per-gap parts, as
-  `analyze_sliced`'s forward-share medians are: a slice partitions its gaps on its own
-  timeline, with compensated prefix sums, and its parts have been the whole run's bit for
-  bit on every run tested (demo runs with and without OS evidence, a 10-minute busy
-  server); a run where the last bit differed would move a first-order percentile by that
-  bit.
-- **Which removals** a run has comes from the index pass's labels: every removal of them is
-  computed in the slices, and those with time in some gap or TTFT are reported (as the
-  whole-run `removals`); if the slices' labels are not the index's, `NotSliceable`.
+  with the stretch's tokens gives every such count as the whole log does
+  (`reduced_logs`, from the log without its emissions and segments).
+- **Which removals** a run has comes from the index pass's labels (ITL and TTFT): every
+  removal of them is computed in the slices, and those with time in some gap or TTFT are
+  reported (as the whole-run `removals`); if the slices' labels are not the index's,
+  `NotSliceable`.
 
-A window (`--window`, `--around`) keeps its own reader (`tracekit.analysis.workers`).
+Held for the whole run: the index pass's (per request a few integers and its name, per
+step a few numbers), the histograms, and `R` back to the earliest instant a slice still to
+come asks for. A window (`--window`, `--around`) keeps its own reader
+(`tracekit.analysis.workers`).
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ from tracekit.log.parts import merge_flushed
 from tracekit.log.rawlog import MODE_RECOMPUTE, Emissions, RawLog
 from tracekit.log.slices import NotSliceable, SlicedRun
 
-__all__ = ["NotSliceable", "whatif_sliced"]
+__all__ = ["NotSliceable", "whatif_of_index", "whatif_sliced"]
 
 #: every table of a run's log but its emissions: what `R` and the TTFTs' states read
 _NOT_EMISSIONS = frozenset(TABLES) - {"emissions"}
@@ -219,6 +222,24 @@ def whatif_sliced(
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     ix = index_pass(run, FIT_ALL_CAPTURED, say)
+    return whatif_of_index(run, ix, names, path=path, max_emissions=max_emissions,
+                           mapper=mapper, progress=say)  # fmt: skip
+
+
+def whatif_of_index(
+    run: SlicedRun,
+    ix: Index,
+    names: Iterable[str] | None = None,
+    *,
+    path: str,
+    max_emissions: int = DEFAULT_SLICE_EMISSIONS,
+    mapper: Callable[[Callable[[Any], Any], list[Any]], Iterable[Any]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WhatIf:
+    """`whatif_sliced` of a run whose index pass is made (`index_pass` with the ITL
+    baseline's default fit, as `analyze_sliced`'s: a caller that reads the run for more
+    than its what-if hands its index to each reader)."""
+    say = progress or (lambda _msg: None)
     itl_labels = tuple(partition_labels(ix.labels))
     ttft_labels = ordered(ix.ttft_labels, TTFT_LABEL_GROUPS)
     every = removals_of(itl_labels, ttft_labels)
@@ -397,11 +418,8 @@ def run_victim_policy(run: SlicedRun, ix: Index) -> VictimPolicy | None:
     """The whole run's victim-policy line (`victim_policy`), read as `whatif_sliced` reads
     it (after an index pass): a window's what-if states it for the run, as the whole-run
     reader does. None where the log records no recompute decision."""
-    skeleton = skeleton_of(run)
-    if not has_decisions(skeleton):
-        return None
-    _, policy_log = reduced_logs(run, skeleton, ix.first_tick)
-    return victim_policy(policy_log) if policy_log is not None else None
+    light = merge_flushed(run.meta, ix.sparse, path=run.parts_dir, retained=run.retained(0))
+    return _policy(run, ix, light)
 
 
 _EM = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick", "num_tokens")}
