@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.analysis.gaps import add_steps, gap_records
 from tracekit.analysis.overtime import (
     REPORT_MIN_BUCKETS,
@@ -121,7 +122,9 @@ def _report(
     analysis = analyze_sliced(parts_dir, max_emissions=max_emissions, indexer=indexer,
                               max_inflate_mb=max_inflate_mb, progress=say, path=shown)  # fmt: skip
     run, ix = held[0]
+    give_back_freed_memory()  # what each reader freed, before the next one's slices
     stalls, series, span = _stalls_and_series(run, ix, n_worst, sizes)
+    give_back_freed_memory()
     w = whatif_of_index(run, ix, path=shown, max_emissions=max_emissions, progress=say) if (
         whatif) else None  # fmt: skip
     width_s = report_width_of_span_s(*span)
@@ -256,6 +259,8 @@ def _tail_and_points(
         hit = np.minimum(np.searchsorted(picks, rank), len(picks) - 1)
         chosen = rest[picks[hit] == rank] if len(picks) else rest[:0]
         points.add(np.sort(np.concatenate([np.flatnonzero(is_tail), chosen])), j, gidx, cols)
+        del p, cols
+        give_back_freed_memory()  # the slice's partition, before the next one's
     return tail, points, tasks
 
 
