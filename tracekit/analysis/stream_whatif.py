@@ -319,11 +319,11 @@ def spill_replays(
     cands: list[Removal],
     spill: Any,
     say: Callable[[str], None],
-) -> list[int]:
+) -> list[tuple[int, int]]:
     """Every slice's replayed timelines, cut to its span, written to `spill` (one after
-    the other); where each slice's begin. Built part by part (`stream_replay`), or, where
-    a removal takes the OS's time or a window was recorded late, from the whole run's log
-    without emissions (`replays_of`)."""
+    the other); where each slice's begin, and their length. Built part by part
+    (`stream_replay`), or, where a removal takes the OS's time or a window was recorded
+    late, from the whole run's log without emissions (`replays_of`)."""
     tasks, spans = slices
     sets = list(dict.fromkeys(r.itl_labels for r in cands))
     takes_os = ix.has_os and any(is_os_label(lb) for s in sets for lb in s)
@@ -355,23 +355,26 @@ def _stretches(tasks: list[SliceTask]) -> list[tuple[int, int]]:
 
 def _write_cuts(
     spill: Any, cuts: Iterable[tuple[np.ndarray, list[np.ndarray]]], say: Callable[[str], None]
-) -> list[int]:
+) -> list[tuple[int, int]]:
+    """Each slice's bounds and `R`s (float64, all of one length) one after the other, raw:
+    where each slice's begin and their length."""
     at = []
     for j, (bounds, cums) in enumerate(cuts):
-        at.append(spill.tell())
+        at.append((spill.tell(), len(bounds)))
         for x in (bounds, *cums):
-            np.save(spill, x, allow_pickle=False)
+            np.ascontiguousarray(x, dtype=np.float64).tofile(spill)
         say(f"what-if replay: slice {j + 1}")
     return at
 
 
-def _read_replays(spill: Any, offset: int, cands: list[Removal]) -> tuple[Replay, ...]:
+def _read_replays(spill: Any, at: tuple[int, int], cands: list[Removal]) -> tuple[Replay, ...]:
     """A slice's replays back from `spill`, one per removal (removals with the same ITL
     labels share one)."""
     sets = list(dict.fromkeys(r.itl_labels for r in cands))
+    offset, n = at
     spill.seek(offset)
-    bounds = np.load(spill, allow_pickle=False)
-    cums = [np.load(spill, allow_pickle=False) for _ in sets]
+    bounds = np.fromfile(spill, dtype=np.float64, count=n)
+    cums = [np.fromfile(spill, dtype=np.float64, count=n) for _ in sets]
     return tuple((bounds, cums[sets.index(r.itl_labels)]) for r in cands)
 
 
