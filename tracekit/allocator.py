@@ -52,3 +52,17 @@ def keep_freed_memory(
     if not _done:
         _done.append(set_malloc_thresholds(mmap_threshold_bytes, trim_threshold_bytes))
     return _done[0]
+
+
+def give_back_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc's `malloc_trim`): between the
+    phases of a long run's reading, where what one phase freed lies in holes between what
+    lives on (a run's request names, its index), which the trim threshold never returns.
+    False where there is no glibc (nothing done)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sliced import FakeClock, _wait_for_parts
+from test_sliced import FakeClock, _hand_run, _wait_for_parts
 
 import tracekit
 from tracekit.analysis.quantiles import GroupQuantiles, group_counts, group_kept
@@ -130,6 +130,48 @@ def test_a_gc_pause_inside_a_gap_across_slices_by_hand(tmp_path):
         assert (f["itl_p50_ms"], f["itl_p99_ms"]) == pytest.approx((10.0, 29.0))
         assert (f["itl_p999_ms"], f["itl_max_ms"]) == pytest.approx((29.9, 30.0))
         assert (f["ttft_p50_ms"], f["ttft_p99_ms"]) == pytest.approx((10.0, 10.0))
+
+
+def test_an_eviction_over_twenty_slices_and_a_stall_each_step_by_hand(tmp_path):
+    """docs/whatif.md, both models, on `test_sliced`'s hand run with a 1 ms `tok` before
+    each 10 ms decode: step k runs [11k, 11k + 11] ms, its `tok` [11k, 11k + 1], its tokens
+    at its end. "alive": 29 gaps of 11 ms, each over one `tok`. "long": one gap from 11 to
+    264 (253 ms), evicted at step 2's end (33) until step 22's (253): 220 ms preempt, its
+    live stretches [11, 33] and [253, 264] over the `tok` of steps 1, 2 and 23 (3 ms).
+    Read one part a slice, "long"'s gap and the replayed timeline it reads cross 23
+    slices' edges. numpy's linear p99 of 30 values: rank 28.71, between the 29th and 30th.
+
+    - `tok`, first order: "alive" 10 each, "long" 253 - 3 = 250; removed 29 + 3 = 32 ms;
+      p99 10 + 0.71 x 240 = 180.4. Second order: the 23 `tok` windows in "long"'s gap are
+      under no other window and go: 230; removed 29 + 23 = 52 ms; p99 10 + 0.71 x 220 =
+      166.2. The TTFTs (arrival 0, first token 11 over step 0's `tok`): 10 in both.
+    - `preempt`, first order: "long" keeps its live 22 + 11 = 33 ms; removed 220; p99
+      11 + 0.71 x 22 = 26.62. Second order: no window is removable, and "long"'s gap is
+      split at the 19 step ends strictly inside its eviction (44, 55, ..., 242): 33, 18
+      of 11, 22. 49 gaps: 47 of 11, 22, 33; p99 at rank 0.99 x 48 = 47.52: 22 + 0.52 x
+      11 = 27.72; max 33; nothing removed."""
+    out = tmp_path / "run.npz"
+    _hand_run(out, extra="tok")
+    parts = str(out) + ".parts"
+    whole = _whole(str(out))
+    sliced = whatif_sliced(parts, path=whole.path, max_emissions=1)
+    _same(whole, sliced)
+    assert sliced.num_gaps == 30 and sliced.measured["itl_max_ms"] == pytest.approx(253.0)
+    want = {  # (removal, model): (gaps, removed ms, p50, p99, max)
+        ("tok", FIRST): (30, 32.0, 10.0, 180.4, 250.0),
+        ("tok", SECOND): (30, 52.0, 10.0, 166.2, 230.0),
+        ("preempt", FIRST): (30, 220.0, 11.0, 26.62, 33.0),
+        ("preempt", SECOND): (49, 0.0, 11.0, 27.72, 33.0),
+    }
+    for (name, model), (n, removed, p50, p99, top) in want.items():
+        p = sliced.get(name, model)
+        assert p is not None and p.num_gaps == n, (name, model)
+        f = p.figures
+        got = (p.removed_ms, f["itl_p50_ms"], f["itl_p99_ms"], f["itl_max_ms"])
+        assert got == pytest.approx((removed, p50, p99, top), abs=1e-9), (name, model)
+    for model in (FIRST, SECOND):
+        tok = sliced.get("tok", model)
+        assert tok is not None and tok.figures["ttft_p50_ms"] == pytest.approx(10.0)
 
 
 @pytest.fixture(scope="module")

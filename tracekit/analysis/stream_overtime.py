@@ -50,6 +50,15 @@ def over_time_sliced(
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     ix = index_pass(run, FIT_ALL_CAPTURED, say, spill=True)
     keep_gap_values(run, ix)
+    return over_time_of_index(run, ix, width_s, path=path or parts_dir,
+                              max_emissions=max_emissions)  # fmt: skip
+
+
+def over_time_of_index(
+    run: SlicedRun, ix: Index, width_s: float, *, path: str, max_emissions: int
+) -> list[Bucket]:
+    """`over_time_sliced` of a run whose index pass is made and whose gap values are kept
+    (`keep_gap_values`, as `analyze_sliced` leaves its index)."""
     run_p99 = ix.gaps.percentiles()[2]
     q, ends = _bucket_quantiles(run, ix, width_s)
     labels = tuple(partition_labels(ix.labels))
@@ -74,7 +83,7 @@ def over_time_sliced(
         shares = shares / t_ms if t_ms > 0 else np.zeros(len(labels))
         counts = run_tail.get(b, np.zeros(len(names), dtype=np.int64))
         out.append(Bucket(
-            run=path or parts_dir, start_s=b * width_s, end_s=(b + 1) * width_s, gaps=n,
+            run=path, start_s=b * width_s, end_s=(b + 1) * width_s, gaps=n,
             itl_p50=float(qs[0]), itl_p99=float(qs[1]), itl_p999=float(qs[2]),
             tail_gaps=tail_n.get(b, 0),
             tail_share={lb: float(v) for lb, v in zip(labels, shares, strict=True)},

@@ -6,16 +6,19 @@ the whole run's (`tracekit.analysis.workers.report_path`).
 - `buckets`: `tracekit.analysis.stream_overtime.over_time_sliced` at the report's bucket
   width (`report_width_of_span_s` of the run's span from the index pass), none for a run
   shorter than `REPORT_MIN_BUCKETS` of them, as `report_buckets` does;
-- `worst_stalls` and `series` (`tracekit.analysis.gaps.worst_stalls`, `itl_series`): one
-  more index pass, the tail's threshold (the exact p99) and one read of the emissions
-  counting each request's gaps and non-tail gaps, so every gap a slice partitions knows
-  its place in the whole run's partition (gaps by request, then time: `emission_order`).
+- `worst_stalls` and `series` (`tracekit.analysis.gaps.worst_stalls`, `itl_series`): the
+  tail's threshold (the exact p99) and one read of the emissions counting each request's
+  gaps and non-tail gaps, so every gap a slice partitions knows its place in the whole
+  run's partition (gaps by request, then time: `emission_order`).
   Each slice then keeps its tail gaps (a few numbers each: the page draws every one) and
   the non-tail gaps the even stride picks by their rank among all non-tail gaps. The
   stall events are grouped from the tail gaps of all slices at once (an event is the gaps
   closed by one step with one primary cause, so one may cross a slice's edge); the record
   of each of the `n` worst events' longest gap is made from its slice's partition, with
   the whole run's step numbers and request names.
+
+Every reader takes `analyze_sliced`'s index pass (made once, its gap values kept), and so
+does the what-if (`report_whatif_sliced`: `stream_whatif.whatif_of_index`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.analysis.gaps import add_steps, gap_records
 from tracekit.analysis.overtime import (
     REPORT_MIN_BUCKETS,
@@ -40,12 +44,12 @@ from tracekit.analysis.stream import (
     analyze_sliced,
     gap_lengths,
     index_pass,
-    keep_gap_values,
     slice_partition,
     slice_tasks,
 )
-from tracekit.analysis.stream_overtime import over_time_sliced
-from tracekit.attribution.itl import FIT_ALL_CAPTURED
+from tracekit.analysis.stream_overtime import over_time_of_index
+from tracekit.analysis.stream_whatif import whatif_of_index
+from tracekit.analysis.whatif import WhatIf
 from tracekit.log.flush import TABLES
 from tracekit.log.parts import merge_flushed, removed_names
 from tracekit.log.slices import SlicedRun
@@ -72,36 +76,74 @@ def report_sliced(
     """The report's view of the run in `parts_dir` (no window), read in slices: the fields
     of `ReportRun` (analysis, worst_stalls, series, buckets), equal to the whole run's
     (`max_points`: `itl_series`')."""
+    return _report(parts_dir, n_worst, path=path, sizes=(max_emissions, max_points),
+                   max_inflate_mb=max_inflate_mb, progress=progress)[0]  # fmt: skip
+
+
+def report_whatif_sliced(
+    parts_dir: str,
+    n_worst: int,
+    *,
+    path: str | None = None,
+    max_emissions: int = DEFAULT_SLICE_EMISSIONS,
+    max_inflate_mb: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    max_points: int = MAX_POINTS,
+) -> tuple[dict[str, Any], WhatIf]:
+    """`report_sliced`'s view and the run's what-if (`whatif_sliced`), from one index pass
+    handed to each reader: the same page and the same what-if."""
+    page, w = _report(parts_dir, n_worst, path=path, sizes=(max_emissions, max_points),
+                      max_inflate_mb=max_inflate_mb, progress=progress, whatif=True)  # fmt: skip
+    assert w is not None
+    return page, w
+
+
+def _report(
+    parts_dir: str,
+    n_worst: int,
+    *,
+    path: str | None,
+    sizes: tuple[int, int],
+    max_inflate_mb: float | None,
+    progress: Callable[[str], None] | None,
+    whatif: bool = False,
+) -> tuple[dict[str, Any], WhatIf | None]:
+    """The page's fields (and the what-if), every reader taking `analyze_sliced`'s index
+    pass (its gap values kept: the run's p99 known) rather than making its own."""
     say = progress or (lambda _msg: None)
     shown = path or parts_dir
-    analysis = analyze_sliced(parts_dir, max_emissions=max_emissions,
+    max_emissions = sizes[0]
+    held: list[tuple[SlicedRun, Index]] = []
+
+    def indexer(run: SlicedRun, fit: str, said: Callable[[str], None], **kw: Any) -> Index:
+        held.append((run, index_pass(run, fit, said, **kw)))
+        return held[-1][1]
+
+    analysis = analyze_sliced(parts_dir, max_emissions=max_emissions, indexer=indexer,
                               max_inflate_mb=max_inflate_mb, progress=say, path=shown)  # fmt: skip
-    stalls, series, span = _stalls_and_series(parts_dir, n_worst, (max_emissions, max_points),
-                                              max_inflate_mb, say)  # fmt: skip
+    run, ix = held[0]
+    give_back_freed_memory()  # what each reader freed, before the next one's slices
+    stalls, series, span = _stalls_and_series(run, ix, n_worst, sizes)
+    give_back_freed_memory()
+    w = whatif_of_index(run, ix, path=shown, max_emissions=max_emissions, progress=say) if (
+        whatif) else None  # fmt: skip
     width_s = report_width_of_span_s(*span)
     # from the one holding min(start, 0) to the one holding the last moment (every gap ends
     # inside the span): `over_time`'s buckets without a window
     first, last = bucket_of(np.array([min(span[0], 0.0), span[1]]), width_s).tolist()
     buckets: list[Bucket] = []
     if max(first, last) - first + 1 >= REPORT_MIN_BUCKETS:  # else the report shows none
-        # after the index above is gone: one run's index in memory at a time
-        buckets = over_time_sliced(parts_dir, width_s, path=shown, max_emissions=max_emissions,
-                                   max_inflate_mb=max_inflate_mb, progress=say)  # fmt: skip
-    return {"analysis": analysis, "worst_stalls": stalls, "series": series, "buckets": buckets}
+        buckets = over_time_of_index(run, ix, width_s, path=shown, max_emissions=max_emissions)
+    page = {"analysis": analysis, "worst_stalls": stalls, "series": series, "buckets": buckets}
+    return page, w
 
 
 def _stalls_and_series(
-    parts_dir: str,
-    n_worst: int,
-    sizes: tuple[int, int],
-    max_inflate_mb: float | None,
-    say: Callable[[str], None],
+    run: SlicedRun, ix: Index, n_worst: int, sizes: tuple[int, int]
 ) -> tuple[list[dict[str, Any]], dict[str, Any], tuple[float, float]]:
     """`worst_stalls` and `itl_series` of the whole run, and its span (s, `run_span_s`),
-    from an index pass, the tail's threshold and one partition of each slice."""
-    run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
-    ix = index_pass(run, FIT_ALL_CAPTURED, say)
-    keep_gap_values(run, ix)
+    from the index pass (its gap values kept), the tail's threshold and one partition of
+    each slice."""
     p99 = ix.gaps.percentiles()[2]
     lo, hi = (0.0, 0.0)
     if ix.span_ticks is not None:
@@ -217,6 +259,8 @@ def _tail_and_points(
         hit = np.minimum(np.searchsorted(picks, rank), len(picks) - 1)
         chosen = rest[picks[hit] == rank] if len(picks) else rest[:0]
         points.add(np.sort(np.concatenate([np.flatnonzero(is_tail), chosen])), j, gidx, cols)
+        del p, cols
+        give_back_freed_memory()  # the slice's partition, before the next one's
     return tail, points, tasks
 
 

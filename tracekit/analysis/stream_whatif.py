@@ -5,78 +5,88 @@ The result is `tracekit.analysis.whatif.whatif`'s on the whole run: every remova
 models, each percentile exactly, each `removed_ms` to float rounding (it adds up in
 another order). Each slice of the run (`tracekit.analysis.stream`'s: its own gaps
 partitioned with the whole run's graph baseline) gives, per removal and model, the values
-of the gaps it owns; they are counted in one `GroupQuantiles` (a sparse histogram per
-removal and model), in two passes over the slices, as `stream` finds the ITL percentiles:
-the first counts the values' histogram buckets, the second keeps the values of the
-buckets that hold the wanted ranks.
+of the gaps and the TTFTs it owns; they are counted in `GroupQuantiles` (a sparse
+histogram per removal and model), in two passes over the slices, as `stream` finds the
+ITL percentiles: the first counts the values' histogram buckets, the second keeps the
+values of the buckets that hold the wanted ranks.
 
-What a slice cannot see for itself, it is handed, and what needs the whole run is computed
-once, in memory by steps and requests (never by tokens), from the run's log without its
-emissions (every other table) and the few emissions the TTFT partition and the
-victim-policy line read (`reduced_logs`: one more read of the emissions):
+What a slice cannot see for itself, it is handed:
 
-- **First order** needs nothing but the slice's own partition: a gap loses its parts in the
-  removal's labels (and others' re-prefill when `preempt` goes); see the last point.
+- **First order** needs nothing but the slice's own partitions: a gap (a TTFT) loses its
+  parts in the removal's labels (and others' re-prefill when `preempt` goes). A slice's
+  partitions have been the whole run's bit for bit on every run tested (demo runs with
+  and without OS evidence, with compensated prefix sums; a 10-minute busy server's TTFT
+  rows compared one by one, its and an hour's outputs byte for byte); a run where the
+  last bit differed would move a percentile by that bit.
 - **Second order** needs the whole run's replayed timeline `R(x)`: the removable rate of an
   instant depends on every window over it (a window recorded in another slice's parts, a
-  GC pause, the OS's share from intervals that span slices), and a step's readmission
-  prefill share on each request's first eviction anywhere before it. `R` is computed once
-  per removal, exactly as the whole-run what-if computes it (`whatif.replayed`, with the
-  graph baseline fitted on the whole run), then cut to each slice's span: from the
-  earliest emission its log holds to where its own gaps end, with the bounds around them,
-  so `R` at every instant a slice asks for is the whole run's value, bit for bit. A
+  GC pause), and a step's readmission prefill share on each request's first eviction
+  anywhere before it. `R` is built part by part in time order
+  (`tracekit.analysis.stream_replay`: each stretch carries across its edge the last
+  bound, `R` there, the covers' running sums and the windows still open), each removal's
+  exactly as the whole-run what-if computes it (`whatif.replayed`, with the graph
+  baseline fitted on the whole run), and cut to each slice's span: from the earliest
+  emission its log holds, or its own first tokens' earliest arrival, to where its own gaps
+  end, with the bounds around them, so `R` at every instant a slice asks for is the whole
+  run's, bit for bit. The cuts wait in a temporary file between the two passes. A
   victim's evicted gap is split at the step ends inside it, which the slice's own steps
-  hold.
-- **TTFT**, in both models, is the whole run's TTFT partition, computed once on the whole
-  run's timeline: it reads of the emissions only each request's first one and each
-  victim's first one after its readmission (so with OS evidence too its parts are the
-  whole run's, bit for bit).
+  hold; a TTFT's eviction and wait windows lie between its arrival and its first token,
+  in the slice's own parts. Where a removal takes the OS's time (its share is the whole
+  run's timeline's) or a part holds a window that began before the parts already
+  replayed, `R` comes from the log without its emissions read whole instead (memory by
+  steps and segments: `replays_of`).
 - **The victim-policy line** (`victim_policy`, where the log records recompute evictions
   with their causes) counts each candidate's emitted tokens between a decision and its
   own readmission or the start, and each request's first and last emission: a log that
   keeps, per request and stretch between two such instants, its first and last emission
-  with the stretch's tokens gives every such count as the whole log does.
-- **First order's** values are the slices' own partitions' per-gap parts, as
-  `analyze_sliced`'s forward-share medians are: a slice partitions its gaps on its own
-  timeline, with compensated prefix sums, and its parts have been the whole run's bit for
-  bit on every run tested (demo runs with and without OS evidence, a 10-minute busy
-  server); a run where the last bit differed would move a first-order percentile by that
-  bit.
-- **Which removals** a run has comes from the index pass's labels: every removal of them is
-  computed in the slices, and those with time in some gap or TTFT are reported (as the
-  whole-run `removals`); if the slices' labels are not the index's, `NotSliceable`.
+  with the stretch's tokens gives every such count as the whole log does
+  (`reduced_logs`, from the log without its emissions and segments).
+- **Which removals** a run has comes from the index pass's labels (ITL and TTFT): every
+  removal of them is computed in the slices, and those with time in some gap or TTFT are
+  reported (as the whole-run `removals`); if the slices' labels are not the index's,
+  `NotSliceable`.
 
-A window (`--window`, `--around`) keeps its own reader (`tracekit.analysis.workers`).
+Held for the whole run: the index pass's (per request a few integers and its name, per
+step a few numbers), the histograms, and `R` back to the earliest instant a slice still to
+come asks for. A window (`--window`, `--around`) keeps its own reader
+(`tracekit.analysis.workers`).
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.analysis.quantiles import GroupQuantiles, group_counts, group_kept
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
     NEVER,
+    TTFT_LABEL_GROUPS,
     Index,
     SliceTask,
     index_pass,
+    ordered,
     slice_partition,
     slice_tasks,
+    whole_baselines,
 )
+from tracekit.analysis.stream_replay import LateWindow, replay_cuts, replay_stretches
 from tracekit.analysis.victim_policy import VictimPolicy, has_decisions, victim_policy
 from tracekit.analysis.whatif import (
     FIRST,
     ITL_QS,
     SECOND,
+    TTFT_QS,
     Prediction,
     Removal,
     WhatIf,
-    figures_of,
+    figures_from,
     first_order_gaps,
     first_order_ttfts,
     labels_with_time,
@@ -89,12 +99,13 @@ from tracekit.analysis.whatif import (
 from tracekit.attribution.itl import FIT_ALL_CAPTURED
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import ttft_partition
-from tracekit.labels import partition_labels
-from tracekit.log.flush import TABLES
+from tracekit.labels import is_os_label, partition_labels
+from tracekit.log.flush import TABLES, UNKNOWN_TICK
+from tracekit.log.parts import merge_flushed
 from tracekit.log.rawlog import MODE_RECOMPUTE, Emissions, RawLog
 from tracekit.log.slices import NotSliceable, SlicedRun
 
-__all__ = ["NotSliceable", "whatif_sliced"]
+__all__ = ["NotSliceable", "whatif_of_index", "whatif_sliced"]
 
 #: every table of a run's log but its emissions: what `R` and the TTFTs' states read
 _NOT_EMISSIONS = frozenset(TABLES) - {"emissions"}
@@ -105,58 +116,83 @@ Replay = tuple[np.ndarray, np.ndarray]  # (bounds_s, R_s): `whatif.replayed`
 class WhatIfTask:
     """One slice's what-if work (picklable, as `SliceTask`): the slice, the removals, each
     removal's replayed timeline cut to the slice's span and, in pass 2, the histogram keys
-    to keep. Value group 0 is the gaps as measured; removal k's first order is group
-    1 + 2k, its second order 2 + 2k."""
+    to keep (of its gaps' values, then of its TTFTs'). Value group 0 is the gaps (TTFTs) as
+    measured; removal k's first order is group 1 + 2k, its second order 2 + 2k."""
 
     slice: SliceTask
     removals: tuple[Removal, ...]
     replays: tuple[Replay, ...]
-    keep_keys: np.ndarray | None = None
+    keep_keys: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
 class WhatIfPart:
-    """What a slice gives back: pass 1, its values' histogram counts, each group's number
-    of values and removed time, its labels with time, its partition's labels and warnings;
-    pass 2, its values in the kept buckets."""
+    """What a slice gives back: pass 1, its values' histogram counts (gaps, then TTFTs),
+    each group's number of gaps and removed time, its labels with time, its partition's
+    labels and warnings; pass 2, its values in the kept buckets."""
 
     counts: tuple[np.ndarray, np.ndarray] | None = None
+    ttft_counts: tuple[np.ndarray, np.ndarray] | None = None
     num: list[int] = field(default_factory=list)
     removed_ms: list[float] = field(default_factory=list)
     has: set[str] = field(default_factory=set)
     labels: set[str] = field(default_factory=set)
     warnings: tuple[str, ...] = ()
     kept: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    ttft_kept: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def run_whatif_slice(task: WhatIfTask) -> WhatIfPart:
-    """Partition one slice and compute every removal's values of its own gaps (each group's
-    counted, or its kept values taken, before the next one's are computed)."""
-    log, _, p = slice_partition(task.slice)
+    """Partition one slice and compute every removal's values of its own gaps and TTFTs
+    (each group's counted, or its kept values taken, before the next one's are computed)."""
+    log, prep, p = slice_partition(task.slice)
+    tp = ttft_partition(log, run=prep)
+    t_from, t_to = task.slice.t_from_s, task.slice.t_to_s
+    tp = tp.take((tp.first_token_s >= t_from) & (tp.first_token_s < t_to))
+    if len(tp) and not (tp.ttft_ms.min() >= 0.0):  # also NaN: not a figure counted here
+        raise NotSliceable("a TTFT that is not a non-negative time")
     out = WhatIfPart(num=[len(p.gap_ms)], removed_ms=[0.0])
-    pieces = [_piece(task, 0, p.gap_ms)]
+    pieces = [_piece(task, 0, 0, p.gap_ms)]
+    t_pieces = [_piece(task, 1, 0, tp.ttft_ms)]
     for k, (r, (bounds, cum)) in enumerate(zip(task.removals, task.replays, strict=True)):
         for g, (gap, lost) in ((1 + 2 * k, first_order_gaps(p, r)),
                                (2 + 2 * k, second_order_gaps(log, p, r, bounds, cum))):  # fmt: skip
-            pieces.append(_piece(task, g, gap))
+            pieces.append(_piece(task, 0, g, gap))
             out.num.append(len(gap))
             out.removed_ms.append(float(lost.sum()))
+        t_pieces.append(_piece(task, 1, 1 + 2 * k, first_order_ttfts(tp, r)))
+        t_pieces.append(_piece(task, 1, 2 + 2 * k, second_order_ttfts(log, tp, r, bounds, cum)))
     joined = tuple(np.concatenate(x) for x in zip(*pieces, strict=True))
+    t_joined = tuple(np.concatenate(x) for x in zip(*t_pieces, strict=True))
     if task.keep_keys is not None:  # pass 2: the values of the wanted buckets
-        return WhatIfPart(kept=joined)  # type: ignore[arg-type]
-    out.counts = joined  # type: ignore[assignment]
-    out.has = labels_with_time(p.labels, p.parts_ms)
+        return WhatIfPart(kept=joined, ttft_kept=t_joined)  # type: ignore[arg-type]
+    out.counts, out.ttft_counts = joined, t_joined  # type: ignore[assignment]
+    out.has = labels_with_time(p.labels, p.parts_ms) | labels_with_time(tp.labels, tp.parts_ms)
     out.labels = set(p.labels)
     out.warnings = tuple(p.warnings)
     return out
 
 
-def _piece(task: WhatIfTask, g: int, values: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Group `g`'s values of a slice: counted (pass 1) or their kept buckets' (pass 2)."""
+def _piece(task: WhatIfTask, which: int, g: int, values: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Group `g`'s values of a slice (`which`: 0 its gaps, 1 its TTFTs): counted (pass 1)
+    or their kept buckets' (pass 2)."""
     groups = np.full(len(values), g, dtype=np.int64)
     if task.keep_keys is not None:
-        return group_kept(groups, values, task.keep_keys)
+        return group_kept(groups, values, task.keep_keys[which])
     return group_counts(groups, values)
+
+
+def replays_of(skeleton: RawLog, excess: np.ndarray, cands: list[Removal]) -> list[Replay]:
+    """Each removal's replayed timeline (`whatif.replayed`), equal arrays held once: every
+    removal's bounds are the same (every window's ends), and removals with no window time
+    (a TTFT-only cause) or the same windows (a family of one present cause) share `R`."""
+    out: list[Replay] = []
+    for r in cands:
+        bounds, cum = replayed(skeleton, excess, r.itl_labels)
+        bounds = next((b for b, _ in out if np.array_equal(b, bounds)), bounds)
+        cum = next((c for _, c in out if np.array_equal(c, cum)), cum)
+        out.append((bounds, cum))
+    return out
 
 
 def cut_replay(rep: Replay, lo_s: float, hi_s: float) -> Replay:
@@ -186,57 +222,172 @@ def whatif_sliced(
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
     ix = index_pass(run, FIT_ALL_CAPTURED, say)
-    skeleton = skeleton_of(run)
-    ttft_log, policy_log = reduced_logs(run, skeleton, ix.first_tick)
-    prep = PreparedRun(skeleton)  # the whole run's timeline: reads no emission
-    tp = ttft_partition(ttft_log, run=prep)
-    policy = victim_policy(policy_log) if policy_log is not None else None
+    return whatif_of_index(run, ix, names, path=path, max_emissions=max_emissions,
+                           mapper=mapper, progress=say)  # fmt: skip
+
+
+def whatif_of_index(
+    run: SlicedRun,
+    ix: Index,
+    names: Iterable[str] | None = None,
+    *,
+    path: str,
+    max_emissions: int = DEFAULT_SLICE_EMISSIONS,
+    mapper: Callable[[Callable[[Any], Any], list[Any]], Iterable[Any]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WhatIf:
+    """`whatif_sliced` of a run whose index pass is made (`index_pass` with the ITL
+    baseline's default fit, as `analyze_sliced`'s: a caller that reads the run for more
+    than its what-if hands its index to each reader)."""
+    say = progress or (lambda _msg: None)
     itl_labels = tuple(partition_labels(ix.labels))
-    every = removals_of(itl_labels, tp.labels)
+    ttft_labels = ordered(ix.ttft_labels, TTFT_LABEL_GROUPS)
+    every = removals_of(itl_labels, ttft_labels)
     cands = every if names is None else [pick_removal(every, n) for n in names]
-    excess = prep.corrected().baseline(FIT_ALL_CAPTURED).eager_excess_frac
-    replays = [replayed(skeleton, excess, r.itl_labels) for r in cands]
-    tasks = [
-        WhatIfTask(
-            t, tuple(cands), tuple(cut_replay(rep, run.cut_s(t.c), t.t_to_s) for rep in replays)
-        )  # fmt: skip
-        for t in slice_tasks(run, ix, max_emissions, math.inf)
-    ]
-    each = mapper or _in_process
-    q = GroupQuantiles(ITL_QS)
+    light = merge_flushed(run.meta, ix.sparse, path=run.parts_dir, retained=run.retained(0),
+                          final=run.final)  # fmt: skip
+    slices = slice_tasks(run, ix, max_emissions, math.inf)
+    give_back_freed_memory()  # the index pass's parts, between what it keeps
+    q, tq = GroupQuantiles(ITL_QS), GroupQuantiles(TTFT_QS)
     total = _Totals(num=np.zeros(1 + 2 * len(cands), np.int64), removed=[0.0] * (2 * len(cands)))
-    for j, part in enumerate(each(run_whatif_slice, tasks)):  # in slice order
-        assert part.counts is not None
-        q.add_counts(*part.counts)
-        total.add(part)
-        say(f"what-if: slice {j + 1} of {len(tasks)}")
-    q.wanted()
-    for j, part in enumerate(each(run_whatif_slice, [replace(t, keep_keys=q.keep_keys)
-                                                     for t in tasks])):  # fmt: skip
-        assert part.kept is not None
-        q.add_kept(*part.kept)
-        say(f"what-if percentiles: slice {j + 1} of {len(tasks)}")
+    with tempfile.TemporaryFile() as spill:
+        at = spill_replays(run, ix, (slices, _spans(run, ix, slices)), cands, spill, say)
+        give_back_freed_memory()
+        each = mapper or _in_process
+
+        def tasks(keep: tuple[np.ndarray, np.ndarray] | None) -> Iterable[WhatIfTask]:
+            made = (WhatIfTask(t, tuple(cands), _read_replays(spill, o, cands), keep)
+                    for t, o in zip(slices, at, strict=True))  # fmt: skip
+            return made if mapper is None else list(made)  # a pool takes a list
+
+        for j, part in enumerate(each(run_whatif_slice, tasks(None))):  # type: ignore[arg-type]
+            assert part.counts is not None and part.ttft_counts is not None
+            q.add_counts(*part.counts)
+            tq.add_counts(*part.ttft_counts)
+            total.add(part)
+            give_back_freed_memory()  # the slice's partition, before the next one's
+            say(f"what-if: slice {j + 1} of {len(slices)}")
+        q.wanted()
+        tq.wanted()
+        keep = (q.keep_keys, tq.keep_keys)
+        for j, part in enumerate(each(run_whatif_slice, tasks(keep))):  # type: ignore[arg-type]
+            assert part.kept is not None and part.ttft_kept is not None
+            q.add_kept(*part.kept)
+            tq.add_kept(*part.ttft_kept)
+            give_back_freed_memory()
+            say(f"what-if percentiles: slice {j + 1} of {len(slices)}")
     if tuple(partition_labels(total.labels)) != itl_labels:
         raise NotSliceable("the slices' partition labels are not the index pass's")
-    total.has |= labels_with_time(tp.labels, tp.parts_ms)
-    shown = removals_of(itl_labels, tp.labels, total.has) if names is None else cands
+    shown = removals_of(itl_labels, ttft_labels, total.has) if names is None else cands
     preds = []
     for r in shown:
         k = cands.index(r)
-        first_t = first_order_ttfts(tp, r)
-        second_t = second_order_ttfts(skeleton, tp, r, *replays[k])
-        for model, g, ttft in ((FIRST, 1 + 2 * k, first_t), (SECOND, 2 + 2 * k, second_t)):
-            figs = figures_of(q.percentiles(g), ttft)
+        for model, g in ((FIRST, 1 + 2 * k), (SECOND, 2 + 2 * k)):
+            figs = figures_from(q.percentiles(g), tq.percentiles(g))
             preds.append(Prediction(r, model, figs, total.removed[g - 1], int(total.num[g])))
     return WhatIf(
         path=path,
-        config=dict(skeleton.config),
-        measured=figures_of(q.percentiles(0), tp.ttft_ms),
+        config=dict(light.config),
+        measured=figures_from(q.percentiles(0), tq.percentiles(0)),
         num_gaps=int(total.num[0]),
         predictions=tuple(preds),
-        warnings=tuple(skeleton.warnings) + tuple(dict.fromkeys(total.warnings)),
-        victim_policy=policy,
+        warnings=tuple(light.warnings) + tuple(dict.fromkeys(total.warnings)),
+        victim_policy=_policy(run, ix, light),
     )
+
+
+def _spans(run: SlicedRun, ix: Index, slices: list[SliceTask]) -> list[tuple[float, float]]:
+    """Each slice's span, where its gaps' and TTFTs' second order reads `R`: from its
+    earliest emission, or its own first tokens' earliest arrival if earlier, to where its
+    gaps end."""
+    lo = np.array([run.cut_s(t.c) for t in slices])
+    n = len(ix.first_tick)
+    arrival = ix.arrival_tick[:n]
+    has = (ix.first_tick != NEVER) & (arrival != UNKNOWN_TICK)
+    first_s, arrival_s = run.secs(ix.first_tick[has]), run.secs(arrival[has])
+    starts = np.array([t.t_from_s for t in slices])
+    which = np.searchsorted(starts, first_s, "right") - 1
+    ok = (which >= 0) & np.isfinite(arrival_s)
+    np.minimum.at(lo, which[ok], arrival_s[ok])
+    return [(float(a), float(t.t_to_s)) for a, t in zip(lo, slices, strict=True)]
+
+
+def spill_replays(
+    run: SlicedRun,
+    ix: Index,
+    slices: tuple[list[SliceTask], list[tuple[float, float]]],
+    cands: list[Removal],
+    spill: Any,
+    say: Callable[[str], None],
+) -> list[tuple[int, int]]:
+    """Every slice's replayed timelines, cut to its span, written to `spill` (one after
+    the other); where each slice's begin, and their length. Built part by part
+    (`stream_replay`), or, where a removal takes the OS's time or a window was recorded
+    late, from the whole run's log without emissions (`replays_of`)."""
+    tasks, spans = slices
+    sets = list(dict.fromkeys(r.itl_labels for r in cands))
+    takes_os = ix.has_os and any(is_os_label(lb) for s in sets for lb in s)
+    if not takes_os:
+        try:
+            stretches = _stretches(tasks)
+            evictions = merge_flushed(run.meta, ix.sparse, path=run.parts_dir,
+                                      retained=run.retained(0)).evictions  # fmt: skip
+            excess = whole_baselines(run, ix)[0].eager_excess_frac
+            made = replay_stretches(run, stretches, excess, evictions, sets)
+            return _write_cuts(spill, replay_cuts(spans, made, len(sets)), say)
+        except LateWindow:
+            spill.seek(0)
+            spill.truncate()
+    skeleton = skeleton_of(run)
+    excess = PreparedRun(skeleton).corrected().baseline(FIT_ALL_CAPTURED).eager_excess_frac
+    whole = replays_of(skeleton, excess, [Removal("", "cause", s, ()) for s in sets])
+    del skeleton
+    cuts = ((cut_replay(whole[0], lo, hi)[0], [cut_replay(w, lo, hi)[1] for w in whole])
+            for lo, hi in spans)  # fmt: skip
+    return _write_cuts(spill, cuts, say)
+
+
+def _stretches(tasks: list[SliceTask]) -> list[tuple[int, int]]:
+    """The slices' own parts ``[a, b)``: each from where the one before ends."""
+    ends = [t.b for t in tasks]
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def _write_cuts(
+    spill: Any, cuts: Iterable[tuple[np.ndarray, list[np.ndarray]]], say: Callable[[str], None]
+) -> list[tuple[int, int]]:
+    """Each slice's bounds and `R`s (float64, all of one length) one after the other, raw:
+    where each slice's begin and their length."""
+    at = []
+    for j, (bounds, cums) in enumerate(cuts):
+        at.append((spill.tell(), len(bounds)))
+        for x in (bounds, *cums):
+            np.ascontiguousarray(x, dtype=np.float64).tofile(spill)
+        say(f"what-if replay: slice {j + 1}")
+    return at
+
+
+def _read_replays(spill: Any, at: tuple[int, int], cands: list[Removal]) -> tuple[Replay, ...]:
+    """A slice's replays back from `spill`, one per removal (removals with the same ITL
+    labels share one)."""
+    sets = list(dict.fromkeys(r.itl_labels for r in cands))
+    offset, n = at
+    spill.seek(offset)
+    bounds = np.fromfile(spill, dtype=np.float64, count=n)
+    cums = [np.fromfile(spill, dtype=np.float64, count=n) for _ in sets]
+    return tuple((bounds, cums[sets.index(r.itl_labels)]) for r in cands)
+
+
+def _policy(run: SlicedRun, ix: Index, light: RawLog) -> VictimPolicy | None:
+    """The victim-policy line, where the log records a recompute decision (`light`: the
+    run's eviction rows): from the log without its emissions and segments, and one more
+    read of the emissions (`reduced_logs`)."""
+    if not has_decisions(light):
+        return None
+    tables = _NOT_EMISSIONS - {"segments"}
+    skeleton = run.log_of(0, len(run.parts), tables=tables, final=True)
+    _, policy_log = reduced_logs(run, skeleton, ix.first_tick)
+    return victim_policy(policy_log) if policy_log is not None else None
 
 
 @dataclass
@@ -270,11 +421,8 @@ def run_victim_policy(run: SlicedRun, ix: Index) -> VictimPolicy | None:
     """The whole run's victim-policy line (`victim_policy`), read as `whatif_sliced` reads
     it (after an index pass): a window's what-if states it for the run, as the whole-run
     reader does. None where the log records no recompute decision."""
-    skeleton = skeleton_of(run)
-    if not has_decisions(skeleton):
-        return None
-    _, policy_log = reduced_logs(run, skeleton, ix.first_tick)
-    return victim_policy(policy_log) if policy_log is not None else None
+    light = merge_flushed(run.meta, ix.sparse, path=run.parts_dir, retained=run.retained(0))
+    return _policy(run, ix, light)
 
 
 _EM = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick", "num_tokens")}

@@ -303,6 +303,17 @@ def figures_of(itl_pct: Sequence[float], ttft_ms: np.ndarray) -> dict[str, float
     return out
 
 
+#: the TTFT figures' percentiles, in `FIGURES` order
+TTFT_QS: tuple[float, ...] = tuple(q for _, w, q in FIGURES if w == "ttft")
+
+
+def figures_from(itl_pct: Sequence[float], ttft_pct: Sequence[float]) -> dict[str, float]:
+    """`figures_of` with the TTFT percentiles (`TTFT_QS`) found elsewhere too."""
+    out = dict(zip([n for n, w, _ in FIGURES if w == "itl"], itl_pct, strict=True))
+    out.update(zip([n for n, w, _ in FIGURES if w == "ttft"], ttft_pct, strict=True))
+    return {n: float(out[n]) for n in FIGURE_NAMES}
+
+
 def _cols(labels: Sequence[str], want: Iterable[str]) -> list[int]:
     return [labels.index(lb) for lb in want if lb in labels]
 
@@ -456,23 +467,42 @@ def replay_removed(w: Windows, is_gc_removed: bool) -> tuple[np.ndarray, np.ndar
     m = len(bounds) - 1
     a = np.searchsorted(bounds, s)
     b = np.searchsorted(bounds, e)
+    every = np.ones(len(s), dtype=bool)
+    # how many windows of each kind (or the sum of their fractions) cover each elementary
+    # interval: +1 where one starts, -1 where it ends, summed
+    cover = {key: np.cumsum(d)[:m] for key, d in cover_deltas(a, every, b, every, f, k,
+                                                               m + 1).items()}  # fmt: skip
+    r = cover_rates(cover, is_gc_removed)
+    return bounds, np.concatenate([[0.0], np.cumsum(r * np.diff(bounds))])
 
-    def cover(sel: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
-        """How many of the selected windows (or the sum of their weights) cover each
-        elementary interval: +1 where one starts, -1 where it ends, summed."""
-        wt = None if weight is None else weight[sel]
-        d = np.bincount(a[sel], wt, minlength=m + 1) - np.bincount(b[sel], wt, minlength=m + 1)
-        return np.cumsum(d)[:m]
 
+def cover_deltas(
+    a: np.ndarray, on_a: np.ndarray, b: np.ndarray, on_b: np.ndarray, f: np.ndarray,
+    k: np.ndarray, size: int,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Per bound (`size` of them), the change in each cover `cover_rates` reads: windows of
+    one kind (host, device, GC pause) and removable fraction (0, 1, between) starting there
+    (`a`: the bound a window starts at, where `on_a`) less those ending there (`b`,
+    `on_b`); `sf_*` sums the fractions (each bound's in the windows' order)."""
     zero, one = f <= 0.0, f >= 1.0
     part_f = ~zero & ~one
     host, dev, gcw = k == 0, k == 1, k == 2
-    n_gc = cover(gcw)
-    # every window but the pauses, split by host/device: f == 0, f == 1, fractional
-    n0_dev, n1_dev = cover(dev & zero), cover(dev & one)
-    nf_dev, sf_dev = cover(dev & part_f), cover(dev & part_f, f)
-    n0_host, n1_host = cover(host & zero), cover(host & one)
-    nf_host, sf_host = cover(host & part_f), cover(host & part_f, f)
+    sels = {"n_gc": (gcw, None), "n0_dev": (dev & zero, None), "n1_dev": (dev & one, None),
+            "nf_dev": (dev & part_f, None), "sf_dev": (dev & part_f, f),
+            "n0_host": (host & zero, None), "n1_host": (host & one, None),
+            "nf_host": (host & part_f, None), "sf_host": (host & part_f, f)}  # fmt: skip
+    out = {}
+    for key, (sel, wt) in sels.items():
+        sa, sb = sel & on_a, sel & on_b
+        out[key] = np.bincount(a[sa], None if wt is None else wt[sa], minlength=size) - (
+            np.bincount(b[sb], None if wt is None else wt[sb], minlength=size)
+        )
+    return out
+
+
+def cover_rates(c: Mapping[str, np.ndarray], is_gc_removed: bool) -> np.ndarray:
+    """The removable rate of each elementary interval from its covers (`cover_deltas`
+    summed): the instant goes only where every window over it goes (docs/whatif.md)."""
 
     def rate(n0, n1, nf, sf) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -480,6 +510,9 @@ def replay_removed(w: Windows, is_gc_removed: bool) -> tuple[np.ndarray, np.ndar
         covered = (n0 + n1 + nf) > 0.5
         return np.where(covered & (n0 < 0.5), fr, 0.0)
 
+    n_gc, sf_dev, sf_host = c["n_gc"], c["sf_dev"], c["sf_host"]
+    n0_dev, n1_dev, nf_dev = c["n0_dev"], c["n1_dev"], c["nf_dev"]
+    n0_host, n1_host, nf_host = c["n0_host"], c["n1_host"], c["nf_host"]
     in_gc = n_gc > 0.5
     if is_gc_removed:
         # a pause stops the interpreter: only device windows hold its time
@@ -487,10 +520,8 @@ def replay_removed(w: Windows, is_gc_removed: bool) -> tuple[np.ndarray, np.ndar
             n0_dev > 0.5, 0.0, np.where(nf_dev > 0.5, sf_dev / np.maximum(nf_dev, 1), 1.0)
         )
         r_live = rate(n0_dev + n0_host, n1_dev + n1_host, nf_dev + nf_host, sf_dev + sf_host)
-        r = np.where(in_gc, r_gc, r_live)
-    else:
-        r = rate(n0_dev + n0_host + n_gc, n1_dev + n1_host, nf_dev + nf_host, sf_dev + sf_host)
-    return bounds, np.concatenate([[0.0], np.cumsum(r * np.diff(bounds))])
+        return np.where(in_gc, r_gc, r_live)
+    return rate(n0_dev + n0_host + n_gc, n1_dev + n1_host, nf_dev + nf_host, sf_dev + sf_host)
 
 
 def replay_removed_reference(w: Windows, is_gc_removed: bool, x_s: Sequence[float]) -> list[float]:

@@ -21,7 +21,7 @@ from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
 from tracekit.analysis.stream_index import index_pass_spread
 from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
-from tracekit.analysis.stream_report import report_sliced
+from tracekit.analysis.stream_report import report_whatif_sliced
 from tracekit.analysis.stream_whatif import run_victim_policy, whatif_sliced
 from tracekit.analysis.stream_window import WindowRead, analyze_window, read_window
 from tracekit.analysis.whatif import WhatIf, whatif
@@ -286,11 +286,10 @@ def report_path(
     keep_freed_memory()
     parts_dir = parts_dir_of(path)
     if (view is None or view.is_whole_run) and parts_dir is not None and reads_in_slices(path):
-        try:  # a long run: in slices, in bounded memory (the same page)
-            page = report_sliced(parts_dir, n_worst, path=_shown_path(path, parts_dir),
-                                 max_emissions=slice_budget(),
-                                 max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
-            return page, whatif_path(path, None, **limits)
+        try:  # a long run: in slices, in bounded memory (the same page), one index pass
+            return report_whatif_sliced(parts_dir, n_worst, path=_shown_path(path, parts_dir),
+                                        max_emissions=slice_budget(),
+                                        max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
         except NotSliceable:
             pass
     elif view is not None and (wr := _window_in_slices(path, view, True, **limits)) is not None:

@@ -48,6 +48,12 @@ _EMIT = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick")}
 _REQ = TABLES["requests"].index("request")
 
 
+def _only(part: dict[str, Any], tables: frozenset[str] | None) -> dict[str, Any]:
+    if tables is None:
+        return part
+    return {**part, "tables": {k: v for k, v in part["tables"].items() if k in tables}}
+
+
 class NotSliceable(Exception):
     """The folder cannot be read in slices (its reader reads it whole): why, in words."""
 
@@ -276,10 +282,8 @@ class SlicedRun:
         """The `RawLog` of parts ``[c, b)``; `tables`: keep only these (the others empty);
         `final`: with what the run's clean stop wrote (its config, wall time, warnings);
         `retained`: how a log read from part `c` starts, where known (default: read it)."""
-        parts = [self.read(i) for i in range(c, b)]
-        if tables is not None:
-            parts = [{**p, "tables": {k: v for k, v in p["tables"].items() if k in tables}}
-                     for p in parts]  # fmt: skip
+        # each part cut to `tables` as it is read: never every part's rows at once
+        parts = [_only(self.read(i), tables) for i in range(c, b)]
         start = self.retained(c) if retained is True else retained or None
         return merge_flushed(self.meta, parts, path=self.parts_dir, retained=start,
                              final=self.final if final else None)  # fmt: skip
