@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,13 +41,21 @@ def run_cli(
     )
 
 
+def _interruptible() -> None:
+    """In the child before it runs: Ctrl-C as in a terminal. A test runner started in the
+    background by a shell without job control has SIGINT ignored, and its children would
+    inherit that (Python then leaves it ignored, and so does tracekit)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def python(script: str, *args: str, **kw) -> subprocess.Popen:
-    """Start `python -c script args...` with stdout/stderr piped."""
+    """Start `python -c script args...` with stdout/stderr piped, SIGINT at its default."""
     return subprocess.Popen(
         [sys.executable, "-c", script, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env(),
+        preexec_fn=_interruptible,
         **kw,
     )
