@@ -15,7 +15,6 @@ import pathlib
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any, NoReturn
 
 import click
@@ -210,6 +209,8 @@ def _map_with_progress(
                 out.append(fn(p))
                 bar.update(1)
         else:
+            from concurrent.futures import ProcessPoolExecutor  # deferred: only with -j
+
             with ProcessPoolExecutor(max_workers=jobs) as pool:
                 for r in pool.map(fn, paths):
                     out.append(r)
@@ -871,6 +872,8 @@ def _ray_mapper(ray_address: str | None, jobs: int = 1):
     if jobs > 1:
 
         def pool_map(fn, args):
+            from concurrent.futures import ProcessPoolExecutor  # deferred: only with -j
+
             with ProcessPoolExecutor(max_workers=jobs) as pool:
                 return list(pool.map(fn, *zip(*args, strict=True))) if args else []
 

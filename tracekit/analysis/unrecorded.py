@@ -22,7 +22,6 @@ from tracekit.attribution.client import (
     client_partition,
     core_process,
 )
-from tracekit.log.merge import missing_line
 from tracekit.log.rawlog import RawLog
 from tracekit.log.serve_contract import ADDED, CORE, FRONTEND
 
@@ -79,6 +78,8 @@ def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[di
         })  # fmt: skip
     for m in log.meta.get("missing_processes", []) or []:
         if isinstance(m, dict):
+            from tracekit.log.merge import missing_line  # deferred: merged server runs only
+
             out.append({"process": None, **m, "line": missing_line(m)})
     return out
 

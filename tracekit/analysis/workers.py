@@ -9,22 +9,15 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tracekit.allocator import keep_freed_memory
 from tracekit.analysis.figures import RunAnalysis, analyze
 from tracekit.analysis.gaps import itl_series, worst_stalls
-from tracekit.analysis.overtime import Bucket, over_time, report_buckets
 from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
 from tracekit.analysis.stream_index import index_pass_spread
-from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
-from tracekit.analysis.stream_report import report_whatif_sliced
-from tracekit.analysis.stream_whatif import run_victim_policy, whatif_sliced
-from tracekit.analysis.stream_window import WindowRead, analyze_window, read_window
-from tracekit.analysis.whatif import WhatIf, whatif
 from tracekit.analysis.window import Window, WindowOptions, select_gaps
 from tracekit.attribution.itl import Partition, partition
 from tracekit.attribution.timeline import PreparedRun
@@ -32,6 +25,11 @@ from tracekit.attribution.ttft import TtftPartition, ttft_partition
 from tracekit.errors import UsageError
 from tracekit.log.parts import read_index
 from tracekit.log.rawlog import RawLog
+
+if TYPE_CHECKING:  # types of signatures only: their modules load where they are used
+    from tracekit.analysis.overtime import Bucket
+    from tracekit.analysis.stream_window import WindowRead
+    from tracekit.analysis.whatif import WhatIf
 
 
 def analyze_path(
@@ -43,6 +41,8 @@ def analyze_path(
     if view is None or view.is_whole_run:
         sliced = _analyze_in_slices(path, mapper, **limits)
         return sliced if sliced is not None else analyze(open_run(path, **limits))
+    from tracekit.analysis.stream_window import analyze_window  # deferred: windows only
+
     wr = _window_in_slices(path, view, **limits)
     if wr is not None:
         return analyze_window(wr)
@@ -138,6 +138,8 @@ def slice_mapper(jobs: int, ray_address: str | None) -> Callable[..., Iterator[A
 
             yield from ray_imap(fn, [(x,) for x in items], ray_address)
         else:
+            from concurrent.futures import ProcessPoolExecutor  # deferred: only with -j
+
             with ProcessPoolExecutor(max_workers=jobs) as pool:
                 yield from pool.map(fn, items)
 
@@ -156,6 +158,8 @@ def _window_in_slices(
     """A window of a one-process run longer than one slice, read from the parts it needs
     (`tracekit.analysis.stream_window`; `run_percentiles`: with the whole run's exact ITL
     percentiles); None where the run is read whole."""
+    from tracekit.analysis.stream_window import read_window  # deferred: windows only
+
     parts_dir = parts_dir_of(path)
     if parts_dir is None or not reads_in_slices(path):
         return None
@@ -196,6 +200,10 @@ def over_time_path(
     path: str, width_s: float, view: WindowOptions | None = None, **limits: Any
 ) -> list[Bucket]:
     """`analyze --by`'s work on one run: its buckets of `width_s` seconds."""
+    # deferred: only analyze --by reads these
+    from tracekit.analysis.overtime import over_time
+    from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
+
     keep_freed_memory()
     parts_dir = parts_dir_of(path)
     if parts_dir is not None and reads_in_slices(path):
@@ -229,6 +237,8 @@ def whatif_path(
 ) -> WhatIf:
     """`whatif`'s work on one run: every removal (or those named), by both models, for the
     window `view` asks for, if any. A long one-process run (no window) is read in slices."""
+    from tracekit.analysis.whatif import whatif  # deferred: what-if commands only
+
     keep_freed_memory()
     if view is None or view.is_whole_run:
         sliced = _whatif_in_slices(path, names, mapper, **limits)
@@ -246,6 +256,8 @@ def _whatif_in_slices(
     """A one-process run longer than one slice: its what-if slice by slice, in bounded
     memory (`tracekit.analysis.stream_whatif`: the same result); None where it is read
     whole."""
+    from tracekit.analysis.stream_whatif import whatif_sliced  # deferred: what-if only
+
     parts_dir = parts_dir_of(path)
     if parts_dir is None or not reads_in_slices(path):
         return None
@@ -263,6 +275,10 @@ def analyze_whatif_path(
     """`compare`'s work on one run: its figures and its what-if, from one partition (of the
     run's own window `view` asks for, if any). A long one-process run (no window) is read
     in slices, its figures and its what-if each by its own slice reader."""
+    # deferred: what-if commands only
+    from tracekit.analysis.stream_window import analyze_window
+    from tracekit.analysis.whatif import whatif
+
     keep_freed_memory()
     if view is None or view.is_whole_run:
         a = _analyze_in_slices(path, mapper, **limits)
@@ -283,6 +299,11 @@ def report_path(
     fields of `tracekit.render.html.ReportRun`: figures, worst stalls, ITL series, the
     tail over time) and its what-if, of the window `view` asks for, if any. The whole of a
     long one-process run is read in slices (`tracekit.analysis.stream_report`)."""
+    # deferred: report only
+    from tracekit.analysis.overtime import report_buckets
+    from tracekit.analysis.stream_report import report_whatif_sliced
+    from tracekit.analysis.whatif import whatif
+
     keep_freed_memory()
     parts_dir = parts_dir_of(path)
     if (view is None or view.is_whole_run) and parts_dir is not None and reads_in_slices(path):
@@ -308,6 +329,10 @@ def report_path(
 def _window_whatif(wr: WindowRead, names: Sequence[str] | None = None) -> WhatIf:
     """The what-if of a window read from the parts it needs: its gaps and TTFTs as in the
     whole run, the victim-policy line the whole run's (as the whole-run reader states it)."""
+    # deferred: what-if commands only
+    from tracekit.analysis.stream_whatif import run_victim_policy
+    from tracekit.analysis.whatif import whatif
+
     w = whatif(wr.log, wr.part, wr.tpart, names, window=wr.window)
     return replace(w, victim_policy=run_victim_policy(wr.run, wr.index))
 
@@ -316,6 +341,10 @@ def _window_page(wr: WindowRead, n_worst: int) -> dict[str, Any]:
     """`report_path`'s page of a window read from the parts it needs: the window log holds
     every gap and TTFT ending in it, partitioned as in the whole run; the over-time view's
     run tail is counted against the whole run's p99 (docs/reports.md, "Windows")."""
+    # deferred: report only
+    from tracekit.analysis.overtime import report_buckets
+    from tracekit.analysis.stream_window import analyze_window
+
     log, part, win = wr.log, wr.part, wr.window
     return {
         "analysis": analyze_window(wr),

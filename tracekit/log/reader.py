@@ -11,7 +11,6 @@ another's loader.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Collection
 from dataclasses import replace
@@ -116,6 +115,8 @@ def shorten_name(name: str, max_chars: int) -> str:
     and distinct for distinct names (two long labels sharing a prefix stay two)."""
     if len(name) <= max_chars:
         return name
+    import hashlib  # deferred: only a name that needs a digest (its OpenSSL load is ~4 ms)
+
     digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
     return f"{name[:max_chars]}...[{len(name)} chars, sha1 {digest}]"
 
