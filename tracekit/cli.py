@@ -272,7 +272,7 @@ def _say_sliced(paths: Sequence[str]) -> bool:
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
 @click.option("--by", "by", default=None, metavar="DURATION",
-              help="One row per time bucket (30s, 1m, 1h) instead of per run.")  # fmt: skip
+              help="One row per time bucket (500ms, 30s, 1m, 1h, 1d) instead of per run.")  # fmt: skip
 @window_options
 @_ray_option
 @_read_limits
@@ -290,17 +290,15 @@ def analyze(
     --around: the per-gap figures of part of the run; --by: the tail over time.
     """
     from tracekit.analysis import workers  # deferred: loaded per command
+    from tracekit.analysis.window import parse_duration  # deferred: loaded per command
     from tracekit.render import text  # deferred: loaded per command
 
+    width_s = None if by is None else parse_duration(by)  # refused before anything is read
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     sliced = _say_sliced(paths)
-    if by is not None:
-        from tracekit.analysis.window import parse_duration  # deferred: loaded per command
-
-        by_s = functools.partial(
-            workers.over_time_path, width_s=parse_duration(by), view=view(), **_limits()
-        )
+    if width_s is not None:
+        by_s = functools.partial(workers.over_time_path, width_s=width_s, view=view(), **_limits())
         runs_rows = _map_with_progress(by_s, paths, jobs, "analysing", ray_address)
         rows = [b.to_record() for bs in runs_rows for b in bs]
         return write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")

@@ -21,9 +21,10 @@ from tracekit.analysis.figures import analyze
 from tracekit.analysis.overtime import over_time
 from tracekit.analysis.quantiles import ExactQuantiles, GroupQuantiles
 from tracekit.analysis.stream import analyze_sliced
-from tracekit.analysis.stream_overtime import over_time_window
+from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
 from tracekit.analysis.window import WindowOptions
 from tracekit.attribution.itl import partition
+from tracekit.errors import UsageError
 from tracekit.log.slices import SlicedRun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,6 +278,15 @@ def test_the_tail_over_time_of_a_window_read_from_its_parts_is_the_whole_runs(de
         return json.loads(text)
 
     assert whole and _differences(rows(whole), rows(sliced)) == []
+
+
+def test_the_tail_over_time_in_slices_refuses_too_many_buckets_before_counting(demo_run):
+    """A `--by` that cuts the run into more than 100,000 buckets is refused from the index
+    pass's span, before any bucket is counted (docs/reports.md, "The tail over time")."""
+    with pytest.raises(UsageError) as e:
+        over_time_sliced(demo_run + ".parts", 1e-5, path=demo_run, max_emissions=500)
+    assert str(e.value).startswith(f"{demo_run}: --by 1e-05 s cuts the ")
+    assert "at most 100,000" in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -70,14 +70,16 @@ def test_bad_windows_say_why(text, says):
 
 
 def test_durations():
-    assert [parse_duration(x) for x in ("90", "30s", "1m", "0.5h", "2.5s")] == [
+    assert [parse_duration(x) for x in ("90", "30s", "1m", "0.5h", "2.5s", "250ms", "1d")] == [
         90.0,
         30.0,
         60.0,
         1800.0,
         2.5,
+        0.25,
+        86400.0,
     ]
-    for bad in ("0", "-1m", "1d", "m", ""):
+    for bad in ("0", "-1m", "1w", "m", "", "1e400", "0ms", "1 mss"):
         with pytest.raises(UsageError):
             parse_duration(bad)
 

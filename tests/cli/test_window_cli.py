@@ -134,8 +134,18 @@ def test_bad_windows_are_one_line_exit_2(run, args, says):
 
 
 def test_bad_by_is_exit_2(run):
-    r = CliRunner().invoke(main, ["analyze", run, "--by", "1d"])
-    assert r.exit_code == 2 and "--by '1d'" in r.stderr
+    r = CliRunner().invoke(main, ["analyze", run, "--by", "1w"])
+    assert r.exit_code == 2 and "--by '1w'" in r.stderr
+
+
+@pytest.mark.parametrize("extra", [(), ("--window", "1..3")])
+def test_a_by_finer_than_the_bucket_limit_is_refused_in_one_line(run, extra):
+    """More than 100,000 buckets (docs/reports.md): 1 us over this 4 s run would be ~4 M
+    (over the 2 s window, ~2 M) rows; refused, naming the run and the narrowest width."""
+    r = CliRunner().invoke(main, ["analyze", run, "--by", "1e-6", *extra])
+    err = r.stderr.strip()
+    assert r.exit_code == 2 and r.stdout == "" and len(err.splitlines()) == 1, r.output
+    assert run in err and "--by 1e-06 s" in err and "at most 100,000" in err
 
 
 def test_window_and_by_travel_to_worker_processes(run):

@@ -23,8 +23,25 @@ import numpy as np
 
 from tracekit.analysis.window import Window, run_span_s, select_gaps
 from tracekit.attribution.itl import CLEAN, Partition
+from tracekit.errors import UsageError
 from tracekit.formats import json_safe
 from tracekit.log.rawlog import RawLog
+
+#: The most buckets one run lists (a day at 1 s is 86,400): a finer `--by` is refused in
+#: one line before any bucket is computed, as their rows grow with the count, not the run.
+MAX_BUCKETS = 100_000
+
+
+def check_bucket_count(lo_s: float, hi_s: float, width_s: float, path: str) -> None:
+    """Refuse (UsageError) a width that cuts ``[lo_s, hi_s]`` into more than `MAX_BUCKETS`
+    buckets, naming the narrowest width that fits."""
+    span = hi_s - lo_s
+    if span / width_s + 1 > MAX_BUCKETS:
+        raise UsageError(
+            f"{path}: --by {width_s:g} s cuts the {span:.3f} s it lists into "
+            f"{span / width_s + 1:,.0f} buckets; at most {MAX_BUCKETS:,}: give --by "
+            f"{span / (MAX_BUCKETS - 1):.3g} or wider, or a --window"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +91,9 @@ def _bucket_range(
     lo = min(lo, 0.0)  # from the run's start
     if win is not None and math.isfinite(win.t0_s):
         lo = win.t0_s
+    if win is not None and math.isfinite(win.t1_s):
+        hi = win.t1_s
+    check_bucket_count(lo, hi, width_s, log.path)
     first = int(bucket_of(np.array([lo]), width_s)[0])
     if win is not None and math.isfinite(win.t1_s):  # the window's TO is not in it
         last = int(bucket_of(np.array([win.t1_s]), width_s)[0])
@@ -176,11 +196,13 @@ def worst_buckets(rows: list[Bucket], n: int = 5) -> list[Bucket]:
 
 
 __all__ = [
+    "MAX_BUCKETS",
     "NICE_WIDTHS_S",
     "REPORT_MAX_BUCKETS",
     "REPORT_MIN_BUCKETS",
     "Bucket",
     "bucket_of",
+    "check_bucket_count",
     "over_time",
     "report_buckets",
     "report_width_of_span_s",

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.analysis.overtime import Bucket, bucket_of, over_time
+from tracekit.analysis.overtime import Bucket, bucket_of, check_bucket_count, over_time
 from tracekit.analysis.quantiles import GroupQuantiles
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
@@ -59,6 +59,9 @@ def over_time_of_index(
 ) -> list[Bucket]:
     """`over_time_sliced` of a run whose index pass is made and whose gap values are kept
     (`keep_gap_values`, as `analyze_sliced` leaves its index)."""
+    if ix.span_ticks is not None:  # refused before a bucket is counted, from the start
+        lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
+        check_bucket_count(min(lo, 0.0), hi, width_s, path)
     run_p99 = ix.gaps.percentiles()[2]
     q, ends = _bucket_quantiles(run, ix, width_s)
     labels = tuple(partition_labels(ix.labels))

@@ -28,7 +28,7 @@ from tracekit.log.rawlog import RawLog
 
 #: --width's default: seconds of run around the gap `--around` picks
 DEFAULT_WIDTH_S = 2.0
-_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
+_UNITS_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +66,13 @@ class Window:
 
 
 def parse_duration(text: str) -> float:
-    """``90``, ``30s``, ``1m``, ``0.5h`` -> seconds (> 0); a bare number is seconds."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([smh]?)\s*", text)
-    if m is None or not float(m.group(1)) > 0:
+    """``90``, ``500ms``, ``30s``, ``1m``, ``0.5h``, ``1d`` -> seconds (> 0, finite); a bare
+    number is seconds (the units of a Prometheus duration, but one number)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|[smhd]?)\s*", text)
+    if m is None or not 0 < float(m.group(1)) * _UNITS_S[m.group(2) or "s"] < math.inf:
         raise UsageError(
-            f"--by {text!r}: expected a positive duration: a number of seconds, or with s, m "
-            "or h (30s, 1m, 0.5h)"
+            f"--by {text!r}: expected a positive duration: a number of seconds, or with ms, s, "
+            "m, h or d (500ms, 30s, 1m, 0.5h, 1d)"
         )
     return float(m.group(1)) * _UNITS_S[m.group(2) or "s"]
 
