@@ -272,7 +272,7 @@ def _say_sliced(paths: Sequence[str]) -> bool:
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Analyse runs in this many processes.")  # fmt: skip
 @click.option("--by", "by", default=None, metavar="DURATION",
-              help="One row per time bucket (500ms, 30s, 1m, 1h, 1d) instead of per run.")  # fmt: skip
+              help="One row per time bucket (500ms, 30s, 1m, 1h, 1d), not per run.")  # fmt: skip
 @window_options
 @_ray_option
 @_read_limits
