@@ -86,13 +86,21 @@ def test_the_spread_index_with_a_part_a_slice_and_an_eviction_across_tasks(tmp_p
 
 def test_a_debt_whose_request_emits_next_at_an_earlier_tick_is_read_again(tmp_path):
     """An emission learnt late (`emit(at_tick=)`) in a later part, before its request's
-    eviction: its first row there is not the first after the eviction, so the driver reads
-    that part whole for the eviction rows, and the index is still the one-process one."""
+    readmission: its first row there is not the first after the readmission (where the
+    eviction's debt ends), so the driver reads that part whole for the eviction rows, and
+    the index is still the one-process one."""
     out = tmp_path / "run.npz"
     clock = FakeClock()
     rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
                             handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
     n = 0
+
+    def flushed():
+        nonlocal n
+        rec.flush_soon()
+        n += 1
+        _wait_for_parts(out, n)
+
     with rec:
         rec.request("alive")
         rec.request("late")
@@ -102,25 +110,23 @@ def test_a_debt_whose_request_emits_next_at_an_earlier_tick_is_read_again(tmp_pa
                     clock.t += STEP_NS
                 rec.emit(["alive", "late"] if k == 0 else ["alive"])
                 if k == 1:
-                    t_evict = clock.t
                     rec.evict("late", mode="swap")
-            rec.flush_soon()
-            n += 1
-            _wait_for_parts(out, n)
+            flushed()
             if k == 2:
-                rec.readmit("late")
-                rec.emit(["late"], at_tick=t_evict - 5)  # a token learnt late
+                rec.readmit("late")  # in a part of its own: the debt is pending after it
+                t_back = clock.t
+                flushed()
                 clock.t += 1
-                rec.emit(["late"])  # its first after the eviction: in the same part
-                rec.flush_soon()
-                n += 1
-                _wait_for_parts(out, n)
+                rec.emit(["late"], at_tick=t_back - 5)  # a token learnt late
+                clock.t += 1
+                rec.emit(["late"])  # its first after the readmission: in the same part
+                flushed()
     run = SlicedRun(str(out) + ".parts")
     read = run.read
     again: list[int] = []
     run.read = lambda i: again.append(i) or read(i)  # type: ignore[method-assign]
     _assert_same_index(str(out) + ".parts", _in_order, run)
-    assert again == [3]  # the part with the late token, by the driver
+    assert again == [4]  # the part with the late token, by the driver
 
 
 def test_analyze_j2_of_a_long_run_is_analyze_j1(demo_run, tmp_path):

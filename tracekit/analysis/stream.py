@@ -19,9 +19,10 @@ in the one slice its later emission lies in. Two passes over the parts:
 Equal to the whole-run analysis: every count, percentile, maximum and histogram bin
 exactly; sums and shares to float rounding (the sums add in another order); the TTFT
 figures are computed on the TTFT partition's rows gathered from the slices (one row per
-request: memory by requests, not tokens). Not computed in slices (None, said in the
-run's warnings): the eviction summary and recompute tax, speculative decoding, the client
-boundary and tensor-parallel ranks, which belong to runs the whole-run reader reads.
+request: memory by requests, not tokens); the eviction summary, the recompute tax and
+speculative decoding from the few rows the index pass keeps of each part (`sparse_part`).
+Not computed in slices: the client boundary and tensor-parallel ranks (a merged server
+run's, `tracekit.analysis.stream_server`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tracekit.analysis.figures import (
 )
 from tracekit.analysis.quantiles import ExactQuantiles
 from tracekit.analysis.results import spec_result
+from tracekit.analysis.unrecorded import unrecorded_report
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.reprefill import stating_next_emissions
 from tracekit.attribution.timeline import (
@@ -66,7 +68,7 @@ from tracekit.attribution.ttft import (
     unsplit_note,
 )
 from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, RECOMPUTE_CLASS, partition_labels
-from tracekit.log.flush import EVICT, TABLES
+from tracekit.log.flush import READMIT, TABLES
 from tracekit.log.parts import Retained, merge_flushed
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 from tracekit.log.slices import NotSliceable, SlicedRun, grown
@@ -142,32 +144,33 @@ class Index:
 
 def sparse_part(ix: Index, part: dict[str, Any]) -> dict[str, Any]:
     """What of `part` the per-run eviction and speculative figures read (few rows): its
-    eviction tables, counters, `recompute` segments and, of each eviction's victim, its
-    first emission after it (where the victim's debt ends) and no other: a day of a busy
-    server keeps a row an eviction, never the victims' tokens."""
+    eviction tables, counters, `recompute` segments and, of each readmitted victim, its
+    first emission strictly after the readmission (where the victim's debt ends,
+    `reprefill.next_emission`) and no other: a day of a busy server keeps a row an
+    eviction, never the victims' tokens."""
     t = part["tables"]
     keep = {k: t[k] for k in ("events", "preemptions", "evictors", "counters") if k in t}
     ev = t.get("events")
-    evicted = ev[ev[:, 1] == EVICT] if ev is not None and len(ev) else None
+    back = ev[ev[:, 1] == READMIT] if ev is not None and len(ev) else None
     em = t.get("emissions")
-    reqs = set(ix.pending) | (set(evicted[:, 0].tolist()) if evicted is not None else set())
+    reqs = set(ix.pending) | (set(back[:, 0].tolist()) if back is not None else set())
     if em is not None and len(em) and reqs:
         rows: list[int] = []
         r_col, t_col = em[:, _EM["request"]], em[:, _EM["t_tick"]]
         for r in reqs:
-            new = [] if evicted is None else evicted[evicted[:, 0] == r, 2].tolist()
+            new = [] if back is None else back[back[:, 0] == r, 2].tolist()
             ticks = sorted(([ix.pending.pop(r)] if r in ix.pending else []) + new)
             mine = np.flatnonzero(r_col == r)
             mine = mine[np.argsort(t_col[mine], kind="stable")]
-            for tick in ticks:  # the first emission after each eviction
+            for tick in ticks:  # the first emission after each readmission
                 after = mine[t_col[mine] > tick]
                 if len(after):
                     rows.append(int(after[0]))
                 else:  # not yet: in a later part
                     ix.pending[r] = min(ix.pending.get(r, tick), tick)
         keep["emissions"] = em[np.unique(np.array(rows, dtype=np.int64))]
-    elif evicted is not None:
-        for r, tick in zip(evicted[:, 0].tolist(), evicted[:, 2].tolist(), strict=True):
+    elif back is not None:
+        for r, tick in zip(back[:, 0].tolist(), back[:, 2].tolist(), strict=True):
             ix.pending[r] = min(ix.pending.get(r, tick), tick)
     sg = t.get("segments")
     if sg is not None and len(sg) and RECOMPUTE_LABEL in part["labels"]:
@@ -681,6 +684,9 @@ def run_fields(run: SlicedRun, ix: Index, path: str) -> dict[str, Any]:
     if (gs == GRAPH_EAGER).any() and base.num_fit_steps == 0:
         warnings.append("eager steps but no captured steps to fit a baseline: graph excess "
                         "not measured")  # fmt: skip
+    # what the recording process left unrecorded (killed: no rows after its last flush), as
+    # the whole-run analysis says it (its client-gap time: the client boundary's)
+    warnings += [u["line"] for u in unrecorded_report(with_run_coverage(run, tail_log))]
     calibration = dict(tail_log.meta.get("device_calibration") or {})
     return {
         "path": path,
@@ -711,6 +717,16 @@ def run_fields(run: SlicedRun, ix: Index, path: str) -> dict[str, Any]:
         "recompute_tax": evictions.recompute_tax if evictions is not None else 0.0,
         "evictions": evictions,
     }
+
+
+def with_run_coverage(run: SlicedRun, tail_log: RawLog) -> RawLog:
+    """`tail_log` (the run's last part) with the span the whole run's rows cover: a
+    process's log read from its last part starts there; a merged server run's last part
+    carries every process's span (`tracekit.log.merged_tables`)."""
+    if isinstance(tail_log.meta.get("processes"), list) or len(tail_log.coverage) != 1:
+        return tail_log
+    first = run.log_of(0, 1, tables=frozenset()).coverage
+    return replace(tail_log, coverage=replace(tail_log.coverage, t_start_s=first.t_start_s))
 
 
 def _result(run: SlicedRun, ix: Index, s: _Sums, pct: list[float], path: str,

@@ -42,10 +42,11 @@ import numpy as np
 from tracekit.analysis.run import parts_dir_of
 from tracekit.analysis.workers import reads_in_slices
 from tracekit.errors import LogError
-from tracekit.log.archive import InflateLimitError, read_npz
+from tracekit.log.archive import read_npz
 from tracekit.log.flush import TABLES, UNKNOWN_TICK, column_index
 from tracekit.log.parts import (
     POINTER_MEMBER,
+    DamagedPart,
     Retained,
     index_warnings,
     merge_flushed,
@@ -54,6 +55,7 @@ from tracekit.log.parts import (
     part_number,
     part_paths,
     read_final,
+    read_flushed_part,
     read_meta,
     read_part,
     removed_names,
@@ -238,29 +240,15 @@ class PartByPart:
             if i and part_number(p) != part_number(self.paths[i - 1]) + 1:
                 return [missing_part_warning(self.paths, i)]
             try:
-                z = read_part(p, max_inflate_mb=self.max_inflate_mb)
-            except InflateLimitError:
-                raise
-            except FileNotFoundError as e:
-                if i == 0:  # retention removed it while it was read
+                part = read_flushed_part(p, self.max_inflate_mb)
+            except DamagedPart as e:
+                if isinstance(e.cause, FileNotFoundError) and i == 0:  # removed by retention
                     raise NotSliceable("its first part was removed while it was read") from None
-                damaged: BaseException = e
-            except Exception as e:
-                damaged = e
-            else:
-                try:
-                    part = parse_flushed(z, p)
-                except LogError:
-                    raise
-                except Exception as e:
-                    damaged = e
-                else:
-                    if i == 0:
-                        self._begin(part)
-                    if self.fold_error is None and self.first_step is not None:
-                        self._add(part)  # else the parts are only read, as the merge reads them
-                    continue
-            return [unreadable_part_warning(self.paths, i, damaged)]
+                return [unreadable_part_warning(self.paths, i, e.cause)]
+            if i == 0:
+                self._begin(part)
+            if self.fold_error is None and self.first_step is not None:
+                self._add(part)  # else the parts are only read, as the merge reads them
         return []
 
     def _begin(self, part: dict[str, Any]) -> None:

@@ -34,7 +34,8 @@ from tracekit.analysis.stream import (
     step_figures,
 )
 from tracekit.labels import OS_LABELS, RECOMPUTE_CLASS
-from tracekit.log.flush import EVICT, TABLES
+from tracekit.log.flush import READMIT, TABLES
+from tracekit.log.parts import DamagedPart, missing_part_warning, unreadable_part_warning
 from tracekit.log.slices import IndexBook, NotSliceable, PartOrder, SlicedRun, order_of
 
 _ST = {c: TABLES["steps"].index(c) for c in TABLES["steps"]}
@@ -175,8 +176,9 @@ def _inner_gaps(run: SlicedRun, em: np.ndarray) -> tuple[np.ndarray, tuple[float
 def _reduced(part: dict[str, Any]) -> dict[str, Any]:
     """The part with the rows `stream._sparse_part` may read: its eviction tables and
     counters, its `recompute` segments, and of the emissions every row of a request
-    evicted in it and each other request's first row (a debt pending from an earlier part
-    ends at it, unless it is not after the eviction: then the driver reads the part)."""
+    readmitted in it and each other request's first row (a debt pending from an earlier
+    part ends at it, unless it is not after the readmission: then the driver reads the
+    part)."""
     t = part["tables"]
     keep = {k: t[k] for k in ("events", "preemptions", "evictors", "counters") if k in t}
     sg = t.get("segments")
@@ -187,8 +189,8 @@ def _reduced(part: dict[str, Any]) -> dict[str, Any]:
     em = t.get("emissions")
     if em is not None and len(em):
         ev = t.get("events")
-        evicted = ev[ev[:, 1] == EVICT, 0] if ev is not None and len(ev) else np.zeros(0)
-        mine = np.isin(em[:, _EM["request"]], evicted)
+        back = ev[ev[:, 1] == READMIT, 0] if ev is not None and len(ev) else np.zeros(0)
+        mine = np.isin(em[:, _EM["request"]], back)
         mine[_first_rows(em)] = True
         keep["emissions"] = em[mine]  # in the part's own row order
     return {**{k: v for k, v in part.items() if k != "tables"}, "tables": keep}
@@ -217,9 +219,11 @@ def index_pass_spread(
     workers; the same `Index` and the same `run.parts`."""
     if not run.paths:
         raise NotSliceable("no parts")
+    for i in range(len(run.paths)):
+        if not run.follows(i):
+            run.end_before(i, missing_part_warning(run.paths, i))
+            break
     n = len(run.paths)
-    for i in range(n):
-        run.check_follows(i)
     tasks = [IndexTask(run.parts_dir, run.max_inflate_mb, lo, min(lo + PARTS_PER_TASK, n))
              for lo in range(0, n, PARTS_PER_TASK)]  # fmt: skip
     ix = Index(fit=fit)
@@ -230,11 +234,17 @@ def index_pass_spread(
     for facts in mapper(part_facts, tasks):
         for f in facts:
             if f is None:  # unreadable where the task ran: read here, as `index` reads it
-                f = _facts(run, i, run.read_indexed(i))
+                try:
+                    f = _facts(run, i, run.read_indexed(i))
+                except DamagedPart as e:  # the run ends before it (`SlicedRun.index`)
+                    run.end_before(i, unreadable_part_warning(run.paths, i, e.cause))
+                    break
             book.add(i, f.order)
             _fold(run, ix, i, f)
             i += 1
         progress(f"index: part {i} of {n}")
+        if i < n and i == len(run.paths):  # ended early: the later tasks' facts are not read
+            break
     if ix.has_os:
         ix.labels |= set(OS_LABELS) - {RECOMPUTE_CLASS}
         ix.ttft_labels |= set(OS_LABELS)
@@ -303,8 +313,8 @@ def _worst(ix: Index, inner: tuple[float, float], edge: np.ndarray, t1: np.ndarr
 
 def _sparse(run: SlicedRun, ix: Index, i: int, f: PartFacts) -> dict[str, Any]:
     """`stream._sparse_part` of part `i` from its reduced rows, or from the part read
-    again where a pending debt's request emits here no later than its eviction (then its
-    first row here is not the first after the eviction)."""
+    again where a pending debt's request emits here no later than its readmission (then
+    its first row here is not the first after the readmission)."""
     u, first = f.order.requests, f.order.first_tick
     pending = [(r, tick) for r, tick in ix.pending.items()]
     if pending:

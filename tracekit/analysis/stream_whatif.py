@@ -245,7 +245,7 @@ def whatif_of_index(
     every = removals_of(itl_labels, ttft_labels)
     cands = every if names is None else [pick_removal(every, n) for n in names]
     light = merge_flushed(run.meta, ix.sparse, path=run.parts_dir, retained=run.retained(0),
-                          final=run.final)  # fmt: skip
+                          final=run.final, warnings=list(run.warnings))  # fmt: skip
     slices = slice_tasks(run, ix, max_emissions, math.inf)
     give_back_freed_memory()  # the index pass's parts, between what it keeps
     q, tq = GroupQuantiles(ITL_QS), GroupQuantiles(TTFT_QS)

@@ -261,32 +261,50 @@ def _read_parts(
         if i and part_number(p) != part_number(paths[i - 1]) + 1:
             warnings.append(missing_part_warning(paths, i))
             break
-        try:  # read the whole part before using any of it (bounded: tracekit.log.archive)
-            z = read_part(p, max_inflate_mb=max_inflate_mb)
-        except InflateLimitError:  # over the limit the user set: an error, not a damaged part
-            raise
-        except FileNotFoundError as e:
-            if not parts:
+        try:
+            part = read_flushed_part(p, max_inflate_mb)
+        except DamagedPart as e:
+            if isinstance(e.cause, FileNotFoundError) and not parts:
                 return parts, warnings, True
-            damaged: BaseException = e
-        except Exception as e:
-            damaged = e
-        else:  # readable: contents that contradict the run are a LogError naming the field
-            try:
-                part = parse_flushed(z, p)
-            except LogError:
-                raise
-            except Exception as e:  # a member missing or of the wrong shape
-                damaged = e
-            else:  # (`keep` runs outside the try: its own errors are never "damage")
-                parts.append(part if keep is None else keep(part))
-                continue
-        # Damaged on disk (a kill cannot do this: parts are renamed into place whole; a
-        # power loss can, before the part's fsync, docs/capture.md). Later parts refer to
-        # its steps and requests by index, so the run ends here.
-        warnings.append(unreadable_part_warning(paths, i, damaged))
-        break
+            # Later parts refer to its steps and requests by index, so the run ends here.
+            warnings.append(unreadable_part_warning(paths, i, e.cause))
+            break
+        parts.append(part if keep is None else keep(part))  # `keep`'s errors: never damage
     return parts, warnings, False
+
+
+class DamagedPart(Exception):
+    """A part damaged on disk (`read_flushed_part`); `cause`: what reading it raised."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def read_flushed_part(path: str, max_inflate_mb: float | None = None) -> dict[str, Any]:
+    """The part at `path`, read whole before any of it is used (bounded:
+    `tracekit.log.archive`) and parsed (`parse_flushed`). Every reader of a parts folder
+    tells damage from error this one way:
+
+    - `DamagedPart`: the file is damaged on disk, torn, corrupt, gone, or a member is
+      missing or of the wrong shape (a kill cannot do this: parts are renamed into place
+      whole; a power loss can, before the part's fsync, docs/capture.md): the run ends
+      before it, with `unreadable_part_warning`;
+    - `InflateLimitError`: over the limit the user set, an error, not a damaged part;
+    - `LogError` from the parse: readable contents that contradict the run, naming the field.
+    """
+    try:
+        z = read_part(path, max_inflate_mb=max_inflate_mb)
+    except InflateLimitError:
+        raise
+    except Exception as e:
+        raise DamagedPart(e) from None
+    try:
+        return parse_flushed(z, path)
+    except LogError:
+        raise
+    except Exception as e:
+        raise DamagedPart(e) from None
 
 
 def missing_part_warning(paths: list[str], i: int) -> str:
@@ -337,13 +355,18 @@ def retained_start(
         )  # fmt: skip
     entries, _ = read_index(parts_dir, numbers=(number - 1, number - 1))
     before = [e.flush_tick for e in entries if e.number == number - 1]
-    warnings.append(
-        f"parts 1..{number - 1} were removed (retention): the run is read from part "
-        f"{number}; {first['request_ids_start']} request(s) named only in them are "
-        "'(removed N)', their arrivals unknown"
-    )
+    warnings.append(retention_warning(number, first["request_ids_start"]))
     return Retained(number, first["request_ids_start"], first["first_step"],
                     before[0] if before else None)  # fmt: skip
+
+
+def retention_warning(first_part: int, num_removed_requests: int) -> str:
+    """The warning of a run read from part `first_part`, the parts before it removed."""
+    return (
+        f"parts 1..{first_part - 1} were removed (retention): the run is read from part "
+        f"{first_part}; {num_removed_requests} request(s) named only in them are "
+        "'(removed N)', their arrivals unknown"
+    )
 
 
 def index_warnings(parts_dir: str, paths: list[str], warned: list[str]) -> list[str]:

@@ -30,17 +30,22 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.errors import LogError
 from tracekit.log.flush import TABLES
 from tracekit.log.parts import (
+    DamagedPart,
     Retained,
+    index_warnings,
     merge_flushed,
+    missing_part_warning,
     parse_flushed,
     part_number,
     part_paths,
     read_final,
+    read_flushed_part,
     read_meta,
     read_part,
+    retention_warning,
+    unreadable_part_warning,
 )
 from tracekit.log.rawlog import RawLog
 
@@ -210,50 +215,70 @@ class SlicedRun:
         if hit is None:
             hit = parse_flushed(read_part(self.paths[i], max_inflate_mb=self.max_inflate_mb),
                                 self.paths[i])  # fmt: skip
-            if len(self._cache) >= 4:
-                self._cache.pop(min(self._cache))
-            self._cache[i] = hit
+            self._keep(i, hit)
         return hit
+
+    def _keep(self, i: int, part: dict[str, Any]) -> None:
+        """Keep part `i` as read (the last few read)."""
+        if len(self._cache) >= 4:
+            self._cache.pop(min(self._cache))
+        self._cache[i] = part
 
     def index(self, visit: Callable[[int, dict[str, Any]], None] | None = None) -> None:
         """The index pass: every part once, in order (`visit(i, part)` for each). Raises
-        `NotSliceable` for a folder whose parts do not say where they begin or whose part
-        numbers skip (a damaged folder is read whole, where its warnings are said)."""
+        `NotSliceable` for a folder whose parts do not say where they begin. A part missing
+        or damaged ends the run before it, as the whole-run reader ends it (`merge_parts`),
+        with its warnings (`warnings`, said with the run's); so does what the index says
+        and a folder whose first parts were removed."""
         if not self.paths:
             raise NotSliceable("no parts")
         book = IndexBook()
         for i, path in enumerate(self.paths):
-            self.check_follows(i)
-            part = self.read_indexed(i)
+            if not self.follows(i):
+                self.end_before(i, missing_part_warning(self.paths, i))
+                break
+            try:
+                part = self.read_indexed(i)
+            except DamagedPart as e:
+                self.end_before(i, unreadable_part_warning(self.paths, i, e.cause))
+                break
             book.add(i, order_of(path, part))
             if visit is not None:
                 visit(i, part)
         self.indexed(book)
 
-    def read_indexed(self, i: int) -> dict[str, Any]:
-        """`read` as the index pass reads: a part it cannot parse makes the run
-        `NotSliceable` (the whole-run reader ends the run there and says so)."""
-        try:
-            return self.read(i)
-        except LogError:
-            raise
-        except Exception as e:  # damaged: the whole-run reader ends the run there
-            name = os.path.basename(self.paths[i])
-            raise NotSliceable(f"{name} is unreadable ({e})") from None
+    def end_before(self, i: int, warning: str) -> None:
+        """The run ends before part `i` (missing or damaged; `NotSliceable` for the first:
+        the whole-run reader says why)."""
+        if i == 0:
+            raise NotSliceable(warning)
+        self.paths = self.paths[:i]
+        self.warnings.append(warning)
 
-    def check_follows(self, i: int) -> None:
-        """Part `i`'s number follows the part before it's (else `NotSliceable`)."""
-        path = self.paths[i]
-        if i and part_number(path) != part_number(self.paths[i - 1]) + 1:
-            raise NotSliceable(f"{os.path.basename(path)}: a part before it is missing")
+    def read_indexed(self, i: int) -> dict[str, Any]:
+        """`read` as the index pass reads: `DamagedPart` for a part damaged on disk
+        (`tracekit.log.parts.read_flushed_part`'s rule)."""
+        hit = self._cache.get(i)
+        if hit is None:
+            hit = read_flushed_part(self.paths[i], self.max_inflate_mb)
+            self._keep(i, hit)
+        return hit
+
+    def follows(self, i: int) -> bool:
+        """Part `i`'s number follows the part before it's."""
+        return not i or part_number(self.paths[i]) == part_number(self.paths[i - 1]) + 1
 
     def indexed(self, book: IndexBook) -> None:
-        """The index pass's result (`book`, every part added in order): `parts` and
-        `arrival_part`."""
+        """The index pass's result (`book`, every part added in order): `parts`,
+        `arrival_part`, and the warnings the whole-run reader says of the folder."""
         cut: list[int | None] = [None] * (len(book.entries) + 1)
         for i in range(len(book.entries) - 1, -1, -1):
             m, later = book.min_tick[i], cut[i + 1]
             cut[i] = m if later is None else (later if m is None else min(m, later))
+        self.warnings += index_warnings(self.parts_dir, self.paths, self.warnings)
+        if part_number(self.paths[0]) != 1:  # the folder's first parts were removed
+            self.warnings.append(retention_warning(part_number(self.paths[0]),
+                                                   book.entries[0][4]))  # fmt: skip
         self.arrival_part = book.arrival_part
         self.parts = [PartEntry(*e, reaches_back_to=book.reach[i], cut_tick=cut[i])  # type: ignore[misc]
                       for i, e in enumerate(book.entries)]  # fmt: skip
@@ -286,7 +311,8 @@ class SlicedRun:
         parts = [_only(self.read(i), tables) for i in range(c, b)]
         start = self.retained(c) if retained is True else retained or None
         return merge_flushed(self.meta, parts, path=self.parts_dir, retained=start,
-                             final=self.final if final else None)  # fmt: skip
+                             final=self.final if final else None,
+                             warnings=list(self.warnings) if final else None)  # fmt: skip
 
     def cut_s(self, i: int) -> float:
         """Where the gaps of parts `i`.. begin: their earliest emission (inf: none)."""
