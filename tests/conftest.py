@@ -21,7 +21,7 @@ for _stage in sorted(os.listdir(_HERE)):
         sys.path.insert(0, os.path.join(_HERE, _stage))
 from promserver import prometheus  # noqa: F401  (the real Prometheus fixture, for every module)
 
-from tracekit.capture import recorder as hooks
+from tracekit.capture import signals
 from tracekit.capture.recorder import active_recorders
 
 # Property tests (hypothesis) are derandomised by default: each test's examples are fixed by
@@ -86,9 +86,9 @@ def no_hooks_left_behind(request):
     if signal.getsignal(signal.SIGINT) != sigint:
         leaked.append("SIGINT handler not restored")
         signal.signal(signal.SIGINT, sigint)
-    if hooks._IN_GC[0]:  # would defer every SIGTERM to a collection that never ends
+    if signals.IN_GC[0]:  # would defer every SIGTERM to a collection that never ends
         leaked.append("the in-collection flag was left set")
-        hooks._IN_GC[0] = False
+        signals.IN_GC[0] = False
     if _writer_threads() - writers:
         leaked.append(f"part-writer threads still running: {_writer_threads() - writers}")
     if _installed_patches() != patches:

@@ -195,7 +195,9 @@ def test_an_idle_engine_still_flushes_its_arrivals(tmp_path):
             for i in range(10, 15):
                 rec.request(f"q{i}")
             assert rec._rows.num_flushes == before
-    assert flushed >= 3
+    # the first at 1.2 s; while it waits for the writer, arrivals are kept up to two
+    # intervals, then handed over once it is taken (the backlog's rule, as at a step's end)
+    assert flushed >= 2
     assert len(tracekit.load(tmp_path / "r.npz").requests) == 15
 
 

@@ -630,6 +630,46 @@ def test_kill_9_under_millions_of_emissions_a_second_loses_at_most_six_intervals
     )
 
 
+def test_arrivals_between_busy_steps_never_queue_a_second_flush_for_a_slow_writer(tmp_path):
+    """A writer slower than the engine (a sink taking 20 ms a part) and a request arriving
+    between every two steps. The bound of `tracekit.capture.sinks.Dispatcher`: at most one
+    flush waits for the writer, each at most two intervals and a step of the engine's
+    clock, so a kill loses at most six intervals. Arrivals used to hand a flush of their
+    own each interval whatever the writer's lag, and the writer merged the flushes waiting
+    into one part: parts of tens of intervals (a simulated busy hour: one of 67 s at a 1 s
+    interval). Every part but the stop's (which takes what waits) spans at most two
+    intervals and a step; the log holds every step."""
+    from tracekit.log.parts import read_index
+
+    class SlowSink:
+        def open(self, meta):
+            pass
+
+        def write(self, chunk):
+            time.sleep(0.02)
+
+        def close(self, final):
+            pass
+
+    clk = ManualClock()
+    step_ns, interval_ns, n = 10_000_000, 100_000_000, 300
+    rec = tracekit.Recorder(tmp_path / "run.npz", clock=clk, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=interval_ns * 1e-9,
+                            sinks=[SlowSink()])  # fmt: skip
+    with rec:
+        running = [rec.request(f"r{i}") for i in range(8)]
+        for k in range(n):
+            rec.request(f"new{k}")  # between two steps: the arrival path
+            with rec.step():
+                clk.tick(step_ns)
+                rec.emit_handles(running)
+    entries, _ = read_index(str(tmp_path / "run.npz.parts"))
+    spans = np.diff([e.flush_tick for e in entries])[:-1]
+    assert len(entries) >= n * step_ns // (2 * interval_ns + step_ns)
+    assert spans.max() <= 2 * interval_ns + step_ns, spans.tolist()
+    assert len(tracekit.load(tmp_path / "run.npz").steps) == n
+
+
 @pytest.mark.parametrize("how", ["ids", "few", "many"])
 def test_an_emission_stamped_before_its_admission_is_taken_at_the_admission(how):
     """A first token before its request's admission would make a log `load` refuses

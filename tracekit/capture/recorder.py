@@ -16,13 +16,12 @@
             rec.step_info(num_decode=8, graph_size=8, num_prefill_tokens=256)
 
 Hot path: each event is one row of integer clock ticks and interned ids appended to a flat
-`array.array` (no Python object kept per event or per token). Label and request names are
-interned once and resolved when the run is saved. The recorder is the producer only: at a
-bounded interval it swaps its buffers and hands the completed rows to its sinks
-(`tracekit.capture.sinks`) on a dispatcher thread: numbered parts on disk for `out=PATH` (so a
-killed run keeps what was flushed), memory for `out=None`, and any `sinks=[...]` given (a
-live Chrome trace, live metrics). `stop()` (also on exceptions, SIGTERM and interpreter
-exit, see `tracekit.capture.signals`) closes them: the parts become one `.npz`.
+`array.array` (no Python object per event or token); names are interned once. At a bounded
+interval the recorder swaps its buffers and hands the rows to its sinks on a writer thread
+(`tracekit.capture.sinks`): numbered parts on disk for `out=PATH` (a killed run keeps what
+was flushed), memory for `out=None`, any `sinks=[...]` (live trace, metrics). `stop()` (also
+on exceptions, SIGTERM and exit, `tracekit.capture.signals`) closes them: the parts stay
+the log and `PATH` points to them (docs/design.md).
 
 A disabled recorder (`enabled=False`) costs next to nothing: `step`/`segment` decorators
 hand back the original function, context managers are a shared no-op, and `emit`,
@@ -621,9 +620,12 @@ class Recorder:
 
     def _flush_if_idle(self, now: int) -> None:
         """Keep the flush interval while no step runs (an idle engine still takes
-        arrivals): flush only between steps, so a part never splits an open step."""
+        arrivals): only between steps (a part never splits one), and by the step's rule
+        for a writer behind (`RowBuffers.backlogged`: at most one flush waits for it)."""
         rows = self._rows
         if self._step.is_open or now - rows.last_flush_tick < rows.interval_ticks:
+            return
+        if rows.backlogged(now):
             return
         with self._lock:
             if not self._step.is_open and self._running:
@@ -971,11 +973,6 @@ class Recorder:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         signals.cancel_at_exit(self.stop)
-
-
-#: The collection and flush flags (`tracekit.capture.signals`), under their old names.
-_IN_GC = signals.IN_GC
-_IN_FLUSH = signals.IN_FLUSH
 
 
 def _before_fork() -> None:
