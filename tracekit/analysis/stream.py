@@ -18,9 +18,10 @@ in the one slice its later emission lies in. Two passes over the parts:
 
 Equal to the whole-run analysis: every count, percentile, maximum and histogram bin
 exactly; sums and shares to float rounding (the sums add in another order); the TTFT
-figures are computed on the TTFT partition's rows gathered from the slices (one row per
-request: memory by requests, not tokens); the eviction summary, the recompute tax and
-speculative decoding from the few rows the index pass keeps of each part (`sparse_part`).
+figures folded from the slices' own TTFT rows as they come (`stream_ttft.TtftFold`: 9
+bytes a request in memory, the rest in a temporary file); the eviction summary, the
+recompute tax and speculative decoding from the few rows the index pass keeps of each
+part (`sparse_part`).
 Not computed in slices: the client boundary and tensor-parallel ranks (a merged server
 run's, `tracekit.analysis.stream_server`).
 """
@@ -44,6 +45,7 @@ from tracekit.analysis.figures import (
 )
 from tracekit.analysis.quantiles import ExactQuantiles
 from tracekit.analysis.results import spec_result
+from tracekit.analysis.stream_ttft import TTFT_LABEL_GROUPS, TtftFold, ordered
 from tracekit.analysis.unrecorded import unrecorded_report
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.reprefill import stating_next_emissions
@@ -58,16 +60,13 @@ from tracekit.attribution.timeline import (
     segment_causes,
 )
 from tracekit.attribution.ttft import (
-    PRE_ENGINE_LABELS,
-    TTFT_STANDARD_LABELS,
     UNSPLIT_WORDS,
     TtftPartition,
-    ttft_figures,
     ttft_labels,
     ttft_partition,
     unsplit_note,
 )
-from tracekit.labels import FRONTEND_OS_LABELS, OS_LABELS, RECOMPUTE_CLASS, partition_labels
+from tracekit.labels import OS_LABELS, RECOMPUTE_CLASS, partition_labels
 from tracekit.log.flush import READMIT, TABLES
 from tracekit.log.parts import Retained, merge_flushed
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
@@ -82,8 +81,6 @@ _RQ = {c: TABLES["requests"].index(c) for c in TABLES["requests"]}
 NEVER = np.iinfo(np.int64).max  # a request's first emission, before it has one
 STEP_TABLES = frozenset({"steps", "segments", "gc_pauses", "os_samples"})
 _QS = tuple(q for _, q in PERCENTILES)
-#: the TTFT partition's label order (`tracekit.attribution.ttft.ttft_labels`)
-TTFT_LABEL_GROUPS = (PRE_ENGINE_LABELS, FRONTEND_OS_LABELS, TTFT_STANDARD_LABELS, OS_LABELS)
 #: emissions a slice reads by default: the whole-run partition holds ~340 bytes a gap, so
 #: a slice ~150 MB (a busy server's ~10 s)
 DEFAULT_SLICE_EMISSIONS = 400_000
@@ -555,9 +552,12 @@ def analyze_sliced(
     each = mapper or _in_process
     s = _Sums()
     fwd_clean, fwd_tail = ExactQuantiles(), ExactQuantiles()
+    ttft = TtftFold()  # the TTFT rows: folded as they come, not gathered
     with tempfile.TemporaryFile() as clean, tempfile.TemporaryFile() as tail:
         for j, part in enumerate(each(run_slice, tasks)):  # in slice order: the sums' order
             _fold(s, part.sums)
+            for piece in part.sums.ttft:
+                ttft.add(piece)
             for q, values, spill in ((fwd_clean, part.clean, clean), (fwd_tail, part.tail, tail)):
                 q.count(values)
                 np.asarray(values, dtype=np.float64).tofile(spill)
@@ -569,7 +569,10 @@ def analyze_sliced(
             spill.seek(0)
             while len(chunk := np.fromfile(spill, dtype=np.float64, count=_SPILL_CHUNK)):
                 q.keep(chunk)
-    return _result(run, ix, s, pct, path or parts_dir, fwd_clean, fwd_tail)
+    try:
+        return _result(run, ix, s, pct, path or parts_dir, fwd_clean, fwd_tail, ttft)
+    finally:
+        ttft.close()
 
 
 def _in_process(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
@@ -591,14 +594,6 @@ def _fold(s: _Sums, part: _Sums) -> None:
     s.max_gap = max(s.max_gap, part.max_gap)
     s.max_err = max(s.max_err, part.max_err)
     s.skipped += part.skipped
-    s.ttft += part.ttft
-
-
-def ordered(union: set[str], groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
-    """`union` in the order of `groups`, then the rest sorted (how both partitions order
-    their labels)."""
-    known = [lb for g in groups for lb in g if lb in union]
-    return tuple(dict.fromkeys(known)) + tuple(sorted(union - set(known)))
 
 
 def _ttft_rows(pieces: list[TtftPartition], has_admissions: bool | None) -> TtftPartition | None:
@@ -730,12 +725,12 @@ def with_run_coverage(run: SlicedRun, tail_log: RawLog) -> RawLog:
 
 
 def _result(run: SlicedRun, ix: Index, s: _Sums, pct: list[float], path: str,
-            fwd_clean: ExactQuantiles, fwd_tail: ExactQuantiles) -> RunAnalysis:  # fmt: skip
+            fwd_clean: ExactQuantiles, fwd_tail: ExactQuantiles,
+            tp: TtftFold) -> RunAnalysis:  # fmt: skip
     labels = tuple(partition_labels(s.labels)) if s.labels else ()
     causes = tuple(lb for lb in labels if lb in s.causes)
     names = (*causes, "clean")
-    tp = _ttft_rows(s.ttft, ix.num_admissions > 0)
-    ttft = tp.ttft_ms if tp is not None else np.zeros(0)
+    ttft = tp.values()
     edges = HIST_EDGES_MS
     return RunAnalysis(
         labels=labels,
@@ -765,6 +760,6 @@ def _result(run: SlicedRun, ix: Index, s: _Sums, pct: list[float], path: str,
             )  # fmt: skip
             for b in range(len(edges) - 1)
         ],
-        ttft=ttft_figures(tp) if tp is not None else None,
+        ttft=tp.figures(ix.num_admissions > 0),
         **run_fields(run, ix, path),
     )
