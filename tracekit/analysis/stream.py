@@ -84,8 +84,9 @@ _QS = tuple(q for _, q in PERCENTILES)
 #: emissions a slice reads by default: the whole-run partition holds ~340 bytes a gap, so
 #: a slice ~150 MB (a busy server's ~10 s)
 DEFAULT_SLICE_EMISSIONS = 400_000
-#: values read back from a temporary file at once (32 MiB)
-_SPILL_CHUNK = 4 << 20
+#: values read back from a temporary file at once (8 MiB: a chunk and its temporaries were
+#: ~100 MB of a long run's peak)
+_SPILL_CHUNK = 1 << 20
 
 
 @dataclass
