@@ -349,8 +349,16 @@ def client_partition(
 
     `run`: the log's `PreparedRun`, if the caller partitions it more than once (one prepared
     from other tables is not used); the engine part's partition uses it too."""
+    return client_partition_of(log, client_gaps(log), check=check, run=run)
+
+
+def client_partition_of(
+    log: RawLog, g: ClientGaps, *, check: bool = True, run: PreparedRun | None = None
+) -> ClientPartition:
+    """`client_partition` of the client gaps `g` (`client_gaps` of the run, or some of them
+    with what the run says of each: a slice of a long run, `tracekit.analysis.stream_client`),
+    each partitioned over `log`'s engine and API server rows."""
     run = prepared(log, run)
-    g = client_gaps(log)
     # the engine core's span ends inside the gap before the token was recorded: from x on,
     # whether the token existed is unrecorded (module docstring, "Unrecorded windows")
     cut = np.isnan(g.e) & (g.b > g.core_hi)
@@ -636,9 +644,11 @@ __all__ = [
     "FRONTEND_OS_LABELS",
     "SPEC_POS_PREFIX",
     "UNRECORDED_LABELS",
+    "ClientGaps",
     "ClientPartition",
     "client_gaps",
     "client_partition",
+    "client_partition_of",
     "client_summary",
     "itl_conventions",
     "spec_acceptance",
