@@ -59,13 +59,15 @@ def _cut(rec, path) -> None:
 
 
 def record_server(d, *, n=40, core_every=6, fe_every=4, kill_core_at=None, dp_rank=None,
-                  fe_only=(), seed=1):  # fmt: skip
+                  fe_only=(), seed=1, core_cut_mid=()):  # fmt: skip
     """An engine core and an API server on one clock: request i is sent, added 0.2 ms
     later, emits two tokens (a step each, 3 ms apart); each step's outputs reach the API
     server 0.3 ms after they are built and are written as a chunk inside an ``sse_write``
     window of 0.1 ms. The core flushes a part every `core_every` requests, the API server
     every `fe_every` (at other times). `kill_core_at=i`: the core's last flush is at
-    request i, then it is killed. `fe_only`: requests the core never sees."""
+    request i, then it is killed. `fe_only`: requests the core never sees. `core_cut_mid`:
+    requests whose second step the core begins with a new part (the request's two chunks
+    then lie in two parts)."""
     rng = np.random.default_rng(seed)
     clk = Clock()
     ident = {} if dp_rank is None else {"dp_rank": dp_rank}
@@ -91,8 +93,10 @@ def record_server(d, *, n=40, core_every=6, fe_every=4, kill_core_at=None, dp_ra
         t_step = t + 1e-3
         clk.true_s = t_step
         core.admit(eid)
-        for _ in range(2):
+        for k in range(2):
             clk.true_s = t_step
+            if k and i in core_cut_mid:
+                _cut(core, d / "engine_core-1.npz")
             with core.step():
                 core.add_segment("decode", clk(), clk() + 1_500_000)
                 clk.true_s = t_step + 2e-3
