@@ -275,9 +275,14 @@ def engine_part_log(
                    device_step=dstep)  # fmt: skip
     # each pseudo-request inherits its request's evictions
     ev = log.evictions
-    rows = [np.flatnonzero(ev.request == r) for r in g.request[live]]
-    src = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-    owner = np.repeat(np.arange(n), [len(x) for x in rows]) if rows else src
+    # each pseudo-request's rows: its request's, in their order (a gap's range of them in
+    # the rows sorted by request, stably)
+    by_req = np.argsort(ev.request, kind="stable")
+    lo = np.searchsorted(ev.request[by_req], g.request[live], side="left")
+    count = np.searchsorted(ev.request[by_req], g.request[live], side="right") - lo
+    owner = np.repeat(np.arange(n, dtype=np.int64), count)
+    first = np.cumsum(count) - count
+    src = by_req[np.arange(int(count.sum()), dtype=np.int64) + np.repeat(lo - first, count)]
     evictions = Evictions(
         request=owner.astype(np.int64),
         t_evict_s=ev.t_evict_s[src],
