@@ -19,9 +19,9 @@ in the one slice its later emission lies in. Two passes over the parts:
 Equal to the whole-run analysis: every count, percentile, maximum and histogram bin
 exactly; sums and shares to float rounding (the sums add in another order); the TTFT
 figures are computed on the TTFT partition's rows gathered from the slices (one row per
-request: memory by requests, not tokens). Not computed in slices (None, said in the
-run's warnings): the eviction summary and recompute tax, speculative decoding, the client
-boundary and tensor-parallel ranks, which belong to runs the whole-run reader reads.
+request: memory by requests, not tokens). Not computed here: the client boundary of a
+merged server run (`tracekit.analysis.stream_client` reads it in slices after this) and
+tensor-parallel ranks.
 """
 
 from __future__ import annotations
