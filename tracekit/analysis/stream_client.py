@@ -12,9 +12,11 @@ with the figures of the whole merged run:
    whole run's graph baselines): every part once, in order. Each chunk is matched to the
    engine emission its last token came from as `client_gaps` matches them, by the running
    token counts of its request (kept per request; the emissions not yet streamed wait in
-   a small table), so each client gap is known with its engine emission and steps: its
+   a small table; a chunk recorded before its emission, the processes' clocks disagreeing,
+   waits for it), so each client gap is known with its engine emission and steps: its
    length is counted for the exact percentiles (`ExactQuantiles`, per chunk and per token)
-   and its row waits in a temporary file (72 bytes a gap). Per part it notes how far back
+   and its row waits in a temporary file (72 bytes a gap; a late match is written into
+   its row). Per part it notes how far back
    the gaps and first chunks written in it reach (the part of the earlier chunk, of the
    emissions both chunks waited for, of the request's arrival and first token) and how far
    forward (an emission recorded in a later part, the deliveries of its steps).
@@ -26,9 +28,7 @@ with the figures of the whole merged run:
    engine boundary's TTFT figures in slices).
 
 Equal to the whole merged run's `client` figures: counts and percentiles exactly, sums and
-shares to float rounding. A run whose API server wrote a chunk in a part before the one
-holding the engine emission it waited for (the processes' clocks disagree by more than a
-part) is not read in slices: its client figures are left out, said in a warning.
+shares to float rounding.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ from tracekit.log.rawlog import Coverage, RawLog
 from tracekit.log.serve_contract import ADDED, FRONTEND
 from tracekit.log.slices import SlicedRun, grown
 
-__all__ = ["CLIENT_NOT_SLICED", "analyze_sliced_client"]
+__all__ = ["analyze_sliced_client"]
 
 _EM = {c: TABLES["emissions"].index(c) for c in TABLES["emissions"]}
 _RQ = TABLES["requests"].index("request")
@@ -91,14 +91,6 @@ GAP_COLUMNS = ("request", "a", "b", "e", "step0", "step1", "dstep1", "num_tokens
 _G = {c: j for j, c in enumerate(GAP_COLUMNS)}
 PCTS = (50, 90, 99)
 NEVER = np.iinfo(np.int64).min
-
-#: What `analyze` of a long server run says where its client boundary cannot be read in slices
-CLIENT_NOT_SLICED = (
-    "client-boundary figures ('client') left out: an API server wrote a chunk in a part "
-    "before the one holding the engine emission it waited for (the processes' clocks "
-    "disagree), which this run's slices cannot read; for them, read the server run whole "
-    "(tracekit merge DIR -o RUN.npz; tracekit analyze RUN.npz: its memory grows with the run)"
-)
 
 
 def _within(r: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -141,14 +133,19 @@ class ClientIndex:
     per_token_sum: float = 0.0
     engine_sum: float = 0.0
     engine_last: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    unmatched: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    #: chunks whose emission is not recorded yet (if ever), by an id: [request, running
+    #: count, the gap it ends (its slot in the file, its part; -1: none), the gap it begins
+    #: (the same)]
+    late: dict[int, list[int]] = field(default_factory=dict)
+    num_late: int = 0
+    gaps_total: int = 0
     added_s: list[np.ndarray] = field(default_factory=list)
     coverage: np.ndarray | None = None
     has_proc_os: bool = False
     spill: Any = None
 
-    _INT = ("emitted", "streamed", "last_part", "last_mstep", "last_mpart", "first_proc",
-            "first_part", "fe_step", "fe_part", "arr_part")  # fmt: skip
+    _INT = ("emitted", "streamed", "last_part", "last_mstep", "last_mpart", "last_late",
+            "first_proc", "first_part", "fe_step", "fe_part", "arr_part")  # fmt: skip
     _FLOAT = ("last_w", "first_w", "fe_t")
 
     def grow(self, n: int) -> None:
@@ -210,6 +207,37 @@ def _add_emissions(run: SlicedRun, cx: ClientIndex, i: int, em: np.ndarray | Non
     both = tuple(np.concatenate([a, b]) for a, b in zip(old, cols, strict=True))
     s = np.lexsort((both[1], both[0]))
     cx.pending = tuple(a[s] for a in both)
+    if cx.late:
+        _resolve_late(cx)
+
+
+def _resolve_late(cx: ClientIndex) -> None:
+    """The chunks written before the emission they waited for was recorded, matched now
+    that more emissions are: their gaps' rows in the file get the emission (the later
+    chunk's) and the step (the earlier chunk's), and their parts read forward to it."""
+    ids = list(cx.late)
+    r = np.array([cx.late[j][0] for j in ids], dtype=np.int64)
+    c = np.array([cx.late[j][1] for j in ids], dtype=np.int64)
+    t, step, dstep, part = _matched(cx, r, c)
+    for n in np.flatnonzero(part >= 0).tolist():
+        req, _, slot, own, next_slot, next_own = cx.late.pop(ids[n])
+        if slot >= 0:  # the gap it ends: its emission
+            _patch(cx, slot, "e", float(t[n]))
+            _patch(cx, slot, "step1", float(step[n]))
+            _patch(cx, slot, "dstep1", float(dstep[n]))
+            cx.fwd[own] = max(cx.fwd[own], int(part[n]))
+        if next_slot >= 0:  # the gap it begins: its step
+            _patch(cx, next_slot, "step0", float(step[n]))
+            cx.fwd[next_own] = max(cx.fwd[next_own], int(part[n]))
+        if cx.req["last_late"][req] == ids[n]:  # still its request's last chunk
+            cx.req["last_mstep"][req], cx.req["last_mpart"][req] = step[n], part[n]
+            cx.req["last_late"][req] = -1
+
+
+def _patch(cx: ClientIndex, slot: int, column: str, value: float) -> None:
+    """One value of gap row `slot` in the temporary file."""
+    cx.spill.seek((slot * len(GAP_COLUMNS) + _G[column]) * 8)
+    np.array([value], dtype=np.float64).tofile(cx.spill)
 
 
 def _add_chunks(cx: ClientIndex, i: int, ce: np.ndarray | None) -> None:
@@ -236,8 +264,13 @@ def _add_chunks(cx: ClientIndex, i: int, ce: np.ndarray | None) -> None:
         rows = np.column_stack([
             r, prev_w, w, m_t, prev_mstep, m_step, m_dstep, k, proc,
         ])[has].astype(np.float64)  # fmt: skip
+        cx.spill.seek(0, 2)
         rows.tofile(cx.spill)
         n_gaps = int(has.sum())
+        slot = np.full(len(r), -1, dtype=np.int64)
+        slot[has] = cx.gaps_total + np.arange(n_gaps)
+        cx.gaps_total += n_gaps
+        _note_late(cx, i, r, ccum, head, slot, m_part < 0)
         if n_gaps:
             gap_ms = (w[has] - prev_w[has]) * 1e3
             cx.per_chunk.count(gap_ms)
@@ -252,9 +285,6 @@ def _add_chunks(cx: ClientIndex, i: int, ce: np.ndarray | None) -> None:
         first = ~has & (rq["first_part"][r] < 0)
         fr = r[first]
         rq["first_w"][fr], rq["first_proc"][fr], rq["first_part"][fr] = w[first], proc[first], i
-        late = ~np.isfinite(m_t)  # waits for an emission not recorded yet (if ever)
-        if late.any():
-            cx.unmatched.append((r[late], ccum[late]))
         tail = np.ones(len(r), dtype=bool)
         tail[:-1] = head[1:]
         rt = r[tail]
@@ -268,6 +298,27 @@ def _add_chunks(cx: ClientIndex, i: int, ce: np.ndarray | None) -> None:
     cx.fwd.append(fwd)
     cx.t_lo.append(t_lo)
     cx.num_gaps.append(n_gaps)
+
+
+def _note_late(
+    cx: ClientIndex, i: int, r: np.ndarray, ccum: np.ndarray, head: np.ndarray,
+    slot: np.ndarray, late: np.ndarray,
+) -> None:  # fmt: skip
+    """Part `i`'s chunks (sorted by request; `slot`: the row of the gap each ends, -1:
+    none) noted where they or the chunk before them wait for an emission (`late`)."""
+    rq = cx.req
+    ids = np.full(len(r), -1, dtype=np.int64)
+    for j in np.flatnonzero(late).tolist():
+        ids[j] = cx.num_late
+        cx.late[cx.num_late] = [int(r[j]), int(ccum[j]), int(slot[j]), i, -1, -1]
+        cx.num_late += 1
+    prev = np.where(head, rq["last_late"][r], np.roll(ids, 1))
+    for j in np.flatnonzero((prev >= 0) & (slot >= 0)).tolist():
+        if int(prev[j]) in cx.late:
+            cx.late[int(prev[j])][4:] = [int(slot[j]), i]
+    tail = np.ones(len(r), dtype=bool)
+    tail[:-1] = head[1:]
+    rq["last_late"][r[tail]] = ids[tail]
 
 
 def _matched(cx: ClientIndex, r: np.ndarray, ccum: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -306,16 +357,6 @@ def _add_other(cx: ClientIndex, part: dict[str, Any]) -> None:
     if c is not None and len(c) and ADDED in part["counter_names"]:
         m = c[:, _CT["name"]] == part["counter_names"].index(ADDED)
         cx.added_s.append(c[m, _CT["t_tick"]].copy())
-
-
-def late_chunks(cx: ClientIndex) -> bool:
-    """Whether a chunk waited for an emission recorded only in a later part (module
-    docstring): then its slice cannot know it when it is written."""
-    if not cx.unmatched:
-        return False
-    r = np.concatenate([a for a, _ in cx.unmatched])
-    c = np.concatenate([b for _, b in cx.unmatched])
-    return bool((cx.req["emitted"][r] >= c).any())
 
 
 def owned_ttfts(cx: ClientIndex, a: int, b: int) -> np.ndarray:
@@ -562,8 +603,6 @@ def client_sliced(
     say = progress or (lambda _msg: None)
     cx = client_index_pass(run)
     with cx.spill:
-        if late_chunks(cx):
-            return None, [CLIENT_NOT_SLICED]
         offsets = np.concatenate([[0], np.cumsum(cx.num_gaps)]).astype(np.int64)
         _keep_gap_values(cx, int(offsets[-1]))
         p99 = cx.per_chunk.percentiles()[2] if cx.per_chunk.n else math.inf
