@@ -38,8 +38,10 @@ def _sliced(d, tmp_path, monkeypatch, budget: int):
         {"kill_core_at": 40},
         # chunks recorded a part before the emission they carry (clocks that disagree)
         {"chunk_first": (7, 22, 23)},
+        # chunks of 1 to 3 tokens (speculative decoding): the per-token ITL weighted
+        {"multi_token": True},
     ],
-    ids=["clean", "core-killed", "chunk-first"],
+    ids=["clean", "core-killed", "chunk-first", "multi-token"],
 )
 def test_analyze_of_a_long_server_run_reads_it_in_slices_with_the_whole_runs_figures(
     tmp_path, monkeypatch, kw

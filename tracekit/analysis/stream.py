@@ -42,7 +42,7 @@ from tracekit.analysis.figures import (
     RunAnalysis,
 )
 from tracekit.analysis.quantiles import ExactQuantiles
-from tracekit.analysis.results import spec_result
+from tracekit.analysis.results import SpecAcceptance, spec_result
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.reprefill import stating_next_emissions
 from tracekit.attribution.timeline import (
@@ -707,10 +707,19 @@ def run_fields(run: SlicedRun, ix: Index, path: str) -> dict[str, Any]:
         "device_clock_drift_ppm": float(tail_log.meta.get("device_clock_drift_ppm", math.nan)),
         "device_max_placement_err_ms": float(calibration.get("max_placement_err_ms", math.nan)),
         "warnings": warnings,
-        "spec": spec_result(sparse),
+        "spec": _spec(run, ix, sparse),
         "recompute_tax": evictions.recompute_tax if evictions is not None else 0.0,
         "evictions": evictions,
     }
+
+
+def _spec(run: SlicedRun, ix: Index, sparse: RawLog) -> SpecAcceptance | None:
+    """Speculative decoding from the run's counters, its tokens per emission over every
+    emission (counted in the index pass: `sparse` keeps only the evicted requests')."""
+    spec = spec_result(sparse)
+    n = sum(e.num_emissions for e in run.parts)
+    return None if spec is None else replace(
+        spec, tokens_per_emission=ix.tokens / n if n else math.nan)  # fmt: skip
 
 
 def _result(run: SlicedRun, ix: Index, s: _Sums, pct: list[float], path: str,
