@@ -111,7 +111,7 @@ class ClientIndex:
 
     # per request: tokens emitted and streamed so far; the last chunk (time, part, the step
     # and part of the emission it waited for); the first chunk (time, API server, part);
-    # the first emission (time, step, part); the part of the arrival row
+    # the first emission (time, step, part); the part of the arrival row, the arrival
     room: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     req: dict[str, np.ndarray] = field(default_factory=dict)
     # the emissions not yet streamed whole: request, running count, time, step, device
@@ -146,7 +146,7 @@ class ClientIndex:
 
     _INT = ("emitted", "streamed", "last_part", "last_mstep", "last_mpart", "last_late",
             "first_proc", "first_part", "fe_step", "fe_part", "arr_part")  # fmt: skip
-    _FLOAT = ("last_w", "first_w", "fe_t")
+    _FLOAT = ("last_w", "first_w", "fe_t", "arr_t")
 
     def grow(self, n: int) -> None:
         """The per-request columns lengthened to `n` requests."""
@@ -176,6 +176,12 @@ def client_index_pass(run: SlicedRun) -> ClientIndex:
         rq = t.get("requests")
         if rq is not None and len(rq):
             cx.req["arr_part"][rq[:, _RQ]] = i
+            arr = run.secs(rq[:, TABLES["requests"].index("arrival_tick")])
+            cx.req["arr_t"][rq[:, _RQ]] = np.fmin(cx.req["arr_t"][rq[:, _RQ]], arr)
+        cr = t.get("client_requests")  # the arrival the join gave (the API server's receipt)
+        if cr is not None and len(cr):
+            r = cr[:, 0].astype(np.int64)
+            cx.req["arr_t"][r] = np.fmin(cx.req["arr_t"][r], cr[:, 1])
         _add_emissions(run, cx, i, t.get("emissions"))
         _add_chunks(cx, i, ce)
         _add_other(cx, part)
@@ -392,7 +398,8 @@ def client_bounds(run: SlicedRun, cx: ClientIndex, max_emissions: int) -> list[t
                 v = cx.req[col][own]
                 c = min(c, int(v[v >= 0].min(initial=c)))
             d = max(d, int(cx.req["fe_part"][own].max()) + 1)
-            t_lo = min(t_lo, float(cx.req["fe_t"][own].min()))
+            # the TTFT's own windows from its arrival (docs/ttft.md, rule 0)
+            t_lo = min(t_lo, float(np.fmin(cx.req["arr_t"][own], cx.req["fe_t"][own]).min()))
         # an API server window or OS interval begun in an earlier part reaching the gaps
         reach = np.flatnonzero(win_end[:c] > t_lo)
         c = int(reach[0]) if len(reach) else c
