@@ -16,13 +16,14 @@ with the figures of the whole merged run:
    waits for it), so each client gap is known with its engine emission and steps: its
    length is counted for the exact percentiles (`ExactQuantiles`, per chunk and per token)
    and its row waits in a temporary file (72 bytes a gap; a late match is written into
-   its row). Per part it notes how far back
-   the gaps and first chunks written in it reach (the part of the earlier chunk, of the
-   emissions both chunks waited for, of the request's arrival and first token) and how far
-   forward (an emission recorded in a later part, the deliveries of its steps).
+   its row). Per part it notes how far back the gaps written in it reach (the part of the
+   earlier chunk, of the emissions both chunks waited for) and how far forward (an
+   emission recorded in a later part); per request, its arrival, first chunk and first
+   emission (where a client TTFT reaches).
 2. **Client slices**: consecutive parts own the gaps and client TTFTs whose (later, first)
-   chunk was written in them; each slice reads the parts its own gaps and TTFTs reach, and
-   also every earlier part whose API server windows reach into them, and partitions them
+   chunk was written in them; each slice reads the parts its own gaps and TTFTs reach
+   (and the deliveries of the steps it reads), and also every earlier part whose API
+   server windows or OS intervals reach into them (from a TTFT's arrival), and partitions them
    with `client_partition_of` and the client TTFT rule over that log, with the whole run's
    baselines. Sums by label are added up; the TTFT rows are kept (one row a request, as the
    engine boundary's TTFT figures in slices).
