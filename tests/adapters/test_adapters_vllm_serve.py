@@ -631,3 +631,25 @@ def test_the_api_servers_os_intervals_follow_its_segments_and_the_client_gaps_ta
         f"frontend_os_runqueue {rq.sum():.3f} ms, frontend_os_blocked {bl.sum():.3f} ms over "
         f"{len(cp)} gaps"
     )
+
+
+def test_analyze_of_the_directory_in_slices_has_the_whole_runs_client_figures(
+    served, merged, monkeypatch
+):
+    """`analyze DIR` read in slices (a slice budget of 20 emissions: the run is "long"),
+    the client boundary included (its API server's OS intervals, the killed engine core's
+    unrecorded time): the whole merged run's client figures, figure for figure
+    (docs/reports.md, "The client boundary in slices")."""
+    from test_sliced_server import assert_same
+
+    from tracekit.analysis.figures import analyze
+    from tracekit.analysis.stream_server import analyze_server_path, is_long_server_run
+
+    whole = analyze(merged).to_dict()
+    monkeypatch.setenv("TRACEKIT_SLICE_EMISSIONS", "20")
+    assert is_long_server_run(served["dir"])
+    got = analyze_server_path(served["dir"]).to_dict()
+    assert whole["client"]["chunks"] and got["client"] is not None
+    assert_same(whole["client"], got["client"], "client")
+    for k in ("gaps", "chunks", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+        assert whole["client"][k] == got["client"][k], k

@@ -59,13 +59,20 @@ def _cut(rec, path) -> None:
 
 
 def record_server(d, *, n=40, core_every=6, fe_every=4, kill_core_at=None, dp_rank=None,
-                  fe_only=(), seed=1):  # fmt: skip
+                  fe_only=(), seed=1, core_cut_mid=(), chunk_first=(),
+                  multi_token=False):  # fmt: skip
     """An engine core and an API server on one clock: request i is sent, added 0.2 ms
     later, emits two tokens (a step each, 3 ms apart); each step's outputs reach the API
     server 0.3 ms after they are built and are written as a chunk inside an ``sse_write``
     window of 0.1 ms. The core flushes a part every `core_every` requests, the API server
     every `fe_every` (at other times). `kill_core_at=i`: the core's last flush is at
-    request i, then it is killed. `fe_only`: requests the core never sees."""
+    request i, then it is killed. `fe_only`: requests the core never sees. `core_cut_mid`:
+    requests whose second step the core begins with a new part (the request's two chunks
+    then lie in two parts). `chunk_first`: requests whose second chunk the API server
+    writes 0.5 ms before the core's second step begins, which begins a new part (the chunk
+    recorded a part before the emission it carries: clocks that disagree). `multi_token`:
+    step k of request i emits 1 + (i + k) % 3 tokens (speculative decoding: 2 drafted,
+    all but one accepted), its chunk carries them all."""
     rng = np.random.default_rng(seed)
     clk = Clock()
     ident = {} if dp_rank is None else {"dp_rank": dp_rank}
@@ -91,18 +98,31 @@ def record_server(d, *, n=40, core_every=6, fe_every=4, kill_core_at=None, dp_ra
         t_step = t + 1e-3
         clk.true_s = t_step
         core.admit(eid)
-        for _ in range(2):
+        for k in range(2):
             clk.true_s = t_step
+            if k and i in chunk_first:
+                clk.true_s = t_step - 5e-4
+                fe.emit([f"cmpl-{i}-0{SEP}{eid}"])
+                clk.true_s = t_step - 2e-4
+                _cut(core, d / "engine_core-1.npz")
+                clk.true_s = t_step
+            if k and i in core_cut_mid:
+                _cut(core, d / "engine_core-1.npz")
             with core.step():
                 core.add_segment("decode", clk(), clk() + 1_500_000)
                 clk.true_s = t_step + 2e-3
-                core.emit([eid])
+                n_tok = 1 + (i + k) % 3 if multi_token else 1
+                core.emit([eid], [n_tok])
+                if multi_token:
+                    core.counter("spec.drafted", 2.0)
+                    core.counter("spec.accepted", float(n_tok - 1))
                 core.counter("serve.out", 1000.0 + t_step)
             clk.true_s = t_step + 2.3e-3
             fe.counter("serve.recv", 1000.0 + t_step)
             with fe.segment("sse_write"):
                 clk.true_s = t_step + 2.4e-3
-            fe.emit([f"cmpl-{i}-0{SEP}{eid}"])
+            if not (k and i in chunk_first):
+                fe.emit([f"cmpl-{i}-0{SEP}{eid}"], [1 + (i + k) % 3 if multi_token else 1])
             t_step += 3e-3
         t = t_step + rng.uniform(0, 2e-3)
     clk.true_s = t + 0.01

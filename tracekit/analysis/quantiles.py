@@ -112,6 +112,35 @@ class ExactQuantiles:
         self.n += len(values)
         self.max = max(self.max, float(np.max(values)))
 
+    def count_weighted(self, values: np.ndarray, weights: np.ndarray) -> None:
+        """Pass 1 for values each repeated `weights` times (whole numbers >= 1), without
+        the repeated array: a client gap per token of its chunk."""
+        if not len(values):
+            return
+        b = _buckets(values)
+        lo = int(b.min())
+        span = np.bincount(b - lo, weights=np.asarray(weights, dtype=np.float64))
+        self.counts[lo : lo + len(span)] += span.astype(np.int64)
+        self.n += int(np.sum(weights))
+        self.max = max(self.max, float(np.max(values)))
+
+    def keep_weighted(self, values: np.ndarray, weights: np.ndarray) -> None:
+        """Pass 2 of `count_weighted`'s values, with the same weights."""
+        if self._keep_buckets is None:
+            self.wanted()
+        assert self._keep_buckets is not None
+        if len(values) and len(self._keep_buckets):
+            v = np.asarray(values, dtype=np.float64) + 0.0  # -0.0 -> 0.0
+            m = np.isin(_buckets(v), self._keep_buckets)
+            u, inv = np.unique(v[m], return_inverse=True)
+            w = np.asarray(weights, dtype=np.float64)[m]
+            self.add_kept(u, np.bincount(inv, weights=w, minlength=len(u)).astype(np.int64))
+
+    def values_at(self, ranks: np.ndarray) -> np.ndarray:
+        """The values at `ranks` (0-based, in sorted order, repeats counted) of all values
+        seen: ranks `wanted` said (the percentiles' neighbours, the median's)."""
+        return self._value_at(np.asarray(ranks, dtype=np.int64))
+
     def _ranks(self) -> np.ndarray:
         ranks: list[int] = []
         if self.qs and self.n:

@@ -21,9 +21,9 @@ exactly; sums and shares to float rounding (the sums add in another order); the 
 figures folded from the slices' own TTFT rows as they come (`stream_ttft.TtftFold`: 9
 bytes a request in memory, the rest in a temporary file); the eviction summary, the
 recompute tax and speculative decoding from the few rows the index pass keeps of each
-part (`sparse_part`).
-Not computed in slices: the client boundary and tensor-parallel ranks (a merged server
-run's, `tracekit.analysis.stream_server`).
+part (`sparse_part`). Not computed here: the client boundary of a merged server run
+(`tracekit.analysis.stream_client` reads it in slices after this) and tensor-parallel
+ranks.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from tracekit.analysis.figures import (
     RunAnalysis,
 )
 from tracekit.analysis.quantiles import ExactQuantiles
-from tracekit.analysis.results import spec_result
+from tracekit.analysis.results import SpecAcceptance, spec_result
 from tracekit.analysis.stream_ttft import TTFT_LABEL_GROUPS, TtftFold, ordered
 from tracekit.analysis.unrecorded import unrecorded_report
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
@@ -680,9 +680,11 @@ def run_fields(run: SlicedRun, ix: Index, path: str) -> dict[str, Any]:
     if (gs == GRAPH_EAGER).any() and base.num_fit_steps == 0:
         warnings.append("eager steps but no captured steps to fit a baseline: graph excess "
                         "not measured")  # fmt: skip
-    # what the recording process left unrecorded (killed: no rows after its last flush), as
-    # the whole-run analysis says it (its client-gap time: the client boundary's)
-    warnings += [u["line"] for u in unrecorded_report(with_run_coverage(run, tail_log))]
+    if not (isinstance(run.final, dict) and "processes" in run.final):
+        # what the recording process left unrecorded (killed: no rows after its last
+        # flush), as the whole-run analysis says it (a merged server run's processes are
+        # said with its client boundary, `tracekit.analysis.stream_client`)
+        warnings += [u["line"] for u in unrecorded_report(with_run_coverage(run, tail_log))]
     calibration = dict(tail_log.meta.get("device_calibration") or {})
     return {
         "path": path,
@@ -709,7 +711,7 @@ def run_fields(run: SlicedRun, ix: Index, path: str) -> dict[str, Any]:
         "device_clock_drift_ppm": float(tail_log.meta.get("device_clock_drift_ppm", math.nan)),
         "device_max_placement_err_ms": float(calibration.get("max_placement_err_ms", math.nan)),
         "warnings": warnings,
-        "spec": spec_result(sparse),
+        "spec": _spec(run, ix, sparse),
         "recompute_tax": evictions.recompute_tax if evictions is not None else 0.0,
         "evictions": evictions,
     }
@@ -723,6 +725,15 @@ def with_run_coverage(run: SlicedRun, tail_log: RawLog) -> RawLog:
         return tail_log
     first = run.log_of(0, 1, tables=frozenset()).coverage
     return replace(tail_log, coverage=replace(tail_log.coverage, t_start_s=first.t_start_s))
+
+
+def _spec(run: SlicedRun, ix: Index, sparse: RawLog) -> SpecAcceptance | None:
+    """Speculative decoding from the run's counters, its tokens per emission over every
+    emission (counted in the index pass: `sparse` keeps only the evicted requests')."""
+    spec = spec_result(sparse)
+    n = sum(e.num_emissions for e in run.parts)
+    return None if spec is None else replace(
+        spec, tokens_per_emission=ix.tokens / n if n else math.nan)  # fmt: skip
 
 
 def _result(run: SlicedRun, ix: Index, s: _Sums, pct: list[float], path: str,

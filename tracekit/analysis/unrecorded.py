@@ -10,6 +10,7 @@ and left nothing unrecorded has no entry: its outputs are as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,30 @@ from tracekit.log.serve_contract import ADDED, CORE, FRONTEND
 def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[dict[str, Any]]:
     """Entries (JSON-ready dicts with a readable ``line``) for the processes whose evidence
     is partial or missing; `cp`: the run's client partition if already computed."""
-    procs = log.meta.get("processes")
-    procs = procs if isinstance(procs, list) and procs else [dict(log.config.get("process", {}))]
     if cp is None and len(log.client_emissions):
         cp = client_partition(log)
+    core = core_process(log)
+    return unrecorded_entries(
+        log,
+        lambda k, role: _unrecorded_of(log, cp, k, role, core),
+        cp is not None and len(cp) > 0,
+        lambda t_s: _added_before(log, t_s),
+    )
+
+
+def unrecorded_entries(
+    log: RawLog,
+    lost: Callable[[int, str], tuple[float, int]],
+    has_gaps: bool,
+    added_before: Callable[[float], int],
+) -> list[dict[str, Any]]:
+    """`unrecorded_report` from what it reads of the client partition and the counters:
+    `lost(process, role)`, the (ms, gaps) of client-gap time left unrecorded for want of
+    that process; `has_gaps`, whether the run has client gaps; `added_before(t_s)`, the
+    requests the engine core added before `t_s`. `log`: the run's meta, config and
+    coverage (a long run's gaps are partitioned in slices: `tracekit.analysis.stream_client`)."""
+    procs = log.meta.get("processes")
+    procs = procs if isinstance(procs, list) and procs else [dict(log.config.get("process", {}))]
     core = core_process(log)
     cov = log.coverage
     out: list[dict[str, Any]] = []
@@ -48,10 +69,10 @@ def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[di
         k = int(cov.process[row])
         p = procs[k] if k < len(procs) and isinstance(procs[k], dict) else {}
         role = str(p.get("role", "process"))
-        ms, n = _unrecorded_of(log, cp, k, role, core)
+        ms, n = lost(k, role)
         clean = bool(cov.is_clean_stop[row])
         t0, t1 = float(cov.t_start_s[row]), float(cov.t_end_s[row])
-        early = _added_before(log, t0) if role == FRONTEND and t0 == first_api else 0
+        early = added_before(t0) if role == FRONTEND and t0 == first_api else 0
         if clean and ms <= 0 and not early:
             continue
         what = f"{role} pid {p.get('pid', '?')}"
@@ -68,13 +89,15 @@ def unrecorded_report(log: RawLog, cp: ClientPartition | None = None) -> list[di
         # client gaps depend on the engine core and the API servers only (workers' time is
         # inside the engine core's forward windows)
         depends = role in (CORE, FRONTEND) or k == core
-        lost = (
-            f", {ms / 1e3:.3f} s of client gap time unrecorded ({n} gaps)" if cp and depends else ""
+        gone = (
+            f", {ms / 1e3:.3f} s of client gap time unrecorded ({n} gaps)"
+            if has_gaps and depends
+            else ""
         )
         out.append({
             "process": k, "role": role, "pid": p.get("pid"), "t_start_s": t0, "t_end_s": t1,
             "is_clean_stop": clean, "unrecorded_ms": ms, "gaps": n,
-            "line": f"{what}: {span}{lost}",
+            "line": f"{what}: {span}{gone}",
         })  # fmt: skip
     for m in log.meta.get("missing_processes", []) or []:
         if isinstance(m, dict):
@@ -110,4 +133,4 @@ def _unrecorded_of(
     return float(v.sum()), int((v > 0).sum())
 
 
-__all__ = ["unrecorded_report"]
+__all__ = ["unrecorded_entries", "unrecorded_report"]

@@ -16,7 +16,8 @@ from tracekit.allocator import keep_freed_memory
 from tracekit.analysis.figures import RunAnalysis, analyze
 from tracekit.analysis.gaps import itl_series, worst_stalls
 from tracekit.analysis.run import open_run, parts_dir_of
-from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable, analyze_sliced
+from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable
+from tracekit.analysis.stream_client import analyze_sliced_client
 from tracekit.analysis.stream_index import index_pass_spread
 from tracekit.analysis.window import Window, WindowOptions, select_gaps
 from tracekit.attribution.itl import Partition, partition
@@ -115,13 +116,14 @@ def sliced_parts(path: str) -> tuple[str, str] | None:
 
 def _analyze_in_slices(path: str, mapper: Any = None, **limits: Any) -> RunAnalysis | None:
     """A one-process run longer than one slice, analysed slice by slice in bounded memory
-    (`tracekit.analysis.stream`: the same figures); None where it is read whole."""
+    (`tracekit.analysis.stream`, a merged server run's client boundary
+    `tracekit.analysis.stream_client`: the same figures); None where it is read whole."""
     parts_dir = parts_dir_of(path)
     if parts_dir is None or not reads_in_slices(path):
         return None
     spread = None if mapper is None else functools.partial(index_pass_spread, mapper=mapper)
     try:
-        return analyze_sliced(parts_dir, path=_shown_path(path, parts_dir),
+        return analyze_sliced_client(parts_dir, path=_shown_path(path, parts_dir),
                               max_emissions=slice_budget(), mapper=mapper, indexer=spread,
                               max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
     except NotSliceable:  # damaged or written before parts said their first step

@@ -275,9 +275,14 @@ def engine_part_log(
                    device_step=dstep)  # fmt: skip
     # each pseudo-request inherits its request's evictions
     ev = log.evictions
-    rows = [np.flatnonzero(ev.request == r) for r in g.request[live]]
-    src = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-    owner = np.repeat(np.arange(n), [len(x) for x in rows]) if rows else src
+    # each pseudo-request's rows: its request's, in their order (a gap's range of them in
+    # the rows sorted by request, stably)
+    by_req = np.argsort(ev.request, kind="stable")
+    lo = np.searchsorted(ev.request[by_req], g.request[live], side="left")
+    count = np.searchsorted(ev.request[by_req], g.request[live], side="right") - lo
+    owner = np.repeat(np.arange(n, dtype=np.int64), count)
+    first = np.cumsum(count) - count
+    src = by_req[np.arange(int(count.sum()), dtype=np.int64) + np.repeat(lo - first, count)]
     evictions = Evictions(
         request=owner.astype(np.int64),
         t_evict_s=ev.t_evict_s[src],
@@ -349,8 +354,16 @@ def client_partition(
 
     `run`: the log's `PreparedRun`, if the caller partitions it more than once (one prepared
     from other tables is not used); the engine part's partition uses it too."""
+    return client_partition_of(log, client_gaps(log), check=check, run=run)
+
+
+def client_partition_of(
+    log: RawLog, g: ClientGaps, *, check: bool = True, run: PreparedRun | None = None
+) -> ClientPartition:
+    """`client_partition` of the client gaps `g` (`client_gaps` of the run, or some of them
+    with what the run says of each: a slice of a long run, `tracekit.analysis.stream_client`),
+    each partitioned over `log`'s engine and API server rows."""
     run = prepared(log, run)
-    g = client_gaps(log)
     # the engine core's span ends inside the gap before the token was recorded: from x on,
     # whether the token existed is unrecorded (module docstring, "Unrecorded windows")
     cut = np.isnan(g.e) & (g.b > g.core_hi)
@@ -636,9 +649,11 @@ __all__ = [
     "FRONTEND_OS_LABELS",
     "SPEC_POS_PREFIX",
     "UNRECORDED_LABELS",
+    "ClientGaps",
     "ClientPartition",
     "client_gaps",
     "client_partition",
+    "client_partition_of",
     "client_summary",
     "itl_conventions",
     "spec_acceptance",

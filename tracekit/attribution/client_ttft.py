@@ -167,33 +167,51 @@ def client_ttft_partition(
     rows, notes = client_ttft_rows(log, p)
     w_all, proc_all = first_chunks(log)
     req = p.request[rows]
-    a, x, w, proc = p.arrival_s[rows], p.first_token_s[rows], w_all[req], proc_all[req]
+    w, proc = w_all[req], proc_all[req]
     # [x, w]: the frontend part, a client gap's with e = the first token, the hop until the
     # API server that wrote the chunk received the first token's step
+    x = p.first_token_s[rows]
     recv = received_at(log, first_token_steps(log)[req], proc)
     front, unrec = frontend_part(log, proc, x, w, x, recv)
-    labels = client_ttft_labels(p.labels, len(log.proc_os) > 0, bool((unrec > 0).any()))
-    parts = np.zeros((len(rows), len(labels)))
-    parts[:, : len(p.labels)] = p.parts_ms[rows]  # [arrival, x]: the engine boundary's
+    out = client_ttft_assembled(p.take(rows), w, proc, front, unrec, len(log.proc_os) > 0, notes)
+    return check_client_ttft_reconciled(out, log.path) if check else out
+
+
+def client_ttft_assembled(
+    p: TtftPartition,
+    w: np.ndarray,
+    proc: np.ndarray,
+    front: np.ndarray,
+    unrec: np.ndarray,
+    has_proc_os: bool,
+    notes: tuple[str, ...] = (),
+) -> ClientTtft:
+    """The client-boundary TTFTs of the engine boundary's rows `p` (each with a chunk written
+    at `w` by API server `proc`, at or after its first token) from their frontend parts
+    (`frontend_part`'s columns `front` and ``unrecorded:api_server`` `unrec`, ms); `has_proc_os`:
+    whether the run has API server OS intervals. A run's TTFTs (`client_ttft_partition`) or
+    a long run's, gathered from its slices (`tracekit.analysis.stream_client`)."""
+    labels = client_ttft_labels(p.labels, has_proc_os, bool((unrec > 0).any()))
+    parts = np.zeros((len(p), len(labels)))
+    parts[:, : len(p.labels)] = p.parts_ms  # [arrival, x]: the engine boundary's
     col = {lb: j for j, lb in enumerate(labels)}
     for j, lb in enumerate((*FRONTEND_LABELS, *FRONTEND_OS_LABELS)):
         if lb in col:
             parts[:, col[lb]] += front[:, j]
     if UNRECORDED_API in col:
         parts[:, col[UNRECORDED_API]] = unrec
-    out = ClientTtft(
+    return ClientTtft(
         labels=labels,
-        request=req,
-        arrival_s=a,
-        first_token_s=x,
+        request=p.request,
+        arrival_s=p.arrival_s,
+        first_token_s=p.first_token_s,
         write_s=w,
         process=proc,
-        ttft_ms=(w - a) * 1e3,
-        engine_ttft_ms=p.ttft_ms[rows],
+        ttft_ms=(w - p.arrival_s) * 1e3,
+        engine_ttft_ms=p.ttft_ms,
         parts_ms=parts,
         notes=notes,
     )
-    return check_client_ttft_reconciled(out, log.path) if check else out
 
 
 def check_client_ttft_reconciled(p: ClientTtft, path: str = "") -> ClientTtft:
@@ -271,6 +289,7 @@ __all__ = [
     "ClientTtft",
     "check_client_ttft_reconciled",
     "client_ttft_figures",
+    "client_ttft_assembled",
     "client_ttft_partition",
     "client_ttft_records",
     "first_chunks",
