@@ -59,10 +59,10 @@ def test_analyze_of_a_long_server_run_reads_it_in_slices_with_the_whole_runs_fig
         whole = analyze(merge_run(str(d))).to_dict()
         assert whole["client"]["chunks"] == 2 * (60 - len(kw.get("fe_only", ())))
         got = _sliced(d, tmp_path, monkeypatch, budget)
-        if killed:  # the engine path's own warnings repeat a line of a killed run's
+        if killed:  # the unrecorded processes' lines, each once, as the whole run says them
             lines = [u["line"] for u in whole["client"]["unrecorded"]]
             assert lines and whole["client"]["all_share"]["unrecorded:engine_core"] > 0
-            assert set(got.pop("warnings")) == set(whole.pop("warnings")) >= set(lines)
+            assert set(whole["warnings"]) >= set(lines)
         assert_same(whole, got)
         w, g = whole["client"], got["client"]
         for key in ("per_chunk", "per_token", "per_engine_step"):  # counts, percentiles

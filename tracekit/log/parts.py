@@ -842,7 +842,9 @@ def merge_flushed(
         wall_s=wall_ticks * scale,
         meta=run_meta,
         path=path,
-        warnings=tuple(warnings_of(run_meta)),  # as the one-file log of this run reads
+        # as the one-file log of this run reads, each once (as `validate_log` leaves them: a
+        # merged run's final says it was interrupted and carries the line that says so)
+        warnings=tuple(dict.fromkeys(warnings_of(run_meta))),
         extras=dict((final or {}).get("extras", {})),
     )
     # a merged server run's parts: the other processes' rows, the joined requests
