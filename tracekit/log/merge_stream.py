@@ -9,7 +9,11 @@ requests and steps, never by its tokens (docs/adapters.md, "Merging a long serve
    worker's windows, every process's requests, GC pauses and vocabularies, and the engine
    core's first emission per request (its requests' first tokens). A worker's rows are
    per step: kept whole. Fits, the join, labels and meta are then computed by the one-file
-   merge's own code (`tracekit.log.merge.plan_server`) on these skeleton logs.
+   merge's own code (`tracekit.log.merge.plan_server`) on these skeleton logs. What only
+   the plan read is then let go (`for_writing`): the processes' request ids and request
+   rows, the engine core's first emissions and stamps, the engine ids the join looked up;
+   the freed heap goes back to the OS after each process and after the plan
+   (`give_back_freed_memory`: what was freed lies in holes between what lives on).
 2. **Rows.** Each API server's parts are read again, one at a time, and turned into the
    merged run's rows by the one-file merge's row builders (its segments, GC pauses, OS
    intervals and chunks written, on the core's clock), each spooled to the merged part
@@ -36,11 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.errors import LogError
 from tracekit.formats import json_safe
 from tracekit.fsio import atomic_write
 from tracekit.log.archive import read_npz
-from tracekit.log.flush import TABLES, FlushedRows, column_index, to_table
+from tracekit.log.flush import TABLES, FlushedRows, column_index, empty_rows, to_table
 from tracekit.log.merge import (
     MergePlan,
     client_rows,
@@ -56,9 +61,7 @@ from tracekit.log.merged_tables import merged_rows
 from tracekit.log.parts import (
     PARTS_SUFFIX,
     POINTER_MEMBER,
-    Retained,
     append_index,
-    merge_flushed,
     merge_parts_kept,
     parse_flushed,
     part_number,
@@ -73,7 +76,19 @@ from tracekit.log.parts import (
     write_pointer,
 )
 from tracekit.log.processes import ProcessLog, check_process_log, process_entries
-from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OsSamples, RawLog, Segments
+from tracekit.log.rawlog import (
+    OS_SEGMENT_END,
+    OS_SEGMENT_START,
+    Counters,
+    Emissions,
+    Evictions,
+    GcPauses,
+    OsSamples,
+    RawLog,
+    Requests,
+    Segments,
+    Steps,
+)
 from tracekit.log.reader import load
 from tracekit.log.serve_contract import ADDED, CORE, FRONTEND, HANDLER, OUT, RECV, SENT
 
@@ -174,16 +189,23 @@ def skeleton_logs(
             out.append(check_process_log(path, log, recovered))
             sources.append(Source(None, [], log))
             continue
+        said = None  # checked first, its memory handed back before the skeleton is read
+        if not recovered and check is not None:  # (what both read raises the same error)
+            said = check(path)
+            give_back_freed_memory()
         src = Source(parts_dir, [], None)
         log, src.paths = merge_parts_kept(
             parts_dir, keep_for(_role_of(parts_dir), src), max_inflate_mb=max_inflate_mb
         )
         if not recovered:
             log = log.with_path(path)
-            if check is not None:
-                log = replace(log, warnings=check(path))
+            if said is not None:
+                log = replace(log, warnings=said)
+        if _role_of(parts_dir) == CORE:  # its first emissions gave its first tokens: done
+            log = replace(log, emissions=Emissions.empty())
         out.append(check_process_log(path, log, recovered))
         sources.append(src)
+        give_back_freed_memory()  # the parts read, parsed and checked: holes between its rows
     return out, sources
 
 
@@ -195,18 +217,40 @@ def _pointed(path: str, max_inflate_mb: float | None) -> str | None:
 
 
 def chunks(src: Source, max_inflate_mb: float | None = None) -> Iterator[RawLog]:
-    """A process's rows again, one part at a time, each a log of that part alone: times
-    from the process's start, requests indexed as in its whole log."""
+    """A process's rows again, one part at a time, each a log of the rows the row builders
+    read (`_rows_log`): times from the process's start, requests indexed as in its whole
+    log."""
     if src.whole is not None:
         yield src.whole
         return
     assert src.parts_dir is not None
     meta = read_meta(src.parts_dir)
     for path in src.paths:
-        part = parse_flushed(read_part(path, max_inflate_mb=max_inflate_mb), path)
-        start = Retained(part_number(path), part["request_ids_start"], part["first_step"] or 0,
-                         None)  # fmt: skip
-        yield merge_flushed(meta, [part], path=src.parts_dir, retained=start)
+        yield _rows_log(meta, parse_flushed(read_part(path, max_inflate_mb=max_inflate_mb), path))
+
+
+def _rows_log(meta: dict[str, Any], part: dict[str, Any]) -> RawLog:
+    """One part's segments, emissions (an API server's chunks written) and OS samples, in
+    seconds from its process's start, with its labels: what `segment_rows`, `client_rows`,
+    `sse_windows` and `os_rows` read. Nothing per request: the part as `merge_flushed`
+    reads it would name every request named before it (a list as long as the run so far,
+    per part)."""
+    t0, scale = int(meta["t0_tick"]), float(meta.get("seconds_per_tick", 1e-9))
+
+    def secs(ticks: np.ndarray) -> np.ndarray:
+        return (ticks - t0).astype(np.float64) * scale
+
+    def table(cls: Any, k: str) -> Any:
+        rows = part["tables"].get(k)
+        empty = empty_rows(k)
+        return to_table(cls, k, empty if rows is None else rows.astype(empty.dtype), secs)
+
+    return RawLog(
+        steps=Steps.empty(), segments=table(Segments, "segments"), gc_pauses=GcPauses.empty(),
+        emissions=table(Emissions, "emissions"), evictions=Evictions.empty(),
+        requests=Requests.empty(), os_samples=table(OsSamples, "os_samples"),
+        labels=tuple(part["labels"]),
+    )  # fmt: skip
 
 
 class Spool:
@@ -282,6 +326,36 @@ def plan_parts(
             "file (-o RUN.npz)",
         )  # fmt: skip
     return plan, procs, sources
+
+
+def for_writing(plan: MergePlan, procs: list[ProcessLog]) -> tuple[MergePlan, list[ProcessLog]]:
+    """The plan and skeletons less what only the plan read (the fits, the join): every
+    engine core's and API server's request ids, request rows and first emissions, the
+    engine core's stamps, an API server's but those the deliveries pair (``serve.recv``),
+    the engine ids the join looked up (`CoreIndex.added`); an engine core whose run this
+    is not keeps nothing. A worker's rows are all read again: kept. The processes keep
+    their order (`_source_of` pairs them with their sources)."""
+    slim = {id(p): _slim(p, plan.core) for p in procs}
+    out = [slim[id(p)] for p in procs]
+    return replace(
+        plan, core=slim[id(plan.core)], others=[slim[id(p)] for p in plan.others],
+        core_index=replace(plan.core_index, added={}),
+    ), out  # fmt: skip
+
+
+def _slim(p: ProcessLog, core: ProcessLog) -> ProcessLog:
+    if p.role not in (CORE, FRONTEND):
+        return p
+    lg = p.log
+    ct = lg.counters
+    keep = [i for i, n in enumerate(lg.counter_names) if n == RECV and p.role == FRONTEND]
+    sel = np.isin(ct.name, keep)
+    counters = Counters.from_columns(**{k: v[sel] for k, v in ct.columns().items()})
+    lg = replace(lg, request_ids=(), requests=Requests.empty(), emissions=Emissions.empty(),
+                 counters=counters)  # fmt: skip
+    if p.role == CORE and p is not core:  # another data-parallel rank's: nothing read again
+        lg = replace(lg, steps=Steps.empty(), segments=Segments.empty())
+    return replace(p, log=lg)
 
 
 def _source_of(p: ProcessLog, procs: list[ProcessLog], sources: list[Source]) -> Source:
@@ -464,7 +538,6 @@ def _write_parts(
     """The merged parts, one per engine core part (see the module docstring). Returns the
     engine emissions and steps written."""
     names = plan.ident.names
-    n_core = len(plan.core.log.request_ids)
     labels = np.array([*plan.labels.labels, *(rule.labels if rule else [])], dtype=str)
     meta = read_meta(core_src.parts_dir or "")
     t0, scale = int(meta["t0_tick"]), float(meta.get("seconds_per_tick", 1e-9))
@@ -497,7 +570,6 @@ def _write_parts(
         n_steps += len(flushed.table("steps"))
         written = write_part(parts_dir, part_number(path), flushed, fsync=False)
         append_index(parts_dir, written, flushed)
-    assert n_core <= len(names)
     return n_em, n_steps
 
 
@@ -547,6 +619,7 @@ def write_merged_parts(
                      extras=core.extras)  # fmt: skip
         write_final(work, final)
         shutil.rmtree(spool_dir)
+        give_back_freed_memory()  # what spooling and writing freed, before the check reads
         if verify is not None:
             verify(work)
         _replace(work, parts_dir, out, force)
@@ -604,6 +677,8 @@ def merge_to_parts(
     `verify`: see `write_merged_parts`."""
     plan, procs, sources = plan_parts(directory, engine=engine, max_inflate_mb=max_inflate_mb,
                                       check=check)  # fmt: skip
+    plan, procs = for_writing(plan, procs)
+    give_back_freed_memory()  # the join's dictionaries and what `for_writing` let go
     rule = rule_of(plan) if rule_of is not None else None
     return write_merged_parts(plan, procs, sources, out, rule=rule, force=force,
                               max_inflate_mb=max_inflate_mb, verify=verify)  # fmt: skip
