@@ -464,14 +464,14 @@ def test_what_the_merge_holds_while_it_writes_is_per_request_its_name_stages_and
     emissions, no engine id dictionary. Measured with tracemalloc when the writing begins,
     on two runs (50 and 400 requests, two steps each): the growth per request."""
     held: list[int] = []
-    write = merge_stream.write_merged_parts
 
-    def measured(*a, **k):
-        gc.collect()
-        held.append(tracemalloc.get_traced_memory()[0] - base)
-        return write(*a, **k)
+    class Measured(merge_stream.Spool):  # the spool is made as the writing begins
+        def __init__(self, *a, **k):
+            gc.collect()
+            held.append(tracemalloc.get_traced_memory()[0] - base)
+            super().__init__(*a, **k)
 
-    monkeypatch.setattr(merge_stream, "write_merged_parts", measured)
+    monkeypatch.setattr(merge_stream, "Spool", Measured)
     for n in (50, 400):
         d = tmp_path / f"srv{n}"
         d.mkdir()

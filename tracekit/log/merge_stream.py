@@ -589,47 +589,74 @@ def write_merged_parts(
     leaves no half run under the name. An existing output is replaced only with `force`.
     `verify`: called with the written folder before it is moved into place (raising: the
     run is refused, nothing is written)."""
-    parts_dir = out + PARTS_SUFFIX
-    for x in (out, parts_dir):
+    _refuse_existing(out, force)
+    tmp = tempfile.mkdtemp(prefix=".tracekit-merge-", dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        written = _write_unverified(plan, procs, sources, out, tmp, rule, max_inflate_mb)
+        _move_into_place(tmp, written, force, verify)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
+
+
+def _refuse_existing(out: str, force: bool) -> None:
+    for x in (out, out + PARTS_SUFFIX):
         if os.path.lexists(x) and not force:
             raise LogError(x, "output", "already exists; write elsewhere, or pass --force to "
                            "replace it")  # fmt: skip
+
+
+def _write_unverified(
+    plan: MergePlan,
+    procs: list[ProcessLog],
+    sources: list[Source],
+    out: str,
+    tmp: str,
+    rule: PartRule | None,
+    max_inflate_mb: float | None,
+) -> MergedParts:
+    """The merged parts, meta and final meta written into ``TMP/parts`` (the spool in
+    ``TMP/spool``, removed after); what was written."""
     core_src = _source_of(plan.core, procs, sources)
     assert core_src.parts_dir is not None
     meta = read_meta(core_src.parts_dir)
-    tmp = tempfile.mkdtemp(prefix=".tracekit-merge-", dir=os.path.dirname(os.path.abspath(out)))
-    try:
-        work, spool_dir = os.path.join(tmp, "parts"), os.path.join(tmp, "spool")
-        os.mkdir(work)
-        os.mkdir(spool_dir)
-        ticks = np.array([core_src.flush_ticks[p] for p in core_src.paths], dtype=np.int64)
-        edges = (ticks - int(meta["t0_tick"])).astype(np.float64) * float(
-            meta.get("seconds_per_tick", 1e-9)
-        )
-        spool = Spool(spool_dir, edges)
-        _spool_others(plan, procs, sources, spool, max_inflate_mb)
-        n_em, n_steps = _write_parts(plan, core_src, spool, work, rule, max_inflate_mb)
-        head = {k: v for k, v in meta.items() if k != "warnings"}
-        atomic_write(os.path.join(work, "meta.json"),
-                     json.dumps(json_safe({**head, "warnings": []})).encode())  # fmt: skip
-        core = plan.core.log
-        final = {k: v for k, v in plan.meta.items() if k != "warnings"}
-        final.update(rule.meta if rule else {})
-        final.update(config=core.config, warnings=_own_warnings(work, plan.warnings),
-                     extras=core.extras)  # fmt: skip
-        write_final(work, final)
-        shutil.rmtree(spool_dir)
-        give_back_freed_memory()  # what spooling and writing freed, before the check reads
-        if verify is not None:
-            verify(work)
-        _replace(work, parts_dir, out, force)
-        write_pointer(out, parts_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    work, spool_dir = os.path.join(tmp, "parts"), os.path.join(tmp, "spool")
+    os.mkdir(work)
+    os.mkdir(spool_dir)
+    ticks = np.array([core_src.flush_ticks[p] for p in core_src.paths], dtype=np.int64)
+    edges = (ticks - int(meta["t0_tick"])).astype(np.float64) * float(
+        meta.get("seconds_per_tick", 1e-9)
+    )
+    spool = Spool(spool_dir, edges)
+    _spool_others(plan, procs, sources, spool, max_inflate_mb)
+    n_em, n_steps = _write_parts(plan, core_src, spool, work, rule, max_inflate_mb)
+    head = {k: v for k, v in meta.items() if k != "warnings"}
+    atomic_write(os.path.join(work, "meta.json"),
+                 json.dumps(json_safe({**head, "warnings": []})).encode())  # fmt: skip
+    core = plan.core.log
+    final = {k: v for k, v in plan.meta.items() if k != "warnings"}
+    final.update(rule.meta if rule else {})
+    final.update(config=core.config, warnings=_own_warnings(work, plan.warnings),
+                 extras=core.extras)  # fmt: skip
+    write_final(work, final)
+    shutil.rmtree(spool_dir)
     return MergedParts(
-        out, parts_dir, plan.meta, plan.warnings, len(core_src.paths), n_steps, n_em,
+        out, out + PARTS_SUFFIX, plan.meta, plan.warnings, len(core_src.paths), n_steps, n_em,
         spool.counts.get("client_emissions", 0), len(plan.ident.names),
     )  # fmt: skip
+
+
+def _move_into_place(
+    tmp: str, written: MergedParts, force: bool, verify: Callable[[str], Any] | None
+) -> None:
+    """Check the folder written in `tmp` (`verify`), then rename it into place and write
+    its pointer."""
+    work = os.path.join(tmp, "parts")
+    give_back_freed_memory()  # what spooling and writing freed, before the check reads
+    if verify is not None:
+        verify(work)
+    _replace(work, written.parts_dir, written.out, force)
+    write_pointer(written.out, written.parts_dir)
 
 
 def _own_warnings(parts_dir: str, warnings: list[str]) -> list[str]:
@@ -680,8 +707,15 @@ def merge_to_parts(
     plan, procs = for_writing(plan, procs)
     give_back_freed_memory()  # the join's dictionaries and what `for_writing` let go
     rule = rule_of(plan) if rule_of is not None else None
-    return write_merged_parts(plan, procs, sources, out, rule=rule, force=force,
-                              max_inflate_mb=max_inflate_mb, verify=verify)  # fmt: skip
+    _refuse_existing(out, force)
+    tmp = tempfile.mkdtemp(prefix=".tracekit-merge-", dir=os.path.dirname(os.path.abspath(out)))
+    try:  # (`write_merged_parts`, the plan let go before the written folder is checked)
+        written = _write_unverified(plan, procs, sources, out, tmp, rule, max_inflate_mb)
+        del plan, procs, sources, rule  # (the rule's carve holds the plan)
+        _move_into_place(tmp, written, force, verify)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
 
 
 def server_emissions(directory: str) -> int:
