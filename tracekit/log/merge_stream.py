@@ -6,12 +6,12 @@ requests and steps, never by its tokens (docs/adapters.md, "Merging a long serve
 1. **Skeletons.** Each process's parts are read one at a time, keeping of each only what
    the clock fits and the request join need (`keep_for`): the paired stamps (counters
    ``serve.sent/added/out/recv/handler``), the engine core's forward windows and steps, a
-   worker's windows, every process's requests, GC pauses and vocabularies, and the engine
-   core's first emission per request (its requests' first tokens). A worker's rows are
-   per step: kept whole. Fits, the join, labels and meta are then computed by the one-file
-   merge's own code (`tracekit.log.merge.plan_server`) on these skeleton logs. What only
-   the plan read is then let go (`for_writing`): the processes' request ids and request
-   rows, the engine core's first emissions and stamps, the engine ids the join looked up;
+   worker's windows, every process's requests, GC pauses and vocabularies (no emission:
+   the merged run's first tokens come from the engine core's parts as recorded). A
+   worker's rows are per step: kept whole. Fits, the join, labels and meta are then
+   computed by the one-file merge's own code (`tracekit.log.merge.plan_server`) on these
+   skeleton logs. What only the plan read is then let go (`for_writing`): the processes'
+   request ids and request rows, the engine core's stamps, the engine ids the join looked up;
    the freed heap goes back to the OS after each process and after the plan
    (`give_back_freed_memory`: what was freed lies in holes between what lives on).
 2. **Rows.** Each API server's parts are read again, one at a time, and turned into the
@@ -115,10 +115,8 @@ class Source:
 def keep_for(role: str, src: Source) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """The filter of a process's parsed parts for its skeleton (see the module docstring);
     it counts, as it goes, an API server's segments per thread into `src`."""
-    first_tick = np.zeros(0, dtype=np.int64)  # per request, its earliest emission tick
 
     def keep(part: dict[str, Any]) -> dict[str, Any]:
-        nonlocal first_tick
         src.flush_ticks[part["where"]] = part["flush_tick"]
         src.first_steps[part["where"]] = part["first_step"]
         t_ = dict(part["tables"])
@@ -140,20 +138,10 @@ def keep_for(role: str, src: Source) -> Callable[[dict[str, Any]], dict[str, Any
             t_["segments"] = sg[np.isin(sg[:, column_index("segments", "label")], ids)]
         elif sg is not None:
             t_["segments"] = sg  # a worker's windows: per step, every one needed
-        em = t_.pop("emissions", None)
-        if em is not None and role == CORE:
-            req, tick = em[:, 0], em[:, column_index("emissions", "t_tick")]
-            n = part["request_ids_start"] + len(part["request_ids"])
-            if len(first_tick) < n:
-                grow = np.full(n - len(first_tick), np.iinfo(np.int64).max)
-                first_tick = np.concatenate([first_tick, grow])
-            o = np.lexsort((tick, req))  # per request, its earliest row in this part
-            head = o[np.r_[True, req[o][1:] != req[o][:-1]]] if len(o) else o
-            head = head[tick[head] < first_tick[req[head]]]
-            first_tick[req[head]] = tick[head]
-            t_["emissions"] = em[np.sort(head)]  # each request's first token so far
-        keepers: tuple[str, ...] = ("steps", "requests", "counters", "gc_pauses", "segments",
-                                    "emissions")  # fmt: skip
+        # no emissions: the merged run's first tokens are its engine core's parts' own (the
+        # plan's, from the first emissions, were never written: 12 MB of the first pass's
+        # peak at 60 minutes of a busy server)
+        keepers: tuple[str, ...] = ("steps", "requests", "counters", "gc_pauses", "segments")
         if role not in (CORE, FRONTEND):  # a worker's OS samples: the TP rule reads them
             keepers += ("os_samples",)
         return {**part, "tables": {k: v for k, v in t_.items() if k in keepers}}
@@ -201,8 +189,6 @@ def skeleton_logs(
             log = log.with_path(path)
             if said is not None:
                 log = replace(log, warnings=said)
-        if _role_of(parts_dir) == CORE:  # its first emissions gave its first tokens: done
-            log = replace(log, emissions=Emissions.empty())
         out.append(check_process_log(path, log, recovered))
         sources.append(src)
         give_back_freed_memory()  # the parts read, parsed and checked: holes between its rows
@@ -330,7 +316,7 @@ def plan_parts(
 
 def for_writing(plan: MergePlan, procs: list[ProcessLog]) -> tuple[MergePlan, list[ProcessLog]]:
     """The plan and skeletons less what only the plan read (the fits, the join): every
-    engine core's and API server's request ids, request rows and first emissions, the
+    engine core's and API server's request ids and request rows, the
     engine core's stamps, an API server's but those the deliveries pair (``serve.recv``),
     the engine ids the join looked up (`CoreIndex.added`); an engine core whose run this
     is not keeps nothing. A worker's rows are all read again: kept. The processes keep
@@ -351,8 +337,7 @@ def _slim(p: ProcessLog, core: ProcessLog) -> ProcessLog:
     keep = [i for i, n in enumerate(lg.counter_names) if n == RECV and p.role == FRONTEND]
     sel = np.isin(ct.name, keep)
     counters = Counters.from_columns(**{k: v[sel] for k, v in ct.columns().items()})
-    lg = replace(lg, request_ids=(), requests=Requests.empty(), emissions=Emissions.empty(),
-                 counters=counters)  # fmt: skip
+    lg = replace(lg, request_ids=(), requests=Requests.empty(), counters=counters)
     if p.role == CORE and p is not core:  # another data-parallel rank's: nothing read again
         lg = replace(lg, steps=Steps.empty(), segments=Segments.empty())
     return replace(p, log=lg)
