@@ -15,6 +15,7 @@ import tracekit.capture.signals
 from tracekit.analysis.run import merge_run as merge_dir
 from tracekit.errors import LogError
 from tracekit.log.clocks import estimate_offset
+from tracekit.log.request_identity import last_stamps
 
 SEP = "\x1f"
 SHARED = "clock_gettime(CLOCK_MONOTONIC)"
@@ -276,3 +277,14 @@ def test_an_api_servers_os_intervals_inside_its_event_loops_segments_reach_the_r
     back = tracekit.load(log.save(str(tmp_path / "run.npz")))
     assert np.array_equal(back.proc_os.offcpu_s, po.offcpu_s)
     assert client_partition(back).labels[-2:] == ("frontend_os_runqueue", "frontend_os_blocked")
+
+
+def test_a_handler_stamp_names_its_request_by_its_values_integer_part_and_the_last_wins():
+    # serve.handler stamps (time, value): the value is a request index of the API server's
+    # log, its integer part as int() takes it (toward zero); the last stamp of a request wins
+    t = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    v = np.array([0.0, 2.7, 0.0, -0.5, 9.0, np.nan])
+    # request 0: stamps at 1, 3 and 4 (-0.5 -> 0), the last: 4; request 2: 2.7 -> 2, at 2;
+    # 9 names no request of 4, NaN none at all (no error)
+    got = last_stamps(t, v, 4)
+    assert np.array_equal(got, [4.0, np.nan, 2.0, np.nan], equal_nan=True)

@@ -4,10 +4,12 @@ time range holds them (docs/adapters.md, "Merging a long server run")."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from dataclasses import replace
 
 import numpy as np
@@ -18,12 +20,23 @@ from tracekit.analysis.run import merge_run, open_run
 from tracekit.analysis.server_parts import save_merged_parts
 from tracekit.errors import LogError
 from tracekit.formats import json_safe
+from tracekit.log import merge_stream
 from tracekit.log.merge_stream import OsCarry
 from tracekit.log.merged_tables import MERGED_TABLES
 from tracekit.log.osintervals import side_thread_intervals
 from tracekit.log.partfile import read_part_file
 from tracekit.log.parts import part_paths
-from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, TABLES, OsSamples, RawLog
+from tracekit.log.rawlog import (
+    OS_SEGMENT_END,
+    OS_SEGMENT_START,
+    TABLES,
+    Counters,
+    OsSamples,
+    RawLog,
+    Requests,
+    Segments,
+    Steps,
+)
 
 SEP = "\x1f"
 SHARED = "clock_gettime(CLOCK_MONOTONIC)"
@@ -458,3 +471,40 @@ def test_a_one_file_merge_of_a_server_too_long_for_one_file_is_refused(tmp_path,
     one.mkdir()
     r = runner.invoke(main, ["merge", out, "-o", str(one / "x.npz"), "--parts"])
     assert r.exit_code == 2 and "--parts" in r.output and os.listdir(one) == []
+
+
+def test_what_the_merge_holds_while_it_writes_is_per_request_its_name_stages_and_index(
+    tmp_path, monkeypatch
+):
+    """docs/adapters.md, "Merging a long server run": once planned, the merge holds per
+    request only its name in the run, its stages and its index in the API server's
+    requests; per step, the rows the deliveries and the tensor-parallel rule read again
+    (the step, its forward window, its ``serve.out`` key and time, its forward window's
+    ends, the ``serve.recv`` stamp). No process's request ids, request rows or first
+    emissions, no engine id dictionary. Measured with tracemalloc when the writing begins,
+    on two runs (50 and 400 requests, two steps each): the growth per request."""
+    held: list[int] = []
+
+    class Measured(merge_stream.Spool):  # the spool is made as the writing begins
+        def __init__(self, *a, **k):
+            gc.collect()
+            held.append(tracemalloc.get_traced_memory()[0] - base)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(merge_stream, "Spool", Measured)
+    for n in (50, 400):
+        d = tmp_path / f"srv{n}"
+        d.mkdir()
+        record_server(d, n=n, core_every=50, fe_every=50)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            merge_stream.merge_to_parts(str(d), str(tmp_path / f"run{n}.npz"))
+        finally:
+            tracemalloc.stop()
+    name = 64 + 8  # "cmpl-399-0": a str of 49 + 10 bytes (pymalloc: 64), its list slot
+    per_request = name + 8 * len(Requests.DTYPES) + 8
+    per_step = 8 * (len(Steps.DTYPES) + len(Segments.DTYPES) + len(Counters.DTYPES) + 4)
+    grown = (held[1] - held[0]) / (400 - 50)
+    assert grown <= per_request + 2 * per_step, (grown, per_request, per_step)

@@ -261,11 +261,15 @@ class PartByPart:
             self._grow(len(self.request_ids))
 
     def _part_log(self, part: dict[str, Any]) -> RawLog:
-        """One part as a log: rows in seconds, steps and requests numbered in the run."""
+        """One part as a log: rows in seconds, steps and requests numbered in the run. The
+        requests named before it are one shared empty name each (their names are never
+        read here; ``(removed N)`` names would be a string per request, kept for good)."""
         start = part["request_ids_start"]
         number = part_number(part["where"])
-        retained = Retained(number, start, self.first_step or 0, None)
-        return merge_flushed(self.meta, [part], path=self.shown, retained=retained)
+        retained = Retained(number, 0, self.first_step or 0, None)
+        unnamed = {**part, "request_ids_start": 0,
+                   "request_ids": [""] * start + part["request_ids"]}  # fmt: skip
+        return merge_flushed(self.meta, [unnamed], path=self.shown, retained=retained)
 
     def _add(self, part: dict[str, Any]) -> None:
         start, n = part["request_ids_start"], len(self.request_ids)

@@ -6,10 +6,14 @@ requests and steps, never by its tokens (docs/adapters.md, "Merging a long serve
 1. **Skeletons.** Each process's parts are read one at a time, keeping of each only what
    the clock fits and the request join need (`keep_for`): the paired stamps (counters
    ``serve.sent/added/out/recv/handler``), the engine core's forward windows and steps, a
-   worker's windows, every process's requests, GC pauses and vocabularies, and the engine
-   core's first emission per request (its requests' first tokens). A worker's rows are
-   per step: kept whole. Fits, the join, labels and meta are then computed by the one-file
-   merge's own code (`tracekit.log.merge.plan_server`) on these skeleton logs.
+   worker's windows, every process's requests, GC pauses and vocabularies (no emission:
+   the merged run's first tokens come from the engine core's parts as recorded). A
+   worker's rows are per step: kept whole. Fits, the join, labels and meta are then
+   computed by the one-file merge's own code (`tracekit.log.merge.plan_server`) on these
+   skeleton logs. What only the plan read is then let go (`for_writing`): the processes'
+   request ids and request rows, the engine core's stamps, the engine ids the join looked up;
+   the freed heap goes back to the OS after each process and after the plan
+   (`give_back_freed_memory`: what was freed lies in holes between what lives on).
 2. **Rows.** Each API server's parts are read again, one at a time, and turned into the
    merged run's rows by the one-file merge's row builders (its segments, GC pauses, OS
    intervals and chunks written, on the core's clock), each spooled to the merged part
@@ -36,11 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.errors import LogError
 from tracekit.formats import json_safe
 from tracekit.fsio import atomic_write
 from tracekit.log.archive import read_npz
-from tracekit.log.flush import TABLES, FlushedRows, column_index, to_table
+from tracekit.log.flush import TABLES, FlushedRows, column_index, empty_rows, to_table
 from tracekit.log.merge import (
     MergePlan,
     client_rows,
@@ -56,9 +61,7 @@ from tracekit.log.merged_tables import merged_rows
 from tracekit.log.parts import (
     PARTS_SUFFIX,
     POINTER_MEMBER,
-    Retained,
     append_index,
-    merge_flushed,
     merge_parts_kept,
     parse_flushed,
     part_number,
@@ -73,7 +76,19 @@ from tracekit.log.parts import (
     write_pointer,
 )
 from tracekit.log.processes import ProcessLog, check_process_log, process_entries
-from tracekit.log.rawlog import OS_SEGMENT_END, OS_SEGMENT_START, OsSamples, RawLog, Segments
+from tracekit.log.rawlog import (
+    OS_SEGMENT_END,
+    OS_SEGMENT_START,
+    Counters,
+    Emissions,
+    Evictions,
+    GcPauses,
+    OsSamples,
+    RawLog,
+    Requests,
+    Segments,
+    Steps,
+)
 from tracekit.log.reader import load
 from tracekit.log.serve_contract import ADDED, CORE, FRONTEND, HANDLER, OUT, RECV, SENT
 
@@ -100,10 +115,8 @@ class Source:
 def keep_for(role: str, src: Source) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """The filter of a process's parsed parts for its skeleton (see the module docstring);
     it counts, as it goes, an API server's segments per thread into `src`."""
-    first_tick = np.zeros(0, dtype=np.int64)  # per request, its earliest emission tick
 
     def keep(part: dict[str, Any]) -> dict[str, Any]:
-        nonlocal first_tick
         src.flush_ticks[part["where"]] = part["flush_tick"]
         src.first_steps[part["where"]] = part["first_step"]
         t_ = dict(part["tables"])
@@ -125,20 +138,10 @@ def keep_for(role: str, src: Source) -> Callable[[dict[str, Any]], dict[str, Any
             t_["segments"] = sg[np.isin(sg[:, column_index("segments", "label")], ids)]
         elif sg is not None:
             t_["segments"] = sg  # a worker's windows: per step, every one needed
-        em = t_.pop("emissions", None)
-        if em is not None and role == CORE:
-            req, tick = em[:, 0], em[:, column_index("emissions", "t_tick")]
-            n = part["request_ids_start"] + len(part["request_ids"])
-            if len(first_tick) < n:
-                grow = np.full(n - len(first_tick), np.iinfo(np.int64).max)
-                first_tick = np.concatenate([first_tick, grow])
-            o = np.lexsort((tick, req))  # per request, its earliest row in this part
-            head = o[np.r_[True, req[o][1:] != req[o][:-1]]] if len(o) else o
-            head = head[tick[head] < first_tick[req[head]]]
-            first_tick[req[head]] = tick[head]
-            t_["emissions"] = em[np.sort(head)]  # each request's first token so far
-        keepers: tuple[str, ...] = ("steps", "requests", "counters", "gc_pauses", "segments",
-                                    "emissions")  # fmt: skip
+        # no emissions: the merged run's first tokens are its engine core's parts' own (the
+        # plan's, from the first emissions, were never written: 12 MB of the first pass's
+        # peak at 60 minutes of a busy server)
+        keepers: tuple[str, ...] = ("steps", "requests", "counters", "gc_pauses", "segments")
         if role not in (CORE, FRONTEND):  # a worker's OS samples: the TP rule reads them
             keepers += ("os_samples",)
         return {**part, "tables": {k: v for k, v in t_.items() if k in keepers}}
@@ -174,16 +177,21 @@ def skeleton_logs(
             out.append(check_process_log(path, log, recovered))
             sources.append(Source(None, [], log))
             continue
+        said = None  # checked first, its memory handed back before the skeleton is read
+        if not recovered and check is not None:  # (what both read raises the same error)
+            said = check(path)
+            give_back_freed_memory()
         src = Source(parts_dir, [], None)
         log, src.paths = merge_parts_kept(
             parts_dir, keep_for(_role_of(parts_dir), src), max_inflate_mb=max_inflate_mb
         )
         if not recovered:
             log = log.with_path(path)
-            if check is not None:
-                log = replace(log, warnings=check(path))
+            if said is not None:
+                log = replace(log, warnings=said)
         out.append(check_process_log(path, log, recovered))
         sources.append(src)
+        give_back_freed_memory()  # the parts read, parsed and checked: holes between its rows
     return out, sources
 
 
@@ -195,18 +203,40 @@ def _pointed(path: str, max_inflate_mb: float | None) -> str | None:
 
 
 def chunks(src: Source, max_inflate_mb: float | None = None) -> Iterator[RawLog]:
-    """A process's rows again, one part at a time, each a log of that part alone: times
-    from the process's start, requests indexed as in its whole log."""
+    """A process's rows again, one part at a time, each a log of the rows the row builders
+    read (`_rows_log`): times from the process's start, requests indexed as in its whole
+    log."""
     if src.whole is not None:
         yield src.whole
         return
     assert src.parts_dir is not None
     meta = read_meta(src.parts_dir)
     for path in src.paths:
-        part = parse_flushed(read_part(path, max_inflate_mb=max_inflate_mb), path)
-        start = Retained(part_number(path), part["request_ids_start"], part["first_step"] or 0,
-                         None)  # fmt: skip
-        yield merge_flushed(meta, [part], path=src.parts_dir, retained=start)
+        yield _rows_log(meta, parse_flushed(read_part(path, max_inflate_mb=max_inflate_mb), path))
+
+
+def _rows_log(meta: dict[str, Any], part: dict[str, Any]) -> RawLog:
+    """One part's segments, emissions (an API server's chunks written) and OS samples, in
+    seconds from its process's start, with its labels: what `segment_rows`, `client_rows`,
+    `sse_windows` and `os_rows` read. Nothing per request: the part as `merge_flushed`
+    reads it would name every request named before it (a list as long as the run so far,
+    per part)."""
+    t0, scale = int(meta["t0_tick"]), float(meta.get("seconds_per_tick", 1e-9))
+
+    def secs(ticks: np.ndarray) -> np.ndarray:
+        return (ticks - t0).astype(np.float64) * scale
+
+    def table(cls: Any, k: str) -> Any:
+        rows = part["tables"].get(k)
+        empty = empty_rows(k)
+        return to_table(cls, k, empty if rows is None else rows.astype(empty.dtype), secs)
+
+    return RawLog(
+        steps=Steps.empty(), segments=table(Segments, "segments"), gc_pauses=GcPauses.empty(),
+        emissions=table(Emissions, "emissions"), evictions=Evictions.empty(),
+        requests=Requests.empty(), os_samples=table(OsSamples, "os_samples"),
+        labels=tuple(part["labels"]),
+    )  # fmt: skip
 
 
 class Spool:
@@ -282,6 +312,35 @@ def plan_parts(
             "file (-o RUN.npz)",
         )  # fmt: skip
     return plan, procs, sources
+
+
+def for_writing(plan: MergePlan, procs: list[ProcessLog]) -> tuple[MergePlan, list[ProcessLog]]:
+    """The plan and skeletons less what only the plan read (the fits, the join): every
+    engine core's and API server's request ids and request rows, the
+    engine core's stamps, an API server's but those the deliveries pair (``serve.recv``),
+    the engine ids the join looked up (`CoreIndex.added`); an engine core whose run this
+    is not keeps nothing. A worker's rows are all read again: kept. The processes keep
+    their order (`_source_of` pairs them with their sources)."""
+    slim = {id(p): _slim(p, plan.core) for p in procs}
+    out = [slim[id(p)] for p in procs]
+    return replace(
+        plan, core=slim[id(plan.core)], others=[slim[id(p)] for p in plan.others],
+        core_index=replace(plan.core_index, added={}),
+    ), out  # fmt: skip
+
+
+def _slim(p: ProcessLog, core: ProcessLog) -> ProcessLog:
+    if p.role not in (CORE, FRONTEND):
+        return p
+    lg = p.log
+    ct = lg.counters
+    keep = [i for i, n in enumerate(lg.counter_names) if n == RECV and p.role == FRONTEND]
+    sel = np.isin(ct.name, keep)
+    counters = Counters.from_columns(**{k: v[sel] for k, v in ct.columns().items()})
+    lg = replace(lg, request_ids=(), requests=Requests.empty(), counters=counters)
+    if p.role == CORE and p is not core:  # another data-parallel rank's: nothing read again
+        lg = replace(lg, steps=Steps.empty(), segments=Segments.empty())
+    return replace(p, log=lg)
 
 
 def _source_of(p: ProcessLog, procs: list[ProcessLog], sources: list[Source]) -> Source:
@@ -464,7 +523,6 @@ def _write_parts(
     """The merged parts, one per engine core part (see the module docstring). Returns the
     engine emissions and steps written."""
     names = plan.ident.names
-    n_core = len(plan.core.log.request_ids)
     labels = np.array([*plan.labels.labels, *(rule.labels if rule else [])], dtype=str)
     meta = read_meta(core_src.parts_dir or "")
     t0, scale = int(meta["t0_tick"]), float(meta.get("seconds_per_tick", 1e-9))
@@ -497,7 +555,6 @@ def _write_parts(
         n_steps += len(flushed.table("steps"))
         written = write_part(parts_dir, part_number(path), flushed, fsync=False)
         append_index(parts_dir, written, flushed)
-    assert n_core <= len(names)
     return n_em, n_steps
 
 
@@ -517,46 +574,74 @@ def write_merged_parts(
     leaves no half run under the name. An existing output is replaced only with `force`.
     `verify`: called with the written folder before it is moved into place (raising: the
     run is refused, nothing is written)."""
-    parts_dir = out + PARTS_SUFFIX
-    for x in (out, parts_dir):
+    _refuse_existing(out, force)
+    tmp = tempfile.mkdtemp(prefix=".tracekit-merge-", dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        written = _write_unverified(plan, procs, sources, out, tmp, rule, max_inflate_mb)
+        _move_into_place(tmp, written, force, verify)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
+
+
+def _refuse_existing(out: str, force: bool) -> None:
+    for x in (out, out + PARTS_SUFFIX):
         if os.path.lexists(x) and not force:
             raise LogError(x, "output", "already exists; write elsewhere, or pass --force to "
                            "replace it")  # fmt: skip
+
+
+def _write_unverified(
+    plan: MergePlan,
+    procs: list[ProcessLog],
+    sources: list[Source],
+    out: str,
+    tmp: str,
+    rule: PartRule | None,
+    max_inflate_mb: float | None,
+) -> MergedParts:
+    """The merged parts, meta and final meta written into ``TMP/parts`` (the spool in
+    ``TMP/spool``, removed after); what was written."""
     core_src = _source_of(plan.core, procs, sources)
     assert core_src.parts_dir is not None
     meta = read_meta(core_src.parts_dir)
-    tmp = tempfile.mkdtemp(prefix=".tracekit-merge-", dir=os.path.dirname(os.path.abspath(out)))
-    try:
-        work, spool_dir = os.path.join(tmp, "parts"), os.path.join(tmp, "spool")
-        os.mkdir(work)
-        os.mkdir(spool_dir)
-        ticks = np.array([core_src.flush_ticks[p] for p in core_src.paths], dtype=np.int64)
-        edges = (ticks - int(meta["t0_tick"])).astype(np.float64) * float(
-            meta.get("seconds_per_tick", 1e-9)
-        )
-        spool = Spool(spool_dir, edges)
-        _spool_others(plan, procs, sources, spool, max_inflate_mb)
-        n_em, n_steps = _write_parts(plan, core_src, spool, work, rule, max_inflate_mb)
-        head = {k: v for k, v in meta.items() if k != "warnings"}
-        atomic_write(os.path.join(work, "meta.json"),
-                     json.dumps(json_safe({**head, "warnings": []})).encode())  # fmt: skip
-        core = plan.core.log
-        final = {k: v for k, v in plan.meta.items() if k != "warnings"}
-        final.update(rule.meta if rule else {})
-        final.update(config=core.config, warnings=_own_warnings(work, plan.warnings),
-                     extras=core.extras)  # fmt: skip
-        write_final(work, final)
-        shutil.rmtree(spool_dir)
-        if verify is not None:
-            verify(work)
-        _replace(work, parts_dir, out, force)
-        write_pointer(out, parts_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    work, spool_dir = os.path.join(tmp, "parts"), os.path.join(tmp, "spool")
+    os.mkdir(work)
+    os.mkdir(spool_dir)
+    ticks = np.array([core_src.flush_ticks[p] for p in core_src.paths], dtype=np.int64)
+    edges = (ticks - int(meta["t0_tick"])).astype(np.float64) * float(
+        meta.get("seconds_per_tick", 1e-9)
+    )
+    spool = Spool(spool_dir, edges)
+    _spool_others(plan, procs, sources, spool, max_inflate_mb)
+    n_em, n_steps = _write_parts(plan, core_src, spool, work, rule, max_inflate_mb)
+    head = {k: v for k, v in meta.items() if k != "warnings"}
+    atomic_write(os.path.join(work, "meta.json"),
+                 json.dumps(json_safe({**head, "warnings": []})).encode())  # fmt: skip
+    core = plan.core.log
+    final = {k: v for k, v in plan.meta.items() if k != "warnings"}
+    final.update(rule.meta if rule else {})
+    final.update(config=core.config, warnings=_own_warnings(work, plan.warnings),
+                 extras=core.extras)  # fmt: skip
+    write_final(work, final)
+    shutil.rmtree(spool_dir)
     return MergedParts(
-        out, parts_dir, plan.meta, plan.warnings, len(core_src.paths), n_steps, n_em,
+        out, out + PARTS_SUFFIX, plan.meta, plan.warnings, len(core_src.paths), n_steps, n_em,
         spool.counts.get("client_emissions", 0), len(plan.ident.names),
     )  # fmt: skip
+
+
+def _move_into_place(
+    tmp: str, written: MergedParts, force: bool, verify: Callable[[str], Any] | None
+) -> None:
+    """Check the folder written in `tmp` (`verify`), then rename it into place and write
+    its pointer."""
+    work = os.path.join(tmp, "parts")
+    give_back_freed_memory()  # what spooling and writing freed, before the check reads
+    if verify is not None:
+        verify(work)
+    _replace(work, written.parts_dir, written.out, force)
+    write_pointer(written.out, written.parts_dir)
 
 
 def _own_warnings(parts_dir: str, warnings: list[str]) -> list[str]:
@@ -604,9 +689,18 @@ def merge_to_parts(
     `verify`: see `write_merged_parts`."""
     plan, procs, sources = plan_parts(directory, engine=engine, max_inflate_mb=max_inflate_mb,
                                       check=check)  # fmt: skip
+    plan, procs = for_writing(plan, procs)
+    give_back_freed_memory()  # the join's dictionaries and what `for_writing` let go
     rule = rule_of(plan) if rule_of is not None else None
-    return write_merged_parts(plan, procs, sources, out, rule=rule, force=force,
-                              max_inflate_mb=max_inflate_mb, verify=verify)  # fmt: skip
+    _refuse_existing(out, force)
+    tmp = tempfile.mkdtemp(prefix=".tracekit-merge-", dir=os.path.dirname(os.path.abspath(out)))
+    try:  # (`write_merged_parts`, the plan let go before the written folder is checked)
+        written = _write_unverified(plan, procs, sources, out, tmp, rule, max_inflate_mb)
+        del plan, procs, sources, rule  # (the rule's carve holds the plan)
+        _move_into_place(tmp, written, force, verify)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
 
 
 def server_emissions(directory: str) -> int:
