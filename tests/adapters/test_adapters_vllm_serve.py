@@ -633,13 +633,15 @@ def test_the_api_servers_os_intervals_follow_its_segments_and_the_client_gaps_ta
     )
 
 
-def test_analyze_of_the_directory_in_slices_has_the_whole_runs_client_figures(
+def test_analyze_of_the_directory_in_slices_has_the_whole_runs_figures(
     served, merged, monkeypatch
 ):
     """`analyze DIR` read in slices (a slice budget of 20 emissions: the run is "long"),
     the client boundary included (its API server's OS intervals, the killed engine core's
-    unrecorded time): the whole merged run's client figures, figure for figure
-    (docs/reports.md, "The client boundary in slices")."""
+    unrecorded time): the whole merged run's figures, figure for figure, the engine
+    boundary's TTFT (its API server's windows begun before a request's arrival, in an
+    earlier part) and the client boundary's (docs/reports.md, "The client boundary in
+    slices")."""
     from test_sliced_server import assert_same
 
     from tracekit.analysis.figures import analyze
@@ -650,6 +652,6 @@ def test_analyze_of_the_directory_in_slices_has_the_whole_runs_client_figures(
     assert is_long_server_run(served["dir"])
     got = analyze_server_path(served["dir"]).to_dict()
     assert whole["client"]["chunks"] and got["client"] is not None
-    assert_same(whole["client"], got["client"], "client")
+    assert_same(whole, got)
     for k in ("gaps", "chunks", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
         assert whole["client"][k] == got["client"][k], k

@@ -47,6 +47,7 @@ from tracekit.analysis.quantiles import ExactQuantiles
 from tracekit.analysis.results import SpecAcceptance, spec_result
 from tracekit.analysis.stream_ttft import TTFT_LABEL_GROUPS, TtftFold, ordered
 from tracekit.analysis.unrecorded import unrecorded_report
+from tracekit.attribution.client import stating_api_servers
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, Partition, partition
 from tracekit.attribution.reprefill import stating_next_emissions
 from tracekit.attribution.timeline import (
@@ -383,6 +384,9 @@ class SliceTask:
     base_ttft: GraphBaseline
     fit: str
     p99: float
+    #: a merged server run's: (request, API server) of the requests whose first token the
+    #: slice owns (their first chunk may lie in a later part: `stating_api_servers`)
+    api_servers: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -407,8 +411,20 @@ def slice_tasks(run: SlicedRun, ix: Index, max_emissions: int, p99: float) -> li
             run.parts_dir, run.max_inflate_mb, c, b,
             -np.inf if a == 0 else run.cut_s(a), np.inf if b == n else run.cut_s(b),
             run.retained(c), _cut(base_itl, s0, s1), _cut(base_ttft, s0, s1), ix.fit, p99,
+            _api_servers(run, ix, a, b),
         ))  # fmt: skip
     return out
+
+
+def _api_servers(run: SlicedRun, ix: Index, a: int, b: int) -> tuple[tuple[int, int], ...]:
+    """(request, API server) of the requests whose first emission is in parts ``[a, b)``
+    and that have one (a merged server run's)."""
+    api = run.api_server
+    if not len(api):
+        return ()
+    fp = ix.first_part[: len(api)]
+    r = np.flatnonzero((fp >= a) & (fp < b) & (api[: len(fp)] >= 0))
+    return tuple(zip(r.tolist(), api[r].tolist(), strict=True))
 
 
 def slice_partition(task: SliceTask) -> tuple[RawLog, PreparedRun, Partition]:
@@ -417,6 +433,7 @@ def slice_partition(task: SliceTask) -> tuple[RawLog, PreparedRun, Partition]:
     run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb)
     # whose re-prefill each step is needs every emission: stated before the cut
     full = stating_next_emissions(run.log_of(task.c, task.b, retained=task.retained))
+    full = stating_api_servers(full, task.api_servers)  # its TTFTs' first chunks' writers
     log = replace(full, emissions=full.emissions.take(_needed(full, task.t_from_s)))
     prep = PreparedRun(log)
     prep.use_baseline(FIT_ALL_CAPTURED, task.base_ttft)

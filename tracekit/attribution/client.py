@@ -54,6 +54,7 @@ boundary's gaps).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -314,14 +315,34 @@ def frontend_windows(log: RawLog, process: int | None = None) -> list[tuple[floa
     return list(zip(ps.t_start_s[m].tolist(), ps.t_end_s[m].tolist(), r[m].tolist(), strict=True))
 
 
+#: meta key: (request, API server) pairs a slice of a long run states for the requests
+#: whose first chunk its parts may not hold (`stating_api_servers`)
+API_SERVERS_META = "request_api_servers"
+
+
 def request_api_servers(log: RawLog) -> np.ndarray:
     """Per request, the API server (index into ``meta["processes"]``) that wrote its first
-    chunk; -1 for a request with no chunk."""
+    chunk; -1 for a request with no chunk. Where the log's meta states some
+    (`API_SERVERS_META`: a slice of a long run, whose first chunks may lie in later parts),
+    those are taken."""
     ce = log.client_emissions
     out = np.full(len(log.requests), -1, dtype=np.int64)
     o = np.lexsort((-ce.t_s, ce.request))  # per request latest first: the first chunk wins
     out[ce.request[o]] = ce.process[o]
+    stated = log.meta.get(API_SERVERS_META) if isinstance(log.meta, dict) else None
+    if stated:
+        pairs = np.asarray(stated, dtype=np.int64).reshape(-1, 2)
+        ok = (pairs[:, 0] >= 0) & (pairs[:, 0] < len(out))
+        out[pairs[ok, 0]] = pairs[ok, 1]
     return out
+
+
+def stating_api_servers(log: RawLog, pairs: Sequence[tuple[int, int]]) -> RawLog:
+    """`log` with the API server of each request in `pairs` stated in its meta (the whole
+    run's `request_api_servers`, for a slice that may not hold their first chunks)."""
+    if not pairs:
+        return log
+    return replace(log, meta={**log.meta, API_SERVERS_META: [list(p) for p in pairs]})
 
 
 def frontend_os_between(
@@ -645,6 +666,7 @@ def spec_acceptance(log: RawLog) -> dict[str, Any] | None:
 
 
 __all__ = [
+    "API_SERVERS_META",
     "FRONTEND_LABELS",
     "FRONTEND_OS_LABELS",
     "SPEC_POS_PREFIX",
@@ -657,4 +679,5 @@ __all__ = [
     "client_summary",
     "itl_conventions",
     "spec_acceptance",
+    "stating_api_servers",
 ]

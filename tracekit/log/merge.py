@@ -74,6 +74,7 @@ from tracekit.log.rawlog import (
     ProcOs,
     ProcSegments,
     RawLog,
+    warnings_of,
 )
 from tracekit.log.request_identity import RequestJoin, join_requests
 from tracekit.log.serve_contract import ADDED, CORE, FRONTEND, RECV, WORKER
@@ -373,7 +374,8 @@ def merge_server(
         proc_os=ProcOs.from_columns(**_cols(rows["os"], ProcOs)),
         meta=plan.meta,
         path=path,
-        warnings=tuple(plan.warnings),
+        # as the merged run reads once saved (in one file or in parts), each line once
+        warnings=tuple(dict.fromkeys(warnings_of(plan.meta))),
     )
     return ServerMerge(merged, plan.core, plan.others, plan.fits)
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.log.flush import TABLES
+from tracekit.log.merged_tables import MERGED_TABLES
 from tracekit.log.parts import (
     DamagedPart,
     Retained,
@@ -79,6 +80,12 @@ class PartEntry:
     reaches_back_to: int
     #: the earliest emission tick in this part or any later one (None: none from here on)
     cut_tick: int | None
+    #: a merged server run's part: the latest end of its API servers' windows and OS
+    #: intervals (seconds; -inf: none), which a slice read from a later part may need
+    windows_end_s: float = -np.inf
+    #: ... and the earliest arrival its API servers saw of the requests it names (seconds;
+    #: inf: none): a TTFT starts there, maybe before the part
+    arrivals_from_s: float = np.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +98,10 @@ class Slice:
     t_to_s: float
     first: int
     own_parts: tuple[int, int]
+
+
+_NO_ROWS = np.zeros(0)
+_CE = {c: MERGED_TABLES["client_emissions"].index(c) for c in ("request", "t_s", "process")}
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,13 @@ class PartOrder:
     first_tick: np.ndarray  # each one's earliest emission tick in it
     last_tick: np.ndarray  # each one's latest
     min_tick: int | None  # its earliest emission tick (None: none)
+    windows_end_s: float  # `PartEntry.windows_end_s`
+    arrivals_from_s: float  # `PartEntry.arrivals_from_s`
+    # a merged server run's: per request with a chunk written here, its earliest chunk's
+    # time and API server (the last row of equal times), as `request_api_servers` reads them
+    chunk_requests: np.ndarray
+    chunk_t: np.ndarray
+    chunk_process: np.ndarray
 
 
 def order_of(path: str, part: dict[str, Any]) -> PartOrder:
@@ -126,14 +144,34 @@ def order_of(path: str, part: dict[str, Any]) -> PartOrder:
     tail[:-1] = head[1:]
     entry = (part_number(path), path, part["first_step"], 0 if steps is None else len(steps),
              part["request_ids_start"], part["flush_tick"], len(r))  # fmt: skip
+    windows = [t_.get(k) for k in ("proc_segments", "proc_os")]
+    ends = [float(w[:, MERGED_TABLES[k].index("t_end_s")].max())
+            for k, w in zip(("proc_segments", "proc_os"), windows, strict=True)
+            if w is not None and len(w)]  # fmt: skip
     return PartOrder(
         path, entry, part["first_step"] is not None,
         part["request_ids_start"] + len(part["request_ids"]), arrivals, rs[head], ts[head],
-        ts[tail], int(t.min()) if len(t) else None,
+        ts[tail], int(t.min()) if len(t) else None, max(ends, default=-np.inf),
+        float(np.nanmin(cr[:, 1], initial=np.inf)) if (cr := t_.get("client_requests")) is not None
+        else np.inf,
+        *_first_chunks(t_.get("client_emissions")),
     )  # fmt: skip
 
 
-def grown(room: dict[str, np.ndarray], key: str, a: np.ndarray, n: int, fill: int) -> np.ndarray:
+def _first_chunks(ce: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per request with a chunk in `ce` (a part's merged ``client_emissions`` rows), its
+    earliest chunk's time and process, the last row of equal times: `PartOrder.chunk_*`."""
+    if ce is None or not len(ce):
+        return _NO_ROWS, _NO_ROWS, _NO_ROWS
+    r, t = ce[:, _CE["request"]].astype(np.int64), ce[:, _CE["t_s"]]
+    o = np.lexsort((-np.arange(len(r)), t, r))  # by request, time, then the last row first
+    head = np.ones(len(o), dtype=bool)
+    head[1:] = r[o][1:] != r[o][:-1]
+    k = o[head]
+    return r[k], t[k], ce[k, _CE["process"]].astype(np.int64)
+
+
+def grown(room: dict[str, np.ndarray], key: str, a: np.ndarray, n: int, fill: float) -> np.ndarray:
     """`a` with rows up to `n`, the new ones `fill`: a view of a buffer kept in `room` under
     `key`, doubled when full (requests appear a part at a time: a copy of every row for each
     part was the index pass's cost on a long run)."""
@@ -158,6 +196,10 @@ class IndexBook:
         self.arrival_part = np.zeros(0, dtype=np.int64)
         self.reach: list[int] = []
         self.min_tick: list[int | None] = []
+        self.windows_end_s: list[float] = []
+        self.arrivals_from_s: list[float] = []
+        self.chunk_t = np.zeros(0)  # per request: its earliest chunk's time (inf: none yet)
+        self.api_server = np.zeros(0, dtype=np.int64)  # ... and its API server (-1: none)
         self.entries: list[tuple[Any, ...]] = []
         self._room: dict[str, np.ndarray] = {}
 
@@ -184,8 +226,24 @@ class IndexBook:
             self.last_part[u] = i
             self.last_tick[u] = np.maximum(self.last_tick[u], o.last_tick)
         self.min_tick.append(o.min_tick)
+        self.windows_end_s.append(o.windows_end_s)
+        self.arrivals_from_s.append(o.arrivals_from_s)
+        if len(o.chunk_requests):
+            self._first_chunks(o)
         self.reach.append(back)
         self.entries.append(o.entry)
+
+    def _first_chunks(self, o: PartOrder) -> None:
+        """Part `o`'s earliest chunk per request, kept where it is the run's so far (a
+        later part's wins a tie: it comes later in the run's rows)."""
+        u = o.chunk_requests
+        n = int(u.max()) + 1
+        if n > len(self.chunk_t):
+            self.chunk_t = grown(self._room, "chunk_t", self.chunk_t, n, np.inf)
+            self.api_server = grown(self._room, "api_server", self.api_server, n, -1)
+        first = o.chunk_t <= self.chunk_t[u]
+        self.chunk_t[u[first]] = o.chunk_t[first]
+        self.api_server[u[first]] = o.chunk_process[first]
 
 
 class SlicedRun:
@@ -203,6 +261,7 @@ class SlicedRun:
         #: per request, the part its arrival row is in (-1: none), after `index`
         self.arrival_part = np.zeros(0, dtype=np.int64)
         self.warnings: list[str] = []
+        self.api_server = np.zeros(0, dtype=np.int64)
         self._cache: dict[int, dict[str, Any]] = {}
 
     def secs(self, ticks: np.ndarray) -> np.ndarray:
@@ -280,7 +339,12 @@ class SlicedRun:
             self.warnings.append(retention_warning(part_number(self.paths[0]),
                                                    book.entries[0][4]))  # fmt: skip
         self.arrival_part = book.arrival_part
-        self.parts = [PartEntry(*e, reaches_back_to=book.reach[i], cut_tick=cut[i])  # type: ignore[misc]
+        #: per request, the API server that wrote its first chunk (-1: none; a merged
+        #: server run's: `tracekit.attribution.client.request_api_servers` of the whole run)
+        self.api_server = book.api_server
+        self.parts = [PartEntry(*e, reaches_back_to=book.reach[i], cut_tick=cut[i],  # type: ignore[misc]
+                                windows_end_s=book.windows_end_s[i],
+                                arrivals_from_s=book.arrivals_from_s[i])
                       for i, e in enumerate(book.entries)]  # fmt: skip
 
     def retained(self, c: int) -> Retained | None:
@@ -334,9 +398,24 @@ class SlicedRun:
                 if cum[b + 1] - cum[c2] > max_emissions:
                     break
                 b, c = b + 1, c2
-            out.append((c, a, b))
+            out.append((self.windows_back_to(c, b), a, b))
             a = b
         return out
+
+    def windows_back_to(self, c: int, b: int) -> int:
+        """`c`, or an earlier part, for a merged server run's TTFTs of parts ``[c, b)``:
+        a TTFT starts at its API server's arrival (maybe before part `c`), and reads the API
+        servers' windows and OS intervals from there, each in the part of its start
+        (docs/ttft.md, the frontend's time)."""
+        ends = np.array([e.windows_end_s for e in self.parts[:c]])
+        arrived = min((e.arrivals_from_s for e in self.parts[c:b]), default=np.inf)
+        if not np.isfinite(ends).any() and not np.isfinite(arrived):
+            return c  # not a merged server run's, or nothing before part `c`
+        flush_s = self.secs(np.array([e.flush_tick for e in self.parts[:c]], dtype=np.int64))
+        since = min(float(flush_s[-1]) if c else np.inf, arrived)
+        c = min(c, int(np.searchsorted(flush_s, since, side="right")))  # the part holding it
+        reach = np.flatnonzero(ends[:c] > since)
+        return int(reach[0]) if len(reach) else c
 
     def slices(self, max_emissions: int) -> Iterator[Slice]:
         """The slices of `bounds`, each read as one log (after `index`)."""
