@@ -356,6 +356,8 @@ def gaps(
     if boundary == "engine" and _say_sliced([run]) and gaps_in_slices(
             run, fmt, min_ms, request_id, top, output, _warn, **_limits()):  # fmt: skip
         return
+    if boundary == "client":
+        workers.refuse_whole_client(run, view())  # read whole: bounded by the one-file limit
     log, part, _, win = workers.opened(run, view(), **_limits())  # a long run: in slices
     _warn(log.path, log.warnings)
     win = say_window(run, win)
@@ -436,6 +438,8 @@ def ttft(
     if boundary == "engine" and _say_sliced([run]) and ttft_in_slices(
             run, fmt, min_ms, request_id, top, output, _warn, **_limits()):  # fmt: skip
         return
+    if boundary == "client":
+        workers.refuse_whole_client(run, view())  # read whole: bounded by the one-file limit
     log, _, whole, win = workers.opened(run, view(), **_limits())  # a long run: in slices
     _warn(log.path, log.warnings)
     win = say_window(run, win)

@@ -79,6 +79,35 @@ def test_analyze_of_a_long_server_run_reads_it_in_slices_with_the_whole_runs_fig
     assert "--parts" in r.stderr and "116 engine emissions" in r.stderr
 
 
+@pytest.mark.parametrize("cmd", ["gaps", "ttft"])
+def test_the_client_boundary_of_a_whole_long_run_is_refused_above_the_one_file_limit(
+    tmp_path, cmd
+):
+    """`gaps`/`ttft --boundary client` read the whole run: above TRACEKIT_ONE_FILE_EMISSIONS
+    (here 50, of a merged run of 60 requests of 2 emissions each) refused in one line
+    (exit 2), naming what reads it in bounded memory; a window of it is still listed, as
+    the whole run's records ending in it."""
+    d = tmp_path / "srv"
+    d.mkdir()
+    record_server(d, n=60, core_every=5, fe_every=7)
+    out = str(tmp_path / "m.npz")
+    env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": "3"}
+
+    def run(*args, **more):
+        return subprocess.run([sys.executable, "-m", "tracekit", *args], capture_output=True,
+                              text=True, timeout=120, env={**env, **more})  # fmt: skip
+
+    assert run("merge", str(d), "-o", out, "--parts").returncode == 0
+    refused = run(cmd, out, "--boundary", "client", TRACEKIT_ONE_FILE_EMISSIONS="50")
+    err = refused.stderr.strip()
+    assert refused.returncode == 2 and len(err.splitlines()) == 1, refused.stderr
+    assert "120 emissions" in err and "--window" in err and f"tracekit analyze {out}" in err
+    window = ("--boundary", "client", "--window", "0..0.2", "--format", "jsonl")
+    some = run(cmd, out, *window, TRACEKIT_ONE_FILE_EMISSIONS="50")
+    whole = run(cmd, out, *window, TRACEKIT_SLICE_EMISSIONS="100000000")
+    assert some.returncode == 0 and some.stdout.strip() and some.stdout == whole.stdout
+
+
 def test_a_client_gap_across_a_slice_edge_by_hand(tmp_path, monkeypatch):
     """Four requests, each with its two chunks in two parts of the engine core, read a part
     a slice: every client gap spans a slice's edge. By the fixture's times (a step of 3 ms:

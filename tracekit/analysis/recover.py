@@ -24,15 +24,17 @@ from typing import Any
 
 from tracekit.analysis.run import parts_dir_of
 from tracekit.analysis.stream_check import Checked, check_run
-from tracekit.analysis.workers import emissions_of, env_count, reads_in_slices
+from tracekit.analysis.workers import (
+    DEFAULT_ONE_FILE_EMISSIONS,
+    ONE_FILE_ENV,
+    emissions_of,
+    env_count,
+    reads_in_slices,
+)
 from tracekit.errors import UsageError
 from tracekit.log.merge_stream import server_emissions
 from tracekit.log.parts import mark_recovered, recover, recover_target, write_pointer
 from tracekit.log.processes import is_process_dir
-
-#: Emissions above which a run is not written as one file (it is held whole to write it).
-ONE_FILE_ENV = "TRACEKIT_ONE_FILE_EMISSIONS"
-DEFAULT_ONE_FILE_EMISSIONS = 10_000_000
 
 
 def refuse_one_file(path: str, what: str) -> None:

@@ -84,6 +84,30 @@ def refuse_whole_trace(path: str, view: WindowOptions) -> None:
         )
 
 
+#: Emissions above which a run is not held whole in memory: not written as one file
+#: (`tracekit.analysis.recover`), not listed at the client boundary (`refuse_whole_client`).
+ONE_FILE_ENV = "TRACEKIT_ONE_FILE_EMISSIONS"
+DEFAULT_ONE_FILE_EMISSIONS = 10_000_000
+
+
+def refuse_whole_client(path: str, view: WindowOptions) -> None:
+    """`gaps`/`ttft --boundary client` of a whole run read it whole (its client boundary is
+    read in slices by `analyze` only): of a run of more than `ONE_FILE_ENV` emissions,
+    refused in one line naming what reads it in bounded memory."""
+    parts_dir = parts_dir_of(path)
+    if not view.is_whole_run or parts_dir is None:
+        return
+    n, limit = emissions_of(parts_dir), env_count(ONE_FILE_ENV, DEFAULT_ONE_FILE_EMISSIONS)
+    if n > limit:
+        raise UsageError(
+            f"{path}: {n:,} emissions, more than a run read whole holds ({ONE_FILE_ENV}="
+            f"{limit:,}): --boundary client lists a whole run read whole; list a window of "
+            f"it (--window FROM..TO, --around worst: read from the parts it needs), take its "
+            f"client figures from `tracekit analyze {path}` (read in slices), or set "
+            f"{ONE_FILE_ENV} to {n} or more"
+        )
+
+
 def env_count(name: str, default: int) -> int:
     """A whole number >= 1 from the environment variable `name`, else `default`."""
     raw = os.environ.get(name, "").strip()
