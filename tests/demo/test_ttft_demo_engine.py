@@ -3,6 +3,8 @@ reconcile and count what its scheduler did."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from test_demo_engine import SMALL, _burst, _run
@@ -110,14 +112,41 @@ def test_async_scheduling_records_valid_ttft_events(tokenizer):
 
 
 def test_off_loop_tokenizer_states_tokenizing_waits(tokenizer, tmp_path):
-    """Requests in the off-loop tokenizer cannot be admitted yet: the engine says so."""
+    """Requests in the off-loop tokenizer cannot be admitted yet: the engine says so. On the
+    step clock (whatever the machine's load: the worker's results are taken at the next
+    step's intake), five requests arrive at step 0 and five at step 1: each waits in the
+    step it arrived in (on the seconds clock a loaded machine could let the worker finish
+    all ten before any step ran, and no step saw one wait)."""
+    import tracekit
+    from demo_engine.engine import Engine
+
+    cfg = SMALL.replace(is_tokenize_off_loop=True)
+    trace = [replace(t, arrival=float(t.index >= 5)) for t in _burst(10)]
+    rec = tracekit.Recorder(tmp_path / "run.npz", config={"rung": "test", "seed": 0})
+    with rec:
+        eng = Engine(cfg, rec, tokenizer)
+        try:
+            eng.startup()
+            stats = eng.serve(trace, 1000, clock="steps", is_drain=True)
+        finally:
+            eng.close()
+    log = tracekit.load(tmp_path / "run.npz")
+    assert stats.num_finished == 10
+    # each request waits for the tokenizer in the step it arrived in, and in no other: its
+    # tokens are back by the next step's intake (`Engine._intake`)
+    tok = log.waits.reason == WAIT_REASONS.index("tokenizing")
+    steps_of = {log.request_ids[r]: [] for r in range(len(log.request_ids))}
+    for r, k in zip(log.waits.request[tok].tolist(), log.waits.step[tok].tolist(), strict=True):
+        steps_of[log.request_ids[r]].append(k)
+    assert steps_of == {str(i): [int(i >= 5)] for i in range(10)}, steps_of
+    assert ttft_partition(log).column("wait_tokenizing").sum() > 0
+
+
+def test_off_loop_tokenizer_takes_no_tok_time_on_the_loop(tokenizer, tmp_path):
+    """On the seconds clock the loop never waits for the off-loop tokenizer: no `tok`."""
     cfg = SMALL.replace(is_tokenize_off_loop=True)
     _, stats, log = _run(cfg, tokenizer, _burst(10), tmp_path)
     assert stats.num_finished == 10
-    reasons = {WAIT_REASONS[c] for c in log.waits.reason.tolist()}
-    assert "tokenizing" in reasons
-    p = ttft_partition(log)
-    assert p.column("wait_tokenizing").sum() > 0
     assert (
         not (log.segments.label == log.labels.index("tok")).any() if "tok" in log.labels else True
     )
