@@ -70,10 +70,7 @@ def refuse_whole_trace(path: str, view: WindowOptions) -> None:
     """`trace` of a whole one-process run of more than `TRACE_ENV` emissions is refused,
     with the windows that cut it: its trace would take gigabytes to build and more than the
     Perfetto UI opens (docs/reports.md, "Reading a long run in slices")."""
-    parts_dir = parts_dir_of(path)
-    if not view.is_whole_run or parts_dir is None:
-        return
-    n, limit = emissions_of(parts_dir), env_count(TRACE_ENV, DEFAULT_TRACE_EMISSIONS)
+    n, limit = _whole_run_over(path, view, TRACE_ENV, DEFAULT_TRACE_EMISSIONS)
     if n > limit:
         raise UsageError(
             f"{path}: {n:,} emissions, more than a whole-run trace holds ({TRACE_ENV}="
@@ -82,6 +79,15 @@ def refuse_whole_trace(path: str, view: WindowOptions) -> None:
             f"p99.9, --window FROM..TO; `tracekit analyze {path} --by 1m` shows when the "
             f"tail was), or set {TRACE_ENV} to {n} or more to write it whole"
         )
+
+
+def _whole_run_over(path: str, view: WindowOptions, env: str, default: int) -> tuple[int, int]:
+    """(emissions, the limit `env` sets) of the whole of a run kept in parts; (0, 0) for a
+    window of it or a one-file log (read whole, as always)."""
+    parts_dir = parts_dir_of(path)
+    if not view.is_whole_run or parts_dir is None:
+        return 0, 0
+    return emissions_of(parts_dir), env_count(env, default)
 
 
 #: Emissions above which a run is not held whole in memory: not written as one file
@@ -94,10 +100,7 @@ def refuse_whole_client(path: str, view: WindowOptions) -> None:
     """`gaps`/`ttft --boundary client` of a whole run read it whole (its client boundary is
     read in slices by `analyze` only): of a run of more than `ONE_FILE_ENV` emissions,
     refused in one line naming what reads it in bounded memory."""
-    parts_dir = parts_dir_of(path)
-    if not view.is_whole_run or parts_dir is None:
-        return
-    n, limit = emissions_of(parts_dir), env_count(ONE_FILE_ENV, DEFAULT_ONE_FILE_EMISSIONS)
+    n, limit = _whole_run_over(path, view, ONE_FILE_ENV, DEFAULT_ONE_FILE_EMISSIONS)
     if n > limit:
         raise UsageError(
             f"{path}: {n:,} emissions, more than a run read whole holds ({ONE_FILE_ENV}="
