@@ -263,6 +263,7 @@ class SlicedRun:
         self.warnings: list[str] = []
         self.api_server = np.zeros(0, dtype=np.int64)
         self._cache: dict[int, dict[str, Any]] = {}
+        self._reach: tuple[np.ndarray, ...] | None = None  # `windows_back_to`'s columns
 
     def secs(self, ticks: np.ndarray) -> np.ndarray:
         """Ticks as seconds from engine start, as every reader computes them."""
@@ -342,6 +343,7 @@ class SlicedRun:
         #: per request, the API server that wrote its first chunk (-1: none; a merged
         #: server run's: `tracekit.attribution.client.request_api_servers` of the whole run)
         self.api_server = book.api_server
+        self._reach = None
         self.parts = [PartEntry(*e, reaches_back_to=book.reach[i], cut_tick=cut[i],  # type: ignore[misc]
                                 windows_end_s=book.windows_end_s[i],
                                 arrivals_from_s=book.arrivals_from_s[i])
@@ -406,14 +408,19 @@ class SlicedRun:
         """`c`, or an earlier part, for a merged server run's TTFTs of parts ``[c, b)``:
         a TTFT starts at its API server's arrival (maybe before part `c`), and reads the API
         servers' windows and OS intervals from there, each in the part of its start
-        (docs/ttft.md, the frontend's time)."""
-        ends = np.array([e.windows_end_s for e in self.parts[:c]])
-        arrived = min((e.arrivals_from_s for e in self.parts[c:b]), default=np.inf)
-        if not np.isfinite(ends).any() and not np.isfinite(arrived):
+        (docs/ttft.md, the frontend's time). The parts' columns are made once a run (a day
+        holds ~86,000 parts, and every slice asks)."""
+        if self._reach is None:
+            ends = np.array([e.windows_end_s for e in self.parts])
+            arrived = np.array([e.arrivals_from_s for e in self.parts])
+            flush_s = self.secs(np.array([e.flush_tick for e in self.parts], dtype=np.int64))
+            is_merged = bool(np.isfinite(ends).any() or np.isfinite(arrived).any())
+            self._reach = (ends, arrived, flush_s) if is_merged else ()
+        if not self._reach or c == 0:
             return c  # not a merged server run's, or nothing before part `c`
-        flush_s = self.secs(np.array([e.flush_tick for e in self.parts[:c]], dtype=np.int64))
-        since = min(float(flush_s[-1]) if c else np.inf, arrived)
-        c = min(c, int(np.searchsorted(flush_s, since, side="right")))  # the part holding it
+        ends, arrived, flush_s = self._reach
+        since = min(float(flush_s[c - 1]), float(arrived[c:b].min(initial=np.inf)))
+        c = min(c, int(np.searchsorted(flush_s[:c], since, side="right")))  # the part holding it
         reach = np.flatnonzero(ends[:c] > since)
         return int(reach[0]) if len(reach) else c
 
