@@ -10,14 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_sliced import FakeClock, _differences, _wait_for_parts
 
 import tracekit
 from tracekit.analysis.figures import analyze
-from tracekit.analysis.gaps import itl_series, worst_stalls
+from tracekit.analysis.gaps import even_picks, itl_series, thin_marks, worst_stalls
 from tracekit.analysis.overtime import report_buckets
 from tracekit.analysis.stream_report import report_sliced
 from tracekit.attribution.itl import partition
@@ -109,6 +110,16 @@ def test_a_stall_across_slices_and_the_series_stride_by_hand(tmp_path):
         assert _records(page["buckets"]) == whole_buckets, budget
         assert page["analysis"].gaps == 44 and page["analysis"].itl_p99 == 3000.0
     by_start = {b["bucket_start_s"]: b for b in whole_buckets}
+    # a tail (8 gaps) longer than the series' 6 points (docs/reports.md, "ITL over time"):
+    # its 6 // 2 = 3 worst, all 3,000 ms, so the earliest in partition order (a@6, a@13,
+    # b@6), and an even stride over the 8 for the other 3: linspace(0, 7, 3) -> 0, 3, 7
+    # (a@6, b@13, y@13); none of the others. Five points, by end time, then partition order.
+    thinned = {**series, "t_s": [6.0, 6.0, 13.0, 13.0, 13.0], "gap_ms": [3000.0] * 5,
+               "primary": ["clean"] * 5}  # fmt: skip
+    assert itl_series(log, part, max_points=6) == thinned
+    for budget in (1, 5, 10**6):
+        page = report_sliced(parts, 10, max_emissions=budget, max_points=6, path=str(out))
+        assert page["series"] == thinned, budget
     assert by_start[6.0]["gaps"] == 4 and by_start[6.0]["run_tail_gaps"] == 4
     assert by_start[2.0]["gaps"] == 4 and by_start[2.0]["run_tail_gaps"] == 0
     assert by_start[4.0]["gaps"] == 0 and by_start[1.0]["gaps"] == 0
@@ -125,6 +136,8 @@ def whole_page(demo_run) -> tuple:
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
+@example(budget=700, max_points=40, n=12)  # a tail (79 gaps, 8 lengths) thinned; marks not
+@example(budget=50, max_points=5, n=3)  # the GC (7) and eviction (12) marks thinned too
 @given(
     budget=st.integers(min_value=1, max_value=9_000),
     max_points=st.integers(min_value=0, max_value=3_000),
@@ -179,3 +192,17 @@ def test_report_of_a_run_read_in_slices_writes_the_whole_runs_page(demo_run, tmp
     off = [(x, y) for x, y in zip(a, b, strict=True)
            if x != y and abs(float(x) - float(y)) > 1e-9 * max(1.0, abs(float(x)))]  # fmt: skip
     assert off == []
+
+
+def test_the_series_marks_beyond_its_points_by_hand():
+    """docs/reports.md, "ITL over time": beyond the series' points, the longest GC pauses
+    (ties: the earlier) in their order, and an even stride of the evictions."""
+    t = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert thin_marks(t, np.array([3.0, 1.0, 3.0, 2.0, 1.0]), 2).tolist() == [0, 2]
+    assert thin_marks(t, np.array([3.0, 1.0, 3.0, 2.0, 1.0]), 3).tolist() == [0, 2, 3]
+    assert thin_marks(t, np.array([1.0, 2.0, 1.0, 1.0, 1.0]), 2).tolist() == [0, 1]
+    assert thin_marks(t, None, 2).tolist() == [0, 4]  # linspace(0, 4, 2)
+    assert thin_marks(t, None, 3).tolist() == [0, 2, 4]
+    assert thin_marks(t, None, 5).tolist() == [0, 1, 2, 3, 4]
+    assert thin_marks(t, None, 0).tolist() == []
+    assert even_picks(10, 4).tolist() == [0, 3, 6, 9]  # linspace(0, 9, 4): 0, 3, 6, 9

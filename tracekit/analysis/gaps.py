@@ -231,6 +231,26 @@ def worst_stalls(
     return records
 
 
+def even_picks(n: int, room: int) -> np.ndarray:
+    """Which of `n` things in order an even stride keeps when there is room for `room`:
+    all of them when they fit, else ``linspace(0, n - 1, room)`` rounded down."""
+    if n <= room:
+        return np.arange(n, dtype=np.int64)
+    if room <= 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.linspace(0, n - 1, room).astype(np.int64)
+
+
+def thin_marks(t_s: np.ndarray, length_ms: np.ndarray | None, room: int) -> np.ndarray:
+    """Which marks of a series a page draws, in their order: all of them up to `room`;
+    beyond it the `room` longest (`length_ms`, ties: the earlier mark) or, for marks with
+    no length, an even stride (`even_picks`)."""
+    n = len(t_s)
+    if n <= room or length_ms is None:
+        return even_picks(n, room)
+    return np.sort(np.lexsort((np.arange(n), -length_ms))[: max(room, 0)])
+
+
 def itl_series(
     log: RawLog,
     part: Partition | None = None,
@@ -240,22 +260,28 @@ def itl_series(
     window: Window | None = None,
 ) -> dict:
     """Every gap of the run as a point in time (`t_s`: when it ended, `gap_ms`, `primary`),
-    for an ITL-over-time chart, thinned for long runs: every gap at or above the run's
-    p99 is kept, the others by an even stride, so at most about `max_points` remain
-    (`num_gaps` counts all). Plus the marks: evictions (`evict_t_s`) and GC pauses
-    (`gc_t_s`, `gc_ms`, `gc_generation`) of at least `min_gc_ms`. With a `window`: the
-    gaps of `part` (the whole run's) that end in it, and the marks inside it."""
+    for an ITL-over-time chart, thinned to at most `max_points` points (`num_gaps` counts
+    all; docs/reports.md, "ITL over time"): the tail (gaps at or above the run's p99)
+    first, every gap of it when it fits, the others by an even stride in the room left;
+    a tail longer than `max_points` gives its `max_points // 2` worst gaps (ties: the
+    earlier in the partition) and an even stride over all of it for the rest of the room.
+    Plus the marks: evictions (`evict_t_s`, an even stride beyond `max_points`) and GC
+    pauses (`gc_t_s`, `gc_ms`, `gc_generation`) of at least `min_gc_ms` (the
+    `max_points` longest beyond it). With a `window`: the gaps of `part` (the whole run's)
+    that end in it, and the marks inside it."""
     p = select_gaps(part if part is not None else partition(log), window)
     n = len(p)
     keep = np.zeros(n, dtype=bool)
     if n:
-        is_tail = p.gap_ms >= np.percentile(p.gap_ms, 99)
-        keep |= is_tail
-        rest = np.flatnonzero(~is_tail)
-        room = max(max_points - int(is_tail.sum()), 0)
-        if len(rest) > room:
-            rest = rest[np.linspace(0, len(rest) - 1, room).astype(np.int64)] if room else rest[:0]
-        keep[rest] = True
+        tail = np.flatnonzero(p.gap_ms >= np.percentile(p.gap_ms, 99))
+        if len(tail) <= max_points:
+            keep[tail] = True
+            rest = np.flatnonzero(~keep)
+            keep[rest[even_picks(len(rest), max_points - len(tail))]] = True
+        else:
+            worst = max_points // 2
+            keep[tail[np.lexsort((tail, -p.gap_ms[tail]))[:worst]]] = True
+            keep[tail[even_picks(len(tail), max_points - worst)]] = True
     sel = np.flatnonzero(keep)
     sel = sel[np.argsort(p.t1_s[sel], kind="stable")]
     gc = log.gc_pauses
@@ -265,13 +291,15 @@ def itl_series(
     if window is not None:  # the marks inside the window only
         big &= window.contains(gc.t_start_s)
         evict_t_s = evict_t_s[window.contains(evict_t_s)]
+    gcs = np.flatnonzero(big)
+    gcs = gcs[thin_marks(gc.t_start_s[gcs], gc_ms[gcs], max_points)]
     return {
         "num_gaps": int(n),
         "t_s": p.t1_s[sel].tolist(),
         "gap_ms": p.gap_ms[sel].tolist(),
         "primary": p.primary_names()[sel].tolist(),
-        "evict_t_s": evict_t_s.tolist(),
-        "gc_t_s": gc.t_start_s[big].tolist(),
-        "gc_ms": gc_ms[big].tolist(),
-        "gc_generation": gc.generation[big].tolist(),
+        "evict_t_s": evict_t_s[thin_marks(evict_t_s, None, max_points)].tolist(),
+        "gc_t_s": gc.t_start_s[gcs].tolist(),
+        "gc_ms": gc_ms[gcs].tolist(),
+        "gc_generation": gc.generation[gcs].tolist(),
     }

@@ -23,6 +23,7 @@ does the what-if (`report_whatif_sliced`: `stream_whatif.whatif_of_index`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.allocator import give_back_freed_memory
-from tracekit.analysis.gaps import add_steps, gap_records
+from tracekit.analysis.gaps import add_steps, even_picks, gap_records, thin_marks
 from tracekit.analysis.overtime import (
     REPORT_MIN_BUCKETS,
     Bucket,
@@ -50,8 +51,10 @@ from tracekit.analysis.stream import (
 from tracekit.analysis.stream_overtime import over_time_of_index
 from tracekit.analysis.stream_whatif import whatif_of_index
 from tracekit.analysis.whatif import WhatIf
+from tracekit.attribution.itl import Partition
 from tracekit.log.flush import TABLES
 from tracekit.log.parts import merge_flushed, removed_names
+from tracekit.log.rawlog import RawLog
 from tracekit.log.slices import SlicedRun
 
 _EM = {c: TABLES["emissions"].index(c) for c in TABLES["emissions"]}
@@ -142,16 +145,16 @@ def _stalls_and_series(
     run: SlicedRun, ix: Index, n_worst: int, sizes: tuple[int, int]
 ) -> tuple[list[dict[str, Any]], dict[str, Any], tuple[float, float]]:
     """`worst_stalls` and `itl_series` of the whole run, and its span (s, `run_span_s`),
-    from the index pass (its gap values kept), the tail's threshold and one partition of
-    each slice."""
+    from the index pass (its gap values kept), the tail's threshold, one partition of
+    each slice, and one more of the slices that hold the worst stall events."""
     p99 = ix.gaps.percentiles()[2]
     lo, hi = (0.0, 0.0)
     if ix.span_ticks is not None:
         lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
     named: list[tuple[int, list[str]]] = []
-    tail, points, tasks = _tail_and_points(run, ix, p99, sizes, named)
-    stalls = _worst_stalls(run, (tail, tasks), _namer(named), n_worst)
-    return stalls, _series(run, ix, points), (lo, hi)
+    heads, points, tasks = _tail_and_points(run, ix, p99, sizes, named)
+    stalls = _worst_stalls(run, (heads, tasks, p99), _namer(named), n_worst)
+    return stalls, _series(run, ix, points, sizes[1]), (lo, hi)
 
 
 @dataclass
@@ -179,16 +182,84 @@ class _Gaps:
             return np.concatenate(parts)
         return np.zeros(0, dtype=object if k == "primary" else np.float64)
 
+    def earliest(self, k: int) -> _Gaps:
+        """The `k` gaps of these that come first in the whole run's partition."""
+        keep = np.sort(np.argsort(self.column("idx"), kind="stable")[: max(k, 0)])
+        out = _Gaps()
+        for name in ("idx", "slice_", "request", "t1_s", "gap_ms", "step1", "primary"):
+            getattr(out, name).append(self.column(name)[keep])
+        return out
+
+
+#: an event's head columns (`_Heads`): its step and primary cause (the event), its longest
+#: gap (length, place in the whole run's partition, slice, request, end) and the first and
+#: last slice holding one of its gaps
+_HEAD_COLS = ("step", "code", "gap", "idx", "slice_", "request", "t1", "first", "last")
+
+
+@dataclass
+class _Heads:
+    """The stall events of the tail gaps seen so far (docs/reports.md, "Worst stalls"): one
+    row per event, its longest gap (ties: the earlier in the whole run's partition) and
+    the slices holding its gaps, so that only those slices are read again for the worst
+    events' other gaps. Rows a slice at a time, folded by event once they double."""
+
+    cols: dict[str, list[np.ndarray]] = field(default_factory=lambda: {c: [] for c in _HEAD_COLS})
+    codes: dict[str, int] = field(default_factory=dict)  # primary cause -> its number
+    rows: int = 0
+    folded: int = 0
+
+    def add(self, j: int, step: np.ndarray, primary: np.ndarray, gap: np.ndarray,
+            idx: np.ndarray, request: np.ndarray, t1: np.ndarray) -> None:  # fmt: skip
+        """The events of slice `j`'s tail gaps (their whole-run steps and causes)."""
+        code = np.array([self.codes.setdefault(str(c), len(self.codes)) for c in primary],
+                        dtype=np.int64)  # fmt: skip
+        jj = np.full(len(gap), j, dtype=np.int64)
+        cols = {"step": step.astype(np.int64), "code": code, "gap": gap, "idx": idx,
+                "slice_": jj, "request": request, "t1": t1, "first": jj, "last": jj}  # fmt: skip
+        for c, v in _fold(cols).items():
+            self.cols[c].append(v)
+        self.rows += len(self.cols["step"][-1])
+        if self.rows > 2 * self.folded + 65536:
+            self.fold()
+
+    def fold(self) -> dict[str, np.ndarray]:
+        """One row per event: the rows so far folded (and returned)."""
+        if not self.cols["step"]:
+            return {c: np.zeros(0) for c in _HEAD_COLS}
+        folded = _fold({c: np.concatenate(v) for c, v in self.cols.items()})
+        self.cols = {c: [v] for c, v in folded.items()}
+        self.rows = self.folded = len(folded["step"])
+        return folded
+
+
+def _fold(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Rows of events folded into one per event (step, code): the row of its longest gap
+    (ties: the smallest `idx`), the smallest `first` and the largest `last`."""
+    step, code = cols["step"], cols["code"]
+    if not len(step):
+        return cols
+    order = np.lexsort((cols["idx"], -cols["gap"], code, step))
+    s, c = step[order], code[order]
+    starts = np.flatnonzero(np.r_[True, (s[1:] != s[:-1]) | (c[1:] != c[:-1])])
+    out = {k: v[order][starts] for k, v in cols.items()}
+    out["first"] = np.minimum.reduceat(cols["first"][order], starts)
+    out["last"] = np.maximum.reduceat(cols["last"][order], starts)
+    return out
+
 
 def _request_gaps(
-    run: SlicedRun, ix: Index, p99: float, names: list[tuple[int, list[str]]]
-) -> tuple[np.ndarray, np.ndarray]:
+    run: SlicedRun, ix: Index, bounds: tuple[float, int], names: list[tuple[int, list[str]]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per request, its gaps and its gaps below `p99` (the non-tail ones), from one read of
     the emissions (`gap_lengths`: the gaps in the order of a part's emissions sorted by
-    request, then time); `names` gets each part's first request and the names it adds."""
+    request, then time), and the run's `k` longest gaps' lengths (`bounds`: p99, k);
+    `names` gets each part's first request and the names it adds."""
+    p99, k = bounds
     n = len(ix.last_tick)
     last = np.full(n, NO_TICK)
     n_gaps, n_rest = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    top = np.zeros(0, dtype=np.float64)
     for i in range(len(run.parts)):
         part = run.read(i)
         if part["request_ids"]:
@@ -204,7 +275,11 @@ def _request_gaps(
         req = rs[has]
         n_gaps += np.bincount(req, minlength=n)
         n_rest += np.bincount(req[gap < p99], minlength=n)
-    return n_gaps, n_rest
+        if k > 0:
+            top = np.concatenate([top, gap[gap >= p99]])
+            if len(top) > k:
+                top = np.partition(top, len(top) - k)[len(top) - k :]
+    return n_gaps, n_rest, top
 
 
 def _starts(counts: np.ndarray) -> np.ndarray:
@@ -221,126 +296,187 @@ def _rank_in_request(req: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass
+class _Picks:
+    """Which gaps the series draws (`itl_series`' rule), by their rank in the whole run's
+    partition: every tail gap when they fit (`tail` None), else the `worst` longest and an
+    even stride over the tail (`tail`); an even stride over the others (`rest`)."""
+
+    rest: np.ndarray
+    tail: np.ndarray | None = None
+    longer: float = math.inf  # a tail too long: the gaps longer than this are all worst
+    ties: int = 0  # and this many of those equal to it, the earliest
+
+
+def _picks(n_gaps: np.ndarray, n_rest: np.ndarray, top: np.ndarray, max_points: int) -> _Picks:
+    n_tail = int(n_gaps.sum() - n_rest.sum())
+    if n_tail <= max_points:
+        return _Picks(rest=even_picks(int(n_rest.sum()), max_points - n_tail))
+    worst = max_points // 2
+    out = _Picks(rest=even_picks(0, 0), tail=even_picks(n_tail, max_points - worst))
+    if worst > 0:  # `top`: the run's `worst` longest gaps
+        out.longer = float(top.min())
+        out.ties = worst - int((top > out.longer).sum())
+    return out
+
+
+def _chosen(picks: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Which of the gaps ranked `rank` an even stride `picks` (sorted) keeps."""
+    if not len(picks):
+        return np.zeros(len(rank), dtype=bool)
+    hit = np.minimum(np.searchsorted(picks, rank), len(picks) - 1)
+    return picks[hit] == rank
+
+
 def _tail_and_points(
     run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int], names: list[Any]
-) -> tuple[_Gaps, _Gaps, list[SliceTask]]:
-    """Every slice partitioned once: its tail gaps (>= `p99`) and the other gaps the
-    series' even stride picks (`itl_series`), each with its index in the whole run's
+) -> tuple[_Heads, _Gaps, list[SliceTask]]:
+    """Every slice partitioned once: its tail gaps' stall events (>= `p99`, `_Heads`) and
+    the gaps the series draws (`_Picks`), each with its index in the whole run's
     partition (by request, then time: the request's gaps before this slice, and this
     slice's before it). `sizes`: the emissions a slice reads, the series' points."""
     max_emissions, max_points = sizes
-    n_gaps, n_rest = _request_gaps(run, ix, p99, names)
-    gap_start, rest_start = _starts(n_gaps), _starts(n_rest)
-    n_other = int(n_rest.sum())
-    room = max(max_points - (int(n_gaps.sum()) - n_other), 0)
-    picks = np.arange(n_other)
-    if n_other > room:
-        picks = np.linspace(0, n_other - 1, room).astype(np.int64) if room else picks[:0]
-    seen, rest_seen = np.zeros_like(n_gaps), np.zeros_like(n_rest)
-    tail, points = _Gaps(), _Gaps()
+    n_gaps, n_rest, top = _request_gaps(run, ix, (p99, max_points // 2), names)
+    n_tail = n_gaps - n_rest
+    starts = {"gap": _starts(n_gaps), "rest": _starts(n_rest), "tail": _starts(n_tail)}
+    seen = {k: np.zeros_like(n_gaps) for k in starts}
+    pk = _picks(n_gaps, n_rest, top, max_points)
+    heads, points, ties = _Heads(), _Gaps(), _Gaps()
     first_step = run.parts[0].first_step
     tasks = slice_tasks(run, ix, max_emissions, p99)
+
+    def ranks(kind: str, req: np.ndarray) -> np.ndarray:
+        out = starts[kind][req] + seen[kind][req] + _rank_in_request(req)
+        seen[kind] += np.bincount(req, minlength=len(n_gaps))
+        return out
+
     for j, task in enumerate(tasks):
         p = slice_partition(task)[2]
         if not len(p):
             continue
         req = p.request.astype(np.int64)
-        gidx = gap_start[req] + seen[req] + _rank_in_request(req)
-        seen += np.bincount(req, minlength=len(seen))
-        is_tail = p.gap_ms >= p99
-        rest = np.flatnonzero(~is_tail)
-        rank = rest_start[req[rest]] + rest_seen[req[rest]] + _rank_in_request(req[rest])
-        rest_seen += np.bincount(req[rest], minlength=len(rest_seen))
+        gidx = ranks("gap", req)
+        tail = np.flatnonzero(p.gap_ms >= p99)
+        rest = np.flatnonzero(p.gap_ms < p99)
         off = run.parts[task.c].first_step - first_step  # the slice's steps: from part c's
         cols = {"request": req, "t1_s": p.t1_s, "gap_ms": p.gap_ms,
                 "step1": np.where(p.step1 >= 0, p.step1 + off, p.step1),
                 "primary": p.primary_names()}  # fmt: skip
-        tail.add(np.flatnonzero(is_tail), j, gidx, cols)
-        hit = np.minimum(np.searchsorted(picks, rank), len(picks) - 1)
-        chosen = rest[picks[hit] == rank] if len(picks) else rest[:0]
-        points.add(np.sort(np.concatenate([np.flatnonzero(is_tail), chosen])), j, gidx, cols)
+        heads.add(j, cols["step1"][tail], cols["primary"][tail], p.gap_ms[tail], gidx[tail],
+                  req[tail], p.t1_s[tail])  # fmt: skip
+        drawn = [rest[_chosen(pk.rest, ranks("rest", req[rest]))]]
+        if pk.tail is None:
+            drawn.append(tail)
+        else:
+            g = p.gap_ms[tail]
+            drawn += [tail[_chosen(pk.tail, ranks("tail", req[tail]))], tail[g > pk.longer]]
+            if pk.ties:  # the earliest of those equal to the last worst one, so far
+                ties.add(tail[g == pk.longer], j, gidx, cols)
+                ties = ties.earliest(pk.ties)
+        points.add(np.unique(np.concatenate(drawn)), j, gidx, cols)
         del p, cols
         give_back_freed_memory()  # the slice's partition, before the next one's
-    return tail, points, tasks
+    for k in ("idx", "slice_", "request", "t1_s", "gap_ms", "step1", "primary"):
+        getattr(points, k).extend(getattr(ties, k))
+    return heads, points, tasks
 
 
-def _series(run: SlicedRun, ix: Index, points: _Gaps) -> dict[str, Any]:
-    """`itl_series` of the whole run: the picked gaps in the partition's order, then by
-    their end (stable), and the marks (every eviction, GC pauses of 1 ms or more)."""
+def _series(run: SlicedRun, ix: Index, points: _Gaps, max_points: int) -> dict[str, Any]:
+    """`itl_series` of the whole run: the picked gaps (each once) in the partition's order,
+    then by their end (stable), and the marks (evictions, GC pauses of 1 ms or more),
+    thinned as `itl_series` thins them."""
     idx = points.column("idx")
-    o = np.argsort(idx, kind="stable")
+    o = np.unique(idx, return_index=True)[1]  # by idx; a gap picked twice drawn once
     t1 = points.column("t1_s")[o]
     by_t = np.argsort(t1, kind="stable")
     gc = np.concatenate(ix.gc) if ix.gc else np.zeros((0, len(_GC)), dtype=np.int64)
     gc_t0, gc_t1 = run.secs(gc[:, _GC["t0_tick"]]), run.secs(gc[:, _GC["t1_tick"]])
     gc_ms = (gc_t1 - gc_t0) * 1e3
-    big = gc_ms >= 1.0  # `itl_series`' min_gc_ms
+    big = np.flatnonzero(gc_ms >= 1.0)  # `itl_series`' min_gc_ms
+    big = big[thin_marks(gc_t0[big], gc_ms[big], max_points)]
     marks = merge_flushed(run.meta, ix.sparse, path=run.parts_dir, retained=run.retained(0))
+    evict_t_s = marks.evictions.t_evict_s
     return {
         "num_gaps": int(ix.gaps.n),
         "t_s": t1[by_t].tolist(),
         "gap_ms": points.column("gap_ms")[o][by_t].tolist(),
         "primary": points.column("primary")[o][by_t].tolist(),
-        "evict_t_s": marks.evictions.t_evict_s.tolist(),
+        "evict_t_s": evict_t_s[thin_marks(evict_t_s, None, max_points)].tolist(),
         "gc_t_s": gc_t0[big].tolist(),
         "gc_ms": gc_ms[big].tolist(),
         "gc_generation": gc[big, _GC["generation"]].tolist(),
     }
 
 
-def _events(tail: _Gaps, n: int) -> list[np.ndarray]:
-    """`stall_events` of the run's tail gaps, the `n` worst: rows of `tail` grouped by
-    (closing step, primary cause), longest gap first (ties: the earlier in the whole run's
-    partition); events by their longest gap, the same way."""
-    idx, gap = tail.column("idx"), tail.column("gap_ms")
-    if not len(idx) or n <= 0:
-        return []
-    _, code = np.unique(tail.column("primary").astype(str), return_inverse=True)
-    key = tail.column("step1").astype(np.int64) * (int(code.max()) + 2) + code.ravel()
-    order = np.lexsort((idx, -gap, key))
-    starts = np.flatnonzero(np.r_[True, key[order][1:] != key[order][:-1]])
-    groups = np.split(order, starts[1:])
-    return sorted(groups, key=lambda g: (-float(gap[g[0]]), int(idx[g[0]])))[:n]
-
-
 def _worst_stalls(
-    run: SlicedRun, found: tuple[_Gaps, list[SliceTask]], names: Callable[[int], str], n: int
+    run: SlicedRun,
+    found: tuple[_Heads, list[SliceTask], float],
+    names: Callable[[int], str],
+    n: int,
 ) -> list[dict[str, Any]]:
-    """`worst_stalls` of the whole run, from its tail gaps: each event's longest gap as a
-    record (`gap_records`, `add_steps`; from its slice, one slice at a time), the requests
-    it hit (longest gap first) and its shortest gap."""
-    tail, tasks = found
-    events = _events(tail, n)
-    sl, req = tail.column("slice_"), tail.column("request")
-    t1, gap = tail.column("t1_s"), tail.column("gap_ms")
-    records: list[dict[str, Any]] = [{} for _ in events]
-    for j in sorted({int(sl[g[0]]) for g in events}):
-        mine = [k for k, g in enumerate(events) if int(sl[g[0]]) == j]
-        heads = [int(events[k][0]) for k in mine]
-        for k, rec in zip(mine, _head_records(run, tasks[j], names, req[heads], t1[heads],
-                                              gap[heads]), strict=True):  # fmt: skip
-            g = events[k]
-            rec["num_requests"] = int(len(g))
-            rec["requests"] = [names(int(r)) for r in req[g[:MAX_REQUESTS]].tolist()]
-            rec["gap_ms_min"] = float(gap[g].min())
+    """`worst_stalls` of the whole run: its `n` worst events (by their longest gap, ties:
+    the earlier in the whole run's partition), each read again from the slices holding
+    its gaps: its longest gap as a record (`gap_records`, `add_steps`), the requests it
+    hit (longest gap first, then in the partition's order) and its shortest gap."""
+    heads, tasks, p99 = found
+    h = heads.fold()
+    if n <= 0 or not len(h["step"]):
+        return []
+    top = np.lexsort((h["idx"], -h["gap"]))[:n]
+    event = {(int(h["step"][e]), int(h["code"][e])): k for k, e in enumerate(top.tolist())}
+    members: list[list[np.ndarray]] = [[] for _ in top]
+    records: list[dict[str, Any]] = [{} for _ in top]
+    spans = [range(int(h["first"][e]), int(h["last"][e]) + 1) for e in top.tolist()]
+    wanted = sorted({j for span in spans for j in span})  # the slices holding their gaps
+    for j in wanted:
+        log, _, p = slice_partition(tasks[j])
+        off = run.parts[tasks[j].c].first_step - run.parts[0].first_step
+        tail = np.flatnonzero(p.gap_ms >= p99)
+        req = p.request.astype(np.int64)
+        rank = _rank_in_request(req)[tail]
+        step1 = np.where(p.step1 >= 0, p.step1 + off, p.step1)[tail]
+        kinds, inv = np.unique(p.primary_names()[tail].astype(str), return_inverse=True)
+        code = np.array([heads.codes.get(c, -1) for c in kinds.tolist()], dtype=np.int64)
+        code = code[inv.ravel()] if len(tail) else np.zeros(0, dtype=np.int64)
+        keys = zip(step1.tolist(), code.tolist(), strict=True)
+        which = np.array([event.get(sc, -1) for sc in keys], dtype=np.int64)
+        for e in np.unique(which[which >= 0]).tolist():
+            r = np.flatnonzero(which == e)
+            members[e].append(np.stack([p.gap_ms[tail[r]], req[tail[r]],
+                                        np.full(len(r), j), rank[r]], axis=1))  # fmt: skip
+        mine = [k for k, e in enumerate(top.tolist()) if int(h["slice_"][e]) == j]
+        if not mine:
+            continue
+        heads_here = [int(top[k]) for k in mine]
+        recs = _head_records(run, (tasks[j], log, p), names, h["request"][heads_here],
+                             h["t1"][heads_here], h["gap"][heads_here])  # fmt: skip
+        for k, rec in zip(mine, recs, strict=True):
             records[k] = rec
         _steps_of(run, tasks[j], [records[k] for k in mine])
+    for k, rows in enumerate(members):
+        m = np.concatenate(rows)  # gap, request, slice, rank: longest first, then the
+        # partition's order (by request, then time: slice, then rank in the slice)
+        m = m[np.lexsort((m[:, 3], m[:, 2], m[:, 1], -m[:, 0]))]
+        records[k]["num_requests"] = int(len(m))
+        records[k]["requests"] = [names(int(r)) for r in m[:MAX_REQUESTS, 1].tolist()]
+        records[k]["gap_ms_min"] = float(m[:, 0].min())
     return records
 
 
 def _head_records(
     run: SlicedRun,
-    task: SliceTask,
+    read: tuple[SliceTask, RawLog, Partition],
     names: Callable[[int], str],
     req: np.ndarray,
     t1: np.ndarray,
     gap: np.ndarray,
 ) -> list[dict[str, Any]]:
-    """`gap_records` of the gaps of `task`'s slice that end for request `req` at `t1`, `gap`
-    long (the same gap: one request's emissions at one tick would make a second, 0 ms),
-    with the whole run's step numbers and request names (the slice names those named
-    before its first part ``(removed N)`` and numbers steps from that part's first)."""
-    log, _, p = slice_partition(task)
+    """`gap_records` of the gaps of a slice (`read`: its task, log and partition) that end
+    for request `req` at `t1`, `gap` long (the same gap: one request's emissions at one
+    tick would make a second, 0 ms), with the whole run's step numbers and request names
+    (the slice names those named before its first part ``(removed N)`` and numbers steps
+    from that part's first)."""
+    task, log, p = read
     rows = [int(np.flatnonzero((p.request == r) & (p.t1_s == t) & (p.gap_ms == g))[0])
             for r, t, g in zip(req.tolist(), t1.tolist(), gap.tolist(), strict=True)]  # fmt: skip
     start = run.parts[task.c].request_ids_start

@@ -703,8 +703,9 @@ def _itl_time_section(runs: Sequence[ReportRun], names: Sequence[str], chart: _C
         "tk-itl-time",
         itl_time_figure(series, names),  # type: ignore[arg-type]
         "Each point is one gap, at the time it ended, coloured by its primary cause; "
-        "every tail gap (at or above the run's p99) is drawn, the others thinned "
-        "evenly in long runs ("
+        "the tail (gaps at or above the run's p99) is drawn first, whole where it fits, "
+        "else its worst gaps and an even stride over it; the others are thinned evenly "
+        "in long runs ("
         + ", ".join(
             f"{esc(n)}: {len(x['t_s'])} of {x['num_gaps']}"  # type: ignore[index]
             for n, x in zip(names, series, strict=True)
