@@ -205,9 +205,13 @@ def _map_with_progress(
 
             out = ray_map(fn, [(p,) for p in paths], ray, on_result=lambda: bar.update(1))
         elif jobs <= 1 or len(paths) <= 1:
-            for p in paths:
-                out.append(fn(p))
-                bar.update(1)
+            from tracekit.analysis.progress import progress_on  # deferred: loaded per command
+
+            one = len(paths) == 1 and sys.stderr.isatty()  # a long run says how far it is
+            with progress_on(sys.stderr if one else None):
+                for p in paths:
+                    out.append(fn(p))
+                    bar.update(1)
         else:
             from concurrent.futures import ProcessPoolExecutor  # deferred: only with -j
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tracekit.allocator import keep_freed_memory
 from tracekit.analysis.figures import RunAnalysis, analyze
 from tracekit.analysis.gaps import itl_series, worst_stalls
+from tracekit.analysis.progress import reporter
 from tracekit.analysis.run import open_run, parts_dir_of
 from tracekit.analysis.stream import DEFAULT_SLICE_EMISSIONS, NotSliceable
 from tracekit.analysis.stream_client import analyze_sliced_client
@@ -150,8 +151,9 @@ def _analyze_in_slices(path: str, mapper: Any = None, **limits: Any) -> RunAnaly
         return None
     spread = None if mapper is None else functools.partial(index_pass_spread, mapper=mapper)
     try:
-        return analyze_sliced_client(parts_dir, path=_shown_path(path, parts_dir),
-                              max_emissions=slice_budget(), mapper=mapper, indexer=spread,
+        shown = _shown_path(path, parts_dir)
+        return analyze_sliced_client(parts_dir, path=shown, max_emissions=slice_budget(),
+                              mapper=mapper, indexer=spread, progress=reporter(shown),
                               max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
     except NotSliceable:  # damaged or written before parts said their first step
         return None
@@ -291,8 +293,9 @@ def _whatif_in_slices(
     if parts_dir is None or not reads_in_slices(path):
         return None
     try:
-        return whatif_sliced(parts_dir, names, path=_shown_path(path, parts_dir),
-                             max_emissions=slice_budget(), mapper=mapper,
+        shown = _shown_path(path, parts_dir)
+        return whatif_sliced(parts_dir, names, path=shown, max_emissions=slice_budget(),
+                             mapper=mapper, progress=reporter(shown),
                              max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
     except NotSliceable:
         return None
@@ -337,8 +340,9 @@ def report_path(
     parts_dir = parts_dir_of(path)
     if (view is None or view.is_whole_run) and parts_dir is not None and reads_in_slices(path):
         try:  # a long run: in slices, in bounded memory (the same page), one index pass
-            return report_whatif_sliced(parts_dir, n_worst, path=_shown_path(path, parts_dir),
-                                        max_emissions=slice_budget(),
+            shown = _shown_path(path, parts_dir)
+            return report_whatif_sliced(parts_dir, n_worst, path=shown,
+                                        max_emissions=slice_budget(), progress=reporter(shown),
                                         max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
         except NotSliceable:
             pass
