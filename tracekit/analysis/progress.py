@@ -4,7 +4,7 @@
         analyze_sliced(..., progress=reporter("raw/run.npz"))
 
 A run read in slices (docs/reports.md, "Reading a long run in slices") takes minutes for a
-day of a busy server; its readers say where they are (``index: part 123 of 52,628``,
+day of a busy server; its readers say where they are (``index: part 123 of 52628``,
 ``slice 12 of 400``) through a `progress` callback. `reporter` gives one that writes
 ``tracekit: RUN: WHAT`` over the previous line, at most every `EVERY_S` seconds, while
 `progress_on` is open, and None otherwise (a pipe, a log file, a worker process, several
