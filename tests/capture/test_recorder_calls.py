@@ -149,6 +149,9 @@ BAD_CALLS = {
     "emit_handles a few, a float count": lambda r: r.emit_handles([0], [1.5]),
     "emit_handles 0-d array": lambda r: r.emit_handles(np.array(0)),
     "emit_handles a few in an array, out of range": lambda r: r.emit_handles(np.array([0, 9])),
+    # a batch (over 8 handles) takes the vectorised check: one past the last, and -1
+    "emit_handles a batch, one out of range": lambda r: r.emit_handles(np.array([0] * 9 + [2])),
+    "emit_handles a batch, one negative": lambda r: r.emit_handles(np.array([1] * 9 + [-1])),
     "admit_handle out of range": lambda r: r.admit_handle(2),
     "prefill_handles lengths": lambda r: r.prefill_handles([0, 1], [3]),
     "prefill_handles negative": lambda r: r.prefill_handles(np.array([0]), np.array([-4])),

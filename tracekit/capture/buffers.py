@@ -41,18 +41,20 @@ class RowBuffers:
     """The rows recorded since the last flush, and what the flushes have handed over.
 
     `lock` is the recorder's lock: every append outside the loop thread's open step holds
-    it, and so does the swap. `segments` is the segments table (the segment hooks' table,
-    one lookup less); the swap replaces it with the rest."""
+    it, and so does the swap. `segments` and `os_samples` are those tables (the segment
+    hooks' and the step samples', one lookup less); the swap replaces them with the rest."""
 
     __slots__ = (
-        "lock", "tables", "segments", "dispatcher", "interval_ticks", "last_flush_tick",
-        "num_flushes", "num_steps_flushed", "num_requests_flushed", "is_flush_asked",
+        "lock", "tables", "segments", "os_samples", "dispatcher", "interval_ticks",
+        "last_flush_tick", "num_flushes", "num_steps_flushed", "num_requests_flushed",
+        "is_flush_asked",
     )  # fmt: skip
 
     def __init__(self, interval_ticks: int) -> None:
         self.lock = threading.RLock()
         self.tables = new_tables()
         self.segments = self.tables["segments"]
+        self.os_samples = self.tables["os_samples"]
         self.dispatcher: Dispatcher | None = None
         self.interval_ticks = interval_ticks  # a flush at least this often
         self.last_flush_tick = 0
@@ -66,6 +68,7 @@ class RowBuffers:
         full = self.tables
         self.tables = new_tables()
         self.segments = self.tables["segments"]
+        self.os_samples = self.tables["os_samples"]
         self.is_flush_asked = False  # the rows so far are in this flush
         self.num_steps_flushed += len(full["steps"]) // _STEP_WIDTH
         return full

@@ -80,7 +80,7 @@ from tracekit.capture.sinks import Dispatcher, Flush, MemorySink, PartsSink, Sin
 from tracekit.labels import DEFAULT_CAUSE_MAP
 from tracekit.log.clocks import STEADY_CLOCK_FUNCTIONS
 from tracekit.log.flush import UNKNOWN_TICK
-from tracekit.log.rawlog import MODES, OS_STEP_END, OS_STEP_START, RawLog
+from tracekit.log.rawlog import MODES, RawLog
 from tracekit.log.reader import load
 from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT
 
@@ -434,14 +434,14 @@ class Recorder:
             st.begin(t0)
         probes = self._probes
         if probes.os is not None:
-            probes.os_sample(OS_STEP_START)
+            probes.os_step_start()
 
     def _end_step(self) -> None:
         """Where a step ends: its row, then the device poll and the flush."""
         t1 = self._clock()
         probes = self._probes
         if probes.os is not None:
-            probes.os_sample(OS_STEP_END)
+            probes.os_step_end()
         st = self._step
         row = st.row(t1)
         rows = self._rows

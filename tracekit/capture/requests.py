@@ -76,15 +76,21 @@ def bytes_of(rows: np.ndarray) -> bytes:
 _INT64 = np.dtype(np.int64)
 _UINT64 = np.dtype(np.uint64)
 _INT32 = np.dtype(np.int32)
-_max_of = np.maximum.reduce  # `ndarray.max` without its Python wrapper
-_min_of = np.minimum.reduce
+_min_of = np.minimum.reduce  # `ndarray.min` without its Python wrapper
+#: `r.emitted_np[rel] = _TRUE`: a 0-d array is assigned as is (True is converted first)
+_TRUE = np.ones((), dtype=np.bool_)
+_TRUE.flags.writeable = False
 
 
 def in_range(values: Any, lo: int, hi: int) -> np.ndarray | None:
     """`values - lo` (`values` itself when `lo` is 0), when `values` is a flat int64
     array of more than `SMALL` values, each in [lo, hi]: the per-step batch, checked with
-    one reduction (a value below `lo` is above `hi - lo` as unsigned). None otherwise:
-    check it with `as_int_vector`, which names the wrong value and converts other types."""
+    one pass for the largest value as unsigned (a value below `lo` is above `hi - lo`
+    there). None otherwise: check it with `as_int_vector`, which names the wrong value
+    and converts other types.
+
+    The pass is `argmax`, the array's own method, and the value it points at: for 512
+    values ~0.5 µs, against 1.2 µs for `np.maximum.reduce` (a ufunc's fixed cost)."""
     if (
         type(values) is np.ndarray
         and values.dtype is _INT64
@@ -92,7 +98,8 @@ def in_range(values: Any, lo: int, hi: int) -> np.ndarray | None:
         and values.size > SMALL
     ):
         rel = values - lo if lo else values
-        if int(_max_of(rel.view(_UINT64))) <= hi - lo:
+        u = rel.view(_UINT64)
+        if u.item(u.argmax()) <= hi - lo:
             return rel
     return None
 
@@ -708,7 +715,7 @@ class RequestBook:
                 if len(adm) and int(adm.max()) > t:
                     self.note("emission tick(s) before the request's admission, taken as it")
                     t = int(adm.max())
-            r.emitted_np[rel] = True
+            r.emitted_np[rel] = _TRUE
             tables = rows.tables
             hb = tables[EMIT_HANDLES]
             at = len(hb)
