@@ -51,7 +51,8 @@ from tracekit.analysis.stream_overtime import over_time_of_index
 from tracekit.analysis.stream_whatif import whatif_of_index
 from tracekit.analysis.whatif import WhatIf
 from tracekit.log.flush import TABLES
-from tracekit.log.parts import merge_flushed, removed_names
+from tracekit.log.parts import merge_flushed
+from tracekit.log.request_names import RequestNames
 from tracekit.log.slices import SlicedRun
 
 _EM = {c: TABLES["emissions"].index(c) for c in TABLES["emissions"]}
@@ -148,9 +149,8 @@ def _stalls_and_series(
     lo, hi = (0.0, 0.0)
     if ix.span_ticks is not None:
         lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
-    named: list[tuple[int, list[str]]] = []
-    tail, points, tasks = _tail_and_points(run, ix, p99, sizes, named)
-    stalls = _worst_stalls(run, (tail, tasks), _namer(named), n_worst)
+    tail, points, tasks = _tail_and_points(run, ix, p99, sizes)
+    stalls = _worst_stalls(run, (tail, tasks), ix.names, n_worst)
     return stalls, _series(run, ix, points), (lo, hi)
 
 
@@ -180,20 +180,15 @@ class _Gaps:
         return np.zeros(0, dtype=object if k == "primary" else np.float64)
 
 
-def _request_gaps(
-    run: SlicedRun, ix: Index, p99: float, names: list[tuple[int, list[str]]]
-) -> tuple[np.ndarray, np.ndarray]:
+def _request_gaps(run: SlicedRun, ix: Index, p99: float) -> tuple[np.ndarray, np.ndarray]:
     """Per request, its gaps and its gaps below `p99` (the non-tail ones), from one read of
     the emissions (`gap_lengths`: the gaps in the order of a part's emissions sorted by
-    request, then time); `names` gets each part's first request and the names it adds."""
+    request, then time)."""
     n = len(ix.last_tick)
     last = np.full(n, NO_TICK)
     n_gaps, n_rest = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     for i in range(len(run.parts)):
-        part = run.read(i)
-        if part["request_ids"]:
-            names.append((part["request_ids_start"], part["request_ids"]))
-        em = part["tables"].get("emissions")
+        em = run.read(i)["tables"].get("emissions")
         if em is None or not len(em):
             continue
         rs = np.sort(em[:, _EM["request"]], kind="stable")
@@ -222,14 +217,14 @@ def _rank_in_request(req: np.ndarray) -> np.ndarray:
 
 
 def _tail_and_points(
-    run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int], names: list[Any]
+    run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int]
 ) -> tuple[_Gaps, _Gaps, list[SliceTask]]:
     """Every slice partitioned once: its tail gaps (>= `p99`) and the other gaps the
     series' even stride picks (`itl_series`), each with its index in the whole run's
     partition (by request, then time: the request's gaps before this slice, and this
     slice's before it). `sizes`: the emissions a slice reads, the series' points."""
     max_emissions, max_points = sizes
-    n_gaps, n_rest = _request_gaps(run, ix, p99, names)
+    n_gaps, n_rest = _request_gaps(run, ix, p99)
     gap_start, rest_start = _starts(n_gaps), _starts(n_rest)
     n_other = int(n_rest.sum())
     room = max(max_points - (int(n_gaps.sum()) - n_other), 0)
@@ -304,7 +299,7 @@ def _events(tail: _Gaps, n: int) -> list[np.ndarray]:
 
 
 def _worst_stalls(
-    run: SlicedRun, found: tuple[_Gaps, list[SliceTask]], names: Callable[[int], str], n: int
+    run: SlicedRun, found: tuple[_Gaps, list[SliceTask]], names: RequestNames, n: int
 ) -> list[dict[str, Any]]:
     """`worst_stalls` of the whole run, from its tail gaps: each event's longest gap as a
     record (`gap_records`, `add_steps`; from its slice, one slice at a time), the requests
@@ -321,7 +316,7 @@ def _worst_stalls(
                                               gap[heads]), strict=True):  # fmt: skip
             g = events[k]
             rec["num_requests"] = int(len(g))
-            rec["requests"] = [names(int(r)) for r in req[g[:MAX_REQUESTS]].tolist()]
+            rec["requests"] = [names[int(r)] for r in req[g[:MAX_REQUESTS]].tolist()]
             rec["gap_ms_min"] = float(gap[g].min())
             records[k] = rec
         _steps_of(run, tasks[j], [records[k] for k in mine])
@@ -331,7 +326,7 @@ def _worst_stalls(
 def _head_records(
     run: SlicedRun,
     task: SliceTask,
-    names: Callable[[int], str],
+    names: RequestNames,
     req: np.ndarray,
     t1: np.ndarray,
     gap: np.ndarray,
@@ -343,8 +338,7 @@ def _head_records(
     log, _, p = slice_partition(task)
     rows = [int(np.flatnonzero((p.request == r) & (p.t1_s == t) & (p.gap_ms == g))[0])
             for r, t, g in zip(req.tolist(), t1.tolist(), gap.tolist(), strict=True)]  # fmt: skip
-    start = run.parts[task.c].request_ids_start
-    real = tuple(names(i) for i in range(start)) + log.request_ids[start:]
+    real = names.head(len(log.request_ids))  # the run's names: none made but those read
     recs = gap_records(replace(log, request_ids=real), p, index=np.array(rows, dtype=np.int64))
     off = run.parts[task.c].first_step - run.parts[0].first_step
     for rec in recs:
@@ -370,17 +364,3 @@ def _steps_of(run: SlicedRun, task: SliceTask, records: list[dict[str, Any]]) ->
     for rec in records:
         for st in rec["steps"]:
             st["step"] += off
-
-
-def _namer(named: list[tuple[int, list[str]]]) -> Callable[[int], str]:
-    """A request's id by its index, as the whole run names it (`request_names`), from the
-    names each part adds (`named`: its first request's index and its names, in order)."""
-    starts = np.array([start for start, _ in named], dtype=np.int64)
-
-    def name(r: int) -> str:
-        i = int(np.searchsorted(starts, r, side="right")) - 1  # the part that named it
-        if i < 0:  # named in a part removed before the run was read
-            return removed_names(r + 1)[r]
-        return str(named[i][1][r - int(starts[i])])
-
-    return name
