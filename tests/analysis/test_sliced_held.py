@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 
 import tracekit
+import tracekit.analysis.stream_check as stream_check
 from tracekit.analysis.stream import index_pass
+from tracekit.analysis.stream_check import PartByPart
 from tracekit.attribution.itl import FIT_ALL_CAPTURED
 from tracekit.log.request_names import RequestNames
 from tracekit.log.slices import SlicedRun
@@ -85,6 +87,29 @@ def test_the_index_pass_holds_a_few_numbers_and_the_id_bytes_a_request(tmp_path)
     name = NAME_CHARS + 1.25 * 8
     print(f"{per_request:.1f} bytes a request")
     assert per_request <= columns + name + 4, (per_request, held)
+
+
+def test_the_check_reads_each_part_with_only_the_requests_its_rows_name(
+    tmp_path, monkeypatch
+):  # fmt: skip
+    """`tracekit check` part by part: each part's log holds the requests its rows name
+    (here its 1,000 new ones and the 1,000 of the part before, which emit again), never
+    every request named so far, which made each part's check longer than the one before
+    (the whole check quadratic in the run's length)."""
+    parts_dir = _many_requests(tmp_path / "run.npz", 8)
+    held: list[int] = []
+    merge = stream_check.merge_flushed
+
+    def counted(*args, **kw):
+        log = merge(*args, **kw)
+        held.append(len(log.requests))
+        return log
+
+    monkeypatch.setattr(stream_check, "merge_flushed", counted)
+    checked = PartByPart(parts_dir, parts_dir, None).check(None)
+    assert checked.num_emissions == 2 * 8 * PER_PART - PER_PART
+    # the 8 parts, the stop's (no rows), then the log of the kept tables: every request
+    assert held == [PER_PART] + [2 * PER_PART] * 7 + [0] + [8 * PER_PART]
 
 
 def test_request_names_are_made_only_for_the_rows_read():
