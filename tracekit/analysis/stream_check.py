@@ -182,6 +182,25 @@ def _kept_order(e: LogError) -> tuple[int, int]:
     return 0, 0  # nothing else can fail in the placeholder log: say it first
 
 
+def _renumbered(cols: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The distinct values of `cols` in order (`u`), and each column as indices into `u`:
+    through a table of the values' span where it is small (a part's requests are mostly
+    recent ones), else by sorting."""
+    if not cols or not sum(len(c) for c in cols):
+        return _NONE, [c.copy() for c in cols]
+    lo = min(int(c.min()) for c in cols if len(c))
+    hi = max(int(c.max()) for c in cols if len(c))
+    rows = sum(len(c) for c in cols)
+    if hi - lo > 4 * rows:
+        u = np.unique(np.concatenate(cols))
+        return u, [np.searchsorted(u, c) for c in cols]
+    seen = np.zeros(hi - lo + 1, dtype=bool)
+    for c in cols:
+        seen[c - lo] = True
+    index = np.cumsum(seen) - 1
+    return np.flatnonzero(seen) + lo, [index[c - lo] for c in cols]
+
+
 def _first(mask: np.ndarray) -> int | None:
     return int(np.flatnonzero(mask)[0]) if mask.any() else None
 
@@ -274,10 +293,10 @@ class PartByPart:
         check_request_rows(part, part["request_ids_start"] + len(part["request_ids"]))
         tables = dict(part["tables"])
         naming = [(k, column_index(k, "request")) for k in _NAMING if k in tables]
-        u = np.unique(np.concatenate([tables[k][:, c] for k, c in naming] or [_NONE]))
-        for k, c in naming:
+        u, local = _renumbered([tables[k][:, c] for k, c in naming])
+        for (k, c), col in zip(naming, local, strict=True):
             tables[k] = tables[k].copy()
-            tables[k][:, c] = np.searchsorted(u, tables[k][:, c])
+            tables[k][:, c] = col
         retained = Retained(part_number(part["where"]), 0, self.first_step or 0, None)
         local = {**part, "tables": tables, "request_ids_start": 0, "request_ids": Unnamed(len(u))}
         log = merge_flushed(self.meta, [local], path=self.shown, retained=retained)
@@ -397,8 +416,7 @@ class PartByPart:
         self.in_time_order &= bool(np.all(t[1:] >= t[:-1]))
         self.prev_emission = (int(r[-1]), float(t[-1]))
         r, t = em.request, em.t_s
-        u, counts = np.unique(r, return_counts=True)  # never a column of every request
-        self.num_emitted[u] += counts
+        np.add.at(self.num_emitted, r, 1)  # never a column of every request
         np.minimum.at(self.first_t, r, t)
         np.maximum.at(self.last_t, r, t)
         self.num_early += int((t < self.arrival[r]).sum())

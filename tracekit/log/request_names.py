@@ -44,17 +44,21 @@ class RequestNames(Sequence[str]):
 
     def extend(self, names: Iterable[str]) -> None:
         """Add the ids that follow."""
-        enc = [s.encode() for s in names]
-        if not enc:
+        if isinstance(names, Unnamed):  # as many empty ids: no string made
+            blob, lens = b"", np.zeros(len(names), dtype=np.int64)
+        else:
+            enc = [s.encode() for s in names]
+            blob = b"".join(enc)
+            lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))
+        if not len(lens):
             return
-        lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))
-        n = self._n + len(enc)
+        n = self._n + len(lens)
         if n > len(self._ends):  # a quarter more when full: requests come a part at a time
             buf = np.zeros(max(n, len(self._ends) + len(self._ends) // 4), dtype=np.int64)
             buf[: self._n] = self._ends[: self._n]
             self._ends = buf
         self._ends[self._n : n] = len(self._blob) + np.cumsum(lens)
-        self._blob += b"".join(enc)
+        self._blob += blob
         self._n = n
 
     def __iadd__(self, names: Iterable[str]) -> RequestNames:
