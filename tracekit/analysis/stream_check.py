@@ -293,8 +293,8 @@ class PartByPart:
         check_request_rows(part, part["request_ids_start"] + len(part["request_ids"]))
         tables = dict(part["tables"])
         naming = [(k, column_index(k, "request")) for k in _NAMING if k in tables]
-        u, local = _renumbered([tables[k][:, c] for k, c in naming])
-        for (k, c), col in zip(naming, local, strict=True):
+        u, numbered = _renumbered([tables[k][:, c] for k, c in naming])
+        for (k, c), col in zip(naming, numbered, strict=True):
             tables[k] = tables[k].copy()
             tables[k][:, c] = col
         retained = Retained(part_number(part["where"]), 0, self.first_step or 0, None)
