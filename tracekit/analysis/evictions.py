@@ -8,6 +8,7 @@ Pure: a `RawLog` in, an `EvictionSummary` out (None for a run without evictions)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +111,7 @@ def _recompute_ms(log: RawLog) -> float:
     return float((seg.t_end_s[use] - seg.t_start_s[use]).sum() * 1e3)
 
 
-def _row(names: tuple[str, ...], c: EvictionCauses, i: int, evicted: np.ndarray,
+def _row(names: Sequence[str], c: EvictionCauses, i: int, evicted: np.ndarray,
          resume: np.ndarray) -> EvictionRow:  # fmt: skip
     """Eviction `i` as an `EvictionRow`."""
     return EvictionRow(

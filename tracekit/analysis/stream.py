@@ -71,6 +71,7 @@ from tracekit.labels import OS_LABELS, RECOMPUTE_CLASS, partition_labels
 from tracekit.log.flush import READMIT, TABLES
 from tracekit.log.parts import Retained, merge_flushed
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
+from tracekit.log.request_names import RequestNames, Unnamed
 from tracekit.log.slices import NotSliceable, SlicedRun, grown
 
 __all__ = ["NotSliceable", "analyze_sliced"]
@@ -132,6 +133,8 @@ class Index:
     spill: Any = None
     #: the buffers the per-request columns are views of (`grow_requests`)
     room: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    #: every request's id as the whole run names it, compactly (`sparse_part` adds them)
+    names: RequestNames = field(default_factory=RequestNames)
 
     def grow_requests(self, n: int) -> None:
         """The per-request columns lengthened to `n` requests (new ones: none seen yet)."""
@@ -146,7 +149,12 @@ def sparse_part(ix: Index, part: dict[str, Any]) -> dict[str, Any]:
     eviction tables, counters, `recompute` segments and, of each readmitted victim, its
     first emission strictly after the readmission (where the victim's debt ends,
     `reprefill.next_emission`) and no other: a day of a busy server keeps a row an
-    eviction, never the victims' tokens."""
+    eviction, never the victims' tokens. The part's new request ids go to `ix.names` (the
+    parts come in order), the part keeps their count (`Unnamed`)."""
+    if not len(ix.names):  # the first part: those before it were named in removed parts
+        ix.names = RequestNames(part["request_ids_start"])
+    ix.names.extend(part["request_ids"])
+    part = {**part, "request_ids": Unnamed(len(part["request_ids"]))}
     t = part["tables"]
     keep = {k: t[k] for k in ("events", "preemptions", "evictors", "counters") if k in t}
     ev = t.get("events")
@@ -210,7 +218,7 @@ def index_pass(
             if ix.first_step_tick is None or first < ix.first_step_tick:
                 ix.first_step_tick = first
             # GC-free decode time of this part's steps, from it and the part before it
-            mini = run.log_of(max(0, i - 1), i + 1, tables=STEP_TABLES)
+            mini = run.unnamed_log_of(max(0, i - 1), i + 1, STEP_TABLES)
             step_figures(ix, mini, len(st), part_segments(part))
         gc = t.get("gc_pauses")
         if gc is not None and len(gc):
@@ -683,7 +691,7 @@ def run_fields(run: SlicedRun, ix: Index, path: str) -> dict[str, Any]:
     pass and the run's eviction rows."""
     tail_log = run.log_of(len(run.parts) - 1, len(run.parts), tables=frozenset(), final=True)
     sparse = merge_flushed(run.meta, ix.sparse, path=path, retained=run.retained(0))
-    evictions = eviction_summary(sparse)
+    evictions = eviction_summary(replace(sparse, request_ids=ix.names))
     if evictions is not None:  # the steps' computed tokens: counted in the index pass
         c = ix.computed_tokens
         evictions = replace(evictions, computed_tokens=c, recompute_tax=(

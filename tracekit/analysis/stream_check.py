@@ -48,6 +48,7 @@ from tracekit.log.parts import (
     POINTER_MEMBER,
     DamagedPart,
     Retained,
+    check_request_rows,
     index_warnings,
     merge_flushed,
     missing_part_warning,
@@ -58,13 +59,13 @@ from tracekit.log.parts import (
     read_flushed_part,
     read_meta,
     read_part,
-    removed_names,
     retained_start,
     unreadable_part_warning,
 )
 from tracekit.log.rawlog import OS_SEGMENT_END, WAIT_REASONS, RawLog
 from tracekit.log.reader import load, shorten_names
-from tracekit.log.slices import NotSliceable
+from tracekit.log.request_names import RequestNames, Unnamed
+from tracekit.log.slices import NotSliceable, grown
 from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT, MAX_OS_NS, validate_log
 
 
@@ -142,6 +143,9 @@ _DEFERRED = (
     (76, "waits", "step", 0, "steps"),
 )
 _WAIT_REASON, _WAITS_TWICE = 77, 82
+#: the tables whose rows name a request (a part's log renumbers them: `_part_log`)
+_NAMING = tuple(k for k, cols in TABLES.items() if "request" in cols)
+_NONE = np.zeros(0, dtype=np.int64)
 # Rules checked on the kept tables (`validate_log` of the placeholder log), by field; a
 # field two rules name is told apart by its message.
 _KEPT_ORDER = {
@@ -178,6 +182,25 @@ def _kept_order(e: LogError) -> tuple[int, int]:
     return 0, 0  # nothing else can fail in the placeholder log: say it first
 
 
+def _renumbered(cols: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The distinct values of `cols` in order (`u`), and each column as indices into `u`:
+    through a table of the values' span where it is small (a part's requests are mostly
+    recent ones), else by sorting."""
+    if not cols or not sum(len(c) for c in cols):
+        return _NONE, [c.copy() for c in cols]
+    lo = min(int(c.min()) for c in cols if len(c))
+    hi = max(int(c.max()) for c in cols if len(c))
+    rows = sum(len(c) for c in cols)
+    if hi - lo > 4 * rows:
+        u = np.unique(np.concatenate(cols))
+        return u, [np.searchsorted(u, c) for c in cols]
+    seen = np.zeros(hi - lo + 1, dtype=bool)
+    for c in cols:
+        seen[c - lo] = True
+    index = np.cumsum(seen) - 1
+    return np.flatnonzero(seen) + lo, [index[c - lo] for c in cols]
+
+
 def _first(mask: np.ndarray) -> int | None:
     return int(np.flatnonzero(mask)[0]) if mask.any() else None
 
@@ -200,7 +223,8 @@ class PartByPart:
         self.offsets: list[dict[str, int]] = []  # per part read: rows before it, by table
         self.extent: list[dict[tuple[str, str], tuple[int, int]]] = []  # per part: min, max
         self.kept: dict[str, list[np.ndarray]] = {k: [] for k in _KEPT}
-        self.request_ids: list[str] = []
+        self.request_ids = RequestNames()
+        self._room: dict[str, np.ndarray] = {}  # the buffers of the per-request columns
         self.num_emitted = np.zeros(0, dtype=np.int64)  # per request
         self.first_t = np.zeros(0)
         self.last_t = np.zeros(0)
@@ -257,19 +281,27 @@ class PartByPart:
         self.first = {k: part[k] for k in ("first_step", "request_ids_start")}
         if part_number(part["where"]) != 1:
             self.first_step = part["first_step"]
-            self.request_ids = removed_names(part["request_ids_start"])
+            self.request_ids = RequestNames(part["request_ids_start"])
             self._grow(len(self.request_ids))
 
     def _part_log(self, part: dict[str, Any]) -> RawLog:
-        """One part as a log: rows in seconds, steps and requests numbered in the run. The
-        requests named before it are one shared empty name each (their names are never
-        read here; ``(removed N)`` names would be a string per request, kept for good)."""
-        start = part["request_ids_start"]
-        number = part_number(part["where"])
-        retained = Retained(number, 0, self.first_step or 0, None)
-        unnamed = {**part, "request_ids_start": 0,
-                   "request_ids": [""] * start + part["request_ids"]}  # fmt: skip
-        return merge_flushed(self.meta, [unnamed], path=self.shown, retained=retained)
+        """One part as a log: rows in seconds, steps and requests numbered in the run (a
+        row naming a request not named so far: the `LogError` `merge_flushed` raises). The
+        log holds only the requests its rows name, renumbered in order and numbered back in
+        the rows read here: a log holding every request named so far made each part's
+        check grow with the run, and the whole check with its square."""
+        check_request_rows(part, part["request_ids_start"] + len(part["request_ids"]))
+        tables = dict(part["tables"])
+        naming = [(k, column_index(k, "request")) for k in _NAMING if k in tables]
+        u, numbered = _renumbered([tables[k][:, c] for k, c in naming])
+        for (k, c), col in zip(naming, numbered, strict=True):
+            tables[k] = tables[k].copy()
+            tables[k][:, c] = col
+        retained = Retained(part_number(part["where"]), 0, self.first_step or 0, None)
+        local = {**part, "tables": tables, "request_ids_start": 0, "request_ids": Unnamed(len(u))}
+        log = merge_flushed(self.meta, [local], path=self.shown, retained=retained)
+        return replace(log, **{k: replace(getattr(log, k), request=u[getattr(log, k).request])
+                               for k in ("emissions", "waits", "prefill_chunks")})  # fmt: skip
 
     def _add(self, part: dict[str, Any]) -> None:
         start, n = part["request_ids_start"], len(self.request_ids)
@@ -285,7 +317,7 @@ class PartByPart:
         except LogError as e:  # a row naming a request not named so far
             self.fold_error = e
             return
-        self.request_ids += part["request_ids"]
+        self.request_ids.extend(part["request_ids"])
         self._grow(len(self.request_ids))
         for k in _KEPT:
             rows = part["tables"].get(k)
@@ -308,12 +340,12 @@ class PartByPart:
             self.rows[k] += len(part["tables"].get(k, ()))
 
     def _grow(self, n: int) -> None:
-        more = n - len(self.num_emitted)
-        if more > 0:
-            self.num_emitted = np.concatenate([self.num_emitted, np.zeros(more, np.int64)])
-            self.first_t = np.concatenate([self.first_t, np.full(more, np.inf)])
-            self.last_t = np.concatenate([self.last_t, np.full(more, -np.inf)])
-            self.arrival = np.concatenate([self.arrival, np.full(more, np.nan)])
+        """The per-request columns lengthened to `n` requests (views of buffers that grow by
+        a quarter when full, `grown`: a copy of every request's at each part was quadratic
+        over a long run)."""
+        for key, fill in (("num_emitted", 0), ("first_t", np.inf), ("last_t", -np.inf),
+                          ("arrival", np.nan)):  # fmt: skip
+            setattr(self, key, grown(self._room, key, getattr(self, key), n, fill))
 
     def _arrivals(self, part: dict[str, Any]) -> None:
         """Each request's arrival as the whole run will hold it, before its emissions are
@@ -384,7 +416,7 @@ class PartByPart:
         self.in_time_order &= bool(np.all(t[1:] >= t[:-1]))
         self.prev_emission = (int(r[-1]), float(t[-1]))
         r, t = em.request, em.t_s
-        self.num_emitted += np.bincount(r, minlength=len(self.num_emitted))
+        np.add.at(self.num_emitted, r, 1)  # never a column of every request
         np.minimum.at(self.first_t, r, t)
         np.maximum.at(self.last_t, r, t)
         self.num_early += int((t < self.arrival[r]).sum())

@@ -35,6 +35,7 @@ from tracekit.analysis.stream import (
 )
 from tracekit.attribution.itl import Partition
 from tracekit.log.rawlog import RawLog
+from tracekit.log.request_names import RequestNames
 from tracekit.log.slices import SlicedRun
 
 __all__ = ["GapRows", "SpilledGaps", "spill_gaps_sliced", "sliced_config"]
@@ -87,7 +88,8 @@ class SpilledGaps:
 
     folder: str
     analysis: RunAnalysis | None = None
-    names: list[str] = field(default_factory=list)  # per request, as the whole run names it
+    #: per request, as the whole run names it (compactly)
+    names: RequestNames = field(default_factory=RequestNames)
     causes: set[str] = field(default_factory=set)  # every slice's causes
     pieces: dict[tuple[int, int], _Piece] = field(default_factory=dict)
     #: per primary cause's name, its code and where it first appears (request, slice, row)
@@ -121,6 +123,8 @@ class SpilledGaps:
             return
         k = len(self.pieces)
         ids = log.request_names()
+        if not k and task.retained is not None:  # the run's first parts were removed
+            self.names = RequestNames(task.retained.num_requests)
         # the requests named before the slice's first part (`(removed N)` in its log) were
         # named in parts an earlier slice read: their names are known already
         assert task.retained is None or task.retained.num_requests <= len(self.names) or not k
@@ -158,7 +162,6 @@ class SpilledGaps:
         remap = np.zeros(max(self.primary_codes.values(), default=-1) + 1, dtype=np.int32)
         for i, name in enumerate(self.primaries):
             remap[self.primary_codes[name]] = i
-        names = np.array(self.names, dtype=object)
         cum = np.cumsum(self.per_request)
         r0, n_req = 0, len(cum)
         while r0 < n_req:
@@ -166,7 +169,7 @@ class SpilledGaps:
             r1 = max(r0 + 1, int(np.searchsorted(cum, before + self.block_rows, side="right")))
             r1 = min(r1, n_req)
             if cum[r1 - 1] > before:
-                yield _block(pieces, r0, r1, labels, remap, names)
+                yield _block(pieces, r0, r1, labels, remap, self.names)
             r0 = r1
 
     def empty(self) -> GapRows:
@@ -178,7 +181,7 @@ class SpilledGaps:
 
 def _block(
     pieces: list[_Piece], r0: int, r1: int, labels: tuple[str, ...], remap: np.ndarray,
-    names: np.ndarray,
+    names: RequestNames,
 ) -> GapRows:  # fmt: skip
     """The rows of requests ``[r0, r1)``: from each slice in slice order, then stably
     sorted by request (each request's gaps in time order: the whole run's order)."""
@@ -197,7 +200,7 @@ def _block(
     cat = {k: np.concatenate(v) for k, v in got.items()}
     o = np.argsort(cat["request"], kind="stable")
     return GapRows(
-        request=names[cat["request"][o]],
+        request=names.take(cat["request"][o]),
         t0_s=cat["t0_s"][o],
         t1_s=cat["t1_s"][o],
         gap_ms=cat["gap_ms"][o],

@@ -144,7 +144,7 @@ def _step_facts(run: SlicedRun, i: int, part: dict[str, Any], st: np.ndarray) ->
     """The part's steps' counts and figures (from it and the part before it), as
     `index_pass` adds them up."""
     ix = Index(gaps=_UNUSED, extra=_UNUSED)  # step_figures' own fields only
-    mini = run.log_of(max(0, i - 1), i + 1, tables=STEP_TABLES)
+    mini = run.unnamed_log_of(max(0, i - 1), i + 1, STEP_TABLES)
     step_figures(ix, mini, len(st), part_segments(part))
     nd = st[:, _ST["num_decode"]]
     return StepFacts(

@@ -42,8 +42,8 @@ from tracekit.attribution.itl import FIT_ALL_CAPTURED
 from tracekit.attribution.ttft import TtftPartition, ttft_partition
 from tracekit.errors import LogError
 from tracekit.log.flush import TABLES
-from tracekit.log.parts import removed_names
 from tracekit.log.rawlog import RawLog
+from tracekit.log.request_names import RequestNames
 from tracekit.log.slices import SlicedRun
 
 __all__ = ["Listing", "gap_listing_sliced", "ttft_listing_sliced"]
@@ -71,7 +71,8 @@ class Listing:
     kind: str  # "gaps" or "ttft"
     top: int
     path: str = ""  # the run as the whole-run reader names it
-    names: list[str] = field(default_factory=list)  # per request, as the whole run names it
+    #: per request, as the whole run names it (compactly)
+    names: RequestNames = field(default_factory=RequestNames)
     pieces: list[_Piece] = field(default_factory=list)
     count: int = 0  # the records written
     #: the table's `top` records: (key, record), key the record's place in the table
@@ -150,12 +151,13 @@ def _named(out: Listing, run: SlicedRun, task: SliceTask, log: RawLog) -> RawLog
     part (``(removed N)`` in its log) were named by an earlier slice's parts."""
     start = run.parts[task.c].request_ids_start
     ids = log.request_names()
-    known = out.names[:start]  # none before the first slice: its log names them all
-    assert len(known) == start or not out.pieces
-    real = tuple(known) + tuple(ids[len(known) :])
-    if len(real) > len(out.names):
-        out.names[:] = real
-    return replace(log, request_ids=real)
+    if not len(out.names) and task.retained is not None:  # the run's first parts removed
+        out.names = RequestNames(task.retained.num_requests)
+    # none before the first slice: its log names them all
+    assert len(out.names) >= start or not out.pieces
+    if len(ids) > len(out.names):
+        out.names.extend(ids[len(out.names) :])
+    return replace(log, request_ids=out.names.head(len(ids)))
 
 
 def _step(s: Any, off: int) -> Any:
@@ -188,16 +190,18 @@ def _wanted_slices(run: SlicedRun, tasks: list[SliceTask], max_emissions: int,
 
 def _all_names(run: SlicedRun) -> RawLog:
     """A log of the run's last part named as the whole run names its requests (one read of
-    the parts' names: what `--request` is matched against)."""
-    names: list[str] = []
+    the parts' names, kept compactly: what `--request` is matched against)."""
+    names = RequestNames(run.parts[0].request_ids_start)
     for i in range(len(run.parts)):
-        part = run.read(i)
-        if i == 0:
-            names = removed_names(part["request_ids_start"])[: part["request_ids_start"]]
-        names[part["request_ids_start"] :] = part["request_ids"]
+        names.extend(run.read(i)["request_ids"])
     n = len(run.parts)
     log = run.log_of(n - 1, n, tables=frozenset(), final=True)
-    return replace(log, request_ids=tuple(names))
+    return replace(log, request_ids=names)
+
+
+def _names_of(log: RawLog) -> RequestNames:
+    assert isinstance(log.request_ids, RequestNames)  # `_all_names`'
+    return log.request_ids
 
 
 def gap_listing_sliced(
@@ -222,7 +226,7 @@ def gap_listing_sliced(
     wanted = None
     if request_id is not None:  # matched against the whole run's names, as read whole
         named = replace(_all_names(run), path=out.path)
-        out.names = list(named.request_ids)  # the slices skipped named some of them
+        out.names = _names_of(named)  # the slices skipped named some of them
         wanted = requests_named(named, request_id)
     first_step = run.parts[0].first_step
     for j in _wanted_slices(run, tasks, max_emissions, wanted):
@@ -274,8 +278,8 @@ def ttft_listing_sliced(
                             max_emissions)  # fmt: skip
     wanted = None
     if request_id is not None:
-        ids = _all_names(run).request_names()
-        out.names = list(ids)
+        out.names = _names_of(_all_names(run))
+        ids = out.names
         if request_id not in ids:
             raise LogError(out.path, "request", f"no request with id {request_id!r} in this run")
         wanted = np.array([ids.index(request_id)], dtype=np.int64)

@@ -53,8 +53,9 @@ from tracekit.analysis.stream_whatif import whatif_of_index
 from tracekit.analysis.whatif import WhatIf
 from tracekit.attribution.itl import Partition
 from tracekit.log.flush import TABLES
-from tracekit.log.parts import merge_flushed, removed_names
+from tracekit.log.parts import merge_flushed
 from tracekit.log.rawlog import RawLog
+from tracekit.log.request_names import RequestNames
 from tracekit.log.slices import SlicedRun
 
 _EM = {c: TABLES["emissions"].index(c) for c in TABLES["emissions"]}
@@ -151,9 +152,8 @@ def _stalls_and_series(
     lo, hi = (0.0, 0.0)
     if ix.span_ticks is not None:
         lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
-    named: list[tuple[int, list[str]]] = []
-    heads, points, tasks = _tail_and_points(run, ix, p99, sizes, named)
-    stalls = _worst_stalls(run, (heads, tasks, p99), _namer(named), n_worst)
+    heads, points, tasks = _tail_and_points(run, ix, p99, sizes)
+    stalls = _worst_stalls(run, (heads, tasks, p99), ix.names, n_worst)
     return stalls, _series(run, ix, points, sizes[1]), (lo, hi)
 
 
@@ -249,22 +249,18 @@ def _fold(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _request_gaps(
-    run: SlicedRun, ix: Index, bounds: tuple[float, int], names: list[tuple[int, list[str]]]
+    run: SlicedRun, ix: Index, bounds: tuple[float, int]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per request, its gaps and its gaps below `p99` (the non-tail ones), from one read of
     the emissions (`gap_lengths`: the gaps in the order of a part's emissions sorted by
-    request, then time), and the run's `k` longest gaps' lengths (`bounds`: p99, k);
-    `names` gets each part's first request and the names it adds."""
+    request, then time), and the run's `k` longest gaps' lengths (`bounds`: p99, k)."""
     p99, k = bounds
     n = len(ix.last_tick)
     last = np.full(n, NO_TICK)
     n_gaps, n_rest = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     top = np.zeros(0, dtype=np.float64)
     for i in range(len(run.parts)):
-        part = run.read(i)
-        if part["request_ids"]:
-            names.append((part["request_ids_start"], part["request_ids"]))
-        em = part["tables"].get("emissions")
+        em = run.read(i)["tables"].get("emissions")
         if em is None or not len(em):
             continue
         rs = np.sort(em[:, _EM["request"]], kind="stable")
@@ -329,14 +325,14 @@ def _chosen(picks: np.ndarray, rank: np.ndarray) -> np.ndarray:
 
 
 def _tail_and_points(
-    run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int], names: list[Any]
+    run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int]
 ) -> tuple[_Heads, _Gaps, list[SliceTask]]:
     """Every slice partitioned once: its tail gaps' stall events (>= `p99`, `_Heads`) and
     the gaps the series draws (`_Picks`), each with its index in the whole run's
     partition (by request, then time: the request's gaps before this slice, and this
     slice's before it). `sizes`: the emissions a slice reads, the series' points."""
     max_emissions, max_points = sizes
-    n_gaps, n_rest, top = _request_gaps(run, ix, (p99, max_points // 2), names)
+    n_gaps, n_rest, top = _request_gaps(run, ix, (p99, max_points // 2))
     n_tail = n_gaps - n_rest
     starts = {"gap": _starts(n_gaps), "rest": _starts(n_rest), "tail": _starts(n_tail)}
     seen = {k: np.zeros_like(n_gaps) for k in starts}
@@ -411,7 +407,7 @@ def _series(run: SlicedRun, ix: Index, points: _Gaps, max_points: int) -> dict[s
 def _worst_stalls(
     run: SlicedRun,
     found: tuple[_Heads, list[SliceTask], float],
-    names: Callable[[int], str],
+    names: RequestNames,
     n: int,
 ) -> list[dict[str, Any]]:
     """`worst_stalls` of the whole run: its `n` worst events (by their longest gap, ties:
@@ -458,7 +454,7 @@ def _worst_stalls(
         # partition's order (by request, then time: slice, then rank in the slice)
         m = m[np.lexsort((m[:, 3], m[:, 2], m[:, 1], -m[:, 0]))]
         records[k]["num_requests"] = int(len(m))
-        records[k]["requests"] = [names(int(r)) for r in m[:MAX_REQUESTS, 1].tolist()]
+        records[k]["requests"] = [names[int(r)] for r in m[:MAX_REQUESTS, 1].tolist()]
         records[k]["gap_ms_min"] = float(m[:, 0].min())
     return records
 
@@ -466,7 +462,7 @@ def _worst_stalls(
 def _head_records(
     run: SlicedRun,
     read: tuple[SliceTask, RawLog, Partition],
-    names: Callable[[int], str],
+    names: RequestNames,
     req: np.ndarray,
     t1: np.ndarray,
     gap: np.ndarray,
@@ -474,13 +470,12 @@ def _head_records(
     """`gap_records` of the gaps of a slice (`read`: its task, log and partition) that end
     for request `req` at `t1`, `gap` long (the same gap: one request's emissions at one
     tick would make a second, 0 ms), with the whole run's step numbers and request names
-    (the slice names those named before its first part ``(removed N)`` and numbers steps
-    from that part's first)."""
+    (`names`, the index pass's: the slice's log does not name those named before its
+    first part, and numbers steps from that part's first)."""
     task, log, p = read
     rows = [int(np.flatnonzero((p.request == r) & (p.t1_s == t) & (p.gap_ms == g))[0])
             for r, t, g in zip(req.tolist(), t1.tolist(), gap.tolist(), strict=True)]  # fmt: skip
-    start = run.parts[task.c].request_ids_start
-    real = tuple(names(i) for i in range(start)) + log.request_ids[start:]
+    real = names.head(len(log.request_ids))  # the run's names: none made but those read
     recs = gap_records(replace(log, request_ids=real), p, index=np.array(rows, dtype=np.int64))
     off = run.parts[task.c].first_step - run.parts[0].first_step
     for rec in recs:
@@ -506,17 +501,3 @@ def _steps_of(run: SlicedRun, task: SliceTask, records: list[dict[str, Any]]) ->
     for rec in records:
         for st in rec["steps"]:
             st["step"] += off
-
-
-def _namer(named: list[tuple[int, list[str]]]) -> Callable[[int], str]:
-    """A request's id by its index, as the whole run names it (`request_names`), from the
-    names each part adds (`named`: its first request's index and its names, in order)."""
-    starts = np.array([start for start, _ in named], dtype=np.int64)
-
-    def name(r: int) -> str:
-        i = int(np.searchsorted(starts, r, side="right")) - 1  # the part that named it
-        if i < 0:  # named in a part removed before the run was read
-            return removed_names(r + 1)[r]
-        return str(named[i][1][r - int(starts[i])])
-
-    return name

@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,7 @@ from tracekit.log.rawlog import (
     Waits,
     warnings_of,
 )
+from tracekit.log.request_names import RequestNames, removed_name
 from tracekit.log.validate import validate_log
 
 PARTS_SUFFIX = ".parts"
@@ -622,7 +623,7 @@ class _Folded:
 
     chunks: dict[str, list[np.ndarray]]
     labels: list[str]
-    request_ids: list[str]
+    request_ids: list[str] | RequestNames
     counter_names: list[str]
     config: dict[str, Any]
     last_tick: int  # the last flush's tick
@@ -632,18 +633,20 @@ class _Folded:
     dropped: int  # values dropped while the disk stayed full
 
 
-_REMOVED: list[str] = []
-
-
 def removed_names(n: int) -> list[str]:
     """``(removed 0)`` .. ``(removed n-1)``: the names of requests named only in removed
-    parts. Made once and copied: a long run read in slices asks for them per slice."""
-    if len(_REMOVED) < n:
-        _REMOVED.extend(f"(removed {i})" for i in range(len(_REMOVED), n))
-    return _REMOVED[:n]
+    parts, made as asked (a log read from a later part holds them as `RequestNames`,
+    which makes one only when it is read)."""
+    return [removed_name(i) for i in range(n)]
 
 
-def _check_request_rows(part: Mapping[str, Any], n_named: int) -> None:
+def _held_ids(ids: list[str] | RequestNames) -> Sequence[str]:
+    """A log's ids as it holds them: a tuple, or `RequestNames` as made (a log read from a
+    later part: the ids of the parts before it made only when read)."""
+    return ids if isinstance(ids, RequestNames) else tuple(ids)
+
+
+def check_request_rows(part: Mapping[str, Any], n_named: int) -> None:
     """A flush's rows name only requests named so far (in this flush or before it)."""
     for k in ("requests", "emissions", "events"):
         rows = part["tables"].get(k)
@@ -667,7 +670,8 @@ def _fold_flushes(
     f = _Folded(
         chunks={k: [] for k in TABLES},
         labels=[],
-        request_ids=[] if retained is None else removed_names(retained.num_requests),
+        # a log read from a later part: its earlier requests' names made only when read
+        request_ids=[] if retained is None else RequestNames(retained.num_requests),
         counter_names=[],
         config=dict(meta.get("config", {})),
         last_tick=meta["t0_tick"],
@@ -689,7 +693,7 @@ def _fold_flushes(
                 f"({'overlapping' if start < len(f.request_ids) else 'skipping'} them)",
             )
         f.request_ids += new_ids
-        _check_request_rows(part, len(f.request_ids))
+        check_request_rows(part, len(f.request_ids))
         f.config = part["config"]
         f.last_tick = max(f.last_tick, part["flush_tick"])
         # the last flush's rows are complete up to its tick, or up to the start of a
@@ -835,7 +839,7 @@ def merge_flushed(
         preemptions=preemptions,
         evictors=evictors,
         labels=tuple(f.labels),
-        request_ids=tuple(f.request_ids),
+        request_ids=_held_ids(f.request_ids),
         counter_names=tuple(f.counter_names),
         cause_map=meta.get("cause_map", dict(DEFAULT_CAUSE_MAP)),
         config=config,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -539,7 +539,8 @@ class RawLog:
     preemptions: Preemptions = field(default_factory=Preemptions.empty)
     evictors: Evictors = field(default_factory=Evictors.empty)
     labels: tuple[str, ...] = ()
-    request_ids: tuple[str, ...] = ()
+    #: a tuple; a log read from a later part of a run: `tracekit.log.request_names.RequestNames`
+    request_ids: Sequence[str] = ()
     counter_names: tuple[str, ...] = ()
     cause_map: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_CAUSE_MAP))
     config: Mapping[str, Any] = field(default_factory=dict)
@@ -563,7 +564,7 @@ class RawLog:
     def source(self) -> str:
         return str(self.meta.get("source", "tracekit"))
 
-    def request_names(self) -> tuple[str, ...]:
+    def request_names(self) -> Sequence[str]:
         """Each request's id, or its index as text where the log names none (a log that
         recorded no ids, a merged run whose processes carried none)."""
         if len(self.request_ids) == len(self.requests):
@@ -581,7 +582,7 @@ class RawLog:
             "schema": np.array(SCHEMA),
             "schema_version": np.array(SCHEMA_VERSION, dtype=np.int64),
             "labels": np.array(self.labels, dtype=str).reshape(-1),
-            "request_ids": np.array(self.request_ids, dtype=str).reshape(-1),
+            "request_ids": np.array(list(self.request_ids), dtype=str).reshape(-1),
             "counter_names": np.array(self.counter_names, dtype=str).reshape(-1),
             "cause_map": np.array(json.dumps(dict(self.cause_map), sort_keys=True)),
             "config": np.array(json.dumps(json_safe(self.config), sort_keys=True)),

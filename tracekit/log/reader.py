@@ -12,7 +12,7 @@ another's loader.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from tracekit.errors import LogError, UsageError
@@ -136,7 +136,7 @@ def _shorten_names(log: RawLog, max_chars: int) -> RawLog:
     if not long_fields:
         return log
 
-    def cut(names: tuple[str, ...]) -> tuple[str, ...]:
+    def cut(names: Sequence[str]) -> tuple[str, ...]:
         return tuple(shorten_name(n, max_chars) for n in names)
 
     return replace(

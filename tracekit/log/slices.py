@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,8 @@ from tracekit.log.parts import (
 from tracekit.log.rawlog import RawLog
 
 _EMIT = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick")}
+#: the tables whose rows name a request
+_NAMING = frozenset(k for k, cols in (*TABLES.items(), *MERGED_TABLES.items()) if "request" in cols)
 _REQ = TABLES["requests"].index("request")
 
 
@@ -173,13 +175,14 @@ def _first_chunks(ce: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.nda
 
 def grown(room: dict[str, np.ndarray], key: str, a: np.ndarray, n: int, fill: float) -> np.ndarray:
     """`a` with rows up to `n`, the new ones `fill`: a view of a buffer kept in `room` under
-    `key`, doubled when full (requests appear a part at a time: a copy of every row for each
-    part was the index pass's cost on a long run)."""
+    `key`, grown by a quarter when full (requests appear a part at a time: a copy of every
+    row for each part was the index pass's cost on a long run; doubling left up to half of
+    a day's per-request columns unused, and three times them held while copying)."""
     if n <= len(a):
         return a
     buf = room.get(key)
     if buf is None or a.base is not buf or len(buf) < n:
-        buf = np.full(max(n, 2 * len(a)), fill, dtype=a.dtype)
+        buf = np.full(max(n, len(a) + len(a) // 4), fill, dtype=a.dtype)
         buf[: len(a)] = a
         room[key] = buf
     return buf[:n]
@@ -379,6 +382,20 @@ class SlicedRun:
         return merge_flushed(self.meta, parts, path=self.parts_dir, retained=start,
                              final=self.final if final else None,
                              warnings=list(self.warnings) if final else None)  # fmt: skip
+
+    def unnamed_log_of(self, c: int, b: int, tables: frozenset[str]) -> RawLog:
+        """`log_of` parts ``[c, b)`` cut to `tables`, none of which names a request: a log
+        that holds no request (as `log_of`, it would hold per request named so far its
+        columns and its id: the index pass reads such a log at every part, so a long run's
+        pass grew with the square of its length)."""
+        if tables & _NAMING:
+            raise ValueError(f"{sorted(tables & _NAMING)} name requests")
+        parts = [{**_only(self.read(i), tables), "request_ids_start": 0, "request_ids": []}
+                 for i in range(c, b)]  # fmt: skip
+        start = self.retained(c)
+        if start is not None:
+            start = replace(start, num_requests=0)
+        return merge_flushed(self.meta, parts, path=self.parts_dir, retained=start)
 
     def cut_s(self, i: int) -> float:
         """Where the gaps of parts `i`.. begin: their earliest emission (inf: none)."""
