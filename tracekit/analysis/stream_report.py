@@ -333,17 +333,23 @@ def _tail_and_points(
     slice's before it). `sizes`: the emissions a slice reads, the series' points."""
     max_emissions, max_points = sizes
     n_gaps, n_rest, top = _request_gaps(run, ix, (p99, max_points // 2))
-    n_tail = n_gaps - n_rest
-    starts = {"gap": _starts(n_gaps), "rest": _starts(n_rest), "tail": _starts(n_tail)}
-    seen = {k: np.zeros_like(n_gaps) for k in starts}
     pk = _picks(n_gaps, n_rest, top, max_points)
+    # per request, where its gaps (all, the others, the tail's when thinned) start in the
+    # whole run's partition and how many each slice has passed: a day's ~3 M requests
+    # hold 8 + 4 bytes a kind each, the counts let go
+    starts = {"gap": _starts(n_gaps), "rest": _starts(n_rest)}
+    if pk.tail is not None:
+        starts["tail"] = _starts(n_gaps - n_rest)
+    n = len(n_gaps)
+    del n_gaps, n_rest
+    seen = {k: np.zeros(n, dtype=np.int32) for k in starts}  # a request's gaps < 2**31
     heads, points, ties = _Heads(), _Gaps(), _Gaps()
     first_step = run.parts[0].first_step
     tasks = slice_tasks(run, ix, max_emissions, p99)
 
     def ranks(kind: str, req: np.ndarray) -> np.ndarray:
         out = starts[kind][req] + seen[kind][req] + _rank_in_request(req)
-        seen[kind] += np.bincount(req, minlength=len(n_gaps))
+        seen[kind] += np.bincount(req, minlength=n).astype(np.int32)
         return out
 
     for j, task in enumerate(tasks):
