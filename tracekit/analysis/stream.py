@@ -395,6 +395,8 @@ class SliceTask:
     #: a merged server run's: (request, API server) of the requests whose first token the
     #: slice owns (their first chunk may lie in a later part: `stating_api_servers`)
     api_servers: tuple[tuple[int, int], ...] = ()
+    #: the paths of parts ``[c, b)``, as the index pass listed them (`SlicedRun`'s `parts`)
+    paths: tuple[str, ...] = ()
 
 
 @dataclass
@@ -419,7 +421,7 @@ def slice_tasks(run: SlicedRun, ix: Index, max_emissions: int, p99: float) -> li
             run.parts_dir, run.max_inflate_mb, c, b,
             -np.inf if a == 0 else run.cut_s(a), np.inf if b == n else run.cut_s(b),
             run.retained(c), _cut(base_itl, s0, s1), _cut(base_ttft, s0, s1), ix.fit, p99,
-            _api_servers(run, ix, a, b),
+            _api_servers(run, ix, a, b), tuple(run.paths[c:b]),
         ))  # fmt: skip
     return out
 
@@ -438,7 +440,8 @@ def _api_servers(run: SlicedRun, ix: Index, a: int, b: int) -> tuple[tuple[int, 
 def slice_partition(task: SliceTask) -> tuple[RawLog, PreparedRun, Partition]:
     """One slice's log (the emissions its own gaps and TTFTs need), prepared with the whole
     run's baselines, and its own gaps partitioned."""
-    run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb)
+    run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb,
+                    parts=(task.c, task.paths))  # fmt: skip
     # whose re-prefill each step is needs every emission: stated before the cut
     full = stating_next_emissions(run.log_of(task.c, task.b, retained=task.retained))
     full = stating_api_servers(full, task.api_servers)  # its TTFTs' first chunks' writers

@@ -436,6 +436,7 @@ class ClientSliceTask:
     ttft_proc: np.ndarray
     ttft_step: np.ndarray
     p99: float
+    paths: tuple[str, ...] = ()  # of parts ``[c, d)``, as listed (`SlicedRun`'s `parts`)
 
 
 @dataclass
@@ -465,7 +466,8 @@ def _add(d: dict, key: Any, v: float) -> None:
 def slice_log(task: ClientSliceTask) -> tuple[RawLog, PreparedRun]:
     """The slice's log (with the run's meta and coverage), prepared with the whole run's
     baselines as `analyze` prepares the whole run."""
-    run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb)
+    run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb,
+                    parts=(task.c, task.paths))  # fmt: skip
     log = run.log_of(task.c, task.d, retained=task.retained, final=True)
     if task.coverage is not None:
         cov = task.coverage
@@ -677,6 +679,7 @@ def _tasks(
             _cut(base_itl, s0, s1), _cut(base_ttft, s0, s1), _cut(base_client, s0, s1),
             ix.fit, _spilled(cx, int(offsets[a]), int(offsets[b])), own,
             rq["first_w"][own], rq["first_proc"][own], rq["fe_step"][own], p99,
+            tuple(run.paths[c:d]),
         ), len(bounds)  # fmt: skip
 
 

@@ -93,13 +93,17 @@ class IndexTask:
     max_inflate_mb: float | None
     lo: int
     hi: int
+    #: of parts ``[max(lo - 1, 0), hi)`` as listed (`SlicedRun`'s `parts`): a part's steps
+    #: are read with the part before it's
+    paths: tuple[str, ...] = ()
 
 
 def part_facts(task: IndexTask) -> list[PartFacts | None]:
     """Each part of the task's stretch, read and reduced to its `PartFacts`; None for one
     that cannot be read (and nothing after it): the driver reads it again, in order, and
     says why as `SlicedRun.index` does."""
-    run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb)
+    run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb,
+                    parts=(max(task.lo - 1, 0), task.paths))  # fmt: skip
     out: list[PartFacts | None] = []
     for i in range(task.lo, task.hi):
         try:
@@ -224,7 +228,8 @@ def index_pass_spread(
             run.end_before(i, missing_part_warning(run.paths, i))
             break
     n = len(run.paths)
-    tasks = [IndexTask(run.parts_dir, run.max_inflate_mb, lo, min(lo + PARTS_PER_TASK, n))
+    tasks = [IndexTask(run.parts_dir, run.max_inflate_mb, lo, min(lo + PARTS_PER_TASK, n),
+                       tuple(run.paths[max(lo - 1, 0) : lo + PARTS_PER_TASK]))
              for lo in range(0, n, PARTS_PER_TASK)]  # fmt: skip
     ix = Index(fit=fit)
     if spill:

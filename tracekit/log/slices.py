@@ -24,7 +24,7 @@ integers and its last emission tick.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -252,14 +252,27 @@ class IndexBook:
 class SlicedRun:
     """A parts folder read part by part (see the module's docstring)."""
 
-    def __init__(self, parts_dir: str, *, max_inflate_mb: float | None = None) -> None:
+    def __init__(
+        self,
+        parts_dir: str,
+        *,
+        max_inflate_mb: float | None = None,
+        parts: tuple[int, Sequence[str]] = (0, ()),
+    ) -> None:
+        """`parts`: ``(c, paths)``, the paths of parts ``c, c + 1, ...`` as the index pass
+        listed them, for a slice's reader (`log_of` of those parts only): the folder is
+        not listed again (a day's holds ~50,000 parts, listed for every slice was half of
+        its reading time; and a folder that retention trims while it is read would number
+        its parts anew). Without them the folder is listed."""
         self.parts_dir = parts_dir
         self.max_inflate_mb = max_inflate_mb
         self.meta = read_meta(parts_dir)
         self.final = read_final(parts_dir, max_inflate_mb=max_inflate_mb)
         self.t0_tick = int(self.meta["t0_tick"])
         self.seconds_per_tick = float(self.meta.get("seconds_per_tick", 1e-9))
-        self.paths = part_paths(parts_dir)
+        first, given = parts
+        # a slice's: indexed as the folder's list (its parts before `first` never read)
+        self.paths = [""] * first + list(given) if given else part_paths(parts_dir)
         self.parts: list[PartEntry] = []
         #: per request, the part its arrival row is in (-1: none), after `index`
         self.arrival_part = np.zeros(0, dtype=np.int64)
