@@ -492,19 +492,24 @@ def test_what_the_merge_holds_while_it_writes_is_per_request_its_name_stages_and
             super().__init__(*a, **k)
 
     monkeypatch.setattr(merge_stream, "Spool", Measured)
+    least: list[int] = []
     for n in (50, 400):
         d = tmp_path / f"srv{n}"
         d.mkdir()
         record_server(d, n=n, core_every=50, fe_every=50)
-        gc.collect()
-        tracemalloc.start()
-        try:
-            base = tracemalloc.get_traced_memory()[0]
-            merge_stream.merge_to_parts(str(d), str(tmp_path / f"run{n}.npz"))
-        finally:
-            tracemalloc.stop()
+        # the least of three merges: tracemalloc also counts what other threads allocate
+        # meanwhile (a thread an earlier test left finishing), never less than the merge's
+        for k in range(3):
+            gc.collect()
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                merge_stream.merge_to_parts(str(d), str(tmp_path / f"run{n}-{k}.npz"))
+            finally:
+                tracemalloc.stop()
+        least.append(min(held[-3:]))
     name = 64 + 8  # "cmpl-399-0": a str of 49 + 10 bytes (pymalloc: 64), its list slot
     per_request = name + 8 * len(Requests.DTYPES) + 8
     per_step = 8 * (len(Steps.DTYPES) + len(Segments.DTYPES) + len(Counters.DTYPES) + 4)
-    grown = (held[1] - held[0]) / (400 - 50)
+    grown = (least[1] - least[0]) / (400 - 50)
     assert grown <= per_request + 2 * per_step, (grown, per_request, per_step)
