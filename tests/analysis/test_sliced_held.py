@@ -13,7 +13,7 @@ import numpy as np
 
 import tracekit
 import tracekit.analysis.stream_check as stream_check
-from tracekit.analysis.stream import index_pass
+from tracekit.analysis.stream import index_pass, slice_partition, slice_tasks
 from tracekit.analysis.stream_check import PartByPart
 from tracekit.attribution.itl import FIT_ALL_CAPTURED
 from tracekit.log.request_names import RequestNames
@@ -133,3 +133,38 @@ def test_request_names_are_made_only_for_the_rows_read():
     assert list(names.take(np.array([5, 0]))) == ["c", "(removed 0)"]
     assert names.index("c") == 5 and "a" in names and "b" not in names
     assert names.nbytes == len("aé-1c".encode()) + 8 * 3
+
+
+def test_a_slice_holds_only_the_requests_its_parts_name(tmp_path):
+    """Each slice's log holds the requests its parts' rows name, numbered 0, 1, ... in the
+    run's order, never every request named so far (a day's last slices held ~3 M for the
+    ~20,000 they read). Part k names requests 1,000 k .. 1,000 (k + 1) - 1 and emits for
+    those and the part before's: a slice of parts ``[c, b)`` holds requests
+    1,000 (c - 1) .. 1,000 b - 1 (from 0 for c = 0), each row as the run numbers it."""
+    parts_dir = _many_requests(tmp_path / "run.npz", 8)
+    run = SlicedRun(parts_dir)
+    ix = index_pass(run, FIT_ALL_CAPTURED, lambda _msg: None)
+    tasks = slice_tasks(run, ix, 2 * PER_PART, float("inf"))
+    assert len(tasks) >= 4 and any(t.c >= 2 for t in tasks)
+    gaps = 0
+    for t in tasks:
+        read = slice_partition(t)
+        lo = max(t.c - 1, 0) * PER_PART
+        hi = min(t.b, 8) * PER_PART  # (part 8: the stop's, no rows)
+        assert np.array_equal(read.numbers, np.arange(lo, hi))
+        assert len(read.log.requests) == len(read.log.request_ids) == len(read.numbers)
+        local = run.local_log_of(t.c, t.b, retained=t.retained)
+        whole = run.log_of(t.c, t.b, retained=t.retained)  # the run's numbering
+        for k in ("emissions", "requests"):  # the same rows, numbered back
+            a, b = getattr(local.log, k), getattr(whole, k)
+            req = local.numbers[a.request] if k == "emissions" else local.numbers
+            assert np.array_equal(req, b.request if k == "emissions" else np.arange(lo, len(b)))
+        assert np.array_equal(local.log.emissions.t_s, whole.emissions.t_s)
+        assert np.array_equal(local.log.requests.arrival_s, whole.requests.arrival_s[lo:],
+                              equal_nan=True)  # fmt: skip
+        named = read.numbers >= t.c * PER_PART  # named in the slice's parts: their ids
+        ids = [read.log.request_ids[i] for i in np.flatnonzero(named).tolist()]
+        assert ids == [f"req-{g:06d}" for g in read.numbers[named].tolist()]
+        assert np.allclose(read.p.gap_ms, 10.0, rtol=1e-9)  # a step apart
+        gaps += len(read.p)
+    assert gaps == 7 * PER_PART  # a gap per request but the first part's: once, whole

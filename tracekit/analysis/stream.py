@@ -32,7 +32,7 @@ import math
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -437,26 +437,53 @@ def _api_servers(run: SlicedRun, ix: Index, a: int, b: int) -> tuple[tuple[int, 
     return tuple(zip(r.tolist(), api[r].tolist(), strict=True))
 
 
-def slice_partition(task: SliceTask) -> tuple[RawLog, PreparedRun, Partition]:
+class SliceRead(NamedTuple):
+    """One slice read and partitioned (`slice_partition`). Its log holds only the requests
+    its rows name, numbered 0, 1, ... in the run's order (`SlicedRun.local_log_of`): its
+    partitions' ``request`` columns are those numbers; `numbers` gives each its number in
+    the run, `names` the run's ids as far as the slice's parts name them."""
+
+    log: RawLog
+    prep: PreparedRun
+    p: Partition
+    numbers: np.ndarray
+    names: RequestNames
+
+
+def slice_partition(task: SliceTask) -> SliceRead:
     """One slice's log (the emissions its own gaps and TTFTs need), prepared with the whole
     run's baselines, and its own gaps partitioned."""
     run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb,
                     parts=(task.c, task.paths))  # fmt: skip
-    # whose re-prefill each step is needs every emission: stated before the cut
-    full = stating_next_emissions(run.log_of(task.c, task.b, retained=task.retained))
-    full = stating_api_servers(full, task.api_servers)  # its TTFTs' first chunks' writers
+    read = run.local_log_of(task.c, task.b, retained=task.retained, thin_before_s=task.t_from_s)
+    # whose re-prefill each step is needs every victim's emission: stated before the cut
+    full = stating_next_emissions(read.log)
+    full = stating_api_servers(full, _local_pairs(task.api_servers, read.numbers))
     log = replace(full, emissions=full.emissions.take(_needed(full, task.t_from_s)))
     prep = PreparedRun(log)
     prep.use_baseline(FIT_ALL_CAPTURED, task.base_ttft)
     prep.corrected().use_baseline(task.fit, task.base_itl)
     p = _own_gaps(partition(log, baseline_fit=task.fit, run=prep), task.t_from_s, task.t_to_s)
-    return log, prep, p
+    return SliceRead(log, prep, p, read.numbers, read.names)
+
+
+def _local_pairs(
+    pairs: tuple[tuple[int, int], ...], numbers: np.ndarray
+) -> tuple[tuple[int, int], ...]:
+    """(request, API server) pairs of the run's requests as a slice's log numbers them
+    (those it holds)."""
+    if not pairs:
+        return ()
+    r = np.array([q for q, _ in pairs], dtype=np.int64)
+    k = np.minimum(np.searchsorted(numbers, r), max(len(numbers) - 1, 0))
+    held = (numbers[k] == r) if len(numbers) else np.zeros(len(r), dtype=bool)
+    return tuple((int(k[i]), pairs[i][1]) for i in np.flatnonzero(held).tolist())
 
 
 def run_slice(task: SliceTask) -> SlicePart:
     """Partition one slice (its own gaps and TTFTs, with the whole run's baselines) and
     add up what the run's figures need."""
-    return slice_sums(task, *slice_partition(task))
+    return slice_sums(task, *slice_partition(task)[:3])
 
 
 def slice_sums(task: SliceTask, log: RawLog, prep: PreparedRun, p: Partition) -> SlicePart:

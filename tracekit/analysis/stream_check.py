@@ -64,7 +64,7 @@ from tracekit.log.parts import (
 )
 from tracekit.log.rawlog import OS_SEGMENT_END, WAIT_REASONS, RawLog
 from tracekit.log.reader import load, shorten_names
-from tracekit.log.request_names import RequestNames, Unnamed
+from tracekit.log.request_names import RequestNames, Unnamed, renumbered
 from tracekit.log.slices import NotSliceable, grown
 from tracekit.log.validate import MAX_ABS_TIME_S, MAX_COUNT, MAX_OS_NS, validate_log
 
@@ -145,7 +145,6 @@ _DEFERRED = (
 _WAIT_REASON, _WAITS_TWICE = 77, 82
 #: the tables whose rows name a request (a part's log renumbers them: `_part_log`)
 _NAMING = tuple(k for k, cols in TABLES.items() if "request" in cols)
-_NONE = np.zeros(0, dtype=np.int64)
 # Rules checked on the kept tables (`validate_log` of the placeholder log), by field; a
 # field two rules name is told apart by its message.
 _KEPT_ORDER = {
@@ -180,25 +179,6 @@ def _kept_order(e: LogError) -> tuple[int, int]:
     if field.startswith(("preemptions.", "evictors.")):
         return 90, 0
     return 0, 0  # nothing else can fail in the placeholder log: say it first
-
-
-def _renumbered(cols: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The distinct values of `cols` in order (`u`), and each column as indices into `u`:
-    through a table of the values' span where it is small (a part's requests are mostly
-    recent ones), else by sorting."""
-    if not cols or not sum(len(c) for c in cols):
-        return _NONE, [c.copy() for c in cols]
-    lo = min(int(c.min()) for c in cols if len(c))
-    hi = max(int(c.max()) for c in cols if len(c))
-    rows = sum(len(c) for c in cols)
-    if hi - lo > 4 * rows:
-        u = np.unique(np.concatenate(cols))
-        return u, [np.searchsorted(u, c) for c in cols]
-    seen = np.zeros(hi - lo + 1, dtype=bool)
-    for c in cols:
-        seen[c - lo] = True
-    index = np.cumsum(seen) - 1
-    return np.flatnonzero(seen) + lo, [index[c - lo] for c in cols]
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -293,7 +273,7 @@ class PartByPart:
         check_request_rows(part, part["request_ids_start"] + len(part["request_ids"]))
         tables = dict(part["tables"])
         naming = [(k, column_index(k, "request")) for k in _NAMING if k in tables]
-        u, numbered = _renumbered([tables[k][:, c] for k, c in naming])
+        u, numbered = renumbered([tables[k][:, c] for k, c in naming])
         for (k, c), col in zip(naming, numbered, strict=True):
             tables[k] = tables[k].copy()
             tables[k][:, c] = col

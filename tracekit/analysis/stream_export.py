@@ -28,13 +28,12 @@ from tracekit.analysis.figures import RunAnalysis
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
     SlicePart,
+    SliceRead,
     SliceTask,
     analyze_sliced,
     slice_partition,
     slice_sums,
 )
-from tracekit.attribution.itl import Partition
-from tracekit.log.rawlog import RawLog
 from tracekit.log.request_names import RequestNames
 from tracekit.log.slices import SlicedRun
 
@@ -116,13 +115,15 @@ class SpilledGaps:
         names = {c: n for n, c in self.primary_codes.items()}
         return tuple(names[c] for c in order)
 
-    def add(self, task: SliceTask, log: RawLog, p: Partition, step_offset: int) -> None:
-        """Spill one slice's own gaps (once a slice; `p` sorted by request, then time)."""
+    def add(self, task: SliceTask, read: SliceRead, step_offset: int) -> None:
+        """Spill one slice's own gaps (once a slice; its partition sorted by request, then
+        time), its requests numbered as the run numbers them."""
         key = (task.c, task.b)
         if key in self.pieces:
             return
         k = len(self.pieces)
-        ids = log.request_names()
+        p, ids = read.p, read.names
+        req = read.numbers[p.request]
         if not k and task.retained is not None:  # the run's first parts were removed
             self.names = RequestNames(task.retained.num_requests)
         # the requests named before the slice's first part (`(removed N)` in its log) were
@@ -135,23 +136,23 @@ class SpilledGaps:
         codes = np.array([self.primary_codes.setdefault(n, len(self.primary_codes))
                           for n in names], dtype=np.int32)  # fmt: skip
         prim = codes[p.primary]  # CLEAN (-1) indexes "clean"
-        uniq, starts = np.unique(p.request, return_index=True)
+        uniq, starts = np.unique(req, return_index=True)
         for c, row in zip(*np.unique(prim, return_index=True), strict=True):
-            seen = (int(p.request[row]), k, int(row))
+            seen = (int(req[row]), k, int(row))
             self.first_seen[int(c)] = min(self.first_seen.get(int(c), seen), seen)
         step = {s: np.where(getattr(p, s) >= 0, getattr(p, s) + step_offset, getattr(p, s))
                 for s in ("step0", "step1")}  # fmt: skip
         stem = os.path.join(self.folder, f"slice-{k:06d}")
-        cols = {"request": p.request, "t0_s": p.t0_s, "t1_s": p.t1_s, "gap_ms": p.gap_ms,
+        cols = {"request": req, "t0_s": p.t0_s, "t1_s": p.t1_s, "gap_ms": p.gap_ms,
                 **step, "primary": prim}  # fmt: skip
         for name, dtype in _COLUMNS.items():
             np.ascontiguousarray(cols[name], dtype=dtype).tofile(f"{stem}.{name}")
         np.ascontiguousarray(p.parts_ms, dtype=np.float64).tofile(f"{stem}.parts")
-        n_req = max(len(self.names), int(p.request.max()) + 1 if len(p) else 0)
+        n_req = max(len(self.names), int(req.max()) + 1 if len(p) else 0)
         if n_req > len(self.per_request):
             grow = np.zeros(n_req - len(self.per_request), dtype=np.int64)
             self.per_request = np.concatenate([self.per_request, grow])
-        np.add.at(self.per_request, p.request, 1)
+        np.add.at(self.per_request, req, 1)
         self.pieces[key] = _Piece(stem, len(p), tuple(p.labels), uniq, starts)
 
     def blocks(self) -> Iterator[GapRows]:
@@ -240,9 +241,9 @@ def spill_gaps_sliced(
     def each(fn: Any, tasks: list[SliceTask]) -> Iterable[SlicePart]:
         base = tasks[0].retained.first_step if tasks and tasks[0].retained else 0
         for t in tasks:  # one slice at a time: partitioned once for the sums and the spill
-            log, prep, p = slice_partition(t)
-            spill.add(t, log, p, (t.retained.first_step if t.retained else 0) - base)
-            yield slice_sums(t, log, prep, p)
+            read = slice_partition(t)
+            spill.add(t, read, (t.retained.first_step if t.retained else 0) - base)
+            yield slice_sums(t, read.log, read.prep, read.p)
 
     spill.analysis = analyze_sliced(parts_dir, path=path, max_emissions=max_emissions,
                                     max_inflate_mb=max_inflate_mb, mapper=each)  # fmt: skip

@@ -31,6 +31,7 @@ import numpy as np
 from tracekit.analysis.gaps import gap_records, requests_named
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
+    SliceRead,
     SliceTask,
     gathered_ttft_rows,
     index_pass,
@@ -146,18 +147,18 @@ def _open(parts_dir: str, folder: str, kind: str, top: int, path: str | None,
     return out, run, tasks
 
 
-def _named(out: Listing, run: SlicedRun, task: SliceTask, log: RawLog) -> RawLog:
+def _named(out: Listing, task: SliceTask, read: SliceRead) -> RawLog:
     """The slice's log with the whole run's request names: those named before its first
-    part (``(removed N)`` in its log) were named by an earlier slice's parts."""
-    start = run.parts[task.c].request_ids_start
-    ids = log.request_names()
+    part (``(removed N)`` in its names) were named by an earlier slice's parts."""
+    start = read.names.removed
+    ids = read.names
     if not len(out.names) and task.retained is not None:  # the run's first parts removed
         out.names = RequestNames(task.retained.num_requests)
-    # none before the first slice: its log names them all
+    # none before the first slice: its parts name them all
     assert len(out.names) >= start or not out.pieces
     if len(ids) > len(out.names):
         out.names.extend(ids[len(out.names) :])
-    return replace(log, request_ids=out.names.head(len(ids)))
+    return replace(read.log, request_ids=out.names.picked(read.numbers))
 
 
 def _step(s: Any, off: int) -> Any:
@@ -231,18 +232,19 @@ def gap_listing_sliced(
     first_step = run.parts[0].first_step
     for j in _wanted_slices(run, tasks, max_emissions, wanted):
         task = tasks[j]
-        log, _, p = slice_partition(task)
-        log = _named(out, run, task, log)
+        read = slice_partition(task)
+        log, p = _named(out, task, read), read.p
+        req = read.numbers[p.request]  # as the run numbers them
         sel = np.ones(len(p), dtype=bool)
         if min_ms is not None:
             sel &= p.gap_ms >= min_ms
         if wanted is not None:
-            sel &= np.isin(p.request, wanted)
+            sel &= np.isin(req, wanted)
         rows = np.flatnonzero(sel)
         out.start_piece(os.path.join(folder, f"slice-{j:06d}"))
         off = run.parts[task.c].first_step - first_step
         # the table's candidates: the slice's `top` longest, ties in the run's order
-        order = np.lexsort((rows, p.request[rows], -p.gap_ms[rows]))
+        order = np.lexsort((rows, req[rows], -p.gap_ms[rows]))
         cand = set(rows[order[: top if top > 0 else len(order)]].tolist())
         for k in range(0, len(rows), _BLOCK_ROWS):
             block = rows[k : k + _BLOCK_ROWS]
@@ -251,8 +253,8 @@ def gap_listing_sliced(
             for i, rec in zip(block.tolist(), recs, strict=True):
                 _renumber(rec, off, ("step0", "step1"))
                 if i in cand:
-                    best.append(((-rec["gap_ms"], int(p.request[i]), j, i), rec))
-            out.write(recs, p.request[block])
+                    best.append(((-rec["gap_ms"], int(req[i]), j, i), rec))
+            out.write(recs, req[block])
             out.keep_best(best)
         say(f"slice {j + 1} of {len(tasks)}")
     return out
@@ -285,27 +287,28 @@ def ttft_listing_sliced(
         wanted = np.array([ids.index(request_id)], dtype=np.int64)
     first_step = run.parts[0].first_step
     for j, task in enumerate(tasks):  # every slice: the table's figures are the run's
-        log, prep, _ = slice_partition(task)
-        log = _named(out, run, task, log)
-        tp = ttft_partition(log, run=prep)
+        read = slice_partition(task)
+        log = _named(out, task, read)
+        tp = ttft_partition(log, run=read.prep)
         tp = tp.take((tp.first_token_s >= task.t_from_s) & (tp.first_token_s < task.t_to_s))
         tp = tp.take(np.argsort(tp.request, kind="stable"))
-        out.ttft_pieces.append(tp)
+        req = read.numbers[tp.request]  # as the run numbers them
+        out.ttft_pieces.append(replace(tp, request=req))
         sel = np.ones(len(tp), dtype=bool)
         if min_ms is not None:
             sel &= tp.ttft_ms >= min_ms
         if wanted is not None:
-            sel &= np.isin(tp.request, wanted)
-        mine = tp.take(sel)
+            sel &= np.isin(req, wanted)
+        mine, req = tp.take(sel), req[sel]
         out.start_piece(os.path.join(folder, f"slice-{j:06d}"))
         off = run.parts[task.c].first_step - first_step
         recs = ttft_records(log, mine)
         for rec in recs:
             _renumber(rec, off, ())
         if recs:
-            out.write(recs, mine.request)
-        order = np.lexsort((mine.request, -mine.ttft_ms))
+            out.write(recs, req)
+        order = np.lexsort((req, -mine.ttft_ms))
         keep = order[: top if top > 0 else len(order)].tolist()
-        out.keep_best([((-recs[i]["ttft_ms"], int(mine.request[i])), recs[i]) for i in keep])
+        out.keep_best([((-recs[i]["ttft_ms"], int(req[i])), recs[i]) for i in keep])
         say(f"slice {j + 1} of {len(tasks)}")
     return out

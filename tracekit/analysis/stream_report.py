@@ -41,6 +41,7 @@ from tracekit.analysis.overtime import (
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
     Index,
+    SliceRead,
     SliceTask,
     analyze_sliced,
     gap_lengths,
@@ -51,10 +52,8 @@ from tracekit.analysis.stream import (
 from tracekit.analysis.stream_overtime import over_time_of_index
 from tracekit.analysis.stream_whatif import whatif_of_index
 from tracekit.analysis.whatif import WhatIf
-from tracekit.attribution.itl import Partition
 from tracekit.log.flush import TABLES
 from tracekit.log.parts import merge_flushed
-from tracekit.log.rawlog import RawLog
 from tracekit.log.request_names import RequestNames
 from tracekit.log.slices import SlicedRun
 
@@ -353,10 +352,11 @@ def _tail_and_points(
         return out
 
     for j, task in enumerate(tasks):
-        p = slice_partition(task)[2]
+        read = slice_partition(task)
+        p = read.p
         if not len(p):
             continue
-        req = p.request.astype(np.int64)
+        req = read.numbers[p.request]
         gidx = ranks("gap", req)
         tail = np.flatnonzero(p.gap_ms >= p99)
         rest = np.flatnonzero(p.gap_ms < p99)
@@ -431,10 +431,11 @@ def _worst_stalls(
     spans = [range(int(h["first"][e]), int(h["last"][e]) + 1) for e in top.tolist()]
     wanted = sorted({j for span in spans for j in span})  # the slices holding their gaps
     for j in wanted:
-        log, _, p = slice_partition(tasks[j])
+        read = slice_partition(tasks[j])
+        p = read.p
         off = run.parts[tasks[j].c].first_step - run.parts[0].first_step
         tail = np.flatnonzero(p.gap_ms >= p99)
-        req = p.request.astype(np.int64)
+        req = read.numbers[p.request]
         rank = _rank_in_request(req)[tail]
         step1 = np.where(p.step1 >= 0, p.step1 + off, p.step1)[tail]
         kinds, inv = np.unique(p.primary_names()[tail].astype(str), return_inverse=True)
@@ -450,7 +451,7 @@ def _worst_stalls(
         if not mine:
             continue
         heads_here = [int(top[k]) for k in mine]
-        recs = _head_records(run, (tasks[j], log, p), names, h["request"][heads_here],
+        recs = _head_records(run, (tasks[j], read), names, h["request"][heads_here],
                              h["t1"][heads_here], h["gap"][heads_here])  # fmt: skip
         for k, rec in zip(mine, recs, strict=True):
             records[k] = rec
@@ -467,7 +468,7 @@ def _worst_stalls(
 
 def _head_records(
     run: SlicedRun,
-    read: tuple[SliceTask, RawLog, Partition],
+    read: tuple[SliceTask, SliceRead],
     names: RequestNames,
     req: np.ndarray,
     t1: np.ndarray,
@@ -478,10 +479,11 @@ def _head_records(
     tick would make a second, 0 ms), with the whole run's step numbers and request names
     (`names`, the index pass's: the slice's log does not name those named before its
     first part, and numbers steps from that part's first)."""
-    task, log, p = read
-    rows = [int(np.flatnonzero((p.request == r) & (p.t1_s == t) & (p.gap_ms == g))[0])
+    task, (log, _, p, numbers, _) = read
+    run_req = numbers[p.request]
+    rows = [int(np.flatnonzero((run_req == r) & (p.t1_s == t) & (p.gap_ms == g))[0])
             for r, t, g in zip(req.tolist(), t1.tolist(), gap.tolist(), strict=True)]  # fmt: skip
-    real = names.head(len(log.request_ids))  # the run's names: none made but those read
+    real = names.picked(numbers)  # the run's names: none made but those read
     recs = gap_records(replace(log, request_ids=real), p, index=np.array(rows, dtype=np.int64))
     off = run.parts[task.c].first_step - run.parts[0].first_step
     for rec in recs:

@@ -145,7 +145,7 @@ class WhatIfPart:
 def run_whatif_slice(task: WhatIfTask) -> WhatIfPart:
     """Partition one slice and compute every removal's values of its own gaps and TTFTs
     (each group's counted, or its kept values taken, before the next one's are computed)."""
-    log, prep, p = slice_partition(task.slice)
+    log, prep, p = slice_partition(task.slice)[:3]
     tp = ttft_partition(log, run=prep)
     t_from, t_to = task.slice.t_from_s, task.slice.t_to_s
     tp = tp.take((tp.first_token_s >= t_from) & (tp.first_token_s < t_to))

@@ -16,7 +16,7 @@ from typing import overload
 
 import numpy as np
 
-__all__ = ["RequestNames", "Unnamed", "removed_name"]
+__all__ = ["Picked", "RequestNames", "Unnamed", "removed_name", "renumbered"]
 
 
 def removed_name(i: int) -> str:
@@ -120,10 +120,41 @@ class RequestNames(Sequence[str]):
             out[k] = self.name(r)
         return out
 
+    def picked(self, rows: np.ndarray) -> Picked:
+        """The ids of `rows` (request indices) as a sequence, each made when read."""
+        return Picked(self, rows)
+
     @property
     def nbytes(self) -> int:
         """What the ids hold: the blob and the used offsets."""
         return len(self._blob) + 8 * self._n
+
+
+class Picked(Sequence[str]):
+    """The ids of some of a run's requests, ``names[rows[i]]`` at ``i`` (what a log that
+    holds only some requests names them: `RequestNames.picked`)."""
+
+    __slots__ = ("_names", "_rows")
+
+    def __init__(self, names: Sequence[str], rows: np.ndarray) -> None:
+        self._names, self._rows = names, rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> str | tuple[str, ...]:
+        if isinstance(i, slice):
+            return tuple(self._names[int(r)] for r in self._rows[i].tolist())
+        return self._names[int(self._rows[i])]
+
+    def __iter__(self) -> Iterator[str]:
+        return (self._names[r] for r in self._rows.tolist())
 
 
 class Unnamed(Sequence[str]):
@@ -163,3 +194,22 @@ class Unnamed(Sequence[str]):
         return len(other) == self.n and all(x == "" for x in other)
 
     __hash__ = None  # type: ignore[assignment]  # equal to a tuple of as many ""
+
+
+def renumbered(cols: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The distinct values of `cols` in order (`u`), and each column as indices into `u`:
+    through a table of the values' span where it is small (a part's requests are mostly
+    recent ones), else by sorting."""
+    if not cols or not sum(len(c) for c in cols):
+        return np.zeros(0, dtype=np.int64), [c.copy() for c in cols]
+    lo = min(int(c.min()) for c in cols if len(c))
+    hi = max(int(c.max()) for c in cols if len(c))
+    rows = sum(len(c) for c in cols)
+    if hi - lo > 4 * rows:
+        u = np.unique(np.concatenate(cols))
+        return u, [np.searchsorted(u, c) for c in cols]
+    seen = np.zeros(hi - lo + 1, dtype=bool)
+    for c in cols:
+        seen[c - lo] = True
+    index = np.cumsum(seen) - 1
+    return np.flatnonzero(seen) + lo, [index[c - lo] for c in cols]

@@ -49,11 +49,20 @@ from tracekit.log.parts import (
     unreadable_part_warning,
 )
 from tracekit.log.rawlog import RawLog
+from tracekit.log.request_names import RequestNames, Unnamed, renumbered
 
 _EMIT = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick")}
+_EV = {c: TABLES["events"].index(c) for c in ("request", "t_tick")}
 #: the tables whose rows name a request
 _NAMING = frozenset(k for k, cols in (*TABLES.items(), *MERGED_TABLES.items()) if "request" in cols)
 _REQ = TABLES["requests"].index("request")
+#: the columns that hold a request's number: (table, column)
+_NUMBERED = tuple(
+    (k, j)
+    for k, cols in (*TABLES.items(), *MERGED_TABLES.items())
+    for j, c in enumerate(cols)
+    if c in ("request", "evictor")
+)
 
 
 def _only(part: dict[str, Any], tables: frozenset[str] | None) -> dict[str, Any]:
@@ -77,6 +86,9 @@ class PartEntry:
     request_ids_start: int
     flush_tick: int
     num_emissions: int
+    #: the requests emitting in it (what a slice reading it before its own parts keeps of
+    #: its emissions is at most two a request: `Thinned`)
+    num_emitting: int
     #: the earliest part (an index into `SlicedRun.parts`) that a gap or a TTFT ending in
     #: this part reaches back to
     reaches_back_to: int
@@ -104,6 +116,17 @@ class Slice:
 
 _NO_ROWS = np.zeros(0)
 _CE = {c: MERGED_TABLES["client_emissions"].index(c) for c in ("request", "t_s", "process")}
+
+
+@dataclass(frozen=True)
+class LocalLog:
+    """Some parts' log holding only the requests their rows name (`SlicedRun.local_log_of`)."""
+
+    log: RawLog
+    #: each of the log's requests' number in the run (ascending: the log's order is the run's)
+    numbers: np.ndarray
+    #: the run's request ids as far as the parts name them (``(removed N)`` before the first)
+    names: RequestNames
 
 
 @dataclass(frozen=True)
@@ -145,7 +168,7 @@ def order_of(path: str, part: dict[str, Any]) -> PartOrder:
     tail = np.ones(len(rs), dtype=bool)
     tail[:-1] = head[1:]
     entry = (part_number(path), path, part["first_step"], 0 if steps is None else len(steps),
-             part["request_ids_start"], part["flush_tick"], len(r))  # fmt: skip
+             part["request_ids_start"], part["flush_tick"], len(r), int(head.sum()))  # fmt: skip
     windows = [t_.get(k) for k in ("proc_segments", "proc_os")]
     ends = [float(w[:, MERGED_TABLES[k].index("t_end_s")].max())
             for k, w in zip(("proc_segments", "proc_os"), windows, strict=True)
@@ -171,6 +194,71 @@ def _first_chunks(ce: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.nda
     head[1:] = r[o][1:] != r[o][:-1]
     k = o[head]
     return r[k], t[k], ce[k, _CE["process"]].astype(np.int64)
+
+
+class Thinned:
+    """Consecutive parts with each one's emissions before `before_s` cut to each request's
+    first and last in it (in time, then row order), but for the requests evicted or
+    readmitted in the parts so far, whose emissions are kept whole (`add` each part as it
+    is read; `kept` at the end).
+
+    What a slice's own gaps and TTFTs (from `before_s` on) need of earlier emissions: each
+    request's last one before them (where its first own gap starts), its first (its first
+    token, `Requests.first_token_s`), and a victim's first after its readmission (whose
+    re-prefill a step is, its eviction's debt). A TTFT reaching back minutes made a slice
+    read every emission of those minutes: a day's last slices read 3.6 M emissions for the
+    ~20,000 they own, and ~650 MB."""
+
+    def __init__(self, before_s: float, secs: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.before_s, self.secs = before_s, secs
+        self.parts: list[dict[str, Any]] = []
+        self.victims = np.zeros(0, dtype=np.int64)
+        self.events: list[np.ndarray] = []
+        #: per part with emissions cut: (request, its latest emission before `before_s`)
+        self.cut_last: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def add(self, part: dict[str, Any]) -> None:
+        t_ = part["tables"]
+        ev = t_.get("events")
+        if ev is not None and len(ev):
+            self.events.append(ev)
+            self.victims = np.union1d(self.victims, ev[:, _EV["request"]])
+        em = t_.get("emissions")
+        if em is None or not len(em):
+            self.parts.append(part)
+            return
+        r, t = em[:, _EMIT["request"]], self.secs(em[:, _EMIT["t_tick"]])
+        cand = np.flatnonzero((t < self.before_s) & ~np.isin(r, self.victims))
+        o = cand[np.lexsort((t[cand], r[cand]))]  # stable: ties in row order
+        rs = r[o]
+        edge = np.ones(len(o), dtype=bool)  # each request's first and last
+        edge[1:-1] = (rs[1:-1] != rs[:-2]) | (rs[1:-1] != rs[2:])
+        if edge.all():
+            self.parts.append(part)
+            return
+        keep = np.ones(len(em), dtype=bool)
+        keep[o[~edge]] = False
+        last = np.ones(len(o), dtype=bool)
+        last[:-1] = rs[:-1] != rs[1:]
+        self.cut_last.append((rs[last], t[o[last]]))
+        self.parts.append({**part, "tables": {**t_, "emissions": em[keep]}})
+
+    def kept(self) -> list[dict[str, Any]] | None:
+        """The parts as cut; None where an emission cut may be one a victim's eviction
+        needs (one after its first eviction row in the parts: rows written out of order),
+        so the parts are to be read whole."""
+        if not self.events or not self.cut_last:
+            return self.parts
+        ev = np.concatenate(self.events)
+        ev_t = self.secs(ev[:, _EV["t_tick"]])
+        first_ev = np.full(len(self.victims), np.inf)
+        np.minimum.at(first_ev, np.searchsorted(self.victims, ev[:, _EV["request"]]), ev_t)
+        for req, t_cut in self.cut_last:
+            k = np.minimum(np.searchsorted(self.victims, req), len(self.victims) - 1)
+            hit = self.victims[k] == req
+            if (t_cut[hit] >= first_ev[k[hit]]).any():
+                return None
+        return self.parts
 
 
 def grown(room: dict[str, np.ndarray], key: str, a: np.ndarray, n: int, fill: float) -> np.ndarray:
@@ -396,6 +484,60 @@ class SlicedRun:
                              final=self.final if final else None,
                              warnings=list(self.warnings) if final else None)  # fmt: skip
 
+    def local_log_of(
+        self,
+        c: int,
+        b: int,
+        *,
+        retained: Retained | None | bool = True,
+        thin_before_s: float = -np.inf,
+    ) -> LocalLog:
+        """`log_of` parts ``[c, b)`` holding only the requests their rows name, numbered
+        0, 1, ... in the run's order (`LocalLog.numbers`: each one's number in the run).
+        `log_of` holds every request named so far: its per-request columns, and a slice's
+        work on them, grew with the run (a day's last slices held ~3 M requests for the
+        ~20,000 they read). Parts whose rows name a request they do not (damage): read as
+        `log_of` reads them, numbered as the run numbers them, its errors raised.
+
+        `thin_before_s`: of the emissions before it, keep per part each request's first
+        and last, and every emission of a request evicted in the parts (`Thinned`): what a
+        slice whose own gaps end from there needs of them."""
+        thin = Thinned(thin_before_s, self.secs)
+        for i in range(c, b):
+            thin.add(self.read(i))
+        parts = thin.kept()
+        if parts is None:  # (each part read again: none held twice)
+            parts = [self.read(i) for i in range(c, b)]
+        start = self.retained(c) if retained is True else retained or None
+        n0 = parts[0]["request_ids_start"] if parts else 0
+        names = RequestNames(n0)
+        cols: list[np.ndarray] = []
+        ok = n0 == (start.num_requests if start else 0)
+        for part in parts:
+            ok = ok and part["request_ids_start"] == len(names)
+            names.extend(part["request_ids"])
+            mine = [part["tables"][k][:, j] for k, j in _NUMBERED if k in part["tables"]]
+            ok = ok and all(not len(x) or (x.min() >= 0 and x.max() < len(names)) for x in mine)
+            cols += mine
+        if not ok:  # rows naming what the parts do not: the run's numbering and errors
+            log = self.log_of(c, b, retained=start)
+            return LocalLog(log, np.arange(len(log.request_ids)), names)
+        numbers, local = renumbered([x.astype(np.int64) for x in cols])
+        it = iter(local)
+        own = []
+        for k, part in enumerate(parts):
+            tables = dict(part["tables"])
+            for key, j in _NUMBERED:
+                if key in tables:
+                    tables[key] = tables[key].copy()
+                    tables[key][:, j] = next(it)
+            ids = Unnamed(len(numbers) if k == 0 else 0)  # named once merged
+            own.append({**part, "tables": tables, "request_ids": ids,
+                        "request_ids_start": 0 if k == 0 else len(numbers)})  # fmt: skip
+        at = None if start is None else replace(start, num_requests=0)
+        log = merge_flushed(self.meta, own, path=self.parts_dir, retained=at)
+        return LocalLog(replace(log, request_ids=names.picked(numbers)), numbers, names)
+
     def unnamed_log_of(self, c: int, b: int, tables: frozenset[str]) -> RawLog:
         """`log_of` parts ``[c, b)`` cut to `tables`, none of which names a request: a log
         that holds no request (as `log_of`, it would hold per request named so far its
@@ -417,17 +559,20 @@ class SlicedRun:
 
     def bounds(self, max_emissions: int) -> list[tuple[int, int, int]]:
         """Each slice's parts (after `index`): ``(c, a, b)``, read ``[c, b)``, own
-        ``[a, b)``; as many parts as keep the emissions read within `max_emissions` (at
-        least one part a slice)."""
+        ``[a, b)``; as many parts as keep the emissions kept within `max_emissions` (at
+        least one part a slice): its own parts' and the part before them whole, at most
+        two a request emitting of each earlier part (`Thinned`)."""
         out: list[tuple[int, int, int]] = []
         n, a = len(self.parts), 0
         counts = np.array([e.num_emissions for e in self.parts], dtype=np.int64)
-        cum = np.concatenate([[0], np.cumsum(counts)])
+        thin = np.minimum(counts, 2 * np.array([e.num_emitting for e in self.parts], np.int64))
+        cum, cum_thin = (np.concatenate([[0], np.cumsum(x)]) for x in (counts, thin))
         while a < n:
             b, c = a + 1, min(self.parts[a].reaches_back_to, max(0, a - 1))
             while b < n:
                 c2 = min(c, self.parts[b].reaches_back_to)
-                if cum[b + 1] - cum[c2] > max_emissions:
+                whole = max(a - 1, c2)  # from the part before `a`: kept whole
+                if cum[b + 1] - cum[whole] + cum_thin[whole] - cum_thin[c2] > max_emissions:
                     break
                 b, c = b + 1, c2
             out.append((self.windows_back_to(c, b), a, b))
