@@ -268,13 +268,20 @@ def _request_gaps(
         has = ~head | (last[rs] != NO_TICK)  # before `gap_lengths` moves `last` on
         gap = gap_lengths(run, last, em)[0]
         req = rs[has]
-        n_gaps += np.bincount(req, minlength=n)
-        n_rest += np.bincount(req[gap < p99], minlength=n)
+        _count(n_gaps, req)  # the part's requests only: a day names ~3.9 M
+        _count(n_rest, req[gap < p99])
         if k > 0:
             top = np.concatenate([top, gap[gap >= p99]])
             if len(top) > k:
                 top = np.partition(top, len(top) - k)[len(top) - k :]
     return n_gaps, n_rest, top
+
+
+def _count(counts: np.ndarray, req: np.ndarray) -> None:
+    """Add each request's rows in `req` to `counts` (touching only those requests: a
+    `bincount` the length of the run's requests, per part, made reading a day quadratic)."""
+    u, k = np.unique(req, return_counts=True)
+    counts[u] += k.astype(counts.dtype)
 
 
 def _starts(counts: np.ndarray) -> np.ndarray:
@@ -348,7 +355,7 @@ def _tail_and_points(
 
     def ranks(kind: str, req: np.ndarray) -> np.ndarray:
         out = starts[kind][req] + seen[kind][req] + _rank_in_request(req)
-        seen[kind] += np.bincount(req, minlength=n).astype(np.int32)
+        _count(seen[kind], req)
         return out
 
     for j, task in enumerate(tasks):
