@@ -1,15 +1,15 @@
-"""What a slice keeps of the emissions before its own gaps (`tracekit.log.slices.Thinned`,
+"""What a slice keeps of the emissions before its own gaps (`tracekit.log.thinned`,
 docs/reports.md, "Reading a long run in slices"): per part each request's first and last
-before them, every emission of a request evicted or readmitted in the parts so far, and
-every emission from them on; the parts whole where a cut emission may follow a victim's
-first eviction row (rows written out of order)."""
+before them, every emission of a request evicted or readmitted in that part, and every
+emission from them on; the parts whole where an event of a request lies within the span
+of its cut emissions in another part (rows written out of order)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from tracekit.log.flush import EVICT, READMIT
-from tracekit.log.slices import Thinned
+from tracekit.log.thinned import Thinned
 
 
 def _part(emissions: list[tuple[int, int]], events: list[tuple[int, int, int]] = ()) -> dict:
@@ -28,33 +28,64 @@ def _secs(ticks: np.ndarray) -> np.ndarray:
     return ticks.astype(np.float64)
 
 
+def _thinned(before: float, parts: list[dict], keys=None) -> list[dict] | None:
+    thin = Thinned(before, _secs)
+    for k, part in enumerate(parts):
+        thin.add(None if keys is None else keys[k], lambda part=part: part)
+    return thin.kept()
+
+
 def test_each_request_keeps_its_first_and_last_before_the_cut_and_victims_keep_all():
-    thin = Thinned(10.0, _secs)
-    # request 0 emits four times before 10 s, 1 twice, 2 three times (evicted later)
-    thin.add(_part([(0, 1), (1, 2), (0, 2), (2, 1), (0, 3), (2, 2), (0, 4), (2, 3), (1, 5)]))
-    # request 2 evicted at 6 s and readmitted at 7 s; request 0 emits at 6, 7, 8 and 11 s
-    thin.add(_part([(0, 6), (2, 8), (0, 7), (2, 9), (0, 8), (0, 11)],
-                   [(2, EVICT, 6), (2, READMIT, 7)]))  # fmt: skip
-    parts = thin.kept()
+    parts = _thinned(20.0, [
+        # request 0 emits four times, 1 twice, 2 three times (evicted in the next part)
+        _part([(0, 1), (1, 2), (0, 2), (2, 1), (0, 3), (2, 2), (0, 4), (2, 3), (1, 5)]),
+        # 2 evicted at 6 s and readmitted at 7 s: it emits at 8, 9 and 10 s ...
+        _part([(0, 6), (2, 8), (0, 7), (2, 9), (0, 8), (2, 10), (0, 21)],
+              [(2, EVICT, 6), (2, READMIT, 7)]),
+        # ... and emits three times here, its first after its readmission kept
+        _part([(2, 12), (2, 13), (2, 14)]),
+    ])  # fmt: skip
     assert parts is not None
     # part 1: request 0's first (1 s) and last (4 s), both of 1's, 2's first and last:
     # its eviction comes in a later part, after every emission cut here
     assert _kept(parts[0]) == [(0, 1), (1, 2), (2, 1), (0, 4), (2, 3), (1, 5)]
-    # part 2: the victim's every emission; request 0's first and last before 10 s (7 s
-    # cut) and its emission at 11 s, after the cut
-    assert _kept(parts[1]) == [(0, 6), (2, 8), (2, 9), (0, 8), (0, 11)]
+    # part 2: every emission of the request evicted in it; request 0's first and last
+    # before 20 s (7 s cut) and its emission at 21 s, after the cut
+    assert _kept(parts[1]) == [(0, 6), (2, 8), (2, 9), (0, 8), (2, 10), (0, 21)]
+    # part 3: the victim's first and last (its first after its readmission: 12 s)
+    assert _kept(parts[2]) == [(2, 12), (2, 14)]
 
 
-def test_a_victim_whose_eviction_row_precedes_a_cut_emission_leaves_the_parts_whole():
-    thin = Thinned(10.0, _secs)
-    thin.add(_part([(2, 1), (2, 2), (2, 3)]))  # 2 s cut: after the eviction at 1.5 s
-    thin.add(_part([(2, 4)], [(2, EVICT, 1), (2, READMIT, 1)]))
-    assert thin.kept() is None
+def test_an_event_within_a_cut_request_s_span_in_another_part_leaves_the_parts_whole():
+    # 2 s cut from request 2's rows in part 1; its eviction row (1.5 s) came in part 2
+    assert _thinned(10.0, [_part([(2, 1), (2, 2), (2, 3)]),
+                           _part([(2, 4)], [(2, EVICT, 1), (2, READMIT, 1)])]) is None  # fmt: skip
+    # an event outside the span (after its last row there): cut as the rule says
+    parts = _thinned(10.0, [_part([(2, 1), (2, 2), (2, 3)]), _part([(2, 4)], [(2, EVICT, 3)])])
+    assert parts is not None and _kept(parts[0]) == [(2, 1), (2, 3)]
 
 
 def test_nothing_is_cut_from_the_run_s_start_or_after_the_cut():
     for before in (-np.inf, 0.5):
-        thin = Thinned(before, _secs)
         part = _part([(0, 1), (0, 2), (0, 3)])
-        thin.add(part)
-        assert thin.kept() == [part]
+        assert _thinned(before, [part]) == [part]
+
+
+def test_a_part_cut_whole_is_kept_for_later_slices_only():
+    """A part whose every emission is before a slice's own is cut the same for any slice
+    after it: read once. A slice whose own gaps start within it reads it again."""
+    reads = []
+    part = _part([(0, 1), (0, 2), (0, 3)])
+
+    def read() -> dict:
+        reads.append(1)
+        return part
+
+    key = ("a part", 1, 2, 3, None)
+    for before, n_reads in ((10.0, 1), (12.0, 1), (2.5, 2), (3.5, 2)):
+        thin = Thinned(before, _secs)
+        thin.add(key, read)
+        kept = thin.kept()
+        assert kept is not None and len(reads) == n_reads
+        want = [(0, 1), (0, 3)] if before > 3 else [(0, 1), (0, 2), (0, 3)]
+        assert _kept(kept[0]) == want

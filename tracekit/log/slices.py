@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -50,9 +51,9 @@ from tracekit.log.parts import (
 )
 from tracekit.log.rawlog import RawLog
 from tracekit.log.request_names import RequestNames, Unnamed, renumbered
+from tracekit.log.thinned import Thinned, part_key
 
 _EMIT = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick")}
-_EV = {c: TABLES["events"].index(c) for c in ("request", "t_tick")}
 #: the tables whose rows name a request
 _NAMING = frozenset(k for k, cols in (*TABLES.items(), *MERGED_TABLES.items()) if "request" in cols)
 _REQ = TABLES["requests"].index("request")
@@ -194,71 +195,6 @@ def _first_chunks(ce: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.nda
     head[1:] = r[o][1:] != r[o][:-1]
     k = o[head]
     return r[k], t[k], ce[k, _CE["process"]].astype(np.int64)
-
-
-class Thinned:
-    """Consecutive parts with each one's emissions before `before_s` cut to each request's
-    first and last in it (in time, then row order), but for the requests evicted or
-    readmitted in the parts so far, whose emissions are kept whole (`add` each part as it
-    is read; `kept` at the end).
-
-    What a slice's own gaps and TTFTs (from `before_s` on) need of earlier emissions: each
-    request's last one before them (where its first own gap starts), its first (its first
-    token, `Requests.first_token_s`), and a victim's first after its readmission (whose
-    re-prefill a step is, its eviction's debt). A TTFT reaching back minutes made a slice
-    read every emission of those minutes: a day's last slices read 3.6 M emissions for the
-    ~20,000 they own, and ~650 MB."""
-
-    def __init__(self, before_s: float, secs: Callable[[np.ndarray], np.ndarray]) -> None:
-        self.before_s, self.secs = before_s, secs
-        self.parts: list[dict[str, Any]] = []
-        self.victims = np.zeros(0, dtype=np.int64)
-        self.events: list[np.ndarray] = []
-        #: per part with emissions cut: (request, its latest emission before `before_s`)
-        self.cut_last: list[tuple[np.ndarray, np.ndarray]] = []
-
-    def add(self, part: dict[str, Any]) -> None:
-        t_ = part["tables"]
-        ev = t_.get("events")
-        if ev is not None and len(ev):
-            self.events.append(ev)
-            self.victims = np.union1d(self.victims, ev[:, _EV["request"]])
-        em = t_.get("emissions")
-        if em is None or not len(em):
-            self.parts.append(part)
-            return
-        r, t = em[:, _EMIT["request"]], self.secs(em[:, _EMIT["t_tick"]])
-        cand = np.flatnonzero((t < self.before_s) & ~np.isin(r, self.victims))
-        o = cand[np.lexsort((t[cand], r[cand]))]  # stable: ties in row order
-        rs = r[o]
-        edge = np.ones(len(o), dtype=bool)  # each request's first and last
-        edge[1:-1] = (rs[1:-1] != rs[:-2]) | (rs[1:-1] != rs[2:])
-        if edge.all():
-            self.parts.append(part)
-            return
-        keep = np.ones(len(em), dtype=bool)
-        keep[o[~edge]] = False
-        last = np.ones(len(o), dtype=bool)
-        last[:-1] = rs[:-1] != rs[1:]
-        self.cut_last.append((rs[last], t[o[last]]))
-        self.parts.append({**part, "tables": {**t_, "emissions": em[keep]}})
-
-    def kept(self) -> list[dict[str, Any]] | None:
-        """The parts as cut; None where an emission cut may be one a victim's eviction
-        needs (one after its first eviction row in the parts: rows written out of order),
-        so the parts are to be read whole."""
-        if not self.events or not self.cut_last:
-            return self.parts
-        ev = np.concatenate(self.events)
-        ev_t = self.secs(ev[:, _EV["t_tick"]])
-        first_ev = np.full(len(self.victims), np.inf)
-        np.minimum.at(first_ev, np.searchsorted(self.victims, ev[:, _EV["request"]]), ev_t)
-        for req, t_cut in self.cut_last:
-            k = np.minimum(np.searchsorted(self.victims, req), len(self.victims) - 1)
-            hit = self.victims[k] == req
-            if (t_cut[hit] >= first_ev[k[hit]]).any():
-                return None
-        return self.parts
 
 
 def grown(room: dict[str, np.ndarray], key: str, a: np.ndarray, n: int, fill: float) -> np.ndarray:
@@ -504,7 +440,7 @@ class SlicedRun:
         slice whose own gaps end from there needs of them."""
         thin = Thinned(thin_before_s, self.secs)
         for i in range(c, b):
-            thin.add(self.read(i))
+            thin.add(part_key(self.paths[i], self.max_inflate_mb), partial(self.read, i))
         parts = thin.kept()
         if parts is None:  # (each part read again: none held twice)
             parts = [self.read(i) for i in range(c, b)]
