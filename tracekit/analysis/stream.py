@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.analysis.evictions import RECOMPUTE_LABEL, eviction_summary
 from tracekit.analysis.figures import (
     HIST_EDGES_MS,
@@ -483,7 +484,11 @@ def _local_pairs(
 def run_slice(task: SliceTask) -> SlicePart:
     """Partition one slice (its own gaps and TTFTs, with the whole run's baselines) and
     add up what the run's figures need."""
-    return slice_sums(task, *slice_partition(task)[:3])
+    out = slice_sums(task, *slice_partition(task)[:3])
+    # the slice's log and partition, freed in holes between what lives on (the run's index,
+    # the kept cuts), which the analysis's allocator settings keep (`tracekit.allocator`)
+    give_back_freed_memory()
+    return out
 
 
 def slice_sums(task: SliceTask, log: RawLog, prep: PreparedRun, p: Partition) -> SlicePart:
