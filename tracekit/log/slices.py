@@ -440,7 +440,9 @@ class SlicedRun:
         slice whose own gaps end from there needs of them."""
         thin = Thinned(thin_before_s, self.secs)
         for i in range(c, b):
-            thin.add(part_key(self.paths[i], self.max_inflate_mb), partial(self.read, i))
+            key = part_key(self.paths[i], self.max_inflate_mb)  # and the clock it is read by
+            clocked = None if key is None else (*key, self.t0_tick, self.seconds_per_tick)
+            thin.add(clocked, partial(self.read, i))
         parts = thin.kept()
         if parts is None:  # (each part read again: none held twice)
             parts = [self.read(i) for i in range(c, b)]
