@@ -465,10 +465,10 @@ class SlicedRun:
         own = []
         for k, part in enumerate(parts):
             tables = dict(part["tables"])
-            for key, j in _NUMBERED:
-                if key in tables:
-                    tables[key] = tables[key].copy()
-                    tables[key][:, j] = next(it)
+            for table, j in _NUMBERED:
+                if table in tables:
+                    tables[table] = tables[table].copy()
+                    tables[table][:, j] = next(it)
             ids = Unnamed(len(numbers) if k == 0 else 0)  # named once merged
             own.append({**part, "tables": tables, "request_ids": ids,
                         "request_ids_start": 0 if k == 0 else len(numbers)})  # fmt: skip
