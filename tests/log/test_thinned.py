@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from tracekit.log.flush import EVICT, READMIT
-from tracekit.log.thinned import Thinned
+from tracekit.log.thinned import Thinned, forget_before
 
 
 def _part(emissions: list[tuple[int, int]], events: list[tuple[int, int, int]] = ()) -> dict:
@@ -89,3 +89,26 @@ def test_a_part_cut_whole_is_kept_for_later_slices_only():
         assert kept is not None and len(reads) == n_reads
         want = [(0, 1), (0, 3)] if before > 3 else [(0, 1), (0, 2), (0, 3)]
         assert _kept(kept[0]) == want
+
+
+def test_a_slice_read_from_a_part_lets_go_of_the_cuts_of_the_parts_before_it():
+    """Slices read a run forward: the cuts of parts numbered before a slice's first part
+    are let go (read again, were a slice to need them); its folder's only."""
+    reads: list[str] = []
+
+    def reader(name: str):
+        def read() -> dict:
+            reads.append(name)
+            return _part([(0, 1), (0, 2), (0, 3)])
+
+        return read
+
+    paths = ["/run/a.parts/part-000001.tkp", "/run/a.parts/part-1000000.tkp",
+             "/run/b.parts/part-000001.tkp"]  # fmt: skip
+    for p in paths:  # each cut and kept
+        Thinned(10.0, _secs).add((p, 0, 0, 0, None), reader(p))
+    forget_before("/run/a.parts/part-000002.tkp")
+    for p in paths:
+        Thinned(10.0, _secs).add((p, 0, 0, 0, None), reader(p))
+    # the first part of run a read again; the millionth (numbered after) and run b's kept
+    assert reads == [*paths, paths[0]]

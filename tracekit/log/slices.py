@@ -51,7 +51,7 @@ from tracekit.log.parts import (
 )
 from tracekit.log.rawlog import RawLog
 from tracekit.log.request_names import RequestNames, Unnamed, renumbered
-from tracekit.log.thinned import Thinned, part_key
+from tracekit.log.thinned import Thinned, forget_before, part_key
 
 _EMIT = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick")}
 #: the tables whose rows name a request
@@ -439,6 +439,8 @@ class SlicedRun:
         and last, and every emission of a request evicted in the parts (`Thinned`): what a
         slice whose own gaps end from there needs of them."""
         thin = Thinned(thin_before_s, self.secs)
+        if c < len(self.paths) and self.paths[c]:
+            forget_before(self.paths[c])  # no later slice reads before part `c`
         for i in range(c, b):
             key = part_key(self.paths[i], self.max_inflate_mb)  # and the clock it is read by
             clocked = None if key is None else (*key, self.t0_tick, self.seconds_per_tick)

@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from tracekit.log.flush import TABLES
+from tracekit.log.parts import part_number
 
-__all__ = ["Cut", "Thinned", "part_key", "thin_part"]
+__all__ = ["Cut", "Thinned", "forget_before", "part_key", "thin_part"]
 
 _EMIT = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick")}
 _EV = {c: TABLES["events"].index(c) for c in ("request", "t_tick")}
@@ -153,3 +154,13 @@ def part_key(path: str, max_inflate_mb: float | None) -> tuple[Any, ...] | None:
     except OSError:
         return None
     return (path, st.st_ino, st.st_size, st.st_mtime_ns, max_inflate_mb)
+
+
+def forget_before(path: str) -> None:
+    """Let go of the kept cuts of the parts in `path`'s folder numbered before it: slices
+    read a run forward, so a slice read from `path` tells the cuts no later slice reads (a
+    slice read out of order decodes its parts again)."""
+    folder, number = os.path.dirname(path), part_number(path)
+    old = [k for k in _CUTS if os.path.dirname(k[0]) == folder and part_number(k[0]) < number]
+    for k in old:
+        _held[0] -= _nbytes(_CUTS.pop(k))
