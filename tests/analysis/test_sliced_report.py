@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from test_sliced import FakeClock, _differences, _wait_for_parts
 
 import tracekit
+import tracekit.analysis.stream_report as stream_report
 from tracekit.analysis.figures import analyze
 from tracekit.analysis.gaps import even_picks, itl_series, thin_marks, worst_stalls
 from tracekit.analysis.overtime import report_buckets
@@ -206,3 +207,28 @@ def test_the_series_marks_beyond_its_points_by_hand():
     assert thin_marks(t, None, 5).tolist() == [0, 1, 2, 3, 4]
     assert thin_marks(t, None, 0).tolist() == []
     assert even_picks(10, 4).tolist() == [0, 3, 6, 9]  # linspace(0, 9, 4): 0, 3, 6, 9
+
+
+@pytest.mark.parametrize(("budget", "n"), [(1, 0), (50, 3), (700, 5), (3_000, 8)])
+def test_worst_stalls_keep_the_worst_complete_events_only(
+    demo_run, whole_page, monkeypatch, budget, n
+):  # fmt: skip
+    """Folded after every slice, the stall events no later slice can add a gap to are cut
+    to the `n` worst (a day's tail has millions of events): the page's worst stalls are
+    still the whole run's, and what the heads hold is those `n` and the open ones."""
+    log, part = whole_page
+    held: list[int] = []
+    fold = stream_report.StallHeads.fold
+
+    def counted(self, now=None):
+        out = fold(self, now)
+        if now is not None:  # complete: all gaps two slices back or more, step known
+            done = (out["last"] < now - 1) & (out["step"] >= 0)
+            held.append(int(done.sum()))
+        return out
+
+    monkeypatch.setattr(stream_report, "HEAD_FOLD_ROWS", -(10**9))  # fold every slice
+    monkeypatch.setattr(stream_report.StallHeads, "fold", counted)
+    page = report_sliced(demo_run + ".parts", n, max_emissions=budget, path=demo_run)
+    assert page["worst_stalls"] == worst_stalls(log, part, n)
+    assert held and max(held) <= n

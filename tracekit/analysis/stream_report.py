@@ -151,7 +151,7 @@ def _stalls_and_series(
     lo, hi = (0.0, 0.0)
     if ix.span_ticks is not None:
         lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
-    heads, points, tasks = _tail_and_points(run, ix, p99, sizes)
+    heads, points, tasks = _tail_and_points(run, ix, p99, sizes, n_worst)
     stalls = _worst_stalls(run, (heads, tasks, p99), ix.names, n_worst)
     return stalls, _series(run, ix, points, sizes[1]), (lo, hi)
 
@@ -190,14 +190,16 @@ class _Gaps:
         return out
 
 
-#: an event's head columns (`_Heads`): its step and primary cause (the event), its longest
+#: rows of stall events added between two folds of `StallHeads` beyond twice those kept
+HEAD_FOLD_ROWS = 65536
+#: an event's head columns (`StallHeads`): its step and primary cause (the event), its longest
 #: gap (length, place in the whole run's partition, slice, request, end) and the first and
 #: last slice holding one of its gaps
 _HEAD_COLS = ("step", "code", "gap", "idx", "slice_", "request", "t1", "first", "last")
 
 
 @dataclass
-class _Heads:
+class StallHeads:
     """The stall events of the tail gaps seen so far (docs/reports.md, "Worst stalls"): one
     row per event, its longest gap (ties: the earlier in the whole run's partition) and
     the slices holding its gaps, so that only those slices are read again for the worst
@@ -207,6 +209,11 @@ class _Heads:
     codes: dict[str, int] = field(default_factory=dict)  # primary cause -> its number
     rows: int = 0
     folded: int = 0
+    #: the worst events asked for: of the events no later slice can add a gap to, only
+    #: the `keep` worst are kept (a day's tail has millions of events, ~70 bytes each)
+    keep: int | None = None
+    #: rows added between two folds, beyond twice those kept (what a fold bounds)
+    fold_rows: int = 65536
 
     def add(self, j: int, step: np.ndarray, primary: np.ndarray, gap: np.ndarray,
             idx: np.ndarray, request: np.ndarray, t1: np.ndarray) -> None:  # fmt: skip
@@ -219,14 +226,25 @@ class _Heads:
         for c, v in _fold(cols).items():
             self.cols[c].append(v)
         self.rows += len(self.cols["step"][-1])
-        if self.rows > 2 * self.folded + 65536:
-            self.fold()
+        if self.rows > 2 * self.folded + self.fold_rows:
+            self.fold(j)
 
-    def fold(self) -> dict[str, np.ndarray]:
-        """One row per event: the rows so far folded (and returned)."""
+    def fold(self, now: int | None = None) -> dict[str, np.ndarray]:
+        """One row per event: the rows so far folded (and returned). `now`: the slice
+        last added; the events whose gaps all lie two slices before it or more (a step's
+        gaps end within it: no later slice adds one; step -1's may come anywhere) are
+        cut to the `keep` worst (the longest gap, ties: the earlier in the partition's
+        order): those the run's worst can be."""
         if not self.cols["step"]:
             return {c: np.zeros(0) for c in _HEAD_COLS}
         folded = _fold({c: np.concatenate(v) for c, v in self.cols.items()})
+        if now is not None and self.keep is not None:
+            done = np.flatnonzero((folded["last"] < now - 1) & (folded["step"] >= 0))
+            if len(done) > self.keep:
+                worst = done[np.lexsort((folded["idx"][done], -folded["gap"][done]))]
+                gone = np.zeros(len(folded["step"]), dtype=bool)
+                gone[worst[self.keep :]] = True
+                folded = {c: v[~gone] for c, v in folded.items()}
         self.cols = {c: [v] for c, v in folded.items()}
         self.rows = self.folded = len(folded["step"])
         return folded
@@ -331,9 +349,10 @@ def _chosen(picks: np.ndarray, rank: np.ndarray) -> np.ndarray:
 
 
 def _tail_and_points(
-    run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int]
-) -> tuple[_Heads, _Gaps, list[SliceTask]]:
-    """Every slice partitioned once: its tail gaps' stall events (>= `p99`, `_Heads`) and
+    run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int], n_worst: int
+) -> tuple[StallHeads, _Gaps, list[SliceTask]]:
+    """Every slice partitioned once: its tail gaps' stall events (>= `p99`, `StallHeads`: the
+    `n_worst` worst of those complete, and those still open) and
     the gaps the series draws (`_Picks`), each with its index in the whole run's
     partition (by request, then time: the request's gaps before this slice, and this
     slice's before it). `sizes`: the emissions a slice reads, the series' points."""
@@ -349,7 +368,7 @@ def _tail_and_points(
     n = len(n_gaps)
     del n_gaps, n_rest
     seen = {k: np.zeros(n, dtype=np.int32) for k in starts}  # a request's gaps < 2**31
-    heads, points, ties = _Heads(), _Gaps(), _Gaps()
+    heads, points, ties = StallHeads(keep=n_worst, fold_rows=HEAD_FOLD_ROWS), _Gaps(), _Gaps()
     first_step = run.parts[0].first_step
     tasks = slice_tasks(run, ix, max_emissions, p99)
 
@@ -419,7 +438,7 @@ def _series(run: SlicedRun, ix: Index, points: _Gaps, max_points: int) -> dict[s
 
 def _worst_stalls(
     run: SlicedRun,
-    found: tuple[_Heads, list[SliceTask], float],
+    found: tuple[StallHeads, list[SliceTask], float],
     names: RequestNames,
     n: int,
 ) -> list[dict[str, Any]]:
