@@ -243,7 +243,9 @@ def spill_gaps_sliced(
         for t in tasks:  # one slice at a time: partitioned once for the sums and the spill
             read = slice_partition(t)
             spill.add(t, read, (t.retained.first_step if t.retained else 0) - base)
-            yield slice_sums(t, read.log, read.prep, read.p)
+            sums = slice_sums(t, read.log, read.prep, read.p)
+            del read  # before the next slice's is read (else two slices' logs at once)
+            yield sums
 
     spill.analysis = analyze_sliced(parts_dir, path=path, max_emissions=max_emissions,
                                     max_inflate_mb=max_inflate_mb, mapper=each)  # fmt: skip

@@ -256,6 +256,7 @@ def gap_listing_sliced(
                     best.append(((-rec["gap_ms"], int(req[i]), j, i), rec))
             out.write(recs, req[block])
             out.keep_best(best)
+        del read, log, p  # before the next slice's is read (else two slices' logs at once)
         say(f"slice {j + 1} of {len(tasks)}")
     return out
 
@@ -310,5 +311,6 @@ def ttft_listing_sliced(
         order = np.lexsort((req, -mine.ttft_ms))
         keep = order[: top if top > 0 else len(order)].tolist()
         out.keep_best([((-recs[i]["ttft_ms"], int(req[i])), recs[i]) for i in keep])
+        del read, log  # before the next slice's is read (else two slices' logs at once)
         say(f"slice {j + 1} of {len(tasks)}")
     return out

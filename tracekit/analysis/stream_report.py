@@ -381,8 +381,10 @@ def _tail_and_points(
         read = slice_partition(task)
         p = read.p
         if not len(p):
+            del read, p
             continue
         req = read.numbers[p.request]
+        del read  # the slice's log: a loop's name kept it while the next slice's was read
         gidx = ranks("gap", req)
         tail = np.flatnonzero(p.gap_ms >= p99)
         rest = np.flatnonzero(p.gap_ms < p99)
@@ -402,7 +404,7 @@ def _tail_and_points(
                 ties.add(tail[g == pk.longer], j, gidx, cols)
                 ties = ties.earliest(pk.ties)
         points.add(np.unique(np.concatenate(drawn)), j, gidx, cols)
-        del p, cols
+        del p, cols  # (and the partition: two slices' at once were a day's peak)
         give_back_freed_memory()  # the slice's partition, before the next one's
     for k in ("idx", "slice_", "request", "t1_s", "gap_ms", "step1", "primary"):
         getattr(points, k).extend(getattr(ties, k))
@@ -474,14 +476,14 @@ def _worst_stalls(
             members[e].append(np.stack([p.gap_ms[tail[r]], req[tail[r]],
                                         np.full(len(r), j), rank[r]], axis=1))  # fmt: skip
         mine = [k for k, e in enumerate(top.tolist()) if int(h["slice_"][e]) == j]
-        if not mine:
-            continue
-        heads_here = [int(top[k]) for k in mine]
-        recs = _head_records(run, (tasks[j], read), names, h["request"][heads_here],
-                             h["t1"][heads_here], h["gap"][heads_here])  # fmt: skip
-        for k, rec in zip(mine, recs, strict=True):
-            records[k] = rec
-        _steps_of(run, tasks[j], [records[k] for k in mine])
+        if mine:
+            heads_here = [int(top[k]) for k in mine]
+            recs = _head_records(run, (tasks[j], read), names, h["request"][heads_here],
+                                 h["t1"][heads_here], h["gap"][heads_here])  # fmt: skip
+            for k, rec in zip(mine, recs, strict=True):
+                records[k] = rec
+            _steps_of(run, tasks[j], [records[k] for k in mine])
+        del read, p  # before the next slice's is read
     for k, rows in enumerate(members):
         m = np.concatenate(rows)  # gap, request, slice, rank: longest first, then the
         # partition's order (by request, then time: slice, then rank in the slice)
