@@ -663,10 +663,8 @@ def _tasks(
     base_itl, base_ttft = whole_baselines(run, ix)
     base_client = base_itl
     if ix.fit != FIT_ALL_CAPTURED:
-        gs = np.concatenate(ix.graph_size) if ix.graph_size else np.zeros(0, np.int64)
-        nd = np.concatenate(ix.num_decode) if ix.num_decode else np.zeros(0, np.int64)
-        net = np.concatenate(ix.decode_net_itl) if ix.decode_net_itl else np.zeros(0)
-        base_client = fit_baseline_steps(gs, nd, net, FIT_ALL_CAPTURED)
+        base_client = fit_baseline_steps(ix.steps("graph_size"), ix.steps("num_decode"),
+                                         ix.steps("decode_net_itl"), FIT_ALL_CAPTURED)  # fmt: skip
     step0 = run.parts[0].first_step
     bounds = client_bounds(run, cx, max_emissions)
     rq = cx.req
