@@ -13,9 +13,13 @@ import tempfile
 import pytest
 from test_merge_parts import record_server
 
+from tracekit.analysis import stream_client
 from tracekit.analysis.figures import analyze
 from tracekit.analysis.run import merge_run
 from tracekit.analysis.stream_server import analyze_server_path
+from tracekit.log.flush import TABLES
+from tracekit.log.merged_tables import MERGED_TABLES
+from tracekit.log.slices import SlicedRun
 
 
 def _sliced(d, tmp_path, monkeypatch, budget: int):
@@ -134,6 +138,37 @@ def test_a_client_gap_across_a_slice_edge_by_hand(tmp_path, monkeypatch):
     assert c["ttft_engine_p50_ms"] == pytest.approx(3.0, abs=1e-6)
     assert c["ttft_share"]["sse_write"] == pytest.approx(0.1 / 3.4, abs=1e-6)
     assert c["ttft_share"]["hop"] == pytest.approx(0.3 / 3.4, abs=1e-6)
+
+
+def test_a_client_slice_holds_only_the_requests_its_parts_name(tmp_path, monkeypatch):
+    """A client slice's log holds the requests its parts' rows name (engine rows, chunks,
+    arrivals), numbered 0, 1, ... in the run's order, not every request named so far (a
+    day's ~3 M columns a slice): here, a part a slice of 60 requests, each slice names
+    fewer than the run, and its numbers are exactly those the parts' rows carry."""
+    d = tmp_path / "srv"
+    d.mkdir()
+    record_server(d, n=60, core_every=5, fe_every=7)
+    held = []
+    real = stream_client.slice_log
+
+    def spy(task):
+        log, prep, numbers = real(task)
+        run = SlicedRun(task.parts_dir)
+        named = set()
+        for i in range(task.c, task.d):
+            for table, rows in run.read(i)["tables"].items():
+                cols = {**TABLES, **MERGED_TABLES}.get(table, ())
+                for j, col in enumerate(cols):
+                    if col in ("request", "evictor") and len(rows):
+                        named |= set(rows[:, j].astype(int).tolist())
+        held.append((numbers.tolist(), sorted(named), len(log.request_ids)))
+        return log, prep, numbers
+
+    monkeypatch.setattr(stream_client, "slice_log", spy)
+    got = _sliced(d, tmp_path, monkeypatch, 3)
+    assert got["client"]["chunks"] == 120 and len(held) > 2
+    for numbers, named, n_ids in held:
+        assert numbers == named and n_ids == len(numbers) < 60
 
 
 def assert_same(whole, sliced, path=""):

@@ -78,7 +78,7 @@ from tracekit.log.merged_tables import MERGED_TABLES
 from tracekit.log.parts import Retained
 from tracekit.log.rawlog import Coverage, RawLog
 from tracekit.log.serve_contract import ADDED, FRONTEND
-from tracekit.log.slices import SlicedRun, grown
+from tracekit.log.slices import NotSliceable, SlicedRun, grown
 
 __all__ = ["analyze_sliced_client"]
 
@@ -463,12 +463,16 @@ def _add(d: dict, key: Any, v: float) -> None:
     d[key] = d.get(key, 0.0) + v
 
 
-def slice_log(task: ClientSliceTask) -> tuple[RawLog, PreparedRun]:
+def slice_log(task: ClientSliceTask) -> tuple[RawLog, PreparedRun, np.ndarray]:
     """The slice's log (with the run's meta and coverage), prepared with the whole run's
-    baselines as `analyze` prepares the whole run."""
+    baselines as `analyze` prepares the whole run, and each of its requests' number in the
+    run: it holds only the requests its parts' rows name, numbered 0, 1, ... in the run's
+    order (`SlicedRun.local_log_of`; the run's numbering held every request named so far,
+    ~3 M columns a slice at a day's end)."""
     run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb,
                     parts=(task.c, task.paths))  # fmt: skip
-    log = run.log_of(task.c, task.d, retained=task.retained, final=True)
+    local = run.local_log_of(task.c, task.d, retained=task.retained, final=True)
+    log = local.log
     if task.coverage is not None:
         cov = task.coverage
         cols = MERGED_TABLES["proc_coverage"]
@@ -479,7 +483,7 @@ def slice_log(task: ClientSliceTask) -> tuple[RawLog, PreparedRun]:
     prep.corrected().use_baseline(task.fit, task.base_itl)
     if task.fit != FIT_ALL_CAPTURED:  # the client gaps' engine part: design.md's fit
         prep.corrected().use_baseline(FIT_ALL_CAPTURED, task.base_client)
-    return log, prep
+    return log, prep, local.numbers
 
 
 def _steps(raw: np.ndarray, first: int) -> np.ndarray:
@@ -488,8 +492,10 @@ def _steps(raw: np.ndarray, first: int) -> np.ndarray:
     return np.where(s >= 0, s - first, -1)
 
 
-def slice_gaps(log: RawLog, rows: np.ndarray, first: int) -> ClientGaps:
-    """`client_gaps` of the slice's own gaps, from their rows (`GAP_COLUMNS`)."""
+def slice_gaps(log: RawLog, rows: np.ndarray, first: int, numbers: np.ndarray) -> ClientGaps:
+    """`client_gaps` of the slice's own gaps, from their rows (`GAP_COLUMNS`), their
+    requests numbered as the slice's log numbers them (`numbers`: each one's in the run;
+    a gap's request is named by its chunks' rows, in the slice's own parts)."""
     g = {c: rows[:, j] for c, j in _G.items()}
     a, b, e = g["a"], g["b"], g["e"]
     proc = g["process"].astype(np.int64)
@@ -497,7 +503,7 @@ def slice_gaps(log: RawLog, rows: np.ndarray, first: int) -> ClientGaps:
     core_lo, core_hi = process_spans(log, np.full(len(a), core_process(log)))
     fe_lo, fe_hi = process_spans(log, proc)
     return ClientGaps(
-        request=g["request"].astype(np.int64), a=a, b=b,
+        request=_local(numbers, g["request"].astype(np.int64)), a=a, b=b,
         x=np.where(np.isnan(e), a, np.clip(e, a, b)), e=e, recv=received_at(log, step1, proc),
         step0=_steps(g["step0"], first), step1=step1, dstep1=_steps(g["dstep1"], first),
         num_tokens=g["num_tokens"].astype(np.int64), process=proc, core_lo=core_lo,
@@ -505,20 +511,29 @@ def slice_gaps(log: RawLog, rows: np.ndarray, first: int) -> ClientGaps:
     )  # fmt: skip
 
 
+def _local(numbers: np.ndarray, req: np.ndarray) -> np.ndarray:
+    """Requests numbered as the run numbers them, as a slice's log numbers them."""
+    at = np.searchsorted(numbers, req)
+    if len(req) and not np.array_equal(numbers[np.minimum(at, len(numbers) - 1)], req):
+        raise NotSliceable("a client gap whose request its slice's parts do not name")
+    return at
+
+
 def run_client_slice(task: ClientSliceTask) -> ClientSums:
     """Partition one client slice's own gaps and TTFTs and add up what the figures need."""
-    log, prep = slice_log(task)
+    log, prep, numbers = slice_log(task)
     first = task.retained.first_step if task.retained is not None else 0
     s = ClientSums()
     if len(task.gaps):
-        g = slice_gaps(log, task.gaps, first)
+        g = slice_gaps(log, task.gaps, first, numbers)
         _add_gaps(s, client_partition_of(log, g, run=prep), g.process, task.p99)
     if len(task.ttft_requests):
         tp = ttft_partition(log, run=prep)
-        at = np.searchsorted(task.ttft_requests, tp.request)
+        req = numbers[tp.request]  # as the run numbers them
+        at = np.searchsorted(task.ttft_requests, req)
         at = np.minimum(at, len(task.ttft_requests) - 1)
-        mine = task.ttft_requests[at] == tp.request
-        p = tp.take(mine)
+        mine = task.ttft_requests[at] == req
+        p = replace(tp.take(mine), request=req[mine])
         w, proc = task.ttft_w[at[mine]], task.ttft_proc[at[mine]]
         recv = received_at(log, _steps(task.ttft_step[at[mine]], first), proc)
         front, unrec = frontend_part(log, proc, p.first_token_s, w, p.first_token_s, recv)

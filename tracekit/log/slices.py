@@ -427,6 +427,7 @@ class SlicedRun:
         *,
         retained: Retained | None | bool = True,
         thin_before_s: float = -np.inf,
+        final: bool = False,
     ) -> LocalLog:
         """`log_of` parts ``[c, b)`` holding only the requests their rows name, numbered
         0, 1, ... in the run's order (`LocalLog.numbers`: each one's number in the run).
@@ -437,7 +438,7 @@ class SlicedRun:
 
         `thin_before_s`: of the emissions before it, keep per part each request's first
         and last, and every emission of a request evicted in the parts (`Thinned`): what a
-        slice whose own gaps end from there needs of them."""
+        slice whose own gaps end from there needs of them. `final`: as `log_of`'s."""
         thin = Thinned(thin_before_s, self.secs)
         if c < len(self.paths) and self.paths[c]:
             forget_before(self.paths[c])  # no later slice reads before part `c`
@@ -460,7 +461,7 @@ class SlicedRun:
             ok = ok and all(not len(x) or (x.min() >= 0 and x.max() < len(names)) for x in mine)
             cols += mine
         if not ok:  # rows naming what the parts do not: the run's numbering and errors
-            log = self.log_of(c, b, retained=start)
+            log = self.log_of(c, b, retained=start, final=final)
             return LocalLog(log, np.arange(len(log.request_ids)), names)
         numbers, local = renumbered([x.astype(np.int64) for x in cols])
         it = iter(local)
@@ -475,7 +476,9 @@ class SlicedRun:
             own.append({**part, "tables": tables, "request_ids": ids,
                         "request_ids_start": 0 if k == 0 else len(numbers)})  # fmt: skip
         at = None if start is None else replace(start, num_requests=0)
-        log = merge_flushed(self.meta, own, path=self.parts_dir, retained=at)
+        log = merge_flushed(self.meta, own, path=self.parts_dir, retained=at,
+                            final=self.final if final else None,
+                            warnings=list(self.warnings) if final else None)  # fmt: skip
         return LocalLog(replace(log, request_ids=names.picked(numbers)), numbers, names)
 
     def unnamed_log_of(self, c: int, b: int, tables: frozenset[str]) -> RawLog:
