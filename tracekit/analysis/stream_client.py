@@ -50,10 +50,10 @@ from tracekit.analysis.stream import (
     Index,
     analyze_sliced,
     gap_lengths,
-    gathered_ttft_rows,
     index_pass,
     whole_baselines,
 )
+from tracekit.analysis.stream_ttft import TTFT_LABEL_GROUPS, ordered
 from tracekit.analysis.unrecorded import unrecorded_entries
 from tracekit.attribution.client import (
     FRONTEND_LABELS,
@@ -68,7 +68,7 @@ from tracekit.attribution.client import (
     process_spans,
     received_at,
 )
-from tracekit.attribution.client_ttft import client_ttft_assembled, client_ttft_figures
+from tracekit.attribution.client_ttft import client_ttft_labels
 from tracekit.attribution.itl import FIT_ALL_CAPTURED
 from tracekit.attribution.timeline import GraphBaseline, PreparedRun, fit_baseline_steps
 from tracekit.attribution.ttft import TtftPartition, ttft_partition
@@ -452,11 +452,16 @@ class ClientSums:
     max_err: float = 0.0
     #: per process whose absence left client-gap time unrecorded: (ms, gaps)
     lost: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
-    ttft: list[TtftPartition] = field(default_factory=list)
-    ttft_front: list[np.ndarray] = field(default_factory=list)
-    ttft_unrec: list[np.ndarray] = field(default_factory=list)
-    ttft_w: list[np.ndarray] = field(default_factory=list)
-    ttft_proc: list[np.ndarray] = field(default_factory=list)
+    #: the client TTFTs (`client_ttft_assembled`'s), folded as they come: a request's two
+    #: TTFTs (client, engine; ms) for the percentiles, its parts summed by label (a day's
+    #: ~3 M requests kept whole were ~200 bytes each)
+    ttft: list[np.ndarray] = field(default_factory=list)
+    ttft_engine: list[np.ndarray] = field(default_factory=list)
+    ttft_parts: dict[str, float] = field(default_factory=dict)
+    ttft_total: float = 0.0
+    ttft_labels: set[str] = field(default_factory=set)  # the engine boundary's
+    ttft_unrec: bool = False  # some TTFT with ``unrecorded:api_server`` time
+    ttft_read: bool = False  # some slice owned TTFTs (none: no figures)
 
 
 def _add(d: dict, key: Any, v: float) -> None:
@@ -537,9 +542,28 @@ def run_client_slice(task: ClientSliceTask) -> ClientSums:
         w, proc = task.ttft_w[at[mine]], task.ttft_proc[at[mine]]
         recv = received_at(log, _steps(task.ttft_step[at[mine]], first), proc)
         front, unrec = frontend_part(log, proc, p.first_token_s, w, p.first_token_s, recv)
-        s.ttft, s.ttft_front, s.ttft_unrec = [p], [front], [unrec]
-        s.ttft_w, s.ttft_proc = [w], [proc]
+        _add_ttfts(s, p, w, front, unrec)
     return s
+
+
+def _add_ttfts(
+    s: ClientSums, p: TtftPartition, w: np.ndarray, front: np.ndarray, unrec: np.ndarray
+) -> None:
+    """One slice's client TTFTs added to its sums: as `client_ttft_assembled` makes each
+    (its engine parts, its frontend parts, ``unrecorded:api_server``) and
+    `client_ttft_figures` adds them up by label."""
+    s.ttft_read = True
+    s.ttft.append((w - p.arrival_s) * 1e3)
+    s.ttft_engine.append(np.asarray(p.ttft_ms, dtype=np.float64))
+    s.ttft_total += float(s.ttft[-1].sum())
+    s.ttft_labels |= set(p.labels)
+    s.ttft_unrec |= bool((unrec > 0).any())
+    for lb, v in zip(p.labels, p.parts_ms.sum(axis=0).tolist(), strict=True):
+        _add(s.ttft_parts, lb, v)
+    for lb, v in zip((*FRONTEND_LABELS, *FRONTEND_OS_LABELS), front.sum(axis=0).tolist(),
+                     strict=True):  # fmt: skip
+        _add(s.ttft_parts, lb, v)
+    _add(s.ttft_parts, UNRECORDED_API, float(unrec.sum()))
 
 
 def _add_gaps(s: ClientSums, cp: ClientPartition, process: np.ndarray, p99: float) -> None:
@@ -580,8 +604,14 @@ def _fold(s: ClientSums, part: ClientSums) -> None:
     for k, (ms, n) in part.lost.items():
         old = s.lost.get(k, (0.0, 0))
         s.lost[k] = (old[0] + ms, old[1] + n)
-    for f in ("ttft", "ttft_front", "ttft_unrec", "ttft_w", "ttft_proc"):
-        getattr(s, f).extend(getattr(part, f))
+    s.ttft += part.ttft
+    s.ttft_engine += part.ttft_engine
+    for k, v in part.ttft_parts.items():
+        _add(s.ttft_parts, k, v)
+    s.ttft_total += part.ttft_total
+    s.ttft_labels |= part.ttft_labels
+    s.ttft_unrec |= part.ttft_unrec
+    s.ttft_read |= part.ttft_read
 
 
 def analyze_sliced_client(
@@ -735,6 +765,11 @@ def _weighted(q: ExactQuantiles, total: float) -> dict[str, Any]:
     return out | {"mean": total / n, "n": int(n)}
 
 
+def _pct(v: np.ndarray, q: float) -> float:
+    """`client_ttft_figures`' percentile: numpy's linear, NaN of none."""
+    return float(np.percentile(v, q)) if len(v) else math.nan
+
+
 def _summary(
     cx: ClientIndex, s: ClientSums, a: RunAnalysis, n_gaps: int, p99: float,
     entries: list[dict[str, Any]],
@@ -770,16 +805,15 @@ def _summary(
             "reconcile_max_err_ms": s.max_err,
         }  # fmt: skip
     ttft: dict[str, Any] = {}
-    if s.ttft:
-        cat = {f: np.concatenate(getattr(s, f"ttft_{f}")) for f in ("front", "unrec", "w", "proc")}
-        p = gathered_ttft_rows(s.ttft)
-        assert p is not None
-        ct = client_ttft_assembled(p, cat["w"], cat["proc"], cat["front"], cat["unrec"],
-                                   cx.has_proc_os)  # fmt: skip
-        t = client_ttft_figures(ct)
-        ttft = {"ttft_p50_ms": t["p50_ms"], "ttft_p99_ms": t["p99_ms"],
-                "ttft_engine_p50_ms": t["engine_p50_ms"],
-                "ttft_engine_p99_ms": t["engine_p99_ms"], "ttft_share": t["share"]}  # fmt: skip
+    if s.ttft_read:  # `client_ttft_figures` of the run's client TTFTs
+        t, e = np.concatenate(s.ttft), np.concatenate(s.ttft_engine)
+        engine_labels = ordered(s.ttft_labels, TTFT_LABEL_GROUPS)
+        tl = client_ttft_labels(engine_labels, cx.has_proc_os, s.ttft_unrec)
+        tt = s.ttft_total
+        ttft = {"ttft_p50_ms": _pct(t, 50), "ttft_p99_ms": _pct(t, 99),
+                "ttft_engine_p50_ms": _pct(e, 50), "ttft_engine_p99_ms": _pct(e, 99),
+                "ttft_share": {lb: s.ttft_parts.get(lb, 0.0) / tt if tt > 0 else 0.0
+                               for lb in tl}}  # fmt: skip
     return ClientSummary(
         num_gaps=n_gaps,
         num_chunks=cx.chunks,
