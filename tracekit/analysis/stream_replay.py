@@ -33,7 +33,6 @@ import numpy as np
 
 from tracekit.analysis.stream import STEP_TABLES
 from tracekit.analysis.whatif import cover_deltas, cover_rates, windows_of
-from tracekit.log.parts import merge_flushed
 from tracekit.log.rawlog import Evictions, RawLog
 from tracekit.log.slices import SlicedRun
 
@@ -122,17 +121,22 @@ def _stretch_log(
     run: SlicedRun, a: int, b: int, evictions: Evictions
 ) -> tuple[RawLog, tuple[int, int], tuple[int, int]]:
     """Parts ``[a, b)`` with one part either side (a step's rows may be flushed a part from
-    its windows'), the run's evictions (a prefill's readmission share looks back to each
-    request's first eviction), and where parts ``[a, b)``'s segments and GC pauses lie in
-    it (first row, number of rows)."""
+    its windows'), the run's evictions of the requests they name (a prefill's readmission
+    share looks back to each request's first eviction), and where parts ``[a, b)``'s
+    segments and GC pauses lie in it (first row, number of rows). The log holds only the
+    requests the parts name (`SlicedRun.local_log_from`): numbered as the run, it held
+    every request named so far (a day's ~3 M, a stretch of a few parts at a time)."""
     c, d = max(a - 1, 0), min(b + 1, len(run.parts))
     parts = []
     for i in range(c, d):
         p = run.read(i)
         parts.append({**p, "tables": {k: v for k, v in p["tables"].items() if k in _TABLES}})
-    log = merge_flushed(run.meta, parts, path=run.parts_dir, retained=run.retained(c))
-    named = evictions.request < len(log.requests)
-    log = replace(log, evictions=evictions.take(named))
+    local = run.local_log_from(c, d, parts, cut_to=_TABLES)
+    numbers = local.numbers
+    at = np.searchsorted(numbers, evictions.request)
+    named = at < len(numbers)
+    named[named] = numbers[at[named]] == evictions.request[named]
+    log = replace(local.log, evictions=replace(evictions.take(named), request=at[named]))
 
     def rows(key: str) -> tuple[int, int]:
         n = [len(p["tables"].get(key, ())) for p in parts]

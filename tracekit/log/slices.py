@@ -449,6 +449,22 @@ class SlicedRun:
         parts = thin.kept()
         if parts is None:  # (each part read again: none held twice)
             parts = [self.read(i) for i in range(c, b)]
+        return self.local_log_from(c, b, parts, retained=retained, final=final)
+
+    def local_log_from(
+        self,
+        c: int,
+        b: int,
+        parts: list[dict[str, Any]],
+        *,
+        retained: Retained | None | bool = True,
+        final: bool = False,
+        cut_to: frozenset[str] | None = None,
+    ) -> LocalLog:
+        """`local_log_of` parts ``[c, b)`` as read (`parts`: each one's `read`, maybe cut
+        to the tables `cut_to` or thinned). Parts whose rows name a request they do not:
+        `log_of` them (cut to `cut_to`), numbered as the run numbers them, its errors
+        raised."""
         start = self.retained(c) if retained is True else retained or None
         n0 = parts[0]["request_ids_start"] if parts else 0
         names = RequestNames(n0)
@@ -461,7 +477,7 @@ class SlicedRun:
             ok = ok and all(not len(x) or (x.min() >= 0 and x.max() < len(names)) for x in mine)
             cols += mine
         if not ok:  # rows naming what the parts do not: the run's numbering and errors
-            log = self.log_of(c, b, retained=start, final=final)
+            log = self.log_of(c, b, retained=start, final=final, tables=cut_to)
             return LocalLog(log, np.arange(len(log.request_ids)), names)
         numbers, local = renumbered([x.astype(np.int64) for x in cols])
         it = iter(local)
