@@ -18,6 +18,8 @@ from test_sliced import FakeClock, _hand_run, _wait_for_parts
 
 import tracekit
 from tracekit.analysis.quantiles import GroupQuantiles, group_counts, group_kept
+from tracekit.analysis import stream_whatif
+from tracekit.analysis.stream_replay import LateWindow
 from tracekit.analysis.stream_whatif import whatif_sliced
 from tracekit.analysis.whatif import FIRST, SECOND, WhatIf
 from tracekit.analysis.whatif import whatif as whatif_whole
@@ -195,6 +197,29 @@ def test_named_removals_in_slices(demo_run):
     got = whatif_sliced(demo_run + ".parts", ["preempt", "host"], path=want.path,
                         max_emissions=700)  # fmt: skip
     _same(want, got)
+
+
+@pytest.mark.parametrize("late_after", [0, 3])
+def test_a_window_recorded_late_restarts_the_first_pass(demo_run, demo_whole, monkeypatch,
+                                                        late_after):  # fmt: skip
+    """A window found late while `R` is built part by part (`LateWindow`), here after
+    `late_after` stretches of the first pass, some slices already counted: the first pass
+    is made again from the run's log without emissions, counted once, and the second pass
+    reads `R` the same way: the whole run's what-if."""
+    real = stream_whatif.replay_stretches
+    calls = []
+
+    def late(*a, **kw):
+        calls.append(1)
+        for k, piece in enumerate(real(*a, **kw)):
+            if k == late_after:
+                raise LateWindow("a window starts before the parts replayed")
+            yield piece
+
+    monkeypatch.setattr(stream_whatif, "replay_stretches", late)
+    sliced = whatif_sliced(demo_run + ".parts", path=demo_whole.path, max_emissions=700)
+    _same(demo_whole, sliced)
+    assert len(calls) == 1  # streamed once, then never again
 
 
 def _cli(args: list[str], budget: int) -> tuple[str, str]:

@@ -55,7 +55,6 @@ come asks for. A window (`--window`, `--around`) keeps its own reader
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -248,34 +247,47 @@ def whatif_of_index(
                           final=run.final, warnings=list(run.warnings))  # fmt: skip
     slices = slice_tasks(run, ix, max_emissions, math.inf)
     give_back_freed_memory()  # the index pass's parts, between what it keeps
-    q, tq = GroupQuantiles(ITL_QS), GroupQuantiles(TTFT_QS)
-    total = _Totals(num=np.zeros(1 + 2 * len(cands), np.int64), removed=[0.0] * (2 * len(cands)))
-    with tempfile.TemporaryFile() as spill:
-        at = spill_replays(run, ix, (slices, _spans(run, ix, slices)), cands, spill, say)
-        give_back_freed_memory()
-        each = mapper or _in_process
+    spans = _spans(run, ix, slices)
+    each = mapper or _in_process
+    sets = list(dict.fromkeys(r.itl_labels for r in cands))
+    stream = not (ix.has_os and any(is_os_label(lb) for st in sets for lb in st))
 
-        def tasks(keep: tuple[np.ndarray, np.ndarray] | None) -> Iterable[WhatIfTask]:
-            made = (WhatIfTask(t, tuple(cands), _read_replays(spill, o, cands), keep)
-                    for t, o in zip(slices, at, strict=True))  # fmt: skip
-            return made if mapper is None else list(made)  # a pool takes a list
+    def tasks(keep: tuple[np.ndarray, np.ndarray] | None) -> Iterable[WhatIfTask]:
+        cuts = _replays(run, ix, (slices, spans), sets, stream)
+        made = (WhatIfTask(t, tuple(cands), tuple(
+            (bounds, cums[sets.index(r.itl_labels)]) for r in cands), keep)
+            for t, (bounds, cums) in zip(slices, cuts, strict=True))  # fmt: skip
+        return made if mapper is None else list(made)  # a pool takes a list
 
-        for j, part in enumerate(each(run_whatif_slice, tasks(None))):  # type: ignore[arg-type]
-            assert part.counts is not None and part.ttft_counts is not None
-            q.add_counts(*part.counts)
-            tq.add_counts(*part.ttft_counts)
-            total.add(part)
-            give_back_freed_memory()  # the slice's partition, before the next one's
-            say(f"what-if: slice {j + 1} of {len(slices)}")
-        q.wanted()
-        tq.wanted()
-        keep = (q.keep_keys, tq.keep_keys)
+    while True:  # the first pass again from the log without emissions, where a window
+        q, tq = GroupQuantiles(ITL_QS), GroupQuantiles(TTFT_QS)  # came late (`LateWindow`)
+        total = _Totals(num=np.zeros(1 + 2 * len(cands), np.int64),
+                        removed=[0.0] * (2 * len(cands)))  # fmt: skip
+        try:
+            for j, part in enumerate(each(run_whatif_slice, tasks(None))):  # type: ignore[arg-type]
+                assert part.counts is not None and part.ttft_counts is not None
+                q.add_counts(*part.counts)
+                tq.add_counts(*part.ttft_counts)
+                total.add(part)
+                give_back_freed_memory()  # the slice's partition, before the next one's
+                say(f"what-if: slice {j + 1} of {len(slices)}")
+            break
+        except LateWindow:
+            if not stream:
+                raise
+            stream = False
+    q.wanted()
+    tq.wanted()
+    keep = (q.keep_keys, tq.keep_keys)
+    try:
         for j, part in enumerate(each(run_whatif_slice, tasks(keep))):  # type: ignore[arg-type]
             assert part.kept is not None and part.ttft_kept is not None
             q.add_kept(*part.kept)
             tq.add_kept(*part.ttft_kept)
             give_back_freed_memory()
             say(f"what-if percentiles: slice {j + 1} of {len(slices)}")
+    except LateWindow:  # read the same way as the first pass, unless the folder changed
+        raise NotSliceable("a part changed between the what-if's two reads") from None
     if tuple(partition_labels(total.labels)) != itl_labels:
         raise NotSliceable("the slices' partition labels are not the index pass's")
     shown = removals_of(itl_labels, ttft_labels, total.has) if names is None else cands
@@ -312,70 +324,39 @@ def _spans(run: SlicedRun, ix: Index, slices: list[SliceTask]) -> list[tuple[flo
     return [(float(a), float(t.t_to_s)) for a, t in zip(lo, slices, strict=True)]
 
 
-def spill_replays(
+def _replays(
     run: SlicedRun,
     ix: Index,
     slices: tuple[list[SliceTask], list[tuple[float, float]]],
-    cands: list[Removal],
-    spill: Any,
-    say: Callable[[str], None],
-) -> list[tuple[int, int]]:
-    """Every slice's replayed timelines, cut to its span, written to `spill` (one after
-    the other); where each slice's begin, and their length. Built part by part
-    (`stream_replay`), or, where a removal takes the OS's time or a window was recorded
-    late, from the whole run's log without emissions (`replays_of`)."""
+    sets: list[tuple[str, ...]],
+    stream: bool,
+) -> Iterator[tuple[np.ndarray, list[np.ndarray]]]:
+    """Each slice's replayed timelines (one per ITL label set in `sets`), cut to its span,
+    as the slices ask for them: built part by part (`stream_replay`, `stream`; raises
+    `LateWindow` where a window was recorded late), else from the whole run's log without
+    emissions (`replays_of`). Made anew for each of the two passes: kept between them,
+    the cuts were a temporary file of ~14 GB for a day of a busy server (each cut reaches
+    back to its slice's first tokens' arrival: minutes of `R` for every slice)."""
     tasks, spans = slices
-    sets = list(dict.fromkeys(r.itl_labels for r in cands))
-    takes_os = ix.has_os and any(is_os_label(lb) for s in sets for lb in s)
-    if not takes_os:
-        try:
-            stretches = _stretches(tasks)
-            evictions = merge_flushed(run.meta, ix.sparse, path=run.parts_dir,
-                                      retained=run.retained(0)).evictions  # fmt: skip
-            excess = whole_baselines(run, ix)[0].eager_excess_frac
-            made = replay_stretches(run, stretches, excess, evictions, sets)
-            return _write_cuts(spill, replay_cuts(spans, made, len(sets)), say)
-        except LateWindow:
-            spill.seek(0)
-            spill.truncate()
+    if stream:
+        evictions = merge_flushed(run.meta, ix.sparse, path=run.parts_dir,
+                                  retained=run.retained(0)).evictions  # fmt: skip
+        excess = whole_baselines(run, ix)[0].eager_excess_frac
+        made = replay_stretches(run, _stretches(tasks), excess, evictions, sets)
+        yield from replay_cuts(spans, made, len(sets))
+        return
     skeleton = skeleton_of(run)
     excess = PreparedRun(skeleton).corrected().baseline(FIT_ALL_CAPTURED).eager_excess_frac
     whole = replays_of(skeleton, excess, [Removal("", "cause", s, ()) for s in sets])
     del skeleton
-    cuts = ((cut_replay(whole[0], lo, hi)[0], [cut_replay(w, lo, hi)[1] for w in whole])
-            for lo, hi in spans)  # fmt: skip
-    return _write_cuts(spill, cuts, say)
+    for lo, hi in spans:
+        yield cut_replay(whole[0], lo, hi)[0], [cut_replay(w, lo, hi)[1] for w in whole]
 
 
 def _stretches(tasks: list[SliceTask]) -> list[tuple[int, int]]:
     """The slices' own parts ``[a, b)``: each from where the one before ends."""
     ends = [t.b for t in tasks]
     return list(zip([0, *ends[:-1]], ends, strict=True))
-
-
-def _write_cuts(
-    spill: Any, cuts: Iterable[tuple[np.ndarray, list[np.ndarray]]], say: Callable[[str], None]
-) -> list[tuple[int, int]]:
-    """Each slice's bounds and `R`s (float64, all of one length) one after the other, raw:
-    where each slice's begin and their length."""
-    at = []
-    for j, (bounds, cums) in enumerate(cuts):
-        at.append((spill.tell(), len(bounds)))
-        for x in (bounds, *cums):
-            np.ascontiguousarray(x, dtype=np.float64).tofile(spill)
-        say(f"what-if replay: slice {j + 1}")
-    return at
-
-
-def _read_replays(spill: Any, at: tuple[int, int], cands: list[Removal]) -> tuple[Replay, ...]:
-    """A slice's replays back from `spill`, one per removal (removals with the same ITL
-    labels share one)."""
-    sets = list(dict.fromkeys(r.itl_labels for r in cands))
-    offset, n = at
-    spill.seek(offset)
-    bounds = np.fromfile(spill, dtype=np.float64, count=n)
-    cums = [np.fromfile(spill, dtype=np.float64, count=n) for _ in sets]
-    return tuple((bounds, cums[sets.index(r.itl_labels)]) for r in cands)
 
 
 def _policy(run: SlicedRun, ix: Index, light: RawLog) -> VictimPolicy | None:
