@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from test_fleet import pandas_rollup, write_runs
 
+from tracekit.analysis import workers
 from tracekit.cli import main
 
 ray = pytest.importorskip("ray")
@@ -123,3 +124,30 @@ def test_fleet_and_export_on_ray_equal_the_single_machine_path(local_ray, runs, 
     # Ray Data reads the dataset without tracekit
     n = ray.data.read_parquet(os.path.join(local_ds, "gaps")).count()
     assert n == len(pd.read_parquet(os.path.join(local_ds, "gaps"), columns=["gap_ms"]))
+
+
+def _taken_as_sent(ray_address: str | None) -> None:
+    """One run's slices (`slice_mapper`, `-j 2` or `--ray`) are taken from their iterable
+    as they are sent, never all at once (a what-if's carry minutes of `R` each): when the
+    first result comes back, four were taken (twice the pool's two processes; on Ray,
+    `RAY_SLICES_AHEAD`, here 3, and the one sent as the first is taken back); every
+    result comes back, in order."""
+    taken = []
+
+    def tasks():
+        for i in range(20):
+            taken.append(i)
+            yield -i
+
+    got = workers.slice_mapper(2, ray_address)(abs, tasks())
+    assert next(got) == 0 and len(taken) == 4
+    assert list(got) == list(range(1, 20)) and len(taken) == 20
+
+
+def test_slices_are_taken_as_they_are_sent_by_a_pool():
+    _taken_as_sent(None)
+
+
+def test_slices_are_taken_as_they_are_sent_to_ray(local_ray, monkeypatch):
+    monkeypatch.setattr(workers, "RAY_SLICES_AHEAD", 3)
+    _taken_as_sent("")

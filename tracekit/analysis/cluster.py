@@ -13,10 +13,12 @@ down after it. docs/fleet.md: pointing it at a cluster, sizing, what breaks firs
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,10 +95,15 @@ def ray_map(
 
 
 def ray_imap(
-    fn: Callable[..., Any], arg_tuples: Sequence[tuple], address: str = LOCAL
+    fn: Callable[..., Any],
+    arg_tuples: Iterable[tuple],
+    address: str = LOCAL,
+    ahead: int | None = None,
 ) -> Iterator[Any]:
-    """`fn(*a)` for each of `arg_tuples` as Ray tasks (all submitted at once), yielded in
-    input order as they are fetched, so a caller can combine and drop each result.
+    """`fn(*a)` for each of `arg_tuples` as Ray tasks (all submitted at once, or with
+    `ahead` at most that many submitted and not yet yielded, `arg_tuples` taken as they
+    are needed), yielded in input order as they are fetched, so a caller can combine and
+    drop each result.
 
     Uses the Ray this process is already connected to if there is one; else connects to
     `address` (or starts a local Ray when it is empty) and disconnects when done."""
@@ -128,21 +135,28 @@ def ray_imap(
         started = True
     try:
         task = ray.remote(_call)
-        refs = [task.remote(fn, tuple(a)) for a in arg_tuples]
-        for i in range(len(refs)):  # in order: the same order as the local path
+        args = iter(arg_tuples)
+        refs: collections.deque[Any] = collections.deque()
+
+        def submit() -> None:
+            for a in itertools.islice(args, None if ahead is None else ahead - len(refs)):
+                refs.append(task.remote(fn, tuple(a)))
+
+        submit()
+        while refs:  # in order: the same order as the local path
             try:
-                r = ray.get(refs[i])
+                r = ray.get(refs.popleft())  # fetched: Ray frees it once the caller is done
             except ray.exceptions.RayError as e:  # a task that died (OOM, node lost)
                 msg = str(e).strip().splitlines()[-1][:200] if str(e) else type(e).__name__
                 raise ClusterError(f"a Ray task failed: {type(e).__name__}: {msg}") from None
-            refs[i] = None  # fetched: let Ray free it once the caller is done with it
             if isinstance(r, _Failed):
-                for rest in refs[i + 1 :]:
+                for rest in refs:
                     try:
                         ray.cancel(rest)
                     except Exception:  # already finished: nothing to stop
                         pass
                 raise r.error
+            submit()  # the next ones run while the caller takes this one
             yield r
     finally:
         if started:

@@ -257,7 +257,7 @@ def whatif_of_index(
         made = (WhatIfTask(t, tuple(cands), tuple(
             (bounds, cums[sets.index(r.itl_labels)]) for r in cands), keep)
             for t, (bounds, cums) in zip(slices, cuts, strict=True))  # fmt: skip
-        return made if mapper is None else list(made)  # a pool takes a list
+        return made  # made as they are taken (`slice_mapper`): each holds its cut of `R`
 
     while True:  # the first pass again from the log without emissions, where a window
         q, tq = GroupQuantiles(ITL_QS), GroupQuantiles(TTFT_QS)  # came late (`LateWindow`)

@@ -6,9 +6,10 @@ Ray pickles it by name."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -159,20 +160,33 @@ def _analyze_in_slices(path: str, mapper: Any = None, **limits: Any) -> RunAnaly
         return None
 
 
+#: slice tasks submitted to a Ray cluster and not yet taken back: the tasks are made as
+#: they are sent (a what-if's carry their cut of `R`: minutes of it each on a busy server)
+RAY_SLICES_AHEAD = 64
+
+
 def slice_mapper(jobs: int, ray_address: str | None) -> Callable[..., Iterator[Any]]:
     """How one run's slices run: in `jobs` processes, or as Ray tasks on the cluster at
-    `ray_address` ("" for a local Ray); results in slice order either way."""
+    `ray_address` ("" for a local Ray); results in slice order either way. The tasks (any
+    iterable) are taken as they are sent: twice `jobs` at a time in the pool,
+    `RAY_SLICES_AHEAD` on Ray, never all of them at once."""
 
-    def each(fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
+    def each(fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
         if ray_address is not None:
             from tracekit.analysis.cluster import ray_imap  # optional extra: only with --ray
 
-            yield from ray_imap(fn, [(x,) for x in items], ray_address)
+            yield from ray_imap(fn, ((x,) for x in items), ray_address, RAY_SLICES_AHEAD)
         else:
             from concurrent.futures import ProcessPoolExecutor  # deferred: only with -j
 
             with ProcessPoolExecutor(max_workers=jobs) as pool:
-                yield from pool.map(fn, items)
+                running: collections.deque[Any] = collections.deque()
+                for x in items:
+                    running.append(pool.submit(fn, x))
+                    if len(running) >= 2 * jobs:
+                        yield running.popleft().result()
+                while running:
+                    yield running.popleft().result()
 
     return each
 
