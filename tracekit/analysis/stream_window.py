@@ -131,12 +131,13 @@ def _window_log(run: SlicedRun, ix: Index, c: int, b: int, path: str) -> RawLog:
     early = np.flatnonzero((ix.first_part >= 0) & (ix.first_part < c))
     parts = []
     for i in range(b):
-        p = ix.light[i] if i < c else run.read(i)
+        p = ix.light[i].part() if i < c else run.read(i)
         rq = p["tables"].get("requests")
         if rq is not None and len(rq) and len(early):
             p = {**p, "tables": {**p["tables"], "requests": rq[~np.isin(rq[:, _REQ], early)]}}
         parts.append(p)
-    return merge_flushed(run.meta, parts, path=path, retained=run.retained(0), final=run.final)
+    log = merge_flushed(run.meta, parts, path=path, retained=run.retained(0), final=run.final)
+    return replace(log, request_ids=ix.names.picked(np.arange(len(log.request_ids))))
 
 
 def _around_q(view: WindowOptions) -> tuple[float, ...]:
