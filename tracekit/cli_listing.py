@@ -44,7 +44,8 @@ def gaps_in_slices(
         try:
             lst = gap_listing_sliced(found[0], folder, min_ms=min_ms, request_id=request_id,
                                      top=top, path=found[1], max_emissions=workers.slice_budget(),
-                                     max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+                                     max_inflate_mb=limits.get("max_inflate_mb"),
+                                     records=fmt in ("jsonl", "csv", "parquet"))  # fmt: skip
         except NotSliceable:
             return False
         warn(lst.path, lst.warnings)

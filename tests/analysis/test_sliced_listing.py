@@ -235,3 +235,22 @@ def test_a_run_whose_first_parts_were_removed_lists_as_read_whole(tmp_path, requ
         (tmp_path / "t").mkdir()
         t = ttft_listing_sliced(str(out) + ".parts", str(tmp_path / "t"), max_emissions=budget)
         assert _differences(json.loads(json.dumps(ttft_records(log))), list(t.records())) == []
+
+
+@pytest.mark.parametrize("min_ms", [None, 20.0])
+def test_the_table_alone_writes_no_record(demo_run, whole, tmp_path, min_ms):
+    """`gaps` as a table (`records=False`) makes the table's records only: its `top`
+    longest gaps equal to the whole run's longest (length, then the whole run's order),
+    their count the whole run's, and nothing spilled (a day's ~900 M records)."""
+    parts = demo_run + ".parts"
+    folder = tmp_path / "g"
+    folder.mkdir()
+    g = gap_listing_sliced(parts, str(folder), max_emissions=700, top=5, min_ms=min_ms,
+                           records=False)  # fmt: skip
+    want = [r for r in whole["gaps"] if min_ms is None or r["gap_ms"] >= min_ms]
+    # the table's order: longest first, ties in the whole run's order (a stable sort)
+    longest = sorted(want, key=lambda r: -r["gap_ms"])[:5]
+    assert g.count == len(want) and list(folder.iterdir()) == [] and not g.pieces
+    assert len(g.longest) == 5
+    for a, b in zip(longest, json.loads(json.dumps(g.longest)), strict=True):
+        assert not _differences(a, b)

@@ -216,11 +216,14 @@ def gap_listing_sliced(
     max_emissions: int = DEFAULT_SLICE_EMISSIONS,
     max_inflate_mb: float | None = None,
     progress: Callable[[str], None] | None = None,
+    records: bool = True,
 ) -> Listing:
     """`gap_records` of the whole run in `parts_dir` (`min_ms`, `request_id` as there),
-    read in slices and spilled to `folder` (empty; the caller removes it). Raises
-    `NotSliceable` for a folder that must be read whole, `LogError` for a request the run
-    does not have."""
+    read in slices and spilled to `folder` (empty; the caller removes it). `records`
+    False: only the table's (`Listing.longest`) and their count, none spilled (a day of a
+    busy server has ~900 M gaps: as JSON lines, more than its disk, and hours of
+    records made for a table of `top`). Raises `NotSliceable` for a folder that must be
+    read whole, `LogError` for a request the run does not have."""
     say = progress or (lambda _msg: None)
     out, run, tasks = _open(parts_dir, folder, "gaps", top, path, max_inflate_mb, say,
                             max_emissions)  # fmt: skip
@@ -241,20 +244,26 @@ def gap_listing_sliced(
         if wanted is not None:
             sel &= np.isin(req, wanted)
         rows = np.flatnonzero(sel)
-        out.start_piece(os.path.join(folder, f"slice-{j:06d}"))
         off = run.parts[task.c].first_step - first_step
         # the table's candidates: the slice's `top` longest, ties in the run's order
         order = np.lexsort((rows, req[rows], -p.gap_ms[rows]))
         cand = set(rows[order[: top if top > 0 else len(order)]].tolist())
-        for k in range(0, len(rows), _BLOCK_ROWS):
-            block = rows[k : k + _BLOCK_ROWS]
+        made = rows  # the records made: every one, or the table's candidates only
+        if records:
+            out.start_piece(os.path.join(folder, f"slice-{j:06d}"))
+        else:
+            made = np.array(sorted(cand), dtype=np.int64)
+            out.count += len(rows)
+        for k in range(0, len(made), _BLOCK_ROWS):
+            block = made[k : k + _BLOCK_ROWS]
             recs = gap_records(log, p, index=block)
             best = []
             for i, rec in zip(block.tolist(), recs, strict=True):
                 _renumber(rec, off, ("step0", "step1"))
                 if i in cand:
                     best.append(((-rec["gap_ms"], int(req[i]), j, i), rec))
-            out.write(recs, req[block])
+            if records:
+                out.write(recs, req[block])
             out.keep_best(best)
         del read, log, p  # before the next slice's is read (else two slices' logs at once)
         say(f"slice {j + 1} of {len(tasks)}")
