@@ -71,7 +71,6 @@ def ttft_in_slices(
     from tracekit.analysis import workers
     from tracekit.analysis.stream import NotSliceable
     from tracekit.analysis.stream_listing import ttft_listing_sliced
-    from tracekit.attribution.ttft import ttft_figures
     from tracekit.render import text
 
     found = workers.sliced_parts(run)
@@ -84,14 +83,14 @@ def ttft_in_slices(
                                       max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
         except NotSliceable:
             return False
-        rows = lst.ttft_rows()
-        if rows is None:  # no request had a first token: the whole-run reader says so
+        figs = lst.ttft_figures()
+        if figs is None:  # no request had a first token: the whole-run reader says so
             return False
         warn(lst.path, lst.warnings)
-        warn(lst.path, [f"TTFT: {n}" for n in rows.notes])
+        warn(lst.path, [f"TTFT: {n}" for n in figs.notes])
 
         def table() -> str:
-            return text.ttft_requests(run, ttft_figures(rows), lst.longest, top) + "\n"
+            return text.ttft_requests(run, figs, lst.longest, top) + "\n"
 
         _write(lst.lines, lst.records, lst.count, fmt, output, table)
     return True

@@ -33,14 +33,14 @@ from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
     SliceRead,
     SliceTask,
-    gathered_ttft_rows,
     index_pass,
     slice_partition,
     slice_tasks,
 )
+from tracekit.analysis.stream_ttft import TtftFold
 from tracekit.analysis.ttft_records import ttft_records
 from tracekit.attribution.itl import FIT_ALL_CAPTURED
-from tracekit.attribution.ttft import TtftPartition, ttft_partition
+from tracekit.attribution.ttft import TtftFigures, ttft_partition
 from tracekit.errors import LogError
 from tracekit.log.flush import TABLES
 from tracekit.log.rawlog import RawLog
@@ -80,16 +80,22 @@ class Listing:
     best: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # the run's (`RawLog.warnings`)
     longest_ms: float = -math.inf  # the run's longest gap
-    ttft_pieces: list[TtftPartition] = field(default_factory=list)  # every slice's own TTFTs
+    #: every slice's own TTFTs, folded as they come (`TtftFold`: a day's ~3 M rows whole
+    #: were ~700 MB)
+    ttft: TtftFold = field(default_factory=TtftFold)
 
     @property
     def longest(self) -> list[dict[str, Any]]:
         """The table's records, in its order (the `top` longest gaps, slowest TTFTs)."""
         return [rec for _, rec in self.best]
 
-    def ttft_rows(self) -> TtftPartition | None:
-        """The whole run's TTFT partition's rows, gathered from the slices (one a request)."""
-        return gathered_ttft_rows(self.ttft_pieces)
+    def ttft_figures(self) -> TtftFigures | None:
+        """The whole run's TTFT figures (`ttft_figures` of its rows; None: no slice gave a
+        TTFT row); the fold's temporary file closed."""
+        try:
+            return self.ttft.figures(None)
+        finally:
+            self.ttft.close()
 
     def lines(self) -> Iterator[str]:
         """Every record as a JSON line (newline-terminated), in the whole run's order: the
@@ -283,8 +289,8 @@ def ttft_listing_sliced(
     progress: Callable[[str], None] | None = None,
 ) -> Listing:
     """`ttft_records` of the whole run in `parts_dir` (`min_ms`, `request_id` as there),
-    read in slices and spilled to `folder`, with every slice's TTFT rows (`Listing.ttft_rows`:
-    the run's TTFT figures). Raises `NotSliceable`, `LogError` as `gap_listing_sliced`."""
+    read in slices and spilled to `folder`, with every slice's TTFT rows folded
+    (`Listing.ttft_figures`: the run's TTFT figures). Raises `NotSliceable`, `LogError` as `gap_listing_sliced`."""
     say = progress or (lambda _msg: None)
     out, run, tasks = _open(parts_dir, folder, "ttft", top, path, max_inflate_mb, say,
                             max_emissions)  # fmt: skip
@@ -303,7 +309,7 @@ def ttft_listing_sliced(
         tp = tp.take((tp.first_token_s >= task.t_from_s) & (tp.first_token_s < task.t_to_s))
         tp = tp.take(np.argsort(tp.request, kind="stable"))
         req = read.numbers[tp.request]  # as the run numbers them
-        out.ttft_pieces.append(replace(tp, request=req))
+        out.ttft.add(tp)
         sel = np.ones(len(tp), dtype=bool)
         if min_ms is not None:
             sel &= tp.ttft_ms >= min_ms
