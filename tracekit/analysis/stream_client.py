@@ -25,8 +25,9 @@ with the figures of the whole merged run:
    (and the deliveries of the steps it reads), and also every earlier part whose API
    server windows or OS intervals reach into them (from a TTFT's arrival), and partitions them
    with `client_partition_of` and the client TTFT rule over that log, with the whole run's
-   baselines. Sums by label are added up; the TTFT rows are kept (one row a request, as the
-   engine boundary's TTFT figures in slices).
+   baselines. Sums by label are added up; of the client TTFTs, two values a request
+   (client and engine boundary, for the percentiles) and their parts summed by label. A
+   slice's log holds only the requests its parts name (`SlicedRun.local_log_of`).
 
 Equal to the whole merged run's `client` figures: counts and percentiles exactly, sums and
 shares to float rounding.
@@ -519,7 +520,9 @@ def slice_gaps(log: RawLog, rows: np.ndarray, first: int, numbers: np.ndarray) -
 def _local(numbers: np.ndarray, req: np.ndarray) -> np.ndarray:
     """Requests numbered as the run numbers them, as a slice's log numbers them."""
     at = np.searchsorted(numbers, req)
-    if len(req) and not np.array_equal(numbers[np.minimum(at, len(numbers) - 1)], req):
+    if len(req) and not (
+        len(numbers) and np.array_equal(numbers[np.minimum(at, len(numbers) - 1)], req)
+    ):
         raise NotSliceable("a client gap whose request its slice's parts do not name")
     return at
 
