@@ -290,7 +290,8 @@ def ttft_listing_sliced(
 ) -> Listing:
     """`ttft_records` of the whole run in `parts_dir` (`min_ms`, `request_id` as there),
     read in slices and spilled to `folder`, with every slice's TTFT rows folded
-    (`Listing.ttft_figures`: the run's TTFT figures). Raises `NotSliceable`, `LogError` as `gap_listing_sliced`."""
+    (`Listing.ttft_figures`: the run's TTFT figures). Raises `NotSliceable`, `LogError`
+    as `gap_listing_sliced`."""
     say = progress or (lambda _msg: None)
     out, run, tasks = _open(parts_dir, folder, "ttft", top, path, max_inflate_mb, say,
                             max_emissions)  # fmt: skip
