@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.analysis.figures import RunAnalysis
 from tracekit.analysis.quantiles import ExactQuantiles
 from tracekit.analysis.results import ClientSummary, ItlConventions
@@ -668,6 +669,7 @@ def client_sliced(
         tasks = _tasks(run, ix, cx, max_emissions, p99, offsets)
         for j, (task, n) in enumerate(tasks):
             _fold(s, run_client_slice(task))
+            give_back_freed_memory()  # the slice's, kept by the analysis's allocator
             say(f"client slice {j + 1} of {n}")
     entries = _unrecorded(run, cx, s, int(offsets[-1]) > 0)
     if not cx.chunks:

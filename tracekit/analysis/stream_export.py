@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.analysis.figures import RunAnalysis
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
@@ -245,6 +246,7 @@ def spill_gaps_sliced(
             spill.add(t, read, (t.retained.first_step if t.retained else 0) - base)
             sums = slice_sums(t, read.log, read.prep, read.p)
             del read  # before the next slice's is read (else two slices' logs at once)
+            give_back_freed_memory()  # (kept by the analysis's allocator, as `run_slice`'s)
             yield sums
 
     spill.analysis = analyze_sliced(parts_dir, path=path, max_emissions=max_emissions,

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.analysis.gaps import gap_records, requests_named
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
@@ -272,6 +273,7 @@ def gap_listing_sliced(
                 out.write(recs, req[block])
             out.keep_best(best)
         del read, log, p  # before the next slice's is read (else two slices' logs at once)
+        give_back_freed_memory()  # (kept by the analysis's allocator, `tracekit.allocator`)
         say(f"slice {j + 1} of {len(tasks)}")
     return out
 
@@ -328,5 +330,6 @@ def ttft_listing_sliced(
         keep = order[: top if top > 0 else len(order)].tolist()
         out.keep_best([((-recs[i]["ttft_ms"], int(req[i])), recs[i]) for i in keep])
         del read, log  # before the next slice's is read (else two slices' logs at once)
+        give_back_freed_memory()  # (kept by the analysis's allocator, `tracekit.allocator`)
         say(f"slice {j + 1} of {len(tasks)}")
     return out

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.allocator import give_back_freed_memory
 from tracekit.analysis.overtime import Bucket, bucket_of, check_bucket_count, over_time
 from tracekit.analysis.quantiles import GroupQuantiles
 from tracekit.analysis.stream import (
@@ -76,6 +77,7 @@ def over_time_of_index(
             tail_ms[bk] = tail_ms.get(bk, 0.0) + ms
             tail_n[bk] = tail_n.get(bk, 0) + n
             run_tail[bk] = run_tail.get(bk, 0) + counts
+        give_back_freed_memory()  # the slice's, kept by the analysis's allocator
     first, last = _bucket_range(run, ix, ends, width_s)
     out = []
     for b in range(first, last + 1):
