@@ -15,6 +15,7 @@ this; importing tracekit never changes the allocator of an engine being recorded
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 # mallopt parameters (glibc malloc.h)
@@ -29,14 +30,24 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 _done: list[bool] = []
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once (None: not there). Each `ctypes.CDLL` makes a class of its own,
+    a reference cycle: loaded at every slice, that was garbage for the cyclic collector."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def set_malloc_thresholds(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
     """Set glibc's mmap and trim thresholds (fixed from then on). False where there is no
     glibc `mallopt` (other platforms, musl): nothing changes."""
-    if not sys.platform.startswith("linux"):
-        return False
     try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+        mallopt = _libc().mallopt  # type: ignore[union-attr]
+    except AttributeError:  # no glibc (None), or no mallopt in it
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and bool(
         mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)
@@ -59,10 +70,8 @@ def give_back_freed_memory() -> bool:
     phases of a long run's reading, where what one phase freed lies in holes between what
     lives on (a run's request names, its index), which the trim threshold never returns.
     False where there is no glibc (nothing done)."""
-    if not sys.platform.startswith("linux"):
-        return False
     try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+        trim = _libc().malloc_trim  # type: ignore[union-attr]
+    except AttributeError:
         return False
     return bool(trim(0))
