@@ -661,7 +661,10 @@ class PreparedRun:
         self._shares: dict[int, tuple[Timeline, np.ndarray, np.ndarray]] = {}
         self._free: dict[tuple[int, int], tuple[Timeline, np.ndarray, Timeline]] = {}
         self._device: tuple | None = None
-        self._corrected: PreparedRun | None = None
+        # None: not asked yet; False: nothing to move (itself, held by no reference: a run
+        # that refers to itself is a cycle that only the cyclic collector frees, and a
+        # long run's slices piled up in it, GBs of slice logs between two collections)
+        self._corrected: PreparedRun | bool | None = None
 
     def matches(self, log: RawLog) -> bool:
         """Whether `log` has the tables this run was prepared from (identity, not equality:
@@ -678,8 +681,8 @@ class PreparedRun:
         (`drift_corrected`); itself where there is nothing to move."""
         if self._corrected is None:
             log = drift_corrected(self.log)
-            self._corrected = self if log is self.log else PreparedRun(log)
-        return self._corrected
+            self._corrected = False if log is self.log else PreparedRun(log)
+        return self._corrected if isinstance(self._corrected, PreparedRun) else self
 
     @property
     def decode_net_ms(self) -> np.ndarray:
