@@ -113,17 +113,27 @@ def _installed_patches() -> int:
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> str:
-    """A demo run with recompute evictions (with their causes), GC and eager steps, in
-    several parts: the run the slice readers' tests read with a small slice budget (made
-    once, read only)."""
+    """A demo run with recompute evictions (with their causes), GC and eager steps, in at
+    least five parts: the run the slice readers' tests read with a small slice budget (made
+    once, read only). The recorder flushes a part each second of the run's clock (here the
+    CPU's), so a machine that runs 300 steps in less CPU time than that gets fewer parts:
+    the run is then made again with twice the steps (300 took 3.4 s on one machine and
+    made 5 parts, ~2.5 s and 3 parts under CI's single-threaded numpy)."""
     import subprocess
 
-    d = tmp_path_factory.mktemp("sliced")
-    r = subprocess.run(
-        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
-         "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-        capture_output=True, text=True, timeout=600,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    steps = 300
+    while True:
+        d = tmp_path_factory.mktemp("sliced")
+        r = subprocess.run(
+            [sys.executable, "-m", "tracekit", "demo", "run", "--steps", str(steps), "--out",
+             str(d), "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
+            capture_output=True, text=True, timeout=600,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        parts = list((d / "baseline__s1.npz.parts").glob("part-*.tkp"))
+        if len(parts) >= 5 or steps >= 2400:
+            break
+        steps *= 2
+    assert len(parts) >= 5, f"{len(parts)} parts in {steps} steps"
     return str(d / "baseline__s1.npz")
