@@ -627,11 +627,12 @@ def _request_events(
         evs: list[tuple[int, int, int, dict[str, Any]]] = []  # (ts, -dur, order, event)
         if has_ttft[r]:
             a, b = int(a_ns[r]), int(f_ns[r])
+            # a window shows the ttft that overlaps it, with the evictions nested in it
             if win is None or (first[r] >= win[0] and arr[r] <= win[1]):
                 args = {"ttft_ms": (b - a) / 1e6, **(ttft_args or {}).get(r, {})}
                 evs.append((a, a - b, 0, _request_slice(tid, a, b, "ttft", args)))
-            for x0, x1 in children.get((r, -1), ()):
-                evs.append((x0, x0 - x1, 1, evicted_event(tid, x0, x1)))
+                for x0, x1 in children.get((r, -1), ()):
+                    evs.append((x0, x0 - x1, 1, evicted_event(tid, x0, x1)))
         for j in range(int(bounds[r]), int(bounds[r + 1])):
             if keep_gap is not None and not keep_gap[j]:
                 continue
