@@ -259,6 +259,61 @@ def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, tmp_path, ar
     assert whole and _differences(whole, sliced) == []
 
 
+def _recompute_run(out: Path) -> None:
+    """30 steps of 10 ms, a part each; "a" emits at every step's end. "v" emits at steps
+    0, 1 and 4 only: evicted (recompute) at step 1's end, readmitted at step 3's end. "w"
+    emits at steps 0..16 and 20: evicted (recompute) at step 16's end, readmitted at step
+    19's end; step 20 re-prefills it in a `recompute` segment (4 ms, then 6 ms of decode)."""
+    clock = FakeClock()
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    with rec:
+        for r in ("a", "v", "w"):
+            rec.request(r)
+        for k in range(30):
+            with rec.step():
+                if k == 20:
+                    with rec.segment("recompute"):
+                        clock.t += 4_000_000
+                with rec.segment("decode"):
+                    clock.t += STEP_NS - (4_000_000 if k == 20 else 0)
+                rec.emit(["a"] + (["v"] if k in (0, 1, 4) else [])
+                         + (["w"] if k <= 16 or k == 20 else []))  # fmt: skip
+                if k in (1, 16):
+                    rec.evict("v" if k == 1 else "w", mode="recompute")
+                if k in (3, 19):
+                    rec.readmit("v" if k == 3 else "w")
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+def test_a_window_knows_whose_re_prefill_a_step_is_from_victims_emissions_outside_it(tmp_path):
+    """docs/partition.md, "The re-prefill in the partition", rule 1. "w"'s gap 170 -> 210
+    ms is the run's longest; its window (parts 16..21) holds none of "v"'s emissions. In
+    the whole run "v" emitted at 50 ms, after its readmission (40 ms) and before step 20
+    (200 ms): step 20's re-prefill is "w"'s alone, so of "w"'s gap the evicted 170..200 ms
+    and the 4 ms re-prefill are `preempt` (34 ms), none `prefill`. A window that took "v"
+    for a victim still re-prefilling would split those 4 ms equally: 2 ms `prefill`."""
+    out = tmp_path / "run.npz"
+    _recompute_run(out)
+
+    def gaps(budget: str) -> list[dict]:
+        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+        r = subprocess.run([sys.executable, "-m", "tracekit", "gaps", str(out), "--around",
+                            "worst", "--width", "0.01", "--format", "jsonl"],
+                           capture_output=True, text=True, cwd=REPO, env=env,
+                           timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+    whole, sliced = gaps("100000000"), gaps("1")
+    assert _differences(whole, sliced) == []
+    (w,) = [g for g in sliced if g["request"] == "w"]
+    assert w["gap_ms"] == pytest.approx(40.0)
+    assert w["parts"]["preempt"] == pytest.approx(34.0)
+    assert w["parts"]["prefill"] == 0.0
+
+
 @pytest.mark.parametrize(
     "view",
     [WindowOptions(window="1..2.7"), WindowOptions(around="worst", width_s=1.0),

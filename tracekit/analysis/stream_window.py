@@ -35,6 +35,7 @@ from tracekit.analysis.stream import (
 )
 from tracekit.analysis.window import DEFAULT_WIDTH_S, Window, WindowOptions, parse_window
 from tracekit.attribution.itl import FIT_ALL_CAPTURED, NON_CAUSES, Partition, partition
+from tracekit.attribution.reprefill import NEXT_EMISSION_META, next_emission
 from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TTFT_NON_CAUSES, TtftPartition, ttft_partition
 from tracekit.errors import UsageError
@@ -137,7 +138,23 @@ def _window_log(run: SlicedRun, ix: Index, c: int, b: int, path: str) -> RawLog:
             p = {**p, "tables": {**p["tables"], "requests": rq[~np.isin(rq[:, _REQ], early)]}}
         parts.append(p)
     log = merge_flushed(run.meta, parts, path=path, retained=run.retained(0), final=run.final)
-    return replace(log, request_ids=ix.names.picked(np.arange(len(log.request_ids))))
+    log = replace(log, request_ids=ix.names.picked(np.arange(len(log.request_ids))))
+    return _stating_next_emissions(run, ix, log)
+
+
+def _stating_next_emissions(run: SlicedRun, ix: Index, log: RawLog) -> RawLog:
+    """`log` with each eviction's victim's first emission after its readmission stated
+    in its meta (`reprefill.NEXT_EMISSION_META`): whose re-prefill a step is needs it, and
+    the window's log may hold neither the early parts' emissions nor the later parts'.
+    The index pass kept, of every part, each readmitted victim's next emission (its
+    sparse parts), in the run's request numbers, which the window's log keeps."""
+    ev = log.evictions
+    if not len(ev):
+        return log
+    sparse = merge_flushed(run.meta, ix.sparse, path=run.parts_dir, retained=run.retained(0))
+    nxt = next_emission(sparse, ev.request, ev.t_readmit_s).tolist()
+    meta = {**log.meta, NEXT_EMISSION_META: [None if x != x else x for x in nxt]}
+    return replace(log, meta=meta)
 
 
 def _around_q(view: WindowOptions) -> tuple[float, ...]:
