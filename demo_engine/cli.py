@@ -101,6 +101,7 @@ def run_one(
     nvtx: bool = False,
     metrics_port: int | None = None,
     live: Any = None,
+    flush_interval_s: float = 1.0,
 ) -> tuple[str, Any]:
     """Run one rung with one seed; returns (log path, engine RunStats).
 
@@ -116,7 +117,8 @@ def run_one(
     schedules step N+1 while the device runs step N. `metrics_port`: serve live per-cause
     metrics (`tracekit.live`) on this port from before the run until the process exits
     (the run's final values stay scrapeable); `live`: a `tracekit.live.LiveMetrics` sink
-    of the caller's to attach instead (see `live_sink`)."""
+    of the caller's to attach instead (see `live_sink`). `flush_interval_s`: the
+    recorder's flush interval, in seconds of its clock (each flush is a part of the log)."""
     limit_blas_threads(1)
     from tracekit import Recorder
 
@@ -193,6 +195,7 @@ def run_one(
         device_timer=device_timer,
         nvtx=nvtx,
         clock=clock,
+        flush_interval_s=flush_interval_s,
     )
     if live is not None:
         rec.add_sink(live)
@@ -479,6 +482,15 @@ _mode_opt = click.option(
     "1) this long after the run (at least two scrape intervals to be sure one "
     "scrape sees them).",
 )
+@click.option(
+    "--flush-interval",
+    "flush_interval_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Seconds (of the run's clock: see --timer) between the recorder's flushes: each "
+    "is a part of the log's parts folder, at most what a crash loses.",
+)
 def run_cmd(
     rung: str,
     seed: int,
@@ -502,6 +514,7 @@ def run_cmd(
     hold_s: float,
     lead_s: float,
     linger_s: float,
+    flush_interval_s: float,
 ) -> None:
     """Run one rung of the fix ladder with one seed; writes OUT/<rung>__s<seed>.npz."""
     _check_pacing(rate, load, duration, steps)
@@ -564,6 +577,7 @@ def run_cmd(
         is_async_scheduling=async_scheduling,
         nvtx=nvtx,
         live=live,
+        flush_interval_s=flush_interval_s,
     )
     click.echo(_summary(path, rung, stats))
     if live is not None and linger_s > 0:

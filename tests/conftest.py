@@ -115,25 +115,19 @@ def _installed_patches() -> int:
 def demo_run(tmp_path_factory) -> str:
     """A demo run with recompute evictions (with their causes), GC and eager steps, in at
     least five parts: the run the slice readers' tests read with a small slice budget (made
-    once, read only). The recorder flushes a part each second of the run's clock (here the
-    CPU's), so a machine that runs 300 steps in less CPU time than that gets fewer parts:
-    the run is then made again with twice the steps (300 took 3.4 s on one machine and
-    made 5 parts, ~2.5 s and 3 parts under CI's single-threaded numpy)."""
+    once, read only). The recorder flushes a part every 0.2 s of the run's clock (here the
+    CPU's): 300 steps took 2.5-3.4 s of CPU on the machines measured, ~12-17 parts."""
     import subprocess
 
-    steps = 300
-    while True:
-        d = tmp_path_factory.mktemp("sliced")
-        r = subprocess.run(
-            [sys.executable, "-m", "tracekit", "demo", "run", "--steps", str(steps), "--out",
-             str(d), "--preemption-mode", "recompute", "--timer", "cpu", "--quiet"],
-            capture_output=True, text=True, timeout=600,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        parts = list((d / "baseline__s1.npz.parts").glob("part-*.tkp"))
-        if len(parts) >= 5 or steps >= 2400:
-            break
-        steps *= 2
-    assert len(parts) >= 5, f"{len(parts)} parts in {steps} steps"
+    d = tmp_path_factory.mktemp("sliced")
+    r = subprocess.run(
+        [sys.executable, "-m", "tracekit", "demo", "run", "--steps", "300", "--out", str(d),
+         "--preemption-mode", "recompute", "--timer", "cpu", "--flush-interval", "0.2",
+         "--quiet"],
+        capture_output=True, text=True, timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    parts = list((d / "baseline__s1.npz.parts").glob("part-*.tkp"))
+    assert len(parts) >= 5, f"{len(parts)} parts in 300 steps"
     return str(d / "baseline__s1.npz")
