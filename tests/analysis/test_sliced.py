@@ -314,6 +314,59 @@ def test_a_window_knows_whose_re_prefill_a_step_is_from_victims_emissions_outsid
     assert w["parts"]["prefill"] == 0.0
 
 
+def _late_arrival_run(out: Path) -> None:
+    """6 steps of 10 ms, a part each; "a" decodes and emits in every step but step 3.
+    "late" arrives 15 ms in (inside step 1) and is tokenised off the loop: steps 1 and 2
+    state it waits (`tokenizing`); the engine adds it at step 3's start with that arrival,
+    admits it and prefills it for the whole step, and it emits at step 3's end (40 ms)."""
+    clock = FakeClock()
+    start = clock.t
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    with rec:
+        rec.request("a")
+        for k in range(6):
+            if k == 3:
+                rec.request("late", arrival_tick=start + 15_000_000)
+            with rec.step():
+                if k == 3:
+                    rec.admit("late")
+                    rec.prefill("late", 8)
+                with rec.segment("prefill" if k == 3 else "decode"):
+                    clock.t += STEP_NS
+                if k in (1, 2):
+                    rec.wait(["late"], "tokenizing")
+                rec.emit(["late"] if k == 3 else ["a"])
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+def test_a_ttft_reaches_back_to_its_arrivals_time_not_to_its_arrival_row(tmp_path):
+    """docs/ttft.md, rule 3: a wait row covers its step from the arrival on. "late"'s TTFT
+    is 15 -> 40 ms: held by `tokenizing` waits 15..30 ms (step 1 from the arrival, step 2
+    whole), then its own prefill 30..40 ms: wait_tokenizing 15 ms, prefill_own 10 ms.
+    Its arrival row lies in part 3 (written when the engine added it), the wait of step 1
+    in part 1: a slice that read back only to the row's part would miss 5 ms of the wait."""
+    out = tmp_path / "run.npz"
+    _late_arrival_run(out)
+
+    def ttfts(budget: str) -> list[dict]:
+        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+        r = subprocess.run([sys.executable, "-m", "tracekit", "ttft", str(out), "--format",
+                            "jsonl"], capture_output=True, text=True, cwd=REPO, env=env,
+                           timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+    whole, sliced = ttfts("100000000"), ttfts("1")
+    assert _differences(whole, sliced) == []
+    (late,) = [t for t in sliced if t["request"] == "late"]
+    assert late["ttft_ms"] == pytest.approx(25.0)
+    assert late["parts"]["wait_tokenizing"] == pytest.approx(15.0)
+    assert late["parts"]["prefill_own"] == pytest.approx(10.0)
+    assert late["parts"]["residual"] == pytest.approx(0.0, abs=1e-9)
+
+
 @pytest.mark.parametrize(
     "view",
     [WindowOptions(window="1..2.7"), WindowOptions(around="worst", width_s=1.0),

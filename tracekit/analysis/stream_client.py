@@ -80,7 +80,7 @@ from tracekit.log.merged_tables import MERGED_TABLES
 from tracekit.log.parts import Retained
 from tracekit.log.rawlog import Coverage, RawLog
 from tracekit.log.serve_contract import ADDED, FRONTEND
-from tracekit.log.slices import NotSliceable, SlicedRun, grown
+from tracekit.log.slices import NotSliceable, SlicedRun, grown, parts_holding
 
 __all__ = ["analyze_sliced_client"]
 
@@ -168,6 +168,7 @@ def client_index_pass(run: SlicedRun) -> ClientIndex:
     cx = ClientIndex(spill=tempfile.TemporaryFile())
     z = np.zeros(0, dtype=np.int64)
     cx.pending = (z, z, np.zeros(0), z, z, z)
+    flushed = np.array([e.flush_tick for e in run.parts], dtype=np.int64)
     for i in range(len(run.paths)):
         part = run.read(i)
         t = part["tables"]
@@ -178,8 +179,9 @@ def client_index_pass(run: SlicedRun) -> ClientIndex:
         cx.grow(n_req)
         rq = t.get("requests")
         if rq is not None and len(rq):
-            cx.req["arr_part"][rq[:, _RQ]] = i
-            arr = run.secs(rq[:, TABLES["requests"].index("arrival_tick")])
+            ticks = rq[:, TABLES["requests"].index("arrival_tick")]
+            cx.req["arr_part"][rq[:, _RQ]] = parts_holding(flushed, ticks, i)
+            arr = run.secs(ticks)
             cx.req["arr_t"][rq[:, _RQ]] = np.fmin(cx.req["arr_t"][rq[:, _RQ]], arr)
         cr = t.get("client_requests")  # the arrival the join gave (the API server's receipt)
         if cr is not None and len(cr):

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tracekit.log.flush import TABLES
+from tracekit.log.flush import TABLES, UNKNOWN_TICK
 from tracekit.log.merged_tables import MERGED_TABLES
 from tracekit.log.parts import (
     DamagedPart,
@@ -57,6 +57,8 @@ _EMIT = {c: TABLES["emissions"].index(c) for c in ("request", "t_tick")}
 #: the tables whose rows name a request
 _NAMING = frozenset(k for k, cols in (*TABLES.items(), *MERGED_TABLES.items()) if "request" in cols)
 _REQ = TABLES["requests"].index("request")
+_ARR = TABLES["requests"].index("arrival_tick")
+_FLUSH = 5  # `PartOrder.entry`'s flush tick (`PartEntry.flush_tick`)
 #: the columns that hold a request's number: (table, column)
 _NUMBERED = tuple(
     (k, j)
@@ -141,6 +143,7 @@ class PartOrder:
     has_first_step: bool
     num_requests: int  # requests named up to this part
     arrivals: np.ndarray  # the requests with an arrival row in it
+    arrival_ticks: np.ndarray  # ... and their arrival ticks
     requests: np.ndarray  # the requests emitting in it, sorted
     first_tick: np.ndarray  # each one's earliest emission tick in it
     last_tick: np.ndarray  # each one's latest
@@ -158,7 +161,9 @@ def order_of(path: str, part: dict[str, Any]) -> PartOrder:
     """A parsed part's `PartOrder`."""
     t_ = part["tables"]
     rq, em, steps = t_.get("requests"), t_.get("emissions"), t_.get("steps")
-    arrivals = rq[:, _REQ].copy() if rq is not None and len(rq) else np.zeros(0, np.int64)
+    has_rq = rq is not None and len(rq)
+    arrivals = rq[:, _REQ].copy() if has_rq else np.zeros(0, np.int64)
+    arrival_ticks = rq[:, _ARR].copy() if has_rq else np.zeros(0, np.int64)
     r = t = np.zeros(0, dtype=np.int64)
     if em is not None and len(em):
         r, t = em[:, _EMIT["request"]], em[:, _EMIT["t_tick"]]
@@ -176,7 +181,8 @@ def order_of(path: str, part: dict[str, Any]) -> PartOrder:
             if w is not None and len(w)]  # fmt: skip
     return PartOrder(
         path, entry, part["first_step"] is not None,
-        part["request_ids_start"] + len(part["request_ids"]), arrivals, rs[head], ts[head],
+        part["request_ids_start"] + len(part["request_ids"]), arrivals, arrival_ticks,
+        rs[head], ts[head],
         ts[tail], int(t.min()) if len(t) else None, max(ends, default=-np.inf),
         float(np.nanmin(cr[:, 1], initial=np.inf)) if (cr := t_.get("client_requests")) is not None
         else np.inf,
@@ -195,6 +201,21 @@ def _first_chunks(ce: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.nda
     head[1:] = r[o][1:] != r[o][:-1]
     k = o[head]
     return r[k], t[k], ce[k, _CE["process"]].astype(np.int64)
+
+
+def parts_holding(flushed: np.ndarray, ticks: np.ndarray, i: int) -> np.ndarray:
+    """For arrival rows in part `i` (`flushed`: the flush ticks of the parts before it), the
+    part whose time holds each arrival: the first that flushed after it. A recorder may
+    write an arrival after the time it took place (an engine that adds a request after
+    tokenising it off the loop, vLLM's engine core with the time the request reached the
+    server), and rows of its TTFT from then on (a wait, a step) may lie in earlier parts;
+    an arrival not recorded stays in part `i`."""
+    at = np.full(len(ticks), i, dtype=np.int64)
+    if not i or not len(ticks) or int(ticks.min()) >= int(flushed[i - 1]):
+        return at  # the common case: every arrival since the part before's flush
+    known = ticks != UNKNOWN_TICK
+    at[known] = np.searchsorted(flushed[:i], ticks[known], side="right")
+    return at
 
 
 def grown(room: dict[str, np.ndarray], key: str, a: np.ndarray, n: int, fill: float) -> np.ndarray:
@@ -228,6 +249,7 @@ class IndexBook:
         self.chunk_t = np.zeros(0)  # per request: its earliest chunk's time (inf: none yet)
         self.api_server = np.zeros(0, dtype=np.int64)  # ... and its API server (-1: none)
         self.entries: list[tuple[Any, ...]] = []
+        self.flush_ticks = np.zeros(0, dtype=np.int64)  # per part added: its flush tick
         self._room: dict[str, np.ndarray] = {}
 
     def add(self, i: int, o: PartOrder) -> None:
@@ -240,7 +262,7 @@ class IndexBook:
             self.last_part = grown(room, "last_part", self.last_part, n, -1)
             self.last_tick = grown(room, "last_tick", self.last_tick, n, np.iinfo(np.int64).min)
             self.arrival_part = grown(room, "arrival_part", self.arrival_part, n, -1)
-        self.arrival_part[o.arrivals] = i
+        self.arrival_part[o.arrivals] = parts_holding(self.flush_ticks[:i], o.arrival_ticks, i)
         back, u = i, o.requests
         if len(u):
             if np.any(o.first_tick < self.last_tick[u]):  # a request's emissions in time order
@@ -259,6 +281,8 @@ class IndexBook:
             self._first_chunks(o)
         self.reach.append(back)
         self.entries.append(o.entry)
+        self.flush_ticks = grown(self._room, "flush_ticks", self.flush_ticks, i + 1, 0)
+        self.flush_ticks[i] = o.entry[_FLUSH]
 
     def _first_chunks(self, o: PartOrder) -> None:
         """Part `o`'s earliest chunk per request, kept where it is the run's so far (a
@@ -298,7 +322,8 @@ class SlicedRun:
         # a slice's: indexed as the folder's list (its parts before `first` never read)
         self.paths = [""] * first + list(given) if given else part_paths(parts_dir)
         self.parts: list[PartEntry] = []
-        #: per request, the part its arrival row is in (-1: none), after `index`
+        #: per request, the part whose time holds its arrival (-1: none), after `index`
+        #: (`IndexBook._parts_holding`: the part of its arrival row, or an earlier one)
         self.arrival_part = np.zeros(0, dtype=np.int64)
         self.warnings: list[str] = []
         self.api_server = np.zeros(0, dtype=np.int64)
