@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 from logbuilder import LogBuilder
 
-from tracekit.attribution.evictions import eviction_causes, preempt_causes, recompute_causes
+from tracekit.attribution.evictions import (
+    NamedWindows,
+    eviction_causes,
+    name_preempt,
+    name_reprefill,
+    preempt_causes,
+    recompute_causes,
+)
 from tracekit.attribution.itl import partition
 from tracekit.attribution.reprefill import stating_next_emissions
 from tracekit.log.validate import validate_log
@@ -272,3 +279,22 @@ def test_each_victims_next_emission_is_its_first_strictly_after_the_asked_instan
         log = SimpleNamespace(emissions=SimpleNamespace(request=em_r, t_s=em_t))
         got = next_emission(log, req, after)  # type: ignore[arg-type]
         assert np.array_equal(got, np.array(want, dtype=np.float64), equal_nan=True)
+
+
+def test_a_part_that_float_rounding_left_a_hair_from_zero_is_not_named():
+    """A `preempt` part or others' re-prefill that float rounding left at +-1e-17 ms (its
+    sign set by the order the partition added in) is no time: no pieces and no key either
+    way, so the run read whole and read in slices name the same gaps and TTFTs. r1's gap
+    [10, 20] has neither; r0's gap [10, 40] keeps its 19 ms of preempt pieces."""
+    log = validate_log(recompute_case().build())
+    p = partition(log)
+    w = NamedWindows.of_gaps(p)
+    (g,) = [i for i in range(len(p)) if p.request[i] == 1 and abs(p.t0_s[i] - 0.010) < 1e-12]
+    (v,) = [i for i in range(len(p)) if p.request[i] == 0 and abs(p.t0_s[i] - 0.010) < 1e-12]
+    assert w.preempt_ms[g] == 0.0 and w.other_ms[g] == 0.0
+    for hair in (1e-17, -1e-17):
+        pre, other = w.preempt_ms.copy(), w.other_ms.copy()
+        pre[g] = other[g] = hair
+        named = dataclasses.replace(w, preempt_ms=pre, other_ms=other)
+        assert g not in name_preempt(log, named) and g not in name_reprefill(log, named)
+        assert sum(x["ms"] for x in name_preempt(log, named)[v]) == pytest.approx(19.0)

@@ -263,8 +263,10 @@ class _Namer:
 
 def name_preempt(log: RawLog, w: NamedWindows, rows: Any = None) -> dict[int, list[dict]]:
     """For each window (`rows`: those to explain, default every one) whose `preempt` part
-    is positive, its pieces (docs/partition.md, "Who evicted whom"), summing to the part."""
-    sel = np.flatnonzero(w.preempt_ms > 0)
+    is positive, its pieces (docs/partition.md, "Who evicted whom"), summing to the part.
+    Positive: above `PIECE_TOL_MS` (a part that float rounding left at +-1e-17 ms is none:
+    its sign would depend on the order the partition added in)."""
+    sel = np.flatnonzero(w.preempt_ms > PIECE_TOL_MS)
     if rows is not None:
         sel = np.intersect1d(sel, np.asarray(rows, dtype=np.int64))
     if not len(sel):
@@ -290,7 +292,7 @@ def name_reprefill(log: RawLog, w: NamedWindows, rows: Any = None) -> dict[int, 
     others' prefill, its pieces: each names the victim whose re-prefill it sat through (its
     eviction's time, step, reason and evictors; None where no victim re-prefilled there);
     they sum to that time."""
-    sel = np.flatnonzero(w.other_ms > 0)
+    sel = np.flatnonzero(w.other_ms > PIECE_TOL_MS)
     if rows is not None:
         sel = np.intersect1d(sel, np.asarray(rows, dtype=np.int64))
     if not len(sel):
