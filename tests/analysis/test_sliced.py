@@ -26,6 +26,7 @@ from tracekit.analysis.window import WindowOptions
 from tracekit.attribution.itl import partition
 from tracekit.errors import UsageError
 from tracekit.log.slices import SlicedRun
+from tracekit.render.perfetto import PID_REQUESTS, TID_REQUESTS
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_NS = 10_000_000  # 10 ms
@@ -365,6 +366,60 @@ def test_a_ttft_reaches_back_to_its_arrivals_time_not_to_its_arrival_row(tmp_pat
     assert late["parts"]["wait_tokenizing"] == pytest.approx(15.0)
     assert late["parts"]["prefill_own"] == pytest.approx(10.0)
     assert late["parts"]["residual"] == pytest.approx(0.0, abs=1e-9)
+
+
+def _evicted_across_run(out: Path) -> None:
+    """10 steps of 10 ms, a part each; "a" emits at every step's end. "v" and "x" emit at
+    steps 0 and 1 and are evicted at step 2's end (30 ms); "v" is readmitted at step 8's end
+    (90 ms) and emits at step 9's (100 ms), "x" never comes back; the run stops at 100 ms."""
+    clock = FakeClock()
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    with rec:
+        for r in ("a", "v", "x"):
+            rec.request(r)
+        for k in range(10):
+            with rec.step():
+                with rec.segment("decode"):
+                    clock.t += STEP_NS
+                rec.emit(["a"] + (["v", "x"] if k <= 1 else []) + (["v"] if k == 9 else []))
+                if k == 2:
+                    rec.evict("v")
+                    rec.evict("x")
+                if k == 8:
+                    rec.readmit("v")
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+def test_a_traced_window_draws_evictions_to_where_the_run_ends_them(tmp_path):
+    """`trace --window 0.035..0.045` (docs/reports.md: the events overlapping the window,
+    the gaps ending in it): "a"'s gaps 20 -> 30 and 30 -> 40 ms; "v"'s gap 20 -> 100 ends
+    after the window, so its eviction is drawn on its own, 30 -> 90 ms (its readmission, in
+    a part the window does not read); "x"'s eviction runs to the run's end, 30 -> 100 ms.
+    The window's parts end at 40 ms: a trace that took their end for the run's drew both
+    evictions to it."""
+    out = tmp_path / "run.npz"
+    _evicted_across_run(out)
+
+    def requests(budget: str) -> list[tuple]:
+        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+        trace = tmp_path / f"{budget}.json"
+        r = subprocess.run([sys.executable, "-m", "tracekit", "trace", str(out), "--window",
+                            "0.035..0.045", "-o", str(trace)], capture_output=True, text=True,
+                           cwd=REPO, env=env, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        events = json.loads(trace.read_text())["traceEvents"]
+        return [(e["tid"] - TID_REQUESTS, e["ts"], e["dur"], e["name"]) for e in events
+                if e["ph"] == "X" and e["pid"] == PID_REQUESTS]  # fmt: skip
+
+    whole, sliced = requests("100000000"), requests("1")
+    assert whole == sliced == [
+        (0, 20000.0, 10000.0, "clean"),
+        (0, 30000.0, 10000.0, "clean"),
+        (1, 30000.0, 60000.0, "evicted"),
+        (2, 30000.0, 70000.0, "evicted"),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -471,11 +471,18 @@ def test_evictions_before_between_and_after_tokens():
         (50000.0, 8000.0, "evicted"),
         (58000.0, 2000.0, "evicted"),
     ]
-    # a window shows the slices that overlap it with what nests in them: here the gap
-    # 18 -> 48 and its eviction; the ttft (0 -> 8) and the eviction inside it lie outside
-    ev = chrome_trace_events(log, partition(log), window_s=(0.040, 0.045))
+    # a window shows the slices that overlap it, of the gaps those that end in it, with
+    # what nests in them: here the gap 18 -> 48 and its eviction; the ttft (0 -> 8) and the
+    # eviction inside it lie outside
+    ev = chrome_trace_events(log, partition(log), window_s=(0.040, 0.049))
     req = [(e["ts"], e["dur"], e["name"]) for e in slices(ev, PID_REQUESTS)]
     assert req == [(18000.0, 30000.0, "preempt"), (19000.0, 16000.0, "evicted")]
+    # the gap 48 -> 58 ends after 55 ms: not the window's; its eviction (from 50 ms, never
+    # readmitted: to the run's end at 60) is drawn on its own, whole
+    ev = chrome_trace_events(log, partition(log), window_s=(0.040, 0.055))
+    req = [(e["ts"], e["dur"], e["name"]) for e in slices(ev, PID_REQUESTS)]
+    assert req == [(18000.0, 30000.0, "preempt"), (19000.0, 16000.0, "evicted"),
+                   (50000.0, 10000.0, "evicted")]  # fmt: skip
 
 
 def test_a_request_that_arrived_before_engine_start_shifts_the_trace():

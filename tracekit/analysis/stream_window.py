@@ -139,22 +139,34 @@ def _window_log(run: SlicedRun, ix: Index, c: int, b: int, path: str) -> RawLog:
         parts.append(p)
     log = merge_flushed(run.meta, parts, path=path, retained=run.retained(0), final=run.final)
     log = replace(log, request_ids=ix.names.picked(np.arange(len(log.request_ids))))
-    return _stating_next_emissions(run, ix, log)
+    if b < len(run.parts):  # the run's wall time (an eviction never readmitted runs to it)
+        tail = run.log_of(len(run.parts) - 1, len(run.parts), tables=frozenset(), final=True)
+        log = replace(log, wall_s=tail.wall_s)
+    return _as_the_run_says(run, ix, log)
 
 
-def _stating_next_emissions(run: SlicedRun, ix: Index, log: RawLog) -> RawLog:
-    """`log` with each eviction's victim's first emission after its readmission stated
-    in its meta (`reprefill.NEXT_EMISSION_META`): whose re-prefill a step is needs it, and
-    the window's log may hold neither the early parts' emissions nor the later parts'.
-    The index pass kept, of every part, each readmitted victim's next emission (its
-    sparse parts), in the run's request numbers, which the window's log keeps."""
+def _as_the_run_says(run: SlicedRun, ix: Index, log: RawLog) -> RawLog:
+    """`log` (the run's parts up to the window's) with what its later parts say of its
+    evictions: each one's readmission (one in a later part is not "never readmitted": a
+    trace draws the eviction to it), and its victim's first emission after it stated in
+    the meta (`reprefill.NEXT_EMISSION_META`: whose re-prefill a step is needs it, and
+    the window's log may hold neither the early parts' emissions nor the later parts').
+    The index pass kept of every part its eviction rows and each readmitted victim's next
+    emission (its sparse parts), in the run's request numbers, which the window's log
+    keeps."""
     ev = log.evictions
     if not len(ev):
         return log
     sparse = merge_flushed(run.meta, ix.sparse, path=run.parts_dir, retained=run.retained(0))
-    nxt = next_emission(sparse, ev.request, ev.t_readmit_s).tolist()
+    se = sparse.evictions
+    run_readmit = {(r, t): x for r, t, x in zip(se.request.tolist(), se.t_evict_s.tolist(),
+                                                se.t_readmit_s.tolist(), strict=True)}  # fmt: skip
+    readmit = ev.t_readmit_s.copy()
+    for i in np.flatnonzero(np.isnan(readmit)).tolist():  # open where the window's log ends
+        readmit[i] = run_readmit.get((int(ev.request[i]), float(ev.t_evict_s[i])), np.nan)
+    nxt = next_emission(sparse, ev.request, readmit).tolist()
     meta = {**log.meta, NEXT_EMISSION_META: [None if x != x else x for x in nxt]}
-    return replace(log, meta=meta)
+    return replace(log, evictions=replace(ev, t_readmit_s=readmit), meta=meta)
 
 
 def _around_q(view: WindowOptions) -> tuple[float, ...]:

@@ -278,7 +278,9 @@ def chrome_trace_events(
     """Every event of the trace of one run, in a deterministic order (see module doc).
 
     requests: only these request ids get a track (the engine tracks are always there).
-    window_s: only slices and samples overlapping ``[t0, t1]`` (seconds, engine clock).
+    window_s: only slices and samples overlapping ``[t0, t1]`` (seconds, engine clock), and
+    of the gaps only those that end by ``t1`` (a gap that ends later is not the window's:
+    what it holds that overlaps the window, an eviction, is drawn on its own).
     ttft: the run's TTFT partition: each ``ttft`` slice gets its parts, phases and primary
     cause in ``args``.
     """
@@ -301,7 +303,10 @@ def chrome_trace_events(
     events += _engine_events(log, window_s)
     events += _rank_events(log, part, window_s)
     events += _counter_events(log, window_s)
-    events += _request_events(log, part, ids, keep_req, window_s, _ttft_args(ttft))
+    gaps = part
+    if window_s is not None:  # the gaps that end by the window's end; an eviction in a gap
+        gaps = part.take(np.flatnonzero(part.t1_s <= window_s[1]))  # that ends later: loose
+    events += _request_events(log, gaps, ids, keep_req, window_s, _ttft_args(ttft))
     events += _eviction_flows(log, ids, keep_req, window_s)
     return _shift_to_zero(events)
 
