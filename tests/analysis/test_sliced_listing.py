@@ -33,9 +33,9 @@ WHOLE = "100000000"  # more emissions than any test run: read whole
 
 
 def _differences(x, y, path=""):
-    """Where two records differ: a per-label part (or an eviction piece's share of one)
-    beyond 1e-9 ms (a slice's prefix sums start at the slice), anything else at all (keys
-    and their order included)."""
+    """Where two records differ: a per-label part or context (or an eviction piece's share
+    of one) beyond 1e-9 ms (a slice's prefix sums start at the slice), anything else at all
+    (keys and their order included)."""
     if isinstance(x, dict) and isinstance(y, dict):
         if list(x) != list(y):
             return [f"{path}: keys {list(x)} != {list(y)}"]
@@ -45,7 +45,8 @@ def _differences(x, y, path=""):
             return [f"{path}: {len(x)} != {len(y)} items"]
         return [d for i, (a, b) in enumerate(zip(x, y, strict=True))
                 for d in _differences(a, b, f"{path}[{i}]")]  # fmt: skip
-    loose = ".parts." in path or (path.endswith(".ms") and "_causes[" in path)
+    loose = ".parts." in path or ".context." in path or (path.endswith(".ms") and
+                                                          "_causes[" in path)  # fmt: skip
     if isinstance(x, float) and isinstance(y, float) and loose:
         return [] if abs(x - y) <= 1e-9 else [f"{path}: {x!r} != {y!r}"]
     same = x == y and type(x) is type(y)
@@ -62,8 +63,8 @@ def whole(demo_run) -> dict[str, list[dict]]:
 
 def _parsed(fmt: str, text: str) -> list:
     """A command's output as records: JSON lines parsed, CSV rows with each record's parts
-    (``parts.LABEL``) and eviction pieces parsed back into their record's shape; a table's
-    lines, its reconcile error (of parts) left out."""
+    and context (``parts.LABEL``, ``context.LABEL``) and eviction pieces parsed back into
+    their record's shape; a table's lines, its reconcile error (of parts) left out."""
     if fmt == "jsonl":
         return [json.loads(x) for x in text.splitlines()]
     if fmt == "table":
@@ -71,10 +72,10 @@ def _parsed(fmt: str, text: str) -> list:
     rows = list(csv.reader(io.StringIO(text)))
     out: list = [rows[0]]
     for row in rows[1:]:
-        rec: dict = {"parts": {}}
+        rec: dict = {"parts": {}, "context": {}}
         for k, v in zip(rows[0], row, strict=True):
-            if k.startswith("parts."):
-                rec["parts"][k] = float(v)
+            if k.startswith(("parts.", "context.")):
+                rec[k.split(".")[0]][k] = float(v) if v else v
             elif k.endswith("_causes") and v:
                 rec[k] = ast.literal_eval(v)
             else:
@@ -169,7 +170,7 @@ def _same_parquet(cmd: list[str], tmp_path: Path, monkeypatch) -> None:
     assert whole.schema.remove_metadata() == sliced.schema and whole.num_rows > 1
     for name in whole.schema.names:
         a, b = whole.column(name).to_pylist(), sliced.column(name).to_pylist()
-        if name.startswith("parts.") or name.endswith("_causes"):
+        if name.startswith(("parts.", "context.")) or name.endswith("_causes"):
             assert _differences({"parts": {name: a}}, {"parts": {name: b}}) == [], name
         else:
             assert a == b, name

@@ -17,7 +17,9 @@ WHOLE = "100000000"  # more emissions than the demo run: read whole
 
 def test_the_command_says_it_reads_in_slices_and_fleet_inherits_it(demo_run, tmp_path):
     """`tracekit export` and `fleet` on raw logs say on stderr which run they read in
-    slices; the fleet rollup is the whole run's (pooled figures exactly: the same gaps)."""
+    slices; the fleet rollup is the whole run's (pooled percentiles and counts exactly:
+    the same gaps; the tail's shares, sums of parts, to float rounding: a slice's prefix
+    sums start at the slice)."""
 
     def run(budget: str, *args: str) -> tuple[str, str]:
         env = {**os.environ, SLICES: budget}
@@ -34,5 +36,9 @@ def test_the_command_says_it_reads_in_slices_and_fleet_inherits_it(demo_run, tmp
     assert "read in slices (bounded memory)" in err
     whole, _ = run(WHOLE, "fleet", demo_run, "--by", "rung", "--format", "jsonl")
     a, b = json.loads(whole), json.loads(sliced)
-    assert a["pooled"] == b["pooled"] and a["pooled_tail"] == b["pooled_tail"]
+    assert a["pooled"] == b["pooled"]
+    share_a, share_b = a["pooled_tail"].pop("share"), b["pooled_tail"].pop("share")
+    assert a["pooled_tail"] == b["pooled_tail"] and list(share_a) == list(share_b)
+    for label, x in share_a.items():
+        assert abs(x - share_b[label]) <= 1e-12, label
     assert a["gaps"] == b["gaps"] > 0
