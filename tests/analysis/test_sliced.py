@@ -72,6 +72,13 @@ class FakeClock:
         return self.t
 
 
+def _recorder(out: Path, clock: FakeClock) -> tracekit.Recorder:
+    """A recorder on `clock` (1 ns ticks) that flushes only when asked (`flush_soon` after
+    each step, then `_wait_for_parts`: a part a step)."""
+    return tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                             handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+
+
 def _hand_run(out: Path, extra: str | None = None) -> None:
     """30 steps of 10 ms (a `decode` segment each); request "alive" emits at every step's
     end, "long" at steps 0 and 23 only: evicted at step 2's end, readmitted at step 22's
@@ -79,8 +86,7 @@ def _hand_run(out: Path, extra: str | None = None) -> None:
     each step and waited for, so no part holds two steps and none is empty but the stop's.
     `extra`: a segment of that label, 1 ms, before each step's decode."""
     clock = FakeClock()
-    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    rec = _recorder(out, clock)
     with rec:
         rec.request("alive")
         rec.request("long")
@@ -260,14 +266,23 @@ def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, tmp_path, ar
     assert whole and _differences(whole, sliced) == []
 
 
+def _jsonl(budget: str, *args: str) -> list[dict]:
+    """`tracekit ARGS`' JSON lines, its run read in slices of `budget` emissions (whole
+    where it holds fewer)."""
+    env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+    r = subprocess.run([sys.executable, "-m", "tracekit", *args], capture_output=True,
+                       text=True, cwd=REPO, env=env, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+
 def _recompute_run(out: Path) -> None:
     """30 steps of 10 ms, a part each; "a" emits at every step's end. "v" emits at steps
     0, 1 and 4 only: evicted (recompute) at step 1's end, readmitted at step 3's end. "w"
     emits at steps 0..16 and 20: evicted (recompute) at step 16's end, readmitted at step
     19's end; step 20 re-prefills it in a `recompute` segment (4 ms, then 6 ms of decode)."""
     clock = FakeClock()
-    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    rec = _recorder(out, clock)
     with rec:
         for r in ("a", "v", "w"):
             rec.request(r)
@@ -298,16 +313,8 @@ def test_a_window_knows_whose_re_prefill_a_step_is_from_victims_emissions_outsid
     out = tmp_path / "run.npz"
     _recompute_run(out)
 
-    def gaps(budget: str) -> list[dict]:
-        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
-        r = subprocess.run([sys.executable, "-m", "tracekit", "gaps", str(out), "--around",
-                            "worst", "--width", "0.01", "--format", "jsonl"],
-                           capture_output=True, text=True, cwd=REPO, env=env,
-                           timeout=600)  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
-
-    whole, sliced = gaps("100000000"), gaps("1")
+    args = ("gaps", str(out), "--around", "worst", "--width", "0.01", "--format", "jsonl")
+    whole, sliced = _jsonl("100000000", *args), _jsonl("1", *args)
     assert _differences(whole, sliced) == []
     (w,) = [g for g in sliced if g["request"] == "w"]
     assert w["gap_ms"] == pytest.approx(40.0)
@@ -322,8 +329,7 @@ def _late_arrival_run(out: Path) -> None:
     admits it and prefills it for the whole step, and it emits at step 3's end (40 ms)."""
     clock = FakeClock()
     start = clock.t
-    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    rec = _recorder(out, clock)
     with rec:
         rec.request("a")
         for k in range(6):
@@ -351,15 +357,8 @@ def test_a_ttft_reaches_back_to_its_arrivals_time_not_to_its_arrival_row(tmp_pat
     out = tmp_path / "run.npz"
     _late_arrival_run(out)
 
-    def ttfts(budget: str) -> list[dict]:
-        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
-        r = subprocess.run([sys.executable, "-m", "tracekit", "ttft", str(out), "--format",
-                            "jsonl"], capture_output=True, text=True, cwd=REPO, env=env,
-                           timeout=600)  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
-
-    whole, sliced = ttfts("100000000"), ttfts("1")
+    args = ("ttft", str(out), "--format", "jsonl")
+    whole, sliced = _jsonl("100000000", *args), _jsonl("1", *args)
     assert _differences(whole, sliced) == []
     (late,) = [t for t in sliced if t["request"] == "late"]
     assert late["ttft_ms"] == pytest.approx(25.0)
@@ -373,8 +372,7 @@ def _evicted_across_run(out: Path) -> None:
     steps 0 and 1 and are evicted at step 2's end (30 ms); "v" is readmitted at step 8's end
     (90 ms) and emits at step 9's (100 ms), "x" never comes back; the run stops at 100 ms."""
     clock = FakeClock()
-    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                            handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+    rec = _recorder(out, clock)
     with rec:
         for r in ("a", "v", "x"):
             rec.request(r)
