@@ -25,7 +25,8 @@ from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
 from tracekit.analysis.window import WindowOptions
 from tracekit.attribution.itl import partition
 from tracekit.errors import UsageError
-from tracekit.log.slices import SlicedRun
+from tracekit.log.flush import UNKNOWN_TICK
+from tracekit.log.slices import SlicedRun, parts_holding
 from tracekit.render.perfetto import PID_REQUESTS, TID_REQUESTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -365,6 +366,65 @@ def test_a_ttft_reaches_back_to_its_arrivals_time_not_to_its_arrival_row(tmp_pat
     assert late["parts"]["wait_tokenizing"] == pytest.approx(15.0)
     assert late["parts"]["prefill_own"] == pytest.approx(10.0)
     assert late["parts"]["residual"] == pytest.approx(0.0, abs=1e-9)
+
+
+def _idle_arrival_run(out: Path) -> None:
+    """6 steps of 10 ms (a `decode` segment each), 4 ms idle after each, the recorder's OS
+    samples at every step's start and end; "a" emits at every step's end, a part after
+    each step. "late" arrives 2 ms into the idle time after step 2 (its row in part 3) and
+    emits first at step 5's end."""
+    clock = FakeClock()
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=3600.0,
+                            os_evidence=True)  # fmt: skip
+    with rec:
+        rec.request("a")
+        for k in range(6):
+            with rec.step():
+                with rec.segment("decode"):
+                    clock.t += STEP_NS
+                rec.emit(["a"] + (["late"] if k == 5 else []))
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+            clock.t += 2_000_000
+            if k == 2:
+                rec.request("late")
+            clock.t += 2_000_000
+
+
+def test_a_ttft_reaches_back_to_the_os_sample_before_its_arrival():
+    """docs/partition.md, "OS evidence": an OS interval runs from one sample of the loop
+    thread to the next. An arrival after a part's flush can lie in an interval that began
+    before it (between steps: the step's end sample, then the flush): a TTFT from it reads
+    back to the part holding that sample. Flushed parts 0, 1, 2 at ticks 100, 200, 300,
+    whose first OS samples are at 10, 150, 250: an arrival at 320 (after every flush) reads
+    from part 2, one at 210 from part 1 (part 2's samples all come after it), one at 50
+    from part 0; an arrival not recorded stays in its row's part, 3."""
+    flushed = np.array([100, 200, 300])
+    sampled = (np.array([0, 1, 2]), np.array([10, 150, 250]))
+    ticks = np.array([320, 210, 50, UNKNOWN_TICK])
+    assert parts_holding(flushed, ticks, 3, sampled).tolist() == [2, 1, 0, 3]
+    # no OS samples: the part whose time holds the arrival (the first flushed after it)
+    none = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    assert parts_holding(flushed, ticks, 3, none).tolist() == [3, 2, 0, 3]
+
+
+def test_a_ttft_arriving_between_steps_reads_the_part_of_the_step_before(tmp_path):
+    """"late" arrives 2 ms after step 2's end sample, which lies in part 2, and after that
+    part's flush: its TTFT starts inside the OS interval from that sample to step 3's
+    start, so it reads back to part 2 (its row's part is 3), and read in slices it is the
+    whole run's, OS shares included."""
+    out = tmp_path / "run.npz"
+    _idle_arrival_run(out)
+    run = SlicedRun(str(out) + ".parts")
+    run.index()
+    late = tracekit.load(out).request_ids.index("late")
+    assert run.arrival_part[late] == 2
+    args = ("ttft", str(out), "--format", "jsonl")
+    whole, sliced = _jsonl("100000000", *args), _jsonl("1", *args)
+    (t,) = [t for t in whole if t["request"] == "late"]
+    assert t["ttft_ms"] == pytest.approx(40.0)  # 2 ms of idle, step 3 to step 5's end: 38 + 2
+    assert _differences(whole, sliced) == []
 
 
 def _evicted_across_run(out: Path) -> None:

@@ -169,6 +169,9 @@ def client_index_pass(run: SlicedRun) -> ClientIndex:
     z = np.zeros(0, dtype=np.int64)
     cx.pending = (z, z, np.zeros(0), z, z, z)
     flushed = np.array([e.flush_tick for e in run.parts], dtype=np.int64)
+    sampled = [(k, e.os_from_tick) for k, e in enumerate(run.parts) if e.os_from_tick is not None]
+    os_parts = np.array([k for k, _ in sampled], dtype=np.int64)
+    os_first = np.array([t for _, t in sampled], dtype=np.int64)
     for i in range(len(run.paths)):
         part = run.read(i)
         t = part["tables"]
@@ -180,7 +183,9 @@ def client_index_pass(run: SlicedRun) -> ClientIndex:
         rq = t.get("requests")
         if rq is not None and len(rq):
             ticks = rq[:, TABLES["requests"].index("arrival_tick")]
-            cx.req["arr_part"][rq[:, _RQ]] = parts_holding(flushed, ticks, i)
+            n_s = int(np.searchsorted(os_parts, i))  # the parts sampled before part `i`
+            cx.req["arr_part"][rq[:, _RQ]] = parts_holding(
+                flushed, ticks, i, (os_parts[:n_s], os_first[:n_s]))  # fmt: skip
             arr = run.secs(ticks)
             cx.req["arr_t"][rq[:, _RQ]] = np.fmin(cx.req["arr_t"][rq[:, _RQ]], arr)
         cr = t.get("client_requests")  # the arrival the join gave (the API server's receipt)

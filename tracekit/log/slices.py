@@ -59,6 +59,7 @@ _NAMING = frozenset(k for k, cols in (*TABLES.items(), *MERGED_TABLES.items()) i
 _REQ = TABLES["requests"].index("request")
 _ARR = TABLES["requests"].index("arrival_tick")
 _FLUSH = 5  # `PartOrder.entry`'s flush tick (`PartEntry.flush_tick`)
+_OS_TICK = TABLES["os_samples"].index("t_tick")
 #: the columns that hold a request's number: (table, column)
 _NUMBERED = tuple(
     (k, j)
@@ -103,6 +104,8 @@ class PartEntry:
     #: ... and the earliest arrival its API servers saw of the requests it names (seconds;
     #: inf: none): a TTFT starts there, maybe before the part
     arrivals_from_s: float = np.inf
+    #: its first OS sample's tick (None: none): a TTFT arriving later may need the sample
+    os_from_tick: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,7 @@ class PartOrder:
     num_requests: int  # requests named up to this part
     arrivals: np.ndarray  # the requests with an arrival row in it
     arrival_ticks: np.ndarray  # ... and their arrival ticks
+    os_from_tick: int | None  # its first OS sample's tick (None: none)
     requests: np.ndarray  # the requests emitting in it, sorted
     first_tick: np.ndarray  # each one's earliest emission tick in it
     last_tick: np.ndarray  # each one's latest
@@ -182,6 +186,8 @@ def order_of(path: str, part: dict[str, Any]) -> PartOrder:
     return PartOrder(
         path, entry, part["first_step"] is not None,
         part["request_ids_start"] + len(part["request_ids"]), arrivals, arrival_ticks,
+        int(os_[:, _OS_TICK].min()) if (os_ := t_.get("os_samples")) is not None and len(os_)
+        else None,
         rs[head], ts[head],
         ts[tail], int(t.min()) if len(t) else None, max(ends, default=-np.inf),
         float(np.nanmin(cr[:, 1], initial=np.inf)) if (cr := t_.get("client_requests")) is not None
@@ -203,18 +209,28 @@ def _first_chunks(ce: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.nda
     return r[k], t[k], ce[k, _CE["process"]].astype(np.int64)
 
 
-def parts_holding(flushed: np.ndarray, ticks: np.ndarray, i: int) -> np.ndarray:
-    """For arrival rows in part `i` (`flushed`: the flush ticks of the parts before it), the
-    part whose time holds each arrival: the first that flushed after it. A recorder may
-    write an arrival after the time it took place (an engine that adds a request after
-    tokenising it off the loop, vLLM's engine core with the time the request reached the
-    server), and rows of its TTFT from then on (a wait, a step) may lie in earlier parts;
-    an arrival not recorded stays in part `i`."""
+def parts_holding(
+    flushed: np.ndarray, ticks: np.ndarray, i: int, sampled: tuple[np.ndarray, np.ndarray]
+) -> np.ndarray:
+    """For arrival rows in part `i` (`flushed`: the flush ticks of the parts before it;
+    `sampled`: of those with OS samples, each one's part and first sample tick, in order),
+    the earliest part a TTFT from each arrival reads: the part whose time holds the arrival
+    (the first that flushed after it), or the earlier part holding the last OS sample at or
+    before it (the OS interval the arrival falls in starts there). A recorder may write an
+    arrival after the time it took place (an engine that adds a request after tokenising it
+    off the loop, vLLM's engine core with the time the request reached the server), and rows
+    of its TTFT from then on (a wait, a step) may lie in earlier parts; an arrival not
+    recorded stays in part `i`."""
     at = np.full(len(ticks), i, dtype=np.int64)
-    if not i or not len(ticks) or int(ticks.min()) >= int(flushed[i - 1]):
-        return at  # the common case: every arrival since the part before's flush
     known = ticks != UNKNOWN_TICK
+    if not i or not known.any():
+        return at
     at[known] = np.searchsorted(flushed[:i], ticks[known], side="right")
+    parts, first = sampled
+    if not len(parts):
+        return at
+    k = np.searchsorted(first, ticks[known], side="right") - 1  # the last part sampled by then
+    at[known] = np.where(k >= 0, np.minimum(at[known], parts[np.maximum(k, 0)]), at[known])
     return at
 
 
@@ -245,11 +261,16 @@ class IndexBook:
         self.reach: list[int] = []
         self.min_tick: list[int | None] = []
         self.windows_end_s: list[float] = []
+        self.os_from_tick: list[int | None] = []
         self.arrivals_from_s: list[float] = []
         self.chunk_t = np.zeros(0)  # per request: its earliest chunk's time (inf: none yet)
         self.api_server = np.zeros(0, dtype=np.int64)  # ... and its API server (-1: none)
         self.entries: list[tuple[Any, ...]] = []
         self.flush_ticks = np.zeros(0, dtype=np.int64)  # per part added: its flush tick
+        # the parts with OS samples, in order, and each one's first sample tick
+        self.sampled_parts = np.zeros(0, dtype=np.int64)
+        self.sampled_first = np.zeros(0, dtype=np.int64)
+        self.num_sampled = 0
         self._room: dict[str, np.ndarray] = {}
 
     def add(self, i: int, o: PartOrder) -> None:
@@ -262,7 +283,11 @@ class IndexBook:
             self.last_part = grown(room, "last_part", self.last_part, n, -1)
             self.last_tick = grown(room, "last_tick", self.last_tick, n, np.iinfo(np.int64).min)
             self.arrival_part = grown(room, "arrival_part", self.arrival_part, n, -1)
-        self.arrival_part[o.arrivals] = parts_holding(self.flush_ticks[:i], o.arrival_ticks, i)
+        n_s = self.num_sampled
+        self.arrival_part[o.arrivals] = parts_holding(
+            self.flush_ticks[:i], o.arrival_ticks, i,
+            (self.sampled_parts[:n_s], self.sampled_first[:n_s]),
+        )  # fmt: skip
         back, u = i, o.requests
         if len(u):
             if np.any(o.first_tick < self.last_tick[u]):  # a request's emissions in time order
@@ -283,6 +308,13 @@ class IndexBook:
         self.entries.append(o.entry)
         self.flush_ticks = grown(self._room, "flush_ticks", self.flush_ticks, i + 1, 0)
         self.flush_ticks[i] = o.entry[_FLUSH]
+        if o.os_from_tick is not None:
+            n_s = self.num_sampled + 1
+            self.sampled_parts = grown(self._room, "sampled_parts", self.sampled_parts, n_s, 0)
+            self.sampled_first = grown(self._room, "sampled_first", self.sampled_first, n_s, 0)
+            self.sampled_parts[n_s - 1], self.sampled_first[n_s - 1] = i, o.os_from_tick
+            self.num_sampled = n_s
+        self.os_from_tick.append(o.os_from_tick)
 
     def _first_chunks(self, o: PartOrder) -> None:
         """Part `o`'s earliest chunk per request, kept where it is the run's so far (a
@@ -411,7 +443,8 @@ class SlicedRun:
         self._reach = None
         self.parts = [PartEntry(*e, reaches_back_to=book.reach[i], cut_tick=cut[i],  # type: ignore[misc]
                                 windows_end_s=book.windows_end_s[i],
-                                arrivals_from_s=book.arrivals_from_s[i])
+                                arrivals_from_s=book.arrivals_from_s[i],
+                                os_from_tick=book.os_from_tick[i])
                       for i, e in enumerate(book.entries)]  # fmt: skip
 
     def retained(self, c: int) -> Retained | None:
