@@ -738,18 +738,31 @@ def second_order_reference(
     rate_cuts = sorted({float(x) for x in (*w.start_s, *w.end_s)}
                        | (set(ends_os.tolist()) if ends_os is not None else set()))  # fmt: skip
 
+    # both walks from the run's start to every cut, once (each x is walked on its own, so
+    # these are the values a walk to [z, y] alone gives)
+    fw_cut = replay_removed_reference(w, is_gc, rate_cuts) if has_os else []
+    fo_cut = os_taken_reference(log, rate_cuts, os_labels) if has_os else []
+    known: dict[float, float] = {}  # R at each x asked before: gaps share their ends
+
     def rem(x: float) -> float:
+        if x in known:
+            return known[x]
         if not has_os:
-            return replay_removed_reference(w, is_gc, [x])[0]
+            known[x] = replay_removed_reference(w, is_gc, [x])[0]
+            return known[x]
         total = 0.0  # instant by instant: f + (1 - f) * o, each rate a cell's mean
-        for z, y in zip(rate_cuts[:-1], rate_cuts[1:], strict=True):
+        for k, (z, y) in enumerate(zip(rate_cuts[:-1], rate_cuts[1:], strict=True)):
             if z >= x:
                 break
-            y = min(y, x)
-            fw = replay_removed_reference(w, is_gc, [z, y])
-            fo = os_taken_reference(log, [z, y], os_labels)
-            f = (fw[1] - fw[0]) / (y - z)
-            total += (fw[1] - fw[0]) + (1.0 - f) * (fo[1] - fo[0])
+            if y <= x:
+                dw, do = fw_cut[k + 1] - fw_cut[k], fo_cut[k + 1] - fo_cut[k]
+            else:  # the cell x ends inside
+                y = x
+                fw = replay_removed_reference(w, is_gc, [z, y])
+                fo = os_taken_reference(log, [z, y], os_labels)
+                dw, do = fw[1] - fw[0], fo[1] - fo[0]
+            total += dw + (1.0 - dw / (y - z)) * do
+        known[x] = total
         return total
 
     ends = [float(t) for t in log.steps.t_end_s]
