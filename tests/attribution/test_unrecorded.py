@@ -340,16 +340,18 @@ def test_flush_soon_on_sigterm_lands_before_the_sigkill(tmp_path):
     try:
         assert proc.stdout.readline().strip() == "started"
         time.sleep(0.3)
-        assert not list(parts.glob("part-*.npz"))  # nothing flushed by itself
+        assert not list(parts.glob("part-*"))  # nothing flushed by itself
         proc.send_signal(signal.SIGTERM)
         steps_at_term = int(proc.stdout.readline().split()[1])
         deadline = time.monotonic() + 20  # what the plugin's parent does: wait for the part
-        while not list(parts.glob("part-*.npz")) and time.monotonic() < deadline:
+        while not list(parts.glob("part-*.tkp")) and time.monotonic() < deadline:
             time.sleep(0.002)
+        landed = list(parts.glob("part-*.tkp"))
         proc.kill()
         proc.wait(timeout=10)
     finally:
         proc.kill()
+    assert landed, "the SIGTERM's flush never wrote a part"
     log = merge_parts(str(parts))
     # every step completed before the SIGTERM is there (the one open then too: the flush
     # came at its end), and the coverage says up to when the rows are complete
