@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from tracekit.analysis.stream_whatif import whatif_sliced
 from tracekit.analysis.whatif import FIRST, SECOND, WhatIf
 from tracekit.analysis.whatif import whatif as whatif_whole
 from tracekit.analysis.workers import partitions
+from tracekit.capture import osstats
 from tracekit.log.slices import SlicedRun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,6 +176,84 @@ def test_an_eviction_over_twenty_slices_and_a_stall_each_step_by_hand(tmp_path):
     for model in (FIRST, SECOND):
         tok = sliced.get("tok", model)
         assert tok is not None and tok.figures["ttft_p50_ms"] == pytest.approx(10.0)
+
+
+class _Kernel:
+    """The loop thread's counters on `clock`: it ran 80% of every instant since the run
+    began and waited on a run queue the other 20% (`tracekit.capture.osstats`' calls)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.t0 = clock, clock.t
+
+    def cpu_ns(self) -> int:
+        return (self.clock.t - self.t0) * 4 // 5
+
+    def pread(self, _fd: int, _n: int, _offset: int) -> bytes:
+        return b"0 %d 0\n" % ((self.clock.t - self.t0) // 5)
+
+    def getrusage(self, _who: int) -> SimpleNamespace:
+        return SimpleNamespace(ru_nvcsw=0, ru_nivcsw=0, ru_majflt=0)
+
+
+@pytest.mark.skipif(osstats.unavailable_reason() is not None
+                    or not os.path.exists(osstats.SCHEDSTAT_PATH),
+                    reason="OS evidence needs Linux with schedstat")  # fmt: skip
+def test_removing_the_os_beside_other_causes_in_slices_by_hand(tmp_path, monkeypatch):
+    """docs/whatif.md, "Removing the OS", on `test_sliced`'s hand run with 1 ms that no
+    segment covers (`residual`) before each step's 10 ms decode: step k runs [11k, 11k +
+    11] ms, its tokens at its end; "alive" emits at every step's end, "long" at steps 0
+    and 23, evicted over [33, 253]. OS evidence from `_Kernel`: each step is an OS
+    interval with R = 20% of it, so `os_runqueue` owns 0.2 of every live instant
+    (docs/partition.md, "OS evidence", rule 1; the eviction stays `preempt`, rule 3).
+    Gaps: 29 of 11 ms and "long"'s 253. Sorted, p99 (rank 28.71) is 11 + 0.71 x 242 =
+    182.82, p99.9 (28.971) 245.982.
+    Without os_runqueue, first order: each gap loses its part, 2.2 ms or (33 live ms)
+    6.6: 29 of 8.8 and one of 246.4, 70.4 ms removed: p99 8.8 + 0.71 x 237.6 = 177.496.
+    Second order: the run's time goes at rate 0.2 everywhere (no window removed: f = 0,
+    so f + (1 - f) o = 0.2), so every gap loses a fifth of its span: 29 of 8.8 and 253 -
+    50.6 = 202.4, 114.4 ms removed: p99 8.8 + 0.71 x 193.6 = 146.256. The TTFTs
+    (arrival 0, first token 11) lose 2.2 ms in both.
+    The run's other removals (preempt, decode's) replay on the windows' ends alone; this
+    one also on the OS samples' ticks, each step's start 1 ms before its decode window.
+    Read one part a slice, each removal must keep its own bounds."""
+    clock = FakeClock()
+    kernel = _Kernel(clock)
+    for name in ("thread_cpu_ns", "pread", "getrusage"):
+        monkeypatch.setattr(osstats, name, getattr(kernel, name.replace("thread_", "")))
+    out = tmp_path / "run.npz"
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            os_evidence=True, handle_signals=False,
+                            flush_interval_s=3600.0)  # fmt: skip
+    with rec:
+        rec.request("alive")
+        rec.request("long")
+        for k in range(30):
+            with rec.step():
+                clock.t += 1 * MS
+                with rec.segment("decode"):
+                    clock.t += 10 * MS
+                rec.emit(["alive", "long"] if k in (0, 23) else ["alive"])
+                if k == 2:
+                    rec.evict("long", mode="swap")
+                if k == 22:
+                    rec.readmit("long")
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+    whole = _whole(str(out))
+    sliced = whatif_sliced(str(out) + ".parts", path=whole.path, max_emissions=1)
+    _same(whole, sliced)
+    m = sliced.measured
+    assert (m["itl_p50_ms"], m["itl_p99_ms"]) == pytest.approx((11.0, 182.82))
+    assert (m["itl_p999_ms"], m["itl_max_ms"]) == pytest.approx((245.982, 253.0))
+    want = {FIRST: (70.4, 8.8, 177.496, 246.4), SECOND: (114.4, 8.8, 146.256, 202.4)}
+    for model, (removed, p50, p99, top) in want.items():
+        p = sliced.get("os_runqueue", model)
+        assert p is not None and p.num_gaps == 30, model
+        f = p.figures
+        got = (p.removed_ms, f["itl_p50_ms"], f["itl_p99_ms"], f["itl_max_ms"])
+        assert got == pytest.approx((removed, p50, p99, top), abs=1e-9), model
+        assert (f["ttft_p50_ms"], f["ttft_p99_ms"]) == pytest.approx((8.8, 8.8)), model
+    assert sliced.get("preempt", SECOND) is not None
 
 
 @pytest.fixture(scope="module")

@@ -182,9 +182,10 @@ def _piece(task: WhatIfTask, which: int, g: int, values: np.ndarray) -> tuple[np
 
 
 def replays_of(skeleton: RawLog, excess: np.ndarray, cands: list[Removal]) -> list[Replay]:
-    """Each removal's replayed timeline (`whatif.replayed`), equal arrays held once: every
-    removal's bounds are the same (every window's ends), and removals with no window time
-    (a TTFT-only cause) or the same windows (a family of one present cause) share `R`."""
+    """Each removal's replayed timeline (`whatif.replayed`), equal arrays held once: the
+    bounds of every removal without OS time are the same (every window's ends; one removing
+    OS time adds the OS samples' ticks), and removals with no window time (a TTFT-only
+    cause) or the same windows (a family of one present cause) share `R`."""
     out: list[Replay] = []
     for r in cands:
         bounds, cum = replayed(skeleton, excess, r.itl_labels)
@@ -254,9 +255,9 @@ def whatif_of_index(
 
     def tasks(keep: tuple[np.ndarray, np.ndarray] | None) -> Iterable[WhatIfTask]:
         cuts = _replays(run, ix, (slices, spans), sets, stream)
-        made = (WhatIfTask(t, tuple(cands), tuple(
-            (bounds, cums[sets.index(r.itl_labels)]) for r in cands), keep)
-            for t, (bounds, cums) in zip(slices, cuts, strict=True))  # fmt: skip
+        made = (WhatIfTask(t, tuple(cands), tuple(reps[sets.index(r.itl_labels)] for r in cands),
+                           keep)
+                for t, reps in zip(slices, cuts, strict=True))  # fmt: skip
         return made  # made as they are taken (`slice_mapper`): each holds its cut of `R`
 
     while True:  # the first pass again from the log without emissions, where a window
@@ -330,27 +331,31 @@ def _replays(
     slices: tuple[list[SliceTask], list[tuple[float, float]]],
     sets: list[tuple[str, ...]],
     stream: bool,
-) -> Iterator[tuple[np.ndarray, list[np.ndarray]]]:
+) -> Iterator[list[Replay]]:
     """Each slice's replayed timelines (one per ITL label set in `sets`), cut to its span,
-    as the slices ask for them: built part by part (`stream_replay`, `stream`; raises
-    `LateWindow` where a window was recorded late), else from the whole run's log without
-    emissions (`replays_of`). Made anew for each of the two passes: kept between them,
-    the cuts were a temporary file of ~14 GB for a day of a busy server (each cut reaches
-    back to its slice's first tokens' arrival: minutes of `R` for every slice)."""
+    as the slices ask for them: built part by part (`stream_replay`, `stream`, which the
+    caller asks only where no set removes OS time: every set's bounds are then the windows'
+    ends; raises `LateWindow` where a window was recorded late), else from the whole run's
+    log without emissions (`replays_of`), each set on its own bounds (a set removing OS
+    time adds the OS samples' ticks to them). Made anew for each of the two passes: kept
+    between them, the cuts were a temporary file of ~14 GB for a day of a busy server (each
+    cut reaches back to its slice's first tokens' arrival: minutes of `R` for every
+    slice)."""
     tasks, spans = slices
     if stream:
         evictions = merge_flushed(run.meta, ix.sparse, path=run.parts_dir,
                                   retained=run.retained(0)).evictions  # fmt: skip
         excess = whole_baselines(run, ix)[0].eager_excess_frac
         made = replay_stretches(run, _stretches(tasks), excess, evictions, sets)
-        yield from replay_cuts(spans, made, len(sets))
+        for bounds, cums in replay_cuts(spans, made, len(sets)):
+            yield [(bounds, c) for c in cums]
         return
     skeleton = skeleton_of(run)
     excess = PreparedRun(skeleton).corrected().baseline(FIT_ALL_CAPTURED).eager_excess_frac
     whole = replays_of(skeleton, excess, [Removal("", "cause", s, ()) for s in sets])
     del skeleton
     for lo, hi in spans:
-        yield cut_replay(whole[0], lo, hi)[0], [cut_replay(w, lo, hi)[1] for w in whole]
+        yield [cut_replay(w, lo, hi) for w in whole]
 
 
 def _stretches(tasks: list[SliceTask]) -> list[tuple[int, int]]:
