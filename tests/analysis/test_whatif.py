@@ -594,3 +594,13 @@ def test_removing_preemption_takes_others_re_prefill_from_their_prefill_too():
         assert pre.figures["itl_max_ms"] == pytest.approx(11.0, abs=1e-9)
         assert pre.removed_ms == pytest.approx(29.0, abs=1e-9)
         assert fn(p, t, rm["prefill"]).figures["itl_max_ms"] == pytest.approx(30.0, abs=1e-9)
+
+
+def test_a_cause_that_float_rounding_left_a_hair_from_zero_is_not_listed():
+    # docs/whatif.md: the removals listed are the causes with more than 1e-9 ms in some gap
+    # or TTFT. A TTFT of a window read in slices had tok at +4.3e-19 ms where the whole
+    # run's had 0: both list no `tok`. Two rows: tok +4.3e-19 and -1.3e-17, gc 0 and
+    # 2e-9 (above the threshold), prefill 5 and 0.
+    parts = np.array([[4.3e-19, 0.0, 5.0], [-1.3e-17, 2e-9, 0.0]])
+    assert W.labels_with_time(["tok", "gc", "prefill"], parts) == {"gc", "prefill"}
+    assert W.labels_with_time(["tok"], np.zeros((0, 1))) == set()

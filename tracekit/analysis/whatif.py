@@ -31,6 +31,7 @@ import numpy as np
 from tracekit.analysis.compare import Spread
 from tracekit.analysis.victim_policy import VictimPolicy, victim_policy
 from tracekit.analysis.window import Window, select_gaps, select_ttfts
+from tracekit.attribution.evictions import PIECE_TOL_MS
 from tracekit.attribution.itl import Partition, evicted_windows, segment_causes
 from tracekit.attribution.reference import os_taken_reference
 from tracekit.attribution.timeline import PreparedRun, has_os_evidence, os_bounds
@@ -217,10 +218,12 @@ def removals(part: Partition, tpart: TtftPartition, *, only_present: bool = True
 
 
 def labels_with_time(labels: Sequence[str], parts_ms: np.ndarray) -> set[str]:
-    """The labels with time in some row of a partition's `parts_ms`."""
+    """The labels with time in some row of a partition's `parts_ms`: more than
+    `PIECE_TOL_MS` (float rounding leaves a part that should be 0 at +-1e-17 ms, with
+    either sign, and a run read in slices adds up in another order than read whole)."""
     if not parts_ms.shape[0]:
         return set()
-    on = np.asarray((parts_ms > 0).any(axis=0)).tolist()
+    on = np.asarray((parts_ms > PIECE_TOL_MS).any(axis=0)).tolist()
     return {lb for lb, v in zip(labels, on, strict=True) if v}
 
 
