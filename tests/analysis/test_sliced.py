@@ -323,6 +323,55 @@ def test_a_window_knows_whose_re_prefill_a_step_is_from_victims_emissions_outsid
     assert w["parts"]["prefill"] == 0.0
 
 
+def _two_victims_run(out: Path) -> None:
+    """10 steps of 10 ms, a part each; "a" emits at every step's end. "v" emits at steps
+    0, 1 and 8: evicted (recompute) at step 1's end. "w" emits at steps 0..5 and 8:
+    evicted (recompute) at step 5's end. Both are readmitted at step 6's end, and step 7
+    is one 10 ms `recompute` segment (no prefill chunk rows)."""
+    clock = FakeClock()
+    rec = _recorder(out, clock)
+    with rec:
+        for r in ("a", "v", "w"):
+            rec.request(r)
+        for k in range(10):
+            with rec.step():
+                with rec.segment("recompute" if k == 7 else "decode"):
+                    clock.t += STEP_NS
+                rec.emit(["a"] + (["v"] if k in (0, 1, 8) else [])
+                         + (["w"] if k <= 5 or k == 8 else []))  # fmt: skip
+                if k in (1, 5):
+                    rec.evict("v" if k == 1 else "w", mode="recompute")
+                if k == 6:
+                    rec.readmit("v")
+                    rec.readmit("w")
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+def test_a_slice_knows_the_victims_re_prefilling_in_it_that_were_evicted_before_it(tmp_path):
+    """docs/partition.md, "The re-prefill in the partition": step 7 (70..80 ms) is the
+    re-prefill of "v" and "w", both readmitted by its end (70 ms) and not emitting again
+    before it; with no chunk rows they share it equally. "a"'s gap 70 -> 80 ms is all
+    others' re-prefill: `prefill` 10 ms, named 5 ms "v"'s and 5 ms "w"'s. "v"'s gap 20 ->
+    90: evicted 20..70 and its own half of step 7, `preempt` 55 ms; "w"'s half, `prefill`
+    5 ms. "w"'s 60 -> 90: `preempt` 10 + 5 ms, `prefill` 5 ms. Read a part a slice, "a"'s
+    gap is owned by step 7's part and reaches back to step 6's: the evictions, in steps
+    1's and 5's parts, are known only if the index sends its slice back to them."""
+    out = tmp_path / "run.npz"
+    _two_victims_run(out)
+
+    args = ("gaps", str(out), "--format", "jsonl")
+    whole, sliced = _jsonl("100000000", *args), _jsonl("1", *args)
+    assert _differences(whole, sliced) == []
+    (a,) = [g for g in sliced if g["request"] == "a" and g["t1_s"] == pytest.approx(0.08)]
+    assert a["parts"]["prefill"] == pytest.approx(10.0)
+    named = sorted((c["victim"], c["ms"]) for c in a["recompute_causes"])
+    assert named == [("v", pytest.approx(5.0)), ("w", pytest.approx(5.0))]
+    for name, preempt in (("v", 55.0), ("w", 15.0)):
+        (g,) = [g for g in sliced if g["request"] == name and g["t1_s"] == pytest.approx(0.09)]
+        assert (g["parts"]["preempt"], g["parts"]["prefill"]) == pytest.approx((preempt, 5.0))
+
+
 def _late_arrival_run(out: Path) -> None:
     """6 steps of 10 ms, a part each; "a" decodes and emits in every step but step 3.
     "late" arrives 15 ms in (inside step 1) and is tokenised off the loop: steps 1 and 2

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from tracekit.log.flush import TABLES, UNKNOWN_TICK
+from tracekit.log.flush import EVICT, READMIT, TABLES, UNKNOWN_TICK
 from tracekit.log.merged_tables import MERGED_TABLES
 from tracekit.log.parts import (
     DamagedPart,
@@ -49,7 +49,7 @@ from tracekit.log.parts import (
     retention_warning,
     unreadable_part_warning,
 )
-from tracekit.log.rawlog import RawLog
+from tracekit.log.rawlog import MODE_RECOMPUTE, RawLog
 from tracekit.log.request_names import RequestNames, Unnamed, renumbered
 from tracekit.log.thinned import Thinned, forget_before, part_key
 
@@ -60,6 +60,10 @@ _REQ = TABLES["requests"].index("request")
 _ARR = TABLES["requests"].index("arrival_tick")
 _FLUSH = 5  # `PartOrder.entry`'s flush tick (`PartEntry.flush_tick`)
 _OS_TICK = TABLES["os_samples"].index("t_tick")
+_EVENTS = [TABLES["events"].index(c) for c in ("request", "kind", "t_tick", "mode")]
+#: how many parts a readmitted recompute victim that has not emitted again keeps the parts
+#: after its readmission reaching back to its eviction (`IndexBook._reprefilling`)
+REPREFILL_REACH_PARTS = 64
 #: the columns that hold a request's number: (table, column)
 _NUMBERED = tuple(
     (k, j)
@@ -159,6 +163,9 @@ class PartOrder:
     chunk_requests: np.ndarray
     chunk_t: np.ndarray
     chunk_process: np.ndarray
+    #: its ``events`` rows (evictions and readmissions: request, kind, tick, mode), in
+    #: time order
+    events: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int64))
 
 
 def order_of(path: str, part: dict[str, Any]) -> PartOrder:
@@ -193,7 +200,17 @@ def order_of(path: str, part: dict[str, Any]) -> PartOrder:
         float(np.nanmin(cr[:, 1], initial=np.inf)) if (cr := t_.get("client_requests")) is not None
         else np.inf,
         *_first_chunks(t_.get("client_emissions")),
+        _events(t_.get("events")),
     )  # fmt: skip
+
+
+def _events(ev: np.ndarray | None) -> np.ndarray:
+    """A part's ``events`` rows as (request, kind, tick, mode), in time order (a
+    request's in the order written)."""
+    if ev is None or not len(ev):
+        return np.zeros((0, 4), np.int64)
+    ev = ev[:, _EVENTS].astype(np.int64)
+    return ev[np.argsort(ev[:, 2], kind="stable")]
 
 
 def _first_chunks(ce: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -271,6 +288,11 @@ class IndexBook:
         self.sampled_parts = np.zeros(0, dtype=np.int64)
         self.sampled_first = np.zeros(0, dtype=np.int64)
         self.num_sampled = 0
+        # recompute victims (`_reprefilling`): while out, the part of the eviction; once
+        # readmitted and until they emit again, the part of their earliest such eviction,
+        # their last readmission's tick and its part
+        self.evicted_in: dict[int, int] = {}
+        self.readmitted: dict[int, tuple[int, int, int]] = {}
         self._room: dict[str, np.ndarray] = {}
 
     def add(self, i: int, o: PartOrder) -> None:
@@ -299,6 +321,7 @@ class IndexBook:
                 back = min(back, int(arr[arr >= 0].min()))
             self.last_part[u] = i
             self.last_tick[u] = np.maximum(self.last_tick[u], o.last_tick)
+        back = min(back, self._reprefilling(i, o))
         self.min_tick.append(o.min_tick)
         self.windows_end_s.append(o.windows_end_s)
         self.arrivals_from_s.append(o.arrivals_from_s)
@@ -315,6 +338,41 @@ class IndexBook:
             self.sampled_parts[n_s - 1], self.sampled_first[n_s - 1] = i, o.os_from_tick
             self.num_sampled = n_s
         self.os_from_tick.append(o.os_from_tick)
+
+    def _reprefilling(self, i: int, o: PartOrder) -> int:
+        """The earliest part holding the eviction of a victim that re-prefills in part `i`
+        (`i`: none): whose re-prefill a step's `recompute` segment is names every eviction
+        in recompute mode readmitted by the step's end whose victim has not emitted since
+        (docs/partition.md, "The re-prefill in the partition"), so the gaps ending in part
+        `i` are split knowing each such eviction (a slice from a later part would miss
+        it). Such an eviction counts from its readmission until its victim emits again,
+        through a second eviction of the victim meanwhile. A victim that has not emitted
+        `REPREFILL_REACH_PARTS` parts after its last readmission (aborted, say) is let go:
+        the rule still counts it, and a slice that starts after its eviction does not
+        (docs/reports.md, "Reading a long run"), where reaching back for it would have
+        every later slice read from its eviction on."""
+        for r in [r for r, (_, _, at) in self.readmitted.items()
+                  if i - at > REPREFILL_REACH_PARTS]:  # fmt: skip
+            del self.readmitted[r]
+        back = min((first for first, _, _ in self.readmitted.values()), default=i)
+        for r, kind, t, mode in o.events.tolist():
+            if kind == EVICT:
+                if mode == MODE_RECOMPUTE:
+                    self.evicted_in[r] = i
+                else:
+                    self.evicted_in.pop(r, None)
+            elif kind == READMIT and r in self.evicted_in:
+                at = self.evicted_in.pop(r)
+                first = self.readmitted[r][0] if r in self.readmitted else at
+                self.readmitted[r] = (first, t, i)
+                back = min(back, first)
+        if self.readmitted and len(o.requests):
+            asked = np.fromiter(self.readmitted, np.int64)
+            k = np.minimum(np.searchsorted(o.requests, asked), len(o.requests) - 1)
+            for r, j in zip(asked.tolist(), k.tolist(), strict=True):
+                if o.requests[j] == r and o.last_tick[j] > self.readmitted[r][1]:
+                    del self.readmitted[r]  # emitted after its last readmission: done
+        return back
 
     def _first_chunks(self, o: PartOrder) -> None:
         """Part `o`'s earliest chunk per request, kept where it is the run's so far (a
