@@ -529,6 +529,30 @@ def test_a_traced_window_draws_evictions_to_where_the_run_ends_them(tmp_path):
     ]
 
 
+def test_a_traced_window_draws_the_step_running_at_its_end(tmp_path):
+    """`trace --window 0..0.025` (docs/reports.md: the events overlapping the window) on
+    `_hand_run` (step k runs 10k..10k + 10 ms, a part each, its tokens at its end): steps
+    0, 1 and 2 overlap it, step 2 (20..30 ms) to its end. Step 2's rows lie in the part
+    with its tokens (30 ms), after the window's end: a window read only up to the parts
+    whose tokens came before its end drew steps 0 and 1."""
+    out = tmp_path / "run.npz"
+    _hand_run(out)
+
+    def steps(budget: str) -> list[tuple]:
+        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+        trace = tmp_path / f"{budget}.json"
+        r = subprocess.run([sys.executable, "-m", "tracekit", "trace", str(out), "--window",
+                            "0..0.025", "-o", str(trace)], capture_output=True, text=True,
+                           cwd=REPO, env=env, timeout=600)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        events = json.loads(trace.read_text())["traceEvents"]
+        return sorted((e["args"]["step"], e["ts"], e["dur"]) for e in events
+                      if e["ph"] == "X" and e["name"] == "step")  # fmt: skip
+
+    whole, sliced = steps("100000000"), steps("1")
+    assert whole == sliced == [(0, 0.0, 10000.0), (1, 10000.0, 10000.0), (2, 20000.0, 10000.0)]
+
+
 @pytest.mark.parametrize(
     "view",
     [WindowOptions(window="1..2.7"), WindowOptions(around="worst", width_s=1.0),

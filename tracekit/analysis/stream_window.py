@@ -85,6 +85,7 @@ def read_window(
     n = len(run.parts)
     a = max([0, *[i for i in range(n) if _cut(run, i) <= win.t0_s]])
     b = next((i for i in range(a + 1, n) if _cut(run, i) >= win.t1_s), n)
+    b = min(b + 1, n)  # the step running at the window's end: flushed with its tokens
     c = min(min(e.reaches_back_to for e in run.parts[a:b]), max(0, a - 1))
     c, b = _with_ttfts_across(run, ix, win, c, b)
     log = _window_log(run, ix, c, b, path or parts_dir)
