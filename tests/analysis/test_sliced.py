@@ -73,26 +73,32 @@ class FakeClock:
         return self.t
 
 
-def _recorder(out: Path, clock: FakeClock) -> tracekit.Recorder:
+def _recorder(out: Path, clock: FakeClock, os_evidence: bool | None = None) -> tracekit.Recorder:
     """A recorder on `clock` (1 ns ticks) that flushes only when asked (`flush_soon` after
     each step, then `_wait_for_parts`: a part a step)."""
     return tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                             handle_signals=False, flush_interval_s=3600.0)  # fmt: skip
+                             os_evidence=os_evidence, handle_signals=False,
+                             flush_interval_s=3600.0)  # fmt: skip
 
 
-def _hand_run(out: Path, extra: str | None = None) -> None:
+def _hand_run(
+    out: Path, extra: str | None = None, *, clock: FakeClock | None = None,
+    os_evidence: bool | None = None, lead_ns: int = 0,
+) -> None:  # fmt: skip
     """30 steps of 10 ms (a `decode` segment each); request "alive" emits at every step's
     end, "long" at steps 0 and 23 only: evicted at step 2's end, readmitted at step 22's
     end (swap). A part per step: no flush of its own (an hour's interval), one asked after
     each step and waited for, so no part holds two steps and none is empty but the stop's.
-    `extra`: a segment of that label, 1 ms, before each step's decode."""
-    clock = FakeClock()
-    rec = _recorder(out, clock)
+    `extra`: a segment of that label, 1 ms, before each step's decode; `lead_ns`: time no
+    segment covers there; `clock`, `os_evidence`: the recorder's (`_recorder`)."""
+    clock = clock or FakeClock()
+    rec = _recorder(out, clock, os_evidence)
     with rec:
         rec.request("alive")
         rec.request("long")
         for k in range(30):
             with rec.step():
+                clock.t += lead_ns
                 if extra is not None:
                     with rec.segment(extra):
                         clock.t += 1_000_000
@@ -499,6 +505,18 @@ def _evicted_across_run(out: Path) -> None:
             _wait_for_parts(out, k + 1)
 
 
+def _traced(out: Path, window: str, budget: str) -> list[dict]:
+    """The events of `tracekit trace OUT --window WINDOW`, the run read in slices of
+    `budget` emissions (whole where it holds fewer)."""
+    env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+    trace = out.with_name(f"{out.stem}-{budget}.json")
+    r = subprocess.run([sys.executable, "-m", "tracekit", "trace", str(out), "--window", window,
+                        "-o", str(trace)], capture_output=True, text=True, cwd=REPO, env=env,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return json.loads(trace.read_text())["traceEvents"]
+
+
 def test_a_traced_window_draws_evictions_to_where_the_run_ends_them(tmp_path):
     """`trace --window 0.035..0.045` (docs/reports.md: the events overlapping the window,
     the gaps ending in it): "a"'s gaps 20 -> 30 and 30 -> 40 ms; "v"'s gap 20 -> 100 ends
@@ -510,13 +528,7 @@ def test_a_traced_window_draws_evictions_to_where_the_run_ends_them(tmp_path):
     _evicted_across_run(out)
 
     def requests(budget: str) -> list[tuple]:
-        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
-        trace = tmp_path / f"{budget}.json"
-        r = subprocess.run([sys.executable, "-m", "tracekit", "trace", str(out), "--window",
-                            "0.035..0.045", "-o", str(trace)], capture_output=True, text=True,
-                           cwd=REPO, env=env, timeout=600)  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        events = json.loads(trace.read_text())["traceEvents"]
+        events = _traced(out, "0.035..0.045", budget)
         return [(e["tid"] - TID_REQUESTS, e["ts"], e["dur"], e["name"]) for e in events
                 if e["ph"] == "X" and e["pid"] == PID_REQUESTS]  # fmt: skip
 
@@ -539,13 +551,7 @@ def test_a_traced_window_draws_the_step_running_at_its_end(tmp_path):
     _hand_run(out)
 
     def steps(budget: str) -> list[tuple]:
-        env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
-        trace = tmp_path / f"{budget}.json"
-        r = subprocess.run([sys.executable, "-m", "tracekit", "trace", str(out), "--window",
-                            "0..0.025", "-o", str(trace)], capture_output=True, text=True,
-                           cwd=REPO, env=env, timeout=600)  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        events = json.loads(trace.read_text())["traceEvents"]
+        events = _traced(out, "0..0.025", budget)
         return sorted((e["args"]["step"], e["ts"], e["dur"]) for e in events
                       if e["ph"] == "X" and e["name"] == "step")  # fmt: skip
 

@@ -221,24 +221,7 @@ def test_removing_the_os_beside_other_causes_in_slices_by_hand(tmp_path, monkeyp
     for name in ("thread_cpu_ns", "pread", "getrusage"):
         monkeypatch.setattr(osstats, name, getattr(kernel, name.replace("thread_", "")))
     out = tmp_path / "run.npz"
-    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                            os_evidence=True, handle_signals=False,
-                            flush_interval_s=3600.0)  # fmt: skip
-    with rec:
-        rec.request("alive")
-        rec.request("long")
-        for k in range(30):
-            with rec.step():
-                clock.t += 1 * MS
-                with rec.segment("decode"):
-                    clock.t += 10 * MS
-                rec.emit(["alive", "long"] if k in (0, 23) else ["alive"])
-                if k == 2:
-                    rec.evict("long", mode="swap")
-                if k == 22:
-                    rec.readmit("long")
-            rec.flush_soon()
-            _wait_for_parts(out, k + 1)
+    _hand_run(out, clock=clock, os_evidence=True, lead_ns=1 * MS)
     whole = _whole(str(out))
     sliced = whatif_sliced(str(out) + ".parts", path=whole.path, max_emissions=1)
     _same(whole, sliced)
