@@ -21,8 +21,10 @@ for _stage in sorted(os.listdir(_HERE)):
         sys.path.insert(0, os.path.join(_HERE, _stage))
 from promserver import prometheus  # noqa: F401  (the real Prometheus fixture, for every module)
 
+from tracekit.analysis.window import run_span_s
 from tracekit.capture import signals
 from tracekit.capture.recorder import active_recorders
+from tracekit.log.reader import load
 
 # Property tests (hypothesis) are derandomised by default: each test's examples are fixed by
 # its name, so a CI run is reproducible and never fails at random (no example database is
@@ -138,3 +140,30 @@ def demo_run(tmp_path_factory) -> str:
         flush /= 2
     assert len(parts) >= 5, f"{len(parts)} parts at a flush every {flush} s"
     return str(d / "baseline__s1.npz")
+
+
+class Span:
+    """Windows of a run as fractions of its span. The demo run's length depends on the
+    machine (its clock is the CPU's), and where its first step lands on what ran before it:
+    a test's window of it is a stretch of the run ("0.15..0.3": from 15 % to 30 % of the
+    way from its first recorded moment to its last), never seconds that one machine's run
+    happened to cover."""
+
+    def __init__(self, lo: float, hi: float) -> None:
+        self.lo, self.hi = lo, hi
+
+    def window(self, spec: str) -> str:
+        """ "A..B" of fractions (either may be left open) as `--window`'s seconds."""
+        a, b = spec.split("..")
+        return "..".join(f"{self.lo + float(x) * (self.hi - self.lo):.6f}" if x else ""
+                         for x in (a, b))  # fmt: skip
+
+    def width(self, fraction: float) -> str:
+        """`--width` (seconds) of this fraction of the run."""
+        return f"{fraction * (self.hi - self.lo):.6f}"
+
+
+@pytest.fixture(scope="session")
+def demo_span(demo_run) -> Span:
+    """The demo run's span (`tracekit.analysis.window.run_span_s`), for its windows."""
+    return Span(*run_span_s(load(demo_run)))

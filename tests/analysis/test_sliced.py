@@ -239,22 +239,26 @@ def test_exact_quantiles_of_nothing_and_bad_values():
 @pytest.mark.parametrize(
     "args",
     [
-        ("analyze", "--window", "1..2", "--format", "jsonl"),
-        ("analyze", "--around", "worst", "--width", "0.5", "--format", "jsonl"),
-        ("analyze", "--around", "p99", "--width", "0.3", "--format", "jsonl"),
-        ("gaps", "--window", "2..", "--format", "jsonl"),
-        ("gaps", "--around", "p50", "--width", "0.2", "--format", "jsonl"),
-        ("ttft", "--window", "..1.5", "--format", "jsonl"),
-        ("trace", "--window", "1..1.5"),
+        ("analyze", "--window", "0.15..0.3", "--format", "jsonl"),
+        ("analyze", "--around", "worst", "--width", "0.07", "--format", "jsonl"),
+        ("analyze", "--around", "p99", "--width", "0.04", "--format", "jsonl"),
+        ("gaps", "--window", "0.3..", "--format", "jsonl"),
+        ("gaps", "--around", "p50", "--width", "0.03", "--format", "jsonl"),
+        ("ttft", "--window", "..0.2", "--format", "jsonl"),
+        ("trace", "--window", "0.15..0.22"),
         ("analyze", "--by", "0.5s", "--format", "jsonl"),
         ("analyze", "--by", "1s", "--format", "jsonl"),
-        ("analyze", "--by", "0.5s", "--window", "1..2.7", "--format", "jsonl"),
-        ("analyze", "--by", "0.25s", "--around", "worst", "--width", "1", "--format", "jsonl"),
+        ("analyze", "--by", "0.5s", "--window", "0.15..0.4", "--format", "jsonl"),
+        ("analyze", "--by", "0.25s", "--around", "worst", "--width", "0.14", "--format", "jsonl"),
     ],
 )  # fmt: skip
-def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, tmp_path, args):
+def test_a_window_read_in_slices_is_the_whole_runs_window(demo_run, demo_span, tmp_path, args):
     """The window of a run read in slices (only the parts its gaps and TTFTs need) is the
-    window of the run read whole: records, figures and trace events."""
+    window of the run read whole: records, figures and trace events. Windows and widths
+    are fractions of the run's span (`demo_span`)."""
+    to_s = {"--window": demo_span.window, "--width": lambda a: demo_span.width(float(a))}
+    flags = ("", *args[:-1])  # what each argument follows
+    args = tuple(to_s[f](a) if f in to_s else a for f, a in zip(flags, args, strict=True))
 
     def run(budget: str, name: str):
         env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
@@ -559,15 +563,26 @@ def test_a_traced_window_draws_the_step_running_at_its_end(tmp_path):
     assert whole == sliced == [(0, 0.0, 10000.0), (1, 10000.0, 10000.0), (2, 20000.0, 10000.0)]
 
 
+def _of_span(view: WindowOptions, span) -> WindowOptions:
+    """The view whose window and width are fractions of the run's span, in seconds."""
+    if view.window is not None:
+        return WindowOptions(window=span.window(view.window))
+    return WindowOptions(around=view.around, width_s=float(span.width(view.width_s)))
+
+
 @pytest.mark.parametrize(
     "view",
-    [WindowOptions(window="1..2.7"), WindowOptions(around="worst", width_s=1.0),
-     WindowOptions(window="2.2..")],
+    [WindowOptions(window="0.15..0.4"), WindowOptions(around="worst", width_s=0.14),
+     WindowOptions(window="0.32..")],
 )  # fmt: skip
-def test_the_tail_over_time_of_a_window_read_from_its_parts_is_the_whole_runs(demo_run, view):
+def test_the_tail_over_time_of_a_window_read_from_its_parts_is_the_whole_runs(
+    demo_run, demo_span, view
+):
     """`analyze --by` with a window of a long run reads the window's parts only; its rows
     are the whole run's rows over that window (docs/reports.md, "The tail over time"): the
-    run's tail counted against the whole run's p99, not the window's."""
+    run's tail counted against the whole run's p99, not the window's. The view's window and
+    width are fractions of the run's span (`demo_span`)."""
+    view = _of_span(view, demo_span)
     log = tracekit.load(demo_run)
     part = partition(log)
     whole = over_time(log, part, 0.5, view.resolve(log, part))
@@ -590,12 +605,15 @@ def test_the_tail_over_time_in_slices_refuses_too_many_buckets_before_counting(d
 
 
 @pytest.mark.parametrize(
-    "view", [WindowOptions(window="1..2.5"), WindowOptions(around="worst", width_s=1.0)]
+    "view", [WindowOptions(window="0.15..0.35"), WindowOptions(around="worst", width_s=0.14)]
 )
-def test_whatif_compare_and_report_of_a_window_read_only_its_parts(demo_run, view, monkeypatch):
+def test_whatif_compare_and_report_of_a_window_read_only_its_parts(demo_run, demo_span, view,
+                                                                   monkeypatch):  # fmt: skip
     """A window of a long run, on `whatif`, `compare` and `report`, is read from the parts
     it needs (reading the whole run is made to fail) and gives the whole run's window:
-    the what-if (its victim-policy line the whole run's), the figures and the page."""
+    the what-if (its victim-policy line the whole run's), the figures and the page. The
+    view's window and width are fractions of the run's span (`demo_span`)."""
+    view = _of_span(view, demo_span)
     from tracekit.analysis import workers
 
     def plain(x):  # NaN as None, so that equal pages compare equal
