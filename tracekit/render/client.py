@@ -272,7 +272,7 @@ def process_events(
     def keep(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         m = a >= 0
         if window_s is not None:
-            m &= (b >= window_s[0]) & (a <= window_s[1])
+            m &= (b >= window_s[0]) & (a < window_s[1])  # [from, to), as every window
         return m
 
     for k, p in enumerate(procs):

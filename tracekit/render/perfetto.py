@@ -168,8 +168,8 @@ def _us(ns: int) -> float:
 def _overlaps(a_s: np.ndarray, b_s: np.ndarray, window_s: tuple[float, float] | None):
     if window_s is None:
         return np.ones(len(a_s), dtype=bool)
-    lo, hi = window_s
-    return (b_s >= lo) & (a_s <= hi)
+    lo, hi = window_s  # [lo, hi), as every window is: what starts at hi is after it
+    return (b_s >= lo) & (a_s < hi)
 
 
 def _meta(pid: int, tid: int | None, name: str, value: Any) -> dict[str, Any]:
@@ -278,8 +278,8 @@ def chrome_trace_events(
     """Every event of the trace of one run, in a deterministic order (see module doc).
 
     requests: only these request ids get a track (the engine tracks are always there).
-    window_s: only slices and samples overlapping ``[t0, t1]`` (seconds, engine clock), and
-    of the gaps only those that end by ``t1`` (a gap that ends later is not the window's:
+    window_s: only slices and samples overlapping ``[t0, t1)`` (seconds, engine clock), and
+    of the gaps only those that end before ``t1`` (a gap that ends later is not the window's:
     what it holds that overlaps the window, an eviction, is drawn on its own).
     ttft: the run's TTFT partition: each ``ttft`` slice gets its parts, phases and primary
     cause in ``args``.
@@ -304,8 +304,8 @@ def chrome_trace_events(
     events += _rank_events(log, part, window_s)
     events += _counter_events(log, window_s)
     gaps = part
-    if window_s is not None:  # the gaps that end by the window's end; an eviction in a gap
-        gaps = part.take(np.flatnonzero(part.t1_s <= window_s[1]))  # that ends later: loose
+    if window_s is not None:  # the gaps that end before the window's end; an eviction in a
+        gaps = part.take(np.flatnonzero(part.t1_s < window_s[1]))  # gap that ends later: loose
     events += _request_events(log, gaps, ids, keep_req, window_s, _ttft_args(ttft))
     events += _eviction_flows(log, ids, keep_req, window_s)
     return _shift_to_zero(events)
