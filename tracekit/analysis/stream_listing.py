@@ -38,11 +38,12 @@ from tracekit.analysis.stream import (
     slice_partition,
     slice_tasks,
 )
-from tracekit.analysis.stream_ttft import TtftFold
+from tracekit.analysis.stream_ttft import TTFT_LABEL_GROUPS, TtftFold, ordered
 from tracekit.analysis.ttft_records import ttft_records
 from tracekit.attribution.itl import FIT_ALL_CAPTURED
 from tracekit.attribution.ttft import TtftFigures, ttft_partition
 from tracekit.errors import LogError
+from tracekit.labels import partition_labels
 from tracekit.log.flush import TABLES
 from tracekit.log.rawlog import RawLog
 from tracekit.log.request_names import RequestNames
@@ -84,6 +85,20 @@ class Listing:
     #: every slice's own TTFTs, folded as they come (`TtftFold`: a day's ~3 M rows whole
     #: were ~700 MB)
     ttft: TtftFold = field(default_factory=TtftFold)
+    #: the whole run's partition labels, in its order: every record's ``parts`` keys (a
+    #: slice's partition has only the labels its own segments name)
+    labels: tuple[str, ...] = ()
+
+    def padded(self, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`recs` with the whole run's ``parts`` keys in its order (0 for a label the
+        slice's partition lacks)."""
+        labels = self.labels
+        for rec in recs:
+            parts = rec["parts"]
+            if tuple(parts) != labels:
+                rec["parts"] = {lb: parts.get(lb, 0.0) for lb in labels}
+                rec["parts"].update((k, v) for k, v in parts.items() if k not in labels)
+        return recs
 
     @property
     def longest(self) -> list[dict[str, Any]]:
@@ -151,6 +166,8 @@ def _open(parts_dir: str, folder: str, kind: str, top: int, path: str | None,
     tail_log = run.log_of(n - 1, n, tables=frozenset(), final=True)
     out = Listing(folder, kind, top, path or parts_dir, warnings=list(tail_log.warnings))
     out.longest_ms = float(ix.worst[0])
+    out.labels = (tuple(partition_labels(ix.labels)) if kind == "gaps" else
+                  ordered(ix.ttft_labels, TTFT_LABEL_GROUPS))  # fmt: skip
     return out, run, tasks
 
 
@@ -263,7 +280,7 @@ def gap_listing_sliced(
             out.count += len(rows)
         for k in range(0, len(made), _BLOCK_ROWS):
             block = made[k : k + _BLOCK_ROWS]
-            recs = gap_records(log, p, index=block)
+            recs = out.padded(gap_records(log, p, index=block))
             best = []
             for i, rec in zip(block.tolist(), recs, strict=True):
                 _renumber(rec, off, ("step0", "step1"))
@@ -321,7 +338,7 @@ def ttft_listing_sliced(
         mine, req = tp.take(sel), req[sel]
         out.start_piece(os.path.join(folder, f"slice-{j:06d}"))
         off = run.parts[task.c].first_step - first_step
-        recs = ttft_records(log, mine)
+        recs = out.padded(ttft_records(log, mine))
         for rec in recs:
             _renumber(rec, off, ())
         if recs:
