@@ -437,6 +437,8 @@ class SliceTask:
     api_servers: tuple[tuple[int, int], ...] = ()
     #: the paths of parts ``[c, b)``, as the index pass listed them (`SlicedRun`'s `parts`)
     paths: tuple[str, ...] = ()
+    #: what other parts carry to the slice's log (`SlicedRun.carried_into`)
+    carried: dict[str, Any] | None = None
 
 
 @dataclass
@@ -461,7 +463,7 @@ def slice_tasks(run: SlicedRun, ix: Index, max_emissions: int, p99: float) -> li
             run.parts_dir, run.max_inflate_mb, c, b,
             -np.inf if a == 0 else run.cut_s(a), np.inf if b == n else run.cut_s(b),
             run.retained(c), _cut(base_itl, s0, s1), _cut(base_ttft, s0, s1), ix.fit, p99,
-            _api_servers(run, ix, a, b), tuple(run.paths[c:b]),
+            _api_servers(run, ix, a, b), tuple(run.paths[c:b]), run.carried_into(c, b),
         ))  # fmt: skip
     return out
 
@@ -495,7 +497,8 @@ def slice_partition(task: SliceTask) -> SliceRead:
     run's baselines, and its own gaps partitioned."""
     run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb,
                     parts=(task.c, task.paths))  # fmt: skip
-    read = run.local_log_of(task.c, task.b, retained=task.retained, thin_before_s=task.t_from_s)
+    read = run.local_log_of(task.c, task.b, retained=task.retained, thin_before_s=task.t_from_s,
+                            carried=task.carried)  # fmt: skip
     # whose re-prefill each step is needs every victim's emission: stated before the cut
     full = stating_next_emissions(read.log)
     full = stating_api_servers(full, _local_pairs(task.api_servers, read.numbers))

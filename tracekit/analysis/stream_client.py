@@ -446,6 +446,8 @@ class ClientSliceTask:
     ttft_step: np.ndarray
     p99: float
     paths: tuple[str, ...] = ()  # of parts ``[c, d)``, as listed (`SlicedRun`'s `parts`)
+    #: what other parts carry to the slice's log (`SlicedRun.carried_into`)
+    carried: dict[str, Any] | None = None
 
 
 @dataclass
@@ -485,7 +487,8 @@ def slice_log(task: ClientSliceTask) -> tuple[RawLog, PreparedRun, np.ndarray]:
     ~3 M columns a slice at a day's end)."""
     run = SlicedRun(task.parts_dir, max_inflate_mb=task.max_inflate_mb,
                     parts=(task.c, task.paths))  # fmt: skip
-    local = run.local_log_of(task.c, task.d, retained=task.retained, final=True)
+    local = run.local_log_of(task.c, task.d, retained=task.retained, final=True,
+                             carried=task.carried)  # fmt: skip
     log = local.log
     if task.coverage is not None:
         cov = task.coverage
@@ -734,7 +737,7 @@ def _tasks(
             _cut(base_itl, s0, s1), _cut(base_ttft, s0, s1), _cut(base_client, s0, s1),
             ix.fit, _spilled(cx, int(offsets[a]), int(offsets[b])), own,
             rq["first_w"][own], rq["first_proc"][own], rq["fe_step"][own], p99,
-            tuple(run.paths[c:d]),
+            tuple(run.paths[c:d]), run.carried_into(c, d),
         ), len(bounds)  # fmt: skip
 
 

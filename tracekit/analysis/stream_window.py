@@ -40,6 +40,7 @@ from tracekit.attribution.timeline import PreparedRun
 from tracekit.attribution.ttft import TTFT_NON_CAUSES, TtftPartition, ttft_partition
 from tracekit.errors import UsageError
 from tracekit.labels import partition_labels
+from tracekit.log.carried import with_carried
 from tracekit.log.flush import TABLES, UNKNOWN_TICK
 from tracekit.log.parts import merge_flushed
 from tracekit.log.rawlog import RawLog
@@ -138,6 +139,7 @@ def _window_log(run: SlicedRun, ix: Index, c: int, b: int, path: str) -> RawLog:
         if rq is not None and len(rq) and len(early):
             p = {**p, "tables": {**p["tables"], "requests": rq[~np.isin(rq[:, _REQ], early)]}}
         parts.append(p)
+    parts[-1] = with_carried(parts[-1], run.carried_into(c, b))  # open windows' rows, later
     log = merge_flushed(run.meta, parts, path=path, retained=run.retained(0), final=run.final)
     log = replace(log, request_ids=ix.names.picked(np.arange(len(log.request_ids))))
     if b < len(run.parts):  # the run's wall time (an eviction never readmitted runs to it)

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from tracekit.log.carried import CarriedRows, OpenStarts, open_rows, with_carried
 from tracekit.log.flush import EVICT, READMIT, TABLES, UNKNOWN_TICK
 from tracekit.log.merged_tables import MERGED_TABLES
 from tracekit.log.parts import (
@@ -166,6 +167,10 @@ class PartOrder:
     #: its ``events`` rows (evictions and readmissions: request, kind, tick, mode), in
     #: time order
     events: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int64))
+    #: its rows that may have begun before the part before it was flushed (`open_rows`),
+    #: and its label vocabulary, for what it carries back (`tracekit.log.carried`)
+    open_rows: dict[str, np.ndarray] = field(default_factory=dict)
+    labels: tuple[str, ...] = ()
 
 
 def order_of(path: str, part: dict[str, Any]) -> PartOrder:
@@ -201,6 +206,8 @@ def order_of(path: str, part: dict[str, Any]) -> PartOrder:
         else np.inf,
         *_first_chunks(t_.get("client_emissions")),
         _events(t_.get("events")),
+        open_rows(part),
+        tuple(part["labels"]),
     )  # fmt: skip
 
 
@@ -293,6 +300,8 @@ class IndexBook:
         # their last readmission's tick and its part
         self.evicted_in: dict[int, int] = {}
         self.readmitted: dict[int, tuple[int, int, int]] = {}
+        self.carried = CarriedRows()  # what each part carries back (`tracekit.log.carried`)
+        self.open_starts = OpenStarts()
         self._room: dict[str, np.ndarray] = {}
 
     def add(self, i: int, o: PartOrder) -> None:
@@ -322,6 +331,11 @@ class IndexBook:
             self.last_part[u] = i
             self.last_tick[u] = np.maximum(self.last_tick[u], o.last_tick)
         back = min(back, self._reprefilling(i, o))
+        if o.open_rows:
+            before = int(self.flush_ticks[i - 1]) if i else np.iinfo(np.int64).min
+            rows = self.open_starts.carried_back(i, o.open_rows, before)
+            if rows is not None:
+                self.carried.add(i, rows, o.labels)
         self.min_tick.append(o.min_tick)
         self.windows_end_s.append(o.windows_end_s)
         self.arrivals_from_s.append(o.arrivals_from_s)
@@ -419,6 +433,7 @@ class SlicedRun:
         self.api_server = np.zeros(0, dtype=np.int64)
         self._cache: dict[int, dict[str, Any]] = {}
         self._reach: tuple[np.ndarray, ...] | None = None  # `windows_back_to`'s columns
+        self.carried = CarriedRows()  # after `index`: what each part carries back
 
     def secs(self, ticks: np.ndarray) -> np.ndarray:
         """Ticks as seconds from engine start, as every reader computes them."""
@@ -499,11 +514,23 @@ class SlicedRun:
         #: server run's: `tracekit.attribution.client.request_api_servers` of the whole run)
         self.api_server = book.api_server
         self._reach = None
+        self.carried = book.carried
         self.parts = [PartEntry(*e, reaches_back_to=book.reach[i], cut_tick=cut[i],  # type: ignore[misc]
                                 windows_end_s=book.windows_end_s[i],
                                 arrivals_from_s=book.arrivals_from_s[i],
                                 os_from_tick=book.os_from_tick[i])
                       for i, e in enumerate(book.entries)]  # fmt: skip
+
+    def carried_into(self, c: int, b: int) -> dict[str, Any] | None:
+        """What other parts carry to a log of parts ``[c, b)``, after `index`
+        (`tracekit.log.carried`; None: nothing)."""
+        if not 0 <= c < b <= len(self.parts):
+            return None
+        if b == len(self.parts):  # nothing after it: the flush and step past every row
+            flushed, first = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+        else:
+            flushed, first = self.parts[b - 1].flush_tick, self.parts[b].first_step
+        return self.carried.into(c, b, flushed, first)
 
     def retained(self, c: int) -> Retained | None:
         """How a log read from part `c` starts (None: from the run's first part)."""
@@ -525,12 +552,17 @@ class SlicedRun:
         tables: frozenset[str] | None = None,
         final: bool = False,
         retained: Retained | None | bool = True,
+        carried: dict[str, Any] | None | bool = True,
     ) -> RawLog:
         """The `RawLog` of parts ``[c, b)``; `tables`: keep only these (the others empty);
         `final`: with what the run's clean stop wrote (its config, wall time, warnings);
-        `retained`: how a log read from part `c` starts, where known (default: read it)."""
+        `retained`: how a log read from part `c` starts, where known (default: read it);
+        `carried`: what other parts carry to it (default: the index's)."""
         # each part cut to `tables` as it is read: never every part's rows at once
         parts = [_only(self.read(i), tables) for i in range(c, b)]
+        if parts:
+            more = self.carried_into(c, b) if carried is True else carried or None
+            parts[-1] = _only(with_carried(parts[-1], more), tables)
         start = self.retained(c) if retained is True else retained or None
         return merge_flushed(self.meta, parts, path=self.parts_dir, retained=start,
                              final=self.final if final else None,
@@ -544,6 +576,7 @@ class SlicedRun:
         retained: Retained | None | bool = True,
         thin_before_s: float = -np.inf,
         final: bool = False,
+        carried: dict[str, Any] | None | bool = True,
     ) -> LocalLog:
         """`log_of` parts ``[c, b)`` holding only the requests their rows name, numbered
         0, 1, ... in the run's order (`LocalLog.numbers`: each one's number in the run).
@@ -554,7 +587,8 @@ class SlicedRun:
 
         `thin_before_s`: of the emissions before it, keep per part each request's first
         and last, and every emission of a request evicted in the parts (`Thinned`): what a
-        slice whose own gaps end from there needs of them. `final`: as `log_of`'s."""
+        slice whose own gaps end from there needs of them. `final`, `carried`: as
+        `log_of`'s."""
         thin = Thinned(thin_before_s, self.secs)
         if c < len(self.paths) and self.paths[c]:
             forget_before(self.paths[c])  # no later slice reads before part `c`
@@ -565,7 +599,11 @@ class SlicedRun:
         parts = thin.kept()
         if parts is None:  # (each part read again: none held twice)
             parts = [self.read(i) for i in range(c, b)]
-        return self.local_log_from(c, b, parts, retained=retained, final=final)
+        more = self.carried_into(c, b) if carried is True else carried or None
+        if parts:
+            parts[-1] = with_carried(parts[-1], more)
+        return self.local_log_from(c, b, parts, retained=retained, final=final,
+                                   carried=more)  # fmt: skip
 
     def local_log_from(
         self,
@@ -576,11 +614,12 @@ class SlicedRun:
         retained: Retained | None | bool = True,
         final: bool = False,
         cut_to: frozenset[str] | None = None,
+        carried: dict[str, Any] | None = None,
     ) -> LocalLog:
         """`local_log_of` parts ``[c, b)`` as read (`parts`: each one's `read`, maybe cut
-        to the tables `cut_to` or thinned). Parts whose rows name a request they do not:
-        `log_of` them (cut to `cut_to`), numbered as the run numbers them, its errors
-        raised."""
+        to the tables `cut_to` or thinned; the last with what later parts carry back to it,
+        `carried`). Parts whose rows name a request they do not: `log_of` them (cut to
+        `cut_to`, with `carried`), numbered as the run numbers them, its errors raised."""
         start = self.retained(c) if retained is True else retained or None
         n0 = parts[0]["request_ids_start"] if parts else 0
         names = RequestNames(n0)
@@ -593,7 +632,8 @@ class SlicedRun:
             ok = ok and all(not len(x) or (x.min() >= 0 and x.max() < len(names)) for x in mine)
             cols += mine
         if not ok:  # rows naming what the parts do not: the run's numbering and errors
-            log = self.log_of(c, b, retained=start, final=final, tables=cut_to)
+            log = self.log_of(c, b, retained=start, final=final, tables=cut_to,
+                              carried=carried)  # fmt: skip
             return LocalLog(log, np.arange(len(log.request_ids)), names)
         numbers, local = renumbered([x.astype(np.int64) for x in cols])
         it = iter(local)

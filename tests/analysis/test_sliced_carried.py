@@ -1,0 +1,147 @@
+"""A segment of another thread open at a flush, read in slices (docs/reports.md, "Reading a
+long run in slices"; `tracekit.log.carried`): its row, and its closing OS sample, lie in
+a later part than the gaps it overlaps, and its opening sample in an earlier one than a
+slice may read. Each slice must still partition its gaps as the whole run does.
+
+The hand run: 8 steps of 10 ms, step k over [10k, 10k + 10] ms, one `decode` segment each,
+its token ("a") at its end; a part a step (flushed after the step, nothing else flushes).
+A second thread holds one segment over [15, 45] ms: opened in step 1 (part 1), closed in
+step 4 (its row in part 4). Read one part a slice (`TRACEKIT_SLICE_EMISSIONS=1`): the gaps
+ending at 20, 30 and 40 ms are owned by slices that end before part 4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_sliced import REPO, FakeClock, _recorder, _traced, _wait_for_parts
+
+from tracekit.capture import osstats
+
+MS = 1_000_000
+WHOLE, ONE_PART = "100000000", "1"
+
+
+def _side_run(out: Path, label: str, clock: FakeClock, os_evidence: bool | None = None) -> None:
+    rec = _recorder(out, clock, os_evidence)
+    opened, close = threading.Event(), threading.Event()
+
+    def side() -> None:
+        with rec.segment(label):
+            opened.set()
+            close.wait()
+
+    t0 = clock.t
+    side_thread = threading.Thread(target=side)
+    with rec:
+        rec.request("a")
+        for k in range(8):
+            with rec.step():
+                with rec.segment("decode"):
+                    if k == 1:
+                        clock.t = t0 + 15 * MS
+                        side_thread.start()
+                        opened.wait()
+                    if k == 4:
+                        clock.t = t0 + 45 * MS
+                        close.set()
+                        side_thread.join()
+                    clock.t = t0 + (k + 1) * 10 * MS
+                rec.emit(["a"])
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+def _jsonl(budget: str, *args: str) -> list[dict]:
+    env = {**os.environ, "TRACEKIT_SLICE_EMISSIONS": budget}
+    r = subprocess.run([sys.executable, "-m", "tracekit", *args, "--format", "jsonl"],
+                       capture_output=True, text=True, cwd=REPO, env=env,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def _parts(rows: list[dict], labels: tuple[str, ...]) -> list[tuple]:
+    """Per gap: its end (ms) and its parts (ms) of `labels`, to 1e-9 ms."""
+    return [(round(r["t1_s"] * 1e3, 6), *(round(r["parts"][lb], 9) for lb in labels))
+            for r in rows]  # fmt: skip
+
+
+def test_another_threads_segment_open_across_flushes_is_in_every_slice_it_overlaps(tmp_path):
+    """The second thread's segment is `tokenize`, an extra cause: it owns its overlap with
+    `decode` (docs/design.md, partition rule 6; `tracekit.labels.precedence` orders
+    every other cause before `decode`), the rest of each step is `forward` (every step
+    decodes one request, so no graph excess: rule 4). Gaps of "a", by hand:
+    10 -> 20 ms: tokenize 5 (15..20), forward 5; 20 -> 30 and 30 -> 40: tokenize 10;
+    40 -> 50: tokenize 5 (40..45), forward 5; then forward 10 each. Every gap record has
+    every label of the run, `tokenize` 0 where a slice holds none of it. `analyze`: 30 of
+    the 70 ms is tokenize. The trace of 31..35 ms draws the segment whole, 15 -> 45 ms."""
+    out = tmp_path / "run.npz"
+    _side_run(out, "tokenize", FakeClock())
+    want = [(20.0, 5.0, 5.0), (30.0, 10.0, 0.0), (40.0, 10.0, 0.0), (50.0, 5.0, 5.0),
+            (60.0, 0.0, 10.0), (70.0, 0.0, 10.0), (80.0, 0.0, 10.0)]  # fmt: skip
+    for budget in (WHOLE, ONE_PART):
+        rows = _jsonl(budget, "gaps", str(out))
+        assert _parts(rows, ("tokenize", "forward")) == want, budget
+        assert {tuple(r["parts"]) for r in rows} == {tuple(rows[0]["parts"])}  # same keys
+        (fig,) = _jsonl(budget, "analyze", str(out))
+        assert fig["all_share"]["tokenize"] == pytest.approx(30 / 70, abs=1e-12), budget
+        events = _traced(out, "0.031..0.035", budget)
+        drawn = [(e["ts"], e["dur"]) for e in events if e["ph"] == "X" and e["name"] == "tokenize"
+                 and e["pid"] == 1]  # fmt: skip
+        assert (15000.0, 30000.0) in drawn, budget
+
+
+class _TwoThreads:
+    """The OS's counters on `clock`: the thread that made it (the loop) waited on a run
+    queue 20% of every instant since the run began and ran the rest; any other thread 60%
+    and 40% (`tracekit.capture.osstats`' calls)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.t0, self.loop = clock, clock.t, threading.get_ident()
+
+    def _waited_fifths(self) -> int:
+        return 1 if threading.get_ident() == self.loop else 3
+
+    def cpu_ns(self) -> int:
+        return (self.clock.t - self.t0) * (5 - self._waited_fifths()) // 5
+
+    def pread(self, _fd: int, _n: int, _offset: int) -> bytes:
+        return b"0 %d 0\n" % ((self.clock.t - self.t0) * self._waited_fifths() // 5)
+
+    def getrusage(self, _who: int) -> SimpleNamespace:
+        return SimpleNamespace(ru_nvcsw=0, ru_nivcsw=0, ru_majflt=0)
+
+
+@pytest.mark.skipif(osstats.unavailable_reason() is not None
+                    or not os.path.exists(osstats.SCHEDSTAT_PATH),
+                    reason="OS evidence needs Linux with schedstat")  # fmt: skip
+def test_another_threads_os_interval_across_slices(tmp_path, monkeypatch):
+    """With OS evidence (docs/partition.md, "OS evidence"): the loop thread's interval is
+    each step (R = 20% of it, no off-CPU time); the second thread's, a `tok` segment, is
+    [15, 45] ms (R = 60%). Rule 7: at an instant the `tok` segment owns (the loop has no
+    `tok` segment) the second thread's interval gives the shares, 0.6 `os_runqueue`;
+    elsewhere the loop's, 0.2. Gaps of "a", by hand (tok, forward, os_runqueue):
+    10 -> 20 ms: 10..15 decode (forward 4, runqueue 1), 15..20 tok (2, runqueue 3):
+    2, 4, 4; 20 -> 30 and 30 -> 40: 4, 0, 6; 40 -> 50: 2, 4, 4; then 0, 8, 2 each. The
+    slices owning the gaps ending at 30 and 40 ms hold neither the segment's row (part 4)
+    nor its opening sample (part 1): they are carried to them."""
+    clock = FakeClock()
+    kernel = _TwoThreads(clock)
+    for name in ("thread_cpu_ns", "pread", "getrusage"):
+        monkeypatch.setattr(osstats, name, getattr(kernel, name.replace("thread_", "")))
+    out = tmp_path / "run.npz"
+    _side_run(out, "tok", clock, os_evidence=True)
+    want = [(20.0, 2.0, 4.0, 4.0), (30.0, 4.0, 0.0, 6.0), (40.0, 4.0, 0.0, 6.0),
+            (50.0, 2.0, 4.0, 4.0), (60.0, 0.0, 8.0, 2.0), (70.0, 0.0, 8.0, 2.0),
+            (80.0, 0.0, 8.0, 2.0)]  # fmt: skip
+    for budget in (WHOLE, ONE_PART):
+        rows = _jsonl(budget, "gaps", str(out))
+        assert _parts(rows, ("tok", "forward", "os_runqueue")) == want, budget
