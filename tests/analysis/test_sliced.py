@@ -563,6 +563,23 @@ def test_a_traced_window_draws_the_step_running_at_its_end(tmp_path):
     assert whole == sliced == [(0, 0.0, 10000.0), (1, 10000.0, 10000.0), (2, 20000.0, 10000.0)]
 
 
+def test_a_traced_window_leaves_out_what_starts_at_its_end(tmp_path):
+    """`trace --window 0..0.02` on `_hand_run`: a window is [FROM, TO) (docs/reports.md,
+    "Windows"), so step 2, which starts at 20 ms, is after it, and so is "alive"'s gap
+    10 -> 20 ms, which ends at TO: steps 0 and 1, no gap, and both TTFTs (first tokens at
+    10 ms), whole and in slices."""
+    out = tmp_path / "run.npz"
+    _hand_run(out)
+    for budget in ("100000000", "1"):
+        events = _traced(out, "0..0.02", budget)
+        steps = sorted(e["args"]["step"] for e in events if e["ph"] == "X" and e["name"] == "step")
+        assert steps == [0, 1], budget
+        gaps = [e for e in events if e["ph"] == "X" and e["pid"] == PID_REQUESTS
+                and "gap_ms" in e.get("args", {})]  # fmt: skip
+        assert gaps == [], budget
+        assert sum(e["ph"] == "X" and e["name"] == "ttft" for e in events) == 2, budget
+
+
 def _of_span(view: WindowOptions, span) -> WindowOptions:
     """The view whose window and width are fractions of the run's span, in seconds."""
     if view.window is not None:
