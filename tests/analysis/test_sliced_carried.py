@@ -1,7 +1,10 @@
-"""A segment of another thread open at a flush, read in slices (docs/reports.md, "Reading a
-long run in slices"; `tracekit.log.carried`): its row, and its closing OS sample, lie in
-a later part than the gaps it overlaps, and its opening sample in an earlier one than a
-slice may read. Each slice must still partition its gaps as the whole run does.
+"""Rows a slice of a long run needs from parts outside the ones its gaps reach back to
+(docs/reports.md, "Reading a long run in slices"), read one part a slice: each slice must
+still partition its gaps as the whole run does.
+
+A segment of another thread open at a flush (`tracekit.log.carried`): its row, and its
+closing OS sample, lie in a later part than the gaps it overlaps, and its opening sample
+in an earlier one than a slice may read.
 
 The hand run: 8 steps of 10 ms, step k over [10k, 10k + 10] ms, one `decode` segment each,
 its token ("a") at its end; a part a step (flushed after the step, nothing else flushes).
@@ -145,3 +148,53 @@ def test_another_threads_os_interval_across_slices(tmp_path, monkeypatch):
     for budget in (WHOLE, ONE_PART):
         rows = _jsonl(budget, "gaps", str(out))
         assert _parts(rows, ("tok", "forward", "os_runqueue")) == want, budget
+
+
+def _swap_run(out: Path) -> None:
+    """10 steps of 10 ms, a part each; "a" emits at every step's end. Steps 1 and 4 start
+    with a 2 ms `swap` segment, the rest of every step is `decode`. "v" emits at step 0's
+    end, is evicted (swap) 1 ms into step 1 (11 ms), readmitted 1 ms into step 4 (41 ms)
+    and emits next at step 6's end (70 ms); "w" emits at steps 0..3, is evicted 1 ms into
+    step 4 (41 ms), readmitted at step 8's start (80 ms), emits at step 8's end."""
+    clock = FakeClock()
+    rec = _recorder(out, clock)
+    with rec:
+        for r in ("a", "v", "w"):
+            rec.request(r)
+        for k in range(10):
+            with rec.step():
+                if k in (1, 4):
+                    with rec.segment("swap"):
+                        clock.t += MS
+                        if k == 1:
+                            rec.evict("v", mode="swap")
+                        else:
+                            rec.readmit("v")
+                            rec.evict("w", mode="swap")
+                        clock.t += MS
+                if k == 8:
+                    rec.readmit("w")
+                with rec.segment("decode"):
+                    clock.t += (8 if k in (1, 4) else 10) * MS
+                emitting = {"a": True, "v": k in (0, 6), "w": k <= 3 or k == 8}
+                rec.emit([r for r, yes in emitting.items() if yes])
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+
+
+def test_a_step_swapping_a_victim_in_names_it_in_a_slice_after_its_eviction(tmp_path):
+    """docs/partition.md, "Naming the parts", 3: "a"'s gap 40 -> 50 ms holds step 4's
+    `swap` segment, 2 ms of `preempt` (swap -> preempt), named after the victims evicted
+    or readmitted in that step, equally: "v" (readmitted at 41 ms, evicted at 11 ms) and
+    "w" (evicted at 41 ms), 1 ms each. The slice owning that gap (part 4) starts at part
+    3 by its own gaps; "v"'s eviction row is in part 1, so the slice reaches back to it.
+    Before that, read in slices, "w" took both ms."""
+    out = tmp_path / "run.npz"
+    _swap_run(out)
+    for budget in (WHOLE, ONE_PART):
+        rows = [r for r in _jsonl(budget, "gaps", str(out)) if r["request"] == "a"]
+        (gap,) = [r for r in rows if round(r["t1_s"], 6) == 0.05]
+        assert gap["parts"]["preempt"] == pytest.approx(2.0, abs=1e-9), budget
+        named = sorted((p["victim"], round(p["evicted_at_s"], 6), round(p["ms"], 9), p["kind"])
+                       for p in gap["preempt_causes"])  # fmt: skip
+        assert named == [("v", 0.011, 1.0, "swap"), ("w", 0.041, 1.0, "swap")], budget

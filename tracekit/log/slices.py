@@ -63,7 +63,7 @@ _FLUSH = 5  # `PartOrder.entry`'s flush tick (`PartEntry.flush_tick`)
 _OS_TICK = TABLES["os_samples"].index("t_tick")
 _EVENTS = [TABLES["events"].index(c) for c in ("request", "kind", "t_tick", "mode")]
 #: how many parts a readmitted recompute victim that has not emitted again keeps the parts
-#: after its readmission reaching back to its eviction (`IndexBook._reprefilling`)
+#: after its readmission reaching back to its eviction (`IndexBook._evictions_reached`)
 REPREFILL_REACH_PARTS = 64
 #: the columns that hold a request's number: (table, column)
 _NUMBERED = tuple(
@@ -295,11 +295,13 @@ class IndexBook:
         self.sampled_parts = np.zeros(0, dtype=np.int64)
         self.sampled_first = np.zeros(0, dtype=np.int64)
         self.num_sampled = 0
-        # recompute victims (`_reprefilling`): while out, the part of the eviction; once
+        # recompute victims (`_evictions_reached`): while out, the part of the eviction; once
         # readmitted and until they emit again, the part of their earliest such eviction,
         # their last readmission's tick and its part
         self.evicted_in: dict[int, int] = {}
         self.readmitted: dict[int, tuple[int, int, int]] = {}
+        # victims evicted in another mode (a swap), while out: the part of their eviction
+        self.swapped_out: dict[int, int] = {}
         self.carried = CarriedRows()  # what each part carries back (`tracekit.log.carried`)
         self.open_starts = OpenStarts()
         self._room: dict[str, np.ndarray] = {}
@@ -330,7 +332,7 @@ class IndexBook:
                 back = min(back, int(arr[arr >= 0].min()))
             self.last_part[u] = i
             self.last_tick[u] = np.maximum(self.last_tick[u], o.last_tick)
-        back = min(back, self._reprefilling(i, o))
+        back = min(back, self._evictions_reached(i, o))
         if o.open_rows:
             before = int(self.flush_ticks[i - 1]) if i else np.iinfo(np.int64).min
             rows = self.open_starts.carried_back(i, o.open_rows, before)
@@ -353,7 +355,7 @@ class IndexBook:
             self.num_sampled = n_s
         self.os_from_tick.append(o.os_from_tick)
 
-    def _reprefilling(self, i: int, o: PartOrder) -> int:
+    def _evictions_reached(self, i: int, o: PartOrder) -> int:
         """The earliest part holding the eviction of a victim that re-prefills in part `i`
         (`i`: none): whose re-prefill a step's `recompute` segment is names every eviction
         in recompute mode readmitted by the step's end whose victim has not emitted since
@@ -364,7 +366,11 @@ class IndexBook:
         `REPREFILL_REACH_PARTS` parts after its last readmission (aborted, say) is let go:
         the rule still counts it, and a slice that starts after its eviction does not
         (docs/reports.md, "Reading a long run"), where reaching back for it would have
-        every later slice read from its eviction on."""
+        every later slice read from its eviction on. Likewise the eviction of a victim
+        readmitted in part `i` from another mode (a swap in): a step's `swap` segment is
+        named after the victims evicted or readmitted in the step (docs/partition.md,
+        "Naming the parts", 3), and the step readmitting it may lie in a slice that its
+        own next gap does not end in."""
         for r in [r for r, (_, _, at) in self.readmitted.items()
                   if i - at > REPREFILL_REACH_PARTS]:  # fmt: skip
             del self.readmitted[r]
@@ -375,6 +381,9 @@ class IndexBook:
                     self.evicted_in[r] = i
                 else:
                     self.evicted_in.pop(r, None)
+                    self.swapped_out.setdefault(r, i)
+            elif kind == READMIT and r in self.swapped_out:
+                back = min(back, self.swapped_out.pop(r))
             elif kind == READMIT and r in self.evicted_in:
                 at = self.evicted_in.pop(r)
                 first = self.readmitted[r][0] if r in self.readmitted else at
