@@ -102,6 +102,25 @@ def test_another_threads_segment_open_across_flushes_is_in_every_slice_it_overla
         assert (15000.0, 30000.0) in drawn, budget
 
 
+def test_the_reports_worst_stalls_in_slices_are_the_whole_runs_records(tmp_path, monkeypatch):
+    """The report of the same run read one part a slice: its worst stalls are the whole
+    run's records, key for key (the steps last, as the whole run adds them) and with every
+    label of the run, `tokenize` where a slice's own segments hold none of it."""
+    from tracekit.analysis import workers  # the module whose setting this test changes
+
+    out = tmp_path / "run.npz"
+    _side_run(out, "tokenize", FakeClock())
+    pages = []
+    for budget in (WHOLE, ONE_PART):
+        monkeypatch.setenv("TRACEKIT_SLICE_EMISSIONS", budget)
+        pages.append(workers.report_path(str(out), 10)[0]["worst_stalls"])
+    whole, sliced = pages
+    assert len(whole) == len(sliced) > 0
+    for a, b in zip(whole, sliced, strict=True):
+        assert list(a) == list(b) and list(a["parts"]) == list(b["parts"])
+        assert "tokenize" in b["parts"] and a["parts"] == pytest.approx(b["parts"], abs=1e-9)
+
+
 class _TwoThreads:
     """The OS's counters on `clock`: the thread that made it (the loop) waited on a run
     queue 20% of every instant since the run began and ran the rest; any other thread 60%

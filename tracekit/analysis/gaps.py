@@ -14,6 +14,18 @@ from tracekit.errors import LogError
 from tracekit.log.rawlog import RawLog
 
 
+def with_labels(records: list[dict[str, Any]], labels: tuple[str, ...]) -> list[dict[str, Any]]:
+    """`records` (gap or TTFT records of part of a run: a slice) with the whole run's
+    partition `labels` as their ``parts`` keys, in its order: 0 for a label the part's
+    partition lacks (a partition has only the labels its own segments name)."""
+    for rec in records:
+        parts = rec["parts"]
+        if tuple(parts) != labels:
+            rec["parts"] = {lb: parts.get(lb, 0.0) for lb in labels}
+            rec["parts"].update((k, v) for k, v in parts.items() if k not in labels)
+    return records
+
+
 def gap_records(
     log: RawLog,
     part: Partition | None = None,

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.allocator import give_back_freed_memory
-from tracekit.analysis.gaps import gap_records, requests_named
+from tracekit.analysis.gaps import gap_records, requests_named, with_labels
 from tracekit.analysis.stream import (
     DEFAULT_SLICE_EMISSIONS,
     SliceRead,
@@ -85,20 +85,9 @@ class Listing:
     #: every slice's own TTFTs, folded as they come (`TtftFold`: a day's ~3 M rows whole
     #: were ~700 MB)
     ttft: TtftFold = field(default_factory=TtftFold)
-    #: the whole run's partition labels, in its order: every record's ``parts`` keys (a
-    #: slice's partition has only the labels its own segments name)
+    #: the whole run's partition labels, in its order: every record's ``parts`` keys
+    #: (`tracekit.analysis.gaps.with_labels`)
     labels: tuple[str, ...] = ()
-
-    def padded(self, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """`recs` with the whole run's ``parts`` keys in its order (0 for a label the
-        slice's partition lacks)."""
-        labels = self.labels
-        for rec in recs:
-            parts = rec["parts"]
-            if tuple(parts) != labels:
-                rec["parts"] = {lb: parts.get(lb, 0.0) for lb in labels}
-                rec["parts"].update((k, v) for k, v in parts.items() if k not in labels)
-        return recs
 
     @property
     def longest(self) -> list[dict[str, Any]]:
@@ -280,7 +269,7 @@ def gap_listing_sliced(
             out.count += len(rows)
         for k in range(0, len(made), _BLOCK_ROWS):
             block = made[k : k + _BLOCK_ROWS]
-            recs = out.padded(gap_records(log, p, index=block))
+            recs = with_labels(gap_records(log, p, index=block), out.labels)
             best = []
             for i, rec in zip(block.tolist(), recs, strict=True):
                 _renumber(rec, off, ("step0", "step1"))
@@ -338,7 +327,7 @@ def ttft_listing_sliced(
         mine, req = tp.take(sel), req[sel]
         out.start_piece(os.path.join(folder, f"slice-{j:06d}"))
         off = run.parts[task.c].first_step - first_step
-        recs = out.padded(ttft_records(log, mine))
+        recs = with_labels(ttft_records(log, mine), out.labels)
         for rec in recs:
             _renumber(rec, off, ())
         if recs:

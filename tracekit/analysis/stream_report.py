@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from tracekit.allocator import give_back_freed_memory
-from tracekit.analysis.gaps import add_steps, even_picks, gap_records, thin_marks
+from tracekit.analysis.gaps import add_steps, even_picks, gap_records, thin_marks, with_labels
 from tracekit.analysis.overtime import (
     REPORT_MIN_BUCKETS,
     Bucket,
@@ -52,6 +52,7 @@ from tracekit.analysis.stream import (
 from tracekit.analysis.stream_overtime import over_time_of_index
 from tracekit.analysis.stream_whatif import whatif_of_index
 from tracekit.analysis.whatif import WhatIf
+from tracekit.labels import partition_labels
 from tracekit.log.flush import TABLES
 from tracekit.log.parts import merge_flushed
 from tracekit.log.request_names import RequestNames
@@ -152,7 +153,7 @@ def _stalls_and_series(
     if ix.span_ticks is not None:
         lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
     heads, points, tasks = _tail_and_points(run, ix, p99, sizes, n_worst)
-    stalls = _worst_stalls(run, (heads, tasks, p99), ix.names, n_worst)
+    stalls = _worst_stalls(run, (heads, tasks, p99), ix, n_worst)
     return stalls, _series(run, ix, points, sizes[1]), (lo, hi)
 
 
@@ -441,14 +442,16 @@ def _series(run: SlicedRun, ix: Index, points: _Gaps, max_points: int) -> dict[s
 def _worst_stalls(
     run: SlicedRun,
     found: tuple[StallHeads, list[SliceTask], float],
-    names: RequestNames,
+    ix: Index,
     n: int,
 ) -> list[dict[str, Any]]:
     """`worst_stalls` of the whole run: its `n` worst events (by their longest gap, ties:
     the earlier in the whole run's partition), each read again from the slices holding
-    its gaps: its longest gap as a record (`gap_records`, `add_steps`), the requests it
-    hit (longest gap first, then in the partition's order) and its shortest gap."""
+    its gaps: its longest gap as a record (`gap_records` with the run's labels,
+    `add_steps`), the requests it hit (longest gap first, then in the partition's order)
+    and its shortest gap."""
     heads, tasks, p99 = found
+    names, labels = ix.names, tuple(partition_labels(ix.labels))
     h = heads.fold()
     if n <= 0 or not len(h["step"]):
         return []
@@ -480,7 +483,7 @@ def _worst_stalls(
             heads_here = [int(top[k]) for k in mine]
             recs = _head_records(run, (tasks[j], read), names, h["request"][heads_here],
                                  h["t1"][heads_here], h["gap"][heads_here])  # fmt: skip
-            for k, rec in zip(mine, recs, strict=True):
+            for k, rec in zip(mine, with_labels(recs, labels), strict=True):
                 records[k] = rec
             _steps_of(run, tasks[j], [records[k] for k in mine])
         del read, p  # before the next slice's is read
@@ -491,6 +494,8 @@ def _worst_stalls(
         records[k]["num_requests"] = int(len(m))
         records[k]["requests"] = [names[int(r)] for r in m[:MAX_REQUESTS, 1].tolist()]
         records[k]["gap_ms_min"] = float(m[:, 0].min())
+        for key in ("num_steps", "steps"):  # last, as `worst_stalls` adds them
+            records[k][key] = records[k].pop(key)
     return records
 
 
