@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import pytest
 from test_sliced import REPO, FakeClock, _recorder, _traced, _wait_for_parts
 
+import tracekit
 from tracekit.capture import osstats
 
 MS = 1_000_000
@@ -119,6 +120,41 @@ def test_the_reports_worst_stalls_in_slices_are_the_whole_runs_records(tmp_path,
     for a, b in zip(whole, sliced, strict=True):
         assert list(a) == list(b) and list(a["parts"]) == list(b["parts"])
         assert "tokenize" in b["parts"] and a["parts"] == pytest.approx(b["parts"], abs=1e-9)
+
+
+def test_device_windows_resolved_after_a_flush_are_in_their_steps_slice(tmp_path):
+    """A device window is written when it resolves (`tracekit.capture.device`): here each
+    step's at the next step's end, so in the next part. 20 steps of 10 ms, a part each:
+    each launches a 2 ms host `decode` segment whose device work runs 6 ms, then the host
+    works 8 ms outside any segment; "a" emits at every step's end. docs/design.md rule 6
+    (`tracekit.attribution.itl`): the loop thread waited for the device, so the gap is
+    device-bound and the step's 6 ms device window owns its time, `forward` (every step
+    alike: no graph excess); the host launch alone would be 2 ms. Read one part a slice,
+    each slice's own steps' windows lie in the part after it, and every gap is still the
+    whole run's."""
+    from tracekit.capture.device import FakeDeviceTimer  # the module this test drives
+
+    out = tmp_path / "run.npz"
+    clock = FakeClock()
+    timer = FakeDeviceTimer(clock, lag_ms=0.05, exec_ms=6.0, resolve_delay_ms=5.0)
+    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
+                            handle_signals=False, flush_interval_s=3600.0,
+                            device_timer=timer)  # fmt: skip
+    with rec:
+        rec.request("a")
+        for k in range(20):
+            with rec.step():
+                with rec.segment("decode", device=True):
+                    clock.t += 2 * MS
+                clock.t += 8 * MS
+                rec.emit(["a"])
+            rec.flush_soon()
+            _wait_for_parts(out, k + 1)
+    whole, sliced = _jsonl(WHOLE, "gaps", str(out)), _jsonl(ONE_PART, "gaps", str(out))
+    assert len(whole) == len(sliced) == 19
+    for a, b in zip(whole, sliced, strict=True):
+        assert b["parts"]["forward"] >= 6.0 - 1e-9
+        assert b["parts"] == pytest.approx(a["parts"], abs=1e-9)
 
 
 class _TwoThreads:
