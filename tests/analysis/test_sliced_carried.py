@@ -131,7 +131,10 @@ def test_device_windows_resolved_after_a_flush_are_in_their_steps_slice(tmp_path
     device-bound and the step's 6 ms device window owns its time, `forward` (every step
     alike: no graph excess); the host launch alone would be 2 ms. Read one part a slice,
     each slice's own steps' windows lie in the part after it, and every gap is still the
-    whole run's."""
+    whole run's. `analyze`: 20 device windows, and the graph baseline (docs/gpu.md: a
+    step's device decode time where it has one) is fitted on 20 steps of 6 ms, as the
+    index pass reads each part's steps with the part after it, in one process or two
+    (its index pass spread, `-j 2`)."""
     from tracekit.capture.device import FakeDeviceTimer  # the module this test drives
 
     out = tmp_path / "run.npz"
@@ -155,6 +158,11 @@ def test_device_windows_resolved_after_a_flush_are_in_their_steps_slice(tmp_path
     for a, b in zip(whole, sliced, strict=True):
         assert b["parts"]["forward"] >= 6.0 - 1e-9
         assert b["parts"] == pytest.approx(a["parts"], abs=1e-9)
+    for budget, spread in ((WHOLE, ()), (ONE_PART, ()), (ONE_PART, ("-j", "2"))):
+        (fig,) = _jsonl(budget, "analyze", str(out), *spread)
+        assert fig["device_windows"] == 20, (budget, spread)
+        base = fig["graph_baseline"]
+        assert base["num_fit_steps"] == 20 and base["intercept_ms"] == pytest.approx(6.0)
 
 
 class _TwoThreads:

@@ -71,7 +71,7 @@ from tracekit.attribution.ttft import (
 )
 from tracekit.labels import OS_LABELS, RECOMPUTE_CLASS, partition_labels
 from tracekit.log.flush import READMIT, TABLES
-from tracekit.log.parts import Retained, merge_flushed
+from tracekit.log.parts import DamagedPart, Retained, merge_flushed
 from tracekit.log.rawlog import GRAPH_EAGER, RawLog
 from tracekit.log.request_names import RequestNames, Unnamed
 from tracekit.log.slices import NotSliceable, SlicedRun, grown
@@ -79,6 +79,7 @@ from tracekit.log.slices import NotSliceable, SlicedRun, grown
 __all__ = ["NotSliceable", "analyze_sliced"]
 
 _ST = {c: TABLES["steps"].index(c) for c in TABLES["steps"]}
+_SG_DEVICE = TABLES["segments"].index("is_device")
 _EM = {c: TABLES["emissions"].index(c) for c in TABLES["emissions"]}
 _GC = {c: TABLES["gc_pauses"].index(c) for c in TABLES["gc_pauses"]}
 _RQ = {c: TABLES["requests"].index(c) for c in TABLES["requests"]}
@@ -258,9 +259,9 @@ def index_pass(
             first = int(st[:, _ST["t0_tick"]].min())
             if ix.first_step_tick is None or first < ix.first_step_tick:
                 ix.first_step_tick = first
-            # GC-free decode time of this part's steps, from it and the part before it
-            mini = run.unnamed_log_of(max(0, i - 1), i + 1, STEP_TABLES)
-            step_figures(ix, mini, len(st), part_segments(part))
+            # GC-free decode time of this part's steps, from it and the parts beside it
+            step_figures(ix, *step_mini(run, i), len(st))
+        ix.device_windows += device_rows(part)
         gc = t.get("gc_pauses")
         if gc is not None and len(gc):
             ix.gc.append(gc.copy())
@@ -353,10 +354,35 @@ def keep_gap_values(run: SlicedRun, ix: Index) -> None:
             ix.gaps.keep(gap_lengths(run, last, em)[0])
 
 
-def step_figures(ix: Index, mini: RawLog, n_steps: int, n_segments: int) -> None:
-    """From a part's steps read with the part before it (`mini`): their GC-free decode
-    time (`decode_net_ms`: as recorded for the TTFT partition, drift-corrected for the ITL
-    one, design.md rule 4), and the labels the partitions will have (`itl_labels`,
+def step_mini(run: SlicedRun, i: int) -> tuple[RawLog, int]:
+    """Part `i`'s steps read with the parts beside it (`STEP_TABLES`): the part before it
+    (a step's rows may be flushed a part from its windows') and, where it can be read, the
+    part after it (a device window is written when it resolves: the step in flight at a
+    flush has its window in the next part); and the steps that part after adds (0: none
+    read). One that cannot be read is said by the index pass when it gets there."""
+    b, after = i + 1, 0
+    if b < len(run.paths) and run.paths[b] and run.follows(b):
+        try:
+            nxt = run.read_indexed(b)
+        except DamagedPart:
+            nxt = None
+        if nxt is not None:
+            st = nxt["tables"].get("steps")
+            b, after = b + 1, 0 if st is None else len(st)
+    return run.unnamed_log_of(max(0, i - 1), b, STEP_TABLES), after
+
+
+def device_rows(part: dict[str, Any]) -> int:
+    """A part's device windows (`segments` rows with `is_device` 1)."""
+    sg = part["tables"].get("segments")
+    return 0 if sg is None or not len(sg) else int((sg[:, _SG_DEVICE] == 1).sum())
+
+
+def step_figures(ix: Index, mini: RawLog, after: int, n_steps: int) -> None:
+    """From a part's steps read with the parts beside it (`step_mini`: its `n_steps`
+    steps, then `after` steps of the part after it): their GC-free decode time
+    (`decode_net_ms`: as recorded for the TTFT partition, drift-corrected for the ITL one,
+    design.md rule 4), and the labels the partitions will have (`itl_labels`,
     `ttft_labels`), without preparing the whole timeline."""
     causes = segment_causes(mini)
     is_dev = mini.segments.is_device == 1
@@ -368,18 +394,13 @@ def step_figures(ix: Index, mini: RawLog, n_steps: int, n_segments: int) -> None
         RECOMPUTE_CLASS  # a timeline class, never a label (`itl_labels`)
     }
     ix.ttft_labels |= set(ttft_labels(mini, has_os=ix.has_os))
+    mine = slice(len(mini.steps) - after - n_steps, len(mini.steps) - after)
     net = decode_net_ms(mini, causes)
-    ix.decode_net.append(net[-n_steps:].copy())
+    ix.decode_net.append(net[mine].copy())
     corrected = drift_corrected(mini)
     if corrected is not mini:
         net = decode_net_ms(corrected, segment_causes(corrected))
-    ix.decode_net_itl.append(net[-n_steps:].copy())
-    ix.device_windows += int((is_dev[len(is_dev) - n_segments :]).sum())
-
-
-def part_segments(part: dict[str, Any]) -> int:
-    sg = part["tables"].get("segments")
-    return 0 if sg is None else len(sg)
+    ix.decode_net_itl.append(net[mine].copy())
 
 
 @dataclass

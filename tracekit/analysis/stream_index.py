@@ -26,12 +26,12 @@ import numpy as np
 from tracekit.analysis.evictions import RECOMPUTE_LABEL
 from tracekit.analysis.quantiles import ExactQuantiles
 from tracekit.analysis.stream import (
-    STEP_TABLES,
     Index,
-    part_segments,
+    device_rows,
     span_of,
     sparse_part,
     step_figures,
+    step_mini,
 )
 from tracekit.labels import OS_LABELS, RECOMPUTE_CLASS
 from tracekit.log.flush import READMIT, TABLES
@@ -62,7 +62,6 @@ class StepFacts:
     labels: set[str]  # the partitions' labels these steps bring
     ttft_labels: set[str]
     has_os: bool
-    device_windows: int
 
 
 #: the quantiles of a per-part index that counts no gap (made once: each holds 8 MiB)
@@ -83,6 +82,7 @@ class PartFacts:
     inner_worst: tuple[float, float]  # their longest and where the first such ends (s)
     sparse: dict[str, Any]  # the part with only the rows the eviction figures may read
     num_admissions: int  # its admission rows
+    device_windows: int  # its device windows' rows
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,8 @@ class IndexTask:
     max_inflate_mb: float | None
     lo: int
     hi: int
-    #: of parts ``[max(lo - 1, 0), hi)`` as listed (`SlicedRun`'s `parts`): a part's steps
-    #: are read with the part before it's
+    #: of parts ``[max(lo - 1, 0), hi + 1)`` as listed (`SlicedRun`'s `parts`): a part's
+    #: steps are read with the parts beside it (`stream.step_mini`)
     paths: tuple[str, ...] = ()
 
 
@@ -141,21 +141,21 @@ def _facts(run: SlicedRun, i: int, part: dict[str, Any]) -> PartFacts:
     return PartFacts(
         order, steps, gc.copy() if gc is not None and len(gc) else None, arrivals,
         spanned.span_ticks, tokens, inner, worst, _reduced(part), _rows(t, "admissions"),
+        device_rows(part),
     )  # fmt: skip
 
 
 def _step_facts(run: SlicedRun, i: int, part: dict[str, Any], st: np.ndarray) -> StepFacts:
-    """The part's steps' counts and figures (from it and the part before it), as
-    `index_pass` adds them up."""
+    """The part's steps' counts and figures (from it and the parts beside it,
+    `stream.step_mini`), as `index_pass` adds them up."""
     ix = Index(gaps=_UNUSED, extra=_UNUSED)  # step_figures' own fields only
-    mini = run.unnamed_log_of(max(0, i - 1), i + 1, STEP_TABLES)
-    step_figures(ix, mini, len(st), part_segments(part))
+    step_figures(ix, *step_mini(run, i), len(st))
     nd = st[:, _ST["num_decode"]]
     return StepFacts(
         st[:, _ST["graph_size"]].copy(), nd.copy(), int(st[:, _ST["num_preempted"]].sum()),
         int(st[:, _ST["num_prefill_tokens"]].sum()) + int(nd.sum()), int(nd.max()),
         int(st[:, _ST["t0_tick"]].min()), ix.decode_net[0], ix.decode_net_itl[0], ix.labels,
-        ix.ttft_labels, ix.has_os, ix.device_windows,
+        ix.ttft_labels, ix.has_os,
     )  # fmt: skip
 
 
@@ -229,7 +229,7 @@ def index_pass_spread(
             break
     n = len(run.paths)
     tasks = [IndexTask(run.parts_dir, run.max_inflate_mb, lo, min(lo + PARTS_PER_TASK, n),
-                       tuple(run.paths[max(lo - 1, 0) : lo + PARTS_PER_TASK]))
+                       tuple(run.paths[max(lo - 1, 0) : lo + PARTS_PER_TASK + 1]))
              for lo in range(0, n, PARTS_PER_TASK)]  # fmt: skip
     ix = Index(fit=fit)
     if spill:
@@ -273,7 +273,7 @@ def _fold(run: SlicedRun, ix: Index, i: int, f: PartFacts) -> None:
         ix.labels |= s.labels
         ix.ttft_labels |= s.ttft_labels
         ix.has_os = ix.has_os or s.has_os
-        ix.device_windows += s.device_windows
+    ix.device_windows += f.device_windows
     if f.gc is not None:
         ix.gc.append(f.gc)
     ix.num_admissions += f.num_admissions
