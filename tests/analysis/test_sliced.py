@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -73,12 +74,14 @@ class FakeClock:
         return self.t
 
 
-def _recorder(out: Path, clock: FakeClock, os_evidence: bool | None = None) -> tracekit.Recorder:
+def _recorder(
+    out: Path, clock: FakeClock, os_evidence: bool | None = None, **more: Any
+) -> tracekit.Recorder:
     """A recorder on `clock` (1 ns ticks) that flushes only when asked (`flush_soon` after
-    each step, then `_wait_for_parts`: a part a step)."""
+    each step, then `_wait_for_parts`: a part a step); `more`: its other arguments."""
     return tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
                              os_evidence=os_evidence, handle_signals=False,
-                             flush_interval_s=3600.0)  # fmt: skip
+                             flush_interval_s=3600.0, **more)  # fmt: skip
 
 
 def _hand_run(

@@ -21,12 +21,11 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from test_sliced import REPO, FakeClock, _recorder, _traced, _wait_for_parts
+from test_sliced_whatif import _Kernel
 
-import tracekit
 from tracekit.capture import osstats
 
 MS = 1_000_000
@@ -140,9 +139,7 @@ def test_device_windows_resolved_after_a_flush_are_in_their_steps_slice(tmp_path
     out = tmp_path / "run.npz"
     clock = FakeClock()
     timer = FakeDeviceTimer(clock, lag_ms=0.05, exec_ms=6.0, resolve_delay_ms=5.0)
-    rec = tracekit.Recorder(str(out), clock=clock, seconds_per_tick=1e-9, gc=False,
-                            handle_signals=False, flush_interval_s=3600.0,
-                            device_timer=timer)  # fmt: skip
+    rec = _recorder(out, clock, device_timer=timer)
     with rec:
         rec.request("a")
         for k in range(20):
@@ -165,13 +162,14 @@ def test_device_windows_resolved_after_a_flush_are_in_their_steps_slice(tmp_path
         assert base["num_fit_steps"] == 20 and base["intercept_ms"] == pytest.approx(6.0)
 
 
-class _TwoThreads:
-    """The OS's counters on `clock`: the thread that made it (the loop) waited on a run
-    queue 20% of every instant since the run began and ran the rest; any other thread 60%
-    and 40% (`tracekit.capture.osstats`' calls)."""
+class _TwoThreads(_Kernel):
+    """`_Kernel`'s counters for the thread that made it (the loop: a run queue 20% of every
+    instant since the run began, running the rest); any other thread waited 60% and ran
+    40%."""
 
     def __init__(self, clock: FakeClock) -> None:
-        self.clock, self.t0, self.loop = clock, clock.t, threading.get_ident()
+        super().__init__(clock)
+        self.loop = threading.get_ident()
 
     def _waited_fifths(self) -> int:
         return 1 if threading.get_ident() == self.loop else 3
@@ -181,9 +179,6 @@ class _TwoThreads:
 
     def pread(self, _fd: int, _n: int, _offset: int) -> bytes:
         return b"0 %d 0\n" % ((self.clock.t - self.t0) * self._waited_fifths() // 5)
-
-    def getrusage(self, _who: int) -> SimpleNamespace:
-        return SimpleNamespace(ru_nvcsw=0, ru_nivcsw=0, ru_majflt=0)
 
 
 @pytest.mark.skipif(osstats.unavailable_reason() is not None
