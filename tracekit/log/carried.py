@@ -124,8 +124,12 @@ class CarriedRows:
     #: opening sample of a segment it carries (the part itself: none)
     starts: list[int] = field(default_factory=list)
     opened_in: list[int] = field(default_factory=list)
+    #: those three lists as arrays, made once for every slice's `into` (a day's run asks
+    #: thousands of times), again after an `add`
+    _columns: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
 
     def add(self, i: int, rows: dict[str, np.ndarray], labels: Any) -> None:
+        self._columns = None
         self.parts.append(i)
         self.rows.append(rows)
         self.labels.append(tuple(labels))
@@ -140,9 +144,12 @@ class CarriedRows:
         began before that flush, of no step after the log's, with their closing samples;
         and the samples before part `c` that open segments of those rows or of parts
         ``[c, b)`` (None: nothing)."""
-        parts = np.asarray(self.parts, np.int64)
-        starts = np.asarray(self.starts, np.int64)
-        opened = np.asarray(self.opened_in, np.int64)
+        if not self.parts:
+            return None
+        if self._columns is None:
+            self._columns = tuple(np.asarray(x, np.int64)
+                                  for x in (self.parts, self.starts, self.opened_in))  # fmt: skip
+        parts, starts, opened = self._columns
         inside = (parts >= c) & (parts < b) & (opened < c)
         later = (parts >= b) & (starts < flushed_tick)
         picked = np.flatnonzero(inside | later).tolist()
