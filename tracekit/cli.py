@@ -11,7 +11,6 @@ import functools
 import importlib
 import json
 import os
-import pathlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Any, NoReturn
 import click
 
 from tracekit.cli_listing import gaps_in_slices, ttft_in_slices
-from tracekit.cli_output import emit, write_records
+from tracekit.cli_output import emit, open_in_browser, write_records
 from tracekit.cli_window import no_window_options, say_window, say_windows, view, window_options
 from tracekit.errors import (
     EXIT_BAD_INPUT,
@@ -188,10 +187,20 @@ def _limits() -> dict[str, Any]:
 
 
 def _map_with_progress(
-    fn: Callable[[str], Any], paths: Sequence[str], jobs: int, what: str, ray: str | None = None
+    fn: Callable[..., Any],
+    paths: Sequence[str],
+    jobs: int,
+    what: str,
+    ray: str | None = None,
+    sliced: bool = False,
 ):
     """Apply `fn` to each path (in `jobs` processes, or as Ray tasks on the cluster at `ray`:
-    "" for a local Ray), in order, with a progress bar on stderr."""
+    "" for a local Ray), in order, with a progress bar on stderr. One run read in slices
+    (`sliced`): its slices go to the processes or tasks (`fn`'s `mapper`), not the run."""
+    if sliced and len(paths) == 1 and (jobs > 1 or ray is not None):
+        from tracekit.analysis.workers import slice_mapper  # deferred: loaded per command
+
+        fn, jobs, ray = functools.partial(fn, mapper=slice_mapper(jobs, ray)), 1, None
     show = len(paths) > 1 and sys.stderr.isatty()
     out: list[Any] = []
     with (
@@ -225,7 +234,8 @@ def _map_with_progress(
 def _ray_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
-        help="Run the per-run work as Ray tasks: on the cluster at ADDRESS (auto, "
+        help="Run the per-run work (one long run read in slices: its slices) as Ray tasks: on "
+        "the cluster at ADDRESS (auto, "
         "ray://head:10001, head:6379), or on a local Ray started for this call when ADDRESS is "
         "omitted. Same output as without it. Needs `pip install 'tracekit[ray]'`; see "
         "docs/fleet.md.",
@@ -274,7 +284,8 @@ def _say_sliced(paths: Sequence[str]) -> bool:
 )  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Analyse runs in this many processes.")  # fmt: skip
+              help="Analyse runs in this many processes (one long run read in slices: its "
+              "slices).")  # fmt: skip
 @click.option("--by", "by", default=None, metavar="DURATION",
               help="One row per time bucket (500ms, 30s, 1m, 1h, 1d), not per run.")  # fmt: skip
 @window_options
@@ -303,16 +314,13 @@ def analyze(
     sliced = _say_sliced(paths)
     if width_s is not None:
         by_s = functools.partial(workers.over_time_path, width_s=width_s, view=view(), **_limits())
-        runs_rows = _map_with_progress(by_s, paths, jobs, "analysing", ray_address)
+        runs_rows = _map_with_progress(by_s, paths, jobs, "analysing", ray_address, sliced)
         rows = [b.to_record() for bs in runs_rows for b in bs]
         return write_records(rows, fmt, output, lambda: text.over_time(rows) + "\n")
     from tracekit.analysis.stream_server import analyze_server_path  # deferred: as above
 
     one = functools.partial(analyze_server_path, view=view(), **_limits())
-    if len(paths) == 1 and sliced and (jobs > 1 or ray_address is not None):  # its slices
-        one = functools.partial(one, mapper=workers.slice_mapper(jobs, ray_address))
-        jobs, ray_address = 1, None
-    results = _map_with_progress(one, paths, jobs, "analysing", ray_address)
+    results = _map_with_progress(one, paths, jobs, "analysing", ray_address, sliced)
     for a in results:
         _warn(a.path, a.warnings)
     table = lambda: text.analyze_report(results) + "\n\n" + text.ttft_runs(results) + "\n"  # noqa: E731
@@ -611,7 +619,8 @@ def merge(directory: str, output: str, force: bool, engine: int | None, as_parts
               "lists the keys there are.")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Analyse runs in this many processes.")  # fmt: skip
+              help="Analyse runs in this many processes (one long run read in slices: its "
+              "slices).")  # fmt: skip
 @window_options
 @_ray_option
 @_read_limits
@@ -639,10 +648,7 @@ def compare(
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
     one = functools.partial(workers.analyze_whatif_path, view=view(), **_limits())
-    if _say_sliced(paths) and len(paths) == 1 and (jobs > 1 or ray_address is not None):
-        one = functools.partial(one, mapper=workers.slice_mapper(jobs, ray_address))  # its slices
-        jobs, ray_address = 1, None
-    pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
+    pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address, _say_sliced(paths))
     results = [a for a, _ in pairs]
     whatifs = {a.path: w for a, w in pairs}  # the what-if of each run (docs/whatif.md)
     say_windows(paths, [a.window for a in results])  # each run's own
@@ -726,7 +732,8 @@ def trace(run: str, output: str, request_ids: str | None) -> None:
               help="List this many of the worst stalls of each run.")  # fmt: skip
 @click.option("--title", default="tracekit report", show_default=True)
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Analyse runs in this many processes.")  # fmt: skip
+              help="Analyse runs in this many processes (one long run read in slices: its "
+              "slices).")  # fmt: skip
 @window_options
 @_ray_option
 @_read_limits
@@ -755,9 +762,9 @@ def report(
 
     ray_address, runs = _ray_runs(ray_address, runs, jobs)
     paths = _expand(runs)
-    _say_sliced(paths)
+    sliced = _say_sliced(paths)
     one = functools.partial(workers.report_path, n_worst=n_worst, view=view(), **_limits())
-    pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address)
+    pairs = _map_with_progress(one, paths, jobs, "analysing", ray_address, sliced)
     results = [ReportRun(**r) for r, _ in pairs]
     whatifs = {r.analysis.path: w for r, (_, w) in zip(results, pairs, strict=True)}
     say_windows(paths, [r.analysis.window for r in results])  # each run's own
@@ -779,21 +786,7 @@ def report(
         f"wrote {one_line(output)} ({len(page) / 1e6:.1f} MB, {len(results)} runs)", err=True
     )
     if open_:
-        _open_in_browser(output)
-
-
-def _open_in_browser(path: str) -> None:
-    import webbrowser  # deferred: only with --open
-
-    url = pathlib.Path(os.path.abspath(path)).as_uri()
-    try:
-        ok = webbrowser.open(url)
-    except webbrowser.Error:
-        ok = False
-    if ok:
-        click.echo(f"opened {url}", err=True)
-    else:
-        click.echo(f"no browser available here; open {url}", err=True)
+        open_in_browser(output)
 
 
 # -- whatif (docs/whatif.md) ---------------------------------------------------------------
@@ -814,7 +807,8 @@ def _open_in_browser(path: str) -> None:
               help="Only this cause or family (repeatable); default: all of them.")  # fmt: skip
 @click.option("-o", "--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Analyse runs in this many processes.")  # fmt: skip
+              help="Analyse runs in this many processes (one long run read in slices: its "
+              "slices).")  # fmt: skip
 @window_options
 @_read_limits
 def whatif(
@@ -851,10 +845,7 @@ def whatif(
     one = functools.partial(
         workers.whatif_path, names=list(names) or None, view=view(), **_limits()
     )
-    if _say_sliced(paths) and len(paths) == 1 and jobs > 1:  # its slices
-        one = functools.partial(one, mapper=workers.slice_mapper(jobs, None))
-        jobs = 1
-    results = _map_with_progress(one, paths, jobs, "analysing")
+    results = _map_with_progress(one, paths, jobs, "analysing", sliced=_say_sliced(paths))
     say_windows(paths, [w.window for w in results])  # each run's own
     for w in results:
         _warn(w.path, w.warnings)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -53,3 +55,18 @@ def emit(body: str, output: str | None) -> None:
         click.echo(f"wrote {one_line(output)}", err=True)
     else:
         click.echo(body, nl=False)
+
+
+def open_in_browser(path: str) -> None:
+    """`report --open`: the file in a browser, or its file:// URL where none is here."""
+    import webbrowser  # deferred: only with --open
+
+    url = pathlib.Path(os.path.abspath(path)).as_uri()
+    try:
+        ok = webbrowser.open(url)
+    except webbrowser.Error:
+        ok = False
+    if ok:
+        click.echo(f"opened {url}", err=True)
+    else:
+        click.echo(f"no browser available here; open {url}", err=True)

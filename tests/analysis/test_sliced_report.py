@@ -23,7 +23,9 @@ import tracekit.analysis.stream_report as stream_report
 from tracekit.analysis.figures import analyze
 from tracekit.analysis.gaps import even_picks, itl_series, thin_marks, worst_stalls
 from tracekit.analysis.overtime import report_buckets
-from tracekit.analysis.stream_report import report_sliced
+from tracekit.analysis.stream_index import PARTS_PER_TASK
+from tracekit.analysis.stream_overtime import over_time_sliced
+from tracekit.analysis.stream_report import report_sliced, report_whatif_sliced
 from tracekit.attribution.itl import partition
 from tracekit.log.slices import SlicedRun
 
@@ -242,3 +244,73 @@ def test_worst_stalls_keep_the_worst_complete_events_only(
     page = report_sliced(demo_run + ".parts", n, max_emissions=budget, path=demo_run)
     assert _stall_differences(worst_stalls(log, part, n), page["worst_stalls"]) == []
     assert held and max(held) <= n
+
+
+def _page_json(page: dict, w) -> str:
+    """A page and its what-if as text, every float's digits (NaN too)."""
+    out = {"analysis": page["analysis"].to_dict(), "worst_stalls": page["worst_stalls"],
+           "series": page["series"], "buckets": _records(page["buckets"]),
+           "whatif": w.to_records()}  # fmt: skip
+    return json.dumps(out, sort_keys=True)
+
+
+def test_a_mapper_runs_the_slices_of_every_pass_of_the_report(demo_run):
+    """`report -j N` / `--ray` of one long run: the index pass's parts and the slices of
+    the analysis, the stall pass, the what-if (two reads) and the tail over time are run
+    by the mapper, each slice once a pass; what they give back is folded in slice order,
+    so the page and the what-if are the in-process ones exactly. (The demo run is too
+    short for the page's tail over time: `analyze --by`'s rows, at a width it has.)"""
+    ran: dict[str, int] = {}
+
+    def mapper(fn, items):
+        name = getattr(fn, "func", fn).__name__
+        for x in items:
+            ran[name] = ran.get(name, 0) + 1
+            yield fn(x)
+
+    parts = demo_run + ".parts"
+    plain = report_whatif_sliced(parts, 10, max_emissions=500, path=demo_run)
+    mapped = report_whatif_sliced(parts, 10, max_emissions=500, path=demo_run, mapper=mapper)
+    assert _page_json(*mapped) == _page_json(*plain)
+    run = SlicedRun(parts)
+    run.index()
+    slices, index_tasks = len(run.bounds(500)), -(-len(run.parts) // PARTS_PER_TASK)
+    assert slices > 2
+    assert ran.pop("run_slice") == ran.pop("slice_gaps") == slices
+    assert ran.pop("run_whatif_slice") == 2 * slices  # its two reads
+    assert ran == {"part_facts": index_tasks}
+    ran.clear()
+    by = over_time_sliced(parts, 0.25, path=demo_run, max_emissions=500)
+    assert len(by) > 4
+    mapped_by = over_time_sliced(parts, 0.25, path=demo_run, max_emissions=500, mapper=mapper)
+    assert json.dumps(_records(mapped_by)) == json.dumps(_records(by))
+    assert ran == {"part_facts": index_tasks, "_slice_buckets": slices}
+
+
+@pytest.mark.parametrize("spread", [("-j", "2"), ("--ray", "auto")])
+def test_report_hands_one_long_runs_slices_to_the_workers(demo_run, tmp_path, monkeypatch,
+                                                          spread):  # fmt: skip
+    """`report RUN -j 2` (or `--ray ADDRESS`) of one run read in slices gives every pass's
+    slices to `slice_mapper(2, None)` (or its Ray address), not the run as one task."""
+    from click.testing import CliRunner
+
+    from tracekit.analysis import workers
+    from tracekit.cli import main
+
+    asked, ran = [], set()
+
+    def recording(jobs, address):
+        asked.append((jobs, address))
+
+        def each(fn, items):
+            ran.add(getattr(fn, "func", fn).__name__)
+            return (fn(x) for x in items)
+
+        return each
+
+    monkeypatch.setattr(workers, "slice_mapper", recording)
+    monkeypatch.setenv("TRACEKIT_SLICE_EMISSIONS", "2000")
+    r = CliRunner().invoke(main, ["report", demo_run, "-o", str(tmp_path / "p.html"), *spread])
+    assert r.exit_code == 0, r.output
+    assert asked == [(2, None)] if spread[0] == "-j" else [(1, "auto")]
+    assert {"part_facts", "run_slice", "slice_gaps", "run_whatif_slice"} <= ran

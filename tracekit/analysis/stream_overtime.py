@@ -6,14 +6,17 @@ reads of the emissions, a sparse histogram per bucket), known before any slice i
 partitioned; each slice then adds its own gaps' parts to their buckets' own tails (gaps
 >= the bucket's p99) and counts the run's tail (gaps >= the run's p99) per bucket. The
 rows equal `tracekit.analysis.overtime.over_time` of the whole run: counts and
-percentiles exactly, tail shares to float rounding.
+percentiles exactly, tail shares to float rounding. Given a `mapper` (`-j N` or `--ray` of
+one long run), the slices are partitioned by its workers, each task holding the p99s of
+its own buckets; their sums are added here in slice order, so the rows are the same.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,11 +33,15 @@ from tracekit.analysis.stream import (
     slice_partition,
     slice_tasks,
 )
+from tracekit.analysis.stream_index import index_pass_spread
 from tracekit.analysis.stream_window import read_window
 from tracekit.analysis.window import WindowOptions
 from tracekit.attribution.itl import CLEAN, FIT_ALL_CAPTURED, NON_CAUSES
 from tracekit.labels import partition_labels
 from tracekit.log.slices import SlicedRun
+
+#: runs `fn` on each item (a process pool's or Ray's map, results in order)
+Mapper = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]
 
 
 def over_time_sliced(
@@ -45,18 +52,50 @@ def over_time_sliced(
     max_emissions: int = DEFAULT_SLICE_EMISSIONS,
     max_inflate_mb: float | None = None,
     progress: Callable[[str], None] | None = None,
+    mapper: Mapper | None = None,
 ) -> list[Bucket]:
-    """`over_time` of the run in `parts_dir` (no window), read in slices."""
+    """`over_time` of the run in `parts_dir` (no window), read in slices. `mapper(fn,
+    items)`: runs the index pass's parts and the slices (a process pool's or Ray's map,
+    in order; by default one after the other here): the rows are the same."""
     say = progress or (lambda _msg: None)
     run = SlicedRun(parts_dir, max_inflate_mb=max_inflate_mb)
-    ix = index_pass(run, FIT_ALL_CAPTURED, say, spill=True)
+    if mapper is None:
+        ix = index_pass(run, FIT_ALL_CAPTURED, say, spill=True)
+    else:
+        ix = index_pass_spread(run, FIT_ALL_CAPTURED, say, mapper, spill=True)
     keep_gap_values(run, ix)
     return over_time_of_index(run, ix, width_s, path=path or parts_dir,
-                              max_emissions=max_emissions)  # fmt: skip
+                              max_emissions=max_emissions, mapper=mapper)  # fmt: skip
+
+
+class BucketP99(NamedTuple):
+    """The whole run's p99 of each bucket from `first` on (NaN: a bucket without gaps):
+    a slice task's, of the buckets its own gaps can end in."""
+
+    first: int
+    p99: np.ndarray
+
+    def of(self, b: int) -> float:
+        return float(self.p99[b - self.first])
+
+    def cut(self, lo: int, hi: int) -> BucketP99:
+        """Buckets `lo`..`hi` (clipped to those held)."""
+        lo = max(lo, self.first)
+        return BucketP99(lo, self.p99[lo - self.first : max(hi - self.first + 1, 0)])
+
+
+def _in_process(fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+    return (fn(x) for x in items)
 
 
 def over_time_of_index(
-    run: SlicedRun, ix: Index, width_s: float, *, path: str, max_emissions: int
+    run: SlicedRun,
+    ix: Index,
+    width_s: float,
+    *,
+    path: str,
+    max_emissions: int,
+    mapper: Mapper | None = None,
 ) -> list[Bucket]:
     """`over_time_sliced` of a run whose index pass is made and whose gap values are kept
     (`keep_gap_values`, as `analyze_sliced` leaves its index)."""
@@ -71,14 +110,20 @@ def over_time_of_index(
     tail_ms: dict[int, float] = {}
     tail_n: dict[int, int] = {}
     run_tail: dict[int, Any] = {}
-    for task in slice_tasks(run, ix, max_emissions, run_p99):
-        for bk, (parts, ms, n, counts) in _slice_buckets(task, q, labels, names, width_s).items():
+    first, last = _bucket_range(run, ix, ends, width_s)
+    p99s = BucketP99(first, np.array([q.percentiles(b)[1] if q.n(b) else math.nan
+                                      for b in range(first, last + 1)]))  # fmt: skip
+    tasks = (
+        (t, _own_buckets(t, p99s, width_s)) for t in slice_tasks(run, ix, max_emissions, run_p99)
+    )
+    one = functools.partial(_slice_buckets, labels=labels, names=names, width_s=width_s)
+    for got in (mapper or _in_process)(one, tasks):
+        for bk, (parts, ms, n, counts) in got.items():
             tail_parts[bk] = tail_parts.get(bk, 0.0) + parts
             tail_ms[bk] = tail_ms.get(bk, 0.0) + ms
             tail_n[bk] = tail_n.get(bk, 0) + n
             run_tail[bk] = run_tail.get(bk, 0) + counts
         give_back_freed_memory()  # the slice's, kept by the analysis's allocator
-    first, last = _bucket_range(run, ix, ends, width_s)
     out = []
     for b in range(first, last + 1):
         n = q.n(b)
@@ -115,16 +160,27 @@ def over_time_window(
     return over_time(wr.log, wr.part, width_s, wr.window, run_p99=p99)
 
 
+def _own_buckets(task: SliceTask, p99s: BucketP99, width_s: float) -> BucketP99:
+    """The p99s of the buckets the gaps `task`'s slice owns can end in ([t_from, t_to))."""
+    lo, hi = p99s.first, p99s.first + len(p99s.p99) - 1
+    if math.isfinite(task.t_from_s):
+        lo = max(lo, int(bucket_of(np.array([task.t_from_s]), width_s)[0]))
+    if math.isfinite(task.t_to_s):
+        hi = min(hi, int(bucket_of(np.array([task.t_to_s]), width_s)[0]))
+    return p99s.cut(lo, hi)
+
+
 def _slice_buckets(
-    task: SliceTask,
-    q: GroupQuantiles,
+    work: tuple[SliceTask, BucketP99],
     labels: tuple[str, ...],
     names: tuple[str, ...],
     width_s: float,
 ) -> dict[int, tuple[np.ndarray, float, int, np.ndarray]]:
     """One slice's own gaps by bucket: their own tail's parts (by `labels`), its time and
-    gaps, and the run's tail by primary cause (by `names`). A function of its own, so the
-    slice's log and partition are gone before the next slice is read."""
+    gaps, and the run's tail by primary cause (by `names`); `work`: the slice and the
+    whole run's p99 of its buckets. A function of its own, so the slice's log and
+    partition are gone before the next slice is read (a worker sends back these)."""
+    task, p99s = work
     p = slice_partition(task)[2]
     out: dict[int, tuple[np.ndarray, float, int, np.ndarray]] = {}
     if not len(p):
@@ -136,7 +192,7 @@ def _slice_buckets(
     for b in np.unique(k).tolist():
         rows = np.flatnonzero(k == b)
         g = p.gap_ms[rows]
-        tail = rows[g >= q.percentiles(b)[1]]
+        tail = rows[g >= p99s.of(b)]
         parts = np.zeros(len(labels))
         parts[cols] = p.parts_ms[tail].sum(axis=0)
         counts = np.bincount(prim[rows[g >= task.p99]], minlength=len(names))

@@ -18,15 +18,19 @@ the whole run's (`tracekit.analysis.workers.report_path`).
   the whole run's step numbers and request names.
 
 Every reader takes `analyze_sliced`'s index pass (made once, its gap values kept), and so
-does the what-if (`report_whatif_sliced`: `stream_whatif.whatif_of_index`).
+does the what-if (`report_whatif_sliced`: `stream_whatif.whatif_of_index`). Given a
+`mapper` (`report -j N` or `--ray` of one long run), every pass's slices are partitioned
+by its workers: the index pass's parts, the analysis's, the stall pass's (each slice's
+gap columns, `slice_gaps`), the what-if's and the tail over time's; what each slice gives
+back is folded here in slice order, so the page is the same.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,6 +53,7 @@ from tracekit.analysis.stream import (
     slice_partition,
     slice_tasks,
 )
+from tracekit.analysis.stream_index import index_pass_spread
 from tracekit.analysis.stream_overtime import over_time_of_index
 from tracekit.analysis.stream_whatif import whatif_of_index
 from tracekit.analysis.whatif import WhatIf
@@ -65,6 +70,8 @@ NO_TICK = np.iinfo(np.int64).min  # a request's last emission, before it has one
 MAX_POINTS = 2500
 #: `worst_stalls`' defaults: steps listed per stall, request ids per stall
 MAX_STEPS, MAX_REQUESTS = 12, 24
+#: runs `fn` on each item (a process pool's or Ray's map, results in order)
+Mapper = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]
 
 
 def report_sliced(
@@ -93,11 +100,15 @@ def report_whatif_sliced(
     max_inflate_mb: float | None = None,
     progress: Callable[[str], None] | None = None,
     max_points: int = MAX_POINTS,
+    mapper: Mapper | None = None,
 ) -> tuple[dict[str, Any], WhatIf]:
     """`report_sliced`'s view and the run's what-if (`whatif_sliced`), from one index pass
-    handed to each reader: the same page and the same what-if."""
+    handed to each reader: the same page and the same what-if. `mapper(fn, items)`: runs
+    the slices of every pass (see the module's docstring; by default one after the other
+    here)."""
     page, w = _report(parts_dir, n_worst, path=path, sizes=(max_emissions, max_points),
-                      max_inflate_mb=max_inflate_mb, progress=progress, whatif=True)  # fmt: skip
+                      max_inflate_mb=max_inflate_mb, progress=progress, whatif=True,
+                      mapper=mapper)  # fmt: skip
     assert w is not None
     return page, w
 
@@ -111,6 +122,7 @@ def _report(
     max_inflate_mb: float | None,
     progress: Callable[[str], None] | None,
     whatif: bool = False,
+    mapper: Mapper | None = None,
 ) -> tuple[dict[str, Any], WhatIf | None]:
     """The page's fields (and the what-if), every reader taking `analyze_sliced`'s index
     pass (its gap values kept: the run's p99 known) rather than making its own."""
@@ -120,30 +132,39 @@ def _report(
     held: list[tuple[SlicedRun, Index]] = []
 
     def indexer(run: SlicedRun, fit: str, said: Callable[[str], None], **kw: Any) -> Index:
-        held.append((run, index_pass(run, fit, said, **kw)))
+        if mapper is None:
+            held.append((run, index_pass(run, fit, said, **kw)))
+        else:  # the parts read by the mapper's workers
+            held.append((run, index_pass_spread(run, fit, said, mapper, **kw)))
         return held[-1][1]
 
     analysis = analyze_sliced(parts_dir, max_emissions=max_emissions, indexer=indexer,
-                              max_inflate_mb=max_inflate_mb, progress=say, path=shown)  # fmt: skip
+                              max_inflate_mb=max_inflate_mb, progress=say, path=shown,
+                              mapper=mapper)  # fmt: skip
     run, ix = held[0]
     give_back_freed_memory()  # what each reader freed, before the next one's slices
-    stalls, series, span = _stalls_and_series(run, ix, n_worst, sizes)
+    stalls, series, span = _stalls_and_series(run, ix, n_worst, sizes, mapper or _in_process)
     give_back_freed_memory()
-    w = whatif_of_index(run, ix, path=shown, max_emissions=max_emissions, progress=say) if (
-        whatif) else None  # fmt: skip
+    w = whatif_of_index(run, ix, path=shown, max_emissions=max_emissions, progress=say,
+                        mapper=mapper) if whatif else None  # fmt: skip
     width_s = report_width_of_span_s(*span)
     # from the one holding min(start, 0) to the one holding the last moment (every gap ends
     # inside the span): `over_time`'s buckets without a window
     first, last = bucket_of(np.array([min(span[0], 0.0), span[1]]), width_s).tolist()
     buckets: list[Bucket] = []
     if max(first, last) - first + 1 >= REPORT_MIN_BUCKETS:  # else the report shows none
-        buckets = over_time_of_index(run, ix, width_s, path=shown, max_emissions=max_emissions)
+        buckets = over_time_of_index(run, ix, width_s, path=shown, max_emissions=max_emissions,
+                                     mapper=mapper)  # fmt: skip
     page = {"analysis": analysis, "worst_stalls": stalls, "series": series, "buckets": buckets}
     return page, w
 
 
+def _in_process(fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+    return (fn(x) for x in items)
+
+
 def _stalls_and_series(
-    run: SlicedRun, ix: Index, n_worst: int, sizes: tuple[int, int]
+    run: SlicedRun, ix: Index, n_worst: int, sizes: tuple[int, int], each: Mapper
 ) -> tuple[list[dict[str, Any]], dict[str, Any], tuple[float, float]]:
     """`worst_stalls` and `itl_series` of the whole run, and its span (s, `run_span_s`),
     from the index pass (its gap values kept), the tail's threshold, one partition of
@@ -152,7 +173,7 @@ def _stalls_and_series(
     lo, hi = (0.0, 0.0)
     if ix.span_ticks is not None:
         lo, hi = (float(x) for x in run.secs(np.array(ix.span_ticks)))
-    heads, points, tasks = _tail_and_points(run, ix, p99, sizes, n_worst)
+    heads, points, tasks = _tail_and_points(run, ix, (p99, n_worst), sizes, each)
     stalls = _worst_stalls(run, (heads, tasks, p99), ix, n_worst)
     return stalls, _series(run, ix, points, sizes[1]), (lo, hi)
 
@@ -349,15 +370,46 @@ def _chosen(picks: np.ndarray, rank: np.ndarray) -> np.ndarray:
     return picks[hit] == rank
 
 
+class SliceGaps(NamedTuple):
+    """What the stall pass keeps of one slice's partition (`slice_gaps`, made where the
+    slice is read: by a worker, with a mapper): its own gaps' requests (numbered as in
+    the run), ends (s), lengths (ms), closing steps (numbered from the slice's first part)
+    and primary causes (`primary` into `causes`, `CLEAN` -1: "clean")."""
+
+    request: np.ndarray
+    t1_s: np.ndarray
+    gap_ms: np.ndarray
+    step1: np.ndarray
+    primary: np.ndarray
+    causes: tuple[str, ...]
+
+    def primary_names(self) -> np.ndarray:
+        return np.array([*self.causes, "clean"], dtype=object)[self.primary]
+
+
+def slice_gaps(task: SliceTask) -> SliceGaps:
+    """One slice partitioned (`slice_partition`), and of it only its gaps' columns: the
+    slice's log and partition are gone when this returns (a worker sends back these)."""
+    read = slice_partition(task)
+    p = read.p
+    return SliceGaps(read.numbers[p.request], p.t1_s, p.gap_ms, p.step1, p.primary,
+                     tuple(p.causes))  # fmt: skip
+
+
 def _tail_and_points(
-    run: SlicedRun, ix: Index, p99: float, sizes: tuple[int, int], n_worst: int
+    run: SlicedRun,
+    ix: Index,
+    tail_of: tuple[float, int],
+    sizes: tuple[int, int],
+    each: Mapper,
 ) -> tuple[StallHeads, _Gaps, list[SliceTask]]:
-    """Every slice partitioned once: its tail gaps' stall events (>= `p99`, `StallHeads`: the
-    `n_worst` worst of those complete, and those still open) and
-    the gaps the series draws (`_Picks`), each with its index in the whole run's
-    partition (by request, then time: the request's gaps before this slice, and this
-    slice's before it). `sizes`: the emissions a slice reads, the series' points."""
-    max_emissions, max_points = sizes
+    """Every slice partitioned once (by `each`, `slice_gaps`): its tail gaps' stall events
+    (>= p99, `StallHeads`: the `n_worst` worst of those complete, and those still open;
+    `tail_of`: p99, n_worst) and the gaps the series draws (`_Picks`), each with its
+    index in the whole run's partition (by request, then time: the request's gaps before
+    this slice, and this slice's before it). `sizes`: the emissions a slice reads, the
+    series' points."""
+    (p99, n_worst), (max_emissions, max_points) = tail_of, sizes
     n_gaps, n_rest, top = _request_gaps(run, ix, (p99, max_points // 2))
     pk = _picks(n_gaps, n_rest, top, max_points)
     # per request, where its gaps (all, the others, the tail's when thinned) start in the
@@ -378,34 +430,30 @@ def _tail_and_points(
         _count(seen[kind], req)
         return out
 
-    for j, task in enumerate(tasks):
-        read = slice_partition(task)
-        p = read.p
-        if not len(p):
-            del read, p
+    for j, g in enumerate(each(slice_gaps, tasks)):
+        if not len(g.gap_ms):
             continue
-        req = read.numbers[p.request]
-        del read  # the slice's log: a loop's name kept it while the next slice's was read
+        req = g.request
         gidx = ranks("gap", req)
-        tail = np.flatnonzero(p.gap_ms >= p99)
-        rest = np.flatnonzero(p.gap_ms < p99)
-        off = run.parts[task.c].first_step - first_step  # the slice's steps: from part c's
-        cols = {"request": req, "t1_s": p.t1_s, "gap_ms": p.gap_ms,
-                "step1": np.where(p.step1 >= 0, p.step1 + off, p.step1),
-                "primary": p.primary_names()}  # fmt: skip
-        heads.add(j, cols["step1"][tail], cols["primary"][tail], p.gap_ms[tail], gidx[tail],
-                  req[tail], p.t1_s[tail])  # fmt: skip
+        tail = np.flatnonzero(g.gap_ms >= p99)
+        rest = np.flatnonzero(g.gap_ms < p99)
+        off = run.parts[tasks[j].c].first_step - first_step  # the slice's steps: part c's on
+        cols = {"request": req, "t1_s": g.t1_s, "gap_ms": g.gap_ms,
+                "step1": np.where(g.step1 >= 0, g.step1 + off, g.step1),
+                "primary": g.primary_names()}  # fmt: skip
+        heads.add(j, cols["step1"][tail], cols["primary"][tail], g.gap_ms[tail], gidx[tail],
+                  req[tail], g.t1_s[tail])  # fmt: skip
         drawn = [rest[_chosen(pk.rest, ranks("rest", req[rest]))]]
         if pk.tail is None:
             drawn.append(tail)
         else:
-            g = p.gap_ms[tail]
-            drawn += [tail[_chosen(pk.tail, ranks("tail", req[tail]))], tail[g > pk.longer]]
+            gt = g.gap_ms[tail]
+            drawn += [tail[_chosen(pk.tail, ranks("tail", req[tail]))], tail[gt > pk.longer]]
             if pk.ties:  # the earliest of those equal to the last worst one, so far
-                ties.add(tail[g == pk.longer], j, gidx, cols)
+                ties.add(tail[gt == pk.longer], j, gidx, cols)
                 ties = ties.earliest(pk.ties)
         points.add(np.unique(np.concatenate(drawn)), j, gidx, cols)
-        del p, cols  # (and the partition: two slices' at once were a day's peak)
+        del g, cols  # (two slices' columns at once were a day's peak)
         give_back_freed_memory()  # the slice's partition, before the next one's
     for k in ("idx", "slice_", "request", "t1_s", "gap_ms", "step1", "primary"):
         getattr(points, k).extend(getattr(ties, k))

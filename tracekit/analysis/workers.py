@@ -242,9 +242,14 @@ def _shown_path(path: str, parts_dir: str) -> str:
 
 
 def over_time_path(
-    path: str, width_s: float, view: WindowOptions | None = None, **limits: Any
+    path: str,
+    width_s: float,
+    view: WindowOptions | None = None,
+    mapper: Any = None,
+    **limits: Any,
 ) -> list[Bucket]:
-    """`analyze --by`'s work on one run: its buckets of `width_s` seconds."""
+    """`analyze --by`'s work on one run: its buckets of `width_s` seconds (a long run's
+    slices run by `mapper`, if given: `slice_mapper`)."""
     # deferred: only analyze --by reads these
     from tracekit.analysis.overtime import over_time
     from tracekit.analysis.stream_overtime import over_time_sliced, over_time_window
@@ -257,7 +262,7 @@ def over_time_path(
             if view is None or view.is_whole_run:
                 return over_time_sliced(parts_dir, width_s, path=shown,
                                         max_emissions=slice_budget(),
-                                        max_inflate_mb=inflate)  # fmt: skip
+                                        max_inflate_mb=inflate, mapper=mapper)  # fmt: skip
             return over_time_window(parts_dir, width_s, view, path=shown, max_inflate_mb=inflate)
         except NotSliceable:
             pass
@@ -339,12 +344,17 @@ def analyze_whatif_path(
 
 
 def report_path(
-    path: str, n_worst: int, view: WindowOptions | None = None, **limits: Any
+    path: str,
+    n_worst: int,
+    view: WindowOptions | None = None,
+    mapper: Any = None,
+    **limits: Any,
 ) -> tuple[dict[str, Any], WhatIf]:
     """`report`'s work on one run, all from one partition: the page's view of it (the
     fields of `tracekit.render.html.ReportRun`: figures, worst stalls, ITL series, the
     tail over time) and its what-if, of the window `view` asks for, if any. The whole of a
-    long one-process run is read in slices (`tracekit.analysis.stream_report`)."""
+    long one-process run is read in slices (`tracekit.analysis.stream_report`; by
+    `mapper`, if given: `slice_mapper`)."""
     # deferred: report only
     from tracekit.analysis.overtime import report_buckets
     from tracekit.analysis.stream_report import report_whatif_sliced
@@ -357,7 +367,8 @@ def report_path(
             shown = _shown_path(path, parts_dir)
             return report_whatif_sliced(parts_dir, n_worst, path=shown,
                                         max_emissions=slice_budget(), progress=reporter(shown),
-                                        max_inflate_mb=limits.get("max_inflate_mb"))  # fmt: skip
+                                        max_inflate_mb=limits.get("max_inflate_mb"),
+                                        mapper=mapper)  # fmt: skip
         except NotSliceable:
             pass
     elif view is not None and (wr := _window_in_slices(path, view, True, **limits)) is not None:
