@@ -250,6 +250,34 @@ def test_a_log_that_states_its_victims_next_emissions_keeps_its_split_without_th
     assert [(x["victim"], round(x["ms"], 9)) for x in rc] == [("r2", 10.0)]
 
 
+def test_a_log_that_states_its_victims_next_emissions_names_its_preempt_segments_alike():
+    """Rule 2 reads the same stated next emissions as the split above. r0 re-prefills in
+    step 2 and emits at 40; in step 3 [41, 80] the engine evicts r2 (recompute, at 45,
+    never readmitted) in a `preempt` segment [45, 47]. r1's gap [40, 70] holds those 2 ms
+    as preempt: of the victims re-prefilling in step 3 there is none (r0 emitted at 40,
+    before the step's start), so the eviction inside the step names them: r2. A log cut
+    to the emissions that gap needs (r0's dropped) but stating them names r2 too; cut
+    without stating, r0 (still re-prefilling, as far as it knows)."""
+    b = recompute_case()
+    b.emit(2, 40, 2)
+    b.step(41, 80)
+    b.seg(3, "preempt", 45, 47)
+    b.seg(3, "decode", 47, 70)
+    b.emit(1, 70, 3)
+    b.evict(2, 45, mode=1)
+    log = validate_log(b.build())
+    keep = np.flatnonzero(log.emissions.request != 0)
+    cut = dataclasses.replace(log, emissions=log.emissions.take(keep))
+    stated = stating_next_emissions(log)
+    stated = dataclasses.replace(stated, emissions=stated.emissions.take(keep))
+    for lg, victim in ((log, "r2"), (stated, "r2"), (cut, "r0")):
+        p, g, pieces = _pieces(lg, 1, 40)
+        assert p.column("preempt")[g] == pytest.approx(2.0, abs=1e-9)
+        assert [(x["victim"], x["kind"], round(x["ms"], 9)) for x in pieces] == [
+            (victim, "recompute", 2.0)
+        ]
+
+
 def test_each_victims_next_emission_is_its_first_strictly_after_the_asked_instant():
     """`next_emission` (the victim's first token after its readmission, docs/partition.md
     "Who evicted whom") against the rule spelled out: of the request's emissions, the

@@ -38,8 +38,8 @@ import numpy as np
 from tracekit.attribution.itl import Partition
 from tracekit.attribution.reprefill import (
     merged_intervals,
-    next_emission,
     reprefills,
+    victims_next_emission,
     window_pieces,
 )
 from tracekit.attribution.ttft import TtftPartition, pre_engine_windows, wait_windows
@@ -107,7 +107,7 @@ def eviction_causes(log: RawLog) -> EvictionCauses:
         t_readmit_s=ev.t_readmit_s,
         mode=ev.mode,
         evictors=tuple(tuple(x) for x in evictors),
-        t_next_s=next_emission(log, ev.request, ev.t_readmit_s),
+        t_next_s=victims_next_emission(log),  # as a cut log's meta states it, if it does
         **cols,
     )
 
