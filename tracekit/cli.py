@@ -703,6 +703,7 @@ def trace(run: str, output: str, request_ids: str | None) -> None:
     win = say_window(run, win)
     events = perfetto.chrome_trace_events(
         log, part, requests=ids, window_s=trace_span_s(part, win) if win else None, ttft=tpart,
+        own_s=(win.t0_s, win.t1_s) if win else None,
     )  # fmt: skip
     if log.meta.get("processes"):  # a merged server run: one track per process
         from tracekit.render.client import process_events

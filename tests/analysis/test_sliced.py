@@ -526,11 +526,12 @@ def _traced(out: Path, window: str, budget: str) -> list[dict]:
 
 def test_a_traced_window_draws_evictions_to_where_the_run_ends_them(tmp_path):
     """`trace --window 0.035..0.045` (docs/reports.md: the events overlapping the window,
-    the gaps ending in it): "a"'s gaps 20 -> 30 and 30 -> 40 ms; "v"'s gap 20 -> 100 ends
-    after the window, so its eviction is drawn on its own, 30 -> 90 ms (its readmission, in
-    a part the window does not read); "x"'s eviction runs to the run's end, 30 -> 100 ms.
-    The window's parts end at 40 ms: a trace that took their end for the run's drew both
-    evictions to it."""
+    the gaps ending in it): "a"'s gap 30 -> 40 ms (its 20 -> 30 ends before the window,
+    in its stretch back to 20 ms: the engine's, not the requests'); "v"'s gap 20 -> 100
+    ends after the window, so its eviction is drawn on its own, 30 -> 90 ms (its
+    readmission, in a part the window does not read); "x"'s eviction runs to the run's
+    end, 30 -> 100 ms. The window's parts end at 40 ms: a trace that took their end for
+    the run's drew both evictions to it."""
     out = tmp_path / "run.npz"
     _evicted_across_run(out)
 
@@ -541,7 +542,6 @@ def test_a_traced_window_draws_evictions_to_where_the_run_ends_them(tmp_path):
 
     whole, sliced = requests("100000000"), requests("1")
     assert whole == sliced == [
-        (0, 20000.0, 10000.0, "clean"),
         (0, 30000.0, 10000.0, "clean"),
         (1, 30000.0, 60000.0, "evicted"),
         (2, 30000.0, 70000.0, "evicted"),

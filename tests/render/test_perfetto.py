@@ -29,6 +29,7 @@ from tracekit.render.perfetto import (
     engine_start_us,
     parse_window,
     read_trace,
+    request_tid,
     validate_trace,
 )
 
@@ -483,6 +484,36 @@ def test_evictions_before_between_and_after_tokens():
     req = [(e["ts"], e["dur"], e["name"]) for e in slices(ev, PID_REQUESTS)]
     assert req == [(18000.0, 30000.0, "preempt"), (19000.0, 16000.0, "evicted"),
                    (50000.0, 10000.0, "evicted")]  # fmt: skip
+
+
+def test_a_stretched_window_draws_only_its_own_gaps_and_ttfts():
+    """`trace --window 40..49` (ms here): the engine tracks go back to the start of the
+    earliest gap ending in the window (18 ms: `trace_span_s`), the request tracks show
+    only the window's own gaps (ending in [40, 49)) and the TTFTs overlapping it. Request
+    0 emits at 8, 18, 48 (evicted 19 -> 35), request 1 every 10 ms from 8, request 2
+    arrives at 20 and emits at 28 and 38. Its gaps: 0's 18 -> 48 (preempt: 16 of 30 ms)
+    and 1's 38 -> 48 (clean). Not 1's 18 -> 28 and 28 -> 38, 2's TTFT 20 -> 28 or its gap
+    28 -> 38: they end inside the stretch, before the window (a window read in slices
+    partitions only its own gaps and TTFTs)."""
+    b = LogBuilder()
+    for i in range(6):
+        s = b.step(10 * i, 10 * i + 9)
+        b.seg(s, "decode", 10 * i, 10 * i + 8)
+        if i not in (2, 3):
+            b.emit(0, 10 * i + 8, s)
+        b.emit(1, 10 * i + 8, s)
+        if i in (2, 3):
+            b.emit(2, 10 * i + 8, s)
+    b.evict(0, 19.0, 35.0)
+    log = b.build(wall_ms=60.0, arrivals_ms=[0.0, 0.0, 20.0])
+    ev = chrome_trace_events(log, partition(log), window_s=(0.018, 0.049),
+                             own_s=(0.040, 0.049))  # fmt: skip
+    req = [(e["tid"], e["ts"], e["dur"], e["name"]) for e in slices(ev, PID_REQUESTS)]
+    t0, t1 = request_tid(0), request_tid(1)
+    assert req == [(t0, 18000.0, 30000.0, "preempt"), (t0, 19000.0, 16000.0, "evicted"),
+                   (t1, 38000.0, 10000.0, "clean")]  # fmt: skip
+    steps = [e["args"]["step"] for e in slices(ev, PID_ENGINE) if e["name"] == "step"]
+    assert steps == [1, 2, 3, 4]  # the engine from 18 ms: steps 1 (10-19) to 4 (40-49)
 
 
 def test_a_request_that_arrived_before_engine_start_shifts_the_trace():

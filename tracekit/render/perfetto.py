@@ -274,13 +274,16 @@ def chrome_trace_events(
     requests: Iterable[str] | None = None,
     window_s: tuple[float, float] | None = None,
     ttft: TtftPartition | None = None,
+    own_s: tuple[float, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Every event of the trace of one run, in a deterministic order (see module doc).
 
     requests: only these request ids get a track (the engine tracks are always there).
-    window_s: only slices and samples overlapping ``[t0, t1)`` (seconds, engine clock), and
-    of the gaps only those that end before ``t1`` (a gap that ends later is not the window's:
-    what it holds that overlaps the window, an eviction, is drawn on its own).
+    window_s: only slices and samples overlapping ``[t0, t1)`` (seconds, engine clock).
+    own_s: the window asked for (default `window_s`; `window_s` is it stretched back to the
+    start of its earliest gap: `trace_span_s`): of the gaps only those that end in it (one
+    that ends later is not the window's: what it holds that overlaps the window, an
+    eviction, is drawn on its own), of the TTFTs those that overlap it.
     ttft: the run's TTFT partition: each ``ttft`` slice gets its parts, phases and primary
     cause in ``args``.
     """
@@ -303,10 +306,10 @@ def chrome_trace_events(
     events += _engine_events(log, window_s)
     events += _rank_events(log, part, window_s)
     events += _counter_events(log, window_s)
-    gaps = part
-    if window_s is not None:  # the gaps that end before the window's end; an eviction in a
-        gaps = part.take(np.flatnonzero(part.t1_s < window_s[1]))  # gap that ends later: loose
-    events += _request_events(log, gaps, ids, keep_req, window_s, _ttft_args(ttft))
+    gaps, own = part, own_s or window_s
+    if own is not None:  # the gaps that end in the window; an eviction in a gap that ends
+        gaps = part.take(np.flatnonzero((part.t1_s >= own[0]) & (part.t1_s < own[1])))  # later:
+    events += _request_events(log, gaps, ids, keep_req, own, _ttft_args(ttft))  # loose
     events += _eviction_flows(log, ids, keep_req, window_s)
     return _shift_to_zero(events)
 
