@@ -177,9 +177,15 @@ def slice_mapper(jobs: int, ray_address: str | None) -> Callable[..., Iterator[A
 
             yield from ray_imap(fn, ((x,) for x in items), ray_address, RAY_SLICES_AHEAD)
         else:
-            from concurrent.futures import ProcessPoolExecutor  # deferred: only with -j
+            # deferred: only with -j
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
+            # workers forked from a fresh server, not from this process: forked from here
+            # (a day's index, ~1 GB by the later passes) each kept the heap it had when
+            # forked, ~250 MB of it dead, for as long as the pass ran
+            ctx = multiprocessing.get_context("forkserver")
+            with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=keep_freed_memory) as pool:
                 running: collections.deque[Any] = collections.deque()
                 for x in items:
                     running.append(pool.submit(fn, x))
