@@ -220,6 +220,24 @@ def test_pieces_sum_to_every_gaps_preempt_part_on_overlapping_evictions():
     assert sum(x["ms"] for x in pieces) == pytest.approx(p.column("preempt")[g], abs=1e-9)
 
 
+def _after_r0_readmitted() -> LogBuilder:
+    """`recompute_case` with r2 emitting at 40 and a step 3 [41, 80] (its segments by the
+    caller) that emits r1's token at 70."""
+    b = recompute_case()
+    b.emit(2, 40, 2)
+    b.step(41, 80)
+    b.emit(1, 70, 3)
+    return b
+
+
+def _without_r0(log):
+    """The log cut to all but r0's emissions, without and with them stated first."""
+    keep = np.flatnonzero(log.emissions.request != 0)
+    cut = dataclasses.replace(log, emissions=log.emissions.take(keep))
+    stated = stating_next_emissions(log)
+    return cut, dataclasses.replace(stated, emissions=stated.emissions.take(keep))
+
+
 def test_a_log_that_states_its_victims_next_emissions_keeps_its_split_without_them():
     """r0 re-prefills in step 2 and emits at 40 (its first emission since); r2, evicted
     45-51 (recompute), re-prefills in step 3's `recompute` segment [51, 61] and emits at
@@ -229,19 +247,13 @@ def test_a_log_that_states_its_victims_next_emissions_keeps_its_split_without_th
     need (r0's rows dropped) would take r0 for a victim still re-prefilling (no emission
     since its readmission: half of it); stated before the cut, the split is the whole
     log's."""
-    b = recompute_case()
-    b.emit(2, 40, 2)
-    b.step(41, 80)
+    b = _after_r0_readmitted()
     b.seg(3, "recompute", 51, 61)
     b.seg(3, "decode", 61, 70)
-    b.emit(1, 70, 3)
     b.emit(2, 70, 3)
     b.evict(2, 45, 51, mode=1)
     log = validate_log(b.build())
-    keep = np.flatnonzero(log.emissions.request != 0)
-    cut = dataclasses.replace(log, emissions=log.emissions.take(keep))
-    stated = stating_next_emissions(log)
-    stated = dataclasses.replace(stated, emissions=stated.emissions.take(keep))
+    cut, stated = _without_r0(log)
     for lg, own in ((log, 10.0), (cut, 5.0), (stated, 10.0)):
         p, g, _, _ = _named(lg, 2, 40)
         assert p.reprefill_own_ms[g] == pytest.approx(own, abs=1e-9)
@@ -258,18 +270,12 @@ def test_a_log_that_states_its_victims_next_emissions_names_its_preempt_segments
     before the step's start), so the eviction inside the step names them: r2. A log cut
     to the emissions that gap needs (r0's dropped) but stating them names r2 too; cut
     without stating, r0 (still re-prefilling, as far as it knows)."""
-    b = recompute_case()
-    b.emit(2, 40, 2)
-    b.step(41, 80)
+    b = _after_r0_readmitted()
     b.seg(3, "preempt", 45, 47)
     b.seg(3, "decode", 47, 70)
-    b.emit(1, 70, 3)
     b.evict(2, 45, mode=1)
     log = validate_log(b.build())
-    keep = np.flatnonzero(log.emissions.request != 0)
-    cut = dataclasses.replace(log, emissions=log.emissions.take(keep))
-    stated = stating_next_emissions(log)
-    stated = dataclasses.replace(stated, emissions=stated.emissions.take(keep))
+    cut, stated = _without_r0(log)
     for lg, victim in ((log, "r2"), (stated, "r2"), (cut, "r0")):
         p, g, pieces = _pieces(lg, 1, 40)
         assert p.column("preempt")[g] == pytest.approx(2.0, abs=1e-9)
